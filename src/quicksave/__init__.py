@@ -1,0 +1,35 @@
+"""quicksave: asynchronous, distributed, atomic checkpointing for PyTorch.
+
+Layers (docs/ARCHITECTURE.md): ``CheckpointManager`` (policy) → functions
+(``save`` / ``load`` / ``StorageWriter`` / ``StorageReader``) → the engine.
+"""
+
+from .api import LoadPlanner, load, save
+from .errors import (
+    CheckpointError,
+    CheckpointExistsError,
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    IncompatibleStateError,
+    NotCommittedError,
+    WorkerFailedError,
+)
+from .reader import StorageReader
+from .writer import StorageWriter
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CheckpointError",
+    "CheckpointExistsError",
+    "CheckpointNotFoundError",
+    "CorruptCheckpointError",
+    "IncompatibleStateError",
+    "LoadPlanner",
+    "NotCommittedError",
+    "StorageReader",
+    "StorageWriter",
+    "WorkerFailedError",
+    "load",
+    "save",
+]

@@ -1,0 +1,257 @@
+"""The function layer: ``quicksave.save`` and ``quicksave.load``.
+
+Both run DCP's planning (so DTensor / ShardedTensor state, deduplication of replicated
+tensors and resharded loads work) with quicksave's storage layer underneath.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import warnings
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint._traverse import set_element
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
+
+from .collect import to_state_dict, validate_for_save
+from .commit import CheckpointKind, classify
+from .errors import CheckpointError, CheckpointExistsError, IncompatibleStateError, rank_of_this_process
+from .format.dtypes import dtype_name
+from .reader import DecodedObjectIO, StorageReader, require_committed
+from .writer import StorageWriter
+
+
+def _dist_on() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def _quiet_single_process():
+    """DCP warns on every single-process call; that is quicksave's normal case."""
+    ctx = warnings.catch_warnings()
+    ctx.__enter__()
+    warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+    return ctx
+
+
+def _unwrap(e: CheckpointException, path: str) -> CheckpointError:
+    """Turn DCP's per-rank failure dict into one CheckpointError naming the rank(s)."""
+    failures = []
+    for rank, wrapped in sorted(e.failures.items()):
+        exc = wrapped[0] if isinstance(wrapped, tuple) else wrapped
+        failures.append((rank, exc))
+    if not failures:
+        return CheckpointError(str(e), path=path)
+    rank, first = failures[0]
+    if isinstance(first, CheckpointError):
+        err = type(first)(first.message, path=first.path or path, fqn=first.fqn, rank=rank)
+    else:
+        err = CheckpointError(f"{type(first).__name__}: {first}", path=path, rank=rank)
+    if len(failures) > 1:
+        others = ", ".join(f"rank {r}: {type(x).__name__}: {x}" for r, x in failures[1:])
+        err.message += f" (also failed: {others})"
+    return err
+
+
+def save(
+    state_dict: Mapping[str, Any],
+    path: str | os.PathLike[str],
+    *,
+    step: int | None = None,
+    process_group: dist.ProcessGroup | None = None,
+    coordinator_rank: int = 0,
+    thread_count: int = 2,
+    user_metadata: dict[str, Any] | None = None,
+) -> None:
+    """Save ``state_dict`` to the directory ``path`` and commit it atomically.
+
+    Every rank of ``process_group`` (default: the world, or no group if torch.distributed
+    is not initialized) must call it with the same ``path``.
+
+    Args:
+        state_dict: names to tensors (incl. DTensor / ShardedTensor), ``Stateful``
+            objects, nested dicts/lists and plain values.
+        path: the checkpoint directory to create; must not hold a committed checkpoint.
+        step: recorded in the manifest.
+        thread_count: data files and writer threads per rank.
+        user_metadata: JSON-serializable dict stored in the manifest.
+
+    Raises:
+        IncompatibleStateError: a value cannot be stored (checked before any I/O).
+        CheckpointExistsError: ``path`` already holds a committed checkpoint.
+        CheckpointError: writing failed on some rank (named); nothing became visible.
+
+    Example::
+
+        quicksave.save({"model": model.state_dict(), "step": 10}, "ckpt/step-10")
+    """
+    path = os.path.abspath(os.fspath(path))
+    rank = rank_of_this_process()
+    sd = to_state_dict(state_dict)
+    validate_for_save(sd, rank)
+    if classify(path) in (CheckpointKind.QUICKSAVE, CheckpointKind.DCP):
+        raise CheckpointExistsError(
+            "a committed checkpoint already exists here; quicksave never overwrites one",
+            path=path,
+            rank=rank,
+        )
+    writer = StorageWriter(path, step=step, thread_count=thread_count, user_metadata=user_metadata)
+    quiet = _quiet_single_process()
+    try:
+        dcp.save(
+            sd,
+            storage_writer=writer,
+            planner=DefaultSavePlanner(),
+            process_group=process_group,
+            no_dist=not _dist_on(),
+        )
+    except CheckpointException as e:
+        if writer.tmp_dir and writer.is_coordinator:
+            shutil.rmtree(writer.tmp_dir, ignore_errors=True)
+        raise _unwrap(e, path) from None
+    finally:
+        quiet.__exit__(None, None, None)
+
+
+class LoadPlanner(DefaultLoadPlanner):
+    """DCP's default load planner plus quicksave's checks and object hand-off.
+
+    Before any read it compares the destination with the checkpoint and raises
+    IncompatibleStateError for missing or unexpected keys (unless not strict) and for
+    shape or dtype mismatches, naming every offending fqn.
+    """
+
+    def __init__(self, *, strict: bool = True, path: str = "") -> None:
+        super().__init__(allow_partial_load=not strict)
+        self.strict = strict
+        self.path = path
+
+    def set_up_planner(self, state_dict, metadata: Metadata | None = None, is_coordinator: bool = False) -> None:
+        super().set_up_planner(state_dict, metadata, is_coordinator)
+        assert metadata is not None
+        self._check(metadata)
+
+    def _check(self, metadata: Metadata) -> None:
+        rank = rank_of_this_process()
+        stored = metadata.state_dict_metadata
+        dest_keys = set(self.state_dict)
+        missing = sorted(dest_keys - set(stored))
+        unexpected = sorted(set(stored) - dest_keys)
+        if self.strict and (missing or unexpected):
+            parts = []
+            if missing:
+                parts.append(f"missing from checkpoint: {', '.join(missing[:20])}" + (" …" if len(missing) > 20 else ""))
+            if unexpected:
+                parts.append(f"not in the state dict being loaded: {', '.join(unexpected[:20])}" + (" …" if len(unexpected) > 20 else ""))
+            raise IncompatibleStateError(
+                "state dict keys do not match the checkpoint (" + "; ".join(parts) + "); pass strict=False to load the intersection",
+                path=self.path,
+                fqn=(missing or unexpected)[0],
+                rank=rank,
+            )
+        for fqn in sorted(dest_keys & set(stored)):
+            md, value = stored[fqn], self.state_dict[fqn]
+            is_tensor = hasattr(value, "size") and hasattr(value, "dtype") and not isinstance(value, type)
+            if isinstance(md, TensorStorageMetadata):
+                if not is_tensor:
+                    raise IncompatibleStateError(
+                        f"checkpoint holds a tensor here but the state dict has a {type(value).__name__}",
+                        path=self.path, fqn=fqn, rank=rank,
+                    )
+                if tuple(value.size()) != tuple(md.size):
+                    raise IncompatibleStateError(
+                        f"shape mismatch: checkpoint {list(md.size)}, state dict {list(value.size())}",
+                        path=self.path, fqn=fqn, rank=rank,
+                    )
+                if value.dtype != md.properties.dtype:
+                    raise IncompatibleStateError(
+                        f"dtype mismatch: checkpoint {dtype_name(md.properties.dtype)}, "
+                        f"state dict {dtype_name(value.dtype)}",
+                        path=self.path, fqn=fqn, rank=rank,
+                    )
+            elif isinstance(md, BytesStorageMetadata) and is_tensor and isinstance(value, torch.Tensor):
+                raise IncompatibleStateError(
+                    "checkpoint holds a non-tensor value here but the state dict has a tensor",
+                    path=self.path, fqn=fqn, rank=rank,
+                )
+
+    def load_bytes(self, read_item, value) -> None:
+        if isinstance(value, DecodedObjectIO):
+            fqn = read_item.dest_index.fqn
+            if self.flatten_state_dict:
+                set_element(self.original_state_dict, self.mappings[fqn], value.value)
+            else:
+                self.state_dict[fqn] = value.value
+            return
+        super().load_bytes(read_item, value)
+
+
+def load(
+    state_dict: Mapping[str, Any],
+    path: str | os.PathLike[str],
+    *,
+    strict: bool = True,
+    process_group: dist.ProcessGroup | None = None,
+    coordinator_rank: int = 0,
+    thread_count: int = 4,
+    allow_dcp_pickle: bool = True,
+) -> None:
+    """Load the checkpoint at ``path`` into ``state_dict`` in place.
+
+    Tensors are filled in place (resharding to the caller's layout: any world size);
+    ``Stateful`` values get ``load_state_dict``; plain values are replaced in the dict.
+    A quicksave checkpoint is read from its JSON manifest and raw bytes, never
+    unpickled. A stock ``torch.distributed.checkpoint`` directory (e.g. from
+    torchtitan) is read with DCP's own reader, whose ``.metadata`` is a pickle by DCP's
+    design; pass ``allow_dcp_pickle=False`` to refuse such directories.
+
+    Args:
+        state_dict: the destination (same structure as saved).
+        path: a committed checkpoint directory.
+        strict: if True (default) the key sets must match; if False, the keys present
+            in both are loaded and the others are left untouched.
+
+    Raises:
+        CheckpointNotFoundError, NotCommittedError, CorruptCheckpointError,
+        IncompatibleStateError (all CheckpointError), naming path, fqn and rank.
+        On CorruptCheckpointError some destination tensors may already hold new bytes.
+
+    Example::
+
+        quicksave.load({"model": model.state_dict()}, "ckpt/step-10")
+    """
+    path = os.path.abspath(os.fspath(path))
+    kind = classify(path)
+    if kind is CheckpointKind.DCP:
+        if not allow_dcp_pickle:
+            raise CheckpointError(
+                "this is a stock DCP checkpoint whose .metadata is a pickle; "
+                "pass allow_dcp_pickle=True to read it",
+                path=path,
+                rank=rank_of_this_process(),
+            )
+        reader: Any = dcp.FileSystemReader(path)
+    else:
+        require_committed(path)
+        reader = StorageReader(path, thread_count=thread_count)
+        reader.read_manifest()  # fail fast on a bad manifest, before DCP planning
+    planner = LoadPlanner(strict=strict, path=path)
+    quiet = _quiet_single_process()
+    try:
+        dcp.load(
+            state_dict,
+            storage_reader=reader,
+            planner=planner,
+            process_group=process_group,
+            no_dist=not _dist_on(),
+        )
+    except CheckpointException as e:
+        raise _unwrap(e, path) from None
+    finally:
+        quiet.__exit__(None, None, None)

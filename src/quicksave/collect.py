@@ -1,0 +1,69 @@
+"""Collect: turn what the user passes (dicts, ``Stateful`` objects) into a state dict,
+and check every leaf before any I/O happens."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.stateful import Stateful
+
+from .errors import IncompatibleStateError
+from .format import objects as objcodec
+from .format.dtypes import check_storable
+
+
+def to_state_dict(state: Mapping[str, Any]) -> dict[str, Any]:
+    """Call ``state_dict()`` on top-level ``Stateful`` values (as DCP does)."""
+    if not isinstance(state, Mapping):
+        raise IncompatibleStateError(
+            f"state_dict must be a mapping of names to values, got {type(state).__name__}"
+        )
+    return {k: (v.state_dict() if isinstance(v, Stateful) else v) for k, v in state.items()}
+
+
+def _is_tensor_like(v: Any) -> bool:
+    return isinstance(v, torch.Tensor)
+
+
+def iter_leaves(value: Any, prefix: str = ""):
+    """Yield (fqn, leaf) like DCP's flattening: dicts and lists that hold tensors are
+    traversed, anything else is a leaf."""
+    if isinstance(value, Mapping):
+        for k, v in value.items():
+            yield from iter_leaves(v, f"{prefix}.{k}" if prefix else str(k))
+    elif isinstance(value, list) and any(_is_tensor_like(v) or isinstance(v, (Mapping, list)) for v in value):
+        for i, v in enumerate(value):
+            yield from iter_leaves(v, f"{prefix}.{i}" if prefix else str(i))
+    else:
+        yield prefix, value
+
+
+def validate_for_save(state_dict: Mapping[str, Any], rank: int | None = None) -> None:
+    """Raise IncompatibleStateError for anything quicksave cannot store, naming the fqn."""
+    for fqn, leaf in iter_leaves(state_dict):
+        if isinstance(leaf, torch.Tensor):
+            local = leaf
+            if hasattr(leaf, "to_local"):  # DTensor
+                local = leaf.to_local()
+            check_storable(local.dtype, fqn, rank)
+            if local.layout != torch.strided:
+                raise IncompatibleStateError(
+                    f"{local.layout} tensors are not supported; save .to_dense() instead",
+                    fqn=fqn,
+                    rank=rank,
+                )
+            if local.device.type == "meta":
+                raise IncompatibleStateError(
+                    "tensor is on the meta device (it has no data); materialize it first",
+                    fqn=fqn,
+                    rank=rank,
+                )
+        elif type(leaf).__name__ == "ShardedTensor":
+            continue
+        else:
+            try:
+                objcodec.encode(leaf, fqn)
+            except IncompatibleStateError as e:
+                raise IncompatibleStateError(e.message, fqn=fqn, rank=rank) from None

@@ -1,0 +1,140 @@
+"""Plan: where every byte of a rank's chunks goes. Pure functions, frozen dataclasses.
+
+Nothing here does I/O or talks to other ranks. Because the whole file layout (names,
+headers, byte offsets) is fixed here, before any byte is written, the global manifest is
+known at plan time and only checksums remain to be filled in after writing.
+
+Data file layout (docs/FORMAT.md): a valid safetensors file whose header is padded with
+spaces so that data starts at a multiple of ``alignment``; every chunk starts at a
+multiple of ``alignment``; the gaps are covered by zero-filled ``U8`` padding entries,
+since safetensors requires the data region to be covered without holes.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from dataclasses import dataclass
+
+import xxhash
+
+from .format import ALIGNMENT, FORMAT_NAME, FORMAT_VERSION
+from .format.dtypes import dtype_from_name, safetensors_code
+from .format.manifest import hexdigest
+
+PAD_PREFIX = "__quicksave_pad_"
+
+
+@dataclass(frozen=True)
+class ItemSpec:
+    """One chunk of one tensor that a rank must write."""
+
+    fqn: str
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    global_shape: tuple[int, ...]
+    dtype: str  # manifest dtype name, e.g. "bfloat16"
+    nbytes: int
+
+    @property
+    def key(self) -> str:
+        """The name of this chunk inside the safetensors file."""
+        return chunk_key(self.fqn, self.offsets, self.sizes, self.global_shape)
+
+
+@dataclass(frozen=True)
+class EntryLayout:
+    item: ItemSpec
+    offset: int  # absolute byte offset in the file
+    length: int
+
+
+@dataclass(frozen=True)
+class FileLayout:
+    name: str
+    rank: int
+    header: bytes  # the bytes [0, data_start): length prefix + JSON + space padding
+    data_start: int
+    size: int
+    entries: tuple[EntryLayout, ...]
+
+    @property
+    def header_xxh3_64(self) -> str:
+        return hexdigest(xxhash.xxh3_64_intdigest(self.header))
+
+    @property
+    def payload_bytes(self) -> int:
+        return sum(e.length for e in self.entries)
+
+
+@dataclass(frozen=True)
+class RankLayout:
+    rank: int
+    files: tuple[FileLayout, ...]
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(f.size for f in self.files)
+
+
+def chunk_key(fqn: str, offsets, sizes, global_shape) -> str:
+    if tuple(sizes) == tuple(global_shape) and not any(offsets):
+        return fqn
+    return f"{fqn}@{','.join(str(o) for o in offsets)}"
+
+
+def data_file_name(rank: int, index: int) -> str:
+    return f"rank-{rank:05d}-{index:02d}.safetensors"
+
+
+def _align(n: int, alignment: int) -> int:
+    return (n + alignment - 1) // alignment * alignment
+
+
+def _split_among_files(items: list[ItemSpec], n_files: int) -> list[list[ItemSpec]]:
+    """Longest-processing-time split, so the writer threads get similar byte counts."""
+    n_files = max(1, min(n_files, len(items)))
+    bins: list[list[ItemSpec]] = [[] for _ in range(n_files)]
+    loads = [0] * n_files
+    for item in sorted(items, key=lambda it: (-it.nbytes, it.fqn, it.offsets)):
+        i = loads.index(min(loads))
+        bins[i].append(item)
+        loads[i] += item.nbytes
+    # Within a file, keep a stable, readable order.
+    return [sorted(b, key=lambda it: (it.fqn, it.offsets)) for b in bins]
+
+
+def layout_file(name: str, rank: int, items: list[ItemSpec], alignment: int = ALIGNMENT) -> FileLayout:
+    header: dict[str, object] = {
+        "__metadata__": {
+            "format": FORMAT_NAME,
+            "format_version": str(FORMAT_VERSION),
+            "rank": str(rank),
+        }
+    }
+    placed: list[tuple[ItemSpec, int]] = []
+    cur = 0
+    for n_pad, item in enumerate(items):
+        start = _align(cur, alignment)
+        if start > cur:
+            header[f"{PAD_PREFIX}{n_pad}__"] = {"dtype": "U8", "shape": [start - cur], "data_offsets": [cur, start]}
+        code = safetensors_code(dtype_from_name(item.dtype))
+        shape = list(item.sizes) if code is not None else [item.nbytes]
+        header[item.key] = {"dtype": code or "U8", "shape": shape, "data_offsets": [start, start + item.nbytes]}
+        placed.append((item, start))
+        cur = start + item.nbytes
+    text = json.dumps(header, separators=(",", ":")).encode("utf-8")
+    data_start = _align(8 + len(text), alignment)
+    text += b" " * (data_start - 8 - len(text))
+    head = struct.pack("<Q", len(text)) + text
+    entries = tuple(EntryLayout(item, data_start + start, item.nbytes) for item, start in placed)
+    return FileLayout(name=name, rank=rank, header=head, data_start=data_start, size=data_start + cur, entries=entries)
+
+
+def layout_rank(rank: int, items: list[ItemSpec], n_files: int = 1, alignment: int = ALIGNMENT) -> RankLayout:
+    """Lay out ``items`` of ``rank`` into up to ``n_files`` data files (none if no items)."""
+    if not items:
+        return RankLayout(rank, ())
+    groups = _split_among_files(items, n_files)
+    files = tuple(layout_file(data_file_name(rank, i), rank, g, alignment) for i, g in enumerate(groups))
+    return RankLayout(rank, files)

@@ -1,0 +1,268 @@
+"""``quicksave.StorageReader``: read a quicksave checkpoint through ``torch.distributed.checkpoint.load``.
+
+Nothing from the checkpoint is unpickled: the DCP metadata is rebuilt from
+``manifest.json``. Reads go straight into the destination tensors when a stored chunk
+maps onto a contiguous piece of one (``preadv`` into its memory), otherwise through one
+buffer per stored chunk; every chunk's xxh3-64 is checked as it is read.
+
+Call order (DCP drives it): ``reset`` → ``read_metadata`` (all ranks) →
+``set_up_storage_reader`` → ``prepare_local_plan`` / ``prepare_global_plan`` (identity) →
+``read_data`` (all ranks, each its own read items).
+
+Example::
+
+    import torch.distributed.checkpoint as dcp
+    dcp.load(state_dict, storage_reader=quicksave.StorageReader("ckpt/step-100"))
+"""
+
+from __future__ import annotations
+
+import io
+import os
+from collections import defaultdict
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import xxhash
+from torch.futures import Future
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
+from torch.distributed.checkpoint.storage import StorageReader as _DCPStorageReader
+
+from .commit import CheckpointKind, classify
+from .errors import CheckpointNotFoundError, CorruptCheckpointError, NotCommittedError
+from .format import objects as objcodec
+from .format.dtypes import dtype_from_name
+from .format.manifest import ChunkEntry, Manifest, ObjectEntry, hexdigest, read_manifest
+from .persist import byte_view
+
+
+class DecodedObjectIO(io.BytesIO):
+    """Carries a value decoded from JSON to a quicksave load planner (which takes
+    ``.value`` directly); for any other planner its bytes are a ``torch.save`` of it."""
+
+    def __init__(self, value: Any) -> None:
+        buf = io.BytesIO()
+        torch.save(value, buf)
+        super().__init__(buf.getvalue())
+        self.value = value
+
+
+def require_committed(path: str) -> None:
+    """Raise the right error unless ``path`` is a committed quicksave checkpoint."""
+    kind = classify(path)
+    if kind is CheckpointKind.QUICKSAVE:
+        return
+    if kind is CheckpointKind.MISSING:
+        raise CheckpointNotFoundError("no such checkpoint", path=path)
+    if kind is CheckpointKind.UNCOMMITTED:
+        raise NotCommittedError(
+            "checkpoint was never committed (a save was interrupted); it cannot be loaded",
+            path=path,
+        )
+    if kind is CheckpointKind.DCP:
+        raise CheckpointNotFoundError(
+            "this is a stock torch.distributed.checkpoint directory, not a quicksave one; "
+            "use quicksave.load() or dcp.FileSystemReader",
+            path=path,
+        )
+    raise CheckpointNotFoundError("not a checkpoint (no manifest.json)", path=path)
+
+
+def manifest_to_metadata(manifest: Manifest) -> Metadata:
+    sd_md: dict[str, Any] = {}
+    storage: dict[MetadataIndex, Any] = {}
+    mappings: dict[str, tuple] = {}
+    for fqn, t in manifest.tensors.items():
+        chunks = [ChunkStorageMetadata(torch.Size(c.offsets), torch.Size(c.sizes)) for c in t.chunks]
+        sd_md[fqn] = TensorStorageMetadata(
+            TensorProperties(dtype=dtype_from_name(t.dtype)), torch.Size(t.shape), chunks
+        )
+        for c in t.chunks:
+            storage[MetadataIndex(fqn, torch.Size(c.offsets))] = (fqn, c)
+        mappings[fqn] = t.path or (fqn,)
+    for fqn, o in manifest.objects.items():
+        sd_md[fqn] = BytesStorageMetadata()
+        storage[MetadataIndex(fqn)] = (fqn, o)
+        mappings[fqn] = o.path or (fqn,)
+    return Metadata(state_dict_metadata=sd_md, planner_data=mappings, storage_data=storage)
+
+
+@dataclass
+class _Chunk:
+    fqn: str
+    entry: ChunkEntry
+    dtype: torch.dtype
+    reqs: list[tuple[ReadItem, torch.Tensor]]
+
+
+class StorageReader(_DCPStorageReader):
+    """Reads a committed quicksave checkpoint for ``torch.distributed.checkpoint.load``.
+
+    Args:
+        path: the checkpoint directory.
+        thread_count: parallel reader threads.
+        verify: check every chunk's xxh3-64 while reading (on by default).
+    """
+
+    def __init__(
+        self, path: str | os.PathLike[str], *, thread_count: int = 4, verify: bool = True
+    ) -> None:
+        super().__init__()
+        self.path = os.path.abspath(os.fspath(path))
+        self.thread_count = max(1, thread_count)
+        self.verify = verify
+        self.rank: int | None = None
+        self.manifest: Manifest | None = None
+        self.storage_data: dict[MetadataIndex, Any] = {}
+        self.bytes_read = 0
+
+    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+        if checkpoint_id:
+            self.path = os.path.abspath(os.fspath(checkpoint_id))
+            self.manifest = None
+        self.storage_data = {}
+
+    @property
+    def checkpoint_id(self) -> str:
+        return self.path
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+        return isinstance(checkpoint_id, (str, os.PathLike))
+
+    def read_manifest(self) -> Manifest:
+        if self.manifest is None:
+            require_committed(self.path)
+            self.manifest = read_manifest(self.path)
+        return self.manifest
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        md = manifest_to_metadata(self.read_manifest())
+        md.storage_meta = StorageMeta(checkpoint_id=self.path)
+        return md
+
+    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        self.storage_data = metadata.storage_data
+        self.rank = kwargs.get("rank")
+
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        return plans
+
+    # ------------------------------------------------------------------ reading
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        chunks: dict[MetadataIndex, _Chunk] = {}
+        for req in plan.items:
+            fqn, entry = self.storage_data[req.storage_index]
+            if req.type == LoadItemType.BYTE_IO:
+                assert isinstance(entry, ObjectEntry)
+                value = objcodec.decode(entry.value, fqn=fqn, path=self.path)
+                planner.load_bytes(req, DecodedObjectIO(value))
+                continue
+            chunk = chunks.get(req.storage_index)
+            if chunk is None:
+                t_entry = self.read_manifest().tensors[fqn]
+                chunk = chunks[req.storage_index] = _Chunk(fqn, entry, dtype_from_name(t_entry.dtype), [])
+            chunk.reqs.append((req, planner.resolve_tensor(req).detach()))
+
+        by_file: dict[str, list[_Chunk]] = defaultdict(list)
+        for c in chunks.values():
+            by_file[c.entry.file].append(c)
+        fds: dict[str, int] = {}
+        try:
+            for name in by_file:
+                fds[name] = self._open(name, by_file[name][0].fqn)
+            work = sorted(chunks.values(), key=lambda c: (c.entry.file, c.entry.offset))
+            if self.thread_count == 1 or len(work) <= 1:
+                for c in work:
+                    self._read_chunk(fds[c.entry.file], c)
+            else:
+                with ThreadPoolExecutor(min(self.thread_count, len(work)), thread_name_prefix="quicksave-read") as pool:
+                    for f in [pool.submit(self._read_chunk, fds[c.entry.file], c) for c in work]:
+                        f.result()
+        finally:
+            for fd in fds.values():
+                os.close(fd)
+        for c in chunks.values():
+            for req, dest in c.reqs:
+                planner.commit_tensor(req, dest)
+        fut: Future[None] = Future()
+        fut.set_result(None)
+        return fut
+
+    def _open(self, name: str, fqn: str) -> int:
+        path = os.path.join(self.path, name)
+        try:
+            return os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        except FileNotFoundError:
+            raise CorruptCheckpointError("data file is missing", path=path, fqn=fqn, rank=self.rank) from None
+        except OSError as e:
+            raise CorruptCheckpointError(f"cannot open data file: {e.strerror}", path=path, fqn=fqn, rank=self.rank) from None
+
+    def _read_into(self, fd: int, view: memoryview, c: _Chunk) -> None:
+        e = c.entry
+        got = 0
+        while got < e.length:
+            n = os.preadv(fd, [view[got:]], e.offset + got)
+            if n == 0:
+                raise CorruptCheckpointError(
+                    f"data file is truncated: chunk needs bytes {e.offset}..{e.offset + e.length}, "
+                    f"file ends at {e.offset + got}",
+                    path=os.path.join(self.path, e.file),
+                    fqn=c.fqn,
+                    rank=self.rank,
+                )
+            got += n
+        if self.verify:
+            actual = hexdigest(xxhash.xxh3_64_intdigest(view))
+            if actual != e.xxh3_64:
+                raise CorruptCheckpointError(
+                    f"checksum mismatch in chunk at offsets {list(e.offsets)} "
+                    f"(stored {e.xxh3_64}, read {actual})",
+                    path=os.path.join(self.path, e.file),
+                    fqn=c.fqn,
+                    rank=self.rank,
+                )
+        self.bytes_read += e.length
+
+    def _read_chunk(self, fd: int, c: _Chunk) -> None:
+        e = c.entry
+        if len(c.reqs) == 1:
+            req, dest = c.reqs[0]
+            whole = not any(req.storage_offsets) and tuple(req.lengths) == tuple(e.sizes)
+            if (
+                whole
+                and dest.device.type == "cpu"
+                and dest.dtype == c.dtype
+                and dest.is_contiguous()
+                and dest.numel() * dest.element_size() == e.length
+            ):
+                self._read_into(fd, byte_view(dest), c)  # straight into the destination
+                return
+        buf = torch.empty(e.sizes, dtype=c.dtype)
+        self._read_into(fd, byte_view(buf), c)
+        for req, dest in c.reqs:
+            src = buf
+            for dim, (start, length) in enumerate(zip(req.storage_offsets, req.lengths)):
+                src = src.narrow(dim, start, length)
+            if src.shape != dest.shape:
+                raise CorruptCheckpointError(
+                    f"read request shape {list(dest.shape)} does not match stored {list(src.shape)}",
+                    path=self.path,
+                    fqn=c.fqn,
+                    rank=self.rank,
+                )
+            dest.copy_(src)

@@ -1,0 +1,282 @@
+"""``quicksave.StorageWriter``: the quicksave format behind ``torch.distributed.checkpoint.save``.
+
+Call order (DCP drives it; "all" = every rank, "coord" = the coordinator rank only):
+
+1. (all)   ``reset(checkpoint_id)``, ``set_up_storage_writer(is_coordinator, rank=...)``
+2. (all)   ``prepare_local_plan(plan)`` — unchanged
+3. (coord) ``prepare_global_plan(plans)`` — creates ``<path>.tmp-<token>/`` and fixes every
+   rank's file layout (names, headers, byte offsets) so the manifest is known at plan time
+4. (all)   ``write_data(plan, planner)`` — writes this rank's files, fsyncs, returns checksums
+5. (coord) ``finish(metadata, results)`` — writes ``.metadata`` and ``manifest.json``,
+   fsyncs, renames the directory into place (the commit)
+
+Example::
+
+    import torch.distributed.checkpoint as dcp
+    dcp.save(state_dict, storage_writer=quicksave.StorageWriter("ckpt/step-100", step=100))
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import pickle
+import uuid
+from torch.futures import Future
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItemType
+from torch.distributed.checkpoint.storage import StorageWriter as _DCPStorageWriter
+from torch.distributed.checkpoint.storage import WriteResult
+
+from . import commit, persist
+from .errors import CheckpointError, IncompatibleStateError
+from .format import DCP_METADATA_NAME, MANIFEST_NAME
+from .format import objects as objcodec
+from .format.dtypes import check_storable, dtype_name
+from .format.manifest import ChunkEntry, FileEntry, Manifest, ObjectEntry, TensorEntry, to_json_bytes
+from .format.manifest import hexdigest as _hex
+from .plan import ItemSpec, RankLayout, layout_rank
+
+
+@dataclass(frozen=True)
+class _RankWritePlan:
+    """What the coordinator tells each rank (travels in ``SavePlan.storage_data``)."""
+
+    tmp_dir: str
+    layout: RankLayout
+
+
+@dataclass(frozen=True)
+class _ChunkWritten:
+    file: str
+    offset: int
+    length: int
+    xxh3_64: str
+    file_size: int
+    header_xxh3_64: str
+    data_start: int
+    rank: int
+
+
+@dataclass(frozen=True)
+class _ObjectWritten:
+    value: Any  # typed JSON
+
+
+def item_spec(item) -> ItemSpec:
+    """ItemSpec of a DCP tensor WriteItem."""
+    td = item.tensor_data
+    dtype = td.properties.dtype
+    check_storable(dtype, item.index.fqn)
+    sizes = tuple(td.chunk.sizes)
+    numel = 1
+    for s in sizes:
+        numel *= s
+    return ItemSpec(
+        fqn=item.index.fqn,
+        offsets=tuple(td.chunk.offsets),
+        sizes=sizes,
+        global_shape=tuple(td.size),
+        dtype=dtype_name(dtype),
+        nbytes=numel * torch.empty((), dtype=dtype).element_size(),
+    )
+
+
+class StorageWriter(_DCPStorageWriter):
+    """Writes a quicksave-format checkpoint from ``torch.distributed.checkpoint.save``.
+
+    Args:
+        path: the final checkpoint directory; it must not hold a committed checkpoint.
+        step: training step recorded in the manifest (optional).
+        thread_count: data files (and writer threads) per rank.
+        fsync: fsync files and directories (turn off only for throwaway tests).
+        user_metadata: JSON-serializable dict stored in the manifest.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        step: int | None = None,
+        thread_count: int = 2,
+        fsync: bool = True,
+        user_metadata: dict[str, Any] | None = None,
+    ) -> None:
+        super().__init__()
+        self.path = os.path.abspath(os.fspath(path))
+        self.step = step
+        self.thread_count = max(1, thread_count)
+        self.fsync = fsync
+        self.user_metadata = dict(user_metadata or {})
+        self.rank = 0
+        self.is_coordinator = True
+        self.tmp_dir: str | None = None
+        self.save_id = uuid.uuid4().hex
+
+    # 1 ------------------------------------------------------------------ set-up
+    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+        if checkpoint_id:
+            self.path = os.path.abspath(os.fspath(checkpoint_id))
+        self.tmp_dir = None
+        self.save_id = uuid.uuid4().hex
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        self.is_coordinator = is_coordinator
+        self.rank = kwargs.get("rank", 0) or 0
+
+    def storage_meta(self) -> StorageMeta | None:
+        return StorageMeta(checkpoint_id=self.path, save_id=self.save_id)
+
+    @property
+    def checkpoint_id(self) -> str:
+        return self.path
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+        return isinstance(checkpoint_id, (str, os.PathLike))
+
+    # 2, 3 ------------------------------------------------------------- planning
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        self.tmp_dir = commit.make_temp_dir(self.path, commit.new_token())
+        out = []
+        for rank, plan in enumerate(plans):
+            items = [item_spec(i) for i in plan.items if i.type != WriteItemType.BYTE_IO]
+            layout = layout_rank(rank, items, self.thread_count)
+            out.append(dataclasses.replace(plan, storage_data=_RankWritePlan(self.tmp_dir, layout)))
+        return out
+
+    # 4 ------------------------------------------------------------------ writing
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        rank_plan: _RankWritePlan = plan.storage_data
+        self.tmp_dir = rank_plan.tmp_dir
+        by_key = {}
+        results: list[WriteResult] = []
+        for item in plan.items:
+            if item.type == WriteItemType.BYTE_IO:
+                value = _original_object(planner, item, self.rank)
+                encoded = objcodec.encode(value, item.index.fqn)
+                results.append(WriteResult(item.index, 0, _ObjectWritten(encoded)))
+            else:
+                by_key[item_spec(item).key] = item
+
+        def source(key: str) -> torch.Tensor:
+            return planner.resolve_data(by_key[key])
+
+        written = persist.write_rank_files(rank_plan.tmp_dir, rank_plan.layout, source, self.fsync)
+        for f_layout, f_written in zip(rank_plan.layout.files, written):
+            for entry in f_layout.entries:
+                key = entry.item.key
+                results.append(
+                    WriteResult(
+                        by_key[key].index,
+                        entry.length,
+                        _ChunkWritten(
+                            file=f_layout.name,
+                            offset=entry.offset,
+                            length=entry.length,
+                            xxh3_64=f_written.chunk_xxh3_64[key],
+                            file_size=f_written.size,
+                            header_xxh3_64=f_written.header_xxh3_64,
+                            data_start=f_layout.data_start,
+                            rank=rank_plan.layout.rank,
+                        ),
+                    )
+                )
+        fut: Future[list[WriteResult]] = Future()
+        fut.set_result(results)
+        return fut
+
+    # 5 ------------------------------------------------------------------- commit
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        if self.tmp_dir is None:
+            raise CheckpointError("finish() called before prepare_global_plan()", path=self.path)
+        manifest_files, manifest = build_manifest(metadata, results, self.step, self.user_metadata)
+        dcp_storage = {
+            r.index: _StorageInfo(r.storage_data.file, r.storage_data.offset, r.storage_data.length)
+            for rank_results in results
+            for r in rank_results
+            if isinstance(r.storage_data, _ChunkWritten)
+        }
+        metadata.storage_data = dcp_storage
+        metadata.storage_meta = self.storage_meta()
+        md_bytes = pickle.dumps(metadata, protocol=pickle.HIGHEST_PROTOCOL)
+        commit.write_durable(os.path.join(self.tmp_dir, DCP_METADATA_NAME), md_bytes)
+        import xxhash
+
+        manifest_files[DCP_METADATA_NAME] = FileEntry(size=len(md_bytes), xxh3_64=_hex(xxhash.xxh3_64_intdigest(md_bytes)))
+        manifest = dataclasses.replace(manifest, files=manifest_files)
+        commit.write_durable(os.path.join(self.tmp_dir, MANIFEST_NAME), to_json_bytes(manifest))
+        commit.publish(self.tmp_dir, self.path)
+        self.tmp_dir = None
+
+
+def _original_object(planner: SavePlanner, item, rank: int) -> Any:
+    lookup = getattr(planner, "lookup_object", None)
+    if lookup is None:
+        raise IncompatibleStateError(
+            "the save planner does not expose lookup_object(); quicksave stores non-tensor "
+            "values as JSON and needs the original value (use DefaultSavePlanner)",
+            fqn=item.index.fqn,
+            rank=rank,
+        )
+    return lookup(item.index)
+
+
+def build_manifest(
+    metadata: Metadata,
+    results: list[list[WriteResult]],
+    step: int | None,
+    user_metadata: dict[str, Any],
+) -> tuple[dict[str, FileEntry], Manifest]:
+    """Assemble the manifest from DCP's global metadata and every rank's write results."""
+    by_index: dict[MetadataIndex, Any] = {}
+    files: dict[str, FileEntry] = {}
+    for rank_results in results:
+        for r in rank_results:
+            sd = r.storage_data
+            by_index[r.index] = sd
+            if isinstance(sd, _ChunkWritten):
+                files[sd.file] = FileEntry(sd.file_size, sd.header_xxh3_64, sd.rank, sd.data_start)
+    mappings = metadata.planner_data if isinstance(metadata.planner_data, dict) else {}
+    tensors: dict[str, TensorEntry] = {}
+    objs: dict[str, ObjectEntry] = {}
+    for fqn, md in metadata.state_dict_metadata.items():
+        p = mappings.get(fqn)
+        path = tuple(p) if p is not None and tuple(p) != (fqn,) else None
+        if isinstance(md, TensorStorageMetadata):
+            chunks = []
+            for c in md.chunks:
+                w = by_index.get(MetadataIndex(fqn, c.offsets))
+                if not isinstance(w, _ChunkWritten):
+                    raise CheckpointError(f"no rank reported writing chunk at {list(c.offsets)}", fqn=fqn)
+                chunks.append(ChunkEntry(tuple(c.offsets), tuple(c.sizes), w.file, w.offset, w.length, w.xxh3_64))
+            chunks.sort(key=lambda c: c.offsets)
+            tensors[fqn] = TensorEntry(dtype_name(md.properties.dtype), tuple(md.size), tuple(chunks), path)
+        elif isinstance(md, BytesStorageMetadata):
+            w = by_index.get(MetadataIndex(fqn))
+            if not isinstance(w, _ObjectWritten):
+                raise CheckpointError("no rank reported writing this value", fqn=fqn)
+            objs[fqn] = ObjectEntry(w.value, path)
+    manifest = Manifest(
+        step=step,
+        world_size=len(results),
+        tensors=tensors,
+        objects=objs,
+        files=files,
+        user_metadata=user_metadata,
+    )
+    return files, manifest
