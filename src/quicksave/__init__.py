@@ -33,3 +33,36 @@ __all__ = [
     "load",
     "save",
 ]
+
+# The manager layer (built on the functions above).
+from .manager import (  # noqa: E402
+    CheckpointConfig,
+    CheckpointManager,
+    EveryNSeconds,
+    EveryNSteps,
+    KeepLatestK,
+    ModelState,
+    OptimizerState,
+    RetentionPolicy,
+    RNGState,
+    SavePolicy,
+    SaveRecord,
+    StatefulList,
+    TrainState,
+)
+
+__all__ += [
+    "CheckpointConfig",
+    "CheckpointManager",
+    "EveryNSeconds",
+    "EveryNSteps",
+    "KeepLatestK",
+    "ModelState",
+    "OptimizerState",
+    "RNGState",
+    "RetentionPolicy",
+    "SavePolicy",
+    "SaveRecord",
+    "StatefulList",
+    "TrainState",
+]

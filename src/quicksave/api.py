@@ -6,6 +6,8 @@ tensors and resharded loads work) with quicksave's storage layer underneath.
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import os
 import shutil
 import warnings
@@ -93,8 +95,17 @@ def save(
     """
     path = os.path.abspath(os.fspath(path))
     rank = rank_of_this_process()
-    sd = to_state_dict(state_dict)
-    validate_for_save(sd, rank)
+    refused: IncompatibleStateError | None = None
+    sd: dict[str, Any] = {}
+    try:
+        sd = to_state_dict(state_dict)
+        validate_for_save(sd, rank)
+    except IncompatibleStateError as e:  # add the path, which the checks do not know
+        refused = IncompatibleStateError(e.message, path=path, fqn=e.fqn, rank=rank)
+        if not _dist_on():
+            raise refused from None
+        # Distributed: the planner raises it inside DCP's first collective step, so every
+        # rank fails together; raising here would leave the others waiting in it forever.
     if classify(path) in (CheckpointKind.QUICKSAVE, CheckpointKind.DCP):
         raise CheckpointExistsError(
             "a committed checkpoint already exists here; quicksave never overwrites one",
@@ -107,7 +118,7 @@ def save(
         dcp.save(
             sd,
             storage_writer=writer,
-            planner=DefaultSavePlanner(),
+            planner=_SavePlanner(refused=refused),
             process_group=process_group,
             no_dist=not _dist_on(),
         )
@@ -117,6 +128,66 @@ def save(
         raise _unwrap(e, path) from None
     finally:
         quiet.__exit__(None, None, None)
+
+
+def _element_bytes(item) -> int:
+    td = item.tensor_data
+    if td is None:
+        return 1
+    return math.prod(td.chunk.sizes) * torch.empty((), dtype=td.properties.dtype).element_size()
+
+
+class _SavePlanner(DefaultSavePlanner):
+    """DCP's default save planner with its own dedup of replicated chunks: DCP sizes items
+    with ``torch._utils._element_size``, which raises for bits*/int1..7/uint1..7.
+
+    ``refused``: this rank's input-check failure, raised from ``set_up_planner`` (inside
+    DCP's first collective step, whose failures every rank receives)."""
+
+    def __init__(self, *, refused: IncompatibleStateError | None = None) -> None:
+        super().__init__()
+        self.refused = refused
+
+    def set_up_planner(self, state_dict, storage_meta=None, is_coordinator: bool = False) -> None:
+        if self.refused is not None:
+            raise self.refused
+        super().set_up_planner(state_dict, storage_meta, is_coordinator)
+
+    def _dedup_save_plans(self, all_plans):
+        owners: dict[Any, list[int]] = {}
+        items: dict[Any, Any] = {}
+        for rank, plan in enumerate(all_plans):
+            for item in plan.items:
+                owners.setdefault(item.index, []).append(rank)
+                items[item.index] = item
+        load = [0] * len(all_plans)
+        keep: list[set] = [set() for _ in all_plans]
+        for index, ranks in owners.items():
+            # Same policy as DCP: lowest rank, or the rank with the fewest bytes so far.
+            lowest = self.dedup_save_to_lowest_rank
+            chosen = ranks[0] if lowest else min(ranks, key=load.__getitem__)
+            load[chosen] += _element_bytes(items[index])
+            keep[chosen].add(index)
+        return [
+            dataclasses.replace(plan, items=[i for i in plan.items if i.index in keep[rank]])
+            for rank, plan in enumerate(all_plans)
+        ]
+
+
+def _real_path(root: Any, path: tuple) -> tuple:
+    """``path`` with each string key replaced by the destination's own key whose ``str``
+    it is (e.g. an optimizer's int parameter ids), so values land where they came from."""
+    out = []
+    node = root
+    for key in path:
+        if isinstance(node, Mapping) and key not in node:
+            key = next((k for k in node if str(k) == key), key)
+        out.append(key)
+        try:
+            node = node[key]
+        except (KeyError, IndexError, TypeError):
+            node = None
+    return tuple(out)
 
 
 class LoadPlanner(DefaultLoadPlanner):
@@ -135,6 +206,10 @@ class LoadPlanner(DefaultLoadPlanner):
     def set_up_planner(self, state_dict, metadata: Metadata | None = None, is_coordinator: bool = False) -> None:
         super().set_up_planner(state_dict, metadata, is_coordinator)
         assert metadata is not None
+        if self.mappings:  # DCP stringifies dict keys in paths: map back to the real keys
+            self.mappings = {
+                fqn: _real_path(self.original_state_dict, p) for fqn, p in self.mappings.items()
+            }
         self._check(metadata)
 
     def _check(self, metadata: Metadata) -> None:

@@ -45,7 +45,14 @@ def validate_for_save(state_dict: Mapping[str, Any], rank: int | None = None) ->
     for fqn, leaf in iter_leaves(state_dict):
         if isinstance(leaf, torch.Tensor):
             local = leaf
-            if hasattr(leaf, "to_local"):  # DTensor
+            if type(leaf).__name__ == "ShardedTensor":
+                # A Tensor subclass whose own attributes raise FutureWarnings; this rank
+                # writes its local shards, which share one dtype and layout.
+                shards = leaf.local_shards()
+                if not shards:
+                    continue
+                local = shards[0].tensor
+            elif hasattr(leaf, "to_local"):  # DTensor
                 local = leaf.to_local()
             check_storable(local.dtype, fqn, rank)
             if local.layout != torch.strided:
@@ -60,8 +67,6 @@ def validate_for_save(state_dict: Mapping[str, Any], rank: int | None = None) ->
                     fqn=fqn,
                     rank=rank,
                 )
-        elif type(leaf).__name__ == "ShardedTensor":
-            continue
         else:
             try:
                 objcodec.encode(leaf, fqn)

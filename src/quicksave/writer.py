@@ -212,7 +212,9 @@ class StorageWriter(_DCPStorageWriter):
             if isinstance(r.storage_data, _ChunkWritten)
         }
         metadata.storage_data = dcp_storage
-        metadata.storage_meta = self.storage_meta()
+        # No storage_meta (absolute path, random save id): the same state must give the
+        # same .metadata bytes, hence the same manifest bytes (docs/FORMAT.md §2).
+        metadata.storage_meta = None
         md_bytes = pickle.dumps(metadata, protocol=pickle.HIGHEST_PROTOCOL)
         commit.write_durable(os.path.join(self.tmp_dir, DCP_METADATA_NAME), md_bytes)
         import xxhash

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..errors import CorruptCheckpointError, IncompatibleStateError
+from ..errors import CheckpointError, CorruptCheckpointError, IncompatibleStateError
 from .dtypes import dtype_from_name, dtype_name
 
 JSONValue = Any
@@ -42,13 +42,16 @@ def encode(value: Any, fqn: str = "") -> JSONValue:
         return value
     if isinstance(value, int):
         return value
-    if isinstance(value, float):
+    # np.float64 / np.complex128 subclass float / complex: keep their numpy type.
+    if isinstance(value, float) and not isinstance(value, np.generic):
         if math.isfinite(value):
             return value
         return {"$t": "float", "v": repr(value)}
     if isinstance(value, list):
         return [encode(v, f"{fqn}[{i}]") for i, v in enumerate(value)]
-    if isinstance(value, tuple) and not hasattr(value, "_fields"):
+    if isinstance(value, tuple) and not hasattr(value, "_fields") and not isinstance(
+        value, torch.Size  # a tuple subclass: must reach its own tag below
+    ):
         return {"$t": "tuple", "v": [encode(v, f"{fqn}[{i}]") for i, v in enumerate(value)]}
     if isinstance(value, dict):
         return {
@@ -59,7 +62,7 @@ def encode(value: Any, fqn: str = "") -> JSONValue:
         tag = "set" if isinstance(value, set) else "frozenset"
         items = sorted(value, key=repr)
         return {"$t": tag, "v": [encode(v, fqn) for v in items]}
-    if isinstance(value, complex):
+    if isinstance(value, complex) and not isinstance(value, np.generic):
         return {"$t": "complex", "v": [encode(value.real), encode(value.imag)]}
     if isinstance(value, (bytes, bytearray)):
         return {"$t": "bytes" if isinstance(value, bytes) else "bytearray", "v": _b64(value)}
@@ -82,7 +85,8 @@ def encode(value: Any, fqn: str = "") -> JSONValue:
                 "numpy object arrays cannot be stored without pickle", fqn=fqn
             )
         arr = np.ascontiguousarray(value)
-        return {"$t": "ndarray", "dtype": arr.dtype.str, "shape": list(arr.shape), "v": _b64(arr.tobytes())}
+        # ascontiguousarray turns a 0-d array into shape (1,): keep the original shape.
+        return {"$t": "ndarray", "dtype": arr.dtype.str, "shape": list(value.shape), "v": _b64(arr.tobytes())}
     if isinstance(value, np.generic):
         return {"$t": "npscalar", "dtype": value.dtype.str, "v": _b64(value.tobytes())}
     raise IncompatibleStateError(
@@ -144,7 +148,10 @@ def decode(value: JSONValue, fqn: str | None = None, path: str | None = None) ->
         if value is None or isinstance(value, (bool, int, float, str)):
             return value
         raise ValueError(f"unexpected JSON value of type {type(value).__name__}")
-    except CorruptCheckpointError:
+    except CheckpointError as e:
+        # Raised by a nested decode or the dtype lookup, which do not know where they are.
+        if e.path is None and e.fqn is None and (path is not None or fqn is not None):
+            raise type(e)(e.message, path=path, fqn=fqn) from None
         raise
     except (ValueError, TypeError, KeyError, IndexError, RuntimeError) as e:
         raise CorruptCheckpointError(

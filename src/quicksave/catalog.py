@@ -1,0 +1,157 @@
+"""Catalog: list the checkpoints under a folder (``quicksave ls``).
+
+Cheap by design: it classifies directories by the files they hold, reads only
+``manifest.json`` (for the step) and ``stat``s the files; it never reads tensor data and
+never unpickles a DCP ``.metadata``.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+
+from .commit import CheckpointKind, classify
+from .errors import CheckpointError, CheckpointNotFoundError
+from .format import DCP_METADATA_NAME, MANIFEST_NAME
+from .format.manifest import read_manifest
+
+_STEP_IN_NAME = re.compile(r"(?:^|[^0-9])(\d+)(?:\.tmp-[0-9a-f]+)?$")
+_LISTED = (CheckpointKind.QUICKSAVE, CheckpointKind.DCP, CheckpointKind.UNCOMMITTED)
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    """One row of ``quicksave ls``.
+
+    Attributes:
+        name: directory name (relative to the listed root; ``.`` for the root itself).
+        path: absolute path.
+        format: ``quicksave`` or ``dcp``; for an uncommitted one, what it would become.
+        committed: True for a committed checkpoint (quicksave or stock DCP).
+        step: from the manifest; for DCP or uncommitted ones, from a trailing number in
+            the name (``step-100`` → 100), else None.
+        size: total bytes of all files in the directory.
+        mtime: seconds since the epoch of ``manifest.json`` (``.metadata`` for DCP), or
+            of the directory when neither exists.
+        problem: why the manifest could not be read, else None (then ``step`` comes
+            from the name).
+    """
+
+    name: str
+    path: str
+    format: str
+    committed: bool
+    step: int | None
+    size: int
+    mtime: float
+    problem: str | None = None
+
+    @property
+    def status(self) -> str:
+        return "committed" if self.committed else "uncommitted"
+
+
+def _dir_size(path: str) -> int:
+    total = 0
+    for dirpath, _dirs, files in os.walk(path):
+        for f in files:
+            try:
+                total += os.lstat(os.path.join(dirpath, f)).st_size
+            except OSError:  # vanished while listing (e.g. a stale temp being cleaned)
+                pass
+    return total
+
+
+def _step_from_name(name: str) -> int | None:
+    match = _STEP_IN_NAME.search(name)
+    return int(match.group(1)) if match else None
+
+
+def describe(path: str, name: str | None = None) -> CheckpointInfo | None:
+    """Describe the checkpoint at ``path``, or None if it is not one.
+
+    Args:
+        path: a directory.
+        name: the name to show (default: the directory's base name).
+
+    Returns:
+        A :class:`CheckpointInfo`, or None for anything that is not a checkpoint.
+
+    Example::
+
+        info = describe("ckpt/step-100")
+    """
+    path = os.path.abspath(path)
+    kind = classify(path)
+    if kind not in _LISTED:
+        return None
+    base = os.path.basename(os.path.normpath(path))
+    names = set(os.listdir(path))
+    step: int | None = None
+    problem: str | None = None
+    if MANIFEST_NAME in names:
+        fmt = "quicksave"
+        try:
+            step = read_manifest(path).step
+        except CheckpointError as e:
+            problem = e.message
+            step = _step_from_name(base)
+        stamp = os.path.join(path, MANIFEST_NAME)
+    elif kind is CheckpointKind.DCP:
+        fmt, step, stamp = "dcp", _step_from_name(base), os.path.join(path, DCP_METADATA_NAME)
+    else:
+        fmt, step, stamp = "quicksave", _step_from_name(base), path
+    return CheckpointInfo(
+        name=name if name is not None else base,
+        path=path,
+        format=fmt,
+        committed=kind in (CheckpointKind.QUICKSAVE, CheckpointKind.DCP),
+        step=step,
+        size=_dir_size(path),
+        mtime=os.stat(stamp).st_mtime,
+        problem=problem,
+    )
+
+
+def list_checkpoints(root: str | os.PathLike[str]) -> list[CheckpointInfo]:
+    """The checkpoints in ``root`` (and ``root`` itself if it is one), sorted by step.
+
+    Uncommitted ones (temporary directories of interrupted or running saves) are listed
+    too, marked ``committed=False``. Checkpoints without a step sort last, by name.
+
+    Args:
+        root: a folder of checkpoints, or one checkpoint.
+
+    Returns:
+        One :class:`CheckpointInfo` per checkpoint (possibly none).
+
+    Raises:
+        CheckpointNotFoundError: ``root`` does not exist or is not a directory.
+
+    Example::
+
+        for info in list_checkpoints("ckpt"):
+            print(info.name, info.step, info.status)
+    """
+    root = os.path.abspath(os.fspath(root))
+    if not os.path.exists(root):
+        raise CheckpointNotFoundError("no such file or directory", path=root)
+    if not os.path.isdir(root):
+        raise CheckpointNotFoundError(
+            "not a directory (expected a folder of checkpoints)", path=root
+        )
+    found: list[CheckpointInfo] = []
+    own = describe(root, ".")
+    if own is not None:
+        found.append(own)
+    for entry in sorted(os.scandir(root), key=lambda e: e.name):
+        if entry.is_dir(follow_symlinks=True):
+            try:
+                info = describe(entry.path, entry.name)
+            except FileNotFoundError:  # deleted meanwhile (retention, temp cleanup)
+                continue
+            if info is not None:
+                found.append(info)
+    found.sort(key=lambda i: (i.step is None, i.step if i.step is not None else 0, i.name))
+    return found

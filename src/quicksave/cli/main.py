@@ -1,0 +1,335 @@
+"""``quicksave`` command line.
+
+Subcommands (``quicksave <cmd> --help`` for each)::
+
+    quicksave ls ROOT [--json] [--bytes]        list checkpoints, sorted by step
+    quicksave inspect CKPT [--json] [--allow-pickle]
+    quicksave verify CKPT [--json] [--progress | --no-progress]
+    quicksave convert CKPT OUT --to {torch,dcp,safetensors}
+    quicksave demo ... / quicksave bench ...    (arguments passed through)
+
+Exit status: 0 success; 1 ``verify`` found corruption; 2 a usage or checkpoint error
+(not found, not committed, unreadable ...), printed as ``quicksave: error: ...`` without
+a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import sys
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, TextIO
+
+from ..errors import CheckpointError
+
+PASS_THROUGH = {
+    "demo": "run the end-to-end demo (arguments go to quicksave.demo)",
+    "bench": "run the benchmark suite (arguments go to quicksave.bench)",
+}
+
+
+def human_bytes(n: int) -> str:
+    """``1536`` -> ``'1.5 KiB'`` (binary units, as ``ls -h``)."""
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if value < 1024 or unit == "TiB":
+            return f"{int(value)} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    raise AssertionError("unreachable")
+
+
+def _table(rows: list[list[str]], out: TextIO, right: Sequence[int] = ()) -> None:
+    """Print ``rows`` (the first is the header) as aligned columns."""
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    for row in rows:
+        cells = [
+            c.rjust(w) if i in right else c.ljust(w)
+            for i, (c, w) in enumerate(zip(row, widths, strict=True))
+        ]
+        print("  ".join(cells).rstrip(), file=out)
+
+
+def _print_json(doc: Any, out: TextIO) -> None:
+    json.dump(doc, out, indent=2, ensure_ascii=False)
+    out.write("\n")
+
+
+# --------------------------------------------------------------------------- ls
+def cmd_ls(args: argparse.Namespace) -> int:
+    from ..catalog import list_checkpoints
+
+    infos = list_checkpoints(args.root)
+    out = sys.stdout
+    if args.json:
+        _print_json(
+            [
+                {
+                    "name": i.name,
+                    "path": i.path,
+                    "format": i.format,
+                    "status": i.status,
+                    "committed": i.committed,
+                    "step": i.step,
+                    "size": i.size,
+                    "mtime": i.mtime,
+                    "modified": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(i.mtime)),
+                    "problem": i.problem,
+                }
+                for i in infos
+            ],
+            out,
+        )
+        return 0
+    if not infos:
+        print(f"no checkpoints in {os.path.abspath(args.root)}", file=sys.stderr)
+        return 0
+    rows = [["NAME", "STEP", "STATUS", "FORMAT", "SIZE", "MODIFIED"]]
+    for i in infos:
+        status = i.status if i.problem is None else f"{i.status} (bad manifest: {i.problem})"
+        rows.append(
+            [
+                i.name,
+                "-" if i.step is None else str(i.step),
+                status,
+                i.format,
+                str(i.size) if args.bytes else human_bytes(i.size),
+                time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(i.mtime)),
+            ]
+        )
+    _table(rows, out, right=(1, 4))
+    return 0
+
+
+# --------------------------------------------------------------------------- inspect
+def cmd_inspect(args: argparse.Namespace) -> int:
+    from ..inspect import inspect_checkpoint
+
+    s = inspect_checkpoint(args.checkpoint, allow_pickle=args.allow_pickle)
+    out = sys.stdout
+    if args.json:
+        _print_json(s.to_json(), out)
+        return 0
+    size = (lambda n: str(n)) if args.bytes else human_bytes
+    print(f"checkpoint:  {s.path}", file=out)
+    print(f"format:      {s.format}", file=out)
+    print(f"step:        {'-' if s.step is None else s.step}", file=out)
+    print(f"world size:  {'-' if s.world_size is None else s.world_size}", file=out)
+    print(
+        f"totals:      {len(s.tensors)} tensors ({size(s.tensor_bytes)}), {len(s.objects)} "
+        f"objects, {len(s.files)} files ({size(s.file_bytes)})",
+        file=out,
+    )
+    if s.user_metadata:
+        print(f"user metadata: {json.dumps(s.user_metadata, sort_keys=True)}", file=out)
+    if s.tensors:
+        print(file=out)
+        rows = [["TENSOR", "DTYPE", "SHAPE", "BYTES", "CHUNKS"]]
+        rows += [
+            [t.fqn, t.dtype, str(list(t.shape)), size(t.bytes), str(t.chunks)] for t in s.tensors
+        ]
+        _table(rows, out, right=(3, 4))
+    if s.objects:
+        print(file=out)
+        rows = [["OBJECT", "TYPE", "VALUE"]] + [[o.fqn, o.type, o.preview] for o in s.objects]
+        _table(rows, out)
+    return 0
+
+
+# --------------------------------------------------------------------------- verify
+def cmd_verify(args: argparse.Namespace) -> int:
+    from ..verify import verify_checkpoint
+
+    progress = sys.stderr.isatty() if args.progress is None else args.progress
+    report = verify_checkpoint(args.checkpoint, progress=progress and not args.json)
+    out = sys.stdout
+    if args.json:
+        _print_json(
+            {
+                "path": report.path,
+                "ok": report.ok,
+                "files_checked": report.files_checked,
+                "bytes_checked": report.bytes_checked,
+                "tensors": report.tensors,
+                "objects": report.objects,
+                "problems": [
+                    {"file": p.file, "fqn": p.fqn, "kind": p.kind, "message": p.message}
+                    for p in report.problems
+                ],
+            },
+            out,
+        )
+        return 0 if report.ok else 1
+    if report.ok:
+        print(
+            f"OK {report.path}: {report.files_checked} files, {report.bytes_checked} bytes, "
+            f"{report.tensors} tensors, {report.objects} objects verified",
+            file=out,
+        )
+        return 0
+    for p in report.problems:
+        print(f"CORRUPT {p}", file=out)
+    n = len(report.problems)
+    print(f"FAILED {report.path}: {n} problem{'s' if n != 1 else ''}", file=out)
+    return 1
+
+
+# --------------------------------------------------------------------------- convert
+def cmd_convert(args: argparse.Namespace) -> int:
+    from ..convert import convert
+
+    progress = sys.stderr.isatty() if args.progress is None else args.progress
+    written = convert(args.checkpoint, args.out, args.to, progress=progress)
+    print(f"wrote {written} ({args.to})", file=sys.stdout)
+    return 0
+
+
+# --------------------------------------------------------------------------- demo, bench
+def run_pass_through(name: str, rest: list[str]) -> int:
+    """Run ``quicksave.<name>.main(rest)``, imported only now (it may be absent)."""
+    module_name = f"quicksave.{name}"
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as e:
+        if e.name in (module_name, "quicksave"):
+            raise CheckpointError(
+                f"`quicksave {name}` is not available in this installation"
+            ) from None
+        raise CheckpointError(
+            f"`quicksave {name}` needs the module {e.name!r}, which is not installed"
+        ) from None
+    entry: Callable[[list[str]], Any] | None = getattr(module, "main", None)
+    if entry is None:
+        raise CheckpointError(
+            f"`quicksave {name}` is not available in this installation "
+            f"({module_name} has no main())"
+        )
+    rc = entry(rest)
+    return rc if isinstance(rc, int) else 0
+
+
+# --------------------------------------------------------------------------- parser
+def _progress_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_mutually_exclusive_group()
+    g.add_argument(
+        "--progress",
+        dest="progress",
+        action="store_true",
+        default=None,
+        help="show a progress bar on stderr (default: when stderr is a terminal)",
+    )
+    g.add_argument(
+        "--no-progress", dest="progress", action="store_false", help="never show a progress bar"
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of the ``quicksave`` command (``demo``/``bench`` listed for
+    help only: their arguments are passed through unparsed)."""
+    from .. import __version__
+
+    parser = argparse.ArgumentParser(
+        prog="quicksave",
+        description="Inspect, verify and convert quicksave checkpoints.",
+    )
+    parser.add_argument("--version", action="version", version=f"quicksave {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    p = sub.add_parser(
+        "ls",
+        help="list the checkpoints in a folder, sorted by step",
+        description="List the checkpoints in ROOT (and ROOT itself if it is one).",
+    )
+    p.add_argument("root", metavar="ROOT")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--bytes", action="store_true", help="exact sizes in bytes")
+    p.set_defaults(func=cmd_ls)
+
+    p = sub.add_parser(
+        "inspect",
+        help="show the tensors and values in a checkpoint",
+        description="Show the tensors (fqn, dtype, shape, bytes, chunks) and values of a "
+        "checkpoint, from its manifest only (nothing is unpickled).",
+    )
+    p.add_argument("checkpoint", metavar="CKPT")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--bytes", action="store_true", help="exact sizes in bytes")
+    p.add_argument(
+        "--allow-pickle",
+        action="store_true",
+        help="allow reading a stock DCP directory's pickled .metadata "
+        "(runs code from the file: only for trusted checkpoints)",
+    )
+    p.set_defaults(func=cmd_inspect)
+
+    p = sub.add_parser(
+        "verify",
+        help="check every byte of a checkpoint against its manifest",
+        description="Check every byte of a quicksave checkpoint: manifest checksum, file "
+        "sizes, header, chunk checksums, zero padding, no extra files. "
+        "Exit 0 if intact, 1 if corrupt, 2 if it is not a committed checkpoint.",
+    )
+    p.add_argument("checkpoint", metavar="CKPT")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    _progress_flags(p)
+    p.set_defaults(func=cmd_verify)
+
+    p = sub.add_parser(
+        "convert",
+        help="write a checkpoint as torch.save, stock DCP or safetensors",
+        description="Write the full (unsharded) state of a quicksave checkpoint to OUT, which "
+        "must not exist: one torch.save file, a stock DCP directory, or one "
+        "safetensors file.",
+    )
+    p.add_argument("checkpoint", metavar="CKPT")
+    p.add_argument("out", metavar="OUT")
+    p.add_argument("--to", required=True, choices=("torch", "dcp", "safetensors"))
+    _progress_flags(p)
+    p.set_defaults(func=cmd_convert)
+
+    for name, text in PASS_THROUGH.items():
+        sub.add_parser(name, help=text, add_help=False)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the ``quicksave`` command line.
+
+    Args:
+        argv: the arguments after the program name (default: ``sys.argv[1:]``).
+
+    Returns:
+        The exit status: 0 success, 1 ``verify`` found corruption, 2 an error.
+
+    Example::
+
+        main(["verify", "ckpt/step-100"])
+    """
+    args_list = list(sys.argv[1:] if argv is None else argv)
+    try:
+        if args_list and args_list[0] in PASS_THROUGH:
+            return run_pass_through(args_list[0], args_list[1:])
+        try:
+            args = build_parser().parse_args(args_list)
+        except SystemExit as e:  # --help, --version, usage errors
+            return e.code if isinstance(e.code, int) else (0 if e.code is None else 2)
+        return args.func(args)
+    except CheckpointError as e:
+        print(f"quicksave: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("quicksave: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:  # e.g. `quicksave ls | head`: the reader left, not an error
+        try:  # keep the interpreter's final flush from failing again (Python docs' recipe)
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        except (OSError, ValueError):
+            pass
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,236 @@
+"""Inspect: what a checkpoint holds (``quicksave inspect``), from its metadata only.
+
+A quicksave checkpoint is described from ``manifest.json`` alone; nothing is
+unpickled and no tensor data is read. A stock DCP directory keeps its metadata in a
+pickle (``.metadata``), which can run code when loaded, so it is read only when the
+caller explicitly allows it.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from .commit import CheckpointKind, classify
+from .errors import CheckpointError, CheckpointNotFoundError, NotCommittedError
+from .format import objects as objcodec
+from .format.dtypes import dtype_name, element_size
+from .format.manifest import read_manifest
+
+_TAG_TYPES = {
+    "float": "float",
+    "tuple": "tuple",
+    "dict": "dict",
+    "set": "set",
+    "frozenset": "frozenset",
+    "complex": "complex",
+    "bytes": "bytes",
+    "bytearray": "bytearray",
+    "bytesio": "io.BytesIO",
+    "dtype": "torch.dtype",
+    "size": "torch.Size",
+    "device": "torch.device",
+    "tensor": "torch.Tensor",
+    "ndarray": "numpy.ndarray",
+    "npscalar": "numpy scalar",
+}
+PREVIEW_CHARS = 60
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    fqn: str
+    dtype: str
+    shape: tuple[int, ...]
+    bytes: int  # stored bytes (sum of chunk lengths)
+    chunks: int
+
+
+@dataclass(frozen=True)
+class ObjectInfo:
+    fqn: str
+    type: str
+    preview: str  # a short repr of the value ("" when it cannot be shown without pickle)
+
+
+@dataclass(frozen=True)
+class CheckpointSummary:
+    """What :func:`inspect_checkpoint` found.
+
+    Attributes:
+        path: the checkpoint directory (absolute).
+        format: ``quicksave`` or ``dcp``.
+        step: training step (None when not recorded).
+        world_size: ranks that wrote it (None for DCP, which does not record it).
+        tensors: one entry per tensor, sorted by fqn.
+        objects: one entry per non-tensor value, sorted by fqn.
+        files: file name -> size in bytes (quicksave: as listed in the manifest).
+        user_metadata: the manifest's free-form metadata (empty for DCP).
+    """
+
+    path: str
+    format: str
+    step: int | None
+    world_size: int | None
+    tensors: tuple[TensorInfo, ...]
+    objects: tuple[ObjectInfo, ...]
+    files: dict[str, int] = field(default_factory=dict)
+    user_metadata: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def tensor_bytes(self) -> int:
+        return sum(t.bytes for t in self.tensors)
+
+    @property
+    def file_bytes(self) -> int:
+        return sum(self.files.values())
+
+    def to_json(self) -> dict[str, Any]:
+        """A JSON-ready dict (``quicksave inspect --json``)."""
+        doc = asdict(self)
+        for t in doc["tensors"]:
+            t["shape"] = list(t["shape"])
+        doc["totals"] = {
+            "tensors": len(self.tensors),
+            "objects": len(self.objects),
+            "tensor_bytes": self.tensor_bytes,
+            "files": len(self.files),
+            "file_bytes": self.file_bytes,
+        }
+        return doc
+
+
+def object_type(value: Any) -> str:
+    """The Python type a typed-JSON value decodes to, without decoding it."""
+    if value is None:
+        return "NoneType"
+    if isinstance(value, dict):
+        tag = value.get("$t")
+        return _TAG_TYPES.get(tag, f"unknown tag {tag!r}") if isinstance(tag, str) else "invalid"
+    return type(value).__name__
+
+
+def _preview(value: Any, fqn: str, path: str) -> str:
+    try:
+        text = repr(objcodec.decode(value, fqn=fqn, path=path))
+    except CheckpointError as e:
+        return f"<{e.message}>"
+    return text if len(text) <= PREVIEW_CHARS else text[: PREVIEW_CHARS - 1] + "…"
+
+
+def _quicksave_summary(path: str) -> CheckpointSummary:
+    m = read_manifest(path)
+    tensors = tuple(
+        TensorInfo(fqn, t.dtype, t.shape, sum(c.length for c in t.chunks), len(t.chunks))
+        for fqn, t in sorted(m.tensors.items())
+    )
+    objects = tuple(
+        ObjectInfo(fqn, object_type(o.value), _preview(o.value, fqn, path))
+        for fqn, o in sorted(m.objects.items())
+    )
+    return CheckpointSummary(
+        path=path,
+        format="quicksave",
+        step=m.step,
+        world_size=m.world_size,
+        tensors=tensors,
+        objects=objects,
+        files={name: f.size for name, f in sorted(m.files.items())},
+        user_metadata=dict(m.user_metadata),
+    )
+
+
+def _dcp_summary(path: str) -> CheckpointSummary:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    from .catalog import _step_from_name
+
+    try:
+        md = dcp.FileSystemReader(path).read_metadata()  # unpickles: the caller allowed it
+    except Exception as e:  # any unpickling failure: report it as a quicksave error
+        raise CheckpointError(
+            f"cannot read the DCP .metadata pickle: {type(e).__name__}: {e}", path=path
+        ) from None
+    tensors, objects = [], []
+    for fqn, item in sorted(md.state_dict_metadata.items()):
+        if isinstance(item, TensorStorageMetadata):
+            dtype = item.properties.dtype
+            esize = element_size(dtype)
+            nbytes = 0
+            for c in item.chunks:
+                n = 1
+                for s in c.sizes:
+                    n *= s
+                nbytes += n * esize
+            tensors.append(
+                TensorInfo(fqn, dtype_name(dtype), tuple(item.size), nbytes, len(item.chunks))
+            )
+        else:
+            objects.append(ObjectInfo(fqn, "object (torch.save bytes)", ""))
+    files = {}
+    for dirpath, _dirs, names in os.walk(path):
+        for n in names:
+            full = os.path.join(dirpath, n)
+            files[os.path.relpath(full, path)] = os.path.getsize(full)
+    return CheckpointSummary(
+        path=path,
+        format="dcp",
+        step=_step_from_name(os.path.basename(path)),
+        world_size=None,
+        tensors=tuple(tensors),
+        objects=tuple(objects),
+        files=dict(sorted(files.items())),
+    )
+
+
+def inspect_checkpoint(
+    path: str | os.PathLike[str], *, allow_pickle: bool = False
+) -> CheckpointSummary:
+    """Describe the tensors and values in the checkpoint at ``path``.
+
+    Args:
+        path: a committed quicksave checkpoint, or (with ``allow_pickle``) a stock
+            ``torch.distributed.checkpoint`` directory.
+        allow_pickle: allow unpickling a DCP directory's ``.metadata``. Unpickling runs
+            code named by the file: only for checkpoints you trust. Never needed for
+            quicksave checkpoints.
+
+    Returns:
+        A :class:`CheckpointSummary`.
+
+    Raises:
+        CheckpointNotFoundError: nothing at ``path``, or not a checkpoint.
+        NotCommittedError: an uncommitted (temporary or partial) checkpoint.
+        CheckpointError: a DCP directory and ``allow_pickle`` is False.
+        CorruptCheckpointError: the manifest is damaged.
+
+    Example::
+
+        summary = inspect_checkpoint("ckpt/step-100")
+        print(summary.step, len(summary.tensors))
+    """
+    path = os.path.abspath(os.fspath(path))
+    kind = classify(path)
+    if kind is CheckpointKind.QUICKSAVE:
+        return _quicksave_summary(path)
+    if kind is CheckpointKind.DCP:
+        if not allow_pickle:
+            raise CheckpointError(
+                "this is a stock torch.distributed.checkpoint directory whose metadata "
+                "(.metadata) is a Python pickle, which can run code when read; pass "
+                "--allow-pickle (allow_pickle=True) only if you trust it",
+                path=path,
+            )
+        return _dcp_summary(path)
+    if kind is CheckpointKind.MISSING:
+        raise CheckpointNotFoundError("no such file or directory", path=path)
+    if kind is CheckpointKind.UNCOMMITTED:
+        raise NotCommittedError(
+            "this checkpoint was never committed (a save was interrupted or is still running)",
+            path=path,
+        )
+    raise CheckpointNotFoundError(
+        "not a checkpoint: neither manifest.json nor .metadata is present", path=path
+    )

@@ -1,0 +1,23 @@
+"""The manager layer: torchtitan-style ``CheckpointManager`` with its config, policies
+and ``Stateful`` wrappers."""
+
+from .config import CheckpointConfig
+from .manager import CheckpointManager, SaveRecord
+from .policies import EveryNSeconds, EveryNSteps, KeepLatestK, RetentionPolicy, SavePolicy
+from .states import ModelState, OptimizerState, RNGState, StatefulList, TrainState
+
+__all__ = [
+    "CheckpointConfig",
+    "CheckpointManager",
+    "EveryNSeconds",
+    "EveryNSteps",
+    "KeepLatestK",
+    "ModelState",
+    "OptimizerState",
+    "RNGState",
+    "RetentionPolicy",
+    "SavePolicy",
+    "SaveRecord",
+    "StatefulList",
+    "TrainState",
+]

@@ -1,0 +1,398 @@
+"""Collect: the ``Stateful`` wrappers the manager saves and restores.
+
+Every wrapper returns only tensors and plain values (ints, floats, strings, lists,
+dicts) from ``state_dict()``, so a checkpoint is read back without unpickling anything.
+
+- :class:`ModelState`: one or many model parts (e.g. pipeline stages), merged into one
+  flat state dict through ``torch.distributed.checkpoint.state_dict`` (so FSDP/DTensor
+  models give sharded tensors).
+- :class:`OptimizerState`: one optimizer per model part, each *flattened* (state keyed by
+  parameter fqn, not by index) so that the parts' entries do not collide.
+- :class:`TrainState`: the step and the loss history.
+- :class:`RNGState`: torch (CPU and CUDA), Python ``random`` and NumPy global generators.
+- :class:`StatefulList`: several ``Stateful`` objects (e.g. one LR scheduler per part)
+  under one name.
+- :class:`PerRankState` (a protocol, e.g. ``RNGState``): each rank saves its own entry;
+  :class:`PerRankLoad` restores only this rank's entry while keeping the load strict.
+
+Anything else with ``state_dict()`` and ``load_state_dict()`` (LR schedulers, stateful
+data loaders, user objects) is saved as it is.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+import numpy as np
+import torch
+import torch.nn as nn
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+
+from ..collect import iter_leaves
+from ..errors import IncompatibleStateError, rank_of_this_process
+
+logger = logging.getLogger("quicksave")
+
+_FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
+
+
+def is_stateful(obj: Any) -> bool:
+    """True if ``obj`` has callable ``state_dict`` and ``load_state_dict`` (DCP's protocol)."""
+    return callable(getattr(obj, "state_dict", None)) and callable(
+        getattr(obj, "load_state_dict", None)
+    )
+
+
+def _as_list(value: Any, kind: type, what: str) -> list[Any]:
+    items = list(value) if isinstance(value, (list, tuple)) else [value]
+    if not items:
+        raise IncompatibleStateError(f"{what}: expected at least one {kind.__name__}, got none")
+    for i, item in enumerate(items):
+        if not isinstance(item, kind):
+            raise IncompatibleStateError(
+                f"{what}: item {i} is a {type(item).__module__}.{type(item).__qualname__}, "
+                f"not a {kind.__module__}.{kind.__qualname__}"
+            )
+    return items
+
+
+def _merge(parts: Iterable[dict[str, Any]], what: str) -> dict[str, Any]:
+    """Merge per-part state dicts; a key in two parts would silently lose one of them."""
+    merged: dict[str, Any] = {}
+    for i, sd in enumerate(parts):
+        for key, value in sd.items():
+            if key in merged:
+                raise IncompatibleStateError(
+                    f"{what}: part {i} has a key that an earlier part also has; give the parts "
+                    "distinct parameter names (e.g. split one model, do not reuse one class "
+                    "at the top level)",
+                    fqn=key,
+                    rank=rank_of_this_process(),
+                )
+            merged[key] = value
+    return merged
+
+
+class ModelState:
+    """The model (one module, or several parts) as one ``Stateful``.
+
+    Args:
+        model: an ``nn.Module`` or a list of them whose parameter names do not overlap.
+
+    Raises:
+        IncompatibleStateError: ``model`` is not a module or a non-empty list of them;
+            (at ``state_dict()``) two parts have the same key.
+
+    Example::
+
+        states = {"model": ModelState([stage0, stage1])}
+    """
+
+    def __init__(self, model: nn.Module | Sequence[nn.Module]) -> None:
+        self.parts: list[nn.Module] = _as_list(model, nn.Module, "ModelState")
+
+    def state_dict(self) -> dict[str, Any]:
+        return _merge((get_model_state_dict(p) for p in self.parts), "ModelState")
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        # Each part takes its own keys out of the merged dict; strict=False because the
+        # other parts' keys are (rightly) unexpected for it. The key set as a whole was
+        # already checked against the checkpoint by the loader.
+        for part in self.parts:
+            set_model_state_dict(part, state_dict, options=StateDictOptions(strict=False))
+
+
+class OptimizerState:
+    """One optimizer per model part, flattened and merged into one ``Stateful``.
+
+    Args:
+        model: the model part(s), in the same order as ``optimizer``.
+        optimizer: a ``torch.optim.Optimizer`` or a list of them, one per part.
+
+    Raises:
+        IncompatibleStateError: wrong types, or not one optimizer per model part.
+
+    Example::
+
+        states = {"optimizer": OptimizerState([stage0, stage1], [opt0, opt1])}
+    """
+
+    def __init__(
+        self,
+        model: nn.Module | Sequence[nn.Module],
+        optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer],
+    ) -> None:
+        self.parts: list[nn.Module] = _as_list(model, nn.Module, "OptimizerState model")
+        self.optimizers: list[torch.optim.Optimizer] = _as_list(
+            optimizer, torch.optim.Optimizer, "OptimizerState optimizer"
+        )
+        if len(self.parts) != len(self.optimizers):
+            raise IncompatibleStateError(
+                f"OptimizerState needs one optimizer per model part, got {len(self.parts)} "
+                f"part(s) and {len(self.optimizers)} optimizer(s)"
+            )
+
+    def state_dict(self) -> dict[str, Any]:
+        return _merge(
+            (
+                get_optimizer_state_dict(p, o, options=_FLAT)
+                for p, o in zip(self.parts, self.optimizers, strict=True)
+            ),
+            "OptimizerState",
+        )
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        for part, optim in zip(self.parts, self.optimizers, strict=True):
+            set_optimizer_state_dict(part, optim, state_dict, options=_FLAT)
+
+
+@dataclass
+class TrainState:
+    """Training progress: the step and the loss history, as plain numbers.
+
+    Attributes:
+        step: the last completed training step.
+        losses: the loss logged at each entry of ``log_steps``.
+        log_steps: the steps at which ``losses`` were logged.
+
+    Example::
+
+        train_state = TrainState()
+        train_state.step += 1
+        train_state.losses.append(loss.item()); train_state.log_steps.append(train_state.step)
+    """
+
+    step: int = 0
+    losses: list[float] = field(default_factory=list)
+    log_steps: list[int] = field(default_factory=list)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "step": int(self.step),
+            "losses": [float(x) for x in self.losses],
+            "log_steps": [int(x) for x in self.log_steps],
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.step = int(state_dict["step"])
+        self.losses = [float(x) for x in state_dict["losses"]]
+        self.log_steps = [int(x) for x in state_dict["log_steps"]]
+
+
+@runtime_checkable
+class PerRankState(Protocol):
+    """A ``Stateful`` whose ``state_dict()`` is ``{rank_key(): this rank's state}``:
+    every rank saves its own entry (one shared name would keep only one rank's)."""
+
+    def rank_key(self) -> str: ...
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None: ...
+
+
+class PerRankLoad:
+    """Stands in for a :class:`PerRankState` while a checkpoint is loaded.
+
+    The loader checks keys strictly, and the checkpoint holds every saving rank's entry,
+    so the other ranks' entries get throwaway destinations built from the checkpoint's
+    metadata; only this rank's entry reaches the real state. A rank without an entry of
+    its own (the job was saved by fewer ranks) keeps its state and logs a warning; a
+    state with no entry at all in the checkpoint is reported missing by the loader.
+
+    Args:
+        name: the state's name in the manager's states.
+        state: the per-rank state.
+        stored: the checkpoint's fqns mapped to their DCP storage metadata.
+    """
+
+    def __init__(self, name: str, state: PerRankState, stored: Mapping[str, Any]) -> None:
+        self.name = name
+        self.state = state
+        prefix, own = f"{name}.", f"{state.rank_key()}."
+        self.others = {
+            fqn[len(prefix) :]: _placeholder(md)
+            for fqn, md in stored.items()
+            if fqn.startswith(prefix) and not fqn[len(prefix) :].startswith(own)
+        }
+        has_own = any(fqn.startswith(prefix + own) for fqn in stored)
+        # Without any entry the own state stays in, so that the loader reports it missing.
+        self.load_own = has_own or not self.others
+
+    def state_dict(self) -> dict[str, Any]:
+        # DCP flattens "rank_1.torch" under "rng" to the stored fqn "rng.rank_1.torch".
+        own = self.state.state_dict() if self.load_own else {}
+        return {**self.others, **own}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        key = self.state.rank_key()
+        if self.load_own:
+            self.state.load_state_dict({key: state_dict[key]})
+        else:
+            logger.warning(
+                "quicksave: the checkpoint holds no %r entry for %s (it was saved by other "
+                "ranks); left as it is",
+                self.name,
+                key,
+            )
+
+
+def _placeholder(md: Any) -> Any:
+    if isinstance(md, TensorStorageMetadata):
+        return torch.empty(tuple(md.size), dtype=md.properties.dtype)
+    return None  # objects are replaced whole by the loader
+
+
+class RNGState:
+    """The global random generators of this process, restored exactly.
+
+    Saved per rank (under ``rank_<r>``): ranks usually hold different generator states,
+    and one shared name would keep only one rank's (a :class:`PerRankState`). A rank
+    whose entry is missing at load (the job was saved by fewer ranks) keeps its
+    generators as they are and logs a warning.
+
+    Example::
+
+        states = {"rng": RNGState()}
+    """
+
+    def rank_key(self) -> str:
+        """The name of this rank's entry: ``rank_<r>``."""
+        return f"rank_{rank_of_this_process() or 0}"
+
+    def state_dict(self) -> dict[str, Any]:
+        version, py_state, gauss_next = random.getstate()
+        algorithm, np_key, pos, has_gauss, cached = np.random.get_state(legacy=True)
+        state: dict[str, Any] = {
+            "torch": torch.get_rng_state(),
+            "python": {
+                "version": int(version),
+                "state": torch.tensor(py_state, dtype=torch.int64),
+                "gauss_next": gauss_next,
+            },
+            "numpy": {
+                "algorithm": str(algorithm),
+                "key": torch.from_numpy(np.asarray(np_key, dtype=np.int64)),
+                "pos": int(pos),
+                "has_gauss": int(has_gauss),
+                "cached_gaussian": float(cached),
+            },
+        }
+        if torch.cuda.is_available():
+            state["cuda"] = {str(i): s for i, s in enumerate(torch.cuda.get_rng_state_all())}
+        return {self.rank_key(): state}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        state = state_dict[self.rank_key()]
+        torch.set_rng_state(state["torch"].cpu())
+        py = state["python"]
+        random.setstate(
+            (py["version"], tuple(int(x) for x in py["state"].tolist()), py["gauss_next"])
+        )
+        npy = state["numpy"]
+        np.random.set_state(
+            (
+                npy["algorithm"],
+                npy["key"].numpy().astype(np.uint32),
+                npy["pos"],
+                npy["has_gauss"],
+                npy["cached_gaussian"],
+            )
+        )
+        if "cuda" in state and torch.cuda.is_available():
+            cuda = state["cuda"]
+            torch.cuda.set_rng_state_all([cuda[str(i)].cpu() for i in range(len(cuda))])
+
+
+class StatefulList:
+    """Several ``Stateful`` objects (e.g. one LR scheduler per model part) as one,
+    stored under ``"0"``, ``"1"``, ...
+
+    Raises:
+        IncompatibleStateError: an item lacks ``state_dict`` / ``load_state_dict``.
+
+    Example::
+
+        states = {"lr_scheduler": StatefulList([sched0, sched1])}
+    """
+
+    def __init__(self, items: Sequence[Any]) -> None:
+        self.items = list(items)
+        for i, item in enumerate(self.items):
+            if not is_stateful(item):
+                raise IncompatibleStateError(
+                    f"StatefulList: item {i} ({type(item).__module__}.{type(item).__qualname__}) "
+                    "has no state_dict()/load_state_dict()"
+                )
+
+    def state_dict(self) -> dict[str, Any]:
+        return {str(i): item.state_dict() for i, item in enumerate(self.items)}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        for i, item in enumerate(self.items):
+            item.load_state_dict(state_dict[str(i)])
+
+
+def check_states(states: Mapping[str, Any]) -> dict[str, Any]:
+    """Check the manager's states before any I/O; lists and tuples become a StatefulList.
+
+    Raises:
+        IncompatibleStateError: a name is not a non-empty string, or a value is not
+            ``Stateful`` (a bare optimizer included); names the state as fqn.
+    """
+    if not isinstance(states, Mapping):
+        raise IncompatibleStateError(
+            f"states must be a mapping of names to Stateful objects, got {type(states).__name__}"
+        )
+    checked: dict[str, Any] = {}
+    for name, value in states.items():
+        if not isinstance(name, str) or not name:
+            raise IncompatibleStateError(f"state names must be non-empty strings, got {name!r}")
+        if isinstance(value, torch.optim.Optimizer):
+            raise IncompatibleStateError(
+                "a bare torch.optim.Optimizer keys its state by parameter index, which "
+                "collides across model parts and breaks resharding; pass "
+                "OptimizerState(model, optimizer) instead",
+                fqn=name,
+            )
+        if isinstance(value, (list, tuple)) and not isinstance(value, nn.Module):
+            value = StatefulList(value)
+        if not is_stateful(value):
+            raise IncompatibleStateError(
+                f"state of type {type(value).__module__}.{type(value).__qualname__} has no "
+                "state_dict()/load_state_dict(); wrap models in ModelState, optimizers in "
+                "OptimizerState, or give the object those two methods",
+                fqn=name,
+            )
+        checked[name] = value
+    return checked
+
+
+def cast_floating(value: Any, dtype: torch.dtype) -> Any:
+    """``value`` with every floating tensor (in nested dicts) cast to ``dtype``."""
+    if isinstance(value, torch.Tensor):
+        return value.to(dtype) if value.is_floating_point() else value
+    if isinstance(value, Mapping):
+        return {k: cast_floating(v, dtype) for k, v in value.items()}
+    return value
+
+
+def payload_bytes(state_dict: Mapping[str, Any]) -> int:
+    """Bytes of the tensors of this rank in ``state_dict`` (local shards of DTensors)."""
+    total = 0
+    for _, leaf in iter_leaves(state_dict):
+        if isinstance(leaf, torch.Tensor):
+            local = leaf.to_local() if hasattr(leaf, "to_local") else leaf
+            total += local.numel() * local.element_size()
+    return total

@@ -1,0 +1,430 @@
+"""Verify: prove that every byte of a committed checkpoint is what its manifest promises.
+
+``verify_checkpoint`` reads each file once, front to back, in large blocks, and checks:
+
+- the manifest's self-checksum (and that it parses and validates);
+- that every file the manifest lists exists with exactly the listed size, and that no
+  other file is present;
+- data files: the safetensors header region ``[0, data_start)`` against the file's
+  digest, every chunk against its own digest, and that every other byte (the alignment
+  padding between chunks) is zero;
+- other files (``.metadata``): the digest of all their bytes;
+- the manifest's internal consistency (chunk lengths, alignment, overlaps, coverage) and
+  that every stored object decodes.
+
+Together this detects any changed, missing or added byte. Nothing is unpickled: the
+``.metadata`` pickle is only hashed. Spec: docs/FORMAT.md.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import xxhash
+
+from .commit import CheckpointKind, classify
+from .errors import CheckpointNotFoundError, CorruptCheckpointError, NotCommittedError
+from .format import ALIGNMENT, MANIFEST_NAME
+from .format import objects as objcodec
+from .format.dtypes import dtype_from_name, element_size
+from .format.manifest import FileEntry, Manifest, hexdigest, read_manifest
+
+READ_BLOCK = 16 << 20  # one reused buffer; large reads keep syscalls few on big files
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One thing wrong with a checkpoint.
+
+    Attributes:
+        file: the file inside the checkpoint concerned (``manifest.json``, a data file,
+            ``.metadata``, an unexpected file), or None for the checkpoint as a whole.
+        fqn: the tensor or object concerned, if any.
+        kind: a short category: ``manifest``, ``missing-file``, ``unexpected-file``,
+            ``size``, ``header``, ``chunk``, ``padding``, ``checksum``, ``truncated``,
+            ``unreadable``, ``object``.
+        message: what is wrong, in words.
+    """
+
+    file: str | None
+    fqn: str | None
+    kind: str
+    message: str
+
+    def __str__(self) -> str:
+        where = self.file or "<checkpoint>"
+        if self.fqn is not None:
+            where += f": {self.fqn}"
+        return f"{where}: {self.kind}: {self.message}"
+
+
+@dataclass(frozen=True)
+class VerifyReport:
+    """The result of :func:`verify_checkpoint`.
+
+    Attributes:
+        path: the checkpoint directory (absolute).
+        problems: everything found wrong, in file order; empty when intact.
+        files_checked: files read (the manifest included).
+        bytes_checked: bytes read and checked, the manifest included.
+        tensors: tensor entries in the manifest (0 if it could not be read).
+        objects: object entries in the manifest (0 if it could not be read).
+    """
+
+    path: str
+    problems: tuple[Problem, ...] = ()
+    files_checked: int = 0
+    bytes_checked: int = 0
+    tensors: int = 0
+    objects: int = 0
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+
+@dataclass
+class _Region:
+    """A byte range of one file and how to check it (mutable: it accumulates a hash)."""
+
+    start: int
+    end: int
+    kind: str  # "header" | "chunk" | "zero" | "checksum"
+    fqn: str | None = None
+    expected: str | None = None
+    hasher: xxhash.xxh3_64 = field(default_factory=xxhash.xxh3_64)
+    first_nonzero: int | None = None
+    nonzero: int = 0
+
+    def feed(self, block: memoryview, at: int) -> None:
+        if self.kind == "zero":
+            arr = np.frombuffer(block, dtype=np.uint8)
+            n = int(np.count_nonzero(arr))
+            if n:
+                if self.first_nonzero is None:
+                    self.first_nonzero = at + int(np.flatnonzero(arr)[0])
+                self.nonzero += n
+        else:
+            self.hasher.update(block)
+
+
+def _require_quicksave(path: str) -> None:
+    kind = classify(path)
+    if kind is CheckpointKind.QUICKSAVE:
+        return
+    if kind is CheckpointKind.MISSING:
+        raise CheckpointNotFoundError("no such file or directory", path=path)
+    if kind is CheckpointKind.UNCOMMITTED:
+        raise NotCommittedError(
+            "this checkpoint was never committed (a save was interrupted or is still "
+            "running); there is nothing to verify — it will never be loaded",
+            path=path,
+        )
+    if kind is CheckpointKind.DCP:
+        raise CheckpointNotFoundError(
+            "this is a stock torch.distributed.checkpoint directory (no manifest.json); "
+            "verify checks quicksave checkpoints only",
+            path=path,
+        )
+    raise CheckpointNotFoundError(
+        "not a checkpoint: no manifest.json (expected a quicksave checkpoint directory)",
+        path=path,
+    )
+
+
+def _manifest_problems(m: Manifest) -> list[Problem]:
+    """Internal consistency of a manifest whose checksum already matched."""
+    problems: list[Problem] = []
+    elem_sizes: dict[str, int] = {}
+    for fqn, t in m.tensors.items():
+        try:
+            if t.dtype not in elem_sizes:
+                elem_sizes[t.dtype] = element_size(dtype_from_name(t.dtype))
+            esize = elem_sizes[t.dtype]
+        except Exception as e:  # unknown dtype name (newer torch) or unusable dtype
+            problems.append(Problem(MANIFEST_NAME, fqn, "manifest", f"dtype {t.dtype!r}: {e}"))
+            continue
+        numel = 1
+        for d in t.shape:
+            numel *= d
+        covered = 0
+        for c in t.chunks:
+            n = 1
+            for s in c.sizes:
+                n *= s
+            covered += n
+            if c.length != n * esize:
+                problems.append(
+                    Problem(
+                        c.file,
+                        fqn,
+                        "manifest",
+                        f"chunk at offsets {list(c.offsets)} has length {c.length}, expected "
+                        f"{n * esize} ({n} elements of {t.dtype})",
+                    )
+                )
+            if c.offset % ALIGNMENT:
+                problems.append(
+                    Problem(
+                        c.file,
+                        fqn,
+                        "manifest",
+                        f"chunk at offsets {list(c.offsets)} starts at byte {c.offset}, "
+                        f"not a multiple of {ALIGNMENT}",
+                    )
+                )
+            f = m.files[c.file]
+            if f.data_start is None:
+                problems.append(
+                    Problem(
+                        c.file, fqn, "manifest", "chunk stored in a file that is not a data file"
+                    )
+                )
+        if covered != numel:
+            problems.append(
+                Problem(
+                    MANIFEST_NAME,
+                    fqn,
+                    "manifest",
+                    f"chunks hold {covered} elements but shape {list(t.shape)} has {numel} "
+                    "(chunks overlap or leave gaps)",
+                )
+            )
+    for fqn, o in m.objects.items():
+        try:
+            objcodec.decode(o.value, fqn=fqn)
+        except Exception as e:  # a stored object must decode; report, don't stop
+            problems.append(Problem(MANIFEST_NAME, fqn, "object", f"cannot decode: {e}"))
+    return problems
+
+
+def _regions_for(
+    name: str, entry: FileEntry, m: Manifest, problems: list[Problem]
+) -> list[_Region]:
+    """The checks covering bytes ``[0, entry.size)`` of one listed file, in order."""
+    if entry.data_start is None:
+        return [_Region(0, entry.size, "checksum", expected=entry.xxh3_64)]
+    regions = [_Region(0, entry.data_start, "header", expected=entry.xxh3_64)]
+    chunks = sorted(
+        (
+            (c.offset, c.offset + c.length, fqn, c)
+            for fqn, t in m.tensors.items()
+            for c in t.chunks
+            if c.file == name
+        ),
+        key=lambda x: (x[0], x[1]),
+    )
+    if entry.data_start > entry.size:
+        problems.append(
+            Problem(
+                name,
+                None,
+                "manifest",
+                f"data_start {entry.data_start} lies beyond size {entry.size}",
+            )
+        )
+    cur = entry.data_start
+    for start, end, fqn, c in chunks:
+        if start < cur and end > start:
+            problems.append(
+                Problem(
+                    name,
+                    fqn,
+                    "manifest",
+                    f"chunk at offsets {list(c.offsets)} (bytes {start}..{end}) overlaps the "
+                    f"header or another chunk (which ends at byte {cur})",
+                )
+            )
+            continue
+        if end > entry.size:
+            problems.append(
+                Problem(
+                    name,
+                    fqn,
+                    "manifest",
+                    f"chunk at offsets {list(c.offsets)} (bytes {start}..{end}) lies beyond the "
+                    f"file's recorded size {entry.size}",
+                )
+            )
+            continue
+        if start > cur:
+            regions.append(_Region(cur, start, "zero"))
+        regions.append(_Region(start, end, "chunk", fqn=fqn, expected=c.xxh3_64))
+        cur = max(cur, end)
+    if entry.size > cur:
+        regions.append(_Region(cur, entry.size, "zero"))
+    return regions
+
+
+def _finish(name: str, r: _Region, problems: list[Problem]) -> None:
+    if r.kind == "zero":
+        if r.nonzero:
+            problems.append(
+                Problem(
+                    name,
+                    None,
+                    "padding",
+                    f"{r.nonzero} non-zero byte(s) in padding bytes {r.start}..{r.end} "
+                    f"(first at byte {r.first_nonzero}); padding must be zero",
+                )
+            )
+        return
+    actual = hexdigest(r.hasher.intdigest())
+    if actual == r.expected:
+        return
+    what = {
+        "header": f"safetensors header (bytes 0..{r.end})",
+        "chunk": f"chunk bytes {r.start}..{r.end}",
+        "checksum": "file contents",
+    }[r.kind]
+    problems.append(
+        Problem(
+            name,
+            r.fqn,
+            r.kind,
+            f"checksum mismatch in {what}: manifest {r.expected}, file {actual}",
+        )
+    )
+
+
+def _check_file(
+    path: str,
+    name: str,
+    regions: list[_Region],
+    limit: int,
+    problems: list[Problem],
+    bar: Any,  # a tqdm bar (disabled when no progress is wanted)
+    buf: memoryview,
+) -> int:
+    """Stream ``path`` up to ``limit`` bytes through ``regions``; returns bytes read."""
+    pos = 0
+    i = 0
+    try:
+        with open(path, "rb", buffering=0) as f:
+            while pos < limit:
+                n = f.readinto(buf[: min(len(buf), limit - pos)])
+                if not n:
+                    break
+                block_end = pos + n
+                while i < len(regions) and regions[i].start < block_end:
+                    r = regions[i]
+                    a = max(r.start, pos)
+                    b = min(r.end, block_end)
+                    if b > a:
+                        r.feed(buf[a - pos : b - pos], a)
+                    if r.end > block_end:
+                        break
+                    _finish(name, r, problems)
+                    i += 1
+                pos = block_end
+                bar.update(n)
+    except OSError as e:
+        problems.append(Problem(name, None, "unreadable", f"cannot read: {e.strerror}"))
+        return pos
+    for r in regions[i:]:
+        if r.end <= pos:  # empty regions at the very end
+            _finish(name, r, problems)
+        else:
+            problems.append(
+                Problem(
+                    name,
+                    r.fqn,
+                    "truncated",
+                    f"file ends at byte {pos}, inside or before {r.kind} bytes {r.start}..{r.end}",
+                )
+            )
+    return pos
+
+
+def verify_checkpoint(path: str | os.PathLike[str], progress: bool = False) -> VerifyReport:
+    """Check every byte of the committed quicksave checkpoint at ``path``.
+
+    Args:
+        path: the checkpoint directory.
+        progress: show a tqdm progress bar over the bytes read, on stderr.
+
+    Returns:
+        A :class:`VerifyReport`; ``report.ok`` is True when the checkpoint is intact.
+        Corruption is reported there (naming file and fqn), not raised.
+
+    Raises:
+        CheckpointNotFoundError: ``path`` does not exist or is not a quicksave checkpoint
+            (a stock DCP directory included).
+        NotCommittedError: ``path`` is an uncommitted (temporary or partial) checkpoint.
+
+    Example::
+
+        report = verify_checkpoint("ckpt/step-100")
+        for p in report.problems:
+            print(p)
+    """
+    from tqdm import tqdm
+
+    path = os.path.abspath(os.fspath(path))
+    _require_quicksave(path)
+    manifest_path = os.path.join(path, MANIFEST_NAME)
+    manifest_size = os.path.getsize(manifest_path)
+    try:
+        m = read_manifest(path)
+    except CorruptCheckpointError as e:
+        # Nothing else can be trusted without a valid manifest.
+        return VerifyReport(
+            path,
+            (Problem(MANIFEST_NAME, e.fqn, "manifest", e.message),),
+            files_checked=1,
+            bytes_checked=manifest_size,
+        )
+
+    problems = _manifest_problems(m)
+    present = set(os.listdir(path))
+    for extra in sorted(present - set(m.files) - {MANIFEST_NAME}):
+        kind = "directory" if os.path.isdir(os.path.join(path, extra)) else "file"
+        problems.append(
+            Problem(extra, None, "unexpected-file", f"{kind} not listed in the manifest")
+        )
+
+    plan: list[tuple[str, str, list[_Region], int]] = []
+    for name, entry in sorted(m.files.items()):
+        fpath = os.path.join(path, name)
+        if name not in present:
+            problems.append(
+                Problem(name, None, "missing-file", "listed in the manifest but absent")
+            )
+            continue
+        if not os.path.isfile(fpath):
+            problems.append(Problem(name, None, "unexpected-file", "not a regular file"))
+            continue
+        actual = os.path.getsize(fpath)
+        if actual != entry.size:
+            problems.append(
+                Problem(name, None, "size", f"file has {actual} bytes, manifest says {entry.size}")
+            )
+        plan.append((name, fpath, _regions_for(name, entry, m, problems), min(actual, entry.size)))
+
+    total = sum(limit for *_, limit in plan)
+    buf = memoryview(bytearray(min(READ_BLOCK, max(total, 1))))
+    checked = manifest_size
+    with tqdm(
+        total=total,
+        unit="B",
+        unit_scale=True,
+        unit_divisor=1024,
+        file=sys.stderr,
+        disable=not progress,
+        desc="verify",
+        leave=False,
+    ) as bar:
+        for name, fpath, regions, limit in plan:
+            checked += _check_file(fpath, name, regions, limit, problems, bar, buf)
+    return VerifyReport(
+        path,
+        tuple(problems),
+        files_checked=1 + len(plan),
+        bytes_checked=checked,
+        tensors=len(m.tensors),
+        objects=len(m.objects),
+    )

@@ -1,0 +1,1 @@
+"""Shared helpers for quicksave's tests (state dicts, bit-exact comparison, checks)."""

@@ -1,0 +1,343 @@
+"""Commit: a checkpoint is visible whole or not at all — during a save, after a failed
+save, and after the saving process is SIGKILLed at any moment."""
+
+from __future__ import annotations
+
+import errno
+import os
+import queue
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from torch.distributed.checkpoint import CheckpointException
+
+import quicksave
+from helpers.checks import check_checkpoint
+from helpers.state import assert_bit_equal
+from quicksave import commit, persist
+from quicksave.commit import CheckpointKind, classify, clean_stale_temporaries, is_temp_name
+
+HELPERS = Path(__file__).parent / "helpers"
+
+
+def _state(seed: int = 0) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    return {"w": torch.randn(64, 64, generator=g), "b": torch.randn(64, generator=g), "n": seed}
+
+
+def _snapshot(root: Path) -> dict[str, bytes]:
+    files = sorted(p for p in root.rglob("*") if p.is_file())
+    return {str(p.relative_to(root)): p.read_bytes() for p in files}
+
+
+# ------------------------------------------------------------------ while saving
+
+
+def test_only_a_temporary_exists_while_saving(ckpt: Path, monkeypatch):
+    seen: dict[str, object] = {}
+    real_write = persist.write_rank_files
+    real_publish = commit.publish
+
+    def write_rank_files(directory, *args, **kwargs):
+        seen["during_write"] = sorted(os.listdir(ckpt.parent))
+        seen["kind_target"] = classify(str(ckpt))
+        seen["kind_tmp"] = classify(directory)
+        return real_write(directory, *args, **kwargs)
+
+    def publish(tmp, final):
+        seen["before_rename"] = sorted(os.listdir(tmp))
+        seen["kind_before_rename"] = classify(tmp)
+        with pytest.raises(quicksave.NotCommittedError):
+            quicksave.load(_state(), tmp)
+        with pytest.raises(quicksave.CheckpointNotFoundError):
+            quicksave.load(_state(), final)
+        real_publish(tmp, final)
+
+    monkeypatch.setattr(persist, "write_rank_files", write_rank_files)
+    monkeypatch.setattr(commit, "publish", publish)
+    quicksave.save(_state(), ckpt)
+
+    (tmp_name,) = seen["during_write"]
+    assert tmp_name.startswith("ckpt.tmp-") and len(tmp_name) == len("ckpt.tmp-") + 12
+    assert seen["kind_target"] is CheckpointKind.MISSING
+    assert seen["kind_tmp"] is CheckpointKind.UNCOMMITTED
+    assert "manifest.json" in seen["before_rename"] and ".metadata" in seen["before_rename"]
+    assert seen["kind_before_rename"] is CheckpointKind.UNCOMMITTED  # manifest alone is no commit
+    assert os.listdir(ckpt.parent) == ["ckpt"]  # no temporary left behind
+    assert classify(str(ckpt)) is CheckpointKind.QUICKSAVE
+    check_checkpoint(ckpt)
+
+
+def test_existing_checkpoint_is_never_overwritten(ckpt: Path):
+    quicksave.save(_state(1), ckpt, step=1)
+    before = _snapshot(ckpt.parent)
+    with pytest.raises(quicksave.CheckpointExistsError) as info:
+        quicksave.save(_state(2), ckpt, step=2)
+    assert info.value.message == (
+        "a committed checkpoint already exists here; quicksave never overwrites one"
+    )
+    assert info.value.path == str(ckpt)
+    assert _snapshot(ckpt.parent) == before  # untouched, and no temporary created
+    dest = _state(9)
+    quicksave.load(dest, ckpt)
+    assert_bit_equal(dest["w"], _state(1)["w"]) and dest["n"] == 1
+
+
+def test_existing_dcp_checkpoint_is_never_overwritten(ckpt: Path):
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save({"w": torch.ones(3)}, checkpoint_id=str(ckpt), no_dist=True)
+    before = _snapshot(ckpt.parent)
+    with pytest.raises(quicksave.CheckpointExistsError):
+        quicksave.save(_state(), ckpt)
+    assert _snapshot(ckpt.parent) == before
+
+
+def test_storage_writer_refuses_existing_checkpoint(ckpt: Path):
+    import torch.distributed.checkpoint as dcp
+
+    quicksave.save(_state(1), ckpt)
+    before = _snapshot(ckpt.parent)
+    with pytest.raises(CheckpointException) as info:  # DCP wraps every rank's failure
+        dcp.save(_state(2), storage_writer=quicksave.StorageWriter(ckpt), no_dist=True)
+    (failure,) = info.value.failures.values()
+    failure = failure[0] if isinstance(failure, tuple) else failure  # (exception, traceback)
+    assert isinstance(failure, quicksave.CheckpointExistsError)
+    assert failure.message == (
+        "a committed checkpoint already exists here; choose another path or delete it first"
+    )
+    assert _snapshot(ckpt.parent) == before
+
+
+def test_target_is_a_non_empty_plain_directory(ckpt: Path):
+    ckpt.mkdir()
+    (ckpt / "notes.txt").write_text("mine")
+    with pytest.raises(quicksave.CheckpointExistsError) as info:
+        quicksave.save(_state(), ckpt)
+    assert info.value.message.startswith("cannot commit: Directory not empty")
+    assert sorted(os.listdir(ckpt.parent)) == ["ckpt"]  # the temporary was removed
+    assert os.listdir(ckpt) == ["notes.txt"] and (ckpt / "notes.txt").read_text() == "mine"
+
+
+def test_target_is_an_empty_directory(ckpt: Path):
+    ckpt.mkdir()
+    quicksave.save(_state(), ckpt)
+    assert classify(str(ckpt)) is CheckpointKind.QUICKSAVE
+    assert os.listdir(ckpt.parent) == ["ckpt"]
+
+
+# ----------------------------------------------------------------- failed saves
+
+
+def test_failure_while_writing_data_leaves_nothing(ckpt: Path, monkeypatch):
+    def boom(*args, **kwargs):
+        raise RuntimeError("disk on fire")
+
+    monkeypatch.setattr(persist, "write_rank_files", boom)
+    with pytest.raises(quicksave.CheckpointError) as info:
+        quicksave.save(_state(), ckpt)
+    assert info.value.message == "RuntimeError: disk on fire"
+    assert (info.value.path, info.value.rank) == (str(ckpt), 0)
+    assert os.listdir(ckpt.parent) == []
+
+
+def test_enospc_on_fsync_names_file_and_rank(ckpt: Path, monkeypatch):
+    real_fsync = os.fsync
+
+    def fsync(fd):
+        if os.readlink(f"/proc/self/fd/{fd}").endswith(".safetensors"):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    with pytest.raises(quicksave.CheckpointError) as info:
+        quicksave.save(_state(), ckpt)
+    err = info.value
+    assert err.message == "writing checkpoint data failed: ENOSPC (No space left on device)"
+    assert err.rank == 0 and ".tmp-" in err.path and err.path.endswith(".safetensors")
+    assert os.listdir(ckpt.parent) == []
+
+
+@pytest.mark.parametrize("target", ["write_durable", "publish"])
+def test_failure_while_committing_leaves_nothing(ckpt: Path, monkeypatch, target: str):
+    def boom(*args, **kwargs):
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(commit, target, boom)
+    with pytest.raises(quicksave.CheckpointError) as info:
+        quicksave.save(_state(), ckpt)
+    assert "Input/output error" in info.value.message and info.value.rank == 0
+    assert os.listdir(ckpt.parent) == []
+
+
+def test_parent_cannot_be_created(tmp_path: Path):
+    (tmp_path / "a_file").write_text("x")
+    target = tmp_path / "a_file" / "ckpt"
+    with pytest.raises(quicksave.CheckpointError) as info:
+        quicksave.save(_state(), target)
+    assert info.value.message.startswith("cannot create checkpoint directory: ")
+    assert info.value.path == str(target) and info.value.rank == 0
+    assert os.listdir(tmp_path) == ["a_file"]
+
+
+def test_failed_save_can_be_retried(ckpt: Path, monkeypatch):
+    with monkeypatch.context() as m:
+        m.setattr(commit, "publish", lambda tmp, final: (_ for _ in ()).throw(OSError("x")))
+        with pytest.raises(quicksave.CheckpointError):
+            quicksave.save(_state(), ckpt)
+    quicksave.save(_state(), ckpt)
+    check_checkpoint(ckpt)
+
+
+# ------------------------------------------------------------ classify and cleanup
+
+
+def test_classify_and_clean_stale_temporaries(tmp_path: Path):
+    quicksave.save(_state(), tmp_path / "step-1")
+    quicksave.save(_state(), tmp_path / "step-2.tmp-0123456789ab")  # committed content, tmp name
+    (tmp_path / "step-3.tmp-aaaaaaaaaaaa").mkdir()
+    (tmp_path / "partial").mkdir()
+    (tmp_path / "partial" / "rank-00000-00.safetensors").write_bytes(b"x")
+    (tmp_path / "plain").mkdir()
+    (tmp_path / "file.txt").write_text("x")
+    kinds = {p.name: classify(str(p)) for p in tmp_path.iterdir()}
+    assert kinds == {
+        "step-1": CheckpointKind.QUICKSAVE,
+        "step-2.tmp-0123456789ab": CheckpointKind.UNCOMMITTED,
+        "step-3.tmp-aaaaaaaaaaaa": CheckpointKind.UNCOMMITTED,
+        "partial": CheckpointKind.UNCOMMITTED,
+        "plain": CheckpointKind.NOT_CHECKPOINT,
+        "file.txt": CheckpointKind.NOT_CHECKPOINT,
+    }
+    assert classify(str(tmp_path / "nope")) is CheckpointKind.MISSING
+    removed = clean_stale_temporaries(str(tmp_path))
+    assert removed == ["step-2.tmp-0123456789ab", "step-3.tmp-aaaaaaaaaaaa"]
+    assert sorted(os.listdir(tmp_path)) == ["file.txt", "partial", "plain", "step-1"]
+    assert clean_stale_temporaries(str(tmp_path / "nope")) == []
+
+
+# ------------------------------------------------------------------- crash test
+
+
+class _Server:
+    """The fork server of helpers/crash_child.py, with line reads that time out."""
+
+    def __init__(self) -> None:
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HELPERS.parent), *sys.path])}
+        self.proc = subprocess.Popen(
+            [sys.executable, "-u", str(HELPERS / "crash_child.py")],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env,
+        )
+        self.lines: queue.Queue[str] = queue.Queue()
+        self.saved: set[int] = set()
+        threading.Thread(target=self._pump, daemon=True).start()
+
+    def _pump(self) -> None:
+        for line in self.proc.stdout:
+            self.lines.put(line.strip())
+        self.lines.put("<eof>")
+
+    def expect(self, prefix: str, timeout: float = 120) -> str:
+        deadline = time.monotonic() + timeout
+        while True:
+            line = self.lines.get(timeout=max(0.1, deadline - time.monotonic()))
+            if line.startswith("saved "):
+                self.saved.add(int(line.split()[1]))
+            elif line.startswith(prefix):
+                return line
+            else:
+                raise AssertionError(f"unexpected line from crash server: {line!r}")
+
+    def go(self, root: Path, first: int, crash_point: str) -> int:
+        self.proc.stdin.write(f"go {root} {first} {crash_point}\n")
+        self.proc.stdin.flush()
+        return int(self.expect("pid ").split()[1])
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait(timeout=30)
+
+
+def _check_root(root: Path, checked: set[str]) -> tuple[int, int]:
+    """Every entry is a committed checkpoint that loads bit-exactly and verifies, or an
+    uncommitted temporary that refuses to load. Returns (committed, temporaries)."""
+    from crash_child import state_for
+
+    from quicksave.verify import verify_checkpoint
+
+    committed = temps = 0
+    for entry in sorted(root.iterdir()):
+        kind = classify(str(entry))
+        if is_temp_name(entry.name):
+            assert kind is CheckpointKind.UNCOMMITTED, entry
+            with pytest.raises(quicksave.NotCommittedError):
+                quicksave.load(state_for(0), entry)
+            temps += 1
+            continue
+        assert kind is CheckpointKind.QUICKSAVE, f"{entry.name} is {kind}"
+        committed += 1
+        if entry.name in checked:
+            continue
+        step = int(entry.name.removeprefix("step-"))
+        expected = state_for(step)
+        dest = {"model": {k: torch.zeros_like(v) for k, v in expected["model"].items()},
+                "step": -1, "tag": ""}
+        quicksave.load(dest, entry)
+        for k, v in expected["model"].items():
+            assert_bit_equal(dest["model"][k], v, f"{entry.name}: {k}")
+        assert (dest["step"], dest["tag"]) == (step, f"step-{step}")
+        report = verify_checkpoint(entry)
+        assert report.ok, [str(p) for p in report.problems]
+        check_checkpoint(entry)
+        checked.add(entry.name)
+    return committed, temps
+
+
+@pytest.mark.slow
+def test_sigkill_at_any_moment_leaves_only_whole_checkpoints(tmp_path: Path):
+    sys.path.insert(0, str(HELPERS))
+    root = tmp_path / "run"
+    root.mkdir()
+    seed = random.randrange(1 << 30)
+    rng = random.Random(seed)
+    server = _Server()
+    checked: set[str] = set()
+    temps_seen = 0
+    try:
+        server.expect("ready")
+        plan = [("before-manifest", None), ("before-rename", None), ("after-rename", None)]
+        plan += [("none", rng.uniform(0.05, 0.8)) for _ in range(5)]
+        for i, (crash_point, delay) in enumerate(plan):
+            first = 1000 * (i + 1)
+            pid = server.go(root, first, crash_point)
+            if delay is not None:
+                time.sleep(delay)
+                os.kill(pid, signal.SIGKILL)
+            status = int(server.expect("exited ").split()[1])
+            assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL, (
+                f"saver ended with status {status} (seed {seed})"
+            )
+            _, temps = _check_root(root, checked)
+            temps_seen += temps
+            if crash_point in ("before-manifest", "before-rename"):
+                assert not (root / f"step-{first}").exists()
+                assert temps == 1  # the killed save's temporary, never visible
+            if crash_point == "after-rename":
+                assert (root / f"step-{first}").exists()
+            # Every save the saver reported as done is committed.
+            for step in server.saved:
+                assert (root / f"step-{step}").is_dir(), f"step-{step} lost (seed {seed})"
+            removed = clean_stale_temporaries(str(root))
+            assert len(removed) == temps and all(is_temp_name(n) for n in removed)
+            assert all(not is_temp_name(p.name) for p in root.iterdir())
+    finally:
+        server.close()
+        sys.path.remove(str(HELPERS))
+    assert len(checked) >= 1 and temps_seen >= 2
