@@ -54,6 +54,7 @@ def test_stock_dcp_save_then_quicksave_load_non_strict(tmp_path: Path):
 def test_quicksave_then_stock_dcp_load_with_storage_reader(ckpt: Path):
     sd = _state()
     quicksave.save(sd, ckpt)
+    check_checkpoint(ckpt)
     dest = placeholder_like(sd)
     dcp.load(
         dest,

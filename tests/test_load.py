@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import quicksave
-from helpers.checks import seal_manifest
+from helpers.checks import check_checkpoint, seal_manifest
 from helpers.state import assert_bit_equal, filler_like
 from quicksave.errors import CorruptCheckpointError, IncompatibleStateError
 
@@ -37,6 +37,7 @@ def _dest() -> dict:
 @pytest.fixture
 def saved(ckpt: Path) -> Path:
     quicksave.save(_state(), ckpt, step=5)
+    check_checkpoint(ckpt)
     return ckpt
 
 

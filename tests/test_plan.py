@@ -153,6 +153,7 @@ def test_replicated_items_are_written_once_balanced_by_bytes(dtype: torch.dtype)
 
 def test_dedup_to_lowest_rank_policy():
     items = [_write_item(f"p{i}", 10, torch.float32) for i in range(4)]
-    planner = _SavePlanner(dedup_save_to_lowest_rank=True)
+    planner = _SavePlanner()
+    planner.dedup_save_to_lowest_rank = True
     out = planner._dedup_save_plans([SavePlan(items=list(items)) for _ in range(3)])
     assert [len(p.items) for p in out] == [4, 0, 0]

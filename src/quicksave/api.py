@@ -61,6 +61,20 @@ def _unwrap(e: CheckpointException, path: str) -> CheckpointError:
     return err
 
 
+def _collective_failed(
+    e: RuntimeError, path: str, rank: int | None, consequence: str
+) -> CheckpointError:
+    """DCP reports failures inside its steps as CheckpointException; a RuntimeError out
+    of dcp.save/load in a group is a collective that broke (a peer died or timed out)."""
+    cause = str(e).splitlines()[0] if str(e) else type(e).__name__
+    return CheckpointError(
+        "a collective with the other ranks failed (did a rank crash or time out? see its "
+        f"log); {consequence}: {cause}",
+        path=path,
+        rank=rank,
+    )
+
+
 def save(
     state_dict: Mapping[str, Any],
     path: str | os.PathLike[str],
@@ -126,6 +140,12 @@ def save(
         if writer.tmp_dir and writer.is_coordinator:
             shutil.rmtree(writer.tmp_dir, ignore_errors=True)
         raise _unwrap(e, path) from None
+    except RuntimeError as e:
+        if not _dist_on():
+            raise
+        if writer.tmp_dir and writer.is_coordinator:
+            shutil.rmtree(writer.tmp_dir, ignore_errors=True)
+        raise _collective_failed(e, path, rank, "nothing was committed") from e
     finally:
         quiet.__exit__(None, None, None)
 
@@ -328,5 +348,11 @@ def load(
         )
     except CheckpointException as e:
         raise _unwrap(e, path) from None
+    except RuntimeError as e:
+        if not _dist_on():
+            raise
+        raise _collective_failed(
+            e, path, rank_of_this_process(), "the state dict may be partly loaded"
+        ) from e
     finally:
         quiet.__exit__(None, None, None)

@@ -14,7 +14,8 @@ import quicksave
 from quicksave.demo import main
 from quicksave.demo.data import BatchSampler, CharTokenizer, load_corpus
 from quicksave.demo.model import ModelConfig, TinyLM
-from quicksave.demo.run import DemoConfig, compare, default_kill_at, parse_args, run_demo
+from quicksave.demo.report import compare, summarize
+from quicksave.demo.run import DemoConfig, default_kill_at, parse_args, run_demo
 from quicksave.demo.train import tensor_digest
 
 
@@ -168,3 +169,25 @@ def test_model_is_causal_and_deterministic():
     assert tensor_digest(twin.state_dict()) == tensor_digest(model.state_dict())
     with pytest.raises(ValueError, match="exceeds the context of 8"):
         model(torch.zeros(1, 9, dtype=torch.long))
+
+
+def test_summary_reports_a_mismatch():
+    ref = {
+        "final_loss": 2.5, "losses": [3.0, 2.5], "params_sha256": "a" * 64,
+        "optimizer_sha256": "b" * 64, "num_params": 1000, "corpus_chars": 34000,
+        "model": {"n_layers": 4, "d_model": 128, "n_heads": 4, "context": 64, "vocab_size": 58},
+        "checkpoints": [], "restore_s": None, "resumed_from": None,
+    }  # fmt: skip
+    save = {"step": 1, "kind": "full", "path": "p", "bytes": 2_000_000, "blocking_s": 0.5}
+    intr = dict(ref, checkpoints=[save], killed_at=1, committed_at_kill=["step-1"],
+                leftovers_at_kill=[])  # fmt: skip
+    res = dict(ref, params_sha256="c" * 64, restore_s=0.25, resumed_from=1)
+    cfg = DemoConfig(steps=2, interval=1, kill_at=1, folder="unused")
+    out = io.StringIO()
+    wall = {"reference": 1.0, "interrupted": 1.0, "resumed": 1.0}
+    ok = summarize(cfg, {"reference": ref, "interrupted": intr, "resumed": res}, wall, out)
+    text = out.getvalue()
+    assert not ok
+    assert "bit-exact            no (params differ)" in text
+    assert "write GB/s           0.004 (bytes / blocking time)" in text
+    assert "resumed from step    1" in text

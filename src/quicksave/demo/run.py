@@ -33,9 +33,8 @@ from dataclasses import dataclass
 from typing import Any, TextIO
 
 from ..commit import CheckpointKind, classify, is_temp_name
+from .report import list_checkpoints, summarize
 from .train import DEFAULT_ASYNC_MODE
-
-RUNS = ("reference", "interrupted", "resumed")
 
 
 @dataclass(frozen=True)
@@ -170,14 +169,29 @@ def _child_args(cfg: DemoConfig, run: str) -> list[str]:
     return args
 
 
-def _start(cfg: DemoConfig, run: str, log: TextIO) -> subprocess.Popen[str]:
-    return subprocess.Popen(
+def _start(
+    cfg: DemoConfig, run: str, log: TextIO, live: list[subprocess.Popen[str]]
+) -> subprocess.Popen[str]:
+    # A session (process group) of its own, so that the kill takes the trainer together
+    # with any worker process it started, as a machine crash would.
+    proc = subprocess.Popen(
         _child_args(cfg, run),
         stdout=subprocess.PIPE,
         stderr=log,
         text=True,
         env=_child_env(),
+        start_new_session=True,
     )
+    live.append(proc)
+    return proc
+
+
+def _kill_group(proc: subprocess.Popen[str]) -> None:
+    """SIGKILL the child's process group (the child and anything it started)."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass  # the whole group has already exited
 
 
 def _log_tail(cfg: DemoConfig, run: str, lines: int = 15) -> str:
@@ -206,7 +220,10 @@ def _watch(
 def _finish(cfg: DemoConfig, run: str, proc: subprocess.Popen[str]) -> dict[str, Any]:
     rc = proc.wait()
     if rc != 0:
-        raise DemoError(f"the {run} run failed (exit status {rc}):\n{_log_tail(cfg, run)}")
+        raise DemoError(
+            f"the {run} run failed (exit status {rc}; -9 after --timeout "
+            f"{cfg.timeout_s:g} s):\n{_log_tail(cfg, run)}"
+        )
     return _read_result(cfg, run)
 
 
@@ -220,23 +237,24 @@ def _read_result(cfg: DemoConfig, run: str) -> dict[str, Any]:
 
 
 def _with_timeout(cfg: DemoConfig, proc: subprocess.Popen[str]) -> threading.Timer:
-    timer = threading.Timer(cfg.timeout_s, proc.kill)
+    timer = threading.Timer(cfg.timeout_s, _kill_group, args=(proc,))
     timer.daemon = True
     timer.start()
     return timer
 
 
-def _run_to_end(cfg: DemoConfig, run: str, out: TextIO) -> dict[str, Any]:
+def _run_to_end(
+    cfg: DemoConfig, run: str, out: TextIO, live: list[subprocess.Popen[str]]
+) -> dict[str, Any]:
     with open(os.path.join(cfg.folder, f"{run}.log"), "w", encoding="utf-8") as log:
-        proc = _start(cfg, run, log)
+        proc = _start(cfg, run, log, live)
         timer = _with_timeout(cfg, proc)
         try:
             _watch(cfg, run, proc, out, None)
             return _finish(cfg, run, proc)
         finally:
             timer.cancel()
-            if proc.poll() is None:
-                proc.kill()
+            _kill_group(proc)
 
 
 def _committed(folder: str) -> list[str]:
@@ -255,12 +273,14 @@ def _leftovers(folder: str) -> list[str]:
     return sorted(n for n in os.listdir(folder) if is_temp_name(n))
 
 
-def _run_and_kill(cfg: DemoConfig, out: TextIO) -> dict[str, Any]:
+def _run_and_kill(
+    cfg: DemoConfig, out: TextIO, live: list[subprocess.Popen[str]]
+) -> dict[str, Any]:
     """Run the interrupted child, SIGKILL it at ``kill_at``; return its last result plus
     what the kill left on disk."""
     ckpt = os.path.join(cfg.folder, "checkpoints")
     with open(os.path.join(cfg.folder, "interrupted.log"), "w", encoding="utf-8") as log:
-        proc = _start(cfg, "interrupted", log)
+        proc = _start(cfg, "interrupted", log, live)
         timer = _with_timeout(cfg, proc)
         try:
             held = _watch(cfg, "interrupted", proc, out, "hold")
@@ -281,12 +301,16 @@ def _run_and_kill(cfg: DemoConfig, out: TextIO) -> dict[str, Any]:
                 aim = time.monotonic() + 5.0
                 while not _leftovers(ckpt) and time.monotonic() < aim and proc.poll() is None:
                     time.sleep(0.001)
-            os.kill(proc.pid, signal.SIGKILL)
+            _kill_group(proc)
             rc = proc.wait()
+            if rc != -signal.SIGKILL:
+                raise DemoError(
+                    f"the interrupted run exited on its own (status {rc}) before the kill:\n"
+                    f"{_log_tail(cfg, 'interrupted')}"
+                )
         finally:
             timer.cancel()
-            if proc.poll() is None:
-                proc.kill()
+            _kill_group(proc)
     print(f"  [{'interrupted':>11}] SIGKILL at step {held} (exit status {rc})", file=out)
     result = _read_result(cfg, "interrupted")
     result["killed_at"] = held
@@ -294,122 +318,6 @@ def _run_and_kill(cfg: DemoConfig, out: TextIO) -> dict[str, Any]:
     result["committed_at_kill"] = _committed(ckpt)
     result["leftovers_at_kill"] = _leftovers(ckpt)
     return result
-
-
-# ------------------------------------------------------------------ report
-
-
-def _fmt_bytes(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB"):
-        if n < 1000 or unit == "GB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1000
-    return f"{n:.2f} GB"
-
-
-def _dir_size(path: str) -> int:
-    total = 0
-    for root, _, files in os.walk(path):
-        total += sum(os.path.getsize(os.path.join(root, f)) for f in files)
-    return total
-
-
-def _n_full(result: dict[str, Any]) -> int:
-    return sum(c.get("kind", "full") == "full" for c in result["checkpoints"])
-
-
-def compare(reference: dict[str, Any], resumed: dict[str, Any]) -> dict[str, bool]:
-    """Which of the final states agree exactly (floats compared with ``==``).
-
-    Example:
-        >>> compare({"final_loss": 1.5, "losses": [1.5], "params_sha256": "a",
-        ...          "optimizer_sha256": "b"},
-        ...         {"final_loss": 1.5, "losses": [1.5], "params_sha256": "a",
-        ...          "optimizer_sha256": "b"})["bit_exact"]
-        True
-    """
-    checks = {
-        "final_loss": reference["final_loss"] == resumed["final_loss"],
-        "losses": reference["losses"] == resumed["losses"],
-        "params": reference["params_sha256"] == resumed["params_sha256"],
-        "optimizer": reference["optimizer_sha256"] == resumed["optimizer_sha256"],
-    }
-    checks["bit_exact"] = all(checks.values())
-    return checks
-
-
-def summarize(
-    cfg: DemoConfig, results: dict[str, dict[str, Any]], wall: dict[str, float], out: TextIO
-) -> bool:
-    """Print the summary table; return whether the resumed run is bit-exact."""
-    ref, intr, res = (results[r] for r in RUNS)
-    saves = [c for r in (intr, res) for c in r["checkpoints"] if c.get("kind", "full") == "full"]
-    blocking = [c["blocking_s"] for c in saves]
-    nbytes = [c["bytes"] for c in saves]
-    checks = compare(ref, res)
-    n_ref = len(ref["losses"])
-    same_steps = sum(a == b for a, b in zip(ref["losses"], res["losses"], strict=False))
-    rows: list[tuple[str, str]] = [
-        ("model", f"{ref['num_params'] / 1e6:.2f} M parameters, char-level, shipped text"),
-        ("steps", f"{cfg.steps} (checkpoint every {cfg.interval}, keep "
-                  f"{cfg.keep or 'all'}, async_mode {cfg.async_mode})"),
-        ("checkpoints written", f"{len(saves)} ({_n_full(intr)} before the kill, "
-                                f"{_n_full(res)} after the resume)"),
-    ]  # fmt: skip
-    if saves:
-        mean_b = sum(blocking) / len(blocking)
-        rows += [
-            ("blocking s / ckpt", f"mean {mean_b:.4f}, max {max(blocking):.4f}"),
-            ("bytes / ckpt", _fmt_bytes(sum(nbytes) / len(nbytes))),
-            ("write GB/s", f"{sum(nbytes) / max(sum(blocking), 1e-9) / 1e9:.3f} "
-                           "(bytes / blocking time)"),
-        ]  # fmt: skip
-    leftovers = intr["leftovers_at_kill"]
-    rows += [
-        ("restore s", f"{res['restore_s']:.4f}" if res["restore_s"] is not None else "n/a"),
-        ("kill step", f"{intr['killed_at']} (SIGKILL; committed then: "
-                      f"{', '.join(intr['committed_at_kill']) or 'none'}; half-written: "
-                      f"{', '.join(leftovers) or 'none'})"),
-        ("resumed from step", str(res["resumed_from"])),
-        ("final loss", f"reference {ref['final_loss']!r} | resumed {res['final_loss']!r}"),
-        ("loss history", f"{same_steps}/{n_ref} steps identical"
-                         + ("" if len(res["losses"]) == n_ref else
-                            f" (lengths {n_ref} vs {len(res['losses'])})")),
-        ("params sha256", f"reference {ref['params_sha256'][:16]} | resumed "
-                          f"{res['params_sha256'][:16]}"),
-        ("optimizer sha256", f"reference {ref['optimizer_sha256'][:16]} | resumed "
-                             f"{res['optimizer_sha256'][:16]}"),
-        ("wall s", ", ".join(f"{r} {wall[r]:.1f}" for r in RUNS)),
-        ("bit-exact", "yes" if checks["bit_exact"] else
-         "no (" + ", ".join(k for k, ok in checks.items() if not ok) + " differ)"),
-    ]  # fmt: skip
-    width = max(len(k) for k, _ in rows)
-    print("\nquicksave demo: summary", file=out)
-    print("-" * 72, file=out)
-    for key, value in rows:
-        print(f"  {key:<{width}}  {value}", file=out)
-    print("-" * 72, file=out)
-    return checks["bit_exact"]
-
-
-def list_checkpoints(folder: str, out: TextIO) -> None:
-    """Print every entry of the checkpoint folder with its commit status and size."""
-    print(f"\ncheckpoints in {folder}:", file=out)
-    names = sorted(os.listdir(folder)) if os.path.isdir(folder) else []
-    if not names:
-        print("  (none)", file=out)
-
-    def order(name: str) -> tuple[str, int]:
-        head, _, num = name.rpartition("-")
-        return (head, int(num)) if num.isdigit() else (name, -1)
-
-    for name in sorted(names, key=order):
-        path = os.path.join(folder, name)
-        kind = classify(path)
-        status = "committed" if kind is CheckpointKind.QUICKSAVE else kind.value
-        files = len(os.listdir(path)) if os.path.isdir(path) else 1
-        print(f"  {name:<24} {status:<12} {_dir_size(path) / 1e6:>8.2f} MB  {files} files",
-              file=out)
 
 
 # ------------------------------------------------------------------ main
@@ -442,14 +350,15 @@ def run_demo(cfg: DemoConfig, out: TextIO | None = None) -> int:
     results: dict[str, dict[str, Any]] = {}
     wall: dict[str, float] = {}
     errors: list[DemoError] = []
+    live: list[subprocess.Popen[str]] = []
 
     def timed(run: str) -> None:
         t0 = time.perf_counter()
         try:
             if run == "interrupted":
-                results[run] = _run_and_kill(cfg, out)
+                results[run] = _run_and_kill(cfg, out, live)
             else:
-                results[run] = _run_to_end(cfg, run, out)
+                results[run] = _run_to_end(cfg, run, out, live)
         except DemoError as e:
             errors.append(e)
         finally:
@@ -465,6 +374,10 @@ def run_demo(cfg: DemoConfig, out: TextIO | None = None) -> int:
             timed("interrupted")
             if not errors:
                 timed("resumed")
+        except BaseException:  # e.g. Ctrl-C: leave no training process behind
+            for proc in live:
+                _kill_group(proc)
+            raise
         finally:
             reference.join()
         if errors:

@@ -185,6 +185,8 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         "checkpoints": [],
         "committed_steps": [],
         "num_params": sum(p.numel() for p in model.parameters()),
+        "model": dataclasses.asdict(model.cfg),
+        "corpus_chars": len(text),
     }
     if cfg.folder is not None:
         train_state = TrainState()
