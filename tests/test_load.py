@@ -149,7 +149,7 @@ def test_value_where_a_tensor_was_saved(saved: Path):
     dest["model"]["b"] = "bias"
     err = _load_error(IncompatibleStateError, dest, saved)
     assert str(err) == (
-        "checkpoint holds a tensor here but the state dict has a str "
+        "checkpoint holds a tensor here but the state dict has a value of type str "
         f"[path={saved}, fqn=model.b, rank=0]"
     )
 

@@ -256,7 +256,7 @@ class LoadPlanner(DefaultLoadPlanner):
             if isinstance(md, TensorStorageMetadata):
                 if not is_tensor:
                     raise IncompatibleStateError(
-                        f"checkpoint holds a tensor here but the state dict has a {type(value).__name__}",
+                        f"checkpoint holds a tensor here but the state dict has a value of type {type(value).__name__}",
                         path=self.path, fqn=fqn, rank=rank,
                     )
                 if tuple(value.size()) != tuple(md.size):
