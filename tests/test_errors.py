@@ -57,7 +57,7 @@ def test_load_missing_path(tmp_path: Path):
     path = tmp_path / "nope"
     with pytest.raises(CheckpointNotFoundError) as info:
         quicksave.load({"w": torch.zeros(1)}, path)
-    assert str(info.value) == f"no such checkpoint [path={path}]"
+    assert str(info.value) == f"no such file or directory [path={path}]"
 
 
 def test_load_folder_that_is_not_a_checkpoint(tmp_path: Path):
@@ -86,8 +86,8 @@ def test_load_uncommitted(tmp_path: Path):
         with pytest.raises(NotCommittedError) as info:
             quicksave.load({"w": torch.zeros(2)}, path)
         assert str(info.value) == (
-            "checkpoint was never committed (a save was interrupted); it cannot be loaded "
-            f"[path={path}]"
+            "checkpoint was never committed (a save was interrupted or is still running); "
+            f"it is never loaded [path={path}]"
         )
 
 
@@ -98,7 +98,7 @@ def test_storage_reader_on_a_stock_dcp_dir(tmp_path: Path):
         reader.read_metadata()
     assert info.value.message == (
         "this is a stock torch.distributed.checkpoint directory, not a quicksave one; "
-        "use quicksave.load() or dcp.FileSystemReader"
+        "quicksave.load() reads it through DCP's own reader"
     )
 
 

@@ -194,7 +194,7 @@ def test_not_a_quicksave_checkpoint_raises(tmp_path: Path) -> None:
         verify_checkpoint(tmp_path / "nope")
     assert str(e.value) == f"no such file or directory [path={tmp_path / 'nope'}]"
 
-    with pytest.raises(CheckpointNotFoundError, match=r"not a checkpoint: no manifest\.json"):
+    with pytest.raises(CheckpointNotFoundError, match=r"not a checkpoint \(no manifest\.json\)"):
         verify_checkpoint(tmp_path)
 
     tmp = tmp_path / "step-9.tmp-0123456789ab"

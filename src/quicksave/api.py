@@ -120,7 +120,9 @@ def save(
             raise refused from None
         # Distributed: the planner raises it inside DCP's first collective step, so every
         # rank fails together; raising here would leave the others waiting in it forever.
-    if classify(path) in (CheckpointKind.QUICKSAVE, CheckpointKind.DCP):
+    # In a group the coordinator makes this check inside DCP's planning step (every rank
+    # then fails together); checking here on each rank could split the ranks.
+    if not _dist_on() and classify(path) in (CheckpointKind.QUICKSAVE, CheckpointKind.DCP):
         raise CheckpointExistsError(
             "a committed checkpoint already exists here; quicksave never overwrites one",
             path=path,

@@ -25,51 +25,24 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import sys
 import warnings
 from typing import Any, Literal
 
 import torch
-import xxhash
 
 from .commit import fsync_dir, new_token, temp_path_for
 from .errors import CheckpointError, CheckpointExistsError, CorruptCheckpointError
 from .format import FORMAT_VERSION
 from .format import objects as objcodec
 from .format.dtypes import dtype_from_name, safetensors_code
-from .format.manifest import ChunkEntry, Manifest, hexdigest, read_manifest
+from .format.manifest import Manifest, read_manifest
 from .persist import byte_view
-from .reader import require_committed
+from .reader import read_chunk_into, require_committed
+from .verify import byte_progress
 
 Target = Literal["torch", "dcp", "safetensors"]
 TARGETS: tuple[str, ...] = ("torch", "dcp", "safetensors")
 Flat = dict[str, tuple[tuple[Any, ...], Any]]  # fqn -> (nested path, value)
-
-
-def _read_chunk(
-    fd: int, into: memoryview, c: ChunkEntry, path: str, fqn: str, rank: int | None
-) -> None:
-    got = 0
-    while got < c.length:
-        n = os.preadv(fd, [into[got:]], c.offset + got)
-        if n == 0:
-            raise CorruptCheckpointError(
-                f"data file is truncated: chunk needs bytes {c.offset}..{c.offset + c.length}, "
-                f"file ends at {c.offset + got}; run `quicksave verify`",
-                path=path,
-                fqn=fqn,
-                rank=rank,
-            )
-        got += n
-    actual = hexdigest(xxhash.xxh3_64_intdigest(into))
-    if actual != c.xxh3_64:
-        raise CorruptCheckpointError(
-            f"checksum mismatch in chunk at offsets {list(c.offsets)} (stored {c.xxh3_64}, "
-            f"read {actual}); run `quicksave verify`",
-            path=path,
-            fqn=fqn,
-            rank=rank,
-        )
 
 
 def _nest(flat: Flat) -> dict[str, Any]:
@@ -129,23 +102,12 @@ def load_full_state(
 
 
 def _read_flat(path: str, progress: bool) -> tuple[Flat, Manifest]:
-    from tqdm import tqdm
-
     require_committed(path)
     m = read_manifest(path)
     flat: Flat = {}
     fds: dict[str, int] = {}
     try:
-        with tqdm(
-            total=m.total_tensor_bytes(),
-            unit="B",
-            unit_scale=True,
-            unit_divisor=1024,
-            file=sys.stderr,
-            disable=not progress,
-            desc="read",
-            leave=False,
-        ) as bar:
+        with byte_progress(m.total_tensor_bytes(), "read", progress) as bar:
             for fqn, t in sorted(m.tensors.items()):
                 dtype = dtype_from_name(t.dtype)
                 numel = 1
@@ -181,7 +143,7 @@ def _read_flat(path: str, progress: bool) -> tuple[Flat, Manifest]:
                             fqn=fqn,
                             rank=m.files[c.file].rank,
                         )
-                    _read_chunk(fds[c.file], view, c, fpath, fqn, m.files[c.file].rank)
+                    read_chunk_into(fds[c.file], view, c, path=fpath, fqn=fqn, rank=m.files[c.file].rank)
                     if not whole:
                         box = full
                         for dim, (o, s) in enumerate(zip(c.offsets, c.sizes, strict=True)):

@@ -12,11 +12,12 @@ import os
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from .commit import CheckpointKind, classify
-from .errors import CheckpointError, CheckpointNotFoundError, NotCommittedError
+from .commit import CheckpointKind
+from .errors import CheckpointError
 from .format import objects as objcodec
 from .format.dtypes import dtype_name, element_size
 from .format.manifest import read_manifest
+from .reader import require_committed
 
 _TAG_TYPES = {
     "float": "float",
@@ -212,25 +213,13 @@ def inspect_checkpoint(
         print(summary.step, len(summary.tensors))
     """
     path = os.path.abspath(os.fspath(path))
-    kind = classify(path)
-    if kind is CheckpointKind.QUICKSAVE:
+    if require_committed(path, allow_dcp=True) is CheckpointKind.QUICKSAVE:
         return _quicksave_summary(path)
-    if kind is CheckpointKind.DCP:
-        if not allow_pickle:
-            raise CheckpointError(
-                "this is a stock torch.distributed.checkpoint directory whose metadata "
-                "(.metadata) is a Python pickle, which can run code when read; pass "
-                "--allow-pickle (allow_pickle=True) only if you trust it",
-                path=path,
-            )
-        return _dcp_summary(path)
-    if kind is CheckpointKind.MISSING:
-        raise CheckpointNotFoundError("no such file or directory", path=path)
-    if kind is CheckpointKind.UNCOMMITTED:
-        raise NotCommittedError(
-            "this checkpoint was never committed (a save was interrupted or is still running)",
+    if not allow_pickle:
+        raise CheckpointError(
+            "this is a stock torch.distributed.checkpoint directory whose metadata "
+            "(.metadata) is a Python pickle, which can run code when read; pass "
+            "--allow-pickle (allow_pickle=True) only if you trust it",
             path=path,
         )
-    raise CheckpointNotFoundError(
-        "not a checkpoint: neither manifest.json nor .metadata is present", path=path
-    )
+    return _dcp_summary(path)

@@ -26,7 +26,6 @@ from typing import Any
 
 import torch
 import xxhash
-from torch.futures import Future
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
     ChunkStorageMetadata,
@@ -38,6 +37,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.storage import StorageReader as _DCPStorageReader
+from torch.futures import Future
 
 from .commit import CheckpointKind, classify
 from .errors import CheckpointNotFoundError, CorruptCheckpointError, NotCommittedError
@@ -58,22 +58,34 @@ class DecodedObjectIO(io.BytesIO):
         self.value = value
 
 
-def require_committed(path: str) -> None:
-    """Raise the right error unless ``path`` is a committed quicksave checkpoint."""
+def require_committed(path: str, *, allow_dcp: bool = False) -> CheckpointKind:
+    """The kind of the committed checkpoint at ``path``; the one place that turns
+    "not a loadable checkpoint" into an error.
+
+    Args:
+        path: a checkpoint directory.
+        allow_dcp: accept a committed stock ``torch.distributed.checkpoint`` directory.
+
+    Raises:
+        CheckpointNotFoundError: nothing at ``path``, not a checkpoint, or a DCP
+            directory when ``allow_dcp`` is False.
+        NotCommittedError: a temporary or partial checkpoint (it is never loaded).
+    """
     kind = classify(path)
-    if kind is CheckpointKind.QUICKSAVE:
-        return
+    if kind is CheckpointKind.QUICKSAVE or (allow_dcp and kind is CheckpointKind.DCP):
+        return kind
     if kind is CheckpointKind.MISSING:
-        raise CheckpointNotFoundError("no such checkpoint", path=path)
+        raise CheckpointNotFoundError("no such file or directory", path=path)
     if kind is CheckpointKind.UNCOMMITTED:
         raise NotCommittedError(
-            "checkpoint was never committed (a save was interrupted); it cannot be loaded",
+            "checkpoint was never committed (a save was interrupted or is still running); "
+            "it is never loaded",
             path=path,
         )
     if kind is CheckpointKind.DCP:
         raise CheckpointNotFoundError(
             "this is a stock torch.distributed.checkpoint directory, not a quicksave one; "
-            "use quicksave.load() or dcp.FileSystemReader",
+            "quicksave.load() reads it through DCP's own reader",
             path=path,
         )
     raise CheckpointNotFoundError("not a checkpoint (no manifest.json)", path=path)
@@ -96,6 +108,47 @@ def manifest_to_metadata(manifest: Manifest) -> Metadata:
         storage[MetadataIndex(fqn)] = (fqn, o)
         mappings[fqn] = o.path or (fqn,)
     return Metadata(state_dict_metadata=sd_md, planner_data=mappings, storage_data=storage)
+
+
+def read_chunk_into(
+    fd: int,
+    view: memoryview,
+    entry: ChunkEntry,
+    *,
+    path: str,
+    fqn: str,
+    rank: int | None,
+    verify: bool = True,
+) -> None:
+    """Fill ``view`` with the bytes of ``entry`` from the open data file ``fd`` (at
+    ``path``) and check their xxh3-64.
+
+    Raises:
+        CorruptCheckpointError: the file ends before the chunk does, or the checksum
+            does not match; names the file, the fqn and the rank.
+    """
+    got = 0
+    while got < entry.length:
+        n = os.preadv(fd, [view[got:]], entry.offset + got)
+        if n == 0:
+            raise CorruptCheckpointError(
+                f"data file is truncated: chunk needs bytes {entry.offset}.."
+                f"{entry.offset + entry.length}, file ends at {os.fstat(fd).st_size}",
+                path=path,
+                fqn=fqn,
+                rank=rank,
+            )
+        got += n
+    if verify:
+        actual = hexdigest(xxhash.xxh3_64_intdigest(view))
+        if actual != entry.xxh3_64:
+            raise CorruptCheckpointError(
+                f"checksum mismatch in chunk at offsets {list(entry.offsets)} "
+                f"(stored {entry.xxh3_64}, read {actual})",
+                path=path,
+                fqn=fqn,
+                rank=rank,
+            )
 
 
 @dataclass
@@ -213,30 +266,9 @@ class StorageReader(_DCPStorageReader):
             raise CorruptCheckpointError(f"cannot open data file: {e.strerror}", path=path, fqn=fqn, rank=self.rank) from None
 
     def _read_into(self, fd: int, view: memoryview, c: _Chunk) -> None:
-        e = c.entry
-        got = 0
-        while got < e.length:
-            n = os.preadv(fd, [view[got:]], e.offset + got)
-            if n == 0:
-                raise CorruptCheckpointError(
-                    f"data file is truncated: chunk needs bytes {e.offset}..{e.offset + e.length}, "
-                    f"file ends at {e.offset + got}",
-                    path=os.path.join(self.path, e.file),
-                    fqn=c.fqn,
-                    rank=self.rank,
-                )
-            got += n
-        if self.verify:
-            actual = hexdigest(xxhash.xxh3_64_intdigest(view))
-            if actual != e.xxh3_64:
-                raise CorruptCheckpointError(
-                    f"checksum mismatch in chunk at offsets {list(e.offsets)} "
-                    f"(stored {e.xxh3_64}, read {actual})",
-                    path=os.path.join(self.path, e.file),
-                    fqn=c.fqn,
-                    rank=self.rank,
-                )
-        self.bytes_read += e.length
+        path = os.path.join(self.path, c.entry.file)
+        read_chunk_into(fd, view, c.entry, path=path, fqn=c.fqn, rank=self.rank, verify=self.verify)
+        self.bytes_read += c.entry.length
 
     def _read_chunk(self, fd: int, c: _Chunk) -> None:
         e = c.entry

@@ -26,12 +26,12 @@ from typing import Any
 import numpy as np
 import xxhash
 
-from .commit import CheckpointKind, classify
-from .errors import CheckpointNotFoundError, CorruptCheckpointError, NotCommittedError
+from .errors import CorruptCheckpointError
 from .format import ALIGNMENT, MANIFEST_NAME
 from .format import objects as objcodec
 from .format.dtypes import dtype_from_name, element_size
 from .format.manifest import FileEntry, Manifest, hexdigest, read_manifest
+from .reader import require_committed
 
 READ_BLOCK = 16 << 20  # one reused buffer; large reads keep syscalls few on big files
 
@@ -112,27 +112,19 @@ class _Region:
             self.hasher.update(block)
 
 
-def _require_quicksave(path: str) -> None:
-    kind = classify(path)
-    if kind is CheckpointKind.QUICKSAVE:
-        return
-    if kind is CheckpointKind.MISSING:
-        raise CheckpointNotFoundError("no such file or directory", path=path)
-    if kind is CheckpointKind.UNCOMMITTED:
-        raise NotCommittedError(
-            "this checkpoint was never committed (a save was interrupted or is still "
-            "running); there is nothing to verify — it will never be loaded",
-            path=path,
-        )
-    if kind is CheckpointKind.DCP:
-        raise CheckpointNotFoundError(
-            "this is a stock torch.distributed.checkpoint directory (no manifest.json); "
-            "verify checks quicksave checkpoints only",
-            path=path,
-        )
-    raise CheckpointNotFoundError(
-        "not a checkpoint: no manifest.json (expected a quicksave checkpoint directory)",
-        path=path,
+def byte_progress(total: int, desc: str, enabled: bool) -> Any:
+    """A tqdm bar over bytes on stderr (a no-op bar when not ``enabled``)."""
+    from tqdm import tqdm  # imported lazily: most callers never draw a bar
+
+    return tqdm(
+        total=total,
+        unit="B",
+        unit_scale=True,
+        unit_divisor=1024,
+        file=sys.stderr,
+        disable=not enabled,
+        desc=desc,
+        leave=False,
     )
 
 
@@ -362,10 +354,8 @@ def verify_checkpoint(path: str | os.PathLike[str], progress: bool = False) -> V
         for p in report.problems:
             print(p)
     """
-    from tqdm import tqdm
-
     path = os.path.abspath(os.fspath(path))
-    _require_quicksave(path)
+    require_committed(path)
     manifest_path = os.path.join(path, MANIFEST_NAME)
     manifest_size = os.path.getsize(manifest_path)
     try:
@@ -408,16 +398,7 @@ def verify_checkpoint(path: str | os.PathLike[str], progress: bool = False) -> V
     total = sum(limit for *_, limit in plan)
     buf = memoryview(bytearray(min(READ_BLOCK, max(total, 1))))
     checked = manifest_size
-    with tqdm(
-        total=total,
-        unit="B",
-        unit_scale=True,
-        unit_divisor=1024,
-        file=sys.stderr,
-        disable=not progress,
-        desc="verify",
-        leave=False,
-    ) as bar:
+    with byte_progress(total, "verify", progress) as bar:
         for name, fpath, regions, limit in plan:
             checked += _check_file(fpath, name, regions, limit, problems, bar, buf)
     return VerifyReport(
