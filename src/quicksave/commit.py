@@ -65,8 +65,9 @@ def classify(path: str) -> CheckpointKind:
     return CheckpointKind.NOT_CHECKPOINT
 
 
-def fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+def fsync_path(path: str) -> None:
+    """fsync a file or a directory (a directory's fsync makes its entries durable)."""
+    fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:
@@ -106,14 +107,14 @@ def make_temp_dir(final: str, token: str) -> str:
 def publish(tmp: str, final: str) -> None:
     """Make the fully written ``tmp`` visible as ``final`` in one rename."""
     final = os.path.normpath(os.path.abspath(final))
-    fsync_dir(tmp)
+    fsync_path(tmp)
     try:
         os.rename(tmp, final)  # atomic; fails if ``final`` is a non-empty directory
     except OSError as e:
         raise CheckpointExistsError(
             f"cannot commit: {e.strerror}; the written data stays in {tmp}", path=final
         ) from e
-    fsync_dir(os.path.dirname(final))
+    fsync_path(os.path.dirname(final))
 
 
 def clean_stale_temporaries(root: str) -> list[str]:

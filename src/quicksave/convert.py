@@ -30,7 +30,7 @@ from typing import Any, Literal
 
 import torch
 
-from .commit import fsync_dir, new_token, temp_path_for
+from .commit import fsync_path, new_token, temp_path_for
 from .errors import CheckpointError, CheckpointExistsError, CorruptCheckpointError
 from .format import FORMAT_VERSION
 from .format import objects as objcodec
@@ -166,25 +166,9 @@ def _volume(sizes: tuple[int, ...]) -> int:
     return n
 
 
-def _fsync_file(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _fsync_file(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _write_torch(flat: Flat, m: Manifest, tmp: str) -> None:
     torch.save(_nest(flat), tmp)
-    _fsync_file(tmp)
+    fsync_path(tmp)
 
 
 def _write_dcp(flat: Flat, m: Manifest, tmp: str) -> None:
@@ -228,7 +212,7 @@ def _write_safetensors(flat: Flat, m: Manifest, tmp: str) -> None:
     if raw:
         meta["quicksave.raw_dtypes"] = json.dumps(raw, **compact)
     save_file(tensors, tmp, metadata=meta)
-    _fsync_file(tmp)
+    fsync_path(tmp)
 
 
 _WRITERS = {"torch": _write_torch, "dcp": _write_dcp, "safetensors": _write_safetensors}
@@ -257,7 +241,7 @@ def _publish(tmp: str, out: str) -> None:
             os.rename(tmp, out)
         else:
             os.unlink(tmp)
-    fsync_dir(os.path.dirname(out))
+    fsync_path(os.path.dirname(out))
 
 
 def convert(
