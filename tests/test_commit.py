@@ -233,7 +233,10 @@ class _Server:
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HELPERS.parent), *sys.path])}
         self.proc = subprocess.Popen(
             [sys.executable, "-u", str(HELPERS / "crash_child.py")],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            env=env,
         )
         self.lines: queue.Queue[str] = queue.Queue()
         self.saved: set[int] = set()
@@ -287,8 +290,11 @@ def _check_root(root: Path, checked: set[str]) -> tuple[int, int]:
             continue
         step = int(entry.name.removeprefix("step-"))
         expected = state_for(step)
-        dest = {"model": {k: torch.zeros_like(v) for k, v in expected["model"].items()},
-                "step": -1, "tag": ""}
+        dest = {
+            "model": {k: torch.zeros_like(v) for k, v in expected["model"].items()},
+            "step": -1,
+            "tag": "",
+        }
         quicksave.load(dest, entry)
         for k, v in expected["model"].items():
             assert_bit_equal(dest["model"][k], v, f"{entry.name}: {k}")

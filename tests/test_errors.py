@@ -22,8 +22,12 @@ from quicksave.errors import (
 )
 
 SUBCLASSES = [
-    CheckpointNotFoundError, NotCommittedError, CorruptCheckpointError,
-    IncompatibleStateError, CheckpointExistsError, WorkerFailedError,
+    CheckpointNotFoundError,
+    NotCommittedError,
+    CorruptCheckpointError,
+    IncompatibleStateError,
+    CheckpointExistsError,
+    WorkerFailedError,
 ]
 
 
@@ -117,13 +121,19 @@ def test_save_refuses_a_non_mapping(ckpt: Path):
 @pytest.mark.parametrize(
     "tensor, message",
     [
-        (torch.empty(2, device="meta"),
-         "tensor is on the meta device (it has no data); materialize it first"),
-        (torch.eye(2).to_sparse(),
-         "torch.sparse_coo tensors are not supported; save .to_dense() instead"),
-        (torch.quantize_per_tensor(torch.ones(2), 0.5, 0, torch.qint8),
-         "quantized tensors (qint8) cannot be stored as raw bytes; save .int_repr() with its "
-         "scale and zero point instead"),
+        (
+            torch.empty(2, device="meta"),
+            "tensor is on the meta device (it has no data); materialize it first",
+        ),
+        (
+            torch.eye(2).to_sparse(),
+            "torch.sparse_coo tensors are not supported; save .to_dense() instead",
+        ),
+        (
+            torch.quantize_per_tensor(torch.ones(2), 0.5, 0, torch.qint8),
+            "quantized tensors (qint8) cannot be stored as raw bytes; save .int_repr() with its "
+            "scale and zero point instead",
+        ),
     ],
     ids=["meta", "sparse", "quantized"],
 )

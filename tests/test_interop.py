@@ -25,8 +25,10 @@ def _state() -> dict:
             "i": random_tensor((3, 3), torch.int64, seed=3),
             "s": random_tensor((), torch.float64, seed=4),
         },
-        "optim": {"state": {"w": {"exp_avg": random_tensor((16, 8), torch.float32, seed=5)}},
-                  "param_groups": [{"lr": 0.01, "betas": (0.9, 0.99), "params": ["w"]}]},
+        "optim": {
+            "state": {"w": {"exp_avg": random_tensor((16, 8), torch.float32, seed=5)}},
+            "param_groups": [{"lr": 0.01, "betas": (0.9, 0.99), "params": ["w"]}],
+        },
         "step": 12,
         "note": "stock",
     }
@@ -80,8 +82,9 @@ def test_storage_writer_through_checkpoint_id(ckpt: Path):
     writer = quicksave.StorageWriter("/nonexistent/elsewhere")
     dcp.save(sd, checkpoint_id=str(ckpt), storage_writer=writer, no_dist=True)
     dest = {"w": torch.zeros(10)}
-    dcp.load(dest, checkpoint_id=str(ckpt), storage_reader=quicksave.StorageReader("/x"),
-             no_dist=True)
+    dcp.load(
+        dest, checkpoint_id=str(ckpt), storage_reader=quicksave.StorageReader("/x"), no_dist=True
+    )
     assert torch.equal(dest["w"], sd["w"])
 
 

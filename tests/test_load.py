@@ -101,7 +101,8 @@ def test_non_strict_loads_only_the_intersection(saved: Path):
     assert torch.equal(dest["model"]["new_layer"], sentinel)  # untouched
     assert dest["fresh_value"] == "keep me"
     assert set(dest) == {"model", "step", "fresh_value"} and set(dest["model"]) == {
-        "w", "new_layer",
+        "w",
+        "new_layer",
     }  # nothing only in the checkpoint was added
 
 

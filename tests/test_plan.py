@@ -65,8 +65,10 @@ def test_layout_aligns_every_chunk_and_pads_the_gaps():
         pos = hi
     assert f.data_start + pos == f.size
     pads = {k: v for k, v in header.items() if k.startswith(PAD_PREFIX)}
-    assert all(v["dtype"] == "U8" and v["shape"] == [v["data_offsets"][1] - v["data_offsets"][0]]
-               for v in pads.values())
+    assert all(
+        v["dtype"] == "U8" and v["shape"] == [v["data_offsets"][1] - v["data_offsets"][0]]
+        for v in pads.values()
+    )
     assert len(pads) == 2  # after "a" and after "b"; "c" ends aligned
 
 

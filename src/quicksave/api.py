@@ -18,13 +18,22 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import CheckpointException
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint._traverse import set_element
-from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    Metadata,
+    TensorStorageMetadata,
+)
 
 from .collect import to_state_dict, validate_for_save
 from .commit import CheckpointKind, classify
-from .errors import CheckpointError, CheckpointExistsError, IncompatibleStateError, rank_of_this_process
+from .errors import (
+    CheckpointError,
+    CheckpointExistsError,
+    IncompatibleStateError,
+    rank_of_this_process,
+)
 from .format.dtypes import dtype_name
 from .reader import DecodedObjectIO, StorageReader, require_committed
 from .writer import StorageWriter
@@ -225,7 +234,9 @@ class LoadPlanner(DefaultLoadPlanner):
         self.strict = strict
         self.path = path
 
-    def set_up_planner(self, state_dict, metadata: Metadata | None = None, is_coordinator: bool = False) -> None:
+    def set_up_planner(
+        self, state_dict, metadata: Metadata | None = None, is_coordinator: bool = False
+    ) -> None:
         super().set_up_planner(state_dict, metadata, is_coordinator)
         assert metadata is not None
         if self.mappings:  # DCP stringifies dict keys in paths: map back to the real keys
@@ -243,39 +254,63 @@ class LoadPlanner(DefaultLoadPlanner):
         if self.strict and (missing or unexpected):
             parts = []
             if missing:
-                parts.append(f"missing from checkpoint: {', '.join(missing[:20])}" + (" …" if len(missing) > 20 else ""))
+                parts.append(
+                    f"missing from checkpoint: {', '.join(missing[:20])}"
+                    + (" …" if len(missing) > 20 else "")
+                )
             if unexpected:
-                parts.append(f"not in the state dict being loaded: {', '.join(unexpected[:20])}" + (" …" if len(unexpected) > 20 else ""))
+                parts.append(
+                    f"not in the state dict being loaded: {', '.join(unexpected[:20])}"
+                    + (" …" if len(unexpected) > 20 else "")
+                )
             raise IncompatibleStateError(
-                "state dict keys do not match the checkpoint (" + "; ".join(parts) + "); pass strict=False to load the intersection",
+                "state dict keys do not match the checkpoint ("
+                + "; ".join(parts)
+                + "); pass strict=False to load the intersection",
                 path=self.path,
                 fqn=(missing or unexpected)[0],
                 rank=rank,
             )
         for fqn in sorted(dest_keys & set(stored)):
             md, value = stored[fqn], self.state_dict[fqn]
-            is_tensor = hasattr(value, "size") and hasattr(value, "dtype") and not isinstance(value, type)
+            is_tensor = (
+                hasattr(value, "size") and hasattr(value, "dtype") and not isinstance(value, type)
+            )
             if isinstance(md, TensorStorageMetadata):
                 if not is_tensor:
                     raise IncompatibleStateError(
-                        f"checkpoint holds a tensor here but the state dict has a value of type {type(value).__name__}",
-                        path=self.path, fqn=fqn, rank=rank,
+                        "checkpoint holds a tensor here but the state dict has a value of type "
+                        f"{type(value).__name__}",
+                        path=self.path,
+                        fqn=fqn,
+                        rank=rank,
                     )
                 if tuple(value.size()) != tuple(md.size):
                     raise IncompatibleStateError(
-                        f"shape mismatch: checkpoint {list(md.size)}, state dict {list(value.size())}",
-                        path=self.path, fqn=fqn, rank=rank,
+                        f"shape mismatch: checkpoint {list(md.size)}, "
+                        f"state dict {list(value.size())}",
+                        path=self.path,
+                        fqn=fqn,
+                        rank=rank,
                     )
                 if value.dtype != md.properties.dtype:
                     raise IncompatibleStateError(
                         f"dtype mismatch: checkpoint {dtype_name(md.properties.dtype)}, "
                         f"state dict {dtype_name(value.dtype)}",
-                        path=self.path, fqn=fqn, rank=rank,
+                        path=self.path,
+                        fqn=fqn,
+                        rank=rank,
                     )
-            elif isinstance(md, BytesStorageMetadata) and is_tensor and isinstance(value, torch.Tensor):
+            elif (
+                isinstance(md, BytesStorageMetadata)
+                and is_tensor
+                and isinstance(value, torch.Tensor)
+            ):
                 raise IncompatibleStateError(
                     "checkpoint holds a non-tensor value here but the state dict has a tensor",
-                    path=self.path, fqn=fqn, rank=rank,
+                    path=self.path,
+                    fqn=fqn,
+                    rank=rank,
                 )
 
     def load_bytes(self, read_item, value) -> None:

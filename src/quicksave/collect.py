@@ -33,7 +33,9 @@ def iter_leaves(value: Any, prefix: str = ""):
     if isinstance(value, Mapping):
         for k, v in value.items():
             yield from iter_leaves(v, f"{prefix}.{k}" if prefix else str(k))
-    elif isinstance(value, list) and any(_is_tensor_like(v) or isinstance(v, (Mapping, list)) for v in value):
+    elif isinstance(value, list) and any(
+        _is_tensor_like(v) or isinstance(v, (Mapping, list)) for v in value
+    ):
         for i, v in enumerate(value):
             yield from iter_leaves(v, f"{prefix}.{i}" if prefix else str(i))
     else:

@@ -100,7 +100,9 @@ def make_temp_dir(final: str, token: str) -> str:
         tmp = temp_path_for(final, token)
         os.makedirs(tmp, exist_ok=True)
     except OSError as e:
-        raise CheckpointError(f"cannot create checkpoint directory: {e.strerror}", path=final) from e
+        raise CheckpointError(
+            f"cannot create checkpoint directory: {e.strerror}", path=final
+        ) from e
     return tmp
 
 

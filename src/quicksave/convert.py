@@ -143,7 +143,9 @@ def _read_flat(path: str, progress: bool) -> tuple[Flat, Manifest]:
                             fqn=fqn,
                             rank=m.files[c.file].rank,
                         )
-                    read_chunk_into(fds[c.file], view, c, path=fpath, fqn=fqn, rank=m.files[c.file].rank)
+                    read_chunk_into(
+                        fds[c.file], view, c, path=fpath, fqn=fqn, rank=m.files[c.file].rank
+                    )
                     if not whole:
                         box = full
                         for dim, (o, s) in enumerate(zip(c.offsets, c.sizes, strict=True)):

@@ -55,7 +55,9 @@ class WrittenFile:
 
 def _os_error(e: OSError, path: str, rank: int) -> CheckpointError:
     name = errno.errorcode.get(e.errno or 0, "EIO")
-    return CheckpointError(f"writing checkpoint data failed: {name} ({e.strerror})", path=path, rank=rank)
+    return CheckpointError(
+        f"writing checkpoint data failed: {name} ({e.strerror})", path=path, rank=rank
+    )
 
 
 def write_file(
@@ -68,7 +70,9 @@ def write_file(
     path = os.path.join(directory, layout.name)
     digests: dict[str, str] = {}
     try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644)
+        fd = os.open(
+            path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644
+        )
     except OSError as e:
         raise _os_error(e, path, layout.rank) from e
     try:

@@ -104,7 +104,9 @@ def _split_among_files(items: list[ItemSpec], n_files: int) -> list[list[ItemSpe
     return [sorted(b, key=lambda it: (it.fqn, it.offsets)) for b in bins]
 
 
-def layout_file(name: str, rank: int, items: list[ItemSpec], alignment: int = ALIGNMENT) -> FileLayout:
+def layout_file(
+    name: str, rank: int, items: list[ItemSpec], alignment: int = ALIGNMENT
+) -> FileLayout:
     header: dict[str, object] = {
         "__metadata__": {
             "format": FORMAT_NAME,
@@ -117,10 +119,18 @@ def layout_file(name: str, rank: int, items: list[ItemSpec], alignment: int = AL
     for n_pad, item in enumerate(items):
         start = _align(cur, alignment)
         if start > cur:
-            header[f"{PAD_PREFIX}{n_pad}__"] = {"dtype": "U8", "shape": [start - cur], "data_offsets": [cur, start]}
+            header[f"{PAD_PREFIX}{n_pad}__"] = {
+                "dtype": "U8",
+                "shape": [start - cur],
+                "data_offsets": [cur, start],
+            }
         code = safetensors_code(dtype_from_name(item.dtype))
         shape = list(item.sizes) if code is not None else [item.nbytes]
-        header[item.key] = {"dtype": code or "U8", "shape": shape, "data_offsets": [start, start + item.nbytes]}
+        header[item.key] = {
+            "dtype": code or "U8",
+            "shape": shape,
+            "data_offsets": [start, start + item.nbytes],
+        }
         placed.append((item, start))
         cur = start + item.nbytes
     text = json.dumps(header, separators=(",", ":")).encode("utf-8")
@@ -128,13 +138,24 @@ def layout_file(name: str, rank: int, items: list[ItemSpec], alignment: int = AL
     text += b" " * (data_start - 8 - len(text))
     head = struct.pack("<Q", len(text)) + text
     entries = tuple(EntryLayout(item, data_start + start, item.nbytes) for item, start in placed)
-    return FileLayout(name=name, rank=rank, header=head, data_start=data_start, size=data_start + cur, entries=entries)
+    return FileLayout(
+        name=name,
+        rank=rank,
+        header=head,
+        data_start=data_start,
+        size=data_start + cur,
+        entries=entries,
+    )
 
 
-def layout_rank(rank: int, items: list[ItemSpec], n_files: int = 1, alignment: int = ALIGNMENT) -> RankLayout:
+def layout_rank(
+    rank: int, items: list[ItemSpec], n_files: int = 1, alignment: int = ALIGNMENT
+) -> RankLayout:
     """Lay out ``items`` of ``rank`` into up to ``n_files`` data files (none if no items)."""
     if not items:
         return RankLayout(rank, ())
     groups = _split_among_files(items, n_files)
-    files = tuple(layout_file(data_file_name(rank, i), rank, g, alignment) for i, g in enumerate(groups))
+    files = tuple(
+        layout_file(data_file_name(rank, i), rank, g, alignment) for i, g in enumerate(groups)
+    )
     return RankLayout(rank, files)

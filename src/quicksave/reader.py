@@ -1,4 +1,4 @@
-"""``quicksave.StorageReader``: read a quicksave checkpoint through ``torch.distributed.checkpoint.load``.
+"""``quicksave.StorageReader``: quicksave checkpoints for ``torch.distributed.checkpoint.load``.
 
 Nothing from the checkpoint is unpickled: the DCP metadata is rebuilt from
 ``manifest.json``. Reads go straight into the destination tensors when a stored chunk
@@ -96,7 +96,9 @@ def manifest_to_metadata(manifest: Manifest) -> Metadata:
     storage: dict[MetadataIndex, Any] = {}
     mappings: dict[str, tuple] = {}
     for fqn, t in manifest.tensors.items():
-        chunks = [ChunkStorageMetadata(torch.Size(c.offsets), torch.Size(c.sizes)) for c in t.chunks]
+        chunks = [
+            ChunkStorageMetadata(torch.Size(c.offsets), torch.Size(c.sizes)) for c in t.chunks
+        ]
         sd_md[fqn] = TensorStorageMetadata(
             TensorProperties(dtype=dtype_from_name(t.dtype)), torch.Size(t.shape), chunks
         )
@@ -205,7 +207,9 @@ class StorageReader(_DCPStorageReader):
         md.storage_meta = StorageMeta(checkpoint_id=self.path)
         return md
 
-    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+    def set_up_storage_reader(
+        self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any
+    ) -> None:
         self.storage_data = metadata.storage_data
         self.rank = kwargs.get("rank")
 
@@ -228,7 +232,9 @@ class StorageReader(_DCPStorageReader):
             chunk = chunks.get(req.storage_index)
             if chunk is None:
                 t_entry = self.read_manifest().tensors[fqn]
-                chunk = chunks[req.storage_index] = _Chunk(fqn, entry, dtype_from_name(t_entry.dtype), [])
+                chunk = chunks[req.storage_index] = _Chunk(
+                    fqn, entry, dtype_from_name(t_entry.dtype), []
+                )
             chunk.reqs.append((req, planner.resolve_tensor(req).detach()))
 
         by_file: dict[str, list[_Chunk]] = defaultdict(list)
@@ -243,7 +249,9 @@ class StorageReader(_DCPStorageReader):
                 for c in work:
                     self._read_chunk(fds[c.entry.file], c)
             else:
-                with ThreadPoolExecutor(min(self.thread_count, len(work)), thread_name_prefix="quicksave-read") as pool:
+                with ThreadPoolExecutor(
+                    min(self.thread_count, len(work)), thread_name_prefix="quicksave-read"
+                ) as pool:
                     for f in [pool.submit(self._read_chunk, fds[c.entry.file], c) for c in work]:
                         f.result()
         finally:
@@ -261,9 +269,13 @@ class StorageReader(_DCPStorageReader):
         try:
             return os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
         except FileNotFoundError:
-            raise CorruptCheckpointError("data file is missing", path=path, fqn=fqn, rank=self.rank) from None
+            raise CorruptCheckpointError(
+                "data file is missing", path=path, fqn=fqn, rank=self.rank
+            ) from None
         except OSError as e:
-            raise CorruptCheckpointError(f"cannot open data file: {e.strerror}", path=path, fqn=fqn, rank=self.rank) from None
+            raise CorruptCheckpointError(
+                f"cannot open data file: {e.strerror}", path=path, fqn=fqn, rank=self.rank
+            ) from None
 
     def _read_into(self, fd: int, view: memoryview, c: _Chunk) -> None:
         path = os.path.join(self.path, c.entry.file)
@@ -288,11 +300,14 @@ class StorageReader(_DCPStorageReader):
         self._read_into(fd, byte_view(buf), c)
         for req, dest in c.reqs:
             src = buf
-            for dim, (start, length) in enumerate(zip(req.storage_offsets, req.lengths)):
+            for dim, (start, length) in enumerate(
+                zip(req.storage_offsets, req.lengths, strict=True)
+            ):
                 src = src.narrow(dim, start, length)
             if src.shape != dest.shape:
                 raise CorruptCheckpointError(
-                    f"read request shape {list(dest.shape)} does not match stored {list(src.shape)}",
+                    f"read request shape {list(dest.shape)} does not match "
+                    f"stored {list(src.shape)}",
                     path=self.path,
                     fqn=c.fqn,
                     rank=self.rank,

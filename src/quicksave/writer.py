@@ -22,7 +22,6 @@ import dataclasses
 import os
 import pickle
 import uuid
-from torch.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,13 +37,21 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItemType
 from torch.distributed.checkpoint.storage import StorageWriter as _DCPStorageWriter
 from torch.distributed.checkpoint.storage import WriteResult
+from torch.futures import Future
 
 from . import commit, persist
 from .errors import CheckpointError, IncompatibleStateError
 from .format import DCP_METADATA_NAME, MANIFEST_NAME
 from .format import objects as objcodec
 from .format.dtypes import check_storable, dtype_name
-from .format.manifest import ChunkEntry, FileEntry, Manifest, ObjectEntry, TensorEntry, to_json_bytes
+from .format.manifest import (
+    ChunkEntry,
+    FileEntry,
+    Manifest,
+    ObjectEntry,
+    TensorEntry,
+    to_json_bytes,
+)
 from .format.manifest import hexdigest as _hex
 from .plan import ItemSpec, RankLayout, layout_rank
 
@@ -177,7 +184,7 @@ class StorageWriter(_DCPStorageWriter):
             return planner.resolve_data(by_key[key])
 
         written = persist.write_rank_files(rank_plan.tmp_dir, rank_plan.layout, source, self.fsync)
-        for f_layout, f_written in zip(rank_plan.layout.files, written):
+        for f_layout, f_written in zip(rank_plan.layout.files, written, strict=True):
             for entry in f_layout.entries:
                 key = entry.item.key
                 results.append(
@@ -219,7 +226,9 @@ class StorageWriter(_DCPStorageWriter):
         commit.write_durable(os.path.join(self.tmp_dir, DCP_METADATA_NAME), md_bytes)
         import xxhash
 
-        manifest_files[DCP_METADATA_NAME] = FileEntry(size=len(md_bytes), xxh3_64=_hex(xxhash.xxh3_64_intdigest(md_bytes)))
+        manifest_files[DCP_METADATA_NAME] = FileEntry(
+            size=len(md_bytes), xxh3_64=_hex(xxhash.xxh3_64_intdigest(md_bytes))
+        )
         manifest = dataclasses.replace(manifest, files=manifest_files)
         commit.write_durable(os.path.join(self.tmp_dir, MANIFEST_NAME), to_json_bytes(manifest))
         commit.publish(self.tmp_dir, self.path)
@@ -264,10 +273,18 @@ def build_manifest(
             for c in md.chunks:
                 w = by_index.get(MetadataIndex(fqn, c.offsets))
                 if not isinstance(w, _ChunkWritten):
-                    raise CheckpointError(f"no rank reported writing chunk at {list(c.offsets)}", fqn=fqn)
-                chunks.append(ChunkEntry(tuple(c.offsets), tuple(c.sizes), w.file, w.offset, w.length, w.xxh3_64))
+                    raise CheckpointError(
+                        f"no rank reported writing chunk at {list(c.offsets)}", fqn=fqn
+                    )
+                chunks.append(
+                    ChunkEntry(
+                        tuple(c.offsets), tuple(c.sizes), w.file, w.offset, w.length, w.xxh3_64
+                    )
+                )
             chunks.sort(key=lambda c: c.offsets)
-            tensors[fqn] = TensorEntry(dtype_name(md.properties.dtype), tuple(md.size), tuple(chunks), path)
+            tensors[fqn] = TensorEntry(
+                dtype_name(md.properties.dtype), tuple(md.size), tuple(chunks), path
+            )
         elif isinstance(md, BytesStorageMetadata):
             w = by_index.get(MetadataIndex(fqn))
             if not isinstance(w, _ObjectWritten):

@@ -97,14 +97,28 @@ def test_manifest_bytes_do_not_depend_on_path_or_run(tmp_path: Path):
 def test_golden_manifest_content():
     doc = json.loads(FIXTURE.read_bytes())
     assert list(doc) == [
-        "format", "format_version", "step", "world_size", "tensors", "objects", "files",
-        "user_metadata", "manifest_xxh3_64",
+        "format",
+        "format_version",
+        "step",
+        "world_size",
+        "tensors",
+        "objects",
+        "files",
+        "user_metadata",
+        "manifest_xxh3_64",
     ]
     assert (doc["format"], doc["format_version"], doc["step"], doc["world_size"]) == (
-        "quicksave", 1, 3, 1,
+        "quicksave",
+        1,
+        3,
+        1,
     )
     assert sorted(doc["tensors"]) == [
-        "counter", "half", "model.linear.bias", "model.linear.weight", "model.mask",
+        "counter",
+        "half",
+        "model.linear.bias",
+        "model.linear.weight",
+        "model.mask",
     ]
     weight = doc["tensors"]["model.linear.weight"]
     assert weight["dtype"] == "float32" and weight["shape"] == [3, 4]
@@ -112,7 +126,8 @@ def test_golden_manifest_content():
     assert weight["chunks"][0]["length"] == 48
     assert doc["tensors"]["counter"]["shape"] == [] and "path" not in doc["tensors"]["counter"]
     assert doc["objects"]["train.betas"] == {
-        "value": {"$t": "tuple", "v": [0.9, 0.999]}, "path": ["train", "betas"],
+        "value": {"$t": "tuple", "v": [0.9, 0.999]},
+        "path": ["train", "betas"],
     }
     assert doc["objects"]["train.name"]["value"] == "run-\u03b1"
     assert doc["objects"]["extra.nan"]["value"] == {"$t": "float", "v": "nan"}
@@ -166,8 +181,16 @@ def test_golden_manifest_validates_against_schema():
         lambda d: d["objects"]["train.epoch"].update(value={"$t": "pickle", "v": ""}),
         lambda d: d["tensors"]["counter"].pop("chunks"),
     ],
-    ids=["extra-member", "version", "world-size", "unaligned", "digest", "file-name",
-         "object-tag", "no-chunks"],
+    ids=[
+        "extra-member",
+        "version",
+        "world-size",
+        "unaligned",
+        "digest",
+        "file-name",
+        "object-tag",
+        "no-chunks",
+    ],
 )
 def test_schema_rejects_bad_manifests(mutate):
     doc = json.loads(FIXTURE.read_bytes())
@@ -236,7 +259,7 @@ def test_rejects_changed_byte():
 def test_rejects_changed_checksum():
     data = FIXTURE.read_bytes()
     pos = data.rindex(b'"manifest_xxh3_64":"') + len('"manifest_xxh3_64":"')
-    flipped = data[:pos] + (b"0" if data[pos:pos + 1] != b"0" else b"1") + data[pos + 1:]
+    flipped = data[:pos] + (b"0" if data[pos : pos + 1] != b"0" else b"1") + data[pos + 1 :]
     assert "manifest checksum mismatch" in _parse_error(flipped).message
 
 
@@ -244,9 +267,9 @@ def test_rejects_changed_checksum():
 def test_rejects_truncated(keep: float):
     data = FIXTURE.read_bytes()
     err = _parse_error(data[: int(len(data) * keep)])
-    assert err.message in (
-        "manifest has no manifest_xxh3_64 checksum",
-    ) or err.message.startswith("manifest checksum mismatch")
+    assert err.message in ("manifest has no manifest_xxh3_64 checksum",) or err.message.startswith(
+        "manifest checksum mismatch"
+    )
 
 
 def test_rejects_invalid_json_with_valid_checksum():
@@ -331,8 +354,16 @@ def test_rejects_file_names_leaving_the_directory(name: str):
             "manifest: objects['x'] lacks 'value'",
         ),
     ],
-    ids=["missing", "type", "step-bool", "tensors-list", "negative", "chunk-key", "size-float",
-         "object"],
+    ids=[
+        "missing",
+        "type",
+        "step-bool",
+        "tensors-list",
+        "negative",
+        "chunk-key",
+        "size-float",
+        "object",
+    ],
 )
 def test_rejects_malformed_members(mutate, message: str):
     doc = _golden_doc()

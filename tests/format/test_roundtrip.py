@@ -40,13 +40,39 @@ def _roundtrip(sd: dict, dest: dict, path: Path, **load_kwargs) -> dict:
 
 def test_dtype_list_is_complete():
     names = {str(d).removeprefix("torch.") for d in DTYPES}
-    expected = {
-        "float64", "float32", "float16", "bfloat16", "complex32", "complex64", "complex128",
-        "bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
-        "float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz",
-        "float8_e8m0fnu", "float4_e2m1fn_x2", "bits8", "bits16", "bits1x8", "bits2x4",
-        "bits4x2",
-    } | {f"uint{i}" for i in range(1, 8)} | {f"int{i}" for i in range(1, 8)}
+    expected = (
+        {
+            "float64",
+            "float32",
+            "float16",
+            "bfloat16",
+            "complex32",
+            "complex64",
+            "complex128",
+            "bool",
+            "int8",
+            "int16",
+            "int32",
+            "int64",
+            "uint8",
+            "uint16",
+            "uint32",
+            "uint64",
+            "float8_e4m3fn",
+            "float8_e4m3fnuz",
+            "float8_e5m2",
+            "float8_e5m2fnuz",
+            "float8_e8m0fnu",
+            "float4_e2m1fn_x2",
+            "bits8",
+            "bits16",
+            "bits1x8",
+            "bits2x4",
+            "bits4x2",
+        }
+        | {f"uint{i}" for i in range(1, 8)}
+        | {f"int{i}" for i in range(1, 8)}
+    )
     assert expected <= names
     assert not names & {"qint8", "quint8", "qint32", "quint4x2", "quint2x4"}
 
@@ -105,12 +131,23 @@ def test_all_dtypes_in_one_checkpoint_are_valid_safetensors(ckpt: Path):
                 seen.add(key)
     assert seen == set(sd)
     native = {
-        torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32,
-        torch.int16, torch.int8, torch.uint8, torch.bool, torch.float8_e4m3fn, torch.float8_e5m2,
+        torch.float64,
+        torch.float32,
+        torch.float16,
+        torch.bfloat16,
+        torch.int64,
+        torch.int32,
+        torch.int16,
+        torch.int8,
+        torch.uint8,
+        torch.bool,
+        torch.float8_e4m3fn,
+        torch.float8_e5m2,
     }
     for dtype in native:  # these must be stored with their own safetensors dtype
-        with safe_open(str(ckpt / doc["tensors"][f"t_{str(dtype)[6:]}"]["chunks"][0]["file"]),
-                       "pt") as f:
+        with safe_open(
+            str(ckpt / doc["tensors"][f"t_{str(dtype)[6:]}"]["chunks"][0]["file"]), "pt"
+        ) as f:
             assert f.get_tensor(f"t_{str(dtype)[6:]}").dtype == dtype
 
 
@@ -197,7 +234,7 @@ def _values() -> dict:
         "ninf": float("-inf"),
         "neg_zero": -0.0,
         "complex": complex(1.5, -2),
-        "str": "héllo wörld ☃ 😀 \u0000 \"quoted\"",
+        "str": 'héllo wörld ☃ 😀 \u0000 "quoted"',
         "empty_str": "",
         "bytes": bytes(range(256)),
         "bytearray": bytearray(b"\x00\x01"),

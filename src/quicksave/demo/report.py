@@ -148,5 +148,6 @@ def list_checkpoints(folder: str, out: TextIO) -> None:
         kind = classify(path)
         status = "committed" if kind is CheckpointKind.QUICKSAVE else kind.value
         files = len(os.listdir(path)) if os.path.isdir(path) else 1
-        print(f"  {name:<24} {status:<12} {_dir_size(path) / 1e6:>8.2f} MB  {files} files",
-              file=out)
+        print(
+            f"  {name:<24} {status:<12} {_dir_size(path) / 1e6:>8.2f} MB  {files} files", file=out
+        )

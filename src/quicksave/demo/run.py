@@ -94,8 +94,11 @@ def parse_args(argv: list[str] | None = None) -> DemoConfig:
         help="step at which the run is killed (default: mid-run, between two checkpoints; "
         "a multiple of --interval kills it while that step's checkpoint is being written)",
     )
-    p.add_argument("--folder", default=None, help="work folder (default: a fresh temp folder, "
-                   "deleted afterwards)")
+    p.add_argument(
+        "--folder",
+        default=None,
+        help="work folder (default: a fresh temp folder, deleted afterwards)",
+    )
     p.add_argument("--keep", type=int, default=0, help="keep the newest K checkpoints (0: all)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1, help="torch threads per training process")
@@ -342,11 +345,17 @@ def run_demo(cfg: DemoConfig, out: TextIO | None = None) -> int:
     ckpt = os.path.join(cfg.folder, "checkpoints")
     os.makedirs(cfg.folder, exist_ok=True)
     if os.path.isdir(ckpt) and os.listdir(ckpt):
-        print(f"quicksave demo: {ckpt} already holds checkpoints, and the interrupted run must "
-              "start from scratch; use a fresh --folder (or delete it)", file=out)
+        print(
+            f"quicksave demo: {ckpt} already holds checkpoints, and the interrupted run must "
+            "start from scratch; use a fresh --folder (or delete it)",
+            file=out,
+        )
         return 1
-    print(f"quicksave demo: {cfg.steps} steps, checkpoint every {cfg.interval}, SIGKILL at "
-          f"step {cfg.kill_at}; work folder {cfg.folder}", file=out)
+    print(
+        f"quicksave demo: {cfg.steps} steps, checkpoint every {cfg.interval}, SIGKILL at "
+        f"step {cfg.kill_at}; work folder {cfg.folder}",
+        file=out,
+    )
     results: dict[str, dict[str, Any]] = {}
     wall: dict[str, float] = {}
     errors: list[DemoError] = []

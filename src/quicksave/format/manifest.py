@@ -108,7 +108,11 @@ def to_json_bytes(m: Manifest) -> bytes:
         "world_size": m.world_size,
         "tensors": {
             fqn: _opt_path(
-                {"dtype": t.dtype, "shape": list(t.shape), "chunks": [_chunk_json(c) for c in t.chunks]},
+                {
+                    "dtype": t.dtype,
+                    "shape": list(t.shape),
+                    "chunks": [_chunk_json(c) for c in t.chunks],
+                },
                 t.path,
             )
             for fqn, t in sorted(m.tensors.items())
@@ -220,13 +224,19 @@ def from_json_bytes(data: bytes, path: str = "manifest.json") -> Manifest:
             cw = f"{w}.chunks[{i}]"
             file = _req(c, "file", str, cw, path)
             if file not in files:
-                raise CorruptCheckpointError(f"manifest: {cw} names unknown file {file!r}", path=path, fqn=fqn)
+                raise CorruptCheckpointError(
+                    f"manifest: {cw} names unknown file {file!r}", path=path, fqn=fqn
+                )
             offsets = _int_tuple(_req(c, "offsets", list, cw, path), f"{cw}.offsets", path)
             sizes = _int_tuple(_req(c, "sizes", list, cw, path), f"{cw}.sizes", path)
-            if len(offsets) != len(shape) or len(sizes) != len(shape) or any(
-                o + s > d for o, s, d in zip(offsets, sizes, shape)
+            if (
+                len(offsets) != len(shape)
+                or len(sizes) != len(shape)
+                or any(o + s > d for o, s, d in zip(offsets, sizes, shape, strict=True))
             ):
-                raise CorruptCheckpointError(f"manifest: {cw} lies outside shape {list(shape)}", path=path, fqn=fqn)
+                raise CorruptCheckpointError(
+                    f"manifest: {cw} lies outside shape {list(shape)}", path=path, fqn=fqn
+                )
             chunks.append(
                 ChunkEntry(
                     offsets=offsets,
@@ -248,7 +258,9 @@ def from_json_bytes(data: bytes, path: str = "manifest.json") -> Manifest:
     objects: dict[str, ObjectEntry] = {}
     for fqn, o in _req(doc, "objects", dict, "manifest", path).items():
         if not isinstance(o, dict) or "value" not in o:
-            raise CorruptCheckpointError(f"manifest: objects[{fqn!r}] lacks 'value'", path=path, fqn=fqn)
+            raise CorruptCheckpointError(
+                f"manifest: objects[{fqn!r}] lacks 'value'", path=path, fqn=fqn
+            )
         p = o.get("path")
         objects[fqn] = ObjectEntry(value=o["value"], path=tuple(p) if isinstance(p, list) else None)
 

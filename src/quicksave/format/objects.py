@@ -49,8 +49,13 @@ def encode(value: Any, fqn: str = "") -> JSONValue:
         return {"$t": "float", "v": repr(value)}
     if isinstance(value, list):
         return [encode(v, f"{fqn}[{i}]") for i, v in enumerate(value)]
-    if isinstance(value, tuple) and not hasattr(value, "_fields") and not isinstance(
-        value, torch.Size  # a tuple subclass: must reach its own tag below
+    if (
+        isinstance(value, tuple)
+        and not hasattr(value, "_fields")
+        and not isinstance(
+            value,
+            torch.Size,  # a tuple subclass: must reach its own tag below
+        )
     ):
         return {"$t": "tuple", "v": [encode(v, f"{fqn}[{i}]") for i, v in enumerate(value)]}
     if isinstance(value, dict):
@@ -78,7 +83,12 @@ def encode(value: Any, fqn: str = "") -> JSONValue:
         # A tensor that DCP did not flatten (e.g. inside a tuple): small, stored inline.
         t = value.detach().cpu().contiguous()
         raw = t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
-        return {"$t": "tensor", "dtype": dtype_name(t.dtype), "shape": list(t.shape), "v": _b64(raw)}
+        return {
+            "$t": "tensor",
+            "dtype": dtype_name(t.dtype),
+            "shape": list(t.shape),
+            "v": _b64(raw),
+        }
     if isinstance(value, np.ndarray):
         if value.dtype.hasobject:
             raise IncompatibleStateError(
@@ -86,7 +96,12 @@ def encode(value: Any, fqn: str = "") -> JSONValue:
             )
         arr = np.ascontiguousarray(value)
         # ascontiguousarray turns a 0-d array into shape (1,): keep the original shape.
-        return {"$t": "ndarray", "dtype": arr.dtype.str, "shape": list(value.shape), "v": _b64(arr.tobytes())}
+        return {
+            "$t": "ndarray",
+            "dtype": arr.dtype.str,
+            "shape": list(value.shape),
+            "v": _b64(arr.tobytes()),
+        }
     if isinstance(value, np.generic):
         return {"$t": "npscalar", "dtype": value.dtype.str, "v": _b64(value.tobytes())}
     raise IncompatibleStateError(
@@ -126,9 +141,9 @@ _DECODERS: dict[str, Callable[[dict], Any]] = {
     "size": lambda o: torch.Size(o["v"]),
     "device": lambda o: torch.device(o["v"]),
     "tensor": _tensor,
-    "ndarray": lambda o: np.frombuffer(_unb64(o["v"]), dtype=np.dtype(o["dtype"]))
-    .reshape(o["shape"])
-    .copy(),
+    "ndarray": lambda o: (
+        np.frombuffer(_unb64(o["v"]), dtype=np.dtype(o["dtype"])).reshape(o["shape"]).copy()
+    ),
     "npscalar": lambda o: np.frombuffer(_unb64(o["v"]), dtype=np.dtype(o["dtype"]))[0],
 }
 
