@@ -6,12 +6,14 @@ tensors and resharded loads work) with quicksave's storage layer underneath.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import gc
 import math
 import os
 import shutil
 import warnings
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
@@ -43,12 +45,25 @@ def _dist_on() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
-def _quiet_single_process():
-    """DCP warns on every single-process call; that is quicksave's normal case."""
-    ctx = warnings.catch_warnings()
-    ctx.__enter__()
-    warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-    return ctx
+@contextlib.contextmanager
+def _engine_call() -> Iterator[None]:
+    """Around one dcp.save / dcp.load call:
+
+    - silence DCP's warning on single-process calls (quicksave's normal case);
+    - pause the cyclic garbage collector. A save or load allocates tens of thousands of
+      short-lived planning objects; with torch imported (~250k tracked objects) the full
+      collections they trigger measured 0.1-0.5 s per call here. Everything allocated is
+      freed by reference counting; collection resumes when the call returns.
+    """
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            yield
+    finally:
+        if was_enabled:
+            gc.enable()
 
 
 def _unwrap(e: CheckpointException, path: str) -> CheckpointError:
@@ -138,15 +153,15 @@ def save(
             rank=rank,
         )
     writer = StorageWriter(path, step=step, thread_count=thread_count, user_metadata=user_metadata)
-    quiet = _quiet_single_process()
     try:
-        dcp.save(
-            sd,
-            storage_writer=writer,
-            planner=_SavePlanner(refused=refused),
-            process_group=process_group,
-            no_dist=not _dist_on(),
-        )
+        with _engine_call():
+            dcp.save(
+                sd,
+                storage_writer=writer,
+                planner=_SavePlanner(refused=refused),
+                process_group=process_group,
+                no_dist=not _dist_on(),
+            )
     except CheckpointException as e:
         if writer.tmp_dir and writer.is_coordinator:
             shutil.rmtree(writer.tmp_dir, ignore_errors=True)
@@ -157,8 +172,6 @@ def save(
         if writer.tmp_dir and writer.is_coordinator:
             shutil.rmtree(writer.tmp_dir, ignore_errors=True)
         raise _collective_failed(e, path, rank, "nothing was committed") from e
-    finally:
-        quiet.__exit__(None, None, None)
 
 
 def _element_bytes(item) -> int:
@@ -374,15 +387,15 @@ def load(
         reader = StorageReader(path, thread_count=thread_count)
         reader.read_manifest()  # fail fast on a bad manifest, before DCP planning
     planner = LoadPlanner(strict=strict, path=path)
-    quiet = _quiet_single_process()
     try:
-        dcp.load(
-            state_dict,
-            storage_reader=reader,
-            planner=planner,
-            process_group=process_group,
-            no_dist=not _dist_on(),
-        )
+        with _engine_call():
+            dcp.load(
+                state_dict,
+                storage_reader=reader,
+                planner=planner,
+                process_group=process_group,
+                no_dist=not _dist_on(),
+            )
     except CheckpointException as e:
         raise _unwrap(e, path) from None
     except RuntimeError as e:
@@ -391,5 +404,3 @@ def load(
         raise _collective_failed(
             e, path, rank_of_this_process(), "the state dict may be partly loaded"
         ) from e
-    finally:
-        quiet.__exit__(None, None, None)
