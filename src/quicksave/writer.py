@@ -41,7 +41,6 @@ from torch.futures import Future
 
 from . import commit, persist
 from .errors import CheckpointError, IncompatibleStateError
-from .format import DCP_METADATA_NAME, MANIFEST_NAME
 from .format import objects as objcodec
 from .format.dtypes import check_storable, dtype_name
 from .format.manifest import (
@@ -50,10 +49,10 @@ from .format.manifest import (
     Manifest,
     ObjectEntry,
     TensorEntry,
-    to_json_bytes,
 )
-from .format.manifest import hexdigest as _hex
 from .plan import ItemSpec, RankLayout, layout_rank
+from .reader import manifest_to_metadata
+from .worker import commit_files
 
 
 @dataclass(frozen=True)
@@ -211,28 +210,26 @@ class StorageWriter(_DCPStorageWriter):
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         if self.tmp_dir is None:
             raise CheckpointError("finish() called before prepare_global_plan()", path=self.path)
-        manifest_files, manifest = build_manifest(metadata, results, self.step, self.user_metadata)
-        dcp_storage = {
-            r.index: _StorageInfo(r.storage_data.file, r.storage_data.offset, r.storage_data.length)
-            for rank_results in results
-            for r in rank_results
-            if isinstance(r.storage_data, _ChunkWritten)
-        }
-        metadata.storage_data = dcp_storage
-        # No storage_meta (absolute path, random save id): the same state must give the
-        # same .metadata bytes, hence the same manifest bytes (docs/FORMAT.md §2).
-        metadata.storage_meta = None
-        md_bytes = pickle.dumps(metadata, protocol=pickle.HIGHEST_PROTOCOL)
-        commit.write_durable(os.path.join(self.tmp_dir, DCP_METADATA_NAME), md_bytes)
-        import xxhash
-
-        manifest_files[DCP_METADATA_NAME] = FileEntry(
-            size=len(md_bytes), xxh3_64=_hex(xxhash.xxh3_64_intdigest(md_bytes))
-        )
-        manifest = dataclasses.replace(manifest, files=manifest_files)
-        commit.write_durable(os.path.join(self.tmp_dir, MANIFEST_NAME), to_json_bytes(manifest))
-        commit.publish(self.tmp_dir, self.path)
+        _, manifest = build_manifest(metadata, results, self.step, self.user_metadata)
+        commit_files(self.tmp_dir, self.path, manifest, dcp_metadata_bytes(manifest))
         self.tmp_dir = None
+
+
+def dcp_metadata_bytes(manifest: Manifest) -> bytes:
+    """The ``.metadata`` of a checkpoint: DCP's ``Metadata`` for ``manifest``, pickled.
+
+    Built from the manifest alone (no absolute path, no random id), so the same state
+    gives the same bytes (docs/FORMAT.md §2, §5). Tensor items point at the raw bytes
+    with ``_StorageInfo(file, offset, length)``.
+    """
+    md = manifest_to_metadata(manifest)
+    md.storage_data = {
+        MetadataIndex(fqn, torch.Size(c.offsets)): _StorageInfo(c.file, c.offset, c.length)
+        for fqn, t in manifest.tensors.items()
+        for c in t.chunks
+    }
+    md.storage_meta = None
+    return pickle.dumps(md, protocol=pickle.HIGHEST_PROTOCOL)
 
 
 def _original_object(planner: SavePlanner, item, rank: int) -> Any:

@@ -1,0 +1,531 @@
+"""One method of the training-loop benchmark, run in a fresh process (the child side of
+:mod:`quicksave.bench.training`).
+
+The child builds the same seeded MLP + AdamW as every other child, trains ``warmup``
+untimed steps (so the optimizer state exists), then times ``steps`` steps, checkpointing
+every ``interval`` steps with one method, waits for the last checkpoint to be durable,
+and finally times restores of the last checkpoint. The method ``raw`` trains nothing:
+it times a raw write+fsync, an ``O_DIRECT`` write, a raw read and in-memory copies of
+the same bytes. The result is one JSON file.
+
+Entry point: ``python -c "...; child_main([spec_path])"`` (see ``training.py``).
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import mmap
+import os
+import re
+import statistics
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import torch.nn as nn
+
+import quicksave
+from quicksave.manager import CheckpointConfig, CheckpointManager, ModelState, OptimizerState
+
+from .methods import direct_io_error, raw_direct_save, raw_load, raw_save
+
+QUICKSAVE_MODES = {  # method -> CheckpointConfig arguments
+    "quicksave-sync": {"async_mode": "disabled"},
+    "quicksave-thread": {"async_mode": "thread", "staging": "overlap"},
+    "quicksave-process": {"async_mode": "process", "staging": "overlap"},
+    "quicksave-process-blocking": {"async_mode": "process", "staging": "blocking"},
+}
+DCP_ASYNC = {"dcp.async_save-thread": "THREAD", "dcp.async_save-process": "PROCESS"}
+
+
+class Unavailable(Exception):
+    """The method cannot run in this installation (reported, not a failure)."""
+
+
+# --------------------------------------------------------------------- memory probes
+def _status_kib(field: str, pid: int | str = "self") -> int | None:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            m = re.search(rf"{field}:\s+(\d+)", f.read())
+        return int(m.group(1)) if m else None
+    except OSError:
+        return None
+
+
+def _descendants(root: int) -> list[int]:
+    """Pids of every live descendant of ``root`` (from /proc/*/stat)."""
+    children: dict[int, list[int]] = {}
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        children.setdefault(ppid, []).append(int(name))
+    out, todo = [], [root]
+    while todo:
+        for pid in children.get(todo.pop(), []):
+            out.append(pid)
+            todo.append(pid)
+    return out
+
+
+class _WorkerRssMonitor:
+    """Samples the peak RSS (VmHWM) of this process's descendants (checkpoint workers)
+    twice a second; a worker that exits before the end still counts."""
+
+    def __init__(self) -> None:
+        self.peak_kib = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="rss-monitor", daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.5):
+            self.sample()
+
+    def sample(self) -> None:
+        for pid in _descendants(os.getpid()):
+            self.peak_kib = max(self.peak_kib, _status_kib("VmHWM", pid) or 0)
+
+    def __enter__(self) -> _WorkerRssMonitor:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.sample()
+        self._stop.set()
+        self._thread.join()
+
+
+def _reset_peak_rss() -> None:
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
+
+
+# ------------------------------------------------------------------ model and state
+def build_model(hidden: int, layers: int, seed: int) -> nn.Module:
+    """``layers`` Linear(hidden, hidden) with ReLU between them (hidden=4096, layers=8:
+    134.25M parameters, 1.61 GB with AdamW's two moments)."""
+    torch.manual_seed(seed)
+    mods: list[nn.Module] = []
+    for i in range(layers):
+        mods.append(nn.Linear(hidden, hidden))
+        if i < layers - 1:
+            mods.append(nn.ReLU())
+    return nn.Sequential(*mods)
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, dict):
+        return [t for v in value.values() for t in _tensors(v)]
+    if isinstance(value, (list, tuple)):
+        return [t for v in value for t in _tensors(v)]
+    return []
+
+
+def _state_tensors(model: nn.Module, optim: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """Every tensor a checkpoint holds, in a fixed order (model, then optimizer)."""
+    out = [t.detach() for t in model.state_dict().values()]
+    for st in optim.state.values():
+        out += [v for v in st.values() if isinstance(v, torch.Tensor)]
+    return out
+
+
+def _fingerprint(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    # A strided sample of every tensor: small, yet a load that misses a tensor or
+    # shifts its bytes changes it.
+    return [t.reshape(-1)[:: 4099 if t.numel() > 4099 else 1].clone() for t in tensors]
+
+
+# ----------------------------------------------------------------------- savers
+class _Saver:
+    """Checkpoint of the loop's state every ``interval`` steps; subclasses say how.
+
+    ``save`` returns once the loop may go on; ``finish`` waits until every checkpoint
+    is durable. ``durable`` maps a step to the seconds from its ``save`` call to its
+    durable commit, where known.
+    """
+
+    suffix = ""
+
+    def __init__(self, folder: str, states: dict[str, Any]) -> None:
+        self.folder, self.states = folder, states
+        self.durable: dict[int, float] = {}
+        self.started: dict[int, float] = {}
+
+    def path(self, step: int) -> str:
+        return os.path.join(self.folder, f"step-{step}{self.suffix}")
+
+    def state_dict(self) -> dict[str, Any]:
+        return {name: s.state_dict() for name, s in self.states.items()}
+
+    def save(self, step: int) -> None:
+        raise NotImplementedError
+
+    def finish(self) -> None:
+        pass
+
+    def restore(self, step: int) -> None:
+        quicksave.load(self.states, self.path(step))
+
+
+class _TorchSaver(_Saver):
+    suffix = ".pt"
+
+    def save(self, step: int) -> None:
+        t0 = self.started[step] = time.perf_counter()
+        with open(self.path(step), "wb") as f:
+            torch.save(self.state_dict(), f)
+            f.flush()
+            os.fsync(f.fileno())
+        self.durable[step] = time.perf_counter() - t0
+
+    def restore(self, step: int) -> None:
+        sd = torch.load(self.path(step), weights_only=True, mmap=False)
+        for name, state in self.states.items():
+            state.load_state_dict(sd[name])
+
+
+class _DcpSaver(_Saver):
+    def save(self, step: int) -> None:
+        t0 = self.started[step] = time.perf_counter()
+        dcp.save(self.state_dict(), checkpoint_id=self.path(step))
+        self.durable[step] = time.perf_counter() - t0
+
+    def restore(self, step: int) -> None:
+        dcp.load(self.states, checkpoint_id=self.path(step))
+
+
+class _DcpAsyncSaver(_DcpSaver):
+    """``dcp.async_save``; the previous save is waited for before the next one starts.
+
+    The process executor gets one ``DefaultStager`` with shared memory, created once
+    and reused (its storage cache makes later saves copy into the same buffers); the
+    thread executor gets DCP's default (a fresh private stager per call).
+    """
+
+    def __init__(self, folder: str, states: dict[str, Any], kind: str) -> None:
+        super().__init__(folder, states)
+        from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+        self.kind = getattr(AsyncCheckpointerType, kind)
+        self.stager = None
+        if kind == "PROCESS":
+            self.stager = DefaultStager(
+                StagingOptions(
+                    use_pinned_memory=torch.cuda.is_available(),
+                    use_shared_memory=True,
+                    use_async_staging=False,
+                    use_non_blocking_copy=False,
+                )
+            )
+        self.pending: Any = None
+
+    def _wait(self) -> None:
+        if self.pending is not None:
+            future = getattr(self.pending, "upload_completion", self.pending)
+            self.pending = None
+            future.result()
+
+    def save(self, step: int) -> None:
+        t0 = time.perf_counter()
+        self._wait()  # backpressure: counted in this save's blocking time
+        self.started[step] = t0
+        pending = dcp.async_save(
+            self.state_dict(),
+            checkpoint_id=self.path(step),
+            async_checkpointer_type=self.kind,
+            async_stager=self.stager,
+        )
+        future = getattr(pending, "upload_completion", pending)
+        future.add_done_callback(
+            lambda _f, s=step: self.durable.__setitem__(s, time.perf_counter() - t0)
+        )
+        self.pending = pending
+
+    def finish(self) -> None:
+        self._wait()
+        if self.stager is not None:
+            self.stager.close()
+
+
+class _CommitWatcher:
+    """Notes when ``<folder>/step-N`` appears: quicksave publishes a checkpoint with one
+    rename, so its appearance is the commit (an independent check of the manager's
+    own metrics). Polls every 5 ms."""
+
+    def __init__(self, saver: _Saver) -> None:
+        self.saver = saver
+        self.todo: dict[int, float] = {}
+        self.lock = threading.Lock()
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="commit-watcher", daemon=True)
+        self.thread.start()
+
+    def add(self, step: int, t0: float) -> None:
+        with self.lock:
+            self.todo[step] = t0
+
+    def _run(self) -> None:
+        while not self.stop.wait(0.005):
+            with self.lock:
+                items = list(self.todo.items())
+            for step, t0 in items:
+                if os.path.isfile(os.path.join(self.saver.path(step), "manifest.json")):
+                    with self.lock:
+                        self.saver.durable[step] = time.perf_counter() - t0
+                        del self.todo[step]
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join()
+
+
+class _QuicksaveSaver(_Saver):
+    def __init__(self, folder: str, states: dict[str, Any], interval: int, mode: dict) -> None:
+        super().__init__(folder, states)
+        try:
+            config = CheckpointConfig(folder=folder, interval=interval, **mode)
+            self.manager = CheckpointManager(config, states)
+        except Exception as e:  # an async mode the engine does not have yet
+            raise Unavailable(f"{type(e).__name__}: {e}") from e
+        self.watcher = _CommitWatcher(self)
+
+    def save(self, step: int) -> None:
+        t0 = self.started[step] = time.perf_counter()
+        self.watcher.add(step, t0)
+        self.manager.save(step)
+        if os.path.isfile(os.path.join(self.path(step), "manifest.json")):
+            # committed before save() returned (synchronous mode): exact, no poll delay
+            with self.watcher.lock:
+                self.durable[step] = time.perf_counter() - t0
+                self.watcher.todo.pop(step, None)
+
+    def finish(self) -> None:
+        self.manager.close()
+        deadline = time.monotonic() + 5  # the last rename is seen within one poll
+        while self.watcher.todo and time.monotonic() < deadline:
+            time.sleep(0.005)
+        self.watcher.close()
+
+    def records(self) -> list[dict[str, Any]]:
+        """The manager's own per-save metrics (whichever fields it has)."""
+        keys = ("step", "kind", "bytes", "blocking_s", "staging_s", "commit_s", "durable_s")
+        return [
+            {k: getattr(r, k) for k in keys if getattr(r, k, None) is not None}
+            for r in getattr(self.manager, "metrics", [])
+        ]
+
+
+def make_saver(method: str, folder: str, states: dict[str, Any], interval: int) -> _Saver:
+    """The saver of one benchmark method (``none`` saves nothing)."""
+    if method == "none":
+        return _Saver(folder, states)
+    if method == "torch.save":
+        return _TorchSaver(folder, states)
+    if method == "dcp.save":
+        return _DcpSaver(folder, states)
+    if method in DCP_ASYNC:
+        return _DcpAsyncSaver(folder, states, DCP_ASYNC[method])
+    if method in QUICKSAVE_MODES:
+        return _QuicksaveSaver(folder, states, interval, QUICKSAVE_MODES[method])
+    raise ValueError(f"unknown method {method!r}")
+
+
+# ------------------------------------------------------------------------ the loop
+def _train(spec: dict[str, Any]) -> tuple[nn.Module, torch.optim.Optimizer, Callable[[], float]]:
+    model = build_model(spec["hidden"], spec["layers"], spec["seed"])
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    g = torch.Generator().manual_seed(spec["seed"] + 1)
+    batches = [
+        (
+            torch.randn(spec["batch"], spec["hidden"], generator=g),
+            torch.randn(spec["batch"], spec["hidden"], generator=g),
+        )
+        for _ in range(4)
+    ]
+    counter = [0]
+
+    def step() -> float:
+        x, y = batches[counter[0] % len(batches)]
+        counter[0] += 1
+        optim.zero_grad(set_to_none=True)
+        loss = nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        optim.step()
+        return float(loss.detach())
+
+    return model, optim, step
+
+
+def _run_loop(spec: dict[str, Any], saver: _Saver, train_step: Callable[[], float]) -> dict:
+    steps, interval = spec["steps"], spec["interval"]
+    step_s, save_s, events = [], [], []
+    loss = 0.0
+    _reset_peak_rss()
+    with _WorkerRssMonitor() as monitor:
+        begin = time.perf_counter()
+        for step in range(1, steps + 1):
+            t0 = time.perf_counter()
+            loss = train_step()
+            t1 = time.perf_counter()
+            if spec["method"] != "none" and step % interval == 0:
+                saver.save(step)
+                t2 = time.perf_counter()
+                events.append({"step": step, "start_s": t1 - begin, "blocking_s": t2 - t1})
+            else:
+                t2 = t1
+            step_s.append(t2 - t0)
+            save_s.append(t2 - t1)
+        t_drain = time.perf_counter()
+        saver.finish()
+        end = time.perf_counter()
+    for ev in events:
+        ev["durable_s"] = saver.durable.get(ev["step"])
+    return {
+        "loop_s": end - begin,
+        "drain_s": end - t_drain,
+        "step_s": step_s,
+        "save_s": save_s,
+        "events": events,
+        "final_loss": loss,
+        "peak_rss_mib": (_status_kib("VmHWM") or 0) / 1024,
+        "worker_peak_rss_mib": monitor.peak_kib / 1024,
+    }
+
+
+def _restore_times(
+    saver: _Saver, step: int, tensors: Callable[[], list[torch.Tensor]], repeats: int
+) -> list[float]:
+    # ``tensors()`` is asked again after each load: an optimizer's load_state_dict may
+    # replace its state tensors instead of filling them.
+    expected = _fingerprint(tensors())
+    times = []
+    for _ in range(repeats):
+        with torch.no_grad():
+            for t in tensors():
+                t.zero_()  # a load that leaves old bytes in place must not pass
+        gc.collect()
+        t0 = time.perf_counter()
+        saver.restore(step)
+        times.append(time.perf_counter() - t0)
+        got = _fingerprint(tensors())
+        if not all(torch.equal(a, b) for a, b in zip(expected, got, strict=True)):
+            raise RuntimeError(f"restore of {saver.path(step)} gave different values")
+    return times
+
+
+def _raw(spec: dict[str, Any], tensors: list[torch.Tensor], folder: str) -> dict[str, Any]:
+    """Raw baselines on the same bytes: write+fsync, O_DIRECT write, read, memcpy."""
+    sd = {str(i): t for i, t in enumerate(tensors)}
+    path = os.path.join(folder, "raw.bin")
+    out: dict[str, Any] = {"write_s": [], "direct_s": [], "read_s": [], "copy_warm_s": []}
+    out["copy_fresh_s"] = []
+    no_direct = direct_io_error(folder)
+    bounce_map = None if no_direct else mmap.mmap(-1, 32 << 20)
+    warm = [torch.empty_like(t).zero_() for t in tensors]  # touched once, like a pool
+    for _ in range(spec["raw_repeats"]):
+        for key, fn in (
+            ("write_s", lambda: raw_save(sd, path)),
+            ("read_s", lambda: raw_load(sd, path)),
+            ("copy_warm_s", lambda: [w.copy_(t) for w, t in zip(warm, tensors, strict=True)]),
+            ("copy_fresh_s", lambda: [t.clone() for t in tensors]),
+        ):
+            gc.collect()
+            os.sync()
+            t0 = time.perf_counter()
+            fn()
+            out[key].append(time.perf_counter() - t0)
+        if bounce_map is not None:
+            os.sync()
+            t0 = time.perf_counter()
+            raw_direct_save(sd, path + ".direct", memoryview(bounce_map))
+            out["direct_s"].append(time.perf_counter() - t0)
+    if bounce_map is not None:
+        bounce_map.close()
+    else:
+        out["direct_unavailable"] = no_direct
+    return out
+
+
+def run_child(spec: dict[str, Any]) -> dict[str, Any]:
+    """Run one method as ``spec`` says and return its JSON-serializable result."""
+    torch.set_num_threads(spec["threads"])
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")  # DCP's process executor needs one
+    folder = spec["folder"]
+    os.makedirs(folder, exist_ok=True)
+    # A one-rank gloo group: DCP's process executor needs torch.distributed; every method
+    # gets it so that all of them run in the same setting.
+    store = dist.FileStore(os.path.join(folder, ".store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        model, optim, train_step = _train(spec)
+        for _ in range(spec["warmup"]):
+            train_step()  # allocates AdamW's state: not part of any method's time
+        states = {"model": ModelState(model), "optimizer": OptimizerState(model, optim)}
+        tensors = _state_tensors(model, optim)
+        result: dict[str, Any] = {
+            "method": spec["method"],
+            "params": sum(p.numel() for p in model.parameters()),
+            "bytes": sum(t.numel() * t.element_size() for t in tensors),
+            "rss_before_mib": (_status_kib("VmRSS") or 0) / 1024,
+        }
+        if spec["method"] == "raw":
+            result.update(_raw(spec, tensors, folder))
+            return result
+        t0 = time.perf_counter()
+        try:
+            saver = make_saver(spec["method"], folder, states, spec["interval"])
+        except Unavailable as e:
+            return {**result, "unavailable": str(e)}
+        result["setup_s"] = time.perf_counter() - t0
+        result.update(_run_loop(spec, saver, train_step))
+        if isinstance(saver, _QuicksaveSaver):
+            result["manager_records"] = saver.records()
+        if result["events"]:
+            last = result["events"][-1]["step"]
+            result["restore_s"] = _restore_times(
+                saver, last, lambda: _state_tensors(model, optim), spec["restore_repeats"]
+            )
+        return result
+    finally:
+        dist.destroy_process_group()
+
+
+def child_main(argv: list[str]) -> int:
+    """``child_main([spec_path])``: read the spec, run, write ``spec["result"]``."""
+    with open(argv[0]) as f:
+        spec = json.load(f)
+    try:
+        result = run_child(spec)
+    except Exception as e:
+        result = {
+            "method": spec.get("method"),
+            "failed": f"{type(e).__name__}: {e}",
+            "traceback": traceback.format_exc()[-4000:],
+        }
+    with open(spec["result"], "w") as f:
+        json.dump(result, f)
+    sys.stdout.flush()
+    return 0 if "failed" not in result else 1
+
+
+def median(values: list[float]) -> float | None:
+    """Median, or None for no values."""
+    return statistics.median(values) if values else None

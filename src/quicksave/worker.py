@@ -1,0 +1,469 @@
+"""Persist in the background: the job format, its execution, and the worker process.
+
+``execute_job`` writes one rank's staged file images from the pool and commits them; it
+runs either in a thread of the training process (``ThreadPersister``) or in one
+persistent worker process per rank (``ProcessPersister``), which:
+
+- is started with ``spawn`` when the saver is built, so the first save pays no start-up;
+- maps each staging pool once, through a file descriptor passed over a Unix socket (the
+  pool is a ``memfd``: no path, nothing to leak); tensor bytes never cross the pipe;
+- runs at a lower CPU priority, so that on a small machine training keeps its cores;
+- beats a heartbeat, and exits by itself within a second when its parent dies (even by
+  SIGKILL) or closes the pipe; on SIGTERM it finishes the job in hand, then exits;
+- reports every job's outcome ("done" with checksums and timings, or the error).
+
+Control messages are small pickled tuples of this module's dataclasses.
+
+Trainer-side failure detection (``ProcessPersister.poll``): a dead process, a heartbeat
+older than ``worker_timeout_s``, or a job running longer than ``save_timeout_s`` each
+raise ``WorkerFailedError`` naming the step and the cause; the worker is then killed and a
+new one is started for the next save.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import multiprocessing as mp
+import os
+import shutil
+import signal
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from multiprocessing.reduction import recv_handle, send_handle
+from typing import Any
+
+from . import commit, errors
+from .errors import CheckpointError, WorkerFailedError
+from .format import DCP_METADATA_NAME, MANIFEST_NAME
+from .format.manifest import FileEntry, Manifest, hexdigest, to_json_bytes
+from .persist import write_image
+
+
+@dataclass(frozen=True)
+class FileJob:
+    name: str
+    base: int  # pool offset of the file image
+    size: int
+    entries: tuple[tuple[str, int, int], ...]  # (safetensors key, file offset, length)
+
+
+@dataclass(frozen=True)
+class PersistJob:
+    """Everything the worker needs for one save of one rank (no tensor bytes)."""
+
+    job_id: int
+    pool_id: int
+    step: int | None
+    rank: int
+    final_path: str
+    tmp_dir: str
+    files: tuple[FileJob, ...]
+    manifest: Manifest  # chunk checksums still empty; filled from what is written
+    chunk_keys: dict[str, tuple[str, int]]  # safetensors key -> (fqn, chunk index)
+    dcp_metadata: bytes  # the pickled .metadata (built by the trainer at plan time)
+    fsync: bool = True
+    o_direct: bool = True
+    thread_count: int = 2
+    commit: bool = True  # single rank: this worker commits; multi-rank: the coordinator's
+
+
+@dataclass(frozen=True)
+class JobResult:
+    job_id: int
+    step: int | None
+    ok: bool
+    bytes_written: int = 0
+    write_s: float = 0.0
+    commit_s: float = 0.0
+    finished_at: float = 0.0  # time.monotonic() when durable (comparable across processes)
+    error_type: str = ""
+    error_message: str = ""
+    error_path: str | None = None
+    error_fqn: str | None = None
+    error_rank: int | None = None
+    detail: str = ""
+
+    def error(self) -> CheckpointError:
+        cls = getattr(errors, self.error_type, None)
+        if not (isinstance(cls, type) and issubclass(cls, CheckpointError)):
+            cls = CheckpointError
+        return cls(self.error_message, path=self.error_path, fqn=self.error_fqn, rank=self.error_rank)
+
+
+def _fill_checksums(m: Manifest, digests: dict[str, str], keys: dict[str, tuple[str, int]]) -> Manifest:
+    tensors = dict(m.tensors)
+    chunks: dict[str, list] = {fqn: list(t.chunks) for fqn, t in m.tensors.items()}
+    for key, digest in digests.items():
+        fqn, i = keys[key]
+        chunks[fqn][i] = dataclasses.replace(chunks[fqn][i], xxh3_64=digest)
+    for fqn, t in m.tensors.items():
+        tensors[fqn] = dataclasses.replace(t, chunks=tuple(chunks[fqn]))
+    return dataclasses.replace(m, tensors=tensors)
+
+
+def execute_job(job: PersistJob, pool: memoryview) -> JobResult:
+    """Write the job's files from ``pool`` (the staged images), then commit. Never raises:
+    failures come back in the JobResult, and the temporary directory is removed."""
+    t0 = time.monotonic()
+    try:
+        os.makedirs(job.tmp_dir, exist_ok=True)
+
+        def one(f: FileJob) -> dict[str, str]:
+            image = pool[f.base : f.base + f.size + (-f.size % 4096)]
+            return write_image(
+                os.path.join(job.tmp_dir, f.name),
+                image,
+                f.size,
+                list(f.entries),
+                rank=job.rank,
+                fsync=job.fsync,
+                o_direct=job.o_direct,
+            )
+
+        digests: dict[str, str] = {}
+        if len(job.files) <= 1 or job.thread_count <= 1:
+            for f in job.files:
+                digests.update(one(f))
+        else:
+            with ThreadPoolExecutor(min(job.thread_count, len(job.files))) as ex:
+                for d in ex.map(one, job.files):
+                    digests.update(d)
+        t1 = time.monotonic()
+        if job.commit:
+            commit_files(job.tmp_dir, job.final_path, _fill_checksums(job.manifest, digests, job.chunk_keys), job.dcp_metadata)
+        t2 = time.monotonic()
+        return JobResult(
+            job.job_id,
+            job.step,
+            True,
+            bytes_written=sum(f.size for f in job.files),
+            write_s=t1 - t0,
+            commit_s=t2 - t1,
+            finished_at=t2,
+        )
+    except BaseException as e:  # noqa: BLE001 - every failure must reach the trainer
+        shutil.rmtree(job.tmp_dir, ignore_errors=True)
+        if isinstance(e, CheckpointError):
+            return JobResult(
+                job.job_id, job.step, False, error_type=type(e).__name__, error_message=e.message,
+                error_path=e.path or job.final_path, error_fqn=e.fqn, error_rank=job.rank,
+            )
+        return JobResult(
+            job.job_id, job.step, False, error_type="CheckpointError",
+            error_message=f"{type(e).__name__}: {e}", error_path=job.final_path,
+            error_rank=job.rank, detail=traceback.format_exc(),
+        )
+
+
+def commit_files(tmp_dir: str, final_path: str, manifest: Manifest, dcp_metadata: bytes) -> None:
+    """Write ``.metadata`` then the manifest into ``tmp_dir``, fsync, and publish."""
+    import xxhash
+
+    commit.write_durable(os.path.join(tmp_dir, DCP_METADATA_NAME), dcp_metadata)
+    files = dict(manifest.files)
+    files[DCP_METADATA_NAME] = FileEntry(len(dcp_metadata), hexdigest(xxhash.xxh3_64_intdigest(dcp_metadata)))
+    manifest = dataclasses.replace(manifest, files=files)
+    commit.write_durable(os.path.join(tmp_dir, MANIFEST_NAME), to_json_bytes(manifest))
+    commit.publish(tmp_dir, final_path)
+
+
+# --------------------------------------------------------------------- persisters
+
+
+@dataclass
+class _Pending:
+    job_id: int
+    step: int | None
+    final_path: str | None
+    submitted_at: float
+
+
+class ThreadPersister:
+    """Runs jobs in one background thread of the training process (``async_mode="thread"``)."""
+
+    def __init__(self) -> None:
+        self._pools: dict[int, memoryview] = {}
+        self._results: list[JobResult | CallResult] = []
+        self._lock = threading.Lock()
+        self._threads: dict[int, threading.Thread] = {}
+        self.pid = os.getpid()
+
+    def map_pool(self, pool_id: int, fd: int, nbytes: int, buffer: memoryview) -> None:
+        self._pools[pool_id] = buffer
+
+    def unmap_pool(self, pool_id: int) -> None:
+        self._pools.pop(pool_id, None)
+
+    def submit(self, job: PersistJob) -> None:
+        def run() -> None:
+            r = execute_job(job, self._pools[job.pool_id])
+            with self._lock:
+                self._results.append(r)
+
+        t = threading.Thread(target=run, name=f"quicksave-persist-{job.job_id}", daemon=True)
+        self._threads[job.job_id] = t
+        t.start()
+
+    def submit_call(self, job_id: int, fn: Callable[..., Any], args: tuple, kwargs: dict) -> None:
+        def run() -> None:
+            r = run_call(job_id, fn, args, kwargs)
+            with self._lock:
+                self._results.append(r)
+
+        t = threading.Thread(target=run, name=f"quicksave-call-{job_id}", daemon=True)
+        self._threads[job_id] = t
+        t.start()
+
+    def poll(self, timeout: float = 0.0) -> list[JobResult | CallResult]:
+        deadline = time.monotonic() + timeout
+        while True:
+            with self._lock:
+                out, self._results = self._results, []
+            if out or time.monotonic() >= deadline:
+                for r in out:
+                    self._threads.pop(r.job_id, None)
+                return out
+            time.sleep(0.002)
+
+    def close(self, timeout: float) -> None:
+        for t in list(self._threads.values()):
+            t.join(timeout)
+
+    def kill(self) -> None:  # threads cannot be killed; they finish on their own
+        pass
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    worker_timeout_s: float = 30.0  # heartbeat older than this: the worker is hung
+    save_timeout_s: float = 900.0  # a job running longer than this: failed
+    start_timeout_s: float = 120.0  # spawn + imports on a busy machine
+    nice: int = 10  # CPU priority increment of the worker
+    heartbeat_s: float = 0.2
+
+
+class ProcessPersister:
+    """One persistent worker process (``async_mode="process"``).
+
+    Call order (training thread only): ``map_pool`` once per pool → ``submit`` per save →
+    ``poll`` until each job's result arrives → ``close``. Any method may raise
+    ``WorkerFailedError``; after that, build a new one.
+    """
+
+    def __init__(self, config: WorkerConfig = WorkerConfig(), rank: int = 0) -> None:
+        self.config = config
+        self.rank = rank
+        ctx = mp.get_context("spawn")
+        self._conn, child = ctx.Pipe(duplex=True)
+        self._heartbeat = ctx.Value("d", 0.0, lock=False)
+        self.process = ctx.Process(
+            target=_worker_main,
+            args=(child, self._heartbeat, os.getpid(), config.nice, config.heartbeat_s),
+            name=f"quicksave-worker-{rank}",
+            daemon=True,
+        )
+        self.process.start()
+        child.close()
+        self.pid = self.process.pid
+        self._started = time.monotonic()
+        self._in_flight: dict[int, _Pending] = {}
+        self._failed: WorkerFailedError | None = None
+
+    # messages ----------------------------------------------------------------
+    def _send(self, msg: tuple, what: str) -> None:
+        self._check()
+        try:
+            self._conn.send(msg)
+        except (OSError, EOFError, BrokenPipeError) as e:
+            raise self._fail(f"cannot reach the worker process ({what}): {e}") from e
+
+    def map_pool(self, pool_id: int, fd: int, nbytes: int, buffer: memoryview | None = None) -> None:
+        self._send(("map", pool_id, nbytes), "map pool")
+        try:
+            send_handle(self._conn, fd, self.process.pid)
+        except OSError as e:
+            raise self._fail(f"cannot pass the staging pool to the worker: {e}") from e
+
+    def unmap_pool(self, pool_id: int) -> None:
+        if self._failed is None and self.process.is_alive():
+            try:
+                self._conn.send(("unmap", pool_id))
+            except OSError:
+                pass
+
+    def submit(self, job: PersistJob) -> None:
+        self._send(("job", job), f"step {job.step}")
+        self._in_flight[job.job_id] = _Pending(job.job_id, job.step, job.final_path, time.monotonic())
+
+    def submit_call(self, job_id: int, fn: Callable[..., Any], args: tuple, kwargs: dict) -> None:
+        """Run ``fn(*args, **kwargs)`` in the worker (pickled: fn must be importable;
+        CPU tensors in args travel through shared memory, not the pipe)."""
+        self._send(("call", job_id, fn, args, kwargs), f"call {job_id}")
+        self._in_flight[job_id] = _Pending(job_id, None, None, time.monotonic())
+
+    # health ------------------------------------------------------------------
+    def _steps(self) -> str:
+        steps = [str(p.step) for p in self._in_flight.values() if p.step is not None]
+        return f" while writing step {', '.join(steps)}" if steps else ""
+
+    def _fail(self, cause: str) -> WorkerFailedError:
+        if self._failed is None:
+            self._failed = WorkerFailedError(
+                f"checkpoint worker process (pid {self.process.pid}) failed{self._steps()}: "
+                f"{cause}; the checkpoint was not committed and the previous one is intact",
+                path=next((p.final_path for p in self._in_flight.values() if p.final_path), None),
+                rank=self.rank,
+            )
+            self.kill()
+        return self._failed
+
+    def _check(self) -> None:
+        if self._failed is not None:
+            raise self._failed
+        now = time.monotonic()
+        if not self.process.is_alive():
+            code = self.process.exitcode
+            how = f"killed by signal {-code}" if code is not None and code < 0 else f"exit code {code}"
+            raise self._fail(f"it died ({how})")
+        beat = self._heartbeat.value
+        if beat == 0.0:
+            if now - self._started > self.config.start_timeout_s:
+                raise self._fail(f"it did not start within {self.config.start_timeout_s:.0f} s")
+        elif now - beat > self.config.worker_timeout_s:
+            raise self._fail(f"no heartbeat for {now - beat:.1f} s (hung?)")
+        for p in self._in_flight.values():
+            if now - p.submitted_at > self.config.save_timeout_s:
+                raise self._fail(
+                    f"job {p.job_id} took longer than save_timeout_s="
+                    f"{self.config.save_timeout_s:.0f} s"
+                )
+
+    def poll(self, timeout: float = 0.0) -> list[JobResult | CallResult]:
+        """Results that arrived within ``timeout`` seconds (checks health while waiting)."""
+        deadline = time.monotonic() + timeout
+        out: list[JobResult | CallResult] = []
+        while True:
+            self._check()
+            wait = min(0.1, max(0.0, deadline - time.monotonic()))
+            try:
+                while self._conn.poll(wait if not out else 0):
+                    kind, payload = self._conn.recv()
+                    if kind == "result":
+                        self._in_flight.pop(payload.job_id, None)
+                        out.append(payload)
+                    wait = 0
+            except (EOFError, OSError):
+                self._check()  # raises with the cause (died)
+                raise self._fail("its pipe closed") from None
+            if out or time.monotonic() >= deadline:
+                return out
+
+    def close(self, timeout: float) -> None:
+        """Ask the worker to finish and exit; kill it after ``timeout`` seconds."""
+        if self.process.is_alive() and self._failed is None:
+            try:
+                self._conn.send(("stop",))
+            except OSError:
+                pass
+            self.process.join(timeout)
+        self.kill()
+        self._conn.close()
+
+    def kill(self) -> None:
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join(5)
+
+
+# ------------------------------------------------------------------ worker process
+
+
+def _watch_parent(parent_pid: int) -> None:
+    while True:
+        if os.getppid() != parent_pid:
+            os._exit(3)  # orphaned: the trainer is gone, nothing can be committed for it
+        time.sleep(0.25)
+
+
+def _beat(heartbeat: Any, period: float) -> None:
+    while True:
+        heartbeat.value = time.monotonic()
+        time.sleep(period)
+
+
+def _worker_main(conn: Connection, heartbeat: Any, parent_pid: int, nice: int, period: float) -> None:
+    threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
+    stopping = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stopping.set())  # finish the job in hand
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the trainer, which closes us
+    if nice:
+        try:
+            os.nice(nice)
+        except OSError:
+            pass
+    threading.Thread(target=_beat, args=(heartbeat, period), daemon=True).start()
+    import mmap
+
+    pools: dict[int, tuple[mmap.mmap, memoryview]] = {}
+    while not stopping.is_set():
+        try:
+            if not conn.poll(0.2):
+                continue
+            msg = conn.recv()
+        except (EOFError, OSError):
+            break
+        kind = msg[0]
+        if kind == "map":
+            _, pool_id, nbytes = msg
+            fd = recv_handle(conn)
+            mm = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
+            os.close(fd)
+            pools[pool_id] = (mm, memoryview(mm))
+        elif kind == "unmap":
+            entry = pools.pop(msg[1], None)
+            if entry is not None:
+                entry[1].release()
+                entry[0].close()
+        elif kind == "job":
+            job: PersistJob = msg[1]
+            result = execute_job(job, pools[job.pool_id][1])
+            try:
+                conn.send(("result", result))
+            except OSError:
+                break
+        elif kind == "call":
+            _, job_id, fn, args, kwargs = msg
+            try:
+                conn.send(("result", run_call(job_id, fn, args, kwargs)))
+            except OSError:
+                break
+        elif kind == "stop":
+            break
+    for mm, view in pools.values():
+        view.release()
+        mm.close()
+
+
+@dataclass(frozen=True)
+class CallResult:
+    """Outcome of a generic call (the seeds' ``AsyncRequest.async_fn``) run by the worker."""
+
+    job_id: int
+    ok: bool
+    error: str = ""
+    detail: str = ""
+    value: Any = None
+
+
+def run_call(job_id: int, fn: Callable[..., Any], args: tuple, kwargs: dict) -> CallResult:
+    try:
+        fn(*args, **kwargs)
+        return CallResult(job_id, True)
+    except BaseException as e:  # noqa: BLE001 - reported to the trainer
+        return CallResult(job_id, False, f"{type(e).__name__}: {e}", traceback.format_exc())
+
