@@ -23,10 +23,14 @@ new one is started for the next save.
 from __future__ import annotations
 
 import dataclasses
-import multiprocessing as mp
+import mmap
 import os
 import shutil
 import signal
+import socket
+import struct
+import subprocess
+import sys
 import threading
 import time
 import traceback
@@ -92,10 +96,14 @@ class JobResult:
         cls = getattr(errors, self.error_type, None)
         if not (isinstance(cls, type) and issubclass(cls, CheckpointError)):
             cls = CheckpointError
-        return cls(self.error_message, path=self.error_path, fqn=self.error_fqn, rank=self.error_rank)
+        return cls(
+            self.error_message, path=self.error_path, fqn=self.error_fqn, rank=self.error_rank
+        )
 
 
-def _fill_checksums(m: Manifest, digests: dict[str, str], keys: dict[str, tuple[str, int]]) -> Manifest:
+def _fill_checksums(
+    m: Manifest, digests: dict[str, str], keys: dict[str, tuple[str, int]]
+) -> Manifest:
     tensors = dict(m.tensors)
     chunks: dict[str, list] = {fqn: list(t.chunks) for fqn, t in m.tensors.items()}
     for key, digest in digests.items():
@@ -135,7 +143,12 @@ def execute_job(job: PersistJob, pool: memoryview) -> JobResult:
                     digests.update(d)
         t1 = time.monotonic()
         if job.commit:
-            commit_files(job.tmp_dir, job.final_path, _fill_checksums(job.manifest, digests, job.chunk_keys), job.dcp_metadata)
+            commit_files(
+                job.tmp_dir,
+                job.final_path,
+                _fill_checksums(job.manifest, digests, job.chunk_keys),
+                job.dcp_metadata,
+            )
         t2 = time.monotonic()
         return JobResult(
             job.job_id,
@@ -150,13 +163,24 @@ def execute_job(job: PersistJob, pool: memoryview) -> JobResult:
         shutil.rmtree(job.tmp_dir, ignore_errors=True)
         if isinstance(e, CheckpointError):
             return JobResult(
-                job.job_id, job.step, False, error_type=type(e).__name__, error_message=e.message,
-                error_path=e.path or job.final_path, error_fqn=e.fqn, error_rank=job.rank,
+                job.job_id,
+                job.step,
+                False,
+                error_type=type(e).__name__,
+                error_message=e.message,
+                error_path=e.path or job.final_path,
+                error_fqn=e.fqn,
+                error_rank=job.rank,
             )
         return JobResult(
-            job.job_id, job.step, False, error_type="CheckpointError",
-            error_message=f"{type(e).__name__}: {e}", error_path=job.final_path,
-            error_rank=job.rank, detail=traceback.format_exc(),
+            job.job_id,
+            job.step,
+            False,
+            error_type="CheckpointError",
+            error_message=f"{type(e).__name__}: {e}",
+            error_path=job.final_path,
+            error_rank=job.rank,
+            detail=traceback.format_exc(),
         )
 
 
@@ -166,7 +190,9 @@ def commit_files(tmp_dir: str, final_path: str, manifest: Manifest, dcp_metadata
 
     commit.write_durable(os.path.join(tmp_dir, DCP_METADATA_NAME), dcp_metadata)
     files = dict(manifest.files)
-    files[DCP_METADATA_NAME] = FileEntry(len(dcp_metadata), hexdigest(xxhash.xxh3_64_intdigest(dcp_metadata)))
+    files[DCP_METADATA_NAME] = FileEntry(
+        len(dcp_metadata), hexdigest(xxhash.xxh3_64_intdigest(dcp_metadata))
+    )
     manifest = dataclasses.replace(manifest, files=files)
     commit.write_durable(os.path.join(tmp_dir, MANIFEST_NAME), to_json_bytes(manifest))
     commit.publish(tmp_dir, final_path)
@@ -250,6 +276,11 @@ class WorkerConfig:
 class ProcessPersister:
     """One persistent worker process (``async_mode="process"``).
 
+    The worker is a fresh interpreter running ``quicksave.worker.main``, like
+    multiprocessing's ``spawn`` but without re-importing the trainer's ``__main__`` (no
+    ``if __name__ == "__main__"`` guard needed in training scripts). It talks over a Unix
+    socket pair; its heartbeat is a double in a shared page.
+
     Call order (training thread only): ``map_pool`` once per pool → ``submit`` per save →
     ``poll`` until each job's result arrives → ``close``. Any method may raise
     ``WorkerFailedError``; after that, build a new one.
@@ -258,21 +289,35 @@ class ProcessPersister:
     def __init__(self, config: WorkerConfig = WorkerConfig(), rank: int = 0) -> None:
         self.config = config
         self.rank = rank
-        ctx = mp.get_context("spawn")
-        self._conn, child = ctx.Pipe(duplex=True)
-        self._heartbeat = ctx.Value("d", 0.0, lock=False)
-        self.process = ctx.Process(
-            target=_worker_main,
-            args=(child, self._heartbeat, os.getpid(), config.nice, config.heartbeat_s),
-            name=f"quicksave-worker-{rank}",
-            daemon=True,
+        parent_sock, child_sock = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._beat_fd = os.memfd_create("quicksave-heartbeat", os.MFD_CLOEXEC)
+        os.ftruncate(self._beat_fd, mmap.PAGESIZE)
+        self._beat = mmap.mmap(self._beat_fd, mmap.PAGESIZE)
+        pkg_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (pkg_root, env.get("PYTHONPATH")) if p)
+        cmd = [
+            sys.executable,
+            "-c",
+            "import sys; from quicksave.worker import main; main(sys.argv[1:])",
+            str(child_sock.fileno()),
+            str(self._beat_fd),
+            str(os.getpid()),
+            str(config.nice),
+            str(config.heartbeat_s),
+        ]
+        self.process = subprocess.Popen(
+            cmd, pass_fds=(child_sock.fileno(), self._beat_fd), env=env, stdin=subprocess.DEVNULL
         )
-        self.process.start()
-        child.close()
+        child_sock.close()
+        self._conn = Connection(parent_sock.detach())
         self.pid = self.process.pid
         self._started = time.monotonic()
         self._in_flight: dict[int, _Pending] = {}
         self._failed: WorkerFailedError | None = None
+
+    def _heartbeat(self) -> float:
+        return struct.unpack_from("d", self._beat, 0)[0]
 
     # messages ----------------------------------------------------------------
     def _send(self, msg: tuple, what: str) -> None:
@@ -282,15 +327,17 @@ class ProcessPersister:
         except (OSError, EOFError, BrokenPipeError) as e:
             raise self._fail(f"cannot reach the worker process ({what}): {e}") from e
 
-    def map_pool(self, pool_id: int, fd: int, nbytes: int, buffer: memoryview | None = None) -> None:
+    def map_pool(
+        self, pool_id: int, fd: int, nbytes: int, buffer: memoryview | None = None
+    ) -> None:
         self._send(("map", pool_id, nbytes), "map pool")
         try:
-            send_handle(self._conn, fd, self.process.pid)
+            send_handle(self._conn, fd, self.pid)
         except OSError as e:
             raise self._fail(f"cannot pass the staging pool to the worker: {e}") from e
 
     def unmap_pool(self, pool_id: int) -> None:
-        if self._failed is None and self.process.is_alive():
+        if self._failed is None and self.process.poll() is None:
             try:
                 self._conn.send(("unmap", pool_id))
             except OSError:
@@ -298,7 +345,9 @@ class ProcessPersister:
 
     def submit(self, job: PersistJob) -> None:
         self._send(("job", job), f"step {job.step}")
-        self._in_flight[job.job_id] = _Pending(job.job_id, job.step, job.final_path, time.monotonic())
+        self._in_flight[job.job_id] = _Pending(
+            job.job_id, job.step, job.final_path, time.monotonic()
+        )
 
     def submit_call(self, job_id: int, fn: Callable[..., Any], args: tuple, kwargs: dict) -> None:
         """Run ``fn(*args, **kwargs)`` in the worker (pickled: fn must be importable;
@@ -314,7 +363,7 @@ class ProcessPersister:
     def _fail(self, cause: str) -> WorkerFailedError:
         if self._failed is None:
             self._failed = WorkerFailedError(
-                f"checkpoint worker process (pid {self.process.pid}) failed{self._steps()}: "
+                f"checkpoint worker process (pid {self.pid}) failed{self._steps()}: "
                 f"{cause}; the checkpoint was not committed and the previous one is intact",
                 path=next((p.final_path for p in self._in_flight.values() if p.final_path), None),
                 rank=self.rank,
@@ -326,11 +375,15 @@ class ProcessPersister:
         if self._failed is not None:
             raise self._failed
         now = time.monotonic()
-        if not self.process.is_alive():
-            code = self.process.exitcode
-            how = f"killed by signal {-code}" if code is not None and code < 0 else f"exit code {code}"
+        code = self.process.poll()
+        if code is not None:
+            how = (
+                f"killed by signal {-code}"
+                if code is not None and code < 0
+                else f"exit code {code}"
+            )
             raise self._fail(f"it died ({how})")
-        beat = self._heartbeat.value
+        beat = self._heartbeat()
         if beat == 0.0:
             if now - self._started > self.config.start_timeout_s:
                 raise self._fail(f"it did not start within {self.config.start_timeout_s:.0f} s")
@@ -365,19 +418,27 @@ class ProcessPersister:
 
     def close(self, timeout: float) -> None:
         """Ask the worker to finish and exit; kill it after ``timeout`` seconds."""
-        if self.process.is_alive() and self._failed is None:
+        if self.process.poll() is None and self._failed is None:
             try:
                 self._conn.send(("stop",))
             except OSError:
                 pass
-            self.process.join(timeout)
+            try:
+                self.process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                pass
         self.kill()
         self._conn.close()
+        self._beat.close()
+        os.close(self._beat_fd)
 
     def kill(self) -> None:
-        if self.process.is_alive():
+        if self.process.poll() is None:
             self.process.kill()
-            self.process.join(5)
+        try:
+            self.process.wait(5)
+        except subprocess.TimeoutExpired:
+            pass
 
 
 # ------------------------------------------------------------------ worker process
@@ -390,13 +451,15 @@ def _watch_parent(parent_pid: int) -> None:
         time.sleep(0.25)
 
 
-def _beat(heartbeat: Any, period: float) -> None:
+def _beat(heartbeat: mmap.mmap, period: float) -> None:
     while True:
-        heartbeat.value = time.monotonic()
+        struct.pack_into("d", heartbeat, 0, time.monotonic())
         time.sleep(period)
 
 
-def _worker_main(conn: Connection, heartbeat: Any, parent_pid: int, nice: int, period: float) -> None:
+def _worker_main(
+    conn: Connection, heartbeat: mmap.mmap, parent_pid: int, nice: int, period: float
+) -> None:
     threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
     stopping = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stopping.set())  # finish the job in hand
@@ -407,8 +470,6 @@ def _worker_main(conn: Connection, heartbeat: Any, parent_pid: int, nice: int, p
         except OSError:
             pass
     threading.Thread(target=_beat, args=(heartbeat, period), daemon=True).start()
-    import mmap
-
     pools: dict[int, tuple[mmap.mmap, memoryview]] = {}
     while not stopping.is_set():
         try:
@@ -467,3 +528,11 @@ def run_call(job_id: int, fn: Callable[..., Any], args: tuple, kwargs: dict) -> 
     except BaseException as e:  # noqa: BLE001 - reported to the trainer
         return CallResult(job_id, False, f"{type(e).__name__}: {e}", traceback.format_exc())
 
+
+def main(argv: list[str]) -> None:
+    """Entry point of the worker process: ``SOCK_FD BEAT_FD PARENT_PID NICE PERIOD``."""
+    sock_fd, beat_fd, parent_pid = int(argv[0]), int(argv[1]), int(argv[2])
+    nice, period = int(argv[3]), float(argv[4])
+    heartbeat = mmap.mmap(beat_fd, mmap.PAGESIZE)
+    os.close(beat_fd)
+    _worker_main(Connection(sock_fd), heartbeat, parent_pid, nice, period)

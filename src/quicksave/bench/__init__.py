@@ -1,9 +1,14 @@
 """``quicksave bench``: benchmarks kept with the code; the numbers they gave are in
 ``docs/benchmarks.md``.
 
+``quicksave bench`` measures save/load throughput (:mod:`.throughput`);
+``quicksave bench --training ...`` measures what checkpointing costs a training loop
+(:mod:`.training`).
+
 Example::
 
     python -c "import quicksave.bench as b; b.main(['--size-mib', '64', '--repeats', '1'])"
+    python -c "import quicksave.bench as b; b.main(['--training', '--quick'])"
 """
 
 from __future__ import annotations
@@ -37,6 +42,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--seed", type=int, default=0, help="seed of the tensor values")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.add_argument(
+        "--training",
+        action="store_true",
+        help="run the training-loop benchmark instead (its options: --training --help)",
+    )
     return p
 
 
@@ -53,7 +63,14 @@ def main(argv: list[str] | None = None) -> int:
     Example::
 
         quicksave bench --size-mib 1024 --repeats 3
+        quicksave bench --training --plot steps.png
     """
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--training" in argv:
+        from .training import main as training_main  # imported only when asked for
+
+        argv.remove("--training")
+        return training_main(argv)
     args = build_parser().parse_args(argv)
     config = BenchConfig(args.size_mib, args.repeats, args.dir, args.cold, args.seed)
     try:

@@ -174,7 +174,9 @@ class _Saver:
     def state_dict(self) -> dict[str, Any]:
         return {name: s.state_dict() for name, s in self.states.items()}
 
-    def save(self, step: int) -> None:
+    def save(self, step: int) -> float:
+        """Save ``step``; return the seconds spent waiting for the previous save (0 where
+        that wait cannot be told apart from the rest of the call)."""
         raise NotImplementedError
 
     def finish(self) -> None:
@@ -187,13 +189,14 @@ class _Saver:
 class _TorchSaver(_Saver):
     suffix = ".pt"
 
-    def save(self, step: int) -> None:
+    def save(self, step: int) -> float:
         t0 = self.started[step] = time.perf_counter()
         with open(self.path(step), "wb") as f:
             torch.save(self.state_dict(), f)
             f.flush()
             os.fsync(f.fileno())
         self.durable[step] = time.perf_counter() - t0
+        return 0.0
 
     def restore(self, step: int) -> None:
         sd = torch.load(self.path(step), weights_only=True, mmap=False)
@@ -202,10 +205,11 @@ class _TorchSaver(_Saver):
 
 
 class _DcpSaver(_Saver):
-    def save(self, step: int) -> None:
+    def save(self, step: int) -> float:
         t0 = self.started[step] = time.perf_counter()
         dcp.save(self.state_dict(), checkpoint_id=self.path(step))
         self.durable[step] = time.perf_counter() - t0
+        return 0.0
 
     def restore(self, step: int) -> None:
         dcp.load(self.states, checkpoint_id=self.path(step))
@@ -221,8 +225,8 @@ class _DcpAsyncSaver(_DcpSaver):
 
     def __init__(self, folder: str, states: dict[str, Any], kind: str) -> None:
         super().__init__(folder, states)
-        from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
         from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+        from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
         self.kind = getattr(AsyncCheckpointerType, kind)
         self.stager = None
@@ -243,9 +247,10 @@ class _DcpAsyncSaver(_DcpSaver):
             self.pending = None
             future.result()
 
-    def save(self, step: int) -> None:
+    def save(self, step: int) -> float:
         t0 = time.perf_counter()
         self._wait()  # backpressure: counted in this save's blocking time
+        waited = time.perf_counter() - t0
         self.started[step] = t0
         pending = dcp.async_save(
             self.state_dict(),
@@ -258,6 +263,7 @@ class _DcpAsyncSaver(_DcpSaver):
             lambda _f, s=step: self.durable.__setitem__(s, time.perf_counter() - t0)
         )
         self.pending = pending
+        return waited
 
     def finish(self) -> None:
         self._wait()
@@ -307,7 +313,7 @@ class _QuicksaveSaver(_Saver):
             raise Unavailable(f"{type(e).__name__}: {e}") from e
         self.watcher = _CommitWatcher(self)
 
-    def save(self, step: int) -> None:
+    def save(self, step: int) -> float:
         t0 = self.started[step] = time.perf_counter()
         self.watcher.add(step, t0)
         self.manager.save(step)
@@ -316,6 +322,7 @@ class _QuicksaveSaver(_Saver):
             with self.watcher.lock:
                 self.durable[step] = time.perf_counter() - t0
                 self.watcher.todo.pop(step, None)
+        return 0.0  # the manager's own backpressure wait is inside save()
 
     def finish(self) -> None:
         self.manager.close()
@@ -386,9 +393,16 @@ def _run_loop(spec: dict[str, Any], saver: _Saver, train_step: Callable[[], floa
             loss = train_step()
             t1 = time.perf_counter()
             if spec["method"] != "none" and step % interval == 0:
-                saver.save(step)
+                waited = saver.save(step)
                 t2 = time.perf_counter()
-                events.append({"step": step, "start_s": t1 - begin, "blocking_s": t2 - t1})
+                events.append(
+                    {
+                        "step": step,
+                        "start_s": t1 - begin,
+                        "blocking_s": t2 - t1,
+                        "waited_for_previous_s": waited,
+                    }
+                )
             else:
                 t2 = t1
             step_s.append(t2 - t0)

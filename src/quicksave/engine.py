@@ -1,0 +1,641 @@
+"""The async engine: ``AsyncSaver`` — plan, stage, hand off, finalize — one per rank.
+
+One ``save()``, in the training thread::
+
+    finalize finished saves (FIFO; a failed one raises here)
+    → backpressure: a free staging pool (wait, or skip by policy)
+    → collect: flatten, snapshot plain values as JSON (now, not later)
+    → plan: layout of the rank's files (cached while the state's shapes are unchanged)
+    → stage: copy tensors into the pool (blocking mode: all now; overlap mode: the small
+      and forward-mutable ones now, the deferred ones — parameters, optimizer states — in a
+      background thread while the next forward/backward runs)
+    → submit: a small PersistJob to the persister (worker process or thread)
+    → return a SaveHandle
+
+The persister writes the files from the pool, checksums them, fsyncs and commits (single
+rank). ``finalize()`` collects outcomes; a worker that died or hung becomes a
+``WorkerFailedError`` there (or in ``save()``), and the next save starts a new worker.
+
+A pool the worker still reads is never written: each pool is "busy" from its submit to
+its result (``max_in_flight`` pools allow that many saves in flight).
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import dataclasses
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+
+from . import commit
+from .collect import to_state_dict, validate_for_save
+from .errors import CheckpointError, CheckpointExistsError, IncompatibleStateError
+from .format import objects as objcodec
+from .format.dtypes import dtype_name, element_size
+from .format.manifest import ChunkEntry, FileEntry, Manifest, ObjectEntry, TensorEntry
+from .plan import ItemSpec, RankLayout, layout_rank
+from .stage import StagingPool
+from .worker import (
+    CallResult,
+    FileJob,
+    JobResult,
+    PersistJob,
+    ProcessPersister,
+    ThreadPersister,
+    WorkerConfig,
+)
+from .writer import dcp_metadata_bytes
+
+logger = logging.getLogger("quicksave")
+
+Deferred = Callable[[str, torch.Tensor], bool]
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """How an AsyncSaver works.
+
+    Attributes:
+        mode: ``"process"`` (a persistent worker process per rank writes the files) or
+            ``"thread"`` (a background thread of this process does).
+        staging: ``"blocking"`` (``save()`` returns once every tensor is copied) or
+            ``"overlap"`` (tensors selected by ``save(deferred=...)`` are copied in the
+            background; call ``maybe_wait_for_staging()`` before mutating them).
+        thread_count: data files (and writer threads) per rank.
+        backpressure: ``"wait"`` for a free pool, or ``"skip"`` the save (logged).
+        max_in_flight: staging pools, i.e. saves that may be in flight at once.
+        o_direct: write files with O_DIRECT where the filesystem allows.
+        fsync: fsync files and directories (off only for throwaway tests).
+        worker: heartbeat and timeouts of the worker process.
+        close_timeout_s: how long ``close()`` waits for saves in flight.
+        pin_memory: page-lock pools for CUDA copies (default: when CUDA is available).
+    """
+
+    mode: Literal["process", "thread"] = "process"
+    staging: Literal["overlap", "blocking"] = "blocking"
+    thread_count: int = 2
+    backpressure: Literal["wait", "skip"] = "wait"
+    max_in_flight: int = 1
+    o_direct: bool = True
+    fsync: bool = True
+    worker: WorkerConfig = field(default_factory=WorkerConfig)
+    close_timeout_s: float = 300.0
+    pin_memory: bool | None = None
+
+    def __post_init__(self) -> None:
+        for name, value, allowed in (
+            ("mode", self.mode, ("process", "thread")),
+            ("staging", self.staging, ("overlap", "blocking")),
+            ("backpressure", self.backpressure, ("wait", "skip")),
+        ):
+            if value not in allowed:
+                raise CheckpointError(
+                    f"EngineConfig.{name} must be one of {allowed}, got {value!r}"
+                )
+        if self.thread_count < 1 or self.max_in_flight < 1:
+            raise CheckpointError("EngineConfig.thread_count and max_in_flight must be >= 1")
+
+
+@dataclass(frozen=True)
+class SaveResult:
+    """What one save cost. Times in seconds from the ``save()`` call."""
+
+    step: int | None
+    path: str
+    bytes: int
+    blocking_s: float  # save() held the caller
+    staging_s: float  # every tensor copied into the pool
+    durable_s: float  # committed: files, manifest and rename fsynced
+    write_s: float  # the persister's writing (files + fsync)
+    commit_s: float  # .metadata + manifest + rename
+
+
+class SaveHandle:
+    """A save in flight: ``done()``, ``wait(timeout)`` → SaveResult (or raises)."""
+
+    def __init__(self, step: int | None, path: str, started: float) -> None:
+        self.step = step
+        self.path = path
+        self.started = started
+        self.blocking_s = 0.0
+        self.staging_s: float | None = None
+        self._done = threading.Event()
+        self._result: SaveResult | None = None
+        self._error: BaseException | None = None
+        self._saver: AsyncSaver | None = None
+
+    def done(self) -> bool:
+        if not self._done.is_set() and self._saver is not None:
+            self._saver._collect(0.0)
+        return self._done.is_set()
+
+    def wait(self, timeout: float | None = None) -> SaveResult:
+        """Block until durable. Raises CheckpointError if the save failed, TimeoutError if
+        not done within ``timeout`` seconds."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not self._done.is_set():
+            if self._saver is None:
+                self._done.wait(0.05)
+            else:
+                self._saver._collect(0.05)
+            if deadline is not None and time.monotonic() > deadline and not self._done.is_set():
+                raise TimeoutError(
+                    f"save of step {self.step} to {self.path} not done after {timeout} s"
+                )
+        if self._error is not None:
+            raise self._error
+        assert self._result is not None
+        return self._result
+
+    def exception(self) -> BaseException | None:
+        return self._error if self._done.is_set() else None
+
+    def _finish(self, result: SaveResult | None, error: BaseException | None) -> None:
+        self._result, self._error = result, error
+        self._done.set()
+
+
+@dataclass(frozen=True)
+class _Plan:
+    key: tuple
+    layout: RankLayout
+    tensor_fqns: tuple[str, ...]
+    chunk_keys: dict[str, tuple[str, int]]
+    dcp_metadata: bytes
+    tensors: dict[str, TensorEntry]  # checksums empty
+    files: dict[str, FileEntry]
+
+
+@dataclass
+class _Slot:
+    pool: StagingPool | None = None
+    plan_key: tuple | None = None
+    pool_id: int = -1
+    busy: int | None = None  # job id using the pool
+
+
+@dataclass
+class _InFlight:
+    handle: SaveHandle
+    slot: _Slot
+    bytes: int
+
+
+class AsyncSaver:
+    """Saves checkpoints of one rank in the background.
+
+    Call order (training thread): ``save()`` per checkpoint (returns after staging, or at
+    once in overlap mode) → optionally ``maybe_wait_for_staging()`` before mutating
+    deferred tensors → ``finalize()`` now and then (surfaces errors) → ``close()``.
+
+    Args:
+        config: :class:`EngineConfig`.
+        rank: this process's rank (named in errors).
+
+    Example::
+
+        saver = AsyncSaver(EngineConfig(mode="process"))
+        handle = saver.save(model.state_dict(), "ckpt/step-10", step=10)
+        ...  # training goes on
+        handle.wait()
+        saver.close()
+    """
+
+    def __init__(self, config: EngineConfig | None = None, *, rank: int = 0) -> None:
+        self.config = config or EngineConfig()
+        self.rank = rank
+        self._lock = threading.RLock()
+        self._slots = [_Slot() for _ in range(self.config.max_in_flight)]
+        self._plans: dict[tuple, _Plan] = {}
+        self._in_flight: dict[int, _InFlight] = {}
+        self._unreported: list[BaseException] = []
+        self._next_id = 0
+        self._staging: threading.Thread | None = None
+        self._staging_error: BaseException | None = None
+        self._closed = False
+        self._mapped: set[int] = set()
+        self._persister: ProcessPersister | ThreadPersister | None = None
+        self._persister = self._new_persister()  # started now: the first save pays no start-up
+        atexit.register(self._atexit)
+
+    # ------------------------------------------------------------------ persister
+    def _new_persister(self) -> ProcessPersister | ThreadPersister:
+        self._mapped = set()
+        if self.config.mode == "process":
+            return ProcessPersister(self.config.worker, self.rank)
+        return ThreadPersister()
+
+    def _persister_for_submit(self) -> ProcessPersister | ThreadPersister:
+        if self._persister is None:
+            logger.warning("quicksave: starting a new checkpoint worker (rank %d)", self.rank)
+            self._persister = self._new_persister()
+        return self._persister
+
+    def _worker_failed(self, err: BaseException) -> None:
+        """The persister is gone: fail every save in flight, free the pools."""
+        for job_id, fl in list(self._in_flight.items()):
+            fl.slot.busy = None
+            fl.handle._finish(None, err)
+            del self._in_flight[job_id]
+        if self._persister is not None:
+            self._persister.kill()
+        self._persister = None
+        self._unreported.append(err)
+
+    @property
+    def worker_pid(self) -> int | None:
+        """PID of the worker process (process mode), for monitoring and tests."""
+        p = self._persister
+        return p.pid if isinstance(p, ProcessPersister) else None
+
+    # --------------------------------------------------------------------- save
+    def save(
+        self,
+        state_dict: Mapping[str, Any],
+        path: str | os.PathLike[str],
+        *,
+        step: int | None = None,
+        deferred: Deferred | None = None,
+        user_metadata: dict[str, Any] | None = None,
+    ) -> SaveHandle | None:
+        """Start saving ``state_dict`` to the checkpoint directory ``path``.
+
+        Args:
+            state_dict: names to tensors, ``Stateful`` objects, nested dicts/lists, values.
+            path: the checkpoint directory to create (must not hold a committed one).
+            step: recorded in the manifest.
+            deferred: in overlap mode, ``deferred(fqn, tensor)`` says which tensors may be
+                copied after ``save()`` returns (their values are still those at the call,
+                as long as nothing mutates them before ``maybe_wait_for_staging()``).
+            user_metadata: JSON-serializable dict stored in the manifest.
+
+        Returns:
+            a SaveHandle, or None if skipped by ``backpressure="skip"``.
+
+        Raises:
+            CheckpointError: a previous save failed (reported once), bad input (checked
+                before any I/O), the target exists, or the worker failed.
+        """
+        t0 = time.monotonic()
+        # Outside the lock: the staging thread takes it to submit.
+        self.maybe_wait_for_staging()
+        with self._lock:
+            if self._closed:
+                raise CheckpointError("the saver is closed", path=os.fspath(path), rank=self.rank)
+            final = os.path.abspath(os.fspath(path))
+            self.finalize(blocking=False)  # raises an earlier failure, once
+            if commit.classify(final) in (
+                commit.CheckpointKind.QUICKSAVE,
+                commit.CheckpointKind.DCP,
+            ):
+                raise CheckpointExistsError(
+                    "a committed checkpoint already exists here; quicksave never overwrites one",
+                    path=final,
+                    rank=self.rank,
+                )
+            tensors, objects, paths = self._collect_state(state_dict, final)
+            slot = self._free_slot()
+            if slot is None:
+                logger.warning(
+                    "quicksave: skipped the save of step %s: the previous save is still in flight",
+                    step,
+                )
+                return None
+            plan = self._plan(tensors, objects)
+            pool = self._pool_for(slot, plan)
+            handle = SaveHandle(step, final, t0)
+            handle._saver = self
+            job_id = self._next_id
+            self._next_id += 1
+            slot.busy = job_id
+            manifest = Manifest(
+                step=step,
+                world_size=1,
+                tensors={
+                    fqn: dataclasses.replace(t, path=paths.get(fqn))
+                    for fqn, t in plan.tensors.items()
+                },
+                objects={fqn: ObjectEntry(v, paths.get(fqn)) for fqn, v in objects.items()},
+                files=plan.files,
+                user_metadata=dict(user_metadata or {}),
+            )
+            job = PersistJob(
+                job_id=job_id,
+                pool_id=slot.pool_id,
+                step=step,
+                rank=self.rank,
+                final_path=final,
+                tmp_dir=commit.temp_path_for(final, commit.new_token()),
+                files=tuple(
+                    FileJob(
+                        f.name,
+                        pf.base,
+                        f.size,
+                        tuple((e.item.key, e.offset, e.length) for e in f.entries),
+                    )
+                    for f, pf in zip(plan.layout.files, pool.pool.files, strict=True)
+                ),
+                manifest=manifest,
+                chunk_keys=plan.chunk_keys,
+                dcp_metadata=plan.dcp_metadata,
+                fsync=self.config.fsync,
+                o_direct=self.config.o_direct,
+                thread_count=self.config.thread_count,
+            )
+            self._in_flight[job_id] = _InFlight(
+                handle, slot, sum(f.size for f in plan.layout.files)
+            )
+            now, later = self._split(plan, tensors, deferred)
+            try:
+                self._stage(pool, plan, tensors, now)
+            except BaseException:
+                slot.busy = None
+                del self._in_flight[job_id]
+                raise
+            if later:
+                self._staging_error = None
+                self._staging = threading.Thread(
+                    target=self._stage_then_submit,
+                    args=(pool, plan, tensors, later, job, handle),
+                    name="quicksave-stage",
+                    daemon=True,
+                )
+                self._staging.start()
+            else:
+                handle.staging_s = time.monotonic() - t0
+                self._submit(job, handle)
+            handle.blocking_s = time.monotonic() - t0
+            return handle
+
+    def _collect_state(
+        self, state_dict: Mapping[str, Any], final: str
+    ) -> tuple[dict[str, torch.Tensor], dict[str, Any], dict[str, tuple]]:
+        try:
+            sd = to_state_dict(state_dict)
+            validate_for_save(sd, self.rank)
+            flat, mappings = flatten_state_dict(sd)
+            tensors: dict[str, torch.Tensor] = {}
+            objects: dict[str, Any] = {}
+            for fqn, v in flat.items():
+                if isinstance(v, torch.Tensor):
+                    if type(v) is not torch.Tensor and not isinstance(v, torch.nn.Parameter):
+                        raise IncompatibleStateError(
+                            f"{type(v).__name__} values are saved by quicksave.save (DCP "
+                            "planning); the async engine saves one rank's plain tensors",
+                            fqn=fqn,
+                        )
+                    tensors[fqn] = v.detach()
+                else:
+                    objects[fqn] = objcodec.encode(v, fqn)  # the value now, not at write time
+        except IncompatibleStateError as e:
+            raise IncompatibleStateError(e.message, path=final, fqn=e.fqn, rank=self.rank) from None
+        paths = {fqn: tuple(p) for fqn, p in mappings.items() if tuple(p) != (fqn,)}
+        return tensors, objects, paths
+
+    # ---------------------------------------------------------------------- plan
+    def _plan(self, tensors: dict[str, torch.Tensor], objects: dict[str, Any]) -> _Plan:
+        key = (
+            tuple((fqn, t.dtype, tuple(t.shape)) for fqn, t in tensors.items()),
+            tuple(objects),
+            self.config.thread_count,
+        )
+        plan = self._plans.get(key)
+        if plan is not None:
+            return plan
+        items = []
+        for fqn, t in tensors.items():
+            shape = tuple(t.shape)
+            items.append(
+                ItemSpec(
+                    fqn,
+                    (0,) * len(shape),
+                    shape,
+                    shape,
+                    dtype_name(t.dtype),
+                    t.numel() * element_size(t.dtype),
+                )
+            )
+        layout = layout_rank(self.rank, items, self.config.thread_count)
+        entries: dict[str, TensorEntry] = {}
+        chunk_keys: dict[str, tuple[str, int]] = {}
+        files: dict[str, FileEntry] = {}
+        for f in layout.files:
+            files[f.name] = FileEntry(f.size, f.header_xxh3_64, self.rank, f.data_start)
+            for e in f.entries:
+                it = e.item
+                entries[it.fqn] = TensorEntry(
+                    it.dtype,
+                    it.global_shape,
+                    (ChunkEntry(it.offsets, it.sizes, f.name, e.offset, e.length, ""),),
+                )
+                chunk_keys[it.key] = (it.fqn, 0)
+        skeleton = Manifest(None, 1, entries, {fqn: ObjectEntry(None) for fqn in objects}, files)
+        plan = _Plan(
+            key, layout, tuple(tensors), chunk_keys, dcp_metadata_bytes(skeleton), entries, files
+        )
+        self._plans = {key: plan}  # keep the latest only: plans change rarely
+        return plan
+
+    # -------------------------------------------------------------------- pools
+    def _free_slot(self) -> _Slot | None:
+        while True:
+            for slot in self._slots:
+                if slot.busy is None:
+                    return slot
+            if self.config.backpressure == "skip":
+                return None
+            self._collect(0.1)  # wait: a buffer the worker still reads is never overwritten
+
+    def _pool_for(self, slot: _Slot, plan: _Plan) -> StagingPool:
+        persister = self._persister_for_submit()
+        if slot.pool is None or slot.plan_key != plan.key:
+            if slot.pool is not None:
+                persister.unmap_pool(slot.pool_id)
+                slot.pool.close()
+            slot.pool = StagingPool(plan.layout, pin=self.config.pin_memory)
+            slot.plan_key = plan.key
+            slot.pool_id = self._next_id
+            self._next_id += 1
+        if slot.pool_id not in self._mapped:
+            persister.map_pool(
+                slot.pool_id, slot.pool.fd, slot.pool.nbytes, memoryview(slot.pool._mm)
+            )
+            self._mapped.add(slot.pool_id)
+        return slot.pool
+
+    # ------------------------------------------------------------------ staging
+    def _split(self, plan: _Plan, tensors: dict[str, torch.Tensor], deferred: Deferred | None):
+        if self.config.staging == "blocking" or deferred is None:
+            return list(tensors), []
+        now, later = [], []
+        for fqn, t in tensors.items():
+            (later if deferred(fqn, t) else now).append(fqn)
+        return now, later
+
+    def _stage(
+        self, pool: StagingPool, plan: _Plan, tensors: dict[str, torch.Tensor], fqns: list[str]
+    ) -> None:
+        cuda = any(tensors[f].is_cuda for f in fqns)
+        stream = torch.cuda.Stream() if cuda else None
+        ctx = torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
+        with ctx:
+            for fqn in fqns:
+                c = plan.tensors[fqn].chunks[0]
+                pool.stage(
+                    pool.view(c.file, c.offset, c.length), tensors[fqn], non_blocking=pool.pinned
+                )
+        if stream is not None:
+            stream.synchronize()
+
+    def _stage_then_submit(
+        self, pool, plan, tensors, fqns, job: PersistJob, handle: SaveHandle
+    ) -> None:
+        try:
+            self._stage(pool, plan, tensors, fqns)
+        except BaseException as e:  # noqa: BLE001 - reported at the next wait/save
+            self._staging_error = e
+            return
+        handle.staging_s = time.monotonic() - handle.started
+        with self._lock:
+            self._submit(job, handle)
+
+    def maybe_wait_for_staging(self) -> None:
+        """Block until background staging is done (call before mutating deferred tensors;
+        the manager's optimizer pre-hooks do)."""
+        t = self._staging
+        if t is not None:
+            t.join()
+            self._staging = None
+            if self._staging_error is not None:
+                err, self._staging_error = self._staging_error, None
+                self._release_unsubmitted()
+                raise CheckpointError(
+                    f"staging failed: {type(err).__name__}: {err}", rank=self.rank
+                ) from err
+
+    def _release_unsubmitted(self) -> None:
+        for job_id, fl in list(self._in_flight.items()):
+            if fl.handle.staging_s is None:
+                fl.slot.busy = None
+                fl.handle._finish(
+                    None, CheckpointError("staging failed", path=fl.handle.path, rank=self.rank)
+                )
+                del self._in_flight[job_id]
+
+    def _submit(self, job: PersistJob, handle: SaveHandle) -> None:
+        try:
+            self._persister_for_submit().submit(job)
+        except CheckpointError as e:
+            self._worker_failed(e)
+
+    # ----------------------------------------------------------------- finalize
+    def _collect(self, timeout: float) -> None:
+        """Take results from the persister and complete their handles (never raises)."""
+        with self._lock:
+            if self._persister is None or not self._in_flight:
+                if timeout:
+                    time.sleep(min(timeout, 0.01))
+                return
+            try:
+                results = self._persister.poll(timeout)
+            except CheckpointError as e:
+                self._worker_failed(e)
+                return
+            for r in results:
+                self._complete(r)
+
+    def _complete(self, r: JobResult | CallResult) -> None:
+        fl = self._in_flight.pop(r.job_id, None)
+        if fl is None or not isinstance(r, JobResult):
+            return
+        fl.slot.busy = None
+        h = fl.handle
+        if r.ok:
+            h._finish(
+                SaveResult(
+                    step=h.step,
+                    path=h.path,
+                    bytes=r.bytes_written,
+                    blocking_s=h.blocking_s,
+                    staging_s=h.staging_s or 0.0,
+                    durable_s=r.finished_at - h.started,
+                    write_s=r.write_s,
+                    commit_s=r.commit_s,
+                ),
+                None,
+            )
+        else:
+            err = r.error()
+            if r.detail:
+                logger.error("quicksave: save of step %s failed:\n%s", h.step, r.detail)
+            h._finish(None, err)
+            self._unreported.append(err)
+
+    def finalize(self, blocking: bool = False) -> list[SaveResult]:
+        """Collect finished saves (all in flight if ``blocking``), oldest first.
+
+        Raises:
+            CheckpointError: the first failed save not reported before (each failure is
+                raised once, here or by ``save()``).
+        """
+        done: list[SaveHandle] = [fl.handle for fl in self._in_flight.values()]
+        if blocking:
+            self.maybe_wait_for_staging()
+            while self._in_flight:
+                self._collect(0.1)
+        else:
+            self._collect(0.0)
+        if self._unreported:
+            err = self._unreported.pop(0)
+            raise err
+        return [h._result for h in done if h._done.is_set() and h._result is not None]
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._in_flight)
+
+    # ------------------------------------------------------------------- close
+    def close(self, abort: bool = False) -> None:
+        """Wait for saves in flight (unless ``abort``), stop the worker, free the pools."""
+        if self._closed:
+            return
+        try:
+            if not abort:
+                deadline = time.monotonic() + self.config.close_timeout_s
+                try:
+                    self.maybe_wait_for_staging()
+                except CheckpointError:
+                    pass
+                while self._in_flight and time.monotonic() < deadline:
+                    self._collect(0.1)
+        finally:
+            self._closed = True
+            if self._persister is not None:
+                self._persister.close(5.0 if not abort else 0.0)
+                self._persister = None
+            for slot in self._slots:
+                if slot.pool is not None:
+                    slot.pool.close()
+                    slot.pool = None
+            atexit.unregister(self._atexit)
+
+    def _atexit(self) -> None:
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - interpreter exit: best effort
+            logger.exception("quicksave: closing the saver at exit failed")
+
+    def __enter__(self) -> AsyncSaver:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
