@@ -66,3 +66,8 @@ __all__ += [
     "StatefulList",
     "TrainState",
 ]
+
+# The seeds' async API (engine layer) and the async function.
+from .async_api import AsyncCallsQueue, AsyncRequest, TorchAsyncCheckpoint, async_save  # noqa: E402
+
+__all__ += ["AsyncCallsQueue", "AsyncRequest", "TorchAsyncCheckpoint", "async_save"]

@@ -27,6 +27,7 @@ import contextlib
 import dataclasses
 import logging
 import os
+import shutil
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -152,6 +153,8 @@ class SaveHandle:
                     f"save of step {self.step} to {self.path} not done after {timeout} s"
                 )
         if self._error is not None:
+            if self._saver is not None:
+                self._saver._reported(self._error)  # raised here: not again by save/finalize
             raise self._error
         assert self._result is not None
         return self._result
@@ -188,6 +191,7 @@ class _InFlight:
     handle: SaveHandle
     slot: _Slot
     bytes: int
+    tmp_dir: str = ""  # removed by the trainer when the persister died mid-save
 
 
 class AsyncSaver:
@@ -224,6 +228,8 @@ class AsyncSaver:
         self._closed = False
         self._mapped: set[int] = set()
         self._persister: ProcessPersister | ThreadPersister | None = None
+        self._prepare_thread: threading.Thread | None = None
+        self._prepared: tuple[tuple, list[StagingPool]] | None = None  # see prepare()
         self._persister = self._new_persister()  # started now: the first save pays no start-up
         atexit.register(self._atexit)
 
@@ -235,6 +241,16 @@ class AsyncSaver:
         return ThreadPersister()
 
     def _persister_for_submit(self) -> ProcessPersister | ThreadPersister:
+        p = self._persister
+        if isinstance(p, ProcessPersister) and not self._in_flight and p.process.poll() is not None:
+            # died while idle (SIGTERM, OOM killer...): no save was lost, start another
+            logger.warning(
+                "quicksave: the checkpoint worker (pid %d) exited while idle (code %s)",
+                p.pid,
+                p.process.returncode,
+            )
+            p.close(0.0)
+            self._persister = None
         if self._persister is None:
             logger.warning("quicksave: starting a new checkpoint worker (rank %d)", self.rank)
             self._persister = self._new_persister()
@@ -242,14 +258,19 @@ class AsyncSaver:
 
     def _worker_failed(self, err: BaseException) -> None:
         """The persister is gone: fail every save in flight, free the pools."""
+        if self._persister is not None:
+            self._persister.close(0.0)  # kills it, and frees its socket and heartbeat page
+        self._persister = None
         for job_id, fl in list(self._in_flight.items()):
             fl.slot.busy = None
             fl.handle._finish(None, err)
             del self._in_flight[job_id]
-        if self._persister is not None:
-            self._persister.kill()
-        self._persister = None
+            if fl.tmp_dir:  # the dead writer's partial files: nobody else will remove them
+                shutil.rmtree(fl.tmp_dir, ignore_errors=True)
         self._unreported.append(err)
+
+    def _reported(self, err: BaseException) -> None:
+        self._unreported = [e for e in self._unreported if e is not err]
 
     @property
     def worker_pid(self) -> int | None:
@@ -352,7 +373,7 @@ class AsyncSaver:
                 thread_count=self.config.thread_count,
             )
             self._in_flight[job_id] = _InFlight(
-                handle, slot, sum(f.size for f in plan.layout.files)
+                handle, slot, sum(f.size for f in plan.layout.files), job.tmp_dir
             )
             now, later = self._split(plan, tensors, deferred)
             try:
@@ -461,7 +482,9 @@ class AsyncSaver:
             if slot.pool is not None:
                 persister.unmap_pool(slot.pool_id)
                 slot.pool.close()
-            slot.pool = StagingPool(plan.layout, pin=self.config.pin_memory)
+            slot.pool = self._take_prepared(plan.key) or StagingPool(
+                plan.layout, pin=self.config.pin_memory
+            )
             slot.plan_key = plan.key
             slot.pool_id = self._next_id
             self._next_id += 1
@@ -620,13 +643,43 @@ class AsyncSaver:
         finally:
             self._closed = True
             if self._persister is not None:
-                self._persister.close(5.0 if not abort else 0.0)
+                # saves still in flight here timed out (or abort): stop the writer now, so
+                # that no save is reported failed and then committed behind our back
+                self._persister.close(0.0 if (abort or self._in_flight) else 5.0)
                 self._persister = None
+            self._abandon_in_flight()
             for slot in self._slots:
                 if slot.pool is not None:
                     slot.pool.close()
                     slot.pool = None
+            self._take_prepared(None)  # frees pools built ahead and never used
             atexit.unregister(self._atexit)
+
+    def _abandon_in_flight(self) -> None:
+        for job_id, fl in list(self._in_flight.items()):
+            del self._in_flight[job_id]
+            fl.slot.busy = None
+            if commit.classify(fl.handle.path) is commit.CheckpointKind.QUICKSAVE:
+                h = fl.handle  # committed just before the writer stopped
+                durable = time.monotonic() - h.started
+                h._finish(
+                    SaveResult(
+                        h.step, h.path, fl.bytes, h.blocking_s, h.staging_s or 0.0, durable, 0, 0
+                    ),
+                    None,
+                )
+                continue
+            if fl.tmp_dir:
+                shutil.rmtree(fl.tmp_dir, ignore_errors=True)
+            fl.handle._finish(
+                None,
+                CheckpointError(
+                    "the saver was closed before this save was durable (close_timeout_s="
+                    f"{self.config.close_timeout_s:g} s or abort); it was not committed",
+                    path=fl.handle.path,
+                    rank=self.rank,
+                ),
+            )
 
     def _atexit(self) -> None:
         try:
@@ -639,3 +692,70 @@ class AsyncSaver:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+    # ------------------------------------------------------------------ prepare
+    def prepare(self, state_dict: Mapping[str, Any]) -> threading.Thread | None:
+        """Plan ``state_dict`` and build its staging pools now, in a background thread,
+        so that the first ``save()`` of the same shapes pays no allocation (~1 s/GiB).
+
+        Call from the training thread once the state is complete (optimizer states
+        exist only after the first optimizer step); values are not read, only names,
+        dtypes and shapes. Never raises: a state that cannot be saved is reported by
+        ``save()``, a pool that cannot be allocated is logged and built by ``save()``.
+
+        Returns:
+            the thread building the pools, or None if there was nothing to build.
+
+        Example::
+
+            saver.prepare(state_dict)  # after step 1; save(state_dict, ...) at step 100
+        """
+        with self._lock:
+            if self._closed:
+                return None
+            try:
+                tensors, objects, _ = self._collect_state(state_dict, "")
+                plan = self._plan(tensors, objects)
+            except CheckpointError as e:
+                logger.debug("quicksave: nothing prepared: %s", e)
+                return None
+            self._take_prepared(None)
+            n = sum(s.plan_key != plan.key for s in self._slots)
+            if n == 0:
+                return None
+
+            def build() -> None:
+                try:
+                    pools = [StagingPool(plan.layout, pin=self.config.pin_memory) for _ in range(n)]
+                except CheckpointError as e:
+                    logger.warning("quicksave: staging pool not prepared ahead: %s", e)
+                    return
+                self._prepared = (plan.key, pools)
+
+            self._prepare_thread = threading.Thread(
+                target=build, name="quicksave-prepare", daemon=True
+            )
+            self._prepare_thread.start()
+            return self._prepare_thread
+
+    @property
+    def prepared_pools(self) -> int:
+        """Pools built by :meth:`prepare` and not yet taken by a save (waits for the build)."""
+        with self._lock:
+            if self._prepare_thread is not None:
+                self._prepare_thread.join()
+            return len(self._prepared[1]) if self._prepared is not None else 0
+
+    def _take_prepared(self, key: tuple | None) -> StagingPool | None:
+        """A pool built ahead for plan ``key`` (waits for the build); pools built for
+        another plan are freed. ``key=None`` frees them all."""
+        if self._prepare_thread is not None:
+            self._prepare_thread.join()
+            self._prepare_thread = None
+        if self._prepared is not None and self._prepared[0] == key and self._prepared[1]:
+            return self._prepared[1].pop(0)
+        if self._prepared is not None:
+            for pool in self._prepared[1]:
+                pool.close()
+            self._prepared = None
+        return None

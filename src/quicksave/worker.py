@@ -23,7 +23,9 @@ new one is started for the next save.
 from __future__ import annotations
 
 import dataclasses
+import errno
 import mmap
+import multiprocessing
 import os
 import shutil
 import signal
@@ -38,7 +40,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
-from multiprocessing.reduction import recv_handle, send_handle
+from multiprocessing.reduction import ForkingPickler, recv_handle, send_handle
 from typing import Any
 
 from . import commit, errors
@@ -170,6 +172,17 @@ def execute_job(job: PersistJob, pool: memoryview) -> JobResult:
                 error_message=e.message,
                 error_path=e.path or job.final_path,
                 error_fqn=e.fqn,
+                error_rank=job.rank,
+            )
+        if isinstance(e, OSError):  # e.g. creating the temporary directory
+            name = errno.errorcode.get(e.errno or 0, type(e).__name__)
+            return JobResult(
+                job.job_id,
+                job.step,
+                False,
+                error_type="CheckpointError",
+                error_message=f"writing the checkpoint failed: {name} ({e.strerror})",
+                error_path=os.fspath(e.filename) if e.filename else job.final_path,
                 error_rank=job.rank,
             )
         return JobResult(
@@ -315,6 +328,8 @@ class ProcessPersister:
         self._started = time.monotonic()
         self._in_flight: dict[int, _Pending] = {}
         self._failed: WorkerFailedError | None = None
+        # A private socket pair: safe to hand over the key (see "auth" in _worker_main).
+        self._conn.send(("auth", bytes(multiprocessing.current_process().authkey)))
 
     def _heartbeat(self) -> float:
         return struct.unpack_from("d", self._beat, 0)[0]
@@ -350,9 +365,16 @@ class ProcessPersister:
         )
 
     def submit_call(self, job_id: int, fn: Callable[..., Any], args: tuple, kwargs: dict) -> None:
-        """Run ``fn(*args, **kwargs)`` in the worker (pickled: fn must be importable;
-        CPU tensors in args travel through shared memory, not the pipe)."""
-        self._send(("call", job_id, fn, args, kwargs), f"call {job_id}")
+        """Run ``fn(*args, **kwargs)`` in the worker (pickled: fn must be importable from
+        this process's ``sys.path``, which the worker adopts). CPU tensors in args travel
+        through shared memory, not the pipe (see ``pickle_call``).
+
+        Raises:
+            CheckpointError: fn or args do not pickle (nothing was sent).
+            WorkerFailedError: the worker is gone.
+        """
+        payload = pickle_call(job_id, fn, args, kwargs)
+        self._send(("call", job_id, payload, list(sys.path)), f"call {job_id}")
         self._in_flight[job_id] = _Pending(job_id, None, None, time.monotonic())
 
     # health ------------------------------------------------------------------
@@ -401,8 +423,10 @@ class ProcessPersister:
         deadline = time.monotonic() + timeout
         out: list[JobResult | CallResult] = []
         while True:
-            self._check()
+            if self._failed is not None:
+                raise self._failed
             wait = min(0.1, max(0.0, deadline - time.monotonic()))
+            closed = False
             try:
                 while self._conn.poll(wait if not out else 0):
                     kind, payload = self._conn.recv()
@@ -411,13 +435,26 @@ class ProcessPersister:
                         out.append(payload)
                     wait = 0
             except (EOFError, OSError):
-                self._check()  # raises with the cause (died)
-                raise self._fail("its pipe closed") from None
-            if out or time.monotonic() >= deadline:
+                closed = True
+            # Results already sent count even if the worker exited right after (SIGTERM
+            # finishes the job in hand, then exits): drain first, judge health after.
+            if out:
+                return out
+            if closed:  # it is exiting: give the kernel a moment to report how
+                try:
+                    self.process.wait(1.0)
+                except subprocess.TimeoutExpired:
+                    pass
+            self._check()
+            if closed:
+                raise self._fail("its pipe closed")
+            if time.monotonic() >= deadline:
                 return out
 
     def close(self, timeout: float) -> None:
-        """Ask the worker to finish and exit; kill it after ``timeout`` seconds."""
+        """Ask the worker to finish and exit; kill it after ``timeout`` seconds. Idempotent."""
+        if self._beat_fd < 0:
+            return
         if self.process.poll() is None and self._failed is None:
             try:
                 self._conn.send(("stop",))
@@ -431,6 +468,7 @@ class ProcessPersister:
         self._conn.close()
         self._beat.close()
         os.close(self._beat_fd)
+        self._beat_fd = -1
 
     def kill(self) -> None:
         if self.process.poll() is None:
@@ -488,8 +526,7 @@ def _worker_main(
         elif kind == "unmap":
             entry = pools.pop(msg[1], None)
             if entry is not None:
-                entry[1].release()
-                entry[0].close()
+                _unmap(*entry)
         elif kind == "job":
             job: PersistJob = msg[1]
             result = execute_job(job, pools[job.pool_id][1])
@@ -498,16 +535,27 @@ def _worker_main(
             except OSError:
                 break
         elif kind == "call":
-            _, job_id, fn, args, kwargs = msg
+            _, job_id, payload, sys_path = msg
             try:
-                conn.send(("result", run_call(job_id, fn, args, kwargs)))
+                conn.send(("result", run_pickled_call(job_id, payload, sys_path)))
             except OSError:
                 break
+        elif kind == "auth":
+            # The trainer's key, so that torch's shared-memory tensors (whose file
+            # descriptors the worker fetches from the trainer's resource sharer) unpickle.
+            multiprocessing.current_process().authkey = msg[1]
         elif kind == "stop":
             break
     for mm, view in pools.values():
+        _unmap(mm, view)
+
+
+def _unmap(mm: mmap.mmap, view: memoryview) -> None:
+    try:
         view.release()
         mm.close()
+    except BufferError:
+        pass  # a slice is still referenced (a failed job's traceback): freed with it
 
 
 @dataclass(frozen=True)
@@ -527,6 +575,45 @@ def run_call(job_id: int, fn: Callable[..., Any], args: tuple, kwargs: dict) -> 
         return CallResult(job_id, True)
     except BaseException as e:  # noqa: BLE001 - reported to the trainer
         return CallResult(job_id, False, f"{type(e).__name__}: {e}", traceback.format_exc())
+
+
+def pickle_call(job_id: int, fn: Callable[..., Any], args: tuple, kwargs: dict) -> bytes:
+    """Pickle a generic call for the worker with multiprocessing's ``ForkingPickler``.
+
+    With torch's reductions registered (``torch.multiprocessing``), a CPU tensor pickles as
+    a handle to shared memory: its storage is moved to shared memory once (``is_shared()``
+    is then true in the trainer too) and the worker maps the same pages; no tensor bytes
+    are copied into the message.
+    """
+    if "torch" in sys.modules:
+        import torch.multiprocessing  # noqa: F401 - registers the tensor reductions
+    try:
+        return bytes(ForkingPickler.dumps((fn, args, kwargs)))
+    except Exception as e:  # noqa: BLE001 - any pickling failure is bad input
+        raise CheckpointError(
+            f"call {job_id}: its function or arguments cannot be sent to the worker process "
+            f"({type(e).__name__}: {e}); use module-level functions (or functools.partial of "
+            "them) and picklable arguments"
+        ) from e
+
+
+def run_pickled_call(job_id: int, payload: bytes, sys_path: list[str]) -> CallResult:
+    """Worker side of ``pickle_call``: adopt the trainer's import path, unpickle, run."""
+    for p in sys_path:
+        if p not in sys.path:
+            sys.path.append(p)
+    try:
+        import torch.multiprocessing  # noqa: F401 - tensors arrive as shared-memory handles
+
+        fn, args, kwargs = ForkingPickler.loads(payload)
+    except BaseException as e:  # noqa: BLE001 - reported to the trainer
+        return CallResult(
+            job_id,
+            False,
+            f"the worker cannot unpickle the call ({type(e).__name__}: {e})",
+            traceback.format_exc(),
+        )
+    return run_call(job_id, fn, args, kwargs)
 
 
 def main(argv: list[str]) -> None:

@@ -246,9 +246,13 @@ def run_training_benchmark(config: TrainingBenchConfig, log: Any = None) -> dict
             r = _run_one(method, config, base, i)
             results.setdefault(method, []).append(r)
             if log is not None:
-                state = (
-                    r.get("failed") or r.get("unavailable") or f"loop {r.get('loop_s', 0):.1f} s"
-                )
+                state = r.get("failed") or r.get("unavailable")
+                if not state:
+                    state = (
+                        f"raw write+fsync {median(r['write_s']):.2f} s"
+                        if method == "raw"
+                        else f"loop {r['loop_s']:.1f} s"
+                    )
                 print(f"[{i + 1}] {method}: {state} ({r['wall_s']:.0f} s)", file=log, flush=True)
     finally:
         shutil.rmtree(base, ignore_errors=True)

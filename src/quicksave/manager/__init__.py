@@ -2,8 +2,9 @@
 and ``Stateful`` wrappers."""
 
 from .config import CheckpointConfig
-from .manager import CheckpointManager, SaveRecord
+from .manager import CheckpointManager
 from .policies import EveryNSeconds, EveryNSteps, KeepLatestK, RetentionPolicy, SavePolicy
+from .records import SaveRecord
 from .states import ModelState, OptimizerState, RNGState, StatefulList, TrainState
 
 __all__ = [

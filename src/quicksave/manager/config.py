@@ -12,13 +12,14 @@ from dataclasses import dataclass
 
 import torch
 
+from ..engine import EngineConfig
 from ..errors import CheckpointError
+from ..worker import WorkerConfig
 
 INTERVAL_TYPES = ("steps", "seconds")
-
-# The modes the manager can run. Only "disabled" (synchronous) exists so far; the
-# asynchronous modes are added by the async engine and plug into CheckpointManager._write.
-IMPLEMENTED_ASYNC_MODES = ("disabled",)
+ASYNC_MODES = ("disabled", "thread", "process")
+STAGING_MODES = ("overlap", "blocking")
+BACKPRESSURE = ("wait", "skip")
 
 
 @dataclass(frozen=True)
@@ -36,8 +37,22 @@ class CheckpointConfig:
             forced) and also writes ``<folder>/export-step-<N>``: the model weights only,
             floating tensors cast to ``export_dtype``.
         thread_count: writer threads (and data files) per rank.
-        async_mode: ``"disabled"`` (synchronous saves). Asynchronous modes come with
-            the async engine.
+        async_mode: ``"process"`` (default: a persistent worker process per rank writes
+            in the background), ``"thread"`` (a background thread of the training
+            process writes) or ``"disabled"`` (``save()`` returns once committed).
+        staging: how the async modes copy tensors out of the training state.
+            ``"overlap"`` (default): ``save()`` copies buffers, scalars and other small
+            state at once and copies parameters and optimizer states in the background
+            while the next forward/backward runs; the manager's optimizer step
+            pre-hooks wait for that copy. ``"blocking"``: ``save()`` copies everything
+            before it returns.
+        backpressure: when the previous save still holds the staging memory, ``"wait"``
+            for it (default) or ``"skip"`` this save (logged).
+        max_in_flight: saves that may be in flight at once (one staging pool each).
+        worker_timeout_s: a worker process without a heartbeat for this long is hung.
+        save_timeout_s: a save still being written after this long has failed.
+        close_timeout_s: how long ``close()`` (and ``load()``, and a seed or export
+            checkpoint) wait for saves in flight.
         enabled: if False the manager saves and loads nothing.
 
     Raises:
@@ -56,7 +71,13 @@ class CheckpointConfig:
     export_dtype: str = "float32"
     last_step: int | None = None
     thread_count: int = 2
-    async_mode: str = "disabled"
+    async_mode: str = "process"
+    staging: str = "overlap"
+    backpressure: str = "wait"
+    max_in_flight: int = 1
+    worker_timeout_s: float = 30.0
+    save_timeout_s: float = 900.0
+    close_timeout_s: float = 300.0
     enabled: bool = True
 
     def __post_init__(self) -> None:
@@ -91,8 +112,25 @@ class CheckpointConfig:
                 f"export_dtype must name a torch floating dtype (e.g. 'float32', 'bfloat16'), "
                 f"got {self.export_dtype!r}"
             )
-        if not isinstance(self.async_mode, str) or not self.async_mode:
-            raise CheckpointError(f"async_mode must be a non-empty string, got {self.async_mode!r}")
+        for name, allowed in (
+            ("async_mode", ASYNC_MODES),
+            ("staging", STAGING_MODES),
+            ("backpressure", BACKPRESSURE),
+        ):
+            value = getattr(self, name)
+            if value not in allowed:
+                choices = ", ".join(repr(a) for a in allowed)
+                raise CheckpointError(f"{name} must be one of {choices}, got {value!r}")
+        _check_int("max_in_flight", self.max_in_flight, minimum=1)
+        for name in ("worker_timeout_s", "save_timeout_s", "close_timeout_s"):
+            value = getattr(self, name)
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, (int, float))
+                or not math.isfinite(value)
+                or value <= 0
+            ):
+                raise CheckpointError(f"{name} must be a positive number of seconds, got {value!r}")
         if not isinstance(self.enabled, bool):
             raise CheckpointError(f"enabled must be True or False, got {self.enabled!r}")
 
@@ -100,6 +138,33 @@ class CheckpointConfig:
     def export_torch_dtype(self) -> torch.dtype:
         """``export_dtype`` as a ``torch.dtype``."""
         return getattr(torch, self.export_dtype)
+
+    def engine_config(self) -> EngineConfig:
+        """The :class:`~quicksave.engine.EngineConfig` of the async modes, built from
+        this config (the one source of truth for every knob).
+
+        Raises:
+            CheckpointError: ``async_mode`` is ``"disabled"`` (there is no engine).
+
+        Example::
+
+            CheckpointConfig(folder="ckpt", async_mode="thread").engine_config().mode
+            # 'thread'
+        """
+        if self.async_mode == "disabled":
+            raise CheckpointError("async_mode='disabled' saves synchronously: no engine")
+        return EngineConfig(
+            mode=self.async_mode,  # type: ignore[arg-type]
+            staging=self.staging,  # type: ignore[arg-type]
+            thread_count=self.thread_count,
+            backpressure=self.backpressure,  # type: ignore[arg-type]
+            max_in_flight=self.max_in_flight,
+            worker=WorkerConfig(
+                worker_timeout_s=float(self.worker_timeout_s),
+                save_timeout_s=float(self.save_timeout_s),
+            ),
+            close_timeout_s=float(self.close_timeout_s),
+        )
 
 
 def _check_int(name: str, value: object, *, minimum: int) -> None:

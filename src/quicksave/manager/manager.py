@@ -1,15 +1,22 @@
 """``CheckpointManager``: when, where and what to save, how many to keep, how to resume.
 
 Wiring only: the decisions come from policy objects (``policies.py``), the state from
-``Stateful`` wrappers (``states.py``), the bytes go through ``quicksave.save`` /
-``quicksave.load``, and visibility rules from ``commit.py``.
+``Stateful`` wrappers (``states.py``), the bytes go through the async engine
+(``async_writer.py``) or ``quicksave.save`` / ``quicksave.load``, and visibility rules
+from ``commit.py``.
 
 One ``save(step)`` goes through these states, in this order::
 
-    decide (SavePolicy, then ranks agree) → collect (state_dict() of every state)
-    → write (one hand-off to the engine: ``_write``; synchronous for now) → commit
-    (inside the engine: rename of ``step-<N>.tmp-*`` to ``step-<N>``) → retain
-    (RetentionPolicy over the committed steps; deletes on the coordinator only)
+    finalize (async: collect finished saves without waiting; a failure raises here)
+    → decide (SavePolicy, then ranks agree) → collect (state_dict() of every state)
+    → write (one hand-off: ``_write``; async modes return after staging, or at once in
+    overlap mode) → commit (in the writer: rename of ``step-<N>.tmp-*`` to ``step-<N>``)
+    → retain (RetentionPolicy over the committed steps, once a commit is seen; deletes
+    on the coordinator only, never a step in flight)
+
+Seed (step 0) and export checkpoints are always written synchronously with
+``quicksave.save``, after every save in flight has committed (so they never race with
+one); full checkpoints with ``world_size > 1`` too, until the engine is distributed.
 
 Layout of ``folder``::
 
@@ -23,27 +30,32 @@ from __future__ import annotations
 
 import logging
 import os
-import re
-import shutil
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 from typing import Any
 
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 
 from .. import api
-from ..commit import CheckpointKind, classify, clean_stale_temporaries, new_token, temp_path_for
+from ..commit import CheckpointKind, classify
+from ..engine import SaveHandle
 from ..errors import (
     CheckpointError,
-    CheckpointNotFoundError,
     IncompatibleStateError,
-    NotCommittedError,
 )
-from ..reader import StorageReader
-from .config import IMPLEMENTED_ASYNC_MODES, CheckpointConfig
+from .async_writer import AsyncWriter
+from .config import CheckpointConfig
+from .folder import (
+    COMMITTED,
+    check_step,
+    committed_steps,
+    delete_checkpoint,
+    prepare_folder,
+    require_committed,
+    stored_metadata,
+)
 from .policies import EveryNSeconds, EveryNSteps, KeepLatestK, RetentionPolicy, SavePolicy
+from .records import SaveRecord, log_committed
 from .states import (
     ModelState,
     PerRankLoad,
@@ -55,27 +67,7 @@ from .states import (
 
 logger = logging.getLogger("quicksave")
 
-_STEP_DIR = re.compile(r"step-(0|[1-9][0-9]*)")
-_COMMITTED = (CheckpointKind.QUICKSAVE, CheckpointKind.DCP)
-
-
-@dataclass(frozen=True)
-class SaveRecord:
-    """What one checkpoint written by the manager cost.
-
-    Attributes:
-        step: the training step.
-        kind: ``"full"``, ``"seed"`` (step 0, model only) or ``"export"``.
-        path: the committed checkpoint directory.
-        bytes: tensor payload of this rank (sum of its local tensors' sizes).
-        blocking_s: wall seconds ``save()`` held the training loop for it.
-    """
-
-    step: int
-    kind: str
-    path: str
-    bytes: int
-    blocking_s: float
+_stored_metadata = stored_metadata  # the old private name, kept for callers
 
 
 class CheckpointManager:
@@ -97,9 +89,18 @@ class CheckpointManager:
         save_policy: replaces the policy built from ``interval`` / ``interval_type``.
         retention: replaces the policy built from ``keep_latest_k``.
 
+    Async modes (``config.async_mode``, default ``"process"``): one engine per manager,
+    its worker started here; ``save()`` returns after staging (at once for parameters
+    and optimizer states with ``staging="overlap"``), the checkpoint commits in the
+    background, and errors surface as ``CheckpointError`` from a later ``save()``,
+    ``load()`` or ``close()``. ``metrics`` holds one :class:`SaveRecord` per checkpoint,
+    completed when it commits. The manager adds step hooks to the optimizers of its
+    :class:`OptimizerState` states (removed by ``close()``); a loop that changes
+    parameters otherwise must call :meth:`maybe_wait_for_staging` first.
+
     Raises:
-        CheckpointError: bad config, ``folder`` is a file or cannot be created, or an
-            async mode that is not available yet.
+        CheckpointError: bad config, ``folder`` is a file or cannot be created, or the
+            worker process cannot be started.
         IncompatibleStateError: a state is not ``Stateful`` (names it as fqn).
 
     Example::
@@ -132,19 +133,11 @@ class CheckpointManager:
         self.folder = os.path.abspath(config.folder)
         self.process_group = process_group
         self.states = check_states(states)
-        if config.async_mode not in IMPLEMENTED_ASYNC_MODES:
-            raise CheckpointError(
-                f"async_mode {config.async_mode!r} is not available yet: asynchronous saving "
-                "arrives with the async engine (next issue); use async_mode='disabled'",
-                path=self.folder,
-            )
         self._clock = clock
         self.save_policy: SavePolicy = save_policy or _default_save_policy(config)
         self.retention: RetentionPolicy = retention or KeepLatestK(config.keep_latest_k)
         self.metrics: list[SaveRecord] = []
-        # Steps whose write has started but not committed; always empty while saves are
-        # synchronous, filled by the async modes (retention never touches them).
-        self._in_flight: set[int] = set()
+        self._writer: AsyncWriter | None = None
         self._closed = False
         if not config.enabled:
             return
@@ -155,9 +148,26 @@ class CheckpointManager:
                 path=self.folder,
                 rank=self._rank(),
             )
-        self._prepare_folder()
+        prepare_folder(self.folder, self._rank(), self._is_coordinator())
+        if config.async_mode != "disabled":
+            if self._world_size() > 1:
+                logger.info(
+                    "quicksave: async_mode=%r is single-rank for now; with %d ranks, "
+                    "checkpoints are written synchronously",
+                    config.async_mode,
+                    self._world_size(),
+                )
+            else:
+                self._writer = AsyncWriter(
+                    config.engine_config(), self.states, lambda: self._collect("full")
+                )
         logger.info(
-            "quicksave: checkpointing to %s (%s, %s)", self.folder, self.save_policy, self.retention
+            "quicksave: checkpointing to %s (%s, %s, async_mode %s, staging %s)",
+            self.folder,
+            self.save_policy,
+            self.retention,
+            config.async_mode if self._writer is not None else "disabled",
+            config.staging,
         )
 
     # ---------------------------------------------------------------- public API
@@ -173,14 +183,7 @@ class CheckpointManager:
     def committed_steps(self) -> list[int]:
         """Steps with a committed checkpoint in ``folder`` (quicksave or stock DCP),
         ascending. Temporaries and directories without their commit are not listed."""
-        if not os.path.isdir(self.folder):
-            return []
-        steps = []
-        for name in os.listdir(self.folder):
-            m = _STEP_DIR.fullmatch(name)
-            if m and classify(os.path.join(self.folder, name)) in _COMMITTED:
-                steps.append(int(m.group(1)))
-        return sorted(steps)
+        return committed_steps(self.folder)
 
     def latest_step(self) -> int | None:
         """The newest committed step, or None if there is none."""
@@ -193,51 +196,83 @@ class CheckpointManager:
         Step 0 gives a seed checkpoint (the model only). At ``config.last_step`` the
         checkpoint is always written and the model is also exported (weights only, in
         ``export_dtype``) to ``export-step-<N>``. A step that already has a committed
-        checkpoint (e.g. saved again after a resume) is skipped with a log message.
-        Afterwards the retention policy deletes old committed checkpoints.
+        checkpoint (e.g. saved again after a resume), or one still being written, is
+        skipped with a log message. Once a checkpoint commits, the retention policy
+        deletes old committed checkpoints.
+
+        Async modes: call it after every step, saving or not: each call collects the
+        saves that finished (cheaply, without waiting) and raises the failure of an
+        earlier one. A full checkpoint returns after staging (in overlap mode, before
+        parameters and optimizer states are copied: the next ``optimizer.step()``
+        waits for that copy) and commits in the background.
 
         Args:
             step: the training step just completed (an int >= 0).
             force: save even if the interval has not been reached.
 
         Returns:
-            True if this call wrote a checkpoint (or an export) of ``step``.
+            True if this call wrote (async modes: started) a checkpoint or an export of
+            ``step``; False if none was due, or ``backpressure="skip"`` skipped it.
 
         Raises:
-            CheckpointError: invalid step, manager closed, or the write failed (nothing
-                of this step became visible).
+            CheckpointError: invalid step, manager closed, the write failed (nothing of
+                this step became visible), or an earlier asynchronous save failed (then
+                this call saves nothing; the next call saves normally).
 
         Example::
 
             manager.save(train_state.step)
         """
+        begin = time.monotonic()
         self._check_open()
-        _check_step(step, self.folder)
+        check_step(step, self.folder)
         if not self.config.enabled:
             return False
+        if self._writer is not None:
+            self._writer.prepare_if_due()
+            self._finalize()
         is_last = self.config.last_step is not None and step == self.config.last_step
         decision = self.save_policy.should_save(step, self._clock(), force or is_last)
         if not self._agree(decision):
             return False
         wrote = False
         path = self.step_path(step)
-        if classify(path) in _COMMITTED:
+        if classify(path) in COMMITTED:
             logger.info(
                 "quicksave: step %d already has a committed checkpoint at %s; skipped", step, path
             )
-        else:
-            kind = "seed" if step == 0 else "full"
-            self._save_one(step, path, kind)
+        elif step in self._in_flight:
+            logger.info("quicksave: step %d is being written already; skipped", step)
+        elif self._save_one(step, path, "seed" if step == 0 else "full", begin):
             self.save_policy.saved(step, self._clock())
             wrote = True
         if is_last:
-            if classify(self.export_path(step)) in _COMMITTED:
+            if classify(self.export_path(step)) in COMMITTED:
                 logger.info("quicksave: export of step %d already exists; skipped", step)
             else:
-                self._save_one(step, self.export_path(step), "export")
+                self._save_one(step, self.export_path(step), "export", time.monotonic())
                 wrote = True
         self._retain(protect={step})
         return wrote
+
+    def maybe_wait_for_staging(self) -> None:
+        """Block until the background copy of the last checkpoint is done (overlap
+        mode). The manager's optimizer hooks call it before each step; call it yourself
+        before changing parameters or optimizer states in any other way (e.g. an
+        optimizer the manager does not know, weight clipping, EMA, ``load_state_dict``).
+
+        Raises:
+            CheckpointError: the background copy failed (the checkpoint is not written).
+
+        Example::
+
+            manager.save(step)
+            manager.maybe_wait_for_staging()
+            with torch.no_grad():
+                model.weight.clamp_(-1, 1)
+        """
+        if self._writer is not None:
+            self._writer.maybe_wait_for_staging()
 
     def load(self, step: int = -1) -> int | None:
         """Restore every state from the checkpoint of ``step`` (default: the newest
@@ -250,11 +285,15 @@ class CheckpointManager:
             The step restored, or None if ``step`` is -1 and there is no committed
             checkpoint (or the manager is disabled).
 
+        Saves in flight are waited for first (up to ``close_timeout_s``), so the newest
+        committed checkpoint is really the newest, and nothing is still being copied
+        from the states that the load overwrites.
+
         Raises:
             CheckpointNotFoundError: ``step`` was given and has no checkpoint.
             NotCommittedError: ``step`` was given and its checkpoint was never committed.
             CheckpointError: the checkpoint does not fit the states or is corrupt
-                (see :func:`quicksave.load`).
+                (see :func:`quicksave.load`), or a save in flight failed.
 
         Example::
 
@@ -263,6 +302,7 @@ class CheckpointManager:
         self._check_open()
         if not self.config.enabled:
             return None
+        self._drain()
         if step == -1:
             latest = self.latest_step()
             if latest is None:
@@ -270,13 +310,13 @@ class CheckpointManager:
                 return None
             step = latest
         else:
-            _check_step(step, self.folder)
-            self._require_committed(step)
+            check_step(step, self.folder)
+            require_committed(self.folder, self.step_path(step), step, self._rank())
         path = self.step_path(step)
         states = self._model_states() if step == 0 else self.states
         begin = time.perf_counter()
         if any(isinstance(v, PerRankState) for v in states.values()):
-            stored = _stored_metadata(path)
+            stored = stored_metadata(path)
             states = {
                 k: PerRankLoad(k, v, stored) if isinstance(v, PerRankState) else v
                 for k, v in states.items()
@@ -288,8 +328,13 @@ class CheckpointManager:
         return step
 
     def close(self) -> None:
-        """Finish: wait for outstanding work (none while saves are synchronous) and
-        refuse further calls. Calling it again does nothing.
+        """Finish: wait for saves in flight (up to ``close_timeout_s``), stop the
+        worker, remove the optimizer hooks, and refuse further calls. Calling it again
+        does nothing.
+
+        Raises:
+            CheckpointError: a save failed, or was still in flight at the timeout (it
+                is abandoned, never committed); the manager is closed all the same.
 
         Example::
 
@@ -298,6 +343,10 @@ class CheckpointManager:
         if self._closed:
             return
         self._closed = True
+        if self._writer is not None:
+            finished, errors = self._writer.close(self.config.close_timeout_s)
+            self._apply(finished)
+            self._raise_first(errors)
         logger.debug("quicksave: manager for %s closed", self.folder)
 
     def __enter__(self) -> CheckpointManager:
@@ -308,22 +357,35 @@ class CheckpointManager:
 
     # ---------------------------------------------------------------- save path
 
-    def _save_one(self, step: int, path: str, kind: str) -> None:
-        begin = time.perf_counter()
+    def _save_one(self, step: int, path: str, kind: str, begin: float) -> bool:
+        """Collect and write one checkpoint; False if the engine skipped it (backpressure).
+        ``begin``: ``time.monotonic()`` when the ``save()`` call started."""
+        asynchronous = self._writer is not None and kind == "full"
+        if not asynchronous:
+            self._drain()  # a synchronous write never runs beside a save in flight
         state_dict = self._collect(kind)
         nbytes = payload_bytes(state_dict)
         self._replace_uncommitted(path)
-        self._write(state_dict, path, step, kind)
-        record = SaveRecord(step, kind, path, nbytes, time.perf_counter() - begin)
-        self.metrics.append(record)
-        logger.info(
-            "quicksave: saved %s checkpoint of step %d (%d bytes) to %s in %.3f s",
-            kind,
-            step,
-            nbytes,
-            path,
-            record.blocking_s,
+        written = time.monotonic()
+        handle = self._write(state_dict, path, step, kind)
+        now = time.monotonic()
+        if not asynchronous:
+            record = SaveRecord(
+                step, kind, path, nbytes, now - begin, now - begin, now - begin, now - written
+            )
+            self.metrics.append(record)
+            log_committed(record)
+            return True
+        if handle is None:
+            return False  # skipped by backpressure="skip" (the engine logged it)
+        assert self._writer is not None
+        record = SaveRecord(
+            step, kind, path, nbytes, now - begin, status="in_flight", mode=self.config.async_mode
         )
+        self._writer.track(len(self.metrics), record, handle, begin)
+        self.metrics.append(record)
+        logger.debug("quicksave: step %d handed to the writer in %.3f s", step, now - begin)
+        return True
 
     def _collect(self, kind: str) -> dict[str, Any]:
         """The state dict to write, taken now (the async modes stage it from here)."""
@@ -335,16 +397,21 @@ class CheckpointManager:
             models = {name: cast_floating(sd, dtype) for name, sd in models.items()}
         return models
 
-    def _write(self, state_dict: dict[str, Any], path: str, step: int, kind: str) -> None:
+    def _write(
+        self, state_dict: dict[str, Any], path: str, step: int, kind: str
+    ) -> SaveHandle | None:
         """The one hand-off to the engine: write ``state_dict`` to ``path`` and commit it.
 
-        Synchronous: returns once the checkpoint is committed. Asynchronous modes
-        replace this with a submit that returns after staging and adds ``step`` to
-        ``_in_flight`` until its commit.
+        Full checkpoints in an async mode: submitted to the engine (parameters and
+        optimizer states deferred in overlap mode); returns its handle once staged, or
+        None if backpressure skipped it. Otherwise synchronous: returns None once the
+        checkpoint is committed.
         """
         metadata: dict[str, Any] = {"checkpoint_kind": kind}
         if kind == "export":
             metadata["export_dtype"] = self.config.export_dtype
+        if self._writer is not None and kind == "full":
+            return self._writer.submit(state_dict, path, step, metadata)
         api.save(
             state_dict,
             path,
@@ -353,6 +420,59 @@ class CheckpointManager:
             thread_count=self.config.thread_count,
             user_metadata=metadata,
         )
+        return None
+
+    # ---------------------------------------------------------------- finalize
+
+    @property
+    def _in_flight(self) -> set[int]:
+        """Steps being written in the background (retention never touches them)."""
+        return self._writer.in_flight_steps if self._writer is not None else set()
+
+    def _finalize(self) -> None:
+        """Collect finished background saves without waiting; raise the first failure."""
+        if self._writer is None:
+            return
+        finished, errors = self._writer.poll()
+        self._apply(finished)
+        self._raise_first(errors)
+
+    def _drain(self) -> None:
+        """Wait for every save in flight (up to ``close_timeout_s``), then finalize."""
+        if self._writer is None:
+            return
+        pending = sorted(self._in_flight)
+        done = self._writer.drain(self.config.close_timeout_s)
+        self._finalize()
+        if not done:
+            raise CheckpointError(
+                f"saves of steps {pending} still in flight after close_timeout_s="
+                f"{self.config.close_timeout_s:g} s",
+                path=self.folder,
+                rank=self._rank(),
+            )
+
+    def _apply(self, finished: list[tuple[int, SaveRecord]]) -> None:
+        committed = False
+        for index, record in finished:
+            self.metrics[index] = record
+            if record.status == "committed":
+                log_committed(record)
+                committed = True
+            else:
+                logger.error(
+                    "quicksave: the checkpoint of step %d was not committed (%s)",
+                    record.step,
+                    record.path,
+                )
+        if committed:
+            self._retain(protect=set())
+
+    def _raise_first(self, errors: list[CheckpointError]) -> None:
+        for later in errors[1:]:
+            logger.error("quicksave: another checkpoint failure: %s", later)
+        if errors:
+            raise errors[0]
 
     # ---------------------------------------------------------------- retention
 
@@ -370,26 +490,14 @@ class CheckpointManager:
                     "quicksave: retention chose step %d, which must be kept; ignored", step
                 )
                 continue
-            self._delete(self.step_path(step))
-
-    def _delete(self, path: str) -> None:
-        # Rename first, so that a checkpoint is never half-deleted while still looking
-        # committed; a crash mid-delete leaves a temporary, removed at next start-up.
-        doomed = temp_path_for(path, f"del{new_token()}")
-        try:
-            os.rename(path, doomed)
-        except OSError as e:
-            logger.warning("quicksave: could not delete old checkpoint %s: %s", path, e.strerror)
-            return
-        shutil.rmtree(doomed, ignore_errors=True)
-        logger.info("quicksave: deleted old checkpoint %s", path)
+            delete_checkpoint(self.step_path(step))
 
     def _replace_uncommitted(self, path: str) -> None:
         """A ``step-<N>`` directory with quicksave data but no manifest can never be
         loaded (a non-atomic copy, a damaged disk); it would block the commit rename."""
         if classify(path) is CheckpointKind.UNCOMMITTED and self._is_coordinator():
             logger.warning("quicksave: replacing uncommitted leftover %s", path)
-            self._delete(path)
+            delete_checkpoint(path)
 
     # ---------------------------------------------------------------- helpers
 
@@ -398,28 +506,6 @@ class CheckpointManager:
         collectives deadlock). Step-based policies decide alike on every rank; the
         multi-rank agreement for time-based ones comes in a later release."""
         return decision
-
-    def _prepare_folder(self) -> None:
-        if os.path.exists(self.folder) and not os.path.isdir(self.folder):
-            raise CheckpointError(
-                "checkpoint folder is a file, not a directory; choose another folder",
-                path=self.folder,
-                rank=self._rank(),
-            )
-        try:
-            os.makedirs(self.folder, exist_ok=True)
-        except OSError as e:
-            raise CheckpointError(
-                f"cannot create checkpoint folder: {e.strerror}",
-                path=self.folder,
-                rank=self._rank(),
-            ) from e
-        if self._is_coordinator():
-            # Safe only now: this job has not started a save, and one job owns a folder.
-            for name in clean_stale_temporaries(self.folder):
-                logger.info(
-                    "quicksave: removed stale temporary %s", os.path.join(self.folder, name)
-                )
 
     def _model_states(self) -> dict[str, Any]:
         models = {k: v for k, v in self.states.items() if isinstance(v, ModelState)}
@@ -433,28 +519,6 @@ class CheckpointManager:
                 rank=self._rank(),
             )
         return models
-
-    def _require_committed(self, step: int) -> None:
-        path = self.step_path(step)
-        kind = classify(path)
-        if kind in _COMMITTED:
-            return
-        if kind is CheckpointKind.MISSING:
-            raise CheckpointNotFoundError(
-                f"no checkpoint of step {step}; committed steps: {self.committed_steps()}",
-                path=path,
-                rank=self._rank(),
-            )
-        if kind is CheckpointKind.UNCOMMITTED:
-            raise NotCommittedError(
-                f"the checkpoint of step {step} was never committed (a save was interrupted); "
-                "it cannot be loaded",
-                path=path,
-                rank=self._rank(),
-            )
-        raise CheckpointNotFoundError(
-            f"not a checkpoint (no manifest.json) for step {step}", path=path, rank=self._rank()
-        )
 
     def _check_open(self) -> None:
         if self._closed:
@@ -480,18 +544,3 @@ def _default_save_policy(config: CheckpointConfig) -> SavePolicy:
     if config.interval_type == "seconds":
         return EveryNSeconds(config.interval)
     return EveryNSteps(int(config.interval))
-
-
-def _stored_metadata(path: str) -> dict[str, Any]:
-    """Names and storage metadata of what a committed checkpoint holds (from its
-    manifest, or from DCP's .metadata for a stock DCP directory)."""
-    if classify(path) is CheckpointKind.DCP:
-        reader: Any = dcp.FileSystemReader(path)
-    else:
-        reader = StorageReader(path)
-    return dict(reader.read_metadata().state_dict_metadata)
-
-
-def _check_step(step: object, folder: str) -> None:
-    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-        raise CheckpointError(f"step must be an integer >= 0, got {step!r}", path=folder)

@@ -1,0 +1,270 @@
+"""The manager's asynchronous write path: one :class:`~quicksave.engine.AsyncSaver` per
+manager, and the hooks that keep overlapped staging correct.
+
+Which tensors are staged in the background (``staging="overlap"``): the parameters of
+the models and the optimizer state tensors (exp_avg, step, ...) of the manager's
+``ModelState`` / ``OptimizerState`` states, recognised by their memory address. They
+change only inside ``optimizer.step()``, and every optimizer of an ``OptimizerState``
+gets a step pre-hook that waits until the background copy is done. Everything else
+(buffers such as BatchNorm statistics, which the forward pass updates, scalars, RNG,
+train state, data loader, schedulers) is copied before ``save()`` returns. A loop that
+changes parameters outside these optimizers' ``step()`` must call
+``manager.maybe_wait_for_staging()`` first.
+
+No cold start: the first time every optimizer has stepped (its state exists only then),
+a step post-hook asks the engine to plan the full state and build its staging pool in a
+background thread, so the first checkpoint finds warm memory.
+
+Life of one save here: ``submit`` (engine ``save()``) → ``track`` (pending, by step) →
+``poll`` (completed → committed or failed record) → retention by the manager.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn as nn
+from torch.utils.hooks import RemovableHandle
+
+from ..engine import AsyncSaver, Deferred, EngineConfig, SaveHandle
+from ..errors import CheckpointError
+from .records import SaveRecord
+from .states import ModelState, OptimizerState
+
+logger = logging.getLogger("quicksave")
+
+
+@dataclass
+class _Pending:
+    index: int  # of its record in manager.metrics
+    record: SaveRecord
+    handle: SaveHandle
+    begin: float  # time.monotonic() when the manager's save() started
+
+
+class AsyncWriter:
+    """Submits the manager's full checkpoints to an ``AsyncSaver`` and tracks them.
+
+    Call order (training thread): ``submit`` + ``track`` per checkpoint → ``poll`` on
+    every ``save()`` call (and ``drain`` before a load or a synchronous write) →
+    ``close``. The hooks run inside ``optimizer.step()``.
+
+    Args:
+        config: the engine's configuration (built from the manager's config).
+        states: the manager's states; models and optimizers are found among them.
+        collect: returns the full state dict (used once, to prepare the staging pool).
+        rank: this process's rank (named in errors).
+
+    Raises:
+        CheckpointError: the worker process could not be started.
+    """
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        states: Mapping[str, Any],
+        collect: Callable[[], dict[str, Any]],
+        rank: int = 0,
+    ) -> None:
+        self.config = config
+        self._collect = collect
+        self._models: list[nn.Module] = []
+        self._optimizers: list[torch.optim.Optimizer] = []
+        for state in states.values():
+            if isinstance(state, (ModelState, OptimizerState)):
+                self._models += state.parts
+            if isinstance(state, OptimizerState):
+                self._optimizers += [o for o in state.optimizers if o not in self._optimizers]
+        self._pending: dict[int, _Pending] = {}
+        self._errors: list[CheckpointError] = []  # raised in optimizer hooks, reported later
+        self._stepped: set[int] = set()
+        self._prepared = False
+        self.saver = AsyncSaver(config, rank=rank)  # the worker starts now, not at save 1
+        self._pre_hooks: list[RemovableHandle] = [
+            o.register_step_pre_hook(self._before_step) for o in self._optimizers
+        ]
+        self._post_hooks: list[RemovableHandle] = [
+            o.register_step_post_hook(self._after_step) for o in self._optimizers
+        ]
+
+    # ------------------------------------------------------------------- hooks
+    def _before_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        # The step is about to change parameters and moments: the background copy of the
+        # last save must be finished. A failure is reported by the next save(), not here:
+        # optimizer.step() is no place for a checkpoint error.
+        try:
+            self.saver.maybe_wait_for_staging()
+        except CheckpointError as e:
+            self._errors.append(e)
+
+    def _after_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        self._stepped.add(id(optimizer))
+        if len(self._stepped) == len(self._optimizers):
+            self.prepare()
+
+    def prepare(self) -> None:
+        """Build the staging pool for the full state ahead of the first save (once)."""
+        if self._prepared:
+            return
+        self._prepared = True  # first: collect() may step an optimizer (DCP's state init)
+        for hook in self._post_hooks:
+            hook.remove()
+        self._post_hooks = []
+        try:
+            self.saver.prepare(self._collect())
+        except Exception as e:  # noqa: BLE001 - an optimisation; save() reports real errors
+            logger.debug("quicksave: staging pool not prepared ahead: %s", e)
+
+    def prepare_if_due(self) -> None:
+        """Without optimizers the state is complete from the start: prepare at the first
+        ``save()`` call (with optimizers, their first step does)."""
+        if not self._optimizers:
+            self.prepare()
+
+    # -------------------------------------------------------------------- save
+    def deferred(self) -> Deferred | None:
+        """Which tensors the background copy may take (overlap mode): parameters and
+        optimizer state tensors, by address, as they are now."""
+        if self.config.staging != "overlap":
+            return None
+        ptrs = {p.data_ptr() for m in self._models for p in m.parameters()}
+        for optimizer in self._optimizers:
+            for state in optimizer.state.values():
+                ptrs.update(v.data_ptr() for v in state.values() if isinstance(v, torch.Tensor))
+        ptrs.discard(0)
+        return lambda fqn, t: t.numel() > 0 and t.data_ptr() in ptrs
+
+    def submit(
+        self, state_dict: dict[str, Any], path: str, step: int, metadata: dict[str, Any]
+    ) -> SaveHandle | None:
+        """Start the save (engine ``save()``); None if skipped by backpressure.
+
+        Raises:
+            CheckpointError: bad input, or the engine refused the save.
+        """
+        deferred = self.deferred()
+        try:
+            return self.saver.save(
+                state_dict, path, step=step, deferred=deferred, user_metadata=metadata
+            )
+        except CheckpointError as e:
+            if not any(p.handle.exception() is e for p in self._pending.values()):
+                raise
+            # An earlier save's failure that arrived just now; poll() reports it. This
+            # save is independent of it.
+            return self.saver.save(
+                state_dict, path, step=step, deferred=deferred, user_metadata=metadata
+            )
+
+    def track(self, index: int, record: SaveRecord, handle: SaveHandle, begin: float) -> None:
+        """Follow a submitted save until ``poll`` sees it finish."""
+        self._pending[record.step] = _Pending(index, record, handle, begin)
+
+    @property
+    def in_flight_steps(self) -> set[int]:
+        """Steps submitted and not yet seen finished by ``poll``."""
+        return set(self._pending)
+
+    def maybe_wait_for_staging(self) -> None:
+        """Block until the background copy of the last save is done.
+
+        Raises:
+            CheckpointError: that copy failed.
+        """
+        self.saver.maybe_wait_for_staging()
+
+    # ---------------------------------------------------------------- finalize
+    def poll(self) -> tuple[list[tuple[int, SaveRecord]], list[CheckpointError]]:
+        """Collect finished saves without waiting.
+
+        Returns:
+            (index, final record) of each save finished since the last poll, oldest
+            first, and the errors not reported yet (each error is returned once).
+        """
+        errors, self._errors = self._errors, []
+        finished: list[tuple[int, SaveRecord]] = []
+        for step, p in sorted(self._pending.items()):
+            if not p.handle.done():
+                continue
+            del self._pending[step]
+            try:
+                result = p.handle.wait(0)
+            except CheckpointError as e:
+                finished.append((p.index, dataclasses.replace(p.record, status="failed")))
+                errors.append(e)
+                continue
+            offset = p.handle.started - p.begin  # the manager's save() began earlier
+            finished.append(
+                (
+                    p.index,
+                    dataclasses.replace(
+                        p.record,
+                        bytes=result.bytes,
+                        staging_s=result.staging_s + offset,
+                        durable_s=result.durable_s + offset,
+                        write_s=result.write_s,
+                        commit_s=result.commit_s,
+                        status="committed",
+                    ),
+                )
+            )
+        while True:  # failures the engine holds that no handle reported (each once)
+            try:
+                self.saver.finalize(blocking=False)
+                break
+            except CheckpointError as e:
+                errors.append(e)
+        unique: list[CheckpointError] = []
+        for e in errors:
+            if not any(e is u for u in unique):
+                unique.append(e)
+        return finished, unique
+
+    def drain(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds for every save in flight (then ``poll``).
+
+        Returns:
+            True if none is left in flight.
+        """
+        deadline = time.monotonic() + timeout
+        try:
+            self.saver.maybe_wait_for_staging()
+        except CheckpointError as e:
+            self._errors.append(e)
+        for p in list(self._pending.values()):
+            try:
+                p.handle.wait(max(0.0, deadline - time.monotonic()))
+            except TimeoutError:
+                return False
+            except CheckpointError:
+                pass  # the handle keeps it: poll() reports it
+        return True
+
+    def close(self, timeout: float) -> tuple[list[tuple[int, SaveRecord]], list[CheckpointError]]:
+        """Wait for saves in flight (up to ``timeout`` s), stop the worker, remove the
+        hooks. Returns what ``poll`` returns; a save still in flight at the deadline
+        is abandoned (never committed) and reported as an error."""
+        done = self.drain(timeout)
+        finished, errors = self.poll()
+        for p in self._pending.values():
+            finished.append((p.index, dataclasses.replace(p.record, status="failed")))
+            errors.append(
+                CheckpointError(
+                    f"the save of step {p.record.step} was still being written after "
+                    f"close_timeout_s={timeout:g} s; it was abandoned and not committed",
+                    path=p.record.path,
+                    rank=self.saver.rank,
+                )
+            )
+        self._pending.clear()
+        for hook in self._pre_hooks + self._post_hooks:
+            hook.remove()
+        self._pre_hooks, self._post_hooks = [], []
+        self.saver.close(abort=not done)
+        return finished, errors

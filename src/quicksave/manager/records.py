@@ -1,0 +1,74 @@
+"""What each checkpoint written by the manager cost: ``SaveRecord`` and its log line.
+
+A record is created when ``save()`` returns. In the async modes it says
+``status="in_flight"`` and carries only ``blocking_s`` until the save is durable; the
+manager then replaces it (records are frozen) with the engine's numbers.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+logger = logging.getLogger("quicksave")
+
+STATUSES = ("in_flight", "committed", "failed")
+
+
+@dataclass(frozen=True)
+class SaveRecord:
+    """What one checkpoint written by the manager cost. Times are wall seconds from the
+    start of the ``save()`` call that wrote it.
+
+    Attributes:
+        step: the training step.
+        kind: ``"full"``, ``"seed"`` (step 0, model only) or ``"export"``.
+        path: the checkpoint directory (committed once ``status == "committed"``).
+        bytes: bytes of this rank: the tensor payload while in flight; once committed in
+            an async mode, the bytes of the data files written.
+        blocking_s: how long ``save()`` held the training loop for it.
+        staging_s: until every tensor was copied out of the training state (synchronous
+            saves: ``blocking_s``). None until known.
+        durable_s: until the checkpoint was committed (files, manifest and rename
+            fsynced). None until committed.
+        write_s: the writer's time for the data files (synchronous saves: the whole
+            ``quicksave.save``). None until committed.
+        commit_s: the writer's time for ``.metadata`` + manifest + rename (None for
+            synchronous saves, where it is part of ``write_s``).
+        status: ``"in_flight"``, ``"committed"`` or ``"failed"``.
+        mode: the ``async_mode`` that wrote it (``"disabled"`` for synchronous writes).
+    """
+
+    step: int
+    kind: str
+    path: str
+    bytes: int
+    blocking_s: float
+    staging_s: float | None = None
+    durable_s: float | None = None
+    write_s: float | None = None
+    commit_s: float | None = None
+    status: str = "committed"
+    mode: str = "disabled"
+
+
+def _s(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.3f} s"
+
+
+def log_committed(record: SaveRecord) -> None:
+    """The one log line of a committed checkpoint, with its costs."""
+    logger.info(
+        "quicksave: committed %s checkpoint of step %d to %s (%s): %d bytes, blocking %s, "
+        "staging %s, durable %s (write %s, commit %s)",
+        record.kind,
+        record.step,
+        record.path,
+        record.mode,
+        record.bytes,
+        _s(record.blocking_s),
+        _s(record.staging_s),
+        _s(record.durable_s),
+        _s(record.write_s),
+        _s(record.commit_s),
+    )
