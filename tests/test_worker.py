@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from helpers_engine.engine_util import (
     WORK_TMP,
     big_state,
@@ -23,11 +24,9 @@ from helpers_engine.engine_util import (
     proc_alive,
     same_bytes,
     start_child,
-    temporaries,
     wait_dead,
     wait_partial_file,
 )
-
 from quicksave import commit
 from quicksave.engine import AsyncSaver, EngineConfig
 from quicksave.errors import CheckpointError, WorkerFailedError

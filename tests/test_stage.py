@@ -1,0 +1,101 @@
+"""StagingPool: byte cost against the staged bytes, exact staging, memory released."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from helpers_engine.engine_util import pool_mappings, same_bytes
+from quicksave.engine import AsyncSaver, EngineConfig
+from quicksave.format.dtypes import element_size
+from quicksave.stage import StagingPool, pool_cost
+
+
+def _model_state(layers: int = 4, d: int = 512, vocab: int = 8000) -> dict[str, torch.Tensor]:
+    """A transformer-shaped state with AdamW moments: big matrices, small vectors, scalars."""
+    params: dict[str, torch.Tensor] = {"embed": torch.randn(vocab, d)}
+    for i in range(layers):
+        for n in ("q", "k", "v", "o"):
+            params[f"l{i}.attn.{n}"] = torch.randn(d, d)
+        params[f"l{i}.mlp.up"] = torch.randn(4 * d, d)
+        params[f"l{i}.mlp.down"] = torch.randn(d, 4 * d)
+        for n in ("ln1", "ln2"):
+            params[f"l{i}.{n}.weight"] = torch.ones(d)
+            params[f"l{i}.{n}.bias"] = torch.zeros(d)
+    sd = {f"model.{k}": v for k, v in params.items()}
+    for k, v in params.items():
+        sd[f"optim.{k}.exp_avg"] = torch.zeros_like(v)
+        sd[f"optim.{k}.exp_avg_sq"] = torch.zeros_like(v)
+        sd[f"optim.{k}.step"] = torch.tensor(10.0)
+    return sd
+
+
+def _staged_and_pool_bytes(sd: dict[str, torch.Tensor]) -> tuple[int, int]:
+    with AsyncSaver(EngineConfig(mode="thread")) as saver:
+        plan = saver._plan(sd, {})
+    staged = sum(t.numel() * element_size(t.dtype) for t in sd.values())
+    return staged, pool_cost(plan.layout)
+
+
+def test_pool_costs_at_most_105_percent_of_a_model_state() -> None:
+    sd = _model_state()
+    staged, pooled = _staged_and_pool_bytes(sd)
+    ratio = pooled / staged
+    print(f"model-shaped: {len(sd)} tensors, staged {staged / 2**20:.1f} MiB, ratio {ratio:.4f}")
+    assert ratio <= 1.05
+    # the pool really is that size once built
+    with AsyncSaver(EngineConfig(mode="thread")) as saver:
+        pool = StagingPool(saver._plan(sd, {}).layout, pin=False)
+        try:
+            assert pool.nbytes == pooled
+        finally:
+            pool.close()
+
+
+def test_tiny_tensors_pay_the_alignment() -> None:
+    """Each tensor starts 4 KiB aligned: a state of only tiny tensors cannot meet 1.05x
+    (documented limit; real states are dominated by large tensors)."""
+    sd = {f"s{i}": torch.tensor(float(i)) for i in range(100)}
+    staged, pooled = _staged_and_pool_bytes(sd)
+    print(f"100 scalars: staged {staged} B, pool {pooled} B")
+    assert pooled >= 100 * 4096 > 1.05 * staged
+
+
+@pytest.mark.parametrize(
+    "src",
+    [
+        torch.randn(37, 5).t(),
+        torch.randn(4, 6, 8)[:, ::2, 1::3],
+        torch.tensor(-0.0),
+        torch.tensor([float("nan"), 1.5]).bfloat16(),
+        torch.arange(10, dtype=torch.int64)[::3],
+        torch.randn(9).to(torch.float8_e5m2),
+        torch.rand(13) > 0.3,
+    ],
+    ids=["transposed", "strided3d", "negzero0d", "bf16nan", "int64step", "f8", "bool"],
+)
+def test_stage_copies_exact_bytes(src: torch.Tensor) -> None:
+    sd = {"x": src, "pad": torch.ones(3)}
+    with AsyncSaver(EngineConfig(mode="thread")) as saver:
+        plan = saver._plan(sd, {})
+    pool = StagingPool(plan.layout, pin=False)
+    try:
+        c = plan.tensors["x"].chunks[0]
+        dest = pool.view(c.file, c.offset, c.length)
+        pool.stage(dest, src)
+        back = dest.view(src.dtype).view(src.shape) if src.dim() else dest.view(src.dtype)[0]
+        assert same_bytes(back, src.contiguous())
+    finally:
+        pool.close()
+
+
+def test_pool_memory_is_released_on_close() -> None:
+    sd = {"w": torch.ones(1 << 18)}
+    with AsyncSaver(EngineConfig(mode="thread")) as saver:
+        layout = saver._plan(sd, {}).layout
+    before = pool_mappings()
+    pools = [StagingPool(layout, pin=False) for _ in range(3)]
+    assert pool_mappings() == before + 3
+    for p in pools:
+        p.close()
+    assert pool_mappings() == before
