@@ -228,8 +228,7 @@ class AsyncSaver:
         self._closed = False
         self._mapped: set[int] = set()
         self._persister: ProcessPersister | ThreadPersister | None = None
-        self._prepare_thread: threading.Thread | None = None
-        self._prepared: tuple[tuple, list[StagingPool]] | None = None  # see prepare()
+        self._prepare_thread: threading.Thread | None = None  # see prepare()
         self._persister = self._new_persister()  # started now: the first save pays no start-up
         atexit.register(self._atexit)
 
@@ -307,8 +306,9 @@ class AsyncSaver:
                 before any I/O), the target exists, or the worker failed.
         """
         t0 = time.monotonic()
-        # Outside the lock: the staging thread takes it to submit.
+        # Outside the lock: the staging and prepare threads take it.
         self.maybe_wait_for_staging()
+        self.wait_prepared()
         with self._lock:
             if self._closed:
                 raise CheckpointError("the saver is closed", path=os.fspath(path), rank=self.rank)
@@ -482,9 +482,7 @@ class AsyncSaver:
             if slot.pool is not None:
                 persister.unmap_pool(slot.pool_id)
                 slot.pool.close()
-            slot.pool = self._take_prepared(plan.key) or StagingPool(
-                plan.layout, pin=self.config.pin_memory
-            )
+            slot.pool = StagingPool(plan.layout, pin=self.config.pin_memory)
             slot.plan_key = plan.key
             slot.pool_id = self._next_id
             self._next_id += 1
@@ -642,6 +640,7 @@ class AsyncSaver:
                     self._collect(0.1)
         finally:
             self._closed = True
+            self.wait_prepared()  # it sees _closed and frees what it built
             if self._persister is not None:
                 # saves still in flight here timed out (or abort): stop the writer now, so
                 # that no save is reported failed and then committed behind our back
@@ -652,7 +651,6 @@ class AsyncSaver:
                 if slot.pool is not None:
                     slot.pool.close()
                     slot.pool = None
-            self._take_prepared(None)  # frees pools built ahead and never used
             atexit.unregister(self._atexit)
 
     def _abandon_in_flight(self) -> None:
@@ -695,13 +693,15 @@ class AsyncSaver:
 
     # ------------------------------------------------------------------ prepare
     def prepare(self, state_dict: Mapping[str, Any]) -> threading.Thread | None:
-        """Plan ``state_dict`` and build its staging pools now, in a background thread,
-        so that the first ``save()`` of the same shapes pays no allocation (~1 s/GiB).
+        """Plan ``state_dict`` and build, populate and hand to the worker its staging
+        pools now, in a background thread, so that the first ``save()`` of the same
+        shapes pays no allocation (~1 s/GiB) and no first-touch page faults.
 
         Call from the training thread once the state is complete (optimizer states
         exist only after the first optimizer step); values are not read, only names,
-        dtypes and shapes. Never raises: a state that cannot be saved is reported by
-        ``save()``, a pool that cannot be allocated is logged and built by ``save()``.
+        dtypes and shapes. ``save()`` waits for a build still running. Never raises: a
+        state that cannot be saved is reported by ``save()``, a pool that cannot be
+        allocated is logged and built by ``save()``.
 
         Returns:
             the thread building the pools, or None if there was nothing to build.
@@ -710,6 +710,7 @@ class AsyncSaver:
 
             saver.prepare(state_dict)  # after step 1; save(state_dict, ...) at step 100
         """
+        self.wait_prepared()
         with self._lock:
             if self._closed:
                 return None
@@ -719,43 +720,51 @@ class AsyncSaver:
             except CheckpointError as e:
                 logger.debug("quicksave: nothing prepared: %s", e)
                 return None
-            self._take_prepared(None)
             n = sum(s.plan_key != plan.key for s in self._slots)
             if n == 0:
                 return None
-
-            def build() -> None:
-                try:
-                    pools = [StagingPool(plan.layout, pin=self.config.pin_memory) for _ in range(n)]
-                except CheckpointError as e:
-                    logger.warning("quicksave: staging pool not prepared ahead: %s", e)
-                    return
-                self._prepared = (plan.key, pools)
-
-            self._prepare_thread = threading.Thread(
-                target=build, name="quicksave-prepare", daemon=True
+            thread = threading.Thread(
+                target=self._build_pools, args=(plan, n), name="quicksave-prepare", daemon=True
             )
-            self._prepare_thread.start()
-            return self._prepare_thread
+            self._prepare_thread = thread
+            thread.start()
+            return thread
 
-    @property
-    def prepared_pools(self) -> int:
-        """Pools built by :meth:`prepare` and not yet taken by a save (waits for the build)."""
-        with self._lock:
-            if self._prepare_thread is not None:
-                self._prepare_thread.join()
-            return len(self._prepared[1]) if self._prepared is not None else 0
-
-    def _take_prepared(self, key: tuple | None) -> StagingPool | None:
-        """A pool built ahead for plan ``key`` (waits for the build); pools built for
-        another plan are freed. ``key=None`` frees them all."""
-        if self._prepare_thread is not None:
-            self._prepare_thread.join()
+    def wait_prepared(self) -> None:
+        """Block until a :meth:`prepare` build is finished (call outside the lock)."""
+        t = self._prepare_thread
+        if t is not None:
+            t.join()
             self._prepare_thread = None
-        if self._prepared is not None and self._prepared[0] == key and self._prepared[1]:
-            return self._prepared[1].pop(0)
-        if self._prepared is not None:
-            for pool in self._prepared[1]:
-                pool.close()
-            self._prepared = None
-        return None
+
+    def _build_pools(self, plan: _Plan, n: int) -> None:
+        try:
+            pools = [StagingPool(plan.layout, pin=self.config.pin_memory) for _ in range(n)]
+        except CheckpointError as e:
+            logger.warning("quicksave: staging pool not prepared ahead: %s", e)
+            return
+        with self._lock:
+            for pool in pools:
+                slot = next(
+                    (s for s in self._slots if s.busy is None and s.plan_key != plan.key), None
+                )
+                if slot is None or self._closed:
+                    pool.close()
+                    continue
+                if slot.pool is not None:
+                    if self._persister is not None:
+                        self._persister.unmap_pool(slot.pool_id)
+                    slot.pool.close()
+                slot.pool, slot.plan_key, slot.pool_id = pool, plan.key, self._next_id
+                self._next_id += 1
+                if self._persister is None:
+                    continue  # save() maps it into the next worker
+                # Mapped now, while the worker is idle: its populate of the mapping then
+                # runs neither beside the first save's copies nor before its write.
+                try:
+                    self._persister.map_pool(
+                        slot.pool_id, pool.fd, pool.nbytes, memoryview(pool._mm)
+                    )
+                    self._mapped.add(slot.pool_id)
+                except CheckpointError as e:
+                    self._worker_failed(e)

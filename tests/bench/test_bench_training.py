@@ -30,6 +30,7 @@ def test_quick_run_reports_every_method(tmp_path, capsys) -> None:
     assert len(report["baseline"]["loop_s"]) == 2
     assert len(report["baseline"]["step_s"]) == 6
     assert all(s > 0 for s in report["baseline"]["loop_s"])
+    assert len(report["baseline"]["paired_extra_s"]) == 2
     for key in ("write_s", "read_s", "copy_warm_s", "copy_fresh_s"):
         assert report["raw"][key] and all(s > 0 for s in report["raw"][key]), key
     assert set(report["methods"]) == {"torch.save", "quicksave-sync"}
@@ -43,6 +44,8 @@ def test_quick_run_reports_every_method(tmp_path, capsys) -> None:
         assert m["write_gbps"] > 0 and m["durable_vs_raw_write"] > 0, name
         assert m["restore_median_s"] > 0 and m["restore_vs_raw_read"] > 0, name
         assert m["peak_rss_mib"] > 0, name
+        assert m["paired_overhead_per_checkpoint_s"] is not None, name
+        assert m["overhead_per_checkpoint_s"] is not None, name
         # checkpointing must not change training: same final loss as without it
         assert m["same_loss_as_baseline"] is True, name
         run = m["runs"][0]

@@ -135,6 +135,7 @@ def manifest(path: Path | str) -> dict[str, Any]:
 
 
 def make(folder: Path, states: dict[str, Any], **config: Any) -> CheckpointManager:
+    config = {"async_mode": "disabled", **config}
     return CheckpointManager(CheckpointConfig(folder=str(folder), **config), states)
 
 
@@ -289,7 +290,7 @@ def test_a_misbehaving_retention_policy_cannot_delete_the_newest(tmp_path: Path)
 
     job = Job(seed=0)
     manager = CheckpointManager(
-        CheckpointConfig(folder=str(tmp_path / "ckpt"), interval=1),
+        CheckpointConfig(folder=str(tmp_path / "ckpt"), interval=1, async_mode="disabled"),
         job.states(),
         retention=DeleteEverything(),
     )
@@ -388,7 +389,12 @@ def test_seconds_interval_uses_the_injected_clock(tmp_path: Path) -> None:
     now = [100.0]
     job = Job(seed=0)
     manager = CheckpointManager(
-        CheckpointConfig(folder=str(tmp_path / "ckpt"), interval=10, interval_type="seconds"),
+        CheckpointConfig(
+            folder=str(tmp_path / "ckpt"),
+            interval=10,
+            interval_type="seconds",
+            async_mode="disabled",
+        ),
         job.states(),
         clock=lambda: now[0],
     )
@@ -449,12 +455,11 @@ def test_config_accepts_a_pathlike_folder_and_fractional_seconds(tmp_path: Path)
     assert config.folder == str(tmp_path)
 
 
-def test_async_modes_are_not_available_yet(tmp_path: Path) -> None:
+def test_unknown_async_mode_is_refused_before_any_io(tmp_path: Path) -> None:
     with pytest.raises(CheckpointError) as info:
         make(tmp_path / "ckpt", {}, async_mode="async")
     assert str(info.value) == (
-        "async_mode 'async' is not available yet: asynchronous saving arrives with the async "
-        f"engine (next issue); use async_mode='disabled' [path={tmp_path / 'ckpt'}]"
+        "async_mode must be one of 'disabled', 'thread', 'process', got 'async'"
     )
     assert not (tmp_path / "ckpt").exists()  # checked before any I/O
 

@@ -57,7 +57,9 @@ class Job:
     def __init__(self, seed: int) -> None:
         torch.manual_seed(seed)
         random.seed(seed)
-        self.model = nn.Sequential(nn.Linear(6, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 3))
+        self.model = nn.Sequential(
+            nn.Linear(6, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 3)
+        )
         self.optim = torch.optim.AdamW(self.model.parameters(), lr=0.05)
         self.sched = torch.optim.lr_scheduler.StepLR(self.optim, step_size=2, gamma=0.7)
         self.data = Counter()
@@ -227,7 +229,7 @@ def test_overlap_writes_the_values_of_the_moment_of_save_while_training_goes_on(
 
     fresh = Job(seed=7)
     fresh_states = fresh.states()
-    with make(tmp_path / "ckpt", fresh_states, async_mode=mode) as reader:
+    with make(tmp_path / "ckpt", fresh_states, async_mode="disabled") as reader:
         assert reader.load(3) == 3
     assert_same(snapshot(fresh_states), expected)
 
@@ -241,14 +243,25 @@ def test_the_optimizer_pre_hook_waits_for_the_background_copy(
     job.train_step()
     deferred = deferred_ptrs(job)
     manager.save(1)
+    saver = manager._writer.saver
+    waiting = threading.Event()
+    wait_for_staging = saver.maybe_wait_for_staging
+
+    def entered_then_wait() -> None:
+        waiting.set()
+        wait_for_staging()
+
+    saver.maybe_wait_for_staging = entered_then_wait  # what the manager's hook calls
+    # The copy may proceed only once the optimizer step is inside the manager's hook.
+    opener = threading.Thread(target=lambda: waiting.wait(GATE_TIMEOUT_S) and stage_gate.release())
+    opener.start()
     seen_by_step: list[set[int]] = []
     # Registered after the manager's hook, so it runs after it, just before the update.
     job.optim.register_step_pre_hook(lambda *_: seen_by_step.append(stage_gate.background()))
     loss = job.forward_backward()
     assert stage_gate.background() == set()
-    timer = release_later(stage_gate.opened)
     job.step(loss)  # blocks in the manager's pre-hook until the gate opens and copies finish
-    timer.join()
+    opener.join()
     assert seen_by_step == [deferred]
     manager.close()
     assert manager.metrics[0].status == "committed"
@@ -340,21 +353,26 @@ def test_each_save_reports_its_costs(
         ) in caplog.text
 
 
-def test_the_staging_pool_is_built_before_the_first_save(tmp_path: Path, closing: list) -> None:
+@pytest.mark.parametrize("mode", ["thread", "process"])
+def test_the_staging_pool_is_built_before_the_first_save(
+    tmp_path: Path, mode: str, closing: list
+) -> None:
     job = Job(seed=0)
-    manager = make(tmp_path / "ckpt", job.states(), interval=3)
+    manager = make(tmp_path / "ckpt", job.states(), interval=3, async_mode=mode)
     closing.append(manager)
     saver = manager._writer.saver
-    assert saver.prepared_pools == 0  # the optimizer state does not exist yet
+    saver.wait_prepared()
+    assert saver._slots[0].pool is None  # the optimizer state does not exist yet
     job.train_step()  # the first optimizer step completes the state: the post-hook prepares
-    assert saver.prepared_pools == 1
-    pool = saver._prepared[1][0]
+    saver.wait_prepared()
+    slot = saver._slots[0]
+    pool = slot.pool
+    assert pool is not None and slot.pool_id in saver._mapped  # built, and in the worker
     assert pool.nbytes >= sum(p.numel() * 4 * 3 for p in job.model.parameters())
     job.train_step()
     job.train_step()
-    manager.save(3)  # the first save takes the pool that was built ahead, warm
-    assert saver._slots[0].pool is pool
-    assert saver.prepared_pools == 0
+    manager.save(3)  # the first save stages into the pool built ahead: no allocation
+    assert slot.pool is pool and slot.busy is not None
     job.train_step()
     manager.close()
     assert manager.metrics[0].status == "committed"
@@ -366,8 +384,9 @@ def test_without_optimizers_the_first_save_call_prepares(tmp_path: Path, closing
     closing.append(manager)
     saver = manager._writer.saver
     assert not manager.save(1)
-    assert saver.prepared_pools == 1
-    pool = saver._prepared[1][0]
+    saver.wait_prepared()
+    pool = saver._slots[0].pool
+    assert pool is not None
     assert manager.save(2)
     assert saver._slots[0].pool is pool
     manager.close()
@@ -392,9 +411,8 @@ def test_retention_never_deletes_a_save_in_flight(
     assert manager.committed_steps() == [] and manager.latest_step() is None
 
     write_gates[1].set()
-    assert manager._writer.drain(GATE_TIMEOUT_S) is False or True  # drain waits for both
-    # Step 2 is still held: drain timed out on it; poll sees 1 committed, 2 in flight.
-    manager.save(3)  # not due: only finalizes
+    while 1 in manager._in_flight:  # each save() call finalizes without waiting
+        manager.save(3)
     assert manager.committed_steps() == [1] and manager._in_flight == {2}
 
     write_gates[2].set()
@@ -414,19 +432,271 @@ def test_a_published_step_not_yet_finalized_counts_as_in_flight(
     folder = tmp_path / "ckpt"
     job = Job(seed=0)
     manager = CheckpointManager(
-        CheckpointConfig(folder=str(folder), interval=100, async_mode="thread"),
+        CheckpointConfig(folder=str(folder), interval=100, async_mode="thread", max_in_flight=2),
         job.states(),
         retention=DeleteEverything(),
     )
     closing.append(manager)
-    for step in (1, 2):
-        job.train_step()
-        write_gates[step].set()
-        manager.save(step, force=True)
-        while not (folder / f"step-{step}").exists():  # published; the manager has not seen it
-            threading.Event().wait(0.01)
-    assert manager._in_flight == {2}
-    manager._retain(protect=set())  # step 1 is committed and older: it may go; 2 must stay
-    assert sorted(os.listdir(folder)) == ["step-2"]
+    job.train_step()
+    write_gates[10].set()
+    manager.save(10, force=True)
+    while manager._in_flight:
+        manager.save(11)
+    manager.save(2, force=True)  # held
+    write_gates[1].set()
+    manager.save(1, force=True)  # written and published, but not finalized yet
+    while not (folder / "step-1").exists():
+        threading.Event().wait(0.01)
+    assert manager._in_flight == {1, 2}
+    manager._retain(protect=set())  # the policy asks for everything; in flight stays
+    assert sorted(os.listdir(folder)) == ["step-1", "step-10"]
+    write_gates[2].set()
+    manager.close()  # both commit; now the policy may have steps 1 and 2, never the newest
+    assert sorted(os.listdir(folder)) == ["step-10"]
+
+
+@pytest.mark.parametrize("mode", ["thread", "process"])
+def test_close_waits_for_saves_in_flight(
+    tmp_path: Path, mode: str, write_gates: dict[int, threading.Event]
+) -> None:
+    job = Job(seed=0)
+    manager = make(tmp_path / "ckpt", job.states(), interval=1, async_mode=mode)
+    job.train_step()
+    write_gates[1].clear()  # thread mode: held until the timer; process mode: not gated
+    assert manager.save(1)
+    assert manager.metrics[0].status == "in_flight"
+    timer = release_later(write_gates[1])
     manager.close()
-    assert manager.committed_steps() == [2]
+    timer.join()
+    assert manager.committed_steps() == [1]
+    assert manager.metrics[0].status == "committed"
+    with pytest.raises(CheckpointError, match="this CheckpointManager is closed"):
+        manager.save(2)
+
+
+def test_load_waits_for_saves_in_flight_and_sees_only_committed(
+    tmp_path: Path, write_gates: dict[int, threading.Event], closing: list
+) -> None:
+    job = Job(seed=0)
+    states = job.states()
+    manager = make(tmp_path / "ckpt", states, interval=2)
+    closing.append(manager)
+    for _ in range(2):
+        job.train_step()
+    manager.save(2)
+    expected = snapshot(states)
+    assert manager.latest_step() is None  # in flight is not committed
+    job.train_step()
+    timer = release_later(write_gates[2])
+    assert manager.load() == 2  # waited for step 2, then restored it
+    timer.join()
+    assert_same(snapshot(states), expected)
+
+
+def test_seed_and_export_are_written_after_the_saves_in_flight(
+    tmp_path: Path, write_gates: dict[int, threading.Event], closing: list
+) -> None:
+    folder = tmp_path / "ckpt"
+    job = Job(seed=0)
+    manager = make(folder, job.states(), interval=2, last_step=4, export_dtype="bfloat16")
+    closing.append(manager)
+    assert manager.save(0)  # seed: synchronous
+    assert manager.committed_steps() == [0] and manager.metrics[0].mode == "disabled"
+    for _ in range(2):
+        job.train_step()
+    manager.save(2)
+    for _ in range(2):
+        job.train_step()
+    timers = [release_later(write_gates[2]), release_later(write_gates[4], 0.4)]
+    assert manager.save(4)  # full (async), then the export, after both full saves commit
+    for t in timers:
+        t.join()
+    assert manager.committed_steps() == [0, 2, 4]
+    assert (folder / "export-step-4" / "manifest.json").exists()
+    assert [(r.step, r.kind, r.status) for r in manager.metrics] == [
+        (0, "seed", "committed"),
+        (2, "full", "committed"),
+        (4, "full", "committed"),
+        (4, "export", "committed"),
+    ]
+
+
+def test_backpressure_skip_skips_while_the_previous_save_is_in_flight(
+    tmp_path: Path,
+    write_gates: dict[int, threading.Event],
+    caplog: pytest.LogCaptureFixture,
+    closing: list,
+) -> None:
+    job = Job(seed=0)
+    manager = make(tmp_path / "ckpt", job.states(), interval=100, backpressure="skip")
+    closing.append(manager)
+    job.train_step()
+    assert manager.save(1, force=True)
+    job.train_step()
+    with caplog.at_level(logging.WARNING, logger="quicksave"):
+        assert not manager.save(2, force=True)
+    assert "skipped the save of step 2" in caplog.text
+    write_gates[1].set()
+    write_gates[3].set()
+    job.train_step()
+    while manager._in_flight:  # each save() call finalizes without waiting
+        manager.save(50)
+    assert manager.save(3, force=True)
+    manager.close()
+    assert manager.committed_steps() == [1, 3]
+    assert [r.step for r in manager.metrics] == [1, 3]
+
+
+# ---------------------------------------------------------------- failures
+
+
+def _break_folder(folder: Path) -> Path:
+    """Replace the checkpoint folder by a file: the writer cannot create anything."""
+    aside = folder.with_name("aside")
+    os.rename(folder, aside)
+    folder.write_text("not a folder")
+    return aside
+
+
+def _repair_folder(folder: Path, aside: Path) -> None:
+    folder.unlink()
+    os.rename(aside, folder)
+
+
+def test_a_failed_save_surfaces_at_a_later_save_and_the_next_save_works(
+    tmp_path: Path, closing: list
+) -> None:
+    folder = tmp_path / "ckpt"
+    job = Job(seed=0)
+    manager = make(folder, job.states(), interval=100)
+    closing.append(manager)
+    job.train_step()
+    aside = _break_folder(folder)
+    assert manager.save(1, force=True)  # staged and handed over; the writer fails later
+    with pytest.raises(CheckpointError) as info:
+        for _ in range(1000):  # a few calls at most: each one finalizes without waiting
+            manager.save(2)
+            threading.Event().wait(0.01)
+    assert "Not a directory" in str(info.value)
+    assert str(folder / "step-1") in str(info.value) and info.value.rank == 0
+    assert manager.metrics[0].status == "failed"
+    _repair_folder(folder, aside)
+    assert not manager.save(2)  # reported once: this call is quiet again
+    job.train_step()
+    assert manager.save(3, force=True)
+    manager.close()
+    assert manager.committed_steps() == [3]
+    assert [r.status for r in manager.metrics] == ["failed", "committed"]
+
+
+def test_a_failed_save_surfaces_at_close_in_process_mode(tmp_path: Path) -> None:
+    folder = tmp_path / "ckpt"
+    job = Job(seed=0)
+    manager = make(folder, job.states(), interval=100, async_mode="process")
+    job.train_step()
+    aside = _break_folder(folder)
+    assert manager.save(1, force=True)
+    with pytest.raises(CheckpointError) as info:
+        manager.close()
+    assert "Not a directory" in str(info.value) and info.value.rank == 0
+    assert manager.metrics[0].status == "failed"
+    _repair_folder(folder, aside)
+    assert os.listdir(folder) == []  # nothing half-written became visible
+
+
+# ---------------------------------------------------------------- resume
+
+
+def test_resume_with_process_mode_continues_bit_exactly(tmp_path: Path) -> None:
+    reference = Job(seed=0)
+    for _ in range(10):
+        reference.train_step()
+
+    first = Job(seed=0)
+    manager = make(tmp_path / "ckpt", first.states(), interval=3, async_mode="process")
+    for _ in range(7):  # saves at 3 and 6 in the background; step 7 is lost
+        first.train_step()
+        manager.save(first.train_state.step)
+    manager.close()
+
+    second = Job(seed=42)  # other weights: everything must come from the checkpoint
+    torch.manual_seed(999)
+    manager = make(tmp_path / "ckpt", second.states(), interval=3, async_mode="process")
+    assert manager.load() == 6
+    while second.train_state.step < 10:
+        second.train_step()
+        manager.save(second.train_state.step)
+    manager.close()
+
+    assert second.train_state.losses == reference.train_state.losses
+    assert_same(second.model.state_dict(), reference.model.state_dict())
+    assert_same(second.optim.state_dict(), reference.optim.state_dict())
+    assert second.sched.state_dict() == reference.sched.state_dict()
+    assert manager.committed_steps() == [3, 6, 9]
+
+
+# ---------------------------------------------------------------- configuration
+
+
+@pytest.mark.parametrize(
+    ("config", "message"),
+    [
+        ({"async_mode": "async"}, "async_mode must be one of 'disabled', 'thread', 'process', "
+         "got 'async'"),
+        ({"staging": "lazy"}, "staging must be one of 'overlap', 'blocking', got 'lazy'"),
+        ({"backpressure": "drop"}, "backpressure must be one of 'wait', 'skip', got 'drop'"),
+        ({"max_in_flight": 0}, "max_in_flight must be an integer >= 1, got 0"),
+        ({"worker_timeout_s": 0}, "worker_timeout_s must be a positive number of seconds, got 0"),
+        ({"close_timeout_s": float("inf")},
+         "close_timeout_s must be a positive number of seconds, got inf"),
+    ],
+)  # fmt: skip
+def test_bad_async_config_values(tmp_path: Path, config: dict[str, Any], message: str) -> None:
+    with pytest.raises(CheckpointError) as info:
+        CheckpointConfig(folder=str(tmp_path), **config)
+    assert str(info.value) == message
+
+
+def test_the_engine_config_is_built_from_the_manager_config(tmp_path: Path) -> None:
+    config = CheckpointConfig(
+        folder=str(tmp_path),
+        thread_count=3,
+        backpressure="skip",
+        max_in_flight=2,
+        worker_timeout_s=7,
+        save_timeout_s=60,
+        close_timeout_s=9,
+    )
+    assert (config.async_mode, config.staging) == ("process", "overlap")  # the defaults
+    engine = config.engine_config()
+    assert (engine.mode, engine.staging, engine.thread_count) == ("process", "overlap", 3)
+    assert (engine.backpressure, engine.max_in_flight, engine.close_timeout_s) == ("skip", 2, 9)
+    assert (engine.worker.worker_timeout_s, engine.worker.save_timeout_s) == (7, 60)
+    with pytest.raises(CheckpointError, match="saves synchronously: no engine"):
+        CheckpointConfig(folder=str(tmp_path), async_mode="disabled").engine_config()
+
+
+# ---------------------------------------------------------------- several ranks
+
+
+def _rank_saves_synchronously(rank: int, world_size: int, folder: str) -> dict[str, Any]:
+    job = Job(seed=0)
+    manager = make(Path(folder), job.states(), interval=2, async_mode="process")
+    job.train_step()
+    job.train_step()
+    manager.save(2)
+    committed = manager.committed_steps()  # synchronous: committed when save() returns
+    manager.close()
+    return {"engine": manager._writer is not None, "committed": committed,
+            "mode": manager.metrics[0].mode}  # fmt: skip
+
+
+@pytest.mark.slow
+def test_several_ranks_fall_back_to_synchronous_saves(tmp_path: Path) -> None:
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "dist"))
+    from launcher import LaunchConfig, run_ranks
+
+    results = run_ranks(
+        _rank_saves_synchronously, 2, str(tmp_path / "ckpt"), config=LaunchConfig(timeout_s=120.0)
+    )
+    assert results == [{"engine": False, "committed": [2], "mode": "disabled"}] * 2

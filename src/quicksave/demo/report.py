@@ -32,6 +32,26 @@ def _dir_size(path: str) -> int:
     return total
 
 
+def _s(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.4f}"
+
+
+def _mean_max(values: list[float]) -> str:
+    if not values:
+        return "n/a"
+    return f"mean {sum(values) / len(values):.4f}, max {max(values):.4f}"
+
+
+def _per_checkpoint(record: dict[str, Any]) -> str:
+    """One checkpoint's costs from the manager's metrics record."""
+    status = record.get("status") or "committed"
+    return (
+        f"blocking {_s(record.get('blocking_s'))} s, staging {_s(record.get('staging_s'))} s, "
+        f"durable {_s(record.get('durable_s'))} s"
+        + ("" if status == "committed" else f" ({status.replace('_', ' ')})")
+    )
+
+
 def _n_full(result: dict[str, Any]) -> int:
     return sum(c.get("kind", "full") == "full" for c in result["checkpoints"])
 
@@ -91,13 +111,26 @@ def summarize(
                                 f"{_n_full(res)} after the resume)"),
     ]  # fmt: skip
     if saves:
-        mean_b = sum(blocking) / len(blocking)
+        durable = [c.get("durable_s") for c in saves if c.get("durable_s") is not None]
         rows += [
-            ("blocking s / ckpt", f"mean {mean_b:.4f}, max {max(blocking):.4f}"),
+            ("blocking s / ckpt", _mean_max(blocking)),
+            ("staging s / ckpt", _mean_max(
+                [c["staging_s"] for c in saves if c.get("staging_s") is not None])),
+            ("durable s / ckpt", _mean_max(durable) + " (time until committed)"),
             ("bytes / ckpt", _fmt_bytes(sum(nbytes) / len(nbytes))),
-            ("write GB/s", f"{sum(nbytes) / max(sum(blocking), 1e-9) / 1e9:.3f} "
-                           "(bytes / blocking time)"),
         ]  # fmt: skip
+        if durable and len(durable) == len(saves):
+            rows.append(("write GB/s", f"{sum(nbytes) / max(sum(durable), 1e-9) / 1e9:.3f} "
+                                       "(bytes / time until committed)"))  # fmt: skip
+        else:
+            rows.append(("write GB/s", f"{sum(nbytes) / max(sum(blocking), 1e-9) / 1e9:.3f} "
+                                       "(bytes / blocking time)"))  # fmt: skip
+        rows += [
+            (f"  step {c['step']:>5}", _per_checkpoint(c))
+            for run in (intr, res)
+            for c in run["checkpoints"]
+            if c.get("kind", "full") == "full"
+        ]
     leftovers = intr["leftovers_at_kill"]
     rows += [
         ("restore s", f"{res['restore_s']:.4f}" if res["restore_s"] is not None else "n/a"),

@@ -47,7 +47,7 @@ from ..manager import (
 from .data import BatchSampler, CharTokenizer, load_corpus
 from .model import ModelConfig, TinyLM
 
-DEFAULT_ASYNC_MODE = "disabled"
+DEFAULT_ASYNC_MODE = "process"  # a persistent worker writes; staging overlaps training
 
 
 @dataclass(frozen=True)
@@ -127,7 +127,12 @@ def _metric_record(record: Any) -> dict[str, Any]:
         return dataclasses.asdict(record)
     if isinstance(record, dict):
         return dict(record)
-    return {k: getattr(record, k, None) for k in ("step", "blocking_s", "bytes", "path")}
+    keys = ("step", "kind", "path", "bytes", "blocking_s", "staging_s", "durable_s", "status")
+    return {k: getattr(record, k, None) for k in keys}
+
+
+def _in_flight(manager: CheckpointManager) -> int:
+    return sum(getattr(r, "status", None) == "in_flight" for r in manager.metrics)
 
 
 def _write_json(path: str, payload: dict[str, Any]) -> None:
@@ -243,7 +248,10 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
                 train_state.step = step
                 train_state.losses.append(losses[-1])
                 train_state.log_steps.append(step)
-                if manager.save(step):
+                in_flight = _in_flight(manager)
+                # Rewrite the results when a checkpoint starts or one in flight finishes
+                # (the records then carry its staging and time-to-durable).
+                if manager.save(step) or _in_flight(manager) != in_flight:
                     report()
             _emit("step", step)
             while step == cfg.hold_at:  # wait for the parent's SIGKILL: no clean-up runs

@@ -23,6 +23,7 @@ import torch.distributed.checkpoint as dcp
 from ..commit import CheckpointKind, classify, clean_stale_temporaries, new_token, temp_path_for
 from ..errors import CheckpointError, CheckpointNotFoundError, NotCommittedError
 from ..reader import StorageReader
+from .policies import RetentionPolicy
 
 logger = logging.getLogger("quicksave")
 
@@ -79,6 +80,30 @@ def delete_checkpoint(path: str) -> None:
         return
     shutil.rmtree(doomed, ignore_errors=True)
     logger.info("quicksave: deleted old checkpoint %s", path)
+
+
+def apply_retention(folder: str, retention: RetentionPolicy, keep: set[int]) -> None:
+    """Delete the committed checkpoints ``retention`` chooses, except the newest one and
+    the steps in ``keep`` (in flight, or just written): those are refused even if the
+    policy picks them. Call on the coordinator only."""
+    committed = committed_steps(folder)
+    if not committed:
+        return
+    for step in retention.to_delete(committed, set(keep)):
+        if step in keep or step == committed[-1] or step not in committed:
+            # A policy must never pick these; refuse rather than lose a checkpoint.
+            logger.warning("quicksave: retention chose step %d, which must be kept; ignored", step)
+            continue
+        delete_checkpoint(os.path.join(folder, f"step-{step}"))
+
+
+def replace_uncommitted(path: str) -> None:
+    """A ``step-<N>`` directory with quicksave data but no manifest can never be loaded
+    (a non-atomic copy, a damaged disk); it would block the commit rename: delete it.
+    Call on the coordinator only."""
+    if classify(path) is CheckpointKind.UNCOMMITTED:
+        logger.warning("quicksave: replacing uncommitted leftover %s", path)
+        delete_checkpoint(path)
 
 
 def require_committed(folder: str, path: str, step: int, rank: int | None) -> None:

@@ -37,7 +37,7 @@ from typing import Any
 import torch.distributed as dist
 
 from .. import api
-from ..commit import CheckpointKind, classify
+from ..commit import classify
 from ..engine import SaveHandle
 from ..errors import (
     CheckpointError,
@@ -47,10 +47,11 @@ from .async_writer import AsyncWriter
 from .config import CheckpointConfig
 from .folder import (
     COMMITTED,
+    apply_retention,
     check_step,
     committed_steps,
-    delete_checkpoint,
     prepare_folder,
+    replace_uncommitted,
     require_committed,
     stored_metadata,
 )
@@ -162,12 +163,13 @@ class CheckpointManager:
                     config.engine_config(), self.states, lambda: self._collect("full")
                 )
         logger.info(
-            "quicksave: checkpointing to %s (%s, %s, async_mode %s, staging %s)",
+            "quicksave: checkpointing to %s (%s, %s, %s)",
             self.folder,
             self.save_policy,
             self.retention,
-            config.async_mode if self._writer is not None else "disabled",
-            config.staging,
+            "synchronous"
+            if self._writer is None
+            else f"async_mode {config.async_mode}, staging {config.staging}",
         )
 
     # ---------------------------------------------------------------- public API
@@ -352,8 +354,14 @@ class CheckpointManager:
     def __enter__(self) -> CheckpointManager:
         return self
 
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()
+    def __exit__(self, exc_type: type[BaseException] | None, *exc_info: object) -> None:
+        if exc_type is None:
+            self.close()
+            return
+        try:  # an exception is on its way already: do not replace it with ours
+            self.close()
+        except CheckpointError as e:
+            logger.error("quicksave: closing the manager after an error: %s", e)
 
     # ---------------------------------------------------------------- save path
 
@@ -477,27 +485,12 @@ class CheckpointManager:
     # ---------------------------------------------------------------- retention
 
     def _retain(self, protect: set[int]) -> None:
-        if not self._is_coordinator():
-            return
-        committed = self.committed_steps()
-        if not committed:
-            return
-        keep = self._in_flight | protect | {committed[-1]}
-        for step in self.retention.to_delete(committed, self._in_flight | protect):
-            if step in keep or step not in committed:
-                # A policy must never pick these; refuse rather than lose a checkpoint.
-                logger.warning(
-                    "quicksave: retention chose step %d, which must be kept; ignored", step
-                )
-                continue
-            delete_checkpoint(self.step_path(step))
+        if self._is_coordinator():
+            apply_retention(self.folder, self.retention, self._in_flight | protect)
 
     def _replace_uncommitted(self, path: str) -> None:
-        """A ``step-<N>`` directory with quicksave data but no manifest can never be
-        loaded (a non-atomic copy, a damaged disk); it would block the commit rename."""
-        if classify(path) is CheckpointKind.UNCOMMITTED and self._is_coordinator():
-            logger.warning("quicksave: replacing uncommitted leftover %s", path)
-            delete_checkpoint(path)
+        if self._is_coordinator():
+            replace_uncommitted(path)
 
     # ---------------------------------------------------------------- helpers
 
