@@ -1,10 +1,19 @@
 """quicksave: asynchronous, distributed, atomic checkpointing for PyTorch.
 
 Layers (docs/ARCHITECTURE.md): ``CheckpointManager`` (policy) → functions
-(``save`` / ``load`` / ``StorageWriter`` / ``StorageReader``) → the engine.
+(``save`` / ``load`` / ``async_save`` / ``StorageWriter`` / ``StorageReader``) → the engine
+(``AsyncSaver``, and the seeds' ``AsyncRequest`` / ``AsyncCallsQueue`` /
+``TorchAsyncCheckpoint``).
+
+Names are imported on first use: the checkpoint worker process imports
+``quicksave.worker`` only, and must not pay for torch.
 """
 
-from .api import LoadPlanner, load, save
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from .errors import (
     CheckpointError,
     CheckpointExistsError,
@@ -14,60 +23,115 @@ from .errors import (
     NotCommittedError,
     WorkerFailedError,
 )
-from .reader import StorageReader
-from .writer import StorageWriter
 
 __version__ = "0.1.0"
 
+# public name -> the module that defines it
+_LAZY: dict[str, str] = {
+    "save": "api",
+    "load": "api",
+    "LoadPlanner": "api",
+    "StorageReader": "reader",
+    "StorageWriter": "writer",
+    "AsyncSaver": "engine",
+    "EngineConfig": "engine",
+    "SaveHandle": "engine",
+    "SaveResult": "engine",
+    "AsyncCallsQueue": "async_api",
+    "AsyncRequest": "async_api",
+    "TorchAsyncCheckpoint": "async_api",
+    "async_save": "async_api",
+    **{
+        name: "manager"
+        for name in (
+            "CheckpointConfig",
+            "CheckpointManager",
+            "EveryNSeconds",
+            "EveryNSteps",
+            "KeepLatestK",
+            "ModelState",
+            "OptimizerState",
+            "RNGState",
+            "RetentionPolicy",
+            "SavePolicy",
+            "SaveRecord",
+            "StatefulList",
+            "TrainState",
+        )
+    },
+}
+
 __all__ = [
+    "AsyncCallsQueue",
+    "AsyncRequest",
+    "AsyncSaver",
+    "CheckpointConfig",
     "CheckpointError",
     "CheckpointExistsError",
+    "CheckpointManager",
     "CheckpointNotFoundError",
     "CorruptCheckpointError",
+    "EngineConfig",
+    "EveryNSeconds",
+    "EveryNSteps",
     "IncompatibleStateError",
+    "KeepLatestK",
     "LoadPlanner",
+    "ModelState",
     "NotCommittedError",
+    "OptimizerState",
+    "RNGState",
+    "RetentionPolicy",
+    "SaveHandle",
+    "SavePolicy",
+    "SaveRecord",
+    "SaveResult",
+    "StatefulList",
     "StorageReader",
     "StorageWriter",
+    "TorchAsyncCheckpoint",
+    "TrainState",
     "WorkerFailedError",
+    "async_save",
     "load",
     "save",
 ]
 
-# The manager layer (built on the functions above).
-from .manager import (  # noqa: E402
-    CheckpointConfig,
-    CheckpointManager,
-    EveryNSeconds,
-    EveryNSteps,
-    KeepLatestK,
-    ModelState,
-    OptimizerState,
-    RetentionPolicy,
-    RNGState,
-    SavePolicy,
-    SaveRecord,
-    StatefulList,
-    TrainState,
-)
 
-__all__ += [
-    "CheckpointConfig",
-    "CheckpointManager",
-    "EveryNSeconds",
-    "EveryNSteps",
-    "KeepLatestK",
-    "ModelState",
-    "OptimizerState",
-    "RNGState",
-    "RetentionPolicy",
-    "SavePolicy",
-    "SaveRecord",
-    "StatefulList",
-    "TrainState",
-]
+assert set(__all__) == set(_LAZY) | {n for n in __all__ if n.endswith("Error")}
 
-# The seeds' async API (engine layer) and the async function.
-from .async_api import AsyncCallsQueue, AsyncRequest, TorchAsyncCheckpoint, async_save  # noqa: E402
 
-__all__ += ["AsyncCallsQueue", "AsyncRequest", "TorchAsyncCheckpoint", "async_save"]
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'quicksave' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
+
+
+if TYPE_CHECKING:
+    from .api import LoadPlanner, load, save
+    from .async_api import AsyncCallsQueue, AsyncRequest, TorchAsyncCheckpoint, async_save
+    from .engine import AsyncSaver, EngineConfig, SaveHandle, SaveResult
+    from .manager import (
+        CheckpointConfig,
+        CheckpointManager,
+        EveryNSeconds,
+        EveryNSteps,
+        KeepLatestK,
+        ModelState,
+        OptimizerState,
+        RetentionPolicy,
+        RNGState,
+        SavePolicy,
+        SaveRecord,
+        StatefulList,
+        TrainState,
+    )
+    from .reader import StorageReader
+    from .writer import StorageWriter

@@ -14,13 +14,17 @@ import os
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
 import xxhash
 
 from .errors import CheckpointError
 from .format.manifest import hexdigest
-from .plan import FileLayout, RankLayout
+
+if TYPE_CHECKING:  # the worker process imports this module: keep torch out of it
+    import torch
+
+    from .plan import FileLayout, RankLayout
 
 WRITE_PIECE = 64 << 20  # bytes per pwrite: large enough to stream, small enough to hash in cache
 
