@@ -192,6 +192,10 @@ def _round(value: Any, digits: int = 4) -> Any:
     return value
 
 
+# what the report keeps of every run (for --json and --plot)
+_RUN_KEYS = ("step_s", "save_s", "events", "loop_s", "drain_s", "calibration_step_s")
+
+
 def _paired_extra_s(run: dict[str, Any]) -> float | None:
     """Loop seconds beyond ``steps`` × the run's own median step time without
     checkpoints (measured just before its loop)."""
@@ -237,10 +241,7 @@ def _summarize(method: str, runs: list[dict], baseline_s: float | None) -> dict[
         "peak_rss_mib": max(r["peak_rss_mib"] for r in ok),
         "worker_peak_rss_mib": max(r["worker_peak_rss_mib"] for r in ok),
         "final_loss": ok[0]["final_loss"],
-        "runs": [
-            {k: r[k] for k in ("step_s", "save_s", "events", "loop_s", "drain_s") if k in r}
-            for r in ok
-        ],
+        "runs": [{k: r[k] for k in _RUN_KEYS if k in r} for r in ok],
     }
     out["restore_median_s"] = median(out["restore_s"])
     if "manager_records" in ok[0]:

@@ -171,13 +171,6 @@ def _run_loop(spec: dict[str, Any], saver: Saver, train_step: Callable[[], float
     steps, interval = spec["steps"], spec["interval"]
     step_s, save_s, events = [], [], []
     loss = 0.0
-    # The same process's own step time just before the loop, without checkpoints: a
-    # paired baseline that follows the machine's load better than the separate runs.
-    calibration_s = []
-    for _ in range(spec["calibration_steps"]):
-        t0 = time.perf_counter()
-        train_step()
-        calibration_s.append(time.perf_counter() - t0)
     _reset_peak_rss()
     with _WorkerRssMonitor() as monitor:
         begin = time.perf_counter()
@@ -208,7 +201,6 @@ def _run_loop(spec: dict[str, Any], saver: Saver, train_step: Callable[[], float
     return {
         "loop_s": end - begin,
         "drain_s": end - t_drain,
-        "calibration_step_s": calibration_s,
         "step_s": step_s,
         "save_s": save_s,
         "events": events,
@@ -297,6 +289,15 @@ def run_child(spec: dict[str, Any]) -> dict[str, Any]:
         if spec["method"] == "raw":
             result.update(_raw(spec, tensors, folder))
             return result
+        # The process's own step time without checkpoints: a paired baseline that follows
+        # the machine's load better than the separate runs. Taken before the saver exists,
+        # so that anything the saver prepares at the next optimizer step (a staging pool)
+        # falls into the timed loop.
+        calibration = result["calibration_step_s"] = []
+        for _ in range(spec["calibration_steps"]):
+            t0 = time.perf_counter()
+            train_step()
+            calibration.append(time.perf_counter() - t0)
         t0 = time.perf_counter()
         try:
             saver = make_saver(spec["method"], folder, states, spec["interval"])

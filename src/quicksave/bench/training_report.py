@@ -33,16 +33,16 @@ def format_training_report(report: dict[str, Any]) -> str:
         "",
         "| method | loop s | extra s / ckpt | vs dcp process | extra s / ckpt (paired) | "
         "vs dcp process (paired) | 1st save blocks s | later saves block s | "
-        "save→durable s | write GB/s | durable vs raw write | end wait s | "
+        "save→durable s | write GB/s | durable vs raw write | end wait s | setup s | "
         "peak RSS MiB (trainer / workers) |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for name, s in report["methods"].items():
         if "loop_median_s" not in s:
             why = s.get("unavailable") or s.get("failed")
             lines.append(
                 f"| {name} | {'unavailable' if 'unavailable' in s else 'failed'}: "
-                f"{why.splitlines()[0][:150]} |" + " |" * 11
+                f"{why.splitlines()[0][:150]} |" + " |" * 12
             )
             continue
         lines.append(
@@ -53,6 +53,7 @@ def format_training_report(report: dict[str, Any]) -> str:
             f"{_fmt(s['first_blocking_s'], '.3f')} | {_fmt(s['later_blocking_median_s'], '.3f')} | "
             f"{_fmt(s['later_durable_median_s'], '.2f')} | {_fmt(s['write_gbps'])} | "
             f"{_fmt(s['durable_vs_raw_write'], '.2f', '×')} | {_fmt(s['drain_median_s'])} | "
+            f"{_fmt(s['setup_median_s'], '.3f')} | "
             f"{s['peak_rss_mib']:.0f} / {s['worker_peak_rss_mib']:.0f} |"
         )
     lines += [
