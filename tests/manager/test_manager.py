@@ -18,6 +18,7 @@ import torch
 import torch.nn as nn
 
 import quicksave
+from helpers.compare import assert_same, snapshot
 from quicksave.errors import (
     CheckpointError,
     CheckpointNotFoundError,
@@ -103,25 +104,6 @@ class Job:
         self.train_state.step += 1
         self.train_state.losses.append(loss.item())
         self.train_state.log_steps.append(self.train_state.step)
-
-
-def snapshot(states: dict[str, Any]) -> dict[str, Any]:
-    return {name: copy.deepcopy(state.state_dict()) for name, state in states.items()}
-
-
-def assert_same(a: Any, b: Any, where: str = "") -> None:
-    if isinstance(a, torch.Tensor):
-        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b), where
-    elif isinstance(a, dict):
-        assert isinstance(b, dict) and set(a) == set(b), where
-        for k in a:
-            assert_same(a[k], b[k], f"{where}.{k}")
-    elif isinstance(a, (list, tuple)):
-        assert type(a) is type(b) and len(a) == len(b), where
-        for i, (x, y) in enumerate(zip(a, b, strict=True)):
-            assert_same(x, y, f"{where}[{i}]")
-    else:
-        assert a == b, f"{where}: {a!r} != {b!r}"
 
 
 def perturb_rng() -> None:

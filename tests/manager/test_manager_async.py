@@ -7,7 +7,6 @@ hold the thread-mode writer before it writes a given step.
 
 from __future__ import annotations
 
-import copy
 import logging
 import os
 import random
@@ -22,6 +21,7 @@ import pytest
 import torch
 import torch.nn as nn
 
+from helpers.compare import assert_same, snapshot
 from quicksave import worker
 from quicksave.errors import CheckpointError
 from quicksave.manager import (
@@ -96,25 +96,6 @@ class Job:
 
     def train_step(self) -> None:
         self.step(self.forward_backward())
-
-
-def snapshot(states: dict[str, Any]) -> dict[str, Any]:
-    return {name: copy.deepcopy(state.state_dict()) for name, state in states.items()}
-
-
-def assert_same(a: Any, b: Any, where: str = "") -> None:
-    if isinstance(a, torch.Tensor):
-        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b), where
-    elif isinstance(a, dict):
-        assert isinstance(b, dict) and set(a) == set(b), where
-        for k in a:
-            assert_same(a[k], b[k], f"{where}.{k}")
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b), where
-        for i, (x, y) in enumerate(zip(a, b, strict=True)):
-            assert_same(x, y, f"{where}[{i}]")
-    else:
-        assert a == b, f"{where}: {a!r} != {b!r}"
 
 
 def make(folder: Path, states: dict[str, Any], **config: Any) -> CheckpointManager:
