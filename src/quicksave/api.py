@@ -37,7 +37,7 @@ from .errors import (
     rank_of_this_process,
 )
 from .format.dtypes import dtype_name
-from .reader import DecodedObjectIO, StorageReader, require_committed
+from .reader import StorageReader, require_committed
 from .writer import StorageWriter
 
 
@@ -326,15 +326,13 @@ class LoadPlanner(DefaultLoadPlanner):
                     rank=rank,
                 )
 
-    def load_bytes(self, read_item, value) -> None:
-        if isinstance(value, DecodedObjectIO):
-            fqn = read_item.dest_index.fqn
-            if self.flatten_state_dict:
-                set_element(self.original_state_dict, self.mappings[fqn], value.value)
-            else:
-                self.state_dict[fqn] = value.value
-            return
-        super().load_bytes(read_item, value)
+    def load_value(self, read_item, value: Any) -> None:
+        """Take a value ``StorageReader`` decoded from JSON (no ``torch.save`` round trip)."""
+        fqn = read_item.dest_index.fqn
+        if self.flatten_state_dict:
+            set_element(self.original_state_dict, self.mappings[fqn], value)
+        else:
+            self.state_dict[fqn] = value
 
 
 def load(

@@ -42,33 +42,38 @@ def iter_leaves(value: Any, prefix: str = ""):
         yield prefix, value
 
 
+def check_tensor(fqn: str, leaf: torch.Tensor, rank: int | None = None) -> None:
+    """Raise IncompatibleStateError if quicksave cannot store this tensor's bytes."""
+    local = leaf
+    if type(leaf).__name__ == "ShardedTensor":
+        # A Tensor subclass whose own attributes raise FutureWarnings; this rank
+        # writes its local shards, which share one dtype and layout.
+        shards = leaf.local_shards()
+        if not shards:
+            return
+        local = shards[0].tensor
+    elif hasattr(leaf, "to_local"):  # DTensor
+        local = leaf.to_local()
+    check_storable(local.dtype, fqn, rank)
+    if local.layout != torch.strided:
+        raise IncompatibleStateError(
+            f"{local.layout} tensors are not supported; save .to_dense() instead",
+            fqn=fqn,
+            rank=rank,
+        )
+    if local.device.type == "meta":
+        raise IncompatibleStateError(
+            "tensor is on the meta device (it has no data); materialize it first",
+            fqn=fqn,
+            rank=rank,
+        )
+
+
 def validate_for_save(state_dict: Mapping[str, Any], rank: int | None = None) -> None:
     """Raise IncompatibleStateError for anything quicksave cannot store, naming the fqn."""
     for fqn, leaf in iter_leaves(state_dict):
         if isinstance(leaf, torch.Tensor):
-            local = leaf
-            if type(leaf).__name__ == "ShardedTensor":
-                # A Tensor subclass whose own attributes raise FutureWarnings; this rank
-                # writes its local shards, which share one dtype and layout.
-                shards = leaf.local_shards()
-                if not shards:
-                    continue
-                local = shards[0].tensor
-            elif hasattr(leaf, "to_local"):  # DTensor
-                local = leaf.to_local()
-            check_storable(local.dtype, fqn, rank)
-            if local.layout != torch.strided:
-                raise IncompatibleStateError(
-                    f"{local.layout} tensors are not supported; save .to_dense() instead",
-                    fqn=fqn,
-                    rank=rank,
-                )
-            if local.device.type == "meta":
-                raise IncompatibleStateError(
-                    "tensor is on the meta device (it has no data); materialize it first",
-                    fqn=fqn,
-                    rank=rank,
-                )
+            check_tensor(fqn, leaf, rank)
         else:
             try:
                 objcodec.encode(leaf, fqn)

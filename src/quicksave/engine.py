@@ -38,7 +38,7 @@ import torch
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 
 from . import commit
-from .collect import to_state_dict, validate_for_save
+from .collect import check_tensor, to_state_dict
 from .errors import CheckpointError, CheckpointExistsError, IncompatibleStateError
 from .format import objects as objcodec
 from .format.dtypes import dtype_name, element_size
@@ -171,7 +171,6 @@ class SaveHandle:
 class _Plan:
     key: tuple
     layout: RankLayout
-    tensor_fqns: tuple[str, ...]
     chunk_keys: dict[str, tuple[str, int]]
     dcp_metadata: bytes
     tensors: dict[str, TensorEntry]  # checksums empty
@@ -401,9 +400,7 @@ class AsyncSaver:
         self, state_dict: Mapping[str, Any], final: str
     ) -> tuple[dict[str, torch.Tensor], dict[str, Any], dict[str, tuple]]:
         try:
-            sd = to_state_dict(state_dict)
-            validate_for_save(sd, self.rank)
-            flat, mappings = flatten_state_dict(sd)
+            flat, mappings = flatten_state_dict(to_state_dict(state_dict))
             tensors: dict[str, torch.Tensor] = {}
             objects: dict[str, Any] = {}
             for fqn, v in flat.items():
@@ -414,9 +411,11 @@ class AsyncSaver:
                             "planning); the async engine saves one rank's plain tensors",
                             fqn=fqn,
                         )
+                    check_tensor(fqn, v, self.rank)
                     tensors[fqn] = v.detach()
                 else:
-                    objects[fqn] = objcodec.encode(v, fqn)  # the value now, not at write time
+                    # Encoding is also the check; done once, with the value of this moment.
+                    objects[fqn] = objcodec.encode(v, fqn)
         except IncompatibleStateError as e:
             raise IncompatibleStateError(e.message, path=final, fqn=e.fqn, rank=self.rank) from None
         paths = {fqn: tuple(p) for fqn, p in mappings.items() if tuple(p) != (fqn,)}
@@ -460,9 +459,7 @@ class AsyncSaver:
                 )
                 chunk_keys[it.key] = (it.fqn, 0)
         skeleton = Manifest(None, 1, entries, {fqn: ObjectEntry(None) for fqn in objects}, files)
-        plan = _Plan(
-            key, layout, tuple(tensors), chunk_keys, dcp_metadata_bytes(skeleton), entries, files
-        )
+        plan = _Plan(key, layout, chunk_keys, dcp_metadata_bytes(skeleton), entries, files)
         self._plans = {key: plan}  # keep the latest only: plans change rarely
         return plan
 

@@ -47,17 +47,6 @@ from .format.manifest import ChunkEntry, Manifest, ObjectEntry, hexdigest, read_
 from .persist import byte_view
 
 
-class DecodedObjectIO(io.BytesIO):
-    """Carries a value decoded from JSON to a quicksave load planner (which takes
-    ``.value`` directly); for any other planner its bytes are a ``torch.save`` of it."""
-
-    def __init__(self, value: Any) -> None:
-        buf = io.BytesIO()
-        torch.save(value, buf)
-        super().__init__(buf.getvalue())
-        self.value = value
-
-
 def require_committed(path: str, *, allow_dcp: bool = False) -> CheckpointKind:
     """The kind of the committed checkpoint at ``path``; the one place that turns
     "not a loadable checkpoint" into an error.
@@ -227,7 +216,14 @@ class StorageReader(_DCPStorageReader):
             if req.type == LoadItemType.BYTE_IO:
                 assert isinstance(entry, ObjectEntry)
                 value = objcodec.decode(entry.value, fqn=fqn, path=self.path)
-                planner.load_bytes(req, DecodedObjectIO(value))
+                load_value = getattr(planner, "load_value", None)
+                if load_value is not None:  # quicksave's LoadPlanner: the value as is
+                    load_value(req, value)
+                else:  # any other DCP planner expects torch.save bytes
+                    buf = io.BytesIO()
+                    torch.save(value, buf)
+                    buf.seek(0)
+                    planner.load_bytes(req, buf)
                 continue
             chunk = chunks.get(req.storage_index)
             if chunk is None:

@@ -210,7 +210,7 @@ class StorageWriter(_DCPStorageWriter):
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         if self.tmp_dir is None:
             raise CheckpointError("finish() called before prepare_global_plan()", path=self.path)
-        _, manifest = build_manifest(metadata, results, self.step, self.user_metadata)
+        manifest = build_manifest(metadata, results, self.step, self.user_metadata)
         commit_files(self.tmp_dir, self.path, manifest, dcp_metadata_bytes(manifest))
         self.tmp_dir = None
 
@@ -249,7 +249,7 @@ def build_manifest(
     results: list[list[WriteResult]],
     step: int | None,
     user_metadata: dict[str, Any],
-) -> tuple[dict[str, FileEntry], Manifest]:
+) -> Manifest:
     """Assemble the manifest from DCP's global metadata and every rank's write results."""
     by_index: dict[MetadataIndex, Any] = {}
     files: dict[str, FileEntry] = {}
@@ -295,4 +295,4 @@ def build_manifest(
         files=files,
         user_metadata=user_metadata,
     )
-    return files, manifest
+    return manifest
