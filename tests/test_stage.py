@@ -99,3 +99,20 @@ def test_pool_memory_is_released_on_close() -> None:
     for p in pools:
         p.close()
     assert pool_mappings() == before
+
+
+def test_an_unpopulated_pool_keeps_its_headers_when_touched() -> None:
+    sd = _model_state(layers=1, d=64, vocab=128)
+    with AsyncSaver(EngineConfig(mode="thread")) as saver:
+        layout = saver._plan(sd, {}).layout
+    pool = StagingPool(layout, pin=False, populate=False)
+    try:
+        for f, pf in zip(layout.files, pool.pool.files, strict=True):
+            assert bytes(pool.buffer[pf.base : pf.base + len(f.header)].numpy()) == f.header
+        pool.touch()
+        for f, pf in zip(layout.files, pool.pool.files, strict=True):
+            assert bytes(pool.buffer[pf.base : pf.base + len(f.header)].numpy()) == f.header
+            tail = pool.buffer[pf.base + len(f.header) : pf.base + pf.size]
+            assert int(tail.count_nonzero()) == 0
+    finally:
+        pool.close()

@@ -8,10 +8,17 @@ The pool holds every data file of a rank back to back, each at a 4 KiB-aligned b
 exactly as the file will be on disk (header included), so persisting is a few large
 sequential writes — and O_DIRECT works, since bases and lengths are page-aligned.
 
-Memory is allocated and touched once (``fallocate`` + ``MAP_POPULATE``: a fresh page costs
-~25x a warm one to write), reused by every save with the same plan, and rebuilt only when
-the plan changes. On a CUDA machine the pool is also page-locked (``cudaHostRegister``) so
-device-to-host copies run asynchronously on a side stream.
+Memory is allocated and touched once (``fallocate``, then every page faulted in: a fresh
+page costs ~25x a warm one to write), reused by every save with the same plan, and rebuilt
+only when the plan changes. Who touches the pages matters on a busy machine: a pool built
+ahead of the first save (``populate=False``) is allocated here but its pages are cleared
+and mapped by the worker process (its ``MAP_POPULATE``, at the worker's lower CPU priority,
+in another address space), so that training threads neither pay for the page clearing nor
+wait on their own process's memory-map lock while it runs; the trainer's mapping then
+takes only cheap minor faults at the first copy. In thread mode :meth:`StagingPool.touch`
+does the clearing from a background thread. At start-up, when nothing competes, the pool
+is simply populated where it is built. On a CUDA machine the pool is also page-locked
+(``cudaHostRegister``) so device-to-host copies run asynchronously on a side stream.
 
 Pool states: EMPTY → (build) → READY → (stage) → STAGED → (worker writing) → IN_USE
 → (worker done) → READY. A pool in IN_USE is never written: backpressure lives in the
@@ -78,12 +85,17 @@ class StagingPool:
     Args:
         layout: the rank's file layout (plan.py); the headers are written at build time.
         pin: page-lock for CUDA copies (default: when CUDA is available).
+        populate: fault every page into this process now (``MAP_POPULATE``). False: the
+            pages are allocated (``fallocate``: running out of memory is an error here,
+            never a ``SIGBUS`` later) but left for another process or :meth:`touch`.
 
     Raises:
         CheckpointError: the memory cannot be allocated (names the size).
     """
 
-    def __init__(self, layout: RankLayout, *, pin: bool | None = None) -> None:
+    def __init__(
+        self, layout: RankLayout, *, pin: bool | None = None, populate: bool = True
+    ) -> None:
         self.layout = layout
         self.pool = pool_layout(layout)
         self.nbytes = self.pool.nbytes
@@ -97,7 +109,7 @@ class StagingPool:
             self._mm = mmap.mmap(
                 self.fd,
                 self.nbytes,
-                flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0),
+                flags=mmap.MAP_SHARED | (getattr(mmap, "MAP_POPULATE", 0) if populate else 0),
             )
         except OSError as e:
             self.close()
@@ -106,10 +118,7 @@ class StagingPool:
                 f"memory: {e.strerror}; lower max_in_flight or free memory"
             ) from e
         self.buffer = torch.frombuffer(self._mm, dtype=torch.uint8)
-        for f, pf in zip(layout.files, self.pool.files, strict=True):
-            self.buffer[pf.base : pf.base + len(f.header)].copy_(
-                torch.frombuffer(bytearray(f.header), dtype=torch.uint8)
-            )
+        self._write_headers()
         want_pin = torch.cuda.is_available() if pin is None else pin
         if want_pin:
             self._pin()
@@ -120,6 +129,19 @@ class StagingPool:
         if int(err) != 0:
             raise CheckpointError(f"cudaHostRegister of the staging pool failed (error {int(err)})")
         self._registered = True
+
+    def _write_headers(self) -> None:
+        for f, pf in zip(self.layout.files, self.pool.files, strict=True):
+            self.buffer[pf.base : pf.base + len(f.header)].copy_(
+                torch.frombuffer(bytearray(f.header), dtype=torch.uint8)
+            )
+
+    def touch(self) -> None:
+        """Fault in every page of the pool (one write per page; the memory-map lock is
+        taken per fault, not for the whole pool as ``MAP_POPULATE`` takes it). Call
+        before the pool is handed out: it rewrites the headers."""
+        self.buffer[:: mmap.PAGESIZE].zero_()
+        self._write_headers()
 
     @property
     def pinned(self) -> bool:

@@ -359,15 +359,42 @@ def test_the_staging_pool_is_built_before_the_first_save(
     assert manager.metrics[0].status == "committed"
 
 
-def test_without_optimizers_the_first_save_call_prepares(tmp_path: Path, closing: list) -> None:
+@pytest.mark.parametrize("mode", ["thread", "process"])
+def test_a_complete_state_gets_its_pool_at_start_up(
+    tmp_path: Path, mode: str, closing: list
+) -> None:
+    # Optimizer state exists when the manager is built (a step was taken): the pool is
+    # built before the constructor returns, so no training step pays for it.
+    job = Job(seed=0)
+    job.train_step()
+    manager = make(tmp_path / "ckpt", job.states(), interval=2, async_mode=mode)
+    closing.append(manager)
+    saver = manager._writer.saver
+    assert saver._prepare_thread is None  # nothing left running in the background
+    slot = saver._slots[0]
+    assert slot.pool is not None and slot.pool_id in saver._mapped
+    pool = slot.pool
+    job.train_step()
+    assert manager.save(2)
+    assert slot.pool is pool
+    manager.close()
+    # A resumed job: load() fills the optimizer state, then builds the pool right away.
+    job2 = Job(seed=1)
+    resumed = make(tmp_path / "ckpt", job2.states(), interval=2, async_mode=mode)
+    closing.append(resumed)
+    assert resumed._writer.saver._slots[0].pool is None  # no optimizer state yet
+    assert resumed.load() == 2
+    assert resumed._writer.saver._slots[0].pool is not None
+
+
+def test_without_optimizers_the_pool_is_built_at_start_up(tmp_path: Path, closing: list) -> None:
     model = nn.Linear(8, 8)
     manager = make(tmp_path / "ckpt", {"model": ModelState(model)}, interval=2)
     closing.append(manager)
     saver = manager._writer.saver
-    assert not manager.save(1)
-    saver.wait_prepared()
     pool = saver._slots[0].pool
     assert pool is not None
+    assert not manager.save(1)
     assert manager.save(2)
     assert saver._slots[0].pool is pool
     manager.close()

@@ -11,9 +11,10 @@ train state, data loader, schedulers) is copied before ``save()`` returns. A loo
 changes parameters outside these optimizers' ``step()`` must call
 ``manager.maybe_wait_for_staging()`` first.
 
-No cold start: the first time every optimizer has stepped (its state exists only then),
-a step post-hook asks the engine to plan the full state and build its staging pool in a
-background thread, so the first checkpoint finds warm memory.
+No cold start: as soon as the state is complete — when the manager is built or a
+checkpoint is loaded if every optimizer already holds state, else after every optimizer's
+first step (a step post-hook) — the engine plans the full state and builds its staging
+pool in a background thread, so the first checkpoint finds warm memory.
 
 Life of one save here: ``submit`` (engine ``save()``) → ``track`` (pending, by step) →
 ``poll`` (completed → committed or failed record) → retention by the manager.
@@ -108,8 +109,9 @@ class AsyncWriter:
         if len(self._stepped) == len(self._optimizers):
             self.prepare()
 
-    def prepare(self) -> None:
-        """Build the staging pool for the full state ahead of the first save (once)."""
+    def prepare(self, background: bool = True) -> None:
+        """Build the staging pool for the full state ahead of the first save (once):
+        in the background during training, in the foreground at start-up."""
         if self._prepared:
             return
         self._prepared = True  # first: collect() may step an optimizer (DCP's state init)
@@ -117,15 +119,21 @@ class AsyncWriter:
             hook.remove()
         self._post_hooks = []
         try:
-            self.saver.prepare(self._collect())
+            self.saver.prepare(self._collect(), background=background)
         except Exception as e:  # noqa: BLE001 - an optimisation; save() reports real errors
             logger.debug("quicksave: staging pool not prepared ahead: %s", e)
 
-    def prepare_if_due(self) -> None:
-        """Without optimizers the state is complete from the start: prepare at the first
-        ``save()`` call (with optimizers, their first step does)."""
-        if not self._optimizers:
-            self.prepare()
+    def prepare_if_due(self, background: bool = True) -> None:
+        """Prepare now if the state is complete: there are no optimizers, or every
+        optimizer already holds state (it has stepped, or a checkpoint was loaded into
+        it). Otherwise the first step of every optimizer prepares, in the background.
+
+        Args:
+            background: False at start-up (the manager's construction, ``load()``): the
+                pool is then built before this returns, when no training step waits.
+        """
+        if all(o.state for o in self._optimizers):
+            self.prepare(background)
 
     # -------------------------------------------------------------------- save
     def deferred(self) -> Deferred | None:

@@ -162,6 +162,7 @@ class CheckpointManager:
                 self._writer = AsyncWriter(
                     config.engine_config(), self.states, lambda: self._collect("full")
                 )
+                self._writer.prepare_if_due(background=False)  # start-up: build it now
         logger.info(
             "quicksave: checkpointing to %s (%s, %s, %s)",
             self.folder,
@@ -324,6 +325,8 @@ class CheckpointManager:
                 for k, v in states.items()
             }
         api.load(states, path, process_group=self.process_group)
+        if self._writer is not None:
+            self._writer.prepare_if_due(background=False)  # optimizer states exist now
         logger.info(
             "quicksave: loaded step %d from %s in %.3f s", step, path, time.perf_counter() - begin
         )
