@@ -39,6 +39,7 @@ from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 
 from . import commit
 from .collect import check_tensor, to_state_dict
+from .dist.saving import DistContext, DistSave, DistSaving
 from .errors import CheckpointError, CheckpointExistsError, IncompatibleStateError
 from .format import objects as objcodec
 from .format.dtypes import dtype_name, element_size
@@ -175,6 +176,7 @@ class _Plan:
     dcp_metadata: bytes
     tensors: dict[str, TensorEntry]  # checksums empty
     files: dict[str, FileEntry]
+    places: dict[str, tuple[str, int, int]]  # staged name -> (file, offset, length)
 
 
 @dataclass
@@ -191,6 +193,7 @@ class _InFlight:
     slot: _Slot
     bytes: int
     tmp_dir: str = ""  # removed by the trainer when the persister died mid-save
+    token: str = ""  # multi-rank: the save's commit records (see dist/records.py)
 
 
 def _lower_thread_priority(nice: int) -> None:
@@ -225,9 +228,17 @@ class AsyncSaver:
         saver.close()
     """
 
-    def __init__(self, config: EngineConfig | None = None, *, rank: int = 0) -> None:
+    def __init__(
+        self,
+        config: EngineConfig | None = None,
+        *,
+        rank: int = 0,
+        dist_context: DistContext | None = None,
+    ) -> None:
         self.config = config or EngineConfig()
-        self.rank = rank
+        self.rank = dist_context.rank if dist_context is not None else rank
+        # Multi-rank: plans through the plan cache, commits through parts and records.
+        self._dist = DistSaving(dist_context) if dist_context is not None else None
         self._lock = threading.RLock()
         self._slots = [_Slot() for _ in range(self.config.max_in_flight)]
         self._plans: dict[tuple, _Plan] = {}
@@ -275,12 +286,19 @@ class AsyncSaver:
             fl.slot.busy = None
             fl.handle._finish(None, err)
             del self._in_flight[job_id]
-            if fl.tmp_dir:  # the dead writer's partial files: nobody else will remove them
+            if self._dist is not None and fl.token:
+                self._dist.worker_failed(fl.token, str(err))
+            elif fl.tmp_dir:  # the dead writer's partial files: nobody else will remove them
                 shutil.rmtree(fl.tmp_dir, ignore_errors=True)
         self._unreported.append(err)
 
     def _reported(self, err: BaseException) -> None:
         self._unreported = [e for e in self._unreported if e is not err]
+
+    @property
+    def distributed(self) -> bool:
+        """True if this saver's saves are multi-rank (each ``save()`` is collective)."""
+        return self._dist is not None
 
     @property
     def worker_pid(self) -> int | None:
@@ -324,17 +342,30 @@ class AsyncSaver:
             if self._closed:
                 raise CheckpointError("the saver is closed", path=os.fspath(path), rank=self.rank)
             final = os.path.abspath(os.fspath(path))
-            self.finalize(blocking=False)  # raises an earlier failure, once
-            if commit.classify(final) in (
-                commit.CheckpointKind.QUICKSAVE,
-                commit.CheckpointKind.DCP,
-            ):
-                raise CheckpointExistsError(
-                    "a committed checkpoint already exists here; quicksave never overwrites one",
-                    path=final,
-                    rank=self.rank,
+            if self._dist is not None:
+                ds = self._plan_dist(state_dict, final, step, user_metadata)
+                if ds is None:
+                    return None
+                tensors = ds.tensors
+                plan = _Plan(ds.key, ds.layout, ds.chunk_keys, ds.dcp_metadata, {}, {}, ds.places)
+                manifest, token = ds.manifest, ds.dist.token
+            else:
+                self.finalize(blocking=False)  # raises an earlier failure, once
+                self._refuse_committed(final)
+                tensors, objects, paths = self._collect_state(state_dict, final)
+                plan = self._plan(tensors, objects)
+                manifest = Manifest(
+                    step=step,
+                    world_size=1,
+                    tensors={
+                        fqn: dataclasses.replace(t, path=paths.get(fqn))
+                        for fqn, t in plan.tensors.items()
+                    },
+                    objects={fqn: ObjectEntry(v, paths.get(fqn)) for fqn, v in objects.items()},
+                    files=plan.files,
+                    user_metadata=dict(user_metadata or {}),
                 )
-            tensors, objects, paths = self._collect_state(state_dict, final)
+                token = commit.new_token()
             slot = self._free_slot()
             if slot is None:
                 logger.warning(
@@ -342,31 +373,19 @@ class AsyncSaver:
                     step,
                 )
                 return None
-            plan = self._plan(tensors, objects)
             pool = self._pool_for(slot, plan)
             handle = SaveHandle(step, final, t0)
             handle._saver = self
             job_id = self._next_id
             self._next_id += 1
             slot.busy = job_id
-            manifest = Manifest(
-                step=step,
-                world_size=1,
-                tensors={
-                    fqn: dataclasses.replace(t, path=paths.get(fqn))
-                    for fqn, t in plan.tensors.items()
-                },
-                objects={fqn: ObjectEntry(v, paths.get(fqn)) for fqn, v in objects.items()},
-                files=plan.files,
-                user_metadata=dict(user_metadata or {}),
-            )
             job = PersistJob(
                 job_id=job_id,
                 pool_id=slot.pool_id,
                 step=step,
                 rank=self.rank,
                 final_path=final,
-                tmp_dir=commit.temp_path_for(final, commit.new_token()),
+                tmp_dir=commit.temp_path_for(final, token),
                 files=tuple(
                     FileJob(
                         f.name,
@@ -382,9 +401,14 @@ class AsyncSaver:
                 fsync=self.config.fsync,
                 o_direct=self.config.o_direct,
                 thread_count=self.config.thread_count,
+                dist=ds.dist if self._dist is not None else None,
             )
             self._in_flight[job_id] = _InFlight(
-                handle, slot, sum(f.size for f in plan.layout.files), job.tmp_dir
+                handle,
+                slot,
+                sum(f.size for f in plan.layout.files),
+                job.tmp_dir,
+                token if self._dist is not None else "",
             )
             now, later = self._split(plan, tensors, deferred)
             try:
@@ -407,6 +431,55 @@ class AsyncSaver:
                 self._submit(job, handle)
             handle.blocking_s = time.monotonic() - t0
             return handle
+
+    def _refuse_committed(self, final: str) -> None:
+        if commit.classify(final) in (commit.CheckpointKind.QUICKSAVE, commit.CheckpointKind.DCP):
+            raise CheckpointExistsError(
+                "a committed checkpoint already exists here; quicksave never overwrites one",
+                path=final,
+                rank=self.rank,
+            )
+
+    def _plan_dist(
+        self,
+        state_dict: Mapping[str, Any],
+        final: str,
+        step: int | None,
+        user_metadata: dict[str, Any] | None,
+    ) -> DistSave | None:
+        """Several ranks: plan (a collective every rank runs for every save, whatever
+        happens on this rank), then raise this rank's reason not to save, if any. A save
+        that any rank cannot make now is skipped by every rank together."""
+        self._collect(0.0)
+        problem: CheckpointError | None = self._unreported[0] if self._unreported else None
+        if problem is None:
+            try:
+                self._refuse_committed(final)
+            except CheckpointExistsError as e:
+                problem = e
+        if problem is None and self.config.backpressure == "wait":
+            self._free_slot()  # waits here, locally, before the collective
+        free = any(s.busy is None for s in self._slots)
+        assert self._dist is not None
+        ds = self._dist.plan(
+            state_dict,
+            final,
+            step=step,
+            user_metadata=user_metadata,
+            thread_count=self.config.thread_count,
+            go=problem is None and free,
+        )
+        if ds is not None:
+            return ds
+        if problem is not None:
+            self._reported(problem)
+            raise problem
+        logger.warning(
+            "quicksave: skipped the save of step %s: %s",
+            step,
+            "the previous save is still in flight" if not free else "another rank cannot save now",
+        )
+        return None
 
     def _collect_state(
         self, state_dict: Mapping[str, Any], final: str
@@ -460,6 +533,7 @@ class AsyncSaver:
         entries: dict[str, TensorEntry] = {}
         chunk_keys: dict[str, tuple[str, int]] = {}
         files: dict[str, FileEntry] = {}
+        places: dict[str, tuple[str, int, int]] = {}
         for f in layout.files:
             files[f.name] = FileEntry(f.size, f.header_xxh3_64, self.rank, f.data_start)
             for e in f.entries:
@@ -470,8 +544,9 @@ class AsyncSaver:
                     (ChunkEntry(it.offsets, it.sizes, f.name, e.offset, e.length, ""),),
                 )
                 chunk_keys[it.key] = (it.fqn, 0)
+                places[it.fqn] = (f.name, e.offset, e.length)
         skeleton = Manifest(None, 1, entries, {fqn: ObjectEntry(None) for fqn in objects}, files)
-        plan = _Plan(key, layout, chunk_keys, dcp_metadata_bytes(skeleton), entries, files)
+        plan = _Plan(key, layout, chunk_keys, dcp_metadata_bytes(skeleton), entries, files, places)
         self._plans = {key: plan}  # keep the latest only: plans change rarely
         return plan
 
@@ -518,11 +593,9 @@ class AsyncSaver:
         stream = torch.cuda.Stream() if cuda else None
         ctx = torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
         with ctx:
-            for fqn in fqns:
-                c = plan.tensors[fqn].chunks[0]
-                pool.stage(
-                    pool.view(c.file, c.offset, c.length), tensors[fqn], non_blocking=pool.pinned
-                )
+            for name in fqns:
+                file, offset, length = plan.places[name]
+                pool.stage(pool.view(file, offset, length), tensors[name], non_blocking=pool.pinned)
         if stream is not None:
             stream.synchronize()
 
@@ -729,6 +802,8 @@ class AsyncSaver:
             saver.prepare(state_dict)  # after step 1; save(state_dict, ...) at step 100
         """
         self.wait_prepared()
+        if self._dist is not None:
+            return None  # planning is collective: the first save builds the pool
         with self._lock:
             if self._closed:
                 return None

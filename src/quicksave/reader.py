@@ -35,7 +35,16 @@ from torch.distributed.checkpoint.metadata import (
     TensorProperties,
     TensorStorageMetadata,
 )
-from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
+from torch.distributed.checkpoint.planner import (
+    LoadItemType,
+    LoadPlan,
+    LoadPlanner,
+    ReadItem,
+    SavePlan,
+    TensorWriteData,
+    WriteItem,
+    WriteItemType,
+)
 from torch.distributed.checkpoint.storage import StorageReader as _DCPStorageReader
 from torch.futures import Future
 
@@ -43,7 +52,15 @@ from .commit import CheckpointKind, classify
 from .errors import CheckpointNotFoundError, CorruptCheckpointError, NotCommittedError
 from .format import objects as objcodec
 from .format.dtypes import dtype_from_name
-from .format.manifest import ChunkEntry, Manifest, ObjectEntry, hexdigest, read_manifest
+from .format.manifest import (
+    ChunkEntry,
+    Manifest,
+    ObjectEntry,
+    PlannedChunk,
+    RankPlan,
+    hexdigest,
+    read_manifest,
+)
 from .persist import byte_view
 
 
@@ -99,6 +116,51 @@ def manifest_to_metadata(manifest: Manifest) -> Metadata:
         storage[MetadataIndex(fqn)] = (fqn, o)
         mappings[fqn] = o.path or (fqn,)
     return Metadata(state_dict_metadata=sd_md, planner_data=mappings, storage_data=storage)
+
+
+def manifest_rank_plans(manifest: Manifest) -> tuple[RankPlan, ...] | None:
+    """Every rank's plan at save time: the manifest's ``plans``, or for a one-rank
+    checkpoint its whole content (FORMAT.md §2 lets writers omit it then); ``None`` when
+    the manifest of a multi-rank checkpoint does not record them."""
+    if manifest.plans is not None:
+        return manifest.plans
+    if manifest.world_size != 1:
+        return None
+    chunks = tuple(
+        PlannedChunk(fqn, c.offsets, c.sizes, t.shape, t.dtype)
+        for fqn, t in sorted(manifest.tensors.items())
+        for c in t.chunks
+    )
+    return (RankPlan(chunks, tuple(sorted(manifest.objects))),)
+
+
+def save_plan_of(rank_plan: RankPlan, manifest: Manifest) -> SavePlan:
+    """A DCP ``SavePlan`` equivalent to ``rank_plan`` (tensor properties other than the
+    dtype take their defaults), carrying ``rank_plan`` as ``storage_data`` and the
+    manifest's state-dict paths as ``planner_data``, as quicksave's writer and DCP's
+    default planner produce them."""
+    items = []
+    paths: dict[str, tuple] = {}
+    for c in rank_plan.tensors:
+        whole = c.sizes == c.shape and not any(c.offsets)
+        items.append(
+            WriteItem(
+                index=MetadataIndex(c.fqn, torch.Size(c.offsets)),
+                type=WriteItemType.TENSOR if whole else WriteItemType.SHARD,
+                tensor_data=TensorWriteData(
+                    chunk=ChunkStorageMetadata(torch.Size(c.offsets), torch.Size(c.sizes)),
+                    properties=TensorProperties(dtype=dtype_from_name(c.dtype)),
+                    size=torch.Size(c.shape),
+                ),
+            )
+        )
+        entry = manifest.tensors.get(c.fqn)
+        paths[c.fqn] = (entry.path if entry is not None else None) or (c.fqn,)
+    for fqn in rank_plan.objects:
+        items.append(WriteItem(index=MetadataIndex(fqn), type=WriteItemType.BYTE_IO))
+        entry = manifest.objects.get(fqn)
+        paths[fqn] = (entry.path if entry is not None else None) or (fqn,)
+    return SavePlan(items, storage_data=rank_plan, planner_data=paths)
 
 
 def read_chunk_into(
@@ -192,8 +254,15 @@ class StorageReader(_DCPStorageReader):
         return self.manifest
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        md = manifest_to_metadata(self.read_manifest())
+        """DCP ``Metadata`` rebuilt from the manifest. It also carries ``all_local_plans``
+        (every rank's ``SavePlan`` at save time, from the manifest's ``plans``; ``None``
+        if not recorded), which ``init_checkpoint_metadata_cache`` uses to let the first
+        save after a restart skip global planning."""
+        manifest = self.read_manifest()
+        md = manifest_to_metadata(manifest)
         md.storage_meta = StorageMeta(checkpoint_id=self.path)
+        plans = manifest_rank_plans(manifest)
+        md.all_local_plans = None if plans is None else [save_plan_of(p, manifest) for p in plans]
         return md
 
     def set_up_storage_reader(

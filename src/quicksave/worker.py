@@ -44,9 +44,12 @@ from multiprocessing.reduction import ForkingPickler, recv_handle, send_handle
 from typing import Any
 
 from . import commit, errors
+from .dist import records
+from .dist.records import StoreAddress
 from .errors import CheckpointError, WorkerFailedError
 from .format import DCP_METADATA_NAME, MANIFEST_NAME
 from .format.manifest import FileEntry, Manifest, hexdigest, to_json_bytes
+from .parts import RankPart, manifest_from_parts, part_name, read_part, write_part
 from .persist import write_image
 
 
@@ -69,13 +72,30 @@ class PersistJob:
     final_path: str
     tmp_dir: str
     files: tuple[FileJob, ...]
-    manifest: Manifest  # chunk checksums still empty; filled from what is written
+    manifest: Manifest | None  # checksums still empty; multi-rank: the coordinator's only
     chunk_keys: dict[str, tuple[str, int]]  # safetensors key -> (fqn, chunk index)
     dcp_metadata: bytes  # the pickled .metadata (built by the trainer at plan time)
     fsync: bool = True
     o_direct: bool = True
     thread_count: int = 2
-    commit: bool = True  # single rank: this worker commits; multi-rank: the coordinator's
+    dist: DistCommit | None = None  # multi-rank: commit through parts and store records
+
+
+@dataclass(frozen=True)
+class DistCommit:
+    """The multi-rank half of a PersistJob (protocol: ``quicksave.dist.records``).
+
+    Every rank writes its files and its part, then posts its rank record; the
+    coordinator's writer waits for all records and commits (its job's ``manifest`` is the
+    skeleton and ``chunk_keys`` cover every rank); the others wait for the commit record.
+    """
+
+    token: str  # names this save's records; agreed by all ranks at plan time
+    world_size: int
+    coordinator: int
+    store: StoreAddress
+    objects: dict[str, Any]  # typed JSON values of the objects this rank owns
+    timeout_s: float  # the coordinator's wait for every rank; others wait a bit longer
 
 
 @dataclass(frozen=True)
@@ -116,41 +136,25 @@ def _fill_checksums(
     return dataclasses.replace(m, tensors=tensors)
 
 
-def execute_job(job: PersistJob, pool: memoryview) -> JobResult:
+def execute_job(job: PersistJob, pool: memoryview, store: Any = None) -> JobResult:
     """Write the job's files from ``pool`` (the staged images), then commit. Never raises:
-    failures come back in the JobResult, and the temporary directory is removed."""
+    failures come back in the JobResult, and the temporary directory is removed.
+
+    A multi-rank job (``job.dist``) needs ``store``, a client of the ranks' store; its
+    result is the outcome of the whole checkpoint, not only of this rank's files.
+    """
+    if job.dist is not None:
+        return _execute_dist_job(job, pool, store)
     t0 = time.monotonic()
     try:
-        os.makedirs(job.tmp_dir, exist_ok=True)
-
-        def one(f: FileJob) -> dict[str, str]:
-            image = pool[f.base : f.base + f.size + (-f.size % 4096)]
-            return write_image(
-                os.path.join(job.tmp_dir, f.name),
-                image,
-                f.size,
-                list(f.entries),
-                rank=job.rank,
-                fsync=job.fsync,
-                o_direct=job.o_direct,
-            )
-
-        digests: dict[str, str] = {}
-        if len(job.files) <= 1 or job.thread_count <= 1:
-            for f in job.files:
-                digests.update(one(f))
-        else:
-            with ThreadPoolExecutor(min(job.thread_count, len(job.files))) as ex:
-                for d in ex.map(one, job.files):
-                    digests.update(d)
+        digests = _write_files(job, pool)
         t1 = time.monotonic()
-        if job.commit:
-            commit_files(
-                job.tmp_dir,
-                job.final_path,
-                _fill_checksums(job.manifest, digests, job.chunk_keys),
-                job.dcp_metadata,
-            )
+        commit_files(
+            job.tmp_dir,
+            job.final_path,
+            _fill_checksums(job.manifest, digests, job.chunk_keys),
+            job.dcp_metadata,
+        )
         t2 = time.monotonic()
         return JobResult(
             job.job_id,
@@ -163,38 +167,159 @@ def execute_job(job: PersistJob, pool: memoryview) -> JobResult:
         )
     except BaseException as e:  # noqa: BLE001 - every failure must reach the trainer
         shutil.rmtree(job.tmp_dir, ignore_errors=True)
-        if isinstance(e, CheckpointError):
-            return JobResult(
-                job.job_id,
-                job.step,
-                False,
-                error_type=type(e).__name__,
-                error_message=e.message,
-                error_path=e.path or job.final_path,
-                error_fqn=e.fqn,
-                error_rank=job.rank,
+        return _failure(job, e)
+
+
+def _write_files(job: PersistJob, pool: memoryview) -> dict[str, str]:
+    """Write every file image of the job into its temporary directory; return the
+    xxh3-64 of every chunk (safetensors key -> hex), computed while writing."""
+    os.makedirs(job.tmp_dir, exist_ok=True)
+
+    def one(f: FileJob) -> dict[str, str]:
+        image = pool[f.base : f.base + f.size + (-f.size % 4096)]
+        return write_image(
+            os.path.join(job.tmp_dir, f.name),
+            image,
+            f.size,
+            list(f.entries),
+            rank=job.rank,
+            fsync=job.fsync,
+            o_direct=job.o_direct,
+        )
+
+    digests: dict[str, str] = {}
+    if len(job.files) <= 1 or job.thread_count <= 1:
+        for f in job.files:
+            digests.update(one(f))
+    else:
+        with ThreadPoolExecutor(min(job.thread_count, len(job.files))) as ex:
+            for d in ex.map(one, job.files):
+                digests.update(d)
+    return digests
+
+
+def _execute_dist_job(job: PersistJob, pool: memoryview, store: Any) -> JobResult:
+    """One rank's share of a multi-rank save: files, part, rank record; then commit (the
+    coordinator) or wait for the commit record (the others)."""
+    d = job.dist
+    assert d is not None
+    t0 = time.monotonic()
+    coordinator = job.rank == d.coordinator
+    try:
+        if store is None:
+            raise CheckpointError("a multi-rank save needs the ranks' store", rank=job.rank)
+        try:
+            digests = _write_files(job, pool)
+            write_part(job.tmp_dir, RankPart(job.rank, digests, d.objects), job.fsync)
+        except BaseException as e:  # noqa: BLE001 - told to the others, then reported here
+            result = _failure(job, e)
+            records.post_rank(store, d.token, job.rank, result.error_message)
+            if coordinator:
+                problem = f"rank {job.rank}: {result.error_message}"
+                records.post_commit(store, d.token, problem)
+                shutil.rmtree(job.tmp_dir, ignore_errors=True)
+            return result
+        records.post_rank(store, d.token, job.rank)
+        t1 = time.monotonic()
+        if coordinator:
+            problems = records.wait_ranks(store, d.token, d.world_size, d.timeout_s)
+            if not problems:
+                try:
+                    parts = [read_part(job.tmp_dir, r) for r in range(d.world_size)]
+                    assert job.manifest is not None
+                    manifest = manifest_from_parts(job.manifest, job.chunk_keys, parts, job.tmp_dir)
+                    for r in range(d.world_size):  # merged: the checkpoint holds no parts
+                        os.unlink(os.path.join(job.tmp_dir, part_name(r)))
+                    commit_files(job.tmp_dir, job.final_path, manifest, job.dcp_metadata)
+                except BaseException as e:  # noqa: BLE001 - an abort like any other
+                    problems = {job.rank: f"{type(e).__name__}: {e}"}
+            if problems:
+                r, why = min(problems.items())
+                reason = f"rank {r}: {why}"
+                records.post_commit(store, d.token, reason)
+                shutil.rmtree(job.tmp_dir, ignore_errors=True)
+                return _not_committed(job, reason, r)
+            records.post_commit(store, d.token)
+        else:
+            reason = records.wait_commit(
+                store, d.token, d.timeout_s * 1.5 + 10.0, coordinator=d.coordinator
             )
-        if isinstance(e, OSError):  # e.g. creating the temporary directory
-            name = errno.errorcode.get(e.errno or 0, type(e).__name__)
-            return JobResult(
-                job.job_id,
-                job.step,
-                False,
-                error_type="CheckpointError",
-                error_message=f"writing the checkpoint failed: {name} ({e.strerror})",
-                error_path=os.fspath(e.filename) if e.filename else job.final_path,
-                error_rank=job.rank,
-            )
+            if reason is not None:
+                return _not_committed(job, reason, None)
+        t2 = time.monotonic()
+        return JobResult(
+            job.job_id,
+            job.step,
+            True,
+            bytes_written=sum(f.size for f in job.files),
+            write_s=t1 - t0,
+            commit_s=t2 - t1,
+            finished_at=t2,
+        )
+    except BaseException as e:  # noqa: BLE001 - e.g. the store went away
+        return _failure(job, e)
+
+
+def _not_committed(job: PersistJob, reason: str, failed_rank: int | None) -> JobResult:
+    return JobResult(
+        job.job_id,
+        job.step,
+        False,
+        error_type="CheckpointError",
+        error_message=f"the checkpoint was not committed: {reason}",
+        error_path=job.final_path,
+        error_rank=failed_rank if failed_rank is not None else job.rank,
+    )
+
+
+def _failure(job: PersistJob, e: BaseException) -> JobResult:
+    if isinstance(e, CheckpointError):
+        return JobResult(
+            job.job_id,
+            job.step,
+            False,
+            error_type=type(e).__name__,
+            error_message=e.message,
+            error_path=e.path or job.final_path,
+            error_fqn=e.fqn,
+            error_rank=job.rank,
+        )
+    if isinstance(e, OSError):  # e.g. creating the temporary directory
+        name = errno.errorcode.get(e.errno or 0, type(e).__name__)
         return JobResult(
             job.job_id,
             job.step,
             False,
             error_type="CheckpointError",
-            error_message=f"{type(e).__name__}: {e}",
-            error_path=job.final_path,
+            error_message=f"writing the checkpoint failed: {name} ({e.strerror})",
+            error_path=os.fspath(e.filename) if e.filename else job.final_path,
             error_rank=job.rank,
-            detail=traceback.format_exc(),
         )
+    return JobResult(
+        job.job_id,
+        job.step,
+        False,
+        error_type="CheckpointError",
+        error_message=f"{type(e).__name__}: {e}",
+        error_path=job.final_path,
+        error_rank=job.rank,
+        detail=traceback.format_exc(),
+    )
+
+
+def _store_for(job: PersistJob, stores: dict[StoreAddress, Any]) -> Any:
+    """The store client for a multi-rank job (one connection per address, kept by the
+    persister that runs the jobs); None for a single-rank job or if it cannot connect
+    (the job then fails with that error)."""
+    if job.dist is None:
+        return None
+    addr = job.dist.store
+    if addr not in stores:
+        try:
+            stores[addr] = records.connect(addr, job.dist.timeout_s)
+        except Exception:  # noqa: BLE001 - execute_job reports "needs the ranks' store"
+            return None
+    return stores[addr]
 
 
 def commit_files(tmp_dir: str, final_path: str, manifest: Manifest, dcp_metadata: bytes) -> None:
@@ -230,6 +355,7 @@ class ThreadPersister:
         self._results: list[JobResult | CallResult] = []
         self._lock = threading.Lock()
         self._threads: dict[int, threading.Thread] = {}
+        self._stores: dict[StoreAddress, Any] = {}  # multi-rank jobs' store clients
         self.pid = os.getpid()
 
     def map_pool(self, pool_id: int, fd: int, nbytes: int, buffer: memoryview) -> None:
@@ -240,7 +366,10 @@ class ThreadPersister:
 
     def submit(self, job: PersistJob) -> None:
         def run() -> None:
-            r = execute_job(job, self._pools[job.pool_id])
+            try:
+                r = execute_job(job, self._pools[job.pool_id], _store_for(job, self._stores))
+            except BaseException as e:  # noqa: BLE001 - a lost result would hang the trainer
+                r = _failure(job, e)
             with self._lock:
                 self._results.append(r)
 
@@ -509,6 +638,7 @@ def _worker_main(
             pass
     threading.Thread(target=_beat, args=(heartbeat, period), daemon=True).start()
     pools: dict[int, tuple[mmap.mmap, memoryview]] = {}
+    stores: dict[StoreAddress, Any] = {}  # connected at the first multi-rank job
     while not stopping.is_set():
         try:
             if not conn.poll(0.2):
@@ -529,7 +659,7 @@ def _worker_main(
                 _unmap(*entry)
         elif kind == "job":
             job: PersistJob = msg[1]
-            result = execute_job(job, pools[job.pool_id][1])
+            result = execute_job(job, pools[job.pool_id][1], _store_for(job, stores))
             try:
                 conn.send(("result", result))
             except OSError:

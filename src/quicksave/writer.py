@@ -3,9 +3,11 @@
 Call order (DCP drives it; "all" = every rank, "coord" = the coordinator rank only):
 
 1. (all)   ``reset(checkpoint_id)``, ``set_up_storage_writer(is_coordinator, rank=...)``
-2. (all)   ``prepare_local_plan(plan)`` — unchanged
-3. (coord) ``prepare_global_plan(plans)`` — creates ``<path>.tmp-<token>/`` and fixes every
-   rank's file layout (names, headers, byte offsets) so the manifest is known at plan time
+2. (all)   ``prepare_local_plan(plan)`` — attaches the rank's ``RankPlan`` (what it holds,
+   before deduplication) as ``storage_data``, so the coordinator can record every plan
+3. (coord) ``prepare_global_plan(plans)`` — records every rank's plan (the manifest's
+   ``plans``), creates ``<path>.tmp-<token>/`` and fixes every rank's file layout (names,
+   headers, byte offsets) so the manifest is known at plan time
 4. (all)   ``write_data(plan, planner)`` — writes this rank's files, fsyncs, returns checksums
 5. (coord) ``finish(metadata, results)`` — writes ``.metadata`` and ``manifest.json``,
    fsyncs, renames the directory into place (the commit)
@@ -42,12 +44,14 @@ from torch.futures import Future
 from . import commit, persist
 from .errors import CheckpointError, IncompatibleStateError
 from .format import objects as objcodec
-from .format.dtypes import check_storable, dtype_name
+from .format.dtypes import check_storable, dtype_from_name, dtype_name
 from .format.manifest import (
     ChunkEntry,
     FileEntry,
     Manifest,
     ObjectEntry,
+    PlannedChunk,
+    RankPlan,
     TensorEntry,
 )
 from .plan import ItemSpec, RankLayout, layout_rank
@@ -99,6 +103,47 @@ def item_spec(item) -> ItemSpec:
     )
 
 
+def planned_chunk(spec: ItemSpec) -> PlannedChunk:
+    """The manifest's record of a chunk a rank holds (``ItemSpec`` minus its byte count)."""
+    return PlannedChunk(spec.fqn, spec.offsets, spec.sizes, spec.global_shape, spec.dtype)
+
+
+def item_spec_of(chunk: PlannedChunk) -> ItemSpec:
+    """The ``ItemSpec`` of a recorded chunk (byte count from its dtype and sizes)."""
+    numel = 1
+    for s in chunk.sizes:
+        numel *= s
+    element = torch.empty((), dtype=dtype_from_name(chunk.dtype)).element_size()
+    return ItemSpec(
+        chunk.fqn, chunk.offsets, chunk.sizes, chunk.shape, chunk.dtype, numel * element
+    )
+
+
+def rank_plan_of(plan: SavePlan) -> RankPlan:
+    """What ``plan`` holds, as the manifest records it: the ``RankPlan`` that
+    ``StorageWriter.prepare_local_plan`` attached (which survives deduplication), else one
+    built from the plan's items."""
+    if isinstance(plan.storage_data, RankPlan):
+        return plan.storage_data
+    tensors = []
+    objects = []
+    for item in plan.items:
+        if item.type == WriteItemType.BYTE_IO:
+            objects.append(item.index.fqn)
+            continue
+        td = item.tensor_data
+        tensors.append(
+            PlannedChunk(
+                item.index.fqn,
+                tuple(td.chunk.offsets),
+                tuple(td.chunk.sizes),
+                tuple(td.size),
+                dtype_name(td.properties.dtype),
+            )
+        )
+    return RankPlan(tuple(tensors), tuple(objects))
+
+
 class StorageWriter(_DCPStorageWriter):
     """Writes a quicksave-format checkpoint from ``torch.distributed.checkpoint.save``.
 
@@ -129,6 +174,7 @@ class StorageWriter(_DCPStorageWriter):
         self.is_coordinator = True
         self.tmp_dir: str | None = None
         self.save_id = uuid.uuid4().hex
+        self.plans: tuple[RankPlan, ...] | None = None  # every rank's, set on the coordinator
 
     # 1 ------------------------------------------------------------------ set-up
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
@@ -136,6 +182,7 @@ class StorageWriter(_DCPStorageWriter):
             self.path = os.path.abspath(os.fspath(checkpoint_id))
         self.tmp_dir = None
         self.save_id = uuid.uuid4().hex
+        self.plans = None
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         self.is_coordinator = is_coordinator
@@ -154,9 +201,12 @@ class StorageWriter(_DCPStorageWriter):
 
     # 2, 3 ------------------------------------------------------------- planning
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
-        return plan
+        # Travels to the coordinator with the plan; DCP's deduplication replaces items but
+        # keeps storage_data, so the coordinator still sees what each rank held.
+        return dataclasses.replace(plan, storage_data=rank_plan_of(plan))
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        self.plans = tuple(rank_plan_of(p) for p in plans)
         self.tmp_dir = commit.make_temp_dir(self.path, commit.new_token())
         out = []
         for rank, plan in enumerate(plans):
@@ -210,7 +260,9 @@ class StorageWriter(_DCPStorageWriter):
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         if self.tmp_dir is None:
             raise CheckpointError("finish() called before prepare_global_plan()", path=self.path)
-        manifest = build_manifest(metadata, results, self.step, self.user_metadata)
+        # One rank's plan is the manifest itself (FORMAT.md §2, plans): omit it.
+        plans = self.plans if self.plans is not None and len(self.plans) > 1 else None
+        manifest = build_manifest(metadata, results, self.step, self.user_metadata, plans=plans)
         commit_files(self.tmp_dir, self.path, manifest, dcp_metadata_bytes(manifest))
         self.tmp_dir = None
 
@@ -249,8 +301,10 @@ def build_manifest(
     results: list[list[WriteResult]],
     step: int | None,
     user_metadata: dict[str, Any],
+    plans: tuple[RankPlan, ...] | None = None,
 ) -> Manifest:
-    """Assemble the manifest from DCP's global metadata and every rank's write results."""
+    """Assemble the manifest from DCP's global metadata and every rank's write results
+    (and, optionally, every rank's plan: the manifest's ``plans``)."""
     by_index: dict[MetadataIndex, Any] = {}
     files: dict[str, FileEntry] = {}
     for rank_results in results:
@@ -294,5 +348,6 @@ def build_manifest(
         objects=objs,
         files=files,
         user_metadata=user_metadata,
+        plans=plans,
     )
     return manifest

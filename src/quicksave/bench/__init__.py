@@ -3,7 +3,9 @@
 
 ``quicksave bench`` measures save/load throughput (:mod:`.throughput`);
 ``quicksave bench --training ...`` measures what checkpointing costs a training loop
-(:mod:`.training`).
+(:mod:`.training`); ``quicksave bench --planning ...`` the coordinator's planning cost at
+scale, cached and uncached (:mod:`.planning`); ``quicksave bench --coordination ...`` the
+per-save coordination cost over real gloo ranks, vs stock DCP (:mod:`.coordination`).
 
 Example::
 
@@ -66,6 +68,16 @@ def main(argv: list[str] | None = None) -> int:
         quicksave bench --training --plot steps.png
     """
     argv = list(sys.argv[1:] if argv is None else argv)
+    if "--coordination" in argv:
+        from .coordination import main as coordination_main  # imported only when asked for
+
+        argv.remove("--coordination")
+        return coordination_main(argv)
+    if "--planning" in argv:
+        from .planning import main as planning_main  # imported only when asked for
+
+        argv.remove("--planning")
+        return planning_main(argv)
     if "--training" in argv:
         from .training import main as training_main  # imported only when asked for
 

@@ -66,6 +66,34 @@ class FileEntry:
 
 
 @dataclass(frozen=True)
+class PlannedChunk:
+    """One chunk a rank held when the save was planned (before deduplication): the box
+    ``offsets``..``offsets+sizes`` of tensor ``fqn`` (global ``shape``, ``dtype`` name)."""
+
+    fqn: str
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    shape: tuple[int, ...]
+    dtype: str
+
+
+@dataclass(frozen=True)
+class RankPlan:
+    """What one rank held when the save was planned: its tensor chunks and the fqns of its
+    non-tensor values. A resumed job compares its own plan with it to reuse the plans."""
+
+    tensors: tuple[PlannedChunk, ...]
+    objects: tuple[str, ...]
+
+    def normalized(self) -> RankPlan:
+        """The same plan in a canonical order (plan equality ignores item order)."""
+        return RankPlan(
+            tuple(sorted(self.tensors, key=lambda c: (c.fqn, c.offsets))),
+            tuple(sorted(self.objects)),
+        )
+
+
+@dataclass(frozen=True)
 class Manifest:
     step: int | None
     world_size: int
@@ -74,6 +102,7 @@ class Manifest:
     files: dict[str, FileEntry]
     user_metadata: dict[str, Any] = field(default_factory=dict)
     format_version: int = FORMAT_VERSION
+    plans: tuple[RankPlan, ...] | None = None  # per rank; loading never needs it
 
     def total_tensor_bytes(self) -> int:
         return sum(c.length for t in self.tensors.values() for c in t.chunks)
@@ -97,6 +126,22 @@ def _opt_path(d: dict[str, Any], path: tuple | None) -> dict[str, Any]:
     if path is not None:
         d["path"] = list(path)
     return d
+
+
+def _plan_json(p: RankPlan) -> dict[str, Any]:
+    return {
+        "tensors": [
+            {
+                "fqn": c.fqn,
+                "offsets": list(c.offsets),
+                "sizes": list(c.sizes),
+                "shape": list(c.shape),
+                "dtype": c.dtype,
+            }
+            for c in p.tensors
+        ],
+        "objects": list(p.objects),
+    }
 
 
 def to_json_bytes(m: Manifest) -> bytes:
@@ -134,8 +179,10 @@ def to_json_bytes(m: Manifest) -> bytes:
             for name, f in sorted(m.files.items())
         },
         "user_metadata": m.user_metadata,
-        "manifest_xxh3_64": _ZERO_DIGEST,
     }
+    if m.plans is not None:
+        doc["plans"] = [_plan_json(p) for p in m.plans]
+    doc["manifest_xxh3_64"] = _ZERO_DIGEST  # last, always (FORMAT.md §2)
     text = json.dumps(doc, separators=(",", ":"), ensure_ascii=True, allow_nan=False) + "\n"
     data = text.encode("ascii")
     digest = hexdigest(xxhash.xxh3_64_intdigest(data))
@@ -178,6 +225,43 @@ def _int_tuple(values: Any, where: str, path: str) -> tuple[int, ...]:
     ):
         raise CorruptCheckpointError(f"manifest: {where} must be a list of integers ≥ 0", path=path)
     return tuple(values)
+
+
+def _plans(doc: dict, world_size: int, path: str) -> tuple[RankPlan, ...] | None:
+    raw = doc.get("plans")
+    if raw is None:
+        return None
+    if not isinstance(raw, list) or len(raw) != world_size:
+        raise CorruptCheckpointError(
+            f"manifest: plans must be a list of world_size={world_size} rank plans", path=path
+        )
+    out = []
+    for rank, p in enumerate(raw):
+        w = f"plans[{rank}]"
+        chunks = []
+        for i, c in enumerate(_req(p, "tensors", list, w, path)):
+            cw = f"{w}.tensors[{i}]"
+            fqn = _req(c, "fqn", str, cw, path)
+            offsets = _int_tuple(_req(c, "offsets", list, cw, path), f"{cw}.offsets", path)
+            sizes = _int_tuple(_req(c, "sizes", list, cw, path), f"{cw}.sizes", path)
+            shape = _int_tuple(_req(c, "shape", list, cw, path), f"{cw}.shape", path)
+            if (
+                len(offsets) != len(shape)
+                or len(sizes) != len(shape)
+                or any(o + s > d for o, s, d in zip(offsets, sizes, shape, strict=True))
+            ):
+                raise CorruptCheckpointError(
+                    f"manifest: {cw} lies outside shape {list(shape)}",
+                    path=path,
+                    fqn=fqn,
+                    rank=rank,
+                )
+            chunks.append(PlannedChunk(fqn, offsets, sizes, shape, _req(c, "dtype", str, cw, path)))
+        objs = _req(p, "objects", list, w, path)
+        if not all(isinstance(o, str) for o in objs):
+            raise CorruptCheckpointError(f"manifest: {w}.objects must be strings", path=path)
+        out.append(RankPlan(tuple(chunks), tuple(objs)))
+    return tuple(out)
 
 
 def from_json_bytes(data: bytes, path: str = "manifest.json") -> Manifest:
@@ -273,6 +357,7 @@ def from_json_bytes(data: bytes, path: str = "manifest.json") -> Manifest:
         files=files,
         user_metadata=user if isinstance(user, dict) else {},
         format_version=version,
+        plans=_plans(doc, world_size, path),
     )
 
 

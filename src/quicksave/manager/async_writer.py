@@ -33,6 +33,7 @@ import torch
 import torch.nn as nn
 from torch.utils.hooks import RemovableHandle
 
+from ..dist.saving import DistContext
 from ..engine import AsyncSaver, Deferred, EngineConfig, SaveHandle
 from ..errors import CheckpointError
 from .records import SaveRecord
@@ -61,6 +62,8 @@ class AsyncWriter:
         states: the manager's states; models and optimizers are found among them.
         collect: returns the full state dict (used once, to prepare the staging pool).
         rank: this process's rank (named in errors).
+        dist_context: several ranks: where their saves coordinate (plan cache, commit
+            records); None for one rank.
 
     Raises:
         CheckpointError: the worker process could not be started.
@@ -72,6 +75,7 @@ class AsyncWriter:
         states: Mapping[str, Any],
         collect: Callable[[], dict[str, Any]],
         rank: int = 0,
+        dist_context: DistContext | None = None,
     ) -> None:
         self.config = config
         self._collect = collect
@@ -86,7 +90,8 @@ class AsyncWriter:
         self._errors: list[CheckpointError] = []  # raised in optimizer hooks, reported later
         self._stepped: set[int] = set()
         self._prepared = False
-        self.saver = AsyncSaver(config, rank=rank)  # the worker starts now, not at save 1
+        # the worker starts now, not at save 1
+        self.saver = AsyncSaver(config, rank=rank, dist_context=dist_context)
         self._pre_hooks: list[RemovableHandle] = [
             o.register_step_pre_hook(self._before_step) for o in self._optimizers
         ]
@@ -141,10 +146,10 @@ class AsyncWriter:
         optimizer state tensors, by address, as they are now."""
         if self.config.staging != "overlap":
             return None
-        ptrs = {p.data_ptr() for m in self._models for p in m.parameters()}
+        ptrs = {_local_ptr(p) for m in self._models for p in m.parameters()}
         for optimizer in self._optimizers:
             for state in optimizer.state.values():
-                ptrs.update(v.data_ptr() for v in state.values() if isinstance(v, torch.Tensor))
+                ptrs.update(_local_ptr(v) for v in state.values() if isinstance(v, torch.Tensor))
         ptrs.discard(0)
         return lambda fqn, t: t.numel() > 0 and t.data_ptr() in ptrs
 
@@ -164,8 +169,12 @@ class AsyncWriter:
         except CheckpointError as e:
             if not any(p.handle.exception() is e for p in self._pending.values()):
                 raise
-            # An earlier save's failure that arrived just now; poll() reports it. This
-            # save is independent of it.
+            # An earlier save's failure that arrived just now; poll() reports it.
+            if self.saver.distributed:
+                # Every rank skipped this save together (its planning said so): a retry
+                # would run the planning collective on this rank alone.
+                return None
+            # One rank: this save is independent of it.
             return self.saver.save(
                 state_dict, path, step=step, deferred=deferred, user_metadata=metadata
             )
@@ -276,3 +285,14 @@ class AsyncWriter:
         self._pre_hooks, self._post_hooks = [], []
         self.saver.close(abort=not done)
         return finished, errors
+
+
+def _local_ptr(t: torch.Tensor) -> int:
+    """Address of this rank's bytes of ``t`` (a DTensor's local shard; 0 if none)."""
+    to_local = getattr(t, "to_local", None)
+    if to_local is not None:
+        t = to_local()
+    try:
+        return t.data_ptr()
+    except RuntimeError:  # a tensor subclass without storage
+        return 0

@@ -30,6 +30,10 @@ class CheckpointConfig:
         folder: the directory holding ``step-<N>`` checkpoints (created if missing).
         interval: save every ``interval`` steps (a whole number) or seconds.
         interval_type: ``"steps"`` or ``"seconds"``.
+        interval_check_steps: several ranks with ``interval_type="seconds"``: the ranks
+            vote on "a save is due" every this many steps (one asynchronous all-reduce,
+            consumed at the next such step, so no step waits for it); a save comes at
+            most twice this many steps after the interval ran out. Unused otherwise.
         keep_latest_k: keep only the newest ``k`` committed checkpoints; 0 keeps all.
         export_dtype: torch floating dtype name (``"float32"``, ``"bfloat16"``, ...) of
             the model-only export written at ``last_step``.
@@ -53,6 +57,9 @@ class CheckpointConfig:
         save_timeout_s: a save still being written after this long has failed.
         close_timeout_s: how long ``close()`` (and ``load()``, and a seed or export
             checkpoint) wait for saves in flight.
+        commit_timeout_s: several ranks: how long the coordinator's writer waits for
+            every rank's files before the save fails on every rank (a rank that never
+            arrives); the others wait for the commit a little longer.
         enabled: if False the manager saves and loads nothing.
 
     Raises:
@@ -78,7 +85,9 @@ class CheckpointConfig:
     worker_timeout_s: float = 30.0
     save_timeout_s: float = 900.0
     close_timeout_s: float = 300.0
+    commit_timeout_s: float = 120.0
     enabled: bool = True
+    interval_check_steps: int = 10
 
     def __post_init__(self) -> None:
         if isinstance(self.folder, os.PathLike):
@@ -122,7 +131,8 @@ class CheckpointConfig:
                 choices = ", ".join(repr(a) for a in allowed)
                 raise CheckpointError(f"{name} must be one of {choices}, got {value!r}")
         _check_int("max_in_flight", self.max_in_flight, minimum=1)
-        for name in ("worker_timeout_s", "save_timeout_s", "close_timeout_s"):
+        _check_int("interval_check_steps", self.interval_check_steps, minimum=1)
+        for name in ("worker_timeout_s", "save_timeout_s", "close_timeout_s", "commit_timeout_s"):
             value = getattr(self, name)
             if (
                 isinstance(value, bool)

@@ -32,12 +32,14 @@ import logging
 import os
 import time
 from collections.abc import Callable, Mapping
+from datetime import timedelta
 from typing import Any
 
 import torch.distributed as dist
 
 from .. import api
 from ..commit import classify
+from ..dist.saving import DistContext
 from ..engine import SaveHandle
 from ..errors import (
     CheckpointError,
@@ -55,6 +57,7 @@ from .folder import (
     require_committed,
     stored_metadata,
 )
+from .interval import IntervalAgreement, agree_any_due, needs_agreement
 from .policies import EveryNSeconds, EveryNSteps, KeepLatestK, RetentionPolicy, SavePolicy
 from .records import SaveRecord, log_committed
 from .states import (
@@ -140,29 +143,27 @@ class CheckpointManager:
         self.metrics: list[SaveRecord] = []
         self._writer: AsyncWriter | None = None
         self._closed = False
+        self._group: dist.ProcessGroup | None = None  # see _checkpoint_group
+        self._interval: IntervalAgreement | None = None
         if not config.enabled:
             return
-        if self._world_size() > 1 and isinstance(self.save_policy, EveryNSeconds):
-            raise CheckpointError(
-                "interval_type='seconds' with several ranks needs the ranks to agree on "
-                "when to save, which comes in a later release; use interval_type='steps'",
-                path=self.folder,
-                rank=self._rank(),
+        if self._world_size() > 1 and needs_agreement(self.save_policy):
+            # Time-based answers differ between ranks: they vote (interval.py).
+            group = self._checkpoint_group()
+            self._interval = IntervalAgreement(
+                config.interval_check_steps, lambda due: agree_any_due(due, group)
             )
         prepare_folder(self.folder, self._rank(), self._is_coordinator())
         if config.async_mode != "disabled":
-            if self._world_size() > 1:
-                logger.info(
-                    "quicksave: async_mode=%r is single-rank for now; with %d ranks, "
-                    "checkpoints are written synchronously",
-                    config.async_mode,
-                    self._world_size(),
-                )
-            else:
-                self._writer = AsyncWriter(
-                    config.engine_config(), self.states, lambda: self._collect("full")
-                )
-                self._writer.prepare_if_due(background=False)  # start-up: build it now
+            ctx = self._dist_context() if self._world_size() > 1 else None
+            self._writer = AsyncWriter(
+                config.engine_config(),
+                self.states,
+                lambda: self._collect("full"),
+                rank=self._rank() or 0,
+                dist_context=ctx,
+            )
+            self._writer.prepare_if_due(background=False)  # start-up: build it now
         logger.info(
             "quicksave: checkpointing to %s (%s, %s, %s)",
             self.folder,
@@ -231,12 +232,21 @@ class CheckpointManager:
         check_step(step, self.folder)
         if not self.config.enabled:
             return False
+        failures: list[CheckpointError] = []
         if self._writer is not None:
             self._writer.prepare_if_due()
-            self._finalize()
+            if self._world_size() > 1:
+                # Several ranks: an earlier failure is raised after this call's save
+                # (whose planning is collective), so that no rank leaves the others
+                # waiting in it; every rank learns of a failure from its own writer.
+                finished, failures = self._writer.poll()
+                self._apply(finished)
+            else:
+                self._finalize()
         is_last = self.config.last_step is not None and step == self.config.last_step
         decision = self.save_policy.should_save(step, self._clock(), force or is_last)
-        if not self._agree(decision):
+        if not self._agree(step, decision, forced=force or is_last):
+            self._raise_first(failures)
             return False
         wrote = False
         path = self.step_path(step)
@@ -256,6 +266,7 @@ class CheckpointManager:
                 self._save_one(step, self.export_path(step), "export", time.monotonic())
                 wrote = True
         self._retain(protect={step})
+        self._raise_first(failures)
         return wrote
 
     def maybe_wait_for_staging(self) -> None:
@@ -497,11 +508,16 @@ class CheckpointManager:
 
     # ---------------------------------------------------------------- helpers
 
-    def _agree(self, decision: bool) -> bool:
-        """Where all ranks will agree on a save decision (they must, or the save's
-        collectives deadlock). Step-based policies decide alike on every rank; the
-        multi-rank agreement for time-based ones comes in a later release."""
-        return decision
+    def _agree(self, step: int, decision: bool, forced: bool) -> bool:
+        """Where all ranks agree on a save decision (they must, or the save's
+        collectives deadlock). One rank, or a step-based policy: every rank decides
+        alike, ``decision`` as is, no collective. A time-based policy with several
+        ranks: the ranks' votes are combined by :class:`IntervalAgreement` (one
+        asynchronous all-reduce every ``interval_check_steps`` steps); ``forced``
+        (``force`` or ``last_step``) saves are taken alike by every rank, without it."""
+        if self._interval is None:
+            return decision
+        return self._interval.decide(step, decision, forced)
 
     def _model_states(self) -> dict[str, Any]:
         models = {k: v for k, v in self.states.items() if isinstance(v, ModelState)}
@@ -534,6 +550,39 @@ class CheckpointManager:
 
     def _is_coordinator(self) -> bool:
         return (self._rank() or 0) == 0
+
+    def _checkpoint_group(self) -> dist.ProcessGroup | None:
+        """The gloo group of this manager's checkpoint collectives (the interval
+        agreement's votes, the saves' planning): its own group, over the ranks of
+        ``process_group``, so that checkpoint collectives never queue behind training
+        ones, and with ``commit_timeout_s`` as its timeout, so that a rank that never
+        arrives fails the others' save instead of hanging them. Created once (every rank
+        builds its manager at the same point, so every rank creates it alike)."""
+        if self._group is None:
+            ranks = (
+                None
+                if self.process_group is None
+                else dist.get_process_group_ranks(self.process_group)
+            )
+            self._group = dist.new_group(
+                ranks=ranks,
+                backend="gloo",
+                timeout=timedelta(seconds=self.config.commit_timeout_s),
+            )
+        return self._group
+
+    def _dist_context(self) -> DistContext:
+        """Where this manager's multi-rank saves coordinate: the checkpoint group for
+        the one planning collective, and the default store for the commit records."""
+        group = self._checkpoint_group()
+        return DistContext(
+            group=group,
+            store=dist.distributed_c10d._get_default_store(),
+            rank=dist.get_rank(group),
+            world_size=dist.get_world_size(group),
+            coordinator=0,
+            commit_timeout_s=self.config.commit_timeout_s,
+        )
 
 
 def _default_save_policy(config: CheckpointConfig) -> SavePolicy:

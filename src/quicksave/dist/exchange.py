@@ -1,0 +1,353 @@
+"""Every collective of multi-rank save planning, and ``plan_save`` that orchestrates them.
+
+Call order (every rank of ``group``, once per save, same order everywhere):
+
+1. ``local_plan`` (pure, no communication);
+2. ``agree_save`` — ONE ``all_reduce(MIN)`` of six small integers: can every rank save,
+   did planning fail somewhere, does every rank hold a cached plan with the same key,
+   and a fresh random id for this save. In steady state this is the only collective;
+3. on a miss only, ``exchange_plans``: ``gather_object`` of the plans that changed (the
+   others send their plan's key) to the coordinator, which re-plans (``delta``) and
+   ``scatter_object_list`` sends every rank its share. If the coordinator lacks a plan
+   a rank thought it had (e.g. it restarted), one more gather/scatter round fetches it.
+
+Example::
+
+    cache = PlanCache()
+    planned = plan_save(state_dict, cache, group, 0, rank, world_size, thread_count=2)
+    planned.layout       # what this rank writes
+    planned.token        # same on every rank, new for every save
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..errors import CheckpointError
+from ..format.manifest import Manifest
+from ..plan import RankLayout
+from .planning import GlobalPlan, LocalPlan, PlanCache, global_plan, local_plan, local_tensors
+
+__all__ = [
+    "ExchangeResult",
+    "PlannedSave",
+    "Agreement",
+    "agree_reuse",
+    "agree_save",
+    "exchange_plans",
+    "local_tensors",
+    "plan_save",
+]
+
+_RAND_BITS = 56  # the save id; the rest of int64 stays free for the reduction
+_FP_BITS = 60
+
+
+@dataclass(frozen=True)
+class PlannedSave:
+    """This rank's share of one planned save.
+
+    Attributes:
+        layout: what THIS rank writes (replicated chunks deduplicated across ranks).
+        objects: fqns of the non-tensor values this rank writes (lowest holder).
+        skeleton: coordinator only: the manifest with every rank's chunks and files
+            placed and checksums empty (objects are ``ObjectEntry(None, path)``).
+        token: the same on every rank for this save, new for every save.
+        key: the global plan's key (the same on every rank).
+        collectives: collectives this call ran (1 on a steady-state cache hit).
+    """
+
+    layout: RankLayout
+    objects: tuple[str, ...]
+    skeleton: Manifest | None
+    token: str
+    key: str
+    collectives: int
+
+
+@dataclass(frozen=True)
+class Agreement:
+    """What ``agree_save`` settled, identical on every rank."""
+
+    failed_rank: int | None  # lowest rank whose local planning failed
+    go: bool  # every rank can save now
+    reuse: bool  # every rank holds a cached plan with the same key
+    save_id: int  # fresh random number, the same on every rank
+
+
+@dataclass(frozen=True)
+class ExchangeResult:
+    """What ``exchange_plans`` gave this rank."""
+
+    layout: RankLayout
+    objects: tuple[str, ...]
+    key: str
+    plan: GlobalPlan | None  # coordinator only
+    collectives: int
+
+
+def _collective_error(e: Exception, rank: int, what: str) -> CheckpointError:
+    cause = str(e).splitlines()[0] if str(e) else type(e).__name__
+    return CheckpointError(
+        f"{what} failed (did a rank crash or time out? see its log); nothing was saved: {cause}",
+        rank=rank,
+    )
+
+
+def agree_reuse(cache_hit: bool, group: Any = None) -> bool:
+    """One ``all_reduce(MIN)`` of one integer: True iff every rank had a cache hit.
+
+    Every rank must call it (the seeds' ``verify_global_md_reuse`` agreement).
+
+    Example::
+
+        if agree_reuse(cache.local_key == plan.key, group): ...
+    """
+    flag = torch.tensor([1 if cache_hit else 0], dtype=torch.int64)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
+    return bool(flag.item())
+
+
+def agree_save(
+    *, go: bool, failed: bool, hit_key: str | None, rank: int, world_size: int, group: Any
+) -> Agreement:
+    """ONE ``all_reduce(MIN)`` of six int64s that settles everything a save needs agreed.
+
+    Entries: go (0/1); failed rank (``rank`` if this rank's planning failed, else
+    ``world_size``); hit (0/1); key fingerprint and its negation (MIN of both is the
+    min and the max: equal iff every rank reuses the same global plan); a random id.
+
+    Example::
+
+        a = agree_save(go=True, failed=False, hit_key=k, rank=r, world_size=n, group=g)
+    """
+    fp = int(hit_key[: _FP_BITS // 4], 16) if hit_key else 0
+    values = torch.tensor(
+        [
+            1 if go else 0,
+            rank if failed else world_size,
+            1 if hit_key else 0,
+            fp,
+            -fp,
+            secrets.randbits(_RAND_BITS),
+        ],
+        dtype=torch.int64,
+    )
+    dist.all_reduce(values, op=dist.ReduceOp.MIN, group=group)
+    go_min, failed_min, hit_min, fp_min, neg_fp_min, save_id = (int(v) for v in values.tolist())
+    return Agreement(
+        failed_rank=failed_min if failed_min < world_size else None,
+        go=go_min == 1,
+        reuse=hit_min == 1 and fp_min == -neg_fp_min,
+        save_id=save_id,
+    )
+
+
+def _gather(obj: Any, group: Any, coordinator: int, rank: int, world_size: int) -> list | None:
+    out: list | None = [None] * world_size if rank == coordinator else None
+    dist.gather_object(obj, out, group=group, group_dst=coordinator)
+    return out
+
+
+def _scatter(payloads: list | None, group: Any, coordinator: int) -> Any:
+    out: list[Any] = [None]
+    dist.scatter_object_list(out, payloads, group=group, group_src=coordinator)
+    return out[0]
+
+
+def exchange_plans(
+    local: LocalPlan,
+    cache: PlanCache,
+    group: Any,
+    coordinator: int,
+    *,
+    rank: int,
+    world_size: int,
+    thread_count: int,
+) -> ExchangeResult:
+    """Re-plan after a miss: changed plans go to the coordinator, shares come back.
+
+    Ranks whose plan the coordinator already holds (from the last exchange or from the
+    checkpoint the cache was seeded from) send only its key (a delta exchange).
+
+    Raises:
+        CheckpointError: the coordinator's planning refused the plans (every rank raises
+            the same message, naming fqn and rank).
+    """
+    known = cache.local if cache.local is not None else None
+    seeded = cache.seed[rank] if cache.seed is not None and rank < len(cache.seed) else None
+    coordinator_has = (known is not None and known.key == local.key) or (
+        seeded is not None and seeded.key == local.key
+    )
+    send: LocalPlan | str = local.key if coordinator_has else local
+    collectives = 0
+    previous = cache.plan
+    for _round in range(2):
+        gathered = _gather(send, group, coordinator, rank, world_size)
+        collectives += 1
+        payloads = None
+        if rank == coordinator:
+            assert gathered is not None
+            payloads, previous = _coordinate(gathered, cache, world_size, thread_count)
+        reply = _scatter(payloads, group, coordinator)
+        collectives += 1
+        kind = reply[0]
+        if kind == "resend":
+            if rank in reply[1]:
+                send = local
+            continue
+        if kind == "error":
+            _, message, fqn, bad_rank = reply
+            raise CheckpointError(message, fqn=fqn, rank=bad_rank)
+        _, layout, objects, key = reply
+        return ExchangeResult(
+            layout, objects, key, previous if rank == coordinator else None, collectives
+        )
+    raise CheckpointError("the coordinator still lacks some ranks' plans after a resend", rank=rank)
+
+
+def _coordinate(
+    gathered: list, cache: PlanCache, world_size: int, thread_count: int
+) -> tuple[list, GlobalPlan | None]:
+    """Coordinator: merge sent plans with known ones and plan; one reply per rank."""
+    base = cache.base_plans()
+    if base is not None and len(base) != world_size:
+        base = None
+    merged: list[LocalPlan] = []
+    missing: list[int] = []
+    for r, g in enumerate(gathered):
+        if isinstance(g, LocalPlan):
+            merged.append(g)
+        elif base is not None and base[r].key == g:
+            merged.append(base[r])
+        else:
+            missing.append(r)
+    if missing:
+        return [("resend", tuple(missing))] * world_size, cache.plan
+    try:
+        previous = cache.plan
+        if previous is not None and len(previous.layouts) != world_size:
+            previous = None
+        gp = global_plan(merged, thread_count, previous=previous)
+    except CheckpointError as e:
+        return [("error", e.message, e.fqn, e.rank)] * world_size, None
+    replies = [("ok", gp.layouts[r], gp.objects[r], gp.key) for r in range(world_size)]
+    return replies, gp
+
+
+def plan_save(
+    state_dict: Mapping[str, Any],
+    cache: PlanCache,
+    group: Any,
+    coordinator: int,
+    rank: int,
+    world_size: int,
+    thread_count: int,
+    go: bool = True,
+) -> PlannedSave | None:
+    """Plan one multi-rank save; every rank of ``group`` calls it for every save.
+
+    Args:
+        state_dict: this rank's collected state dict.
+        cache: this rank's ``PlanCache`` (updated in place).
+        group: the process group of the checkpoint collectives (gloo), or None (world).
+        coordinator: rank in ``group`` that builds the global plan and commits.
+        rank, world_size: this rank and the size of ``group``.
+        thread_count: data files per rank.
+        go: False if this rank cannot save now; then every rank returns None together
+            (nobody is left waiting in a collective).
+
+    Returns:
+        This rank's ``PlannedSave``, or None if some rank said it cannot save.
+
+    Raises:
+        IncompatibleStateError: this rank's state dict cannot be stored (fqn, rank).
+        CheckpointError: another rank's planning failed (it is named), the coordinator
+            refused the combined plans, or a collective failed. Every rank raises.
+
+    Example::
+
+        planned = plan_save(sd, cache, ckpt_group, 0, rank, world_size, thread_count=2)
+    """
+    context = (world_size, coordinator, thread_count)
+    local: LocalPlan | None = None
+    error: BaseException | None = None
+    hit_key = None
+    if go:
+        try:
+            local = local_plan(state_dict, rank)
+            hit_key = cache.hit_key(local, rank, context)
+        except Exception as e:  # noqa: BLE001 - reported to every rank by the vote below
+            error = e
+    try:
+        agreed = agree_save(
+            go=go,
+            failed=error is not None,
+            hit_key=hit_key,
+            rank=rank,
+            world_size=world_size,
+            group=group,
+        )
+    except (RuntimeError, ValueError) as e:
+        cache.clear()
+        raise _collective_error(e, rank, "the save-planning all-reduce") from e
+    if agreed.failed_rank is not None:
+        if error is not None:
+            raise error
+        raise CheckpointError(
+            f"rank {agreed.failed_rank} could not plan its part of the save (see its error); "
+            "nothing was saved",
+            rank=agreed.failed_rank,
+        )
+    if not agreed.go:
+        return None
+    assert local is not None
+    token = f"{agreed.save_id:014x}"
+    if agreed.reuse:
+        cache.hits += 1
+        if cache.key != hit_key:  # a seeded hit: lay out the restored plans, no exchange
+            _adopt_seed(cache, rank, coordinator, thread_count)
+        cache.local, cache.context = local, context
+        assert cache.layout is not None and cache.key is not None
+        skeleton = cache.plan.skeleton if rank == coordinator and cache.plan else None
+        return PlannedSave(cache.layout, cache.objects, skeleton, token, cache.key, 1)
+    cache.misses += 1
+    try:
+        result = exchange_plans(
+            local,
+            cache,
+            group,
+            coordinator,
+            rank=rank,
+            world_size=world_size,
+            thread_count=thread_count,
+        )
+    except CheckpointError:
+        cache.clear()
+        raise
+    except (RuntimeError, ValueError) as e:
+        cache.clear()
+        raise _collective_error(e, rank, "the save-planning exchange") from e
+    cache.local, cache.layout, cache.objects = local, result.layout, result.objects
+    cache.key, cache.context, cache.seed = result.key, context, None
+    cache.plan = result.plan
+    skeleton = result.plan.skeleton if result.plan is not None else None
+    return PlannedSave(
+        result.layout, result.objects, skeleton, token, result.key, 1 + result.collectives
+    )
+
+
+def _adopt_seed(cache: PlanCache, rank: int, coordinator: int, thread_count: int) -> None:
+    """Every rank agreed to reuse the checkpoint's plans: plan them locally (pure and
+    deterministic, so every rank gets the same result without talking)."""
+    assert cache.seed is not None
+    gp = global_plan(cache.seed, thread_count)
+    cache.layout, cache.objects, cache.key = gp.layouts[rank], gp.objects[rank], gp.key
+    cache.plan = gp if rank == coordinator else None
+    cache.seed = None

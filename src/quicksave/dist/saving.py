@@ -1,0 +1,191 @@
+"""The async engine's multi-rank save: plan with the plan cache, then describe this
+rank's share of the work for the worker (files, part, records; see ``records``).
+
+Call order (training thread of every rank, once per save): ``DistSaving.plan(state_dict,
+final, ...)`` → the engine stages ``DistSave.tensors`` into the pool at ``places`` and
+submits a ``PersistJob`` built from the rest. The only collective is inside
+``exchange.plan_save`` (one small all-reduce on a cache hit).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..errors import CheckpointError, IncompatibleStateError
+from ..format import objects as objcodec
+from ..format.manifest import Manifest
+from ..plan import RankLayout, chunk_key
+from ..worker import DistCommit
+from . import records
+
+
+@dataclass(frozen=True)
+class DistContext:
+    """Where a rank's multi-rank saves coordinate.
+
+    Args:
+        group: process group for the planning collective (gloo: it runs on the CPU).
+        store: the ranks' ``torch.distributed`` store (commit records).
+        rank: this rank in ``group``.
+        world_size: ranks in ``group``.
+        coordinator: the rank whose writer commits.
+        commit_timeout_s: how long the coordinator's writer waits for every rank's files
+            (a rank that never arrives fails the save after this long, on every rank).
+    """
+
+    group: Any
+    store: Any
+    rank: int
+    world_size: int
+    coordinator: int = 0
+    commit_timeout_s: float = 120.0
+
+
+@dataclass(frozen=True)
+class DistSave:
+    """One rank's share of one save, ready for staging and the worker."""
+
+    key: tuple  # identifies the layout (the pool is reused while it is unchanged)
+    layout: RankLayout
+    tensors: dict[str, torch.Tensor]  # chunk key -> this rank's local tensor to write
+    places: dict[str, tuple[str, int, int]]  # chunk key -> (file, offset, length)
+    manifest: Manifest | None  # the coordinator's skeleton (step, metadata filled)
+    chunk_keys: dict[str, tuple[str, int]]  # every rank's chunks (coordinator), else {}
+    dcp_metadata: bytes  # the coordinator's .metadata, else b""
+    dist: DistCommit
+    collectives: int
+
+
+class DistSaving:
+    """Plans multi-rank saves for one AsyncSaver; holds its plan cache."""
+
+    def __init__(self, ctx: DistContext) -> None:
+        from .planning import PlanCache
+
+        self.ctx = ctx
+        self.cache = PlanCache()
+        self.address = records.store_address(ctx.store)
+        self._dcp_metadata: tuple[str, bytes] | None = None  # (global plan key, bytes)
+
+    def plan(
+        self,
+        state_dict: Mapping[str, Any],
+        final: str,
+        *,
+        step: int | None,
+        user_metadata: dict[str, Any] | None,
+        thread_count: int,
+        go: bool = True,
+    ) -> DistSave | None:
+        """Plan this save (runs the planning collective) and describe this rank's part.
+
+        Returns None, on every rank, if some rank said it cannot save now (``go``).
+
+        Raises:
+            CheckpointError: bad input (names fqn and rank) or a failed exchange.
+        """
+        from ..writer import dcp_metadata_bytes
+        from .exchange import local_tensors, plan_save
+
+        ctx = self.ctx
+        planned = plan_save(
+            state_dict,
+            self.cache,
+            ctx.group,
+            ctx.coordinator,
+            ctx.rank,
+            ctx.world_size,
+            thread_count,
+            go,
+        )
+        if planned is None:
+            return None
+        local = local_tensors(state_dict)
+        tensors: dict[str, torch.Tensor] = {}
+        places: dict[str, tuple[str, int, int]] = {}
+        for f in planned.layout.files:
+            for e in f.entries:
+                key = e.item.key
+                t = local.get(key)
+                if t is None:
+                    raise CheckpointError(
+                        "the plan gives this rank a chunk it does not hold",
+                        path=final,
+                        fqn=e.item.fqn,
+                        rank=ctx.rank,
+                    )
+                tensors[key] = t
+                places[key] = (f.name, e.offset, e.length)
+        objects = _owned_objects(state_dict, planned.objects, final, ctx.rank)
+        manifest = None
+        chunk_keys: dict[str, tuple[str, int]] = {}
+        dcp_metadata = b""
+        if planned.skeleton is not None:
+            skeleton = planned.skeleton
+            if self._dcp_metadata is None or self._dcp_metadata[0] != planned.key:
+                self._dcp_metadata = (planned.key, dcp_metadata_bytes(skeleton))
+            dcp_metadata = self._dcp_metadata[1]
+            manifest = dataclasses.replace(
+                skeleton, step=step, user_metadata=dict(user_metadata or {})
+            )
+            for fqn, t in skeleton.tensors.items():
+                for i, c in enumerate(t.chunks):
+                    chunk_keys[chunk_key(fqn, c.offsets, c.sizes, t.shape)] = (fqn, i)
+        return DistSave(
+            key=("dist", planned.key, ctx.rank),
+            layout=planned.layout,
+            tensors=tensors,
+            places=places,
+            manifest=manifest,
+            chunk_keys=chunk_keys,
+            dcp_metadata=dcp_metadata,
+            dist=DistCommit(
+                token=planned.token,
+                world_size=ctx.world_size,
+                coordinator=ctx.coordinator,
+                store=self.address,
+                objects=objects,
+                timeout_s=ctx.commit_timeout_s,
+            ),
+            collectives=planned.collectives,
+        )
+
+    def worker_failed(self, token: str, error: str) -> None:
+        """This rank's writer died mid-save: tell the others now, not at the timeout."""
+        try:
+            records.post_rank(self.ctx.store, token, self.ctx.rank, error)
+            if self.ctx.rank == self.ctx.coordinator:
+                records.post_commit(self.ctx.store, token, f"rank {self.ctx.rank}: {error}")
+        except Exception:  # noqa: BLE001 - the store may be gone with the job
+            pass
+
+
+def _owned_objects(
+    state_dict: Mapping[str, Any], owned: tuple[str, ...], final: str, rank: int
+) -> dict[str, Any]:
+    """Typed-JSON values of the objects this rank writes (encoded now: their values at
+    the moment of ``save()``)."""
+    if not owned:
+        return {}
+    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+
+    from ..collect import to_state_dict
+
+    flat, _ = flatten_state_dict(to_state_dict(state_dict))
+    out = {}
+    for fqn in owned:
+        if fqn not in flat:
+            raise IncompatibleStateError(
+                "the plan gives this rank a value it does not hold", path=final, fqn=fqn, rank=rank
+            )
+        try:
+            out[fqn] = objcodec.encode(flat[fqn], fqn)
+        except IncompatibleStateError as e:
+            raise IncompatibleStateError(e.message, path=final, fqn=fqn, rank=rank) from None
+    return out
+

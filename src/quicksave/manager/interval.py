@@ -1,0 +1,200 @@
+"""Time-based save decisions that every rank takes alike, without stalling a step.
+
+With several ranks a time-based policy (``EveryNSeconds``) can answer differently on
+each rank: their clocks and step times differ. Ranks that disagree on whether to save
+deadlock in the save's collectives. :class:`IntervalAgreement` makes them agree while
+keeping the collective off the training step's critical path:
+
+* every ``check_steps`` steps (the *check steps*: the first ``save`` call, then each
+  step that reaches the next multiple of ``check_steps``) each rank launches one
+  asynchronous all-reduce (MAX) of one integer, "my policy says a save is due";
+* the result is consumed at the next check step, a step every rank knows in advance.
+  The all-reduce had ``check_steps`` steps to finish, so waiting for it there costs
+  nothing in the normal case;
+* if any rank voted "due", every rank saves at that same check step; otherwise none
+  does. Agreement holds by construction: every rank sees the same reduced value at
+  the same step.
+
+A save therefore comes at most ``2 * check_steps`` steps after the interval ran out.
+Forced saves (``save(step, force=True)``) and ``last_step`` are decisions every rank
+makes alike without talking (the caller passes the same ``force`` and the same steps on
+every rank), so they never wait for a vote; a vote still in flight when one happens is
+ignored (the forced save restarted the interval). Step-based policies need none of this
+and cost zero collectives.
+
+The one collective lives in :func:`agree_any_due`; nothing else here talks to other
+ranks, and :class:`IntervalAgreement` itself is a pure state machine over an injected
+vote function (tests drive it with a fake one).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+
+from ..errors import CheckpointError
+from .policies import EveryNSeconds
+
+
+class Vote(Protocol):
+    """A launched vote; ``wait()`` returns True if any rank voted "due"."""
+
+    def wait(self) -> bool:
+        """Block until every rank's vote is in (normally done already); the result."""
+        ...
+
+
+VoteFn = Callable[[bool], Vote]
+
+
+@dataclass
+class _AllReduceVote:
+    """An all-reduce in flight; holds its tensor so the result outlives the call."""
+
+    work: Any  # torch.distributed.Work
+    tensor: torch.Tensor
+
+    def wait(self) -> bool:
+        self.work.wait()
+        return bool(int(self.tensor.item()))
+
+
+def agree_any_due(due: bool, group: dist.ProcessGroup | None) -> Vote:
+    """Launch this rank's vote: one asynchronous all-reduce (MAX) of one integer.
+
+    Every rank of ``group`` must call it at the same point of its call sequence (the
+    check steps of :class:`IntervalAgreement` guarantee that).
+
+    Args:
+        due: this rank's policy says a save is due.
+        group: the checkpoint process group (gloo, so the tensor stays on the CPU).
+
+    Returns:
+        A :class:`Vote` whose ``wait()`` is True if any rank voted ``due``.
+
+    Example::
+
+        vote = agree_any_due(policy_says_due, group)
+        ...  # some training steps later, on every rank
+        if vote.wait():
+            save()
+    """
+    tensor = torch.tensor([int(bool(due))], dtype=torch.int32)
+    work = dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group, async_op=True)
+    return _AllReduceVote(work, tensor)
+
+
+def needs_agreement(policy: object) -> bool:
+    """Whether ``policy``'s answers can differ between ranks, so ranks must agree.
+
+    ``EveryNSeconds`` does (it reads a clock); step-based policies do not. A custom
+    policy opts in (or out) with a class attribute ``needs_agreement = True``.
+
+    Example::
+
+        needs_agreement(EveryNSeconds(60))  # True
+        needs_agreement(EveryNSteps(100))   # False
+    """
+    declared = getattr(policy, "needs_agreement", None)
+    if isinstance(declared, bool):
+        return declared
+    return isinstance(policy, EveryNSeconds)
+
+
+class IntervalAgreement:
+    """Turns each rank's "a save is due" into one decision all ranks share.
+
+    Call order (every rank, the same ``step`` sequence): :meth:`decide` once per
+    ``save(step)`` call, with the policy's local answer. Only check steps launch a vote
+    (one collective, asynchronous) and consume the previous one; other steps do nothing.
+
+    Args:
+        check_steps: steps between two check steps (>= 1).
+        vote: launches one vote and returns it (:func:`agree_any_due` bound to the
+            checkpoint group; a fake in tests).
+
+    Raises:
+        CheckpointError: ``check_steps`` is not an integer >= 1.
+
+    Example::
+
+        agreement = IntervalAgreement(10, lambda due: agree_any_due(due, group))
+        for step in range(1, steps + 1):
+            train_step()
+            if agreement.decide(step, policy.should_save(step, now(), False), forced=False):
+                save(step)
+    """
+
+    def __init__(self, check_steps: int, vote: VoteFn) -> None:
+        if isinstance(check_steps, bool) or not isinstance(check_steps, int) or check_steps < 1:
+            raise CheckpointError(
+                f"interval_check_steps must be an integer >= 1, got {check_steps!r}"
+            )
+        self.check_steps = check_steps
+        self._vote = vote
+        self._pending: Vote | None = None
+        self._pending_void = False  # a forced save came after the vote was cast
+        self._last_check: int | None = None
+        self.votes_launched = 0
+
+    @property
+    def next_check(self) -> int | None:
+        """The next check step (None before the first call: that call is one)."""
+        if self._last_check is None:
+            return None
+        return (self._last_check // self.check_steps + 1) * self.check_steps
+
+    @property
+    def vote_in_flight(self) -> bool:
+        """A vote was launched and not consumed yet."""
+        return self._pending is not None
+
+    def is_check_step(self, step: int) -> bool:
+        """Whether ``decide(step, ...)`` launches a vote (and consumes the previous one).
+
+        The first call, each step at or past the next multiple of ``check_steps``, and
+        a step lower than the last check step (training went back, e.g. after a load)
+        are check steps; every rank sees the same steps, so every rank agrees on them.
+        """
+        nxt = self.next_check
+        if nxt is None or self._last_check is None:
+            return True
+        return step >= nxt or step < self._last_check
+
+    def decide(self, step: int, due: bool, forced: bool) -> bool:
+        """The decision every rank takes for ``step``.
+
+        Args:
+            step: the step of this ``save`` call (the same sequence on every rank).
+            due: this rank's policy says a save is due (its local, clock-based answer).
+            forced: a save every rank makes alike (``force=True``, ``last_step``).
+
+        Returns:
+            True if this step saves: ``forced``, or a check step whose consumed vote
+            had some rank say "due".
+        """
+        if not self.is_check_step(step):
+            if forced and self._pending is not None:
+                self._pending_void = True  # this save restarts the interval
+            return forced
+        agreed = False
+        if self._pending is not None:
+            # Launched one check step ago, so normally complete: no stall here.
+            result = self._pending.wait()
+            agreed = result and not self._pending_void
+        saving = forced or agreed
+        self._pending = self._vote(bool(due) and not saving)
+        self._pending_void = False
+        self._last_check = step
+        self.votes_launched += 1
+        return saving
+
+    def __repr__(self) -> str:
+        return (
+            f"IntervalAgreement(check_steps={self.check_steps}, next_check={self.next_check}, "
+            f"vote_in_flight={self.vote_in_flight})"
+        )

@@ -1,0 +1,159 @@
+"""Per-rank manifest parts: how a multi-rank checkpoint commits without gathering.
+
+Every rank's writer, after its data files are durable, writes ``part-rank-RRRRR.json``
+into the checkpoint's temporary directory: the checksums of the chunks it wrote and the
+values of the objects it owns. The coordinator's writer reads all parts and fills the
+manifest skeleton fixed at plan time (every file, offset and length is known before any
+byte is written; only checksums and object values come from the writers). No write
+result travels through a collective.
+
+A part is written whole or not at all (temporary name, fsync, rename) and carries its
+own checksum, so a torn or foreign file is refused, never merged. Torch-free: the worker
+process imports this module.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import xxhash
+
+from . import commit
+from .errors import CheckpointError, CorruptCheckpointError
+from .format.manifest import Manifest, ObjectEntry, hexdigest
+
+PART_FORMAT = "quicksave-part"
+
+
+def part_name(rank: int) -> str:
+    """File name of ``rank``'s part inside the temporary directory."""
+    return f"part-rank-{rank:05d}.json"
+
+
+@dataclass(frozen=True)
+class RankPart:
+    """What one rank's writer learned while writing (nothing the plan already knew)."""
+
+    rank: int
+    chunks: dict[str, str]  # safetensors key -> xxh3-64 hex of the chunk as written
+    objects: dict[str, Any]  # fqn -> typed JSON value (objects this rank owns)
+
+
+def _encode(part: RankPart) -> bytes:
+    body = {
+        "format": PART_FORMAT,
+        "rank": part.rank,
+        "chunks": part.chunks,
+        "objects": part.objects,
+    }
+    raw = json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
+    body["part_xxh3_64"] = hexdigest(xxhash.xxh3_64_intdigest(raw))
+    return json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
+
+
+def write_part(tmp_dir: str, part: RankPart, fsync: bool = True) -> str:
+    """Write ``part`` durably into ``tmp_dir`` (temporary name, fsync, rename, fsync of
+    the directory). Returns its path."""
+    path = os.path.join(tmp_dir, part_name(part.rank))
+    staging = path + ".writing"
+    data = _encode(part)
+    if fsync:
+        commit.write_durable(staging, data)
+    else:
+        with open(staging, "wb") as f:
+            f.write(data)
+    os.replace(staging, path)
+    if fsync:
+        commit.fsync_path(tmp_dir)
+    return path
+
+
+def read_part(tmp_dir: str, rank: int) -> RankPart:
+    """Read and check ``rank``'s part.
+
+    Raises:
+        CheckpointError: the part is missing (names the rank).
+        CorruptCheckpointError: it does not parse, fails its checksum, or is another
+            rank's.
+    """
+    path = os.path.join(tmp_dir, part_name(rank))
+    try:
+        with open(path, "rb") as f:
+            body = json.loads(f.read())
+    except FileNotFoundError:
+        raise CheckpointError(
+            "this rank's writer left no part (its write did not finish)", path=path, rank=rank
+        ) from None
+    except (OSError, ValueError) as e:
+        raise CorruptCheckpointError(f"unreadable part: {e}", path=path, rank=rank) from None
+    if not isinstance(body, dict) or body.get("format") != PART_FORMAT:
+        raise CorruptCheckpointError("not a quicksave part", path=path, rank=rank)
+    digest = body.pop("part_xxh3_64", None)
+    raw = json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
+    if digest != hexdigest(xxhash.xxh3_64_intdigest(raw)):
+        raise CorruptCheckpointError("the part fails its checksum", path=path, rank=rank)
+    if body.get("rank") != rank:
+        raise CorruptCheckpointError(
+            f"the part says rank {body.get('rank')!r}", path=path, rank=rank
+        )
+    return RankPart(rank, dict(body["chunks"]), dict(body["objects"]))
+
+
+def manifest_from_parts(
+    skeleton: Manifest,
+    chunk_keys: Mapping[str, tuple[str, int]],
+    parts: list[RankPart],
+    tmp_dir: str,
+) -> Manifest:
+    """Fill ``skeleton`` (every chunk placed, checksums empty) from every rank's part.
+
+    Args:
+        skeleton: the manifest fixed at plan time by the coordinator.
+        chunk_keys: safetensors key -> (fqn, chunk index in the skeleton), all ranks.
+        parts: one part per rank.
+        tmp_dir: named in errors.
+
+    Raises:
+        CorruptCheckpointError: a chunk nobody reported, one reported twice, or an
+            unknown key — the parts do not match the plan; nothing is committed.
+    """
+    chunks = {fqn: list(t.chunks) for fqn, t in skeleton.tensors.items()}
+    seen: dict[str, int] = {}
+    objects = dict(skeleton.objects)
+    for part in parts:
+        for key, digest in part.chunks.items():
+            where = chunk_keys.get(key)
+            if where is None:
+                raise CorruptCheckpointError(
+                    f"the part reports chunk {key!r}, which the plan does not have",
+                    path=tmp_dir,
+                    rank=part.rank,
+                )
+            if key in seen:
+                raise CorruptCheckpointError(
+                    f"chunk {key!r} was written by ranks {seen[key]} and {part.rank}",
+                    path=tmp_dir,
+                    fqn=where[0],
+                    rank=part.rank,
+                )
+            seen[key] = part.rank
+            fqn, i = where
+            chunks[fqn][i] = dataclasses.replace(chunks[fqn][i], xxh3_64=digest)
+        for fqn, value in part.objects.items():
+            old = objects.get(fqn)
+            objects[fqn] = ObjectEntry(value, old.path if old is not None else None)
+    for key, (fqn, _) in chunk_keys.items():
+        if key not in seen:
+            raise CorruptCheckpointError(
+                "no rank reported writing this chunk", path=tmp_dir, fqn=f"{fqn} ({key})"
+            )
+    tensors = {
+        fqn: dataclasses.replace(t, chunks=tuple(chunks[fqn]))
+        for fqn, t in skeleton.tensors.items()
+    }
+    return dataclasses.replace(skeleton, tensors=tensors, objects=objects)

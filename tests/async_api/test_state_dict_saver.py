@@ -1,0 +1,221 @@
+"""The seeds' planning API in one process: FileSystemWriterAsync, save_state_dict_async_plan
+/ _finalize with AsyncRequest and AsyncCallsQueue, the metadata cache, commit from parts.
+
+Multi-rank behaviour (agreement collectives, failures on one rank) is in
+tests/dist/test_seed_planning_api.py.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+import quicksave
+from quicksave.async_api import (
+    AsyncCallsQueue,
+    AsyncRequest,
+    CheckpointMetadataCache,
+    FileSystemWriterAsync,
+    get_metadata_caching_status,
+    init_checkpoint_metadata_cache,
+    save_state_dict_async_finalize,
+    save_state_dict_async_plan,
+)
+from quicksave.async_api import state_dict_saver as saver
+from quicksave.commit import CheckpointKind, classify
+from quicksave.errors import CheckpointError
+from quicksave.format.manifest import read_manifest
+
+
+def _state(seed: int = 0) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "model": {
+            "w": torch.randn(32, 16, generator=g),
+            "b": torch.randn(16, generator=g).to(torch.bfloat16),
+        },
+        "step": seed,
+        "note": f"seed-{seed}",
+    }
+
+
+def _empty_like(sd: dict) -> dict:
+    return {
+        "model": {k: torch.zeros_like(v) for k, v in sd["model"].items()},
+        "step": -1,
+        "note": "",
+    }
+
+
+def _assert_same(a: dict, b: dict) -> None:
+    for k in a["model"]:
+        assert torch.equal(a["model"][k].view(torch.uint8), b["model"][k].view(torch.uint8)), k
+    assert (a["step"], a["note"]) == (b["step"], b["note"])
+
+
+def _save(sd, path, queue, **plan_kwargs):
+    """The usage guide's flow: plan → AsyncRequest with finalize → queue."""
+    writer = FileSystemWriterAsync(str(path), thread_count=2)
+    ret = save_state_dict_async_plan(sd, writer, None, 0, **plan_kwargs)
+    save_fn, preload_fn, save_args = writer.get_save_function_and_args()
+
+    def finalize_fn() -> None:
+        save_state_dict_async_finalize(*ret)
+
+    queue.schedule_async_request(
+        AsyncRequest(save_fn, save_args, [finalize_fn], preload_fn=preload_fn)
+    )
+    return ret
+
+
+@pytest.fixture
+def thread_queue():
+    q = AsyncCallsQueue(persistent=False)
+    yield q
+    q.close()
+
+
+def test_usage_guide_flow_in_worker_process_loads_bit_exact(tmp_path: Path):
+    sd = _state(1)
+    queue = AsyncCallsQueue()  # persistent worker process, as the seeds default
+    try:
+        _save(sd, tmp_path / "iter-1", queue, planner=DefaultSavePlanner())
+        # The staged copy is what gets written: mutating now must not change the checkpoint.
+        expected = {
+            "model": {k: v.clone() for k, v in sd["model"].items()},
+            "step": 1,
+            "note": "seed-1",
+        }
+        sd["model"]["w"].add_(100.0)
+        assert queue.maybe_finalize_async_calls(blocking=True, no_dist=False) == [0]
+    finally:
+        queue.close()
+    path = tmp_path / "iter-1"
+    assert classify(str(path)) is CheckpointKind.QUICKSAVE
+    assert sorted(os.listdir(path)) == [
+        ".metadata",
+        "manifest.json",
+        "rank-00000-00.safetensors",
+        "rank-00000-01.safetensors",
+    ]
+    out = _empty_like(expected)
+    quicksave.load(out, path)
+    _assert_same(expected, out)
+    out2 = _empty_like(expected)
+    dcp.load(out2, storage_reader=quicksave.StorageReader(path))
+    _assert_same(expected, out2)
+    # One rank: the manifest omits "plans" (the rank's plan is the manifest itself).
+    assert read_manifest(path).plans is None
+
+
+def test_use_msc_is_a_clear_error(tmp_path: Path):
+    with pytest.raises(CheckpointError) as e:
+        FileSystemWriterAsync("msc://profile/iter-1", use_msc=True)
+    assert "Multi-Storage Client (msc://) is not available" in e.value.message
+    assert e.value.path == "msc://profile/iter-1"
+    with pytest.raises(CheckpointError, match="unsupported arguments"):
+        FileSystemWriterAsync(str(tmp_path / "x"), bogus=1)
+
+
+def test_cache_reuses_plan_on_second_save(tmp_path: Path, thread_queue, monkeypatch):
+    cache = CheckpointMetadataCache()
+    _save(_state(1), tmp_path / "a", thread_queue, enable_cache=True, metadata_cache=cache)
+    thread_queue.maybe_finalize_async_calls(blocking=True)
+    assert cache.get_metadata_caching_status() == (False, False)
+    calls = []
+    real = saver.exchange_plans
+    monkeypatch.setattr(saver, "exchange_plans", lambda *a: calls.append(1) or real(*a))
+    sd2 = _state(2)
+    _save(sd2, tmp_path / "b", thread_queue, enable_cache=True, metadata_cache=cache)
+    thread_queue.maybe_finalize_async_calls(blocking=True)
+    assert calls == [] and cache.get_metadata_caching_status() == (True, False)
+    out = _empty_like(sd2)
+    quicksave.load(out, tmp_path / "b")
+    _assert_same(sd2, out)
+    # A changed plan (a new tensor) is noticed: planning runs again.
+    sd3 = _state(3)
+    sd3["model"]["extra"] = torch.ones(3)
+    _save(sd3, tmp_path / "c", thread_queue, enable_cache=True, metadata_cache=cache)
+    thread_queue.maybe_finalize_async_calls(blocking=True)
+    assert calls == [1] and "model.extra" in read_manifest(tmp_path / "c").tensors
+
+
+def test_restart_reuses_loaded_plans(tmp_path: Path, thread_queue, monkeypatch):
+    _save(_state(1), tmp_path / "a", thread_queue)
+    thread_queue.maybe_finalize_async_calls(blocking=True)
+    md = quicksave.StorageReader(tmp_path / "a").read_metadata()
+    assert [len(p.items) for p in md.all_local_plans] == [4]
+    cache = init_checkpoint_metadata_cache(md)
+    monkeypatch.setattr(saver, "exchange_plans", lambda *a: pytest.fail("planned again"))
+    sd = _state(5)
+    _save(sd, tmp_path / "b", thread_queue, enable_cache=True, metadata_cache=cache)
+    thread_queue.maybe_finalize_async_calls(blocking=True)
+    assert cache.get_metadata_caching_status() == (False, True)
+    out = _empty_like(sd)
+    quicksave.load(out, tmp_path / "b")
+    _assert_same(sd, out)
+
+
+def test_init_cache_fills_the_given_cache_and_status_needs_one(tmp_path: Path, thread_queue):
+    _save(_state(1), tmp_path / "a", thread_queue)
+    thread_queue.maybe_finalize_async_calls(blocking=True)
+    md = quicksave.StorageReader(tmp_path / "a").read_metadata()
+    mine = CheckpointMetadataCache()
+    assert init_checkpoint_metadata_cache(md, mine) is mine
+    assert mine.cached_global_metadata is md and mine.loaded_all_plans is md.all_local_plans
+    fresh = init_checkpoint_metadata_cache(md)
+    assert isinstance(fresh, CheckpointMetadataCache) and fresh is not mine
+    # No process-wide default: each call makes its own cache, and no cache, no status.
+    assert init_checkpoint_metadata_cache(md) is not fresh
+    assert get_metadata_caching_status() is None
+    assert get_metadata_caching_status(fresh) == (False, False)
+
+
+def test_enable_cache_without_a_cache_is_a_clear_error(tmp_path: Path, monkeypatch):
+    writer = FileSystemWriterAsync(str(tmp_path / "x"))
+    monkeypatch.setattr(saver, "exchange_plans", lambda *a: pytest.fail("collective ran"))
+    with pytest.raises(CheckpointError) as e:
+        save_state_dict_async_plan(_state(1), writer, enable_cache=True)
+    assert e.value.message == (
+        "enable_cache=True needs a metadata_cache: quicksave keeps no process-wide default "
+        "cache (unlike the seed). Create one and pass it to every save, e.g. "
+        "metadata_cache=init_checkpoint_metadata_cache(StorageReader(last).read_metadata()) "
+        "after a restart, or metadata_cache=CheckpointMetadataCache()"
+    )
+    assert e.value.path == str(tmp_path / "x") and e.value.rank == 0
+    assert writer.tmp_dir is None and not os.listdir(tmp_path)
+
+
+def test_missing_part_commits_nothing_and_names_the_rank(tmp_path: Path):
+    sd = _state(1)
+    writer = FileSystemWriterAsync(str(tmp_path / "x"))
+    ret = save_state_dict_async_plan(sd, writer)
+    # save_fn never ran: no part file.
+    os.makedirs(writer.tmp_dir)
+    with pytest.raises(CheckpointError) as e:
+        save_state_dict_async_finalize(*ret)
+    assert e.value.rank == 0 and "left no part" in e.value.message
+    assert not os.path.exists(writer.tmp_dir)
+    assert classify(str(tmp_path / "x")) is CheckpointKind.MISSING
+
+
+def test_failed_write_leaves_an_error_part_named_at_finalize(tmp_path: Path):
+    sd = _state(1)
+    writer = FileSystemWriterAsync(str(tmp_path / "x"), thread_count=1)
+    ret = save_state_dict_async_plan(sd, writer)
+    save_fn, preload_fn, save_args = writer.get_save_function_and_args()
+    os.makedirs(os.path.join(writer.tmp_dir, "rank-00000-00.safetensors", "blocker"))
+    with pytest.raises(CheckpointError) as e:
+        save_fn(save_args[0], preload_fn())
+    assert "rank 0 failed to write its checkpoint data" in e.value.message
+    with pytest.raises(CheckpointError) as e:
+        save_state_dict_async_finalize(*ret)
+    assert e.value.rank == 0 and "rank 0 failed to write: " in e.value.message
+    assert "IsADirectoryError" in e.value.message
+    assert not os.path.exists(writer.tmp_dir)
+    assert classify(str(tmp_path / "x")) is CheckpointKind.MISSING
