@@ -30,6 +30,8 @@ from launcher import LaunchConfig, run_ranks
 
 import quicksave
 from quicksave.commit import CheckpointKind, classify, is_temp_name
+from quicksave.dist.saving import DistContext
+from quicksave.engine import AsyncSaver, EngineConfig
 from quicksave.errors import CheckpointError, CorruptCheckpointError, IncompatibleStateError
 from quicksave.format.manifest import read_manifest
 
@@ -37,6 +39,7 @@ pytestmark = pytest.mark.slow
 
 SAVE_WORLD = 4
 GOOD = "step-1"
+ASYNC_GOOD = "async-step-1"
 FAILED = "step-2"
 REFUSED = "step-3"
 LAUNCH = LaunchConfig(
@@ -71,8 +74,19 @@ def _full(fqn: str) -> torch.Tensor:
     """The global value of ``fqn``: deterministic, distinct per tensor and per element."""
     dtype, shape = TENSORS[fqn]
     if fqn == "dt.special":
-        vals = [0.0, -0.0, float("inf"), float("-inf"), float("nan"), 1e-45, -1.5, 3.0e38, 7.0,
-                -2.0, 0.1]
+        vals = [
+            0.0,
+            -0.0,
+            float("inf"),
+            float("-inf"),
+            float("nan"),
+            1e-45,
+            -1.5,
+            3.0e38,
+            7.0,
+            -2.0,
+            0.1,
+        ]
         return torch.tensor(vals, dtype=dtype)
     seed = sum(map(ord, fqn))
     numel = 1
@@ -224,6 +238,13 @@ def _rank_save_then_fail(rank: int, world: int, root: str) -> dict[str, Any]:
     quicksave.save(sd, good, step=1, user_metadata={"run": "dist"})
     dist.barrier()
     assert os.path.isfile(os.path.join(good, "manifest.json")), f"rank {rank}: not committed"
+    # The same state through the async engine's multi-rank path (plan cache, parts,
+    # store records): it must load exactly like GOOD.
+    ctx = DistContext(None, dist.distributed_c10d._get_default_store(), rank, world)
+    with AsyncSaver(EngineConfig(mode="thread"), dist_context=ctx) as saver:
+        handle = saver.save(sd, os.path.join(root, ASYNC_GOOD), step=1)
+        assert handle is not None
+        handle.wait(60)
 
     real_pwrite = os.pwrite
 
@@ -404,7 +425,7 @@ def test_failed_rank_save_commits_nothing(saved: tuple[str, list[dict[str, Any]]
         assert res["error_rank"] == 2, (rank, res["error"])
         assert "ENOSPC" in res["error"] and "rank=2" in res["error"], (rank, res["error"])
         assert os.path.join(root, FAILED) in res["error"], (rank, res["error"])
-        assert res["leftovers"] == [GOOD], (rank, res["leftovers"])  # no target, no tmp
+        assert res["leftovers"] == [ASYNC_GOOD, GOOD], (rank, res["leftovers"])  # no tmp
         assert set(res["checked"]) >= set(TENSORS), rank  # the previous one still loads
     assert not os.path.exists(os.path.join(root, FAILED))
 
@@ -417,7 +438,7 @@ def test_input_refused_on_one_rank_fails_every_rank(
         fqn, err_rank, text = res["refused"]
         assert (fqn, err_rank) == ("rank1.note", 1), (rank, text)
         assert "object" in text and "rank=1" in text, (rank, text)
-        assert res["leftovers_refused"] == [GOOD], (rank, res["leftovers_refused"])
+        assert res["leftovers_refused"] == [ASYNC_GOOD, GOOD], (rank, res["leftovers_refused"])
 
 
 def test_rank_crash_during_save_fails_the_others_and_commits_nothing(tmp_path) -> None:
@@ -438,12 +459,11 @@ def test_rank_crash_during_save_fails_the_others_and_commits_nothing(tmp_path) -
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
-def test_resharded_load_and_corruption(
-    saved: tuple[str, list[dict[str, Any]]], world: int
-) -> None:
+def test_resharded_load_and_corruption(saved: tuple[str, list[dict[str, Any]]], world: int) -> None:
     root, _ = saved
     bad_file = next(
-        c.file for c in read_manifest(os.path.join(root, GOOD)).tensors["dt.cols"].chunks
+        c.file
+        for c in read_manifest(os.path.join(root, GOOD)).tensors["dt.cols"].chunks
         if c.file.startswith("rank-00001-")
     )
     results = run_ranks(_rank_load_and_corrupt, world, root, bad_file, config=LAUNCH)
@@ -461,7 +481,26 @@ def test_resharded_load_and_corruption(
         assert "shape mismatch: checkpoint [64], state dict [65]" in text, text
 
 
-def test_load_in_plain_process(saved: tuple[str, list[dict[str, Any]]]) -> None:
+def _rank_load(rank: int, world: int, path: str) -> list[str]:
+    dest, placements = _load_destination(rank, world)
+    return _check_loaded_after(dest, placements, path, rank)
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_async_engine_checkpoint_loads_resharded(
+    saved: tuple[str, list[dict[str, Any]]], world: int
+) -> None:
+    root, _ = saved
+    path = os.path.join(root, ASYNC_GOOD)
+    assert read_manifest(path).world_size == SAVE_WORLD
+    results = run_ranks(_rank_load, world, path, config=LAUNCH)
+    expected_keys = set(TENSORS) | {f"rank{r}.note" for r in range(SAVE_WORLD)} | {"train"}
+    for rank, checked in enumerate(results):
+        assert set(checked) == expected_keys, rank
+
+
+@pytest.mark.parametrize("name", [GOOD, ASYNC_GOOD])
+def test_load_in_plain_process(saved: tuple[str, list[dict[str, Any]]], name: str) -> None:
     root, _ = saved
     assert not (dist.is_available() and dist.is_initialized())
     dest: dict[str, Any] = {
@@ -469,7 +508,7 @@ def test_load_in_plain_process(saved: tuple[str, list[dict[str, Any]]]) -> None:
     }
     dest.update({f"rank{r}.note": "" for r in range(SAVE_WORLD)})
     dest["train"] = {"step": 0, "name": "", "lr": 0.0, "tags": []}
-    quicksave.load(dest, os.path.join(root, GOOD))
+    quicksave.load(dest, os.path.join(root, name))
     for fqn in TENSORS:
         want = _local_values(int(fqn[4])) if fqn.endswith(".local") else _full(fqn)
         _assert_bits(dest[fqn], want, fqn)
