@@ -37,10 +37,22 @@ _LAZY: dict[str, str] = {
     "EngineConfig": "engine",
     "SaveHandle": "engine",
     "SaveResult": "engine",
-    "AsyncCallsQueue": "async_api",
-    "AsyncRequest": "async_api",
-    "TorchAsyncCheckpoint": "async_api",
-    "async_save": "async_api",
+    **{
+        name: "async_api"
+        for name in (
+            "AsyncCallsQueue",
+            "AsyncRequest",
+            "CheckpointMetadataCache",
+            "FileSystemWriterAsync",
+            "TorchAsyncCheckpoint",
+            "async_save",
+            "get_metadata_caching_status",
+            "init_checkpoint_metadata_cache",
+            "save_state_dict_async_finalize",
+            "save_state_dict_async_plan",
+            "verify_global_md_reuse",
+        )
+    },
     **{
         name: "manager"
         for name in (
@@ -63,6 +75,13 @@ _LAZY: dict[str, str] = {
 
 __all__ = [
     "AsyncCallsQueue",
+    "CheckpointMetadataCache",
+    "FileSystemWriterAsync",
+    "get_metadata_caching_status",
+    "init_checkpoint_metadata_cache",
+    "save_state_dict_async_finalize",
+    "save_state_dict_async_plan",
+    "verify_global_md_reuse",
     "AsyncRequest",
     "AsyncSaver",
     "CheckpointConfig",
@@ -116,7 +135,19 @@ def __dir__() -> list[str]:
 
 if TYPE_CHECKING:
     from .api import LoadPlanner, load, save
-    from .async_api import AsyncCallsQueue, AsyncRequest, TorchAsyncCheckpoint, async_save
+    from .async_api import (
+        AsyncCallsQueue,
+        AsyncRequest,
+        CheckpointMetadataCache,
+        FileSystemWriterAsync,
+        TorchAsyncCheckpoint,
+        async_save,
+        get_metadata_caching_status,
+        init_checkpoint_metadata_cache,
+        save_state_dict_async_finalize,
+        save_state_dict_async_plan,
+        verify_global_md_reuse,
+    )
     from .engine import AsyncSaver, EngineConfig, SaveHandle, SaveResult
     from .manager import (
         CheckpointConfig,
