@@ -29,7 +29,9 @@ from typing import Any
 from ..errors import CheckpointError
 
 OK = "ok"
-POLL_S = 0.005  # store polling period while waiting (a check is one small request)
+# Store polling while waiting (a check is one small request): fast at first, since the
+# records usually arrive within milliseconds, then backing off.
+POLL_MIN_S, POLL_MAX_S = 0.0005, 0.02
 
 
 @dataclass(frozen=True)
@@ -114,6 +116,7 @@ def wait_ranks(store: Any, token: str, world_size: int, timeout_s: float) -> dic
     """
     deadline = time.monotonic() + timeout_s
     waiting = set(range(world_size))
+    pause = POLL_MIN_S
     while True:
         for r in sorted(waiting):
             key = _key(token, "rank", r)
@@ -126,7 +129,8 @@ def wait_ranks(store: Any, token: str, world_size: int, timeout_s: float) -> dic
             return {}
         if time.monotonic() >= deadline:
             return {r: f"did not report its files durable within {timeout_s:g} s" for r in waiting}
-        time.sleep(POLL_S)
+        time.sleep(pause)
+        pause = min(2 * pause, POLL_MAX_S)
 
 
 def wait_commit(store: Any, token: str, timeout_s: float, coordinator: int = 0) -> str | None:
@@ -134,10 +138,12 @@ def wait_commit(store: Any, token: str, timeout_s: float, coordinator: int = 0) 
     reason (its error, or that it did not come within ``timeout_s``)."""
     deadline = time.monotonic() + timeout_s
     key = _key(token, "commit")
+    pause = POLL_MIN_S
     while not store.check([key]):
         if time.monotonic() >= deadline:
             return f"the coordinator (rank {coordinator}) did not commit within {timeout_s:g} s"
-        time.sleep(POLL_S)
+        time.sleep(pause)
+        pause = min(2 * pause, POLL_MAX_S)
     value = _value(store, key)
     return None if value == OK else value.removeprefix("error: ")
 
