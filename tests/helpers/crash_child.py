@@ -73,7 +73,10 @@ def _saver(root: str, first: int, crash_point: str) -> None:
     _arm(crash_point)
     for step in range(first, first + 500):
         quicksave.save(state_for(step), os.path.join(root, f"step-{step}"), step=step)
-        print(f"saved {step}", flush=True)
+        # One write: print() sends the text and the newline separately, and a SIGKILL
+        # between them glued "saved N" to the server's next line.
+        sys.stdout.write(f"saved {step}\n")
+        sys.stdout.flush()
     os._exit(0)
 
 
