@@ -13,14 +13,15 @@ since safetensors requires the data region to be covered without holes.
 from __future__ import annotations
 
 import json
+import math
 import struct
 from dataclasses import dataclass
 
 import xxhash
 
 from .format import ALIGNMENT, FORMAT_NAME, FORMAT_VERSION
-from .format.dtypes import dtype_from_name, safetensors_code
-from .format.manifest import hexdigest
+from .format.dtypes import dtype_from_name, element_size, safetensors_code
+from .format.manifest import PlannedChunk, hexdigest
 
 PAD_PREFIX = "__quicksave_pad_"
 
@@ -40,6 +41,19 @@ class ItemSpec:
     def key(self) -> str:
         """The name of this chunk inside the safetensors file."""
         return chunk_key(self.fqn, self.offsets, self.sizes, self.global_shape)
+
+
+def planned_chunk(spec: ItemSpec) -> PlannedChunk:
+    """The manifest's record of a chunk a rank holds (``ItemSpec`` minus its byte count)."""
+    return PlannedChunk(spec.fqn, spec.offsets, spec.sizes, spec.global_shape, spec.dtype)
+
+
+def item_spec_of(chunk: PlannedChunk) -> ItemSpec:
+    """The ``ItemSpec`` of a recorded chunk (byte count from its dtype and sizes)."""
+    nbytes = math.prod(chunk.sizes) * element_size(dtype_from_name(chunk.dtype))
+    return ItemSpec(
+        chunk.fqn, tuple(chunk.offsets), tuple(chunk.sizes), tuple(chunk.shape), chunk.dtype, nbytes
+    )
 
 
 @dataclass(frozen=True)

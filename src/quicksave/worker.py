@@ -156,15 +156,7 @@ def execute_job(job: PersistJob, pool: memoryview, store: Any = None) -> JobResu
             job.dcp_metadata,
         )
         t2 = time.monotonic()
-        return JobResult(
-            job.job_id,
-            job.step,
-            True,
-            bytes_written=sum(f.size for f in job.files),
-            write_s=t1 - t0,
-            commit_s=t2 - t1,
-            finished_at=t2,
-        )
+        return _done(job, t0, t1, t2)
     except BaseException as e:  # noqa: BLE001 - every failure must reach the trainer
         shutil.rmtree(job.tmp_dir, ignore_errors=True)
         return _failure(job, e)
@@ -247,15 +239,7 @@ def _execute_dist_job(job: PersistJob, pool: memoryview, store: Any) -> JobResul
             if reason is not None:
                 return _not_committed(job, reason, None)
         t2 = time.monotonic()
-        return JobResult(
-            job.job_id,
-            job.step,
-            True,
-            bytes_written=sum(f.size for f in job.files),
-            write_s=t1 - t0,
-            commit_s=t2 - t1,
-            finished_at=t2,
-        )
+        return _done(job, t0, t1, t2)
     except BaseException as e:  # noqa: BLE001 - e.g. the store went away
         return _failure(job, e)
 
@@ -269,6 +253,19 @@ def _not_committed(job: PersistJob, reason: str, failed_rank: int | None) -> Job
         error_message=f"the checkpoint was not committed: {reason}",
         error_path=job.final_path,
         error_rank=failed_rank if failed_rank is not None else job.rank,
+    )
+
+
+def _done(job: PersistJob, began: float, written: float, committed: float) -> JobResult:
+    """A job's success: its files written at ``written``, committed at ``committed``."""
+    return JobResult(
+        job.job_id,
+        job.step,
+        True,
+        bytes_written=sum(f.size for f in job.files),
+        write_s=written - began,
+        commit_s=committed - written,
+        finished_at=committed,
     )
 
 

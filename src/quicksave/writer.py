@@ -44,7 +44,7 @@ from torch.futures import Future
 from . import commit, persist
 from .errors import CheckpointError, IncompatibleStateError
 from .format import objects as objcodec
-from .format.dtypes import check_storable, dtype_from_name, dtype_name
+from .format.dtypes import check_storable, dtype_name
 from .format.manifest import (
     ChunkEntry,
     FileEntry,
@@ -100,22 +100,6 @@ def item_spec(item) -> ItemSpec:
         global_shape=tuple(td.size),
         dtype=dtype_name(dtype),
         nbytes=numel * torch.empty((), dtype=dtype).element_size(),
-    )
-
-
-def planned_chunk(spec: ItemSpec) -> PlannedChunk:
-    """The manifest's record of a chunk a rank holds (``ItemSpec`` minus its byte count)."""
-    return PlannedChunk(spec.fqn, spec.offsets, spec.sizes, spec.global_shape, spec.dtype)
-
-
-def item_spec_of(chunk: PlannedChunk) -> ItemSpec:
-    """The ``ItemSpec`` of a recorded chunk (byte count from its dtype and sizes)."""
-    numel = 1
-    for s in chunk.sizes:
-        numel *= s
-    element = torch.empty((), dtype=dtype_from_name(chunk.dtype)).element_size()
-    return ItemSpec(
-        chunk.fqn, chunk.offsets, chunk.sizes, chunk.shape, chunk.dtype, numel * element
     )
 
 

@@ -196,8 +196,8 @@ def _rank_dtensor_plans(rank: int, world_size: int) -> dict[str, Any]:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
-    from quicksave.dist.exchange import local_tensors, plan_save
-    from quicksave.dist.planning import PlanCache, local_plan
+    from quicksave.dist.exchange import plan_save
+    from quicksave.dist.planning import PlanCache, collect_local
 
     flat = init_device_mesh("cpu", (world_size,))
     grid = init_device_mesh("cpu", (2, world_size // 2))
@@ -219,8 +219,8 @@ def _rank_dtensor_plans(rank: int, world_size: int) -> dict[str, Any]:
         "plain": {k.split(".")[1]: full[k] for k in DT_SHAPES if k.startswith("plain.")},
         "step": 3,
     }
-    lp = local_plan(sd, rank)
-    tensors = local_tensors(sd)
+    state = collect_local(sd, rank)
+    lp, tensors = state.plan, state.tensors
     assert sorted(tensors) == sorted(it.key for it in lp.items)
     for it in lp.items:  # every local tensor holds exactly its chunk's values
         box = tuple(slice(o, o + s) for o, s in zip(it.offsets, it.sizes, strict=True))

@@ -13,8 +13,8 @@ from quicksave.dist.planning import (
     PlanCache,
     delta,
     global_plan,
+    collect_local,
     local_plan,
-    local_tensors,
     plan_key,
 )
 from quicksave.errors import IncompatibleStateError
@@ -170,7 +170,9 @@ def test_local_plan_names_and_keys_match_quicksave_save() -> None:
     assert [it.fqn for it in lp.items] == ["model.b", "model.w", "opt.0"]
     assert lp.objects == ("step",)
     assert dict(lp.paths)["model.w"] == ("model", "w")
-    tensors = local_tensors(sd)
+    state = collect_local(sd, rank=3)
+    assert state.plan == lp and state.values == {"step": 4}
+    tensors = state.tensors
     assert set(tensors) == {it.key for it in lp.items}
     assert tensors["model.w"].data_ptr() == sd["model"]["w"].data_ptr()  # no copy
     # The key depends on structure only: new values, same key; new shape, new key.

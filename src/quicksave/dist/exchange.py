@@ -2,7 +2,7 @@
 
 Call order (every rank of ``group``, once per save, same order everywhere):
 
-1. ``local_plan`` (pure, no communication);
+1. ``collect_local`` (pure, no communication: the plan, the local tensors, the values);
 2. ``agree_save`` — ONE ``all_reduce(MIN)`` of six small integers: can every rank save,
    did planning fail somewhere, does every rank hold a cached plan with the same key,
    and a fresh random id for this save. In steady state this is the only collective;
@@ -32,16 +32,14 @@ import torch.distributed as dist
 from ..errors import CheckpointError
 from ..format.manifest import Manifest
 from ..plan import RankLayout
-from .planning import GlobalPlan, LocalPlan, PlanCache, global_plan, local_plan, local_tensors
+from .planning import GlobalPlan, LocalPlan, LocalState, PlanCache, collect_local, global_plan
 
 __all__ = [
     "ExchangeResult",
     "PlannedSave",
     "Agreement",
-    "agree_reuse",
     "agree_save",
     "exchange_plans",
-    "local_tensors",
     "plan_save",
 ]
 
@@ -61,6 +59,8 @@ class PlannedSave:
         token: the same on every rank for this save, new for every save.
         key: the global plan's key (the same on every rank).
         collectives: collectives this call ran (1 on a steady-state cache hit).
+        tensors: chunk key -> this rank's local tensor holding it (every chunk it holds).
+        values: fqn -> typed-JSON value of each object in ``objects``, taken at the call.
     """
 
     layout: RankLayout
@@ -69,6 +69,8 @@ class PlannedSave:
     token: str
     key: str
     collectives: int
+    tensors: dict[str, torch.Tensor]
+    values: dict[str, Any]
 
 
 @dataclass(frozen=True)
@@ -98,20 +100,6 @@ def _collective_error(e: Exception, rank: int, what: str) -> CheckpointError:
         f"{what} failed (did a rank crash or time out? see its log); nothing was saved: {cause}",
         rank=rank,
     )
-
-
-def agree_reuse(cache_hit: bool, group: Any = None) -> bool:
-    """One ``all_reduce(MIN)`` of one integer: True iff every rank had a cache hit.
-
-    Every rank must call it (the seeds' ``verify_global_md_reuse`` agreement).
-
-    Example::
-
-        if agree_reuse(cache.local_key == plan.key, group): ...
-    """
-    flag = torch.tensor([1 if cache_hit else 0], dtype=torch.int64)
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
-    return bool(flag.item())
 
 
 def agree_save(
@@ -276,13 +264,13 @@ def plan_save(
         planned = plan_save(sd, cache, ckpt_group, 0, rank, world_size, thread_count=2)
     """
     context = (world_size, coordinator, thread_count)
-    local: LocalPlan | None = None
+    state: LocalState | None = None
     error: BaseException | None = None
     hit_key = None
     if go:
         try:
-            local = local_plan(state_dict, rank)
-            hit_key = cache.hit_key(local, rank, context)
+            state = collect_local(state_dict, rank)
+            hit_key = cache.hit_key(state.plan, rank, context)
         except Exception as e:  # noqa: BLE001 - reported to every rank by the vote below
             error = e
     try:
@@ -307,8 +295,16 @@ def plan_save(
         )
     if not agreed.go:
         return None
-    assert local is not None
+    assert state is not None
+    local = state.plan
     token = f"{agreed.save_id:014x}"
+
+    def planned(
+        layout: RankLayout, objects: tuple[str, ...], skeleton: Manifest | None, key: str, n: int
+    ) -> PlannedSave:
+        values = {fqn: state.values[fqn] for fqn in objects}
+        return PlannedSave(layout, objects, skeleton, token, key, n, state.tensors, values)
+
     if agreed.reuse:
         cache.hits += 1
         if cache.key != hit_key:  # a seeded hit: lay out the restored plans, no exchange
@@ -316,7 +312,7 @@ def plan_save(
         cache.local, cache.context = local, context
         assert cache.layout is not None and cache.key is not None
         skeleton = cache.plan.skeleton if rank == coordinator and cache.plan else None
-        return PlannedSave(cache.layout, cache.objects, skeleton, token, cache.key, 1)
+        return planned(cache.layout, cache.objects, skeleton, cache.key, 1)
     cache.misses += 1
     try:
         result = exchange_plans(
@@ -338,9 +334,7 @@ def plan_save(
     cache.key, cache.context, cache.seed = result.key, context, None
     cache.plan = result.plan
     skeleton = result.plan.skeleton if result.plan is not None else None
-    return PlannedSave(
-        result.layout, result.objects, skeleton, token, result.key, 1 + result.collectives
-    )
+    return planned(result.layout, result.objects, skeleton, result.key, 1 + result.collectives)
 
 
 def _adopt_seed(cache: PlanCache, rank: int, coordinator: int, thread_count: int) -> None:

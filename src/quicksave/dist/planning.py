@@ -28,7 +28,7 @@ from ..collect import check_tensor, to_state_dict
 from ..errors import IncompatibleStateError
 from ..format import ALIGNMENT
 from ..format import objects as objcodec
-from ..format.dtypes import dtype_from_name, dtype_name
+from ..format.dtypes import dtype_from_name, dtype_name, element_size
 from ..format.manifest import (
     ChunkEntry,
     FileEntry,
@@ -38,7 +38,7 @@ from ..format.manifest import (
     RankPlan,
     TensorEntry,
 )
-from ..plan import ItemSpec, RankLayout, layout_rank
+from ..plan import ItemSpec, RankLayout, item_spec_of, layout_rank, planned_chunk
 
 Path = tuple[Any, ...]  # nested state-dict path of a flattened fqn (str / int keys)
 
@@ -91,10 +91,6 @@ def _hash(value: object) -> str:
     return xxhash.xxh3_128_hexdigest(repr(value).encode("utf-8", "surrogatepass"))
 
 
-def _element_size(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
-
-
 def _flatten(state_dict: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Path]]:
     """fqn -> leaf and fqn -> nested path, named exactly as ``quicksave.save`` (DCP's
     flattening) names them, so fqns match the manifest and ``load``."""
@@ -142,45 +138,74 @@ def _spec(fqn: str, offsets, sizes, global_shape, local: torch.Tensor) -> ItemSp
         sizes=sizes,
         global_shape=tuple(int(s) for s in global_shape),
         dtype=dtype_name(local.dtype),
-        nbytes=math.prod(sizes) * _element_size(local.dtype),
+        nbytes=math.prod(sizes) * element_size(local.dtype),
     )
 
 
-def local_plan(state_dict: Mapping[str, Any], rank: int) -> LocalPlan:
-    """This rank's local plan: every chunk it holds and the fqns of its values.
+@dataclass(frozen=True)
+class LocalState:
+    """One pass over this rank's state dict at ``save()``: its plan, and what that save
+    writes from (kept out of ``LocalPlan``, which is cached and sent to the coordinator).
+
+    Attributes:
+        plan: the rank's ``LocalPlan``.
+        tensors: chunk key (``ItemSpec.key``) -> the local tensor holding it.
+        values: fqn -> typed-JSON encoding of every non-tensor value (taken now).
+    """
+
+    plan: LocalPlan
+    tensors: dict[str, torch.Tensor]
+    values: dict[str, Any]
+
+
+def collect_local(state_dict: Mapping[str, Any], rank: int) -> LocalState:
+    """Flatten ``state_dict`` once: this rank's plan, the local tensor of every chunk
+    (``DTensor.to_local()``, a ShardedTensor's local shard tensors, plain tensors; all
+    detached) and every value encoded (the encoding is also the check).
 
     Args:
         state_dict: nested dicts/lists of tensors (plain, DTensor, ShardedTensor),
             ``Stateful`` objects at the top level, and JSON-encodable values.
         rank: this rank (recorded in the plan and in error messages).
 
-    Returns:
-        A ``LocalPlan`` whose ``key`` changes only when the structure changes.
-
     Raises:
         IncompatibleStateError: a value quicksave cannot store (names fqn and rank).
 
     Example::
 
-        lp = local_plan({"model": model.state_dict(), "step": 3}, rank=0)
+        state = collect_local({"model": model.state_dict(), "step": 3}, rank=0)
+        state.plan.key, state.tensors, state.values["step"]
     """
     flat, mappings = _flatten(state_dict)
     items: list[ItemSpec] = []
-    objects: list[str] = []
+    tensors: dict[str, torch.Tensor] = {}
+    values: dict[str, Any] = {}
     paths: list[tuple[str, Path]] = []
     for fqn, leaf in flat.items():
         if isinstance(leaf, torch.Tensor):
-            items.extend(spec for spec, _ in _chunks(fqn, leaf, rank))
+            for spec, local in _chunks(fqn, leaf, rank):
+                items.append(spec)
+                tensors[spec.key] = local
         else:
             try:
-                objcodec.encode(leaf, fqn)  # refuse before any rank starts writing
+                values[fqn] = objcodec.encode(leaf, fqn)  # refused before any rank writes
             except IncompatibleStateError as e:
                 raise IncompatibleStateError(e.message, fqn=fqn, rank=rank) from None
-            objects.append(fqn)
         path = tuple(mappings.get(fqn, (fqn,)))
         if path != (fqn,):
             paths.append((fqn, path))
-    return make_local_plan(rank, items, objects, paths)
+    return LocalState(make_local_plan(rank, items, list(values), paths), tensors, values)
+
+
+def local_plan(state_dict: Mapping[str, Any], rank: int) -> LocalPlan:
+    """This rank's local plan (``collect_local(...).plan``): every chunk it holds and the
+    fqns of its values; its ``key`` changes only when the structure changes.
+
+    Example::
+
+        lp = local_plan({"model": model.state_dict(), "step": 3}, rank=0)
+    """
+    return collect_local(state_dict, rank).plan
 
 
 def make_local_plan(
@@ -205,24 +230,6 @@ def make_local_plan(
     # Hash plain tuples: repr() of 500 dataclasses is the slow part of a cache hit.
     flat = tuple((i.fqn, i.offsets, i.sizes, i.global_shape, i.dtype, i.nbytes) for i in body[0])
     return LocalPlan(rank, body[0], body[1], body[2], _hash((flat, body[1], body[2])))
-
-
-def local_tensors(state_dict: Mapping[str, Any]) -> dict[str, torch.Tensor]:
-    """Chunk key (``ItemSpec.key``) -> the local tensor holding that chunk on this rank:
-    ``DTensor.to_local()``, a ShardedTensor's local shard tensors, plain tensors
-    themselves (all detached).
-
-    Example::
-
-        local_tensors({"w": torch.ones(2)})  # {"w": tensor([1., 1.])}
-    """
-    flat, _ = _flatten(state_dict)
-    out: dict[str, torch.Tensor] = {}
-    for fqn, leaf in flat.items():
-        if isinstance(leaf, torch.Tensor):
-            for spec, tensor in _chunks(fqn, leaf, None):
-                out[spec.key] = tensor
-    return out
 
 
 # ------------------------------------------------------------------ global side
@@ -454,17 +461,7 @@ def _plans_from_manifest(manifest: Manifest) -> tuple[LocalPlan, ...] | None:
         items = []
         paths: dict[str, Path] = {}
         for c in rp.tensors:
-            dtype = dtype_from_name(c.dtype)
-            items.append(
-                ItemSpec(
-                    fqn=c.fqn,
-                    offsets=tuple(c.offsets),
-                    sizes=tuple(c.sizes),
-                    global_shape=tuple(c.shape),
-                    dtype=c.dtype,
-                    nbytes=math.prod(c.sizes) * _element_size(dtype),
-                )
-            )
+            items.append(item_spec_of(c))
             t = manifest.tensors.get(c.fqn)
             if t is not None and t.path is not None:
                 paths[c.fqn] = tuple(t.path)
@@ -480,10 +477,7 @@ def manifest_plans(local_plans: Sequence[LocalPlan]) -> tuple[RankPlan, ...]:
     """``local_plans`` as the manifest's ``plans`` entries (what a restart seeds from)."""
     return tuple(
         RankPlan(
-            tensors=tuple(
-                PlannedChunk(it.fqn, it.offsets, it.sizes, it.global_shape, it.dtype)
-                for it in lp.items
-            ),
+            tensors=tuple(planned_chunk(it) for it in lp.items),
             objects=tuple(lp.objects),
         )
         for lp in local_plans

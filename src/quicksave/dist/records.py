@@ -146,4 +146,3 @@ def wait_commit(store: Any, token: str, timeout_s: float, coordinator: int = 0) 
         pause = min(2 * pause, POLL_MAX_S)
     value = _value(store, key)
     return None if value == OK else value.removeprefix("error: ")
-

@@ -16,8 +16,7 @@ from typing import Any
 
 import torch
 
-from ..errors import CheckpointError, IncompatibleStateError
-from ..format import objects as objcodec
+from ..errors import CheckpointError
 from ..format.manifest import Manifest
 from ..plan import RankLayout, chunk_key
 from ..worker import DistCommit
@@ -90,7 +89,7 @@ class DistSaving:
             CheckpointError: bad input (names fqn and rank) or a failed exchange.
         """
         from ..writer import dcp_metadata_bytes
-        from .exchange import local_tensors, plan_save
+        from .exchange import plan_save
 
         ctx = self.ctx
         planned = plan_save(
@@ -105,13 +104,12 @@ class DistSaving:
         )
         if planned is None:
             return None
-        local = local_tensors(state_dict)
         tensors: dict[str, torch.Tensor] = {}
         places: dict[str, tuple[str, int, int]] = {}
         for f in planned.layout.files:
             for e in f.entries:
                 key = e.item.key
-                t = local.get(key)
+                t = planned.tensors.get(key)
                 if t is None:
                     raise CheckpointError(
                         "the plan gives this rank a chunk it does not hold",
@@ -121,7 +119,6 @@ class DistSaving:
                     )
                 tensors[key] = t
                 places[key] = (f.name, e.offset, e.length)
-        objects = _owned_objects(state_dict, planned.objects, final, ctx.rank)
         manifest = None
         chunk_keys: dict[str, tuple[str, int]] = {}
         dcp_metadata = b""
@@ -149,7 +146,7 @@ class DistSaving:
                 world_size=ctx.world_size,
                 coordinator=ctx.coordinator,
                 store=self.address,
-                objects=objects,
+                objects=planned.values,
                 timeout_s=ctx.commit_timeout_s,
             ),
             collectives=planned.collectives,
@@ -163,29 +160,3 @@ class DistSaving:
                 records.post_commit(self.ctx.store, token, f"rank {self.ctx.rank}: {error}")
         except Exception:  # noqa: BLE001 - the store may be gone with the job
             pass
-
-
-def _owned_objects(
-    state_dict: Mapping[str, Any], owned: tuple[str, ...], final: str, rank: int
-) -> dict[str, Any]:
-    """Typed-JSON values of the objects this rank writes (encoded now: their values at
-    the moment of ``save()``)."""
-    if not owned:
-        return {}
-    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
-
-    from ..collect import to_state_dict
-
-    flat, _ = flatten_state_dict(to_state_dict(state_dict))
-    out = {}
-    for fqn in owned:
-        if fqn not in flat:
-            raise IncompatibleStateError(
-                "the plan gives this rank a value it does not hold", path=final, fqn=fqn, rank=rank
-            )
-        try:
-            out[fqn] = objcodec.encode(flat[fqn], fqn)
-        except IncompatibleStateError as e:
-            raise IncompatibleStateError(e.message, path=final, fqn=fqn, rank=rank) from None
-    return out
-
