@@ -29,10 +29,10 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from .collect import to_state_dict, validate_for_save
-from .commit import CheckpointKind, classify
+from .commit import CheckpointKind, check_target, classify
+from .dcp_reader import DCPReader
 from .errors import (
     CheckpointError,
-    CheckpointExistsError,
     IncompatibleStateError,
     rank_of_this_process,
 )
@@ -146,12 +146,8 @@ def save(
         # rank fails together; raising here would leave the others waiting in it forever.
     # In a group the coordinator makes this check inside DCP's planning step (every rank
     # then fails together); checking here on each rank could split the ranks.
-    if not _dist_on() and classify(path) in (CheckpointKind.QUICKSAVE, CheckpointKind.DCP):
-        raise CheckpointExistsError(
-            "a committed checkpoint already exists here; quicksave never overwrites one",
-            path=path,
-            rank=rank,
-        )
+    if not _dist_on():
+        check_target(path, rank)
     writer = StorageWriter(path, step=step, thread_count=thread_count, user_metadata=user_metadata)
     try:
         with _engine_call():
@@ -343,7 +339,7 @@ def load(
     process_group: dist.ProcessGroup | None = None,
     coordinator_rank: int = 0,
     thread_count: int = 4,
-    allow_dcp_pickle: bool = True,
+    allow_dcp_pickle: bool = False,
 ) -> None:
     """Load the checkpoint at ``path`` into ``state_dict`` in place.
 
@@ -351,8 +347,11 @@ def load(
     ``Stateful`` values get ``load_state_dict``; plain values are replaced in the dict.
     A quicksave checkpoint is read from its JSON manifest and raw bytes, never
     unpickled. A stock ``torch.distributed.checkpoint`` directory (e.g. from
-    torchtitan) is read with DCP's own reader, whose ``.metadata`` is a pickle by DCP's
-    design; pass ``allow_dcp_pickle=False`` to refuse such directories.
+    torchtitan) is read with DCP's reader; its ``.metadata`` is a pickle by DCP's
+    design, unpickled by a restricted unpickler that admits only DCP's metadata classes
+    (like ``torch.load``'s ``weights_only``), so that no code in it runs. Pass
+    ``allow_dcp_pickle=True`` to unpickle it without restriction (metadata with custom
+    planner classes; only for checkpoints you trust).
 
     Args:
         state_dict: the destination (same structure as saved).
@@ -372,14 +371,8 @@ def load(
     path = os.path.abspath(os.fspath(path))
     kind = classify(path)
     if kind is CheckpointKind.DCP:
-        if not allow_dcp_pickle:
-            raise CheckpointError(
-                "this is a stock DCP checkpoint whose .metadata is a pickle; "
-                "pass allow_dcp_pickle=True to read it",
-                path=path,
-                rank=rank_of_this_process(),
-            )
-        reader: Any = dcp.FileSystemReader(path)
+        reader: Any = DCPReader(path, allow_pickle=allow_dcp_pickle)
+        reader.read_metadata()  # fail fast on a refused pickle, before DCP planning
     else:
         require_committed(path)
         reader = StorageReader(path, thread_count=thread_count)

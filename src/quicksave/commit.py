@@ -7,22 +7,27 @@ Local filesystem protocol (docs/FORMAT.md, "Commit"):
    the directory;
 3. the coordinator renames the directory to ``<parent>/<name>`` and fsyncs ``<parent>``.
 
-A directory is a committed quicksave checkpoint iff its name has no ``.tmp-`` marker and
-it holds ``manifest.json``. Anything else is invisible: never listed as committed, never
-loaded, never counted as latest, never kept by retention.
+A directory is a committed quicksave checkpoint iff its name has no ``.tmp-`` (nor
+``.corrupt-``, quarantined) marker and it holds ``manifest.json``. Anything else is
+invisible: never listed as committed, never loaded, never counted as latest, never kept
+by retention.
 """
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import os
 import shutil
+import stat
 import uuid
+from collections.abc import Mapping
 
 from .errors import CheckpointError, CheckpointExistsError
 from .format import DCP_METADATA_NAME, MANIFEST_NAME
 
 TMP_MARK = ".tmp-"
+QUARANTINE_MARK = ".corrupt-"
 
 
 class CheckpointKind(enum.Enum):
@@ -46,15 +51,25 @@ def is_temp_name(name: str) -> bool:
     return TMP_MARK in os.path.basename(os.path.normpath(name))
 
 
+def quarantine_path(final: str) -> str:
+    """Where a committed checkpoint that failed its checks is moved: beside it, under a
+    name that is never committed and never cleaned up."""
+    final = os.path.normpath(os.path.abspath(final))
+    return f"{final}{QUARANTINE_MARK}{new_token()}"
+
+
 def classify(path: str) -> CheckpointKind:
     """What ``path`` is, from the files present (no file is parsed)."""
-    if not os.path.exists(path):
+    try:
+        names = set(os.listdir(path))
+    except (FileNotFoundError, NotADirectoryError) as e:
+        # Missing, or vanished while a folder was listed (retention, clean-up).
+        if isinstance(e, NotADirectoryError) or os.path.lexists(path):
+            return CheckpointKind.NOT_CHECKPOINT
         return CheckpointKind.MISSING
-    if not os.path.isdir(path):
-        return CheckpointKind.NOT_CHECKPOINT
-    names = set(os.listdir(path))
     has_quicksave_data = any(n.startswith("rank-") and n.endswith(".safetensors") for n in names)
-    if is_temp_name(path):
+    base = os.path.basename(os.path.normpath(path))
+    if TMP_MARK in base or QUARANTINE_MARK in base:
         return CheckpointKind.UNCOMMITTED
     if MANIFEST_NAME in names:
         return CheckpointKind.QUICKSAVE
@@ -86,15 +101,46 @@ def write_durable(path: str, data: bytes) -> None:
         os.close(fd)
 
 
+def check_target(final: str, rank: int | None = None) -> None:
+    """Raise unless a checkpoint can be committed at ``final``: nothing there, or an
+    empty directory. Checked before any byte is written, so that a save onto a file or
+    a full directory fails at once instead of after writing everything.
+
+    Raises:
+        CheckpointExistsError: a committed checkpoint, a file, or a non-empty directory
+            is at ``final`` (quicksave never replaces anything).
+    """
+    kind = classify(final)
+    if kind is CheckpointKind.MISSING:
+        return
+    if kind in (CheckpointKind.QUICKSAVE, CheckpointKind.DCP):
+        raise CheckpointExistsError(
+            "a committed checkpoint already exists here; quicksave never overwrites one",
+            path=final,
+            rank=rank,
+        )
+    if os.path.isdir(final) and not os.path.islink(final):
+        try:
+            empty = not os.listdir(final)
+        except OSError:
+            empty = False
+        if empty:
+            return
+        what = "a directory that is not empty (not a committed checkpoint)"
+    else:
+        what = "a file" if not os.path.islink(final) else "a symbolic link"
+    raise CheckpointExistsError(
+        f"{what} is in the way; quicksave never replaces it: choose another path or remove it",
+        path=final,
+        rank=rank,
+    )
+
+
 def make_temp_dir(final: str, token: str) -> str:
     """Create the temporary directory a checkpoint is written into."""
     final = os.path.normpath(os.path.abspath(final))
     parent = os.path.dirname(final)
-    if classify(final) in (CheckpointKind.QUICKSAVE, CheckpointKind.DCP):
-        raise CheckpointExistsError(
-            "a committed checkpoint already exists here; choose another path or delete it first",
-            path=final,
-        )
+    check_target(final)
     try:
         os.makedirs(parent, exist_ok=True)
         tmp = temp_path_for(final, token)
@@ -106,12 +152,57 @@ def make_temp_dir(final: str, token: str) -> str:
     return tmp
 
 
-def publish(tmp: str, final: str) -> None:
-    """Make the fully written ``tmp`` visible as ``final`` in one rename."""
+def check_whole(tmp: str, expected: Mapping[str, int], final: str) -> None:
+    """Raise unless every file of ``expected`` (name -> byte size) is in ``tmp`` as a
+    regular file of that size: the last check before a commit, so that a temporary
+    directory damaged by anyone (a clean-up by another process, a full disk that
+    truncated a file) fails the save loudly instead of committing what is left.
+
+    Raises:
+        CheckpointError: a file is missing, not a regular file, or of another size;
+            nothing is committed.
+    """
+    for name, size in sorted(expected.items()):
+        try:
+            st = os.lstat(os.path.join(tmp, name))
+        except OSError as e:
+            raise CheckpointError(
+                f"cannot commit: {name} is gone from the temporary directory {tmp} "
+                f"({e.strerror}; removed by another process?); nothing was committed",
+                path=final,
+            ) from e
+        if not stat.S_ISREG(st.st_mode) or st.st_size != size:
+            raise CheckpointError(
+                f"cannot commit: {name} in the temporary directory {tmp} is not the file "
+                f"that was written ({st.st_size} bytes, expected {size}); nothing was committed",
+                path=final,
+            )
+
+
+def publish(tmp: str, final: str, expected: Mapping[str, int]) -> None:
+    """Make the fully written ``tmp`` visible as ``final`` in one rename, after
+    :func:`check_whole` of the files in ``expected`` (name -> size; every file the
+    checkpoint must hold, the manifest included).
+
+    The rename is what makes it safe against a concurrent clean-up too: clean-up moves
+    a temporary away before deleting it (:func:`clean_stale_temporaries`), so either
+    this rename or that one wins, never half of each.
+
+    Raises:
+        CheckpointError: the temporary directory is not whole or is gone.
+        CheckpointExistsError: something already exists at ``final``.
+    """
     final = os.path.normpath(os.path.abspath(final))
+    check_whole(tmp, expected, final)
     fsync_path(tmp)
     try:
         os.rename(tmp, final)  # atomic; fails if ``final`` is a non-empty directory
+    except FileNotFoundError as e:
+        raise CheckpointError(
+            f"cannot commit: the temporary directory {tmp} was removed by another process; "
+            "nothing was committed",
+            path=final,
+        ) from e
     except OSError as e:
         raise CheckpointExistsError(
             f"cannot commit: {e.strerror}; the written data stays in {tmp}", path=final
@@ -119,17 +210,43 @@ def publish(tmp: str, final: str) -> None:
     fsync_path(os.path.dirname(final))
 
 
-def clean_stale_temporaries(root: str) -> list[str]:
-    """Delete ``*.tmp-*`` directories under ``root`` (left by crashed saves).
+def remove_tree(path: str) -> bool:
+    """Delete a directory (or file) so that it is never half-deleted under its name:
+    rename it to a fresh ``.tmp-del`` temporary first, then delete that. Returns False
+    if ``path`` was gone or could not be moved (nothing was deleted then).
 
-    Only call this when no save into ``root`` can be in flight (the manager does it at
-    start-up, before its first save).
+    The rename also makes deletion race-free against a writer committing a temporary
+    (:func:`publish`): only one of the two renames can take the directory.
+    """
+    path = os.path.normpath(os.path.abspath(path))
+    doomed = temp_path_for(path.split(TMP_MARK, 1)[0], f"del{new_token()}")
+    try:
+        os.rename(path, doomed)
+    except OSError:
+        return False
+    if os.path.isdir(doomed) and not os.path.islink(doomed):
+        shutil.rmtree(doomed, ignore_errors=True)
+    else:
+        with contextlib.suppress(OSError):
+            os.unlink(doomed)
+    return True
+
+
+def clean_stale_temporaries(root: str) -> list[str]:
+    """Delete ``*.tmp-*`` entries directly under ``root`` (left by crashed saves), each
+    moved away before it is deleted (:func:`remove_tree`).
+
+    Only the holder of the folder's writer lease may call this (the manager does at
+    start-up, before its first save): then no live job saves into ``root``, and a
+    writer that is still finishing (a dead trainer's worker) fails its commit instead
+    of committing a half-deleted directory.
     """
     removed = []
-    if not os.path.isdir(root):
+    try:
+        names = sorted(os.listdir(root))
+    except OSError:
         return removed
-    for name in sorted(os.listdir(root)):
-        if is_temp_name(name):
-            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+    for name in names:
+        if is_temp_name(name) and remove_tree(os.path.join(root, name)):
             removed.append(name)
     return removed

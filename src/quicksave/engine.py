@@ -433,12 +433,7 @@ class AsyncSaver:
             return handle
 
     def _refuse_committed(self, final: str) -> None:
-        if commit.classify(final) in (commit.CheckpointKind.QUICKSAVE, commit.CheckpointKind.DCP):
-            raise CheckpointExistsError(
-                "a committed checkpoint already exists here; quicksave never overwrites one",
-                path=final,
-                rank=self.rank,
-            )
+        commit.check_target(final, self.rank)
 
     def _plan_dist(
         self,

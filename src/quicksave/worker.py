@@ -329,8 +329,11 @@ def commit_files(tmp_dir: str, final_path: str, manifest: Manifest, dcp_metadata
         len(dcp_metadata), hexdigest(xxhash.xxh3_64_intdigest(dcp_metadata))
     )
     manifest = dataclasses.replace(manifest, files=files)
-    commit.write_durable(os.path.join(tmp_dir, MANIFEST_NAME), to_json_bytes(manifest))
-    commit.publish(tmp_dir, final_path)
+    manifest_bytes = to_json_bytes(manifest)
+    commit.write_durable(os.path.join(tmp_dir, MANIFEST_NAME), manifest_bytes)
+    expected = {name: entry.size for name, entry in files.items()}
+    expected[MANIFEST_NAME] = len(manifest_bytes)
+    commit.publish(tmp_dir, final_path, expected)
 
 
 # --------------------------------------------------------------------- persisters
@@ -405,7 +408,10 @@ class ThreadPersister:
 
 @dataclass(frozen=True)
 class WorkerConfig:
-    worker_timeout_s: float = 30.0  # heartbeat older than this: the worker is hung
+    # Heartbeat older than this: the worker is hung (stopped, or stuck). The beat comes
+    # from a thread of its own every ``heartbeat_s``, so a slow write keeps beating: a
+    # slow save is ``save_timeout_s``'s business, not this one's.
+    worker_timeout_s: float = 5.0
     save_timeout_s: float = 900.0  # a job running longer than this: failed
     start_timeout_s: float = 120.0  # spawn + imports on a busy machine
     nice: int = 10  # CPU priority increment of the worker
@@ -445,9 +451,24 @@ class ProcessPersister:
             str(config.nice),
             str(config.heartbeat_s),
         ]
-        self.process = subprocess.Popen(
-            cmd, pass_fds=(child_sock.fileno(), self._beat_fd), env=env, stdin=subprocess.DEVNULL
-        )
+        try:
+            self.process = subprocess.Popen(
+                cmd,
+                pass_fds=(child_sock.fileno(), self._beat_fd),
+                env=env,
+                stdin=subprocess.DEVNULL,
+            )
+        except OSError as e:  # e.g. the interpreter is not executable here, out of pids
+            parent_sock.close()
+            child_sock.close()
+            self._beat.close()
+            os.close(self._beat_fd)
+            raise WorkerFailedError(
+                f"cannot start the checkpoint worker process ({sys.executable}): "
+                f"{e.strerror or e}; use async_mode='thread' if processes cannot be started here",
+                path=os.fspath(e.filename) if e.filename else None,
+                rank=rank,
+            ) from e
         child_sock.close()
         self._conn = Connection(parent_sock.detach())
         self.pid = self.process.pid
@@ -536,7 +557,9 @@ class ProcessPersister:
             if now - self._started > self.config.start_timeout_s:
                 raise self._fail(f"it did not start within {self.config.start_timeout_s:.0f} s")
         elif now - beat > self.config.worker_timeout_s:
-            raise self._fail(f"no heartbeat for {now - beat:.1f} s (hung?)")
+            state = _process_state(self.pid)
+            how = "it is stopped (SIGSTOP?)" if state in ("T", "t") else "hung?"
+            raise self._fail(f"no heartbeat for {now - beat:.1f} s ({how})")
         for p in self._in_flight.values():
             if now - p.submitted_at > self.config.save_timeout_s:
                 raise self._fail(
@@ -603,6 +626,16 @@ class ProcessPersister:
             self.process.wait(5)
         except subprocess.TimeoutExpired:
             pass
+
+
+def _process_state(pid: int) -> str | None:
+    """The state letter of ``pid`` in /proc (``T``: stopped), or None if unknown."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read(4096)
+        return stat[stat.rindex(b")") + 2 :].split(b" ", 1)[0].decode()
+    except (OSError, ValueError, UnicodeDecodeError):
+        return None
 
 
 # ------------------------------------------------------------------ worker process

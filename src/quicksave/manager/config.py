@@ -53,7 +53,11 @@ class CheckpointConfig:
         backpressure: when the previous save still holds the staging memory, ``"wait"``
             for it (default) or ``"skip"`` this save (logged).
         max_in_flight: saves that may be in flight at once (one staging pool each).
-        worker_timeout_s: a worker process without a heartbeat for this long is hung.
+        worker_timeout_s: a worker process whose heartbeat is older than this is hung
+            (stopped, or stuck outside its writes): the save fails with a
+            ``CheckpointError`` and the next save starts a new worker. The heartbeat
+            comes from a thread of its own, so a slow write is not a hang: that is
+            ``save_timeout_s``.
         save_timeout_s: a save still being written after this long has failed.
         close_timeout_s: how long ``close()`` (and ``load()``, and a seed or export
             checkpoint) wait for saves in flight.
@@ -61,6 +65,17 @@ class CheckpointConfig:
             every rank's files before the save fails on every rank (a rank that never
             arrives); the others wait for the commit a little longer.
         enabled: if False the manager saves and loads nothing.
+        read_only: a manager that only loads (an eval script, a notebook): it never
+            takes the folder's writer lease, never creates, cleans or deletes anything,
+            starts no worker, and ``save()`` raises. A writing manager built while
+            another live process holds the lease becomes read-only by itself (logged).
+        allow_dcp: also list and load stock ``torch.distributed.checkpoint`` folders
+            (``step-<N>/`` with a ``.metadata`` and no manifest, e.g. torchtitan's).
+            Their metadata is a pickle: it is read with a restricted unpickler that
+            admits only DCP's metadata classes. Off by default: a folder planted with
+            a pickle is never counted as a checkpoint, let alone unpickled.
+        allow_dcp_pickle: with ``allow_dcp``, unpickle a DCP ``.metadata`` without
+            restriction (runs any code it holds: only for folders you trust).
 
     Raises:
         CheckpointError: on construction, for any invalid value (message names it).
@@ -82,12 +97,15 @@ class CheckpointConfig:
     staging: str = "overlap"
     backpressure: str = "wait"
     max_in_flight: int = 1
-    worker_timeout_s: float = 30.0
+    worker_timeout_s: float = 5.0
     save_timeout_s: float = 900.0
     close_timeout_s: float = 300.0
     commit_timeout_s: float = 120.0
     enabled: bool = True
     interval_check_steps: int = 10
+    read_only: bool = False
+    allow_dcp: bool = False
+    allow_dcp_pickle: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.folder, os.PathLike):
@@ -141,8 +159,9 @@ class CheckpointConfig:
                 or value <= 0
             ):
                 raise CheckpointError(f"{name} must be a positive number of seconds, got {value!r}")
-        if not isinstance(self.enabled, bool):
-            raise CheckpointError(f"enabled must be True or False, got {self.enabled!r}")
+        for name in ("enabled", "read_only", "allow_dcp", "allow_dcp_pickle"):
+            if not isinstance(getattr(self, name), bool):
+                raise CheckpointError(f"{name} must be True or False, got {getattr(self, name)!r}")
 
     @property
     def export_torch_dtype(self) -> torch.dtype:

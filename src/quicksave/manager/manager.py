@@ -24,6 +24,15 @@ Layout of ``folder``::
     step-0/             seed checkpoint: the model only
     export-step-<N>/    model weights only, in ``export_dtype``, written at ``last_step``
     *.tmp-*/            being written, or left by a crash (deleted at start-up)
+    step-<N>.corrupt-*/ failed its checks at load(): moved aside by the writer, kept
+    .quicksave-lock     the writer lease (lease.py)
+
+Ownership: one job writes a folder. The coordinator of a writing manager holds the
+folder's writer lease (``lease.py``) from construction to ``close()``; only the lease
+holder deletes anything (clean-up of crashed saves' temporaries, retention, quarantine).
+A manager built while another live process holds the lease is read-only: it loads, and
+its ``save()`` raises, naming the holder. ``CheckpointConfig(read_only=True)`` asks for
+that from the start (eval scripts).
 """
 
 from __future__ import annotations
@@ -43,7 +52,10 @@ from ..dist.saving import DistContext
 from ..engine import SaveHandle
 from ..errors import (
     CheckpointError,
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
     IncompatibleStateError,
+    NotCommittedError,
 )
 from .async_writer import AsyncWriter
 from .config import CheckpointConfig
@@ -51,13 +63,16 @@ from .folder import (
     COMMITTED,
     apply_retention,
     check_step,
+    clean_leftovers,
     committed_steps,
-    prepare_folder,
+    create_folder,
+    quarantine,
     replace_uncommitted,
     require_committed,
     stored_metadata,
 )
 from .interval import IntervalAgreement, agree_any_due, needs_agreement
+from .lease import FolderLease
 from .policies import EveryNSeconds, EveryNSteps, KeepLatestK, RetentionPolicy, SavePolicy
 from .records import SaveRecord, log_committed
 from .states import (
@@ -102,6 +117,10 @@ class CheckpointManager:
     :class:`OptimizerState` states (removed by ``close()``); a loop that changes
     parameters otherwise must call :meth:`maybe_wait_for_staging` first.
 
+    Read-only managers (``config.read_only``, or another live process holds the
+    folder's writer lease): ``load()`` and the listings work; nothing in the folder is
+    created, cleaned or deleted, no worker is started, and ``save()`` raises.
+
     Raises:
         CheckpointError: bad config, ``folder`` is a file or cannot be created, or the
             worker process cannot be started.
@@ -145,6 +164,9 @@ class CheckpointManager:
         self._closed = False
         self._group: dist.ProcessGroup | None = None  # see _checkpoint_group
         self._interval: IntervalAgreement | None = None
+        self._lease: FolderLease | None = None  # held by a writing coordinator
+        self.read_only_reason: str | None = None  # why save() is refused, if it is
+        self._last_good: int | None = None  # newest step known to pass its checks
         if not config.enabled:
             return
         if self._world_size() > 1 and needs_agreement(self.save_policy):
@@ -153,8 +175,8 @@ class CheckpointManager:
             self._interval = IntervalAgreement(
                 config.interval_check_steps, lambda due: agree_any_due(due, group)
             )
-        prepare_folder(self.folder, self._rank(), self._is_coordinator())
-        if config.async_mode != "disabled":
+        self.read_only_reason = self._take_folder()
+        if self.read_only_reason is None and config.async_mode != "disabled":
             ctx = self._dist_context() if self._world_size() > 1 else None
             self._writer = AsyncWriter(
                 config.engine_config(),
@@ -169,7 +191,9 @@ class CheckpointManager:
             self.folder,
             self.save_policy,
             self.retention,
-            "synchronous"
+            "read-only"
+            if self.read_only_reason is not None
+            else "synchronous"
             if self._writer is None
             else f"async_mode {config.async_mode}, staging {config.staging}",
         )
@@ -185,9 +209,10 @@ class CheckpointManager:
         return os.path.join(self.folder, f"export-step-{step}")
 
     def committed_steps(self) -> list[int]:
-        """Steps with a committed checkpoint in ``folder`` (quicksave or stock DCP),
-        ascending. Temporaries and directories without their commit are not listed."""
-        return committed_steps(self.folder)
+        """Steps with a committed checkpoint in ``folder`` (quicksave, and stock DCP
+        with ``config.allow_dcp``), ascending. Temporaries, quarantined checkpoints and
+        directories without their commit are not listed."""
+        return committed_steps(self.folder, allow_dcp=self.config.allow_dcp)
 
     def latest_step(self) -> int | None:
         """The newest committed step, or None if there is none."""
@@ -219,9 +244,10 @@ class CheckpointManager:
             ``step``; False if none was due, or ``backpressure="skip"`` skipped it.
 
         Raises:
-            CheckpointError: invalid step, manager closed, the write failed (nothing of
-                this step became visible), or an earlier asynchronous save failed (then
-                this call saves nothing; the next call saves normally).
+            CheckpointError: invalid step, manager closed or read-only (names why:
+                e.g. the process holding the folder's writer lease), the write failed
+                (nothing of this step became visible), or an earlier asynchronous save
+                failed (then this call saves nothing; the next call saves normally).
 
         Example::
 
@@ -232,6 +258,12 @@ class CheckpointManager:
         check_step(step, self.folder)
         if not self.config.enabled:
             return False
+        if self.read_only_reason is not None:
+            raise CheckpointError(
+                f"this manager does not write checkpoints: {self.read_only_reason}",
+                path=self.folder,
+                rank=self._rank(),
+            )
         failures: list[CheckpointError] = []
         if self._writer is not None:
             self._writer.prepare_if_due()
@@ -290,7 +322,15 @@ class CheckpointManager:
 
     def load(self, step: int = -1) -> int | None:
         """Restore every state from the checkpoint of ``step`` (default: the newest
-        committed one). A step-0 (seed) checkpoint restores the model only.
+        committed one that passes its checks). A step-0 (seed) checkpoint restores the
+        model only.
+
+        With ``step=-1``, a committed checkpoint that turns out to be corrupt (a bad
+        manifest, a missing or truncated file, a checksum mismatch) or that vanished
+        meanwhile is logged and skipped, and the next older one is tried; a writing
+        manager also quarantines a corrupt one (``step-<N>.corrupt-<token>``) so that
+        its step can be saved again. The states are then wholly overwritten by the
+        checkpoint that loads. Stock DCP folders count only with ``config.allow_dcp``.
 
         Args:
             step: the step to load, or -1 for the newest committed checkpoint.
@@ -306,8 +346,10 @@ class CheckpointManager:
         Raises:
             CheckpointNotFoundError: ``step`` was given and has no checkpoint.
             NotCommittedError: ``step`` was given and its checkpoint was never committed.
-            CheckpointError: the checkpoint does not fit the states or is corrupt
-                (see :func:`quicksave.load`), or a save in flight failed.
+            CorruptCheckpointError: ``step`` was given and its checkpoint is corrupt, or
+                no committed checkpoint passes its checks (each is named).
+            CheckpointError: the checkpoint does not fit the states (no fallback then:
+                an older checkpoint would not fit either), or a save in flight failed.
 
         Example::
 
@@ -317,31 +359,65 @@ class CheckpointManager:
         if not self.config.enabled:
             return None
         self._drain()
-        if step == -1:
-            latest = self.latest_step()
-            if latest is None:
-                logger.info("quicksave: no committed checkpoint in %s; starting fresh", self.folder)
-                return None
-            step = latest
-        else:
+        if step != -1:
             check_step(step, self.folder)
-            require_committed(self.folder, self.step_path(step), step, self._rank())
+            path = self.step_path(step)
+            require_committed(
+                self.folder, path, step, self._rank(), allow_dcp=self.config.allow_dcp
+            )
+            self._load_step(step)
+            return step
+        candidates = self.committed_steps()
+        if not candidates:
+            logger.info("quicksave: no committed checkpoint in %s; starting fresh", self.folder)
+            return None
+        skipped: list[str] = []
+        for candidate in reversed(candidates):
+            try:
+                self._load_step(candidate)
+            except (CorruptCheckpointError, CheckpointNotFoundError, NotCommittedError) as e:
+                # Not IncompatibleStateError: an older checkpoint would not fit either.
+                logger.error(
+                    "quicksave: the checkpoint of step %d cannot be loaded, trying an older "
+                    "one: %s",
+                    candidate,
+                    e,
+                )
+                skipped.append(f"step {candidate}: {e.message}")
+                if isinstance(e, CorruptCheckpointError) and self._lease is not None:
+                    quarantine(self.step_path(candidate), e.message)
+                continue
+            return candidate
+        raise CorruptCheckpointError(
+            f"no committed checkpoint in this folder passes its checks ({'; '.join(skipped)}); "
+            "nothing was loaded consistently: restore the folder or start elsewhere",
+            path=self.folder,
+            rank=self._rank(),
+        )
+
+    def _load_step(self, step: int) -> None:
+        """Load the committed checkpoint of ``step`` into the states."""
         path = self.step_path(step)
         states = self._model_states() if step == 0 else self.states
         begin = time.perf_counter()
         if any(isinstance(v, PerRankState) for v in states.values()):
-            stored = stored_metadata(path)
+            stored = stored_metadata(path, allow_dcp_pickle=self.config.allow_dcp_pickle)
             states = {
                 k: PerRankLoad(k, v, stored) if isinstance(v, PerRankState) else v
                 for k, v in states.items()
             }
-        api.load(states, path, process_group=self.process_group)
+        api.load(
+            states,
+            path,
+            process_group=self.process_group,
+            allow_dcp_pickle=self.config.allow_dcp_pickle,
+        )
+        self._last_good = step
         if self._writer is not None:
             self._writer.prepare_if_due(background=False)  # optimizer states exist now
         logger.info(
             "quicksave: loaded step %d from %s in %.3f s", step, path, time.perf_counter() - begin
         )
-        return step
 
     def close(self) -> None:
         """Finish: wait for saves in flight (up to ``close_timeout_s``), stop the
@@ -359,10 +435,14 @@ class CheckpointManager:
         if self._closed:
             return
         self._closed = True
-        if self._writer is not None:
-            finished, errors = self._writer.close(self.config.close_timeout_s)
-            self._apply(finished)
-            self._raise_first(errors)
+        try:
+            if self._writer is not None:
+                finished, errors = self._writer.close(self.config.close_timeout_s)
+                self._apply(finished)
+                self._raise_first(errors)
+        finally:
+            if self._lease is not None:
+                self._lease.release()
         logger.debug("quicksave: manager for %s closed", self.folder)
 
     def __enter__(self) -> CheckpointManager:
@@ -481,6 +561,8 @@ class CheckpointManager:
             if record.status == "committed":
                 log_committed(record)
                 committed = True
+                if record.kind == "full" and (self._last_good or -1) < record.step:
+                    self._last_good = record.step
             else:
                 logger.error(
                     "quicksave: the checkpoint of step %d was not committed (%s)",
@@ -499,12 +581,68 @@ class CheckpointManager:
     # ---------------------------------------------------------------- retention
 
     def _retain(self, protect: set[int]) -> None:
-        if self._is_coordinator():
-            apply_retention(self.folder, self.retention, self._in_flight | protect)
+        if self._lease is None:  # only the lease holder deletes
+            return
+        keep = self._in_flight | protect
+        if self._last_good is not None:
+            keep.add(self._last_good)  # never the last checkpoint known to pass
+        apply_retention(self.folder, self.retention, keep, allow_dcp=self.config.allow_dcp)
 
     def _replace_uncommitted(self, path: str) -> None:
-        if self._is_coordinator():
+        if self._lease is not None:
             replace_uncommitted(path)
+
+    # ---------------------------------------------------------------- ownership
+
+    def _take_folder(self) -> str | None:
+        """Create the folder and, on the coordinator, take its writer lease and clean
+        up what crashed saves left. Returns why this manager is read-only, or None.
+
+        Several ranks: every rank learns whether the coordinator got the lease (one
+        all-reduce on the checkpoint group, at construction only), so that all refuse
+        ``save()`` alike instead of waiting for each other in a save's collectives.
+        """
+        rank = self._rank()
+        if self.config.read_only:
+            return "it was built with read_only=True"
+        reason: str | None = None
+        create_folder(self.folder, rank)
+        if self._is_coordinator():
+            lease = FolderLease(self.folder)
+            try:
+                got = lease.try_acquire()
+            except CheckpointError as e:
+                reason = f"cannot take the folder's writer lease ({e.message}: {e.path})"
+            else:
+                if got:
+                    self._lease = lease
+                    if not lease.enforced:
+                        logger.warning(
+                            "quicksave: %s has no working file locks; one job per folder is "
+                            "not enforced here",
+                            self.folder,
+                        )
+                    clean_leftovers(self.folder)
+                else:
+                    reason = (
+                        f"another live process holds the folder's writer lease "
+                        f"({lease.holder()}); two jobs must not write one folder: use "
+                        "another folder, stop that job, or pass read_only=True to only load"
+                    )
+        if self._world_size() > 1:
+            import torch
+
+            flag = torch.tensor([0 if reason is None else 1], dtype=torch.int64)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._checkpoint_group())
+            if flag.item() and reason is None:
+                reason = "the coordinator could not take the folder's writer lease (see its log)"
+        if reason is not None:
+            logger.warning(
+                "quicksave: %s is read-only for this manager (load() works, save() raises): %s",
+                self.folder,
+                reason,
+            )
+        return reason
 
     # ---------------------------------------------------------------- helpers
 

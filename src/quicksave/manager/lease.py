@@ -1,0 +1,131 @@
+"""The writer lease of a checkpoint folder: one job writes a folder at a time.
+
+Why a lease: anything that deletes in a folder (start-up clean-up of temporaries left by
+crashes, retention, quarantine of a bad checkpoint) must know that no live job is
+writing there, or it tears that job's checkpoints (an eval script that builds a manager
+on the folder of a running job used to delete the job's in-flight temporaries).
+
+The lease is an exclusive ``flock`` on ``<folder>/.quicksave-lock``, taken by the
+coordinator of a writing :class:`~quicksave.manager.CheckpointManager` when it is built
+and held until ``close()``. The kernel releases it when the holder dies, even by
+SIGKILL, so "the lease is free" proves that the previous writer is gone: no heartbeat,
+no clock, no guessing from ages. ``flock`` works across the machines of an NFSv4 mount
+(Linux emulates it with POSIX locks there). On a filesystem without locks (e.g. Lustre
+mounted without ``-o flock``) ownership cannot be enforced: the manager says so in a
+warning and writes as before.
+
+The file also holds a line naming the holder (host, pid, start time), only to make the
+error of a refused writer useful; it is never trusted for anything else.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import json
+import os
+import socket
+import time
+import weakref
+
+from ..errors import CheckpointError
+
+LEASE_NAME = ".quicksave-lock"
+_MAX_HOLDER_BYTES = 4096
+# errnos of a filesystem that has no working flock: ownership cannot be enforced there
+_NO_LOCKS = {errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL}
+
+
+class FolderLease:
+    """The writer lease of ``folder``; see the module docstring.
+
+    Call order: :meth:`try_acquire` (once; True if this process now holds the lease),
+    then :meth:`release` when done (``close()`` of the manager). A lease that is never
+    released is released when the object is garbage-collected or the process exits.
+
+    Attributes:
+        folder: the checkpoint folder (absolute).
+        path: the lock file.
+        enforced: False when the filesystem has no locks (then every writer "holds" it).
+    """
+
+    def __init__(self, folder: str) -> None:
+        self.folder = os.path.abspath(folder)
+        self.path = os.path.join(self.folder, LEASE_NAME)
+        self.enforced = True
+        self._fd: int | None = None
+        self._finalizer: weakref.finalize | None = None
+
+    @property
+    def held(self) -> bool:
+        return self._fd is not None
+
+    def try_acquire(self) -> bool:
+        """Take the lease if no live process holds it.
+
+        Returns:
+            True if this process holds it now; False if another live process does.
+
+        Raises:
+            CheckpointError: the lock file cannot be created or opened (read-only or
+                foreign folder, a symlink planted in its place, ...), naming it.
+        """
+        if self._fd is not None:
+            return True
+        flags = os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK
+        try:
+            fd = os.open(self.path, flags, 0o644)
+        except OSError as e:
+            raise CheckpointError(
+                f"cannot open the folder's writer lease: {e.strerror}", path=self.path
+            ) from e
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            return False
+        except OSError as e:
+            if e.errno not in _NO_LOCKS:
+                os.close(fd)
+                raise CheckpointError(
+                    f"cannot lock the folder's writer lease: {e.strerror}", path=self.path
+                ) from e
+            self.enforced = False
+        self._fd = fd
+        self._finalizer = weakref.finalize(self, os.close, fd)
+        self._write_holder(fd)
+        return True
+
+    def release(self) -> None:
+        """Give the lease up (closing the file releases the lock). Idempotent."""
+        if self._finalizer is not None:
+            self._finalizer()  # closes the fd once
+        self._fd = None
+        self._finalizer = None
+
+    def holder(self) -> str:
+        """Who holds the lease, as the holder wrote it (for messages only)."""
+        try:
+            fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
+        except OSError:
+            return "an unknown process"
+        try:
+            raw = os.read(fd, _MAX_HOLDER_BYTES)
+        except OSError:
+            return "an unknown process"
+        finally:
+            os.close(fd)
+        try:
+            info = json.loads(raw.decode("utf-8"))
+            since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(float(info["since"])))
+            return f"pid {int(info['pid'])} on host {str(info['host'])[:255]!r} since {since}"
+        except (ValueError, KeyError, TypeError, OverflowError, UnicodeDecodeError):
+            return "an unknown process"
+
+    def _write_holder(self, fd: int) -> None:
+        line = json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "since": time.time()})
+        try:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, (line + "\n").encode(), 0)
+        except OSError:  # informative only: the lock is what counts
+            pass
