@@ -1,10 +1,33 @@
-"""torch dtype <-> manifest name <-> safetensors dtype code."""
+"""torch dtype <-> manifest name <-> safetensors dtype code.
+
+Names from a checkpoint are resolved only through a fixed table built from the names
+in :mod:`.dtype_names` (FORMAT.md §4: decoding imports nothing named by the file).
+``getattr(torch, name)`` on a name from a file could import a submodule (``_dynamo``)
+or return any attribute of ``torch``; the table cannot.
+"""
 
 from __future__ import annotations
 
 import torch
 
 from ..errors import IncompatibleStateError
+from .dtype_names import ELEMENT_SIZES
+
+
+def _table() -> dict[str, torch.dtype]:
+    table = {}
+    for name in ELEMENT_SIZES:
+        value = torch.__dict__.get(name)  # a plain lookup: never imports, never calls
+        if (
+            isinstance(value, torch.dtype)
+            and str(value) == f"torch.{name}"
+            and value.itemsize == ELEMENT_SIZES[name]
+        ):
+            table[name] = value
+    return table
+
+
+_BY_NAME: dict[str, torch.dtype] = _table()
 
 # safetensors codes for dtypes it knows; everything else is stored as U8 bytes in the
 # safetensors header and described exactly by the manifest.
@@ -27,10 +50,12 @@ _SAFETENSORS_CODES: dict[torch.dtype, str] = {
     torch.uint16: "U16",
 }
 for _name, _code in (("float8_e4m3fnuz", "F8_E4M3FNUZ"), ("float8_e5m2fnuz", "F8_E5M2FNUZ")):
-    if hasattr(torch, _name):
-        _SAFETENSORS_CODES[getattr(torch, _name)] = _code
+    if _name in _BY_NAME:
+        _SAFETENSORS_CODES[_BY_NAME[_name]] = _code
 
-_QUANTIZED = {torch.qint8, torch.quint8, torch.qint32, torch.quint4x2, torch.quint2x4}
+_QUANTIZED = {
+    _BY_NAME[n] for n in ("qint8", "quint8", "qint32", "quint4x2", "quint2x4") if n in _BY_NAME
+}
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -38,9 +63,20 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+def known_dtype(name: object) -> torch.dtype | None:
+    """The torch dtype called ``name`` in a checkpoint, or None if there is none."""
+    return _BY_NAME.get(name) if isinstance(name, str) else None
+
+
 def dtype_from_name(name: str) -> torch.dtype:
-    value = getattr(torch, name, None)
-    if not isinstance(value, torch.dtype):
+    """The torch dtype called ``name`` (a canonical name such as ``bfloat16``).
+
+    Raises:
+        IncompatibleStateError: no such dtype in this torch (the message repeats the
+            name, which may come from a file).
+    """
+    value = known_dtype(name)
+    if value is None:
         raise IncompatibleStateError(
             f"unknown dtype {name!r} in checkpoint (written by a newer torch?)"
         )
@@ -63,4 +99,4 @@ def check_storable(dtype: torch.dtype, fqn: str, rank: int | None = None) -> Non
 
 
 def element_size(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
+    return dtype.itemsize

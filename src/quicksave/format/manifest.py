@@ -10,17 +10,23 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NoReturn
 
 import xxhash
 
 from ..errors import CorruptCheckpointError
-from . import FORMAT_NAME, FORMAT_VERSION
+from ..safeio import bad_member_name, read_regular
+from . import ALIGNMENT, FORMAT_NAME, FORMAT_VERSION, strict_json
+from .dtype_names import element_size_of_name
 
 _CHECKSUM_KEY = '"manifest_xxh3_64":"'
 _ZERO_DIGEST = "0" * 16
 MAX_MANIFEST_BYTES = 1 << 30
+INT_LIMIT = 1 << 63  # every size, offset, length, step and rank is below it
+_DIGEST = re.compile(r"[0-9a-f]{16}\Z")
+_DTYPE_NAME = re.compile(r"[a-z0-9_]{1,64}\Z")
 
 
 def hexdigest(value: int) -> str:
@@ -210,21 +216,77 @@ def _check_self_digest(data: bytes, path: str) -> None:
         )
 
 
+def _fail(message: str, path: str, fqn: str | None = None, rank: int | None = None) -> NoReturn:
+    raise CorruptCheckpointError(f"manifest: {message}", path=path, fqn=fqn, rank=rank)
+
+
 def _req(obj: dict, key: str, kind: type | tuple[type, ...], where: str, path: str) -> Any:
     if not isinstance(obj, dict) or key not in obj:
-        raise CorruptCheckpointError(f"manifest: {where} lacks '{key}'", path=path)
+        _fail(f"{where} lacks '{key}'", path)
     value = obj[key]
     if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
-        raise CorruptCheckpointError(f"manifest: {where}.{key} has the wrong type", path=path)
+        _fail(f"{where}.{key} has the wrong type", path)
     return value
 
 
-def _int_tuple(values: Any, where: str, path: str) -> tuple[int, ...]:
-    if not isinstance(values, list) or not all(
-        isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in values
-    ):
-        raise CorruptCheckpointError(f"manifest: {where} must be a list of integers ≥ 0", path=path)
+def _is_int(value: Any, lo: int = 0, hi: int = INT_LIMIT) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and lo <= value < hi
+
+
+def _int(obj: dict, key: str, where: str, path: str, lo: int = 0, fqn: str | None = None) -> int:
+    value = _req(obj, key, int, where, path)
+    if not _is_int(value, lo):
+        _fail(f"{where}.{key} must be an integer in [{lo}, 2**63)", path, fqn)
+    return value
+
+
+def _digest(obj: dict, where: str, path: str, fqn: str | None = None) -> str:
+    value = _req(obj, "xxh3_64", str, where, path)
+    if not _DIGEST.match(value):
+        _fail(f"{where}.xxh3_64 must be 16 lowercase hex digits", path, fqn)
+    return value
+
+
+def _dtype(obj: dict, where: str, path: str, fqn: str | None = None) -> str:
+    value = _req(obj, "dtype", str, where, path)
+    if not _DTYPE_NAME.match(value):
+        _fail(f"{where}.dtype {value[:80]!r} is not a dtype name", path, fqn)
+    return value
+
+
+def _int_tuple(values: Any, where: str, path: str, fqn: str | None = None) -> tuple[int, ...]:
+    if not isinstance(values, list) or not all(_is_int(v) for v in values):
+        _fail(f"{where} must be a list of integers in [0, 2**63)", path, fqn)
     return tuple(values)
+
+
+def _numel(dims: tuple[int, ...]) -> int:
+    n = 1
+    for d in dims:
+        n *= d
+    return n
+
+
+def _box(
+    offsets: tuple[int, ...], sizes: tuple[int, ...], shape: tuple[int, ...], where: str, path: str
+) -> str | None:
+    """Why the box ``offsets``..``offsets+sizes`` is not inside ``shape``, or None."""
+    if (
+        len(offsets) != len(shape)
+        or len(sizes) != len(shape)
+        or any(o + s > d for o, s, d in zip(offsets, sizes, shape, strict=True))
+    ):
+        return f"{where} lies outside shape {list(shape)}"
+    return None
+
+
+def _state_path(entry: dict, where: str, path: str, fqn: str) -> tuple[str | int, ...] | None:
+    p = entry.get("path")
+    if p is None:
+        return None
+    if not isinstance(p, list) or not p or not all(isinstance(k, str) or _is_int(k) for k in p):
+        _fail(f"{where}.path must be a non-empty list of strings and integers ≥ 0", path, fqn)
+    return tuple(p)
 
 
 def _plans(doc: dict, world_size: int, path: str) -> tuple[RankPlan, ...] | None:
@@ -232,9 +294,7 @@ def _plans(doc: dict, world_size: int, path: str) -> tuple[RankPlan, ...] | None
     if raw is None:
         return None
     if not isinstance(raw, list) or len(raw) != world_size:
-        raise CorruptCheckpointError(
-            f"manifest: plans must be a list of world_size={world_size} rank plans", path=path
-        )
+        _fail(f"plans must be a list of world_size={world_size} rank plans", path)
     out = []
     for rank, p in enumerate(raw):
         w = f"plans[{rank}]"
@@ -242,37 +302,120 @@ def _plans(doc: dict, world_size: int, path: str) -> tuple[RankPlan, ...] | None
         for i, c in enumerate(_req(p, "tensors", list, w, path)):
             cw = f"{w}.tensors[{i}]"
             fqn = _req(c, "fqn", str, cw, path)
-            offsets = _int_tuple(_req(c, "offsets", list, cw, path), f"{cw}.offsets", path)
-            sizes = _int_tuple(_req(c, "sizes", list, cw, path), f"{cw}.sizes", path)
-            shape = _int_tuple(_req(c, "shape", list, cw, path), f"{cw}.shape", path)
-            if (
-                len(offsets) != len(shape)
-                or len(sizes) != len(shape)
-                or any(o + s > d for o, s, d in zip(offsets, sizes, shape, strict=True))
-            ):
-                raise CorruptCheckpointError(
-                    f"manifest: {cw} lies outside shape {list(shape)}",
-                    path=path,
-                    fqn=fqn,
-                    rank=rank,
-                )
-            chunks.append(PlannedChunk(fqn, offsets, sizes, shape, _req(c, "dtype", str, cw, path)))
+            offsets = _int_tuple(_req(c, "offsets", list, cw, path), f"{cw}.offsets", path, fqn)
+            sizes = _int_tuple(_req(c, "sizes", list, cw, path), f"{cw}.sizes", path, fqn)
+            shape = _int_tuple(_req(c, "shape", list, cw, path), f"{cw}.shape", path, fqn)
+            why = _box(offsets, sizes, shape, cw, path)
+            if why is not None:
+                _fail(why, path, fqn, rank)
+            chunks.append(PlannedChunk(fqn, offsets, sizes, shape, _dtype(c, cw, path, fqn)))
         objs = _req(p, "objects", list, w, path)
         if not all(isinstance(o, str) for o in objs):
-            raise CorruptCheckpointError(f"manifest: {w}.objects must be strings", path=path)
+            _fail(f"{w}.objects must be strings", path)
         out.append(RankPlan(tuple(chunks), tuple(objs)))
     return tuple(out)
 
 
+def _files(doc: dict, world_size: int, path: str) -> dict[str, FileEntry]:
+    from . import MANIFEST_NAME
+
+    files: dict[str, FileEntry] = {}
+    for name, f in _req(doc, "files", dict, "manifest", path).items():
+        w = f"files[{name!r}]"
+        if bad_member_name(name) is not None or name == MANIFEST_NAME:
+            _fail(f"bad file name {name!r}", path)
+        size = _int(f, "size", w, path)
+        digest = _digest(f, w, path)
+        rank = data_start = None
+        if f.get("rank") is not None or f.get("data_start") is not None:
+            rank = _int(f, "rank", w, path)
+            data_start = _int(f, "data_start", w, path, lo=8)
+            if rank >= world_size:
+                _fail(f"{w}.rank {rank} is not below world_size {world_size}", path)
+            if data_start % ALIGNMENT or data_start > size:
+                _fail(
+                    f"{w}.data_start {data_start} must be a multiple of {ALIGNMENT} "
+                    f"within the file's size {size}",
+                    path,
+                )
+        files[name] = FileEntry(size=size, xxh3_64=digest, rank=rank, data_start=data_start)
+    return files
+
+
+def _chunk(
+    c: Any, cw: str, fqn: str, shape: tuple[int, ...], esize: int | None, files, path: str
+) -> ChunkEntry:
+    file = _req(c, "file", str, cw, path)
+    entry = files.get(file)
+    if entry is None:
+        _fail(f"{cw} names unknown file {file!r}", path, fqn)
+    offsets = _int_tuple(_req(c, "offsets", list, cw, path), f"{cw}.offsets", path, fqn)
+    sizes = _int_tuple(_req(c, "sizes", list, cw, path), f"{cw}.sizes", path, fqn)
+    why = _box(offsets, sizes, shape, cw, path)
+    if why is not None:
+        _fail(why, path, fqn)
+    offset = _int(c, "offset", cw, path, fqn=fqn)
+    length = _int(c, "length", cw, path, fqn=fqn)
+    if entry.data_start is None:
+        _fail(f"{cw} is stored in {file!r}, which is not a data file", path, fqn)
+    if offset % ALIGNMENT or offset < entry.data_start:
+        _fail(
+            f"{cw}.offset {offset} must be a multiple of {ALIGNMENT} at or after the "
+            f"data region of {file!r} (byte {entry.data_start})",
+            path,
+            fqn,
+        )
+    if offset + length > entry.size:
+        _fail(
+            f"{cw} (bytes {offset}..{offset + length}) lies beyond the size of {file!r} "
+            f"({entry.size})",
+            path,
+            fqn,
+        )
+    if esize is not None and length != _numel(sizes) * esize:
+        _fail(
+            f"{cw}.length is {length}, but sizes {list(sizes)} of {esize}-byte elements "
+            f"need {_numel(sizes) * esize}",
+            path,
+            fqn,
+        )
+    return ChunkEntry(offsets, sizes, file, offset, length, _digest(c, cw, path, fqn))
+
+
+def _tensors(doc: dict, files: dict[str, FileEntry], path: str) -> dict[str, TensorEntry]:
+    tensors: dict[str, TensorEntry] = {}
+    for fqn, t in _req(doc, "tensors", dict, "manifest", path).items():
+        w = f"tensors[{fqn!r}]"
+        dtype = _dtype(t, w, path, fqn)
+        shape = _int_tuple(_req(t, "shape", list, w, path), f"{w}.shape", path, fqn)
+        # An unknown name (a newer torch) fails when the tensor is read, not here.
+        esize = element_size_of_name(dtype)
+        if _numel(shape) * (esize or 1) >= INT_LIMIT:
+            _fail(f"{w}.shape {list(shape)} holds 2**63 bytes or more", path, fqn)
+        chunks = tuple(
+            _chunk(c, f"{w}.chunks[{i}]", fqn, shape, esize, files, path)
+            for i, c in enumerate(_req(t, "chunks", list, w, path))
+        )
+        tensors[fqn] = TensorEntry(dtype, shape, chunks, _state_path(t, w, path, fqn))
+    return tensors
+
+
 def from_json_bytes(data: bytes, path: str = "manifest.json") -> Manifest:
-    """Parse and validate a manifest. Raises CorruptCheckpointError naming ``path``."""
+    """Parse and validate a manifest (FORMAT.md §2): self-checksum first, then JSON
+    under :mod:`~quicksave.format.strict_json`'s limits, then every member's type and
+    range, before anything is read or allocated.
+
+    Raises:
+        CorruptCheckpointError: naming ``path`` (and the fqn where there is one).
+    """
     if len(data) > MAX_MANIFEST_BYTES:
         raise CorruptCheckpointError("manifest larger than 1 GiB", path=path)
     _check_self_digest(data, path)
     try:
-        doc = json.loads(data.decode("ascii"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        text = data.decode("ascii")
+    except UnicodeDecodeError as e:
         raise CorruptCheckpointError(f"manifest is not valid JSON: {e}", path=path) from None
+    doc = strict_json.loads(text, what="manifest", path=path)
     if not isinstance(doc, dict) or doc.get("format") != FORMAT_NAME:
         raise CorruptCheckpointError("not a quicksave manifest", path=path)
     version = _req(doc, "format_version", int, "manifest", path)
@@ -283,93 +426,47 @@ def from_json_bytes(data: bytes, path: str = "manifest.json") -> Manifest:
             path=path,
         )
     step = doc.get("step")
-    if step is not None and (not isinstance(step, int) or isinstance(step, bool)):
-        raise CorruptCheckpointError("manifest: step must be an integer or null", path=path)
-    world_size = _req(doc, "world_size", int, "manifest", path)
-
-    files: dict[str, FileEntry] = {}
-    for name, f in _req(doc, "files", dict, "manifest", path).items():
-        w = f"files[{name!r}]"
-        if "/" in name or name in ("", ".", ".."):
-            raise CorruptCheckpointError(f"manifest: bad file name {name!r}", path=path)
-        files[name] = FileEntry(
-            size=_req(f, "size", int, w, path),
-            xxh3_64=_req(f, "xxh3_64", str, w, path),
-            rank=f.get("rank"),
-            data_start=f.get("data_start"),
-        )
-
-    tensors: dict[str, TensorEntry] = {}
-    for fqn, t in _req(doc, "tensors", dict, "manifest", path).items():
-        w = f"tensors[{fqn!r}]"
-        shape = _int_tuple(_req(t, "shape", list, w, path), f"{w}.shape", path)
-        chunks = []
-        for i, c in enumerate(_req(t, "chunks", list, w, path)):
-            cw = f"{w}.chunks[{i}]"
-            file = _req(c, "file", str, cw, path)
-            if file not in files:
-                raise CorruptCheckpointError(
-                    f"manifest: {cw} names unknown file {file!r}", path=path, fqn=fqn
-                )
-            offsets = _int_tuple(_req(c, "offsets", list, cw, path), f"{cw}.offsets", path)
-            sizes = _int_tuple(_req(c, "sizes", list, cw, path), f"{cw}.sizes", path)
-            if (
-                len(offsets) != len(shape)
-                or len(sizes) != len(shape)
-                or any(o + s > d for o, s, d in zip(offsets, sizes, shape, strict=True))
-            ):
-                raise CorruptCheckpointError(
-                    f"manifest: {cw} lies outside shape {list(shape)}", path=path, fqn=fqn
-                )
-            chunks.append(
-                ChunkEntry(
-                    offsets=offsets,
-                    sizes=sizes,
-                    file=file,
-                    offset=_req(c, "offset", int, cw, path),
-                    length=_req(c, "length", int, cw, path),
-                    xxh3_64=_req(c, "xxh3_64", str, cw, path),
-                )
-            )
-        p = t.get("path")
-        tensors[fqn] = TensorEntry(
-            dtype=_req(t, "dtype", str, w, path),
-            shape=shape,
-            chunks=tuple(chunks),
-            path=tuple(p) if isinstance(p, list) else None,
-        )
-
+    if step is not None and not _is_int(step):
+        _fail("step must be null or an integer in [0, 2**63)", path)
+    world_size = _int(doc, "world_size", "manifest", path, lo=1)
+    files = _files(doc, world_size, path)
+    tensors = _tensors(doc, files, path)
     objects: dict[str, ObjectEntry] = {}
     for fqn, o in _req(doc, "objects", dict, "manifest", path).items():
+        w = f"objects[{fqn!r}]"
         if not isinstance(o, dict) or "value" not in o:
-            raise CorruptCheckpointError(
-                f"manifest: objects[{fqn!r}] lacks 'value'", path=path, fqn=fqn
-            )
-        p = o.get("path")
-        objects[fqn] = ObjectEntry(value=o["value"], path=tuple(p) if isinstance(p, list) else None)
-
+            _fail(f"{w} lacks 'value'", path, fqn)
+        objects[fqn] = ObjectEntry(value=o["value"], path=_state_path(o, w, path, fqn))
     user = doc.get("user_metadata", {})
+    if not isinstance(user, dict):
+        _fail("user_metadata must be an object", path)
     return Manifest(
         step=step,
         world_size=world_size,
         tensors=tensors,
         objects=objects,
         files=files,
-        user_metadata=user if isinstance(user, dict) else {},
+        user_metadata=user,
         format_version=version,
         plans=_plans(doc, world_size, path),
     )
 
 
 def read_manifest(checkpoint: str | os.PathLike[str]) -> Manifest:
+    """Read and validate ``<checkpoint>/manifest.json``: a regular file inside the
+    directory (not a symbolic link, FIFO or device), at most 1 GiB, read up to its size.
+
+    Raises:
+        CorruptCheckpointError: missing, not a regular file, too large, unreadable, or
+            invalid; names the manifest's path.
+    """
     from . import MANIFEST_NAME
 
     path = os.path.join(os.fspath(checkpoint), MANIFEST_NAME)
     try:
-        with open(path, "rb") as f:
-            data = f.read(MAX_MANIFEST_BYTES + 1)
+        data = read_regular(
+            path, MAX_MANIFEST_BYTES, what="manifest", too_large="manifest larger than 1 GiB"
+        )
     except FileNotFoundError:
         raise CorruptCheckpointError("manifest.json is missing", path=path) from None
-    except OSError as e:
-        raise CorruptCheckpointError(f"cannot read manifest: {e.strerror}", path=path) from None
     return from_json_bytes(data, path)

@@ -1,0 +1,115 @@
+"""JSON as quicksave reads it from a checkpoint: RFC 8259 with limits (FORMAT.md §2).
+
+Python's ``json`` module accepts ``NaN``/``Infinity``, turns ``1e999`` into ``inf``,
+keeps the last of duplicate keys, raises ``RecursionError`` on deep nesting and
+``ValueError`` on integers over 4,300 digits. A checkpoint may come from anywhere, so
+every such case is a :class:`~quicksave.errors.CorruptCheckpointError` here:
+
+- integer literals have at most :data:`MAX_INT_DIGITS` digits;
+- no ``NaN``, ``Infinity`` or ``-Infinity``; no number literal that overflows a float;
+- no duplicate keys in an object;
+- nesting is at most :data:`MAX_DEPTH` levels (deeper input is rejected while parsing,
+  and :func:`check_depth` bounds a parsed value without recursion).
+
+Torch-free: the worker process imports it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any
+
+from ..errors import CorruptCheckpointError
+
+MAX_DEPTH = 100
+MAX_INT_DIGITS = 256
+
+
+class JSONLimitError(ValueError):
+    """A JSON text breaks one of the limits above (the message says which)."""
+
+
+def _parse_int(text: str) -> int:
+    if len(text) - text.startswith("-") > MAX_INT_DIGITS:
+        raise JSONLimitError(f"integer literal longer than {MAX_INT_DIGITS} digits")
+    return int(text)
+
+
+def _parse_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise JSONLimitError(f"number {text[:40]!r} does not fit a float")
+    return value
+
+
+def _parse_constant(name: str) -> Any:
+    raise JSONLimitError(f"{name} is not valid JSON")
+
+
+def _object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    obj = dict(pairs)
+    if len(obj) != len(pairs):
+        seen: set[str] = set()
+        dup = next(k for k, _ in pairs if k in seen or seen.add(k))  # type: ignore[func-returns-value]
+        raise JSONLimitError(f"duplicate key {dup[:80]!r}")
+    return obj
+
+
+_DECODER = json.JSONDecoder(
+    object_pairs_hook=_object,
+    parse_int=_parse_int,
+    parse_float=_parse_float,
+    parse_constant=_parse_constant,
+)
+
+
+def depth_exceeds(value: Any, limit: int = MAX_DEPTH) -> bool:
+    """Whether ``value`` (parsed JSON) nests more than ``limit`` levels, without
+    recursion. A scalar has depth 0, ``[]`` depth 1, ``[[1]]`` depth 2."""
+    stack: list[tuple[Any, int]] = [(value, 0)]
+    while stack:
+        node, depth = stack.pop()
+        if isinstance(node, dict):
+            children = node.values()
+        elif isinstance(node, list):
+            children = node
+        else:
+            continue
+        if depth + 1 > limit:
+            return True
+        stack.extend((c, depth + 1) for c in children if isinstance(c, (dict, list)))
+    return False
+
+
+def check_depth(value: Any, *, what: str, path: str | None, fqn: str | None = None) -> None:
+    """Raise CorruptCheckpointError if ``value`` nests deeper than :data:`MAX_DEPTH`."""
+    if depth_exceeds(value):
+        raise CorruptCheckpointError(
+            f"{what} nests deeper than {MAX_DEPTH} levels", path=path, fqn=fqn
+        )
+
+
+def loads(text: str, *, what: str, path: str | None) -> Any:
+    """Parse ``text`` under the limits of this module.
+
+    Args:
+        text: the JSON text (already decoded from bytes).
+        what: how errors call it (``"manifest"``, ``"safetensors header"`` ...).
+        path: the file, named in errors.
+
+    Raises:
+        CorruptCheckpointError: invalid JSON, or a limit is broken.
+    """
+    try:
+        value = _DECODER.decode(text)
+    except RecursionError:
+        raise CorruptCheckpointError(
+            f"{what} nests deeper than {MAX_DEPTH} levels", path=path
+        ) from None
+    except JSONLimitError as e:
+        raise CorruptCheckpointError(f"{what} is not valid JSON: {e}", path=path) from None
+    except ValueError as e:  # json.JSONDecodeError and int() failures
+        raise CorruptCheckpointError(f"{what} is not valid JSON: {e}", path=path) from None
+    check_depth(value, what=what, path=path)
+    return value
