@@ -167,11 +167,21 @@ def test_resealed_manifest_with_wrong_size_is_caught(checkpoint: Path) -> None:
     doc = manifest_doc(checkpoint)
     name = next(n for n, f in doc["files"].items() if "rank" in f)
     doc["files"][name]["size"] += 4096
-    doc["tensors"]["b"]["chunks"][0]["length"] = 16
     (checkpoint / "manifest.json").write_bytes(seal_manifest(doc))
     found = {(p.file, p.fqn, p.kind) for p in verify_checkpoint(checkpoint).problems}
     assert (name, None, "size") in found
-    assert (doc["tensors"]["b"]["chunks"][0]["file"], "b", "manifest") in found
+
+
+def test_resealed_manifest_with_wrong_chunk_length_is_one_problem(checkpoint: Path) -> None:
+    """Lengths are checked against shape and dtype when the manifest is parsed."""
+    doc = manifest_doc(checkpoint)
+    doc["tensors"]["b"]["chunks"][0]["length"] = 16
+    (checkpoint / "manifest.json").write_bytes(seal_manifest(doc))
+    (problem,) = verify_checkpoint(checkpoint).problems
+    assert (problem.file, problem.fqn, problem.kind) == ("manifest.json", "b", "manifest")
+    assert problem.message == (
+        "manifest: tensors['b'].chunks[0].length is 16, but sizes [3] of 8-byte elements need 24"
+    )
 
 
 def test_corrupt_manifest_is_one_problem(checkpoint: Path) -> None:

@@ -1,8 +1,10 @@
 """Catalog: list the checkpoints under a folder (``quicksave ls``).
 
 Cheap by design: it classifies directories by the files they hold, reads only
-``manifest.json`` (for the step) and ``stat``s the files; it never reads tensor data and
-never unpickles a DCP ``.metadata``.
+``manifest.json`` (for the step; a regular file only, see :mod:`quicksave.safeio`) and
+``lstat``s the files; it never reads tensor data and never unpickles a DCP
+``.metadata``. A damaged checkpoint is listed with its problem; it never fails the
+listing of the others.
 """
 
 from __future__ import annotations
@@ -52,20 +54,40 @@ class CheckpointInfo:
         return "committed" if self.committed else "uncommitted"
 
 
-def _dir_size(path: str) -> int:
-    total = 0
-    for dirpath, _dirs, files in os.walk(path):
-        for f in files:
+def dir_files(path: str) -> dict[str, int]:
+    """Every file under ``path`` (relative name -> ``lstat`` size), without following
+    symbolic links and without recursion (a hostile tree may nest deeply); entries that
+    vanish or cannot be read while listing are skipped."""
+    found: dict[str, int] = {}
+    stack = [path]
+    while stack:
+        top = stack.pop()
+        try:
+            entries = list(os.scandir(top))
+        except OSError:  # vanished (a stale temp being cleaned) or unreadable
+            continue
+        for entry in entries:
             try:
-                total += os.lstat(os.path.join(dirpath, f)).st_size
-            except OSError:  # vanished while listing (e.g. a stale temp being cleaned)
+                if entry.is_dir(follow_symlinks=False):
+                    stack.append(entry.path)
+                else:
+                    found[os.path.relpath(entry.path, path)] = entry.stat(
+                        follow_symlinks=False
+                    ).st_size
+            except OSError:
                 pass
-    return total
+    return found
+
+
+def _dir_size(path: str) -> int:
+    return sum(dir_files(path).values())
 
 
 def _step_from_name(name: str) -> int | None:
     match = _STEP_IN_NAME.search(name)
-    return int(match.group(1)) if match else None
+    if not match or len(match.group(1)) > 18:  # a step is below 2**63
+        return None
+    return int(match.group(1))
 
 
 def describe(path: str, name: str | None = None) -> CheckpointInfo | None:
@@ -87,7 +109,7 @@ def describe(path: str, name: str | None = None) -> CheckpointInfo | None:
     if kind not in _LISTED:
         return None
     base = os.path.basename(os.path.normpath(path))
-    names = set(os.listdir(path))
+    names = set(os.listdir(path))  # never the files' contents: only read_manifest reads
     step: int | None = None
     problem: str | None = None
     if MANIFEST_NAME in names:
@@ -109,7 +131,7 @@ def describe(path: str, name: str | None = None) -> CheckpointInfo | None:
         committed=kind in (CheckpointKind.QUICKSAVE, CheckpointKind.DCP),
         step=step,
         size=_dir_size(path),
-        mtime=os.stat(stamp).st_mtime,
+        mtime=os.lstat(stamp).st_mtime,  # the entry itself, even if a symbolic link
         problem=problem,
     )
 
@@ -151,6 +173,17 @@ def list_checkpoints(root: str | os.PathLike[str]) -> list[CheckpointInfo]:
                 info = describe(entry.path, entry.name)
             except FileNotFoundError:  # deleted meanwhile (retention, temp cleanup)
                 continue
+            except OSError as e:  # unreadable: list it with its problem, not fail the folder
+                info = CheckpointInfo(
+                    name=entry.name,
+                    path=os.path.abspath(entry.path),
+                    format="unknown",
+                    committed=False,
+                    step=_step_from_name(entry.name),
+                    size=0,
+                    mtime=0.0,
+                    problem=f"cannot read the directory: {e.strerror}",
+                )
             if info is not None:
                 found.append(info)
     found.sort(key=lambda i: (i.step is None, i.step if i.step is not None else 0, i.name))

@@ -34,10 +34,11 @@ from .commit import fsync_path, new_token, temp_path_for
 from .errors import CheckpointError, CheckpointExistsError, CorruptCheckpointError
 from .format import FORMAT_VERSION
 from .format import objects as objcodec
-from .format.dtypes import dtype_from_name, safetensors_code
+from .format.dtypes import dtype_from_name, element_size, safetensors_code
 from .format.manifest import Manifest, read_manifest
 from .persist import byte_view
-from .reader import read_chunk_into, require_committed
+from .reader import check_chunk_within, read_chunk_into, require_committed
+from .safeio import member_path, open_regular
 from .verify import byte_progress
 
 Target = Literal["torch", "dcp", "safetensors"]
@@ -101,37 +102,61 @@ def load_full_state(
     return _nest(flat), m
 
 
+def _open_data_files(path: str, m: Manifest) -> dict[str, int]:
+    """Open every data file the tensors use (regular files inside ``path`` only) and
+    check, before anything is allocated or read, that each holds its chunks and that
+    the unsharded tensors fit in the bytes the files hold. Returns name -> fd."""
+    fds: dict[str, int] = {}
+    sizes: dict[str, int] = {}
+    try:
+        for fqn, t in sorted(m.tensors.items()):
+            for c in t.chunks:
+                fpath = member_path(path, c.file, fqn=fqn)
+                rank = m.files[c.file].rank
+                if c.file not in fds:
+                    try:
+                        f = open_regular(fpath, what="data file", fqn=fqn, rank=rank)
+                    except FileNotFoundError:
+                        raise CorruptCheckpointError(
+                            "data file is missing", path=fpath, fqn=fqn, rank=rank
+                        ) from None
+                    fds[c.file], sizes[c.file] = f.fd, f.size
+                check_chunk_within(c, sizes[c.file], fpath, fqn, rank)
+        need = sum(
+            _volume(t.shape) * element_size(dtype_from_name(t.dtype)) for t in m.tensors.values()
+        )
+        held = sum(sizes.values())
+        if need > held:
+            raise CorruptCheckpointError(
+                f"the manifest's tensors need {need} bytes unsharded but the data files "
+                f"hold {held}; refusing to allocate them",
+                path=path,
+            )
+    except BaseException:
+        for fd in fds.values():
+            os.close(fd)
+        raise
+    return fds
+
+
 def _read_flat(path: str, progress: bool) -> tuple[Flat, Manifest]:
     require_committed(path)
     m = read_manifest(path)
     flat: Flat = {}
-    fds: dict[str, int] = {}
+    fds = _open_data_files(path, m)
     try:
         with byte_progress(m.total_tensor_bytes(), "read", progress) as bar:
             for fqn, t in sorted(m.tensors.items()):
                 dtype = dtype_from_name(t.dtype)
-                numel = 1
-                for d in t.shape:
-                    numel *= d
                 covered = sum(_volume(c.sizes) for c in t.chunks)
                 # Zero only what no chunk will fill (FORMAT.md: chunks SHOULD cover).
                 full = (
                     torch.empty(t.shape, dtype=dtype)
-                    if covered == numel
+                    if covered == _volume(t.shape)
                     else torch.zeros(t.shape, dtype=dtype)
                 )
                 for c in t.chunks:
                     fpath = os.path.join(path, c.file)
-                    if c.file not in fds:
-                        try:
-                            fds[c.file] = os.open(fpath, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-                        except OSError as e:
-                            raise CorruptCheckpointError(
-                                f"cannot open data file: {e.strerror}",
-                                path=fpath,
-                                fqn=fqn,
-                                rank=m.files[c.file].rank,
-                            ) from None
                     whole = tuple(c.sizes) == tuple(t.shape)
                     buf = full if whole else torch.empty(c.sizes, dtype=dtype)
                     view = byte_view(buf)

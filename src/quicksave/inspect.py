@@ -2,8 +2,9 @@
 
 A quicksave checkpoint is described from ``manifest.json`` alone; nothing is
 unpickled and no tensor data is read. A stock DCP directory keeps its metadata in a
-pickle (``.metadata``), which can run code when loaded, so it is read only when the
-caller explicitly allows it.
+pickle (``.metadata``), which could run code when loaded: it is read by the restricted
+unpickler of :mod:`quicksave.dcp_reader` (DCP's metadata classes only), or fully only
+when the caller explicitly allows it.
 """
 
 from __future__ import annotations
@@ -142,18 +143,13 @@ def _quicksave_summary(path: str) -> CheckpointSummary:
     )
 
 
-def _dcp_summary(path: str) -> CheckpointSummary:
-    import torch.distributed.checkpoint as dcp
+def _dcp_summary(path: str, allow_pickle: bool) -> CheckpointSummary:
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    from .catalog import _step_from_name
+    from .catalog import _step_from_name, dir_files
+    from .dcp_reader import read_dcp_metadata
 
-    try:
-        md = dcp.FileSystemReader(path).read_metadata()  # unpickles: the caller allowed it
-    except Exception as e:  # any unpickling failure: report it as a quicksave error
-        raise CheckpointError(
-            f"cannot read the DCP .metadata pickle: {type(e).__name__}: {e}", path=path
-        ) from None
+    md = read_dcp_metadata(path, allow_pickle=allow_pickle)
     tensors, objects = [], []
     for fqn, item in sorted(md.state_dict_metadata.items()):
         if isinstance(item, TensorStorageMetadata):
@@ -170,11 +166,6 @@ def _dcp_summary(path: str) -> CheckpointSummary:
             )
         else:
             objects.append(ObjectInfo(fqn, "object (torch.save bytes)", ""))
-    files = {}
-    for dirpath, _dirs, names in os.walk(path):
-        for n in names:
-            full = os.path.join(dirpath, n)
-            files[os.path.relpath(full, path)] = os.path.getsize(full)
     return CheckpointSummary(
         path=path,
         format="dcp",
@@ -182,7 +173,7 @@ def _dcp_summary(path: str) -> CheckpointSummary:
         world_size=None,
         tensors=tuple(tensors),
         objects=tuple(objects),
-        files=dict(sorted(files.items())),
+        files=dict(sorted(dir_files(path).items())),
     )
 
 
@@ -194,8 +185,10 @@ def inspect_checkpoint(
     Args:
         path: a committed quicksave checkpoint, or (with ``allow_pickle``) a stock
             ``torch.distributed.checkpoint`` directory.
-        allow_pickle: allow unpickling a DCP directory's ``.metadata``. Unpickling runs
-            code named by the file: only for checkpoints you trust. Never needed for
+        allow_pickle: unpickle a DCP directory's ``.metadata`` without restriction.
+            Unpickling runs code named by the file: only for checkpoints you trust.
+            Without it the pickle is read by a restricted unpickler that admits only
+            DCP's metadata classes (:mod:`quicksave.dcp_reader`). Never needed for
             quicksave checkpoints.
 
     Returns:
@@ -204,8 +197,9 @@ def inspect_checkpoint(
     Raises:
         CheckpointNotFoundError: nothing at ``path``, or not a checkpoint.
         NotCommittedError: an uncommitted (temporary or partial) checkpoint.
-        CheckpointError: a DCP directory and ``allow_pickle`` is False.
-        CorruptCheckpointError: the manifest is damaged.
+        CorruptCheckpointError: the manifest is damaged, or a DCP ``.metadata`` is not
+            DCP metadata (names the refused global when the restricted unpickler refused
+            it).
 
     Example::
 
@@ -215,11 +209,4 @@ def inspect_checkpoint(
     path = os.path.abspath(os.fspath(path))
     if require_committed(path, allow_dcp=True) is CheckpointKind.QUICKSAVE:
         return _quicksave_summary(path)
-    if not allow_pickle:
-        raise CheckpointError(
-            "this is a stock torch.distributed.checkpoint directory whose metadata "
-            "(.metadata) is a Python pickle, which can run code when read; pass "
-            "--allow-pickle (allow_pickle=True) only if you trust it",
-            path=path,
-        )
-    return _dcp_summary(path)
+    return _dcp_summary(path, allow_pickle)

@@ -62,6 +62,7 @@ from .format.manifest import (
     read_manifest,
 )
 from .persist import byte_view
+from .safeio import RegularFile, member_path, open_regular
 
 
 def require_committed(path: str, *, allow_dcp: bool = False) -> CheckpointKind:
@@ -204,6 +205,18 @@ def read_chunk_into(
             )
 
 
+def check_chunk_within(entry: ChunkEntry, size: int, path: str, fqn: str, rank: int | None) -> None:
+    """Raise if the chunk ``entry`` ends beyond the ``size`` bytes its file holds."""
+    if entry.offset + entry.length > size:
+        raise CorruptCheckpointError(
+            f"data file is truncated: chunk needs bytes {entry.offset}.."
+            f"{entry.offset + entry.length}, file ends at {size}",
+            path=path,
+            fqn=fqn,
+            rank=rank,
+        )
+
+
 @dataclass
 class _Chunk:
     fqn: str
@@ -307,8 +320,13 @@ class StorageReader(_DCPStorageReader):
             by_file[c.entry.file].append(c)
         fds: dict[str, int] = {}
         try:
-            for name in by_file:
-                fds[name] = self._open(name, by_file[name][0].fqn)
+            for name, file_chunks in by_file.items():
+                f = self._open(name, file_chunks[0].fqn)
+                fds[name] = f.fd
+                for c in file_chunks:  # before any read or buffer: the file holds it all
+                    check_chunk_within(
+                        c.entry, f.size, os.path.join(self.path, name), c.fqn, self.rank
+                    )
             work = sorted(chunks.values(), key=lambda c: (c.entry.file, c.entry.offset))
             if self.thread_count == 1 or len(work) <= 1:
                 for c in work:
@@ -329,17 +347,13 @@ class StorageReader(_DCPStorageReader):
         fut.set_result(None)
         return fut
 
-    def _open(self, name: str, fqn: str) -> int:
-        path = os.path.join(self.path, name)
+    def _open(self, name: str, fqn: str) -> RegularFile:
+        path = member_path(self.path, name, fqn=fqn)
         try:
-            return os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+            return open_regular(path, what="data file", fqn=fqn, rank=self.rank)
         except FileNotFoundError:
             raise CorruptCheckpointError(
                 "data file is missing", path=path, fqn=fqn, rank=self.rank
-            ) from None
-        except OSError as e:
-            raise CorruptCheckpointError(
-                f"cannot open data file: {e.strerror}", path=path, fqn=fqn, rank=self.rank
             ) from None
 
     def _read_into(self, fd: int, view: memoryview, c: _Chunk) -> None:

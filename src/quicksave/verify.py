@@ -6,19 +6,23 @@
 - that every file the manifest lists exists with exactly the listed size, and that no
   other file is present;
 - data files: the safetensors header region ``[0, data_start)`` against the file's
-  digest, every chunk against its own digest, and that every other byte (the alignment
-  padding between chunks) is zero;
+  digest, that it is a valid safetensors header agreeing with the manifest
+  (:mod:`.format.safetensors_header`), every chunk against its own digest, and that
+  every other byte (the alignment padding between chunks) is zero;
 - other files (``.metadata``): the digest of all their bytes;
 - the manifest's internal consistency (chunk lengths, alignment, overlaps, coverage) and
   that every stored object decodes.
 
 Together this detects any changed, missing or added byte. Nothing is unpickled: the
-``.metadata`` pickle is only hashed. Spec: docs/FORMAT.md.
+``.metadata`` pickle is only hashed. Only regular files inside the checkpoint are
+opened (:mod:`quicksave.safeio`): a symbolic link, FIFO or device is reported, never
+read. Spec: docs/FORMAT.md.
 """
 
 from __future__ import annotations
 
 import os
+import stat
 import sys
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,12 +30,20 @@ from typing import Any
 import numpy as np
 import xxhash
 
-from .errors import CorruptCheckpointError
-from .format import ALIGNMENT, MANIFEST_NAME
+from .errors import CheckpointError, CorruptCheckpointError
+from .format import MANIFEST_NAME
 from .format import objects as objcodec
-from .format.dtypes import dtype_from_name, element_size
+from .format.dtypes import known_dtype, safetensors_code
 from .format.manifest import FileEntry, Manifest, hexdigest, read_manifest
+from .format.safetensors_header import (
+    ExpectedChunk,
+    header_length,
+    mismatches,
+    parse_header,
+)
+from .plan import chunk_key
 from .reader import require_committed
+from .safeio import open_regular, read_at
 
 READ_BLOCK = 16 << 20  # one reused buffer; large reads keep syscalls few on big files
 
@@ -129,16 +141,20 @@ def byte_progress(total: int, desc: str, enabled: bool) -> Any:
 
 
 def _manifest_problems(m: Manifest) -> list[Problem]:
-    """Internal consistency of a manifest whose checksum already matched."""
+    """Internal consistency of a manifest that parsed (so its checksum matched and every
+    chunk's length, alignment and file range were checked): dtypes this torch knows,
+    coverage, and objects that decode."""
     problems: list[Problem] = []
-    elem_sizes: dict[str, int] = {}
     for fqn, t in m.tensors.items():
-        try:
-            if t.dtype not in elem_sizes:
-                elem_sizes[t.dtype] = element_size(dtype_from_name(t.dtype))
-            esize = elem_sizes[t.dtype]
-        except Exception as e:  # unknown dtype name (newer torch) or unusable dtype
-            problems.append(Problem(MANIFEST_NAME, fqn, "manifest", f"dtype {t.dtype!r}: {e}"))
+        if known_dtype(t.dtype) is None:
+            problems.append(
+                Problem(
+                    MANIFEST_NAME,
+                    fqn,
+                    "manifest",
+                    f"unknown dtype {t.dtype!r} (written by a newer torch?)",
+                )
+            )
             continue
         numel = 1
         for d in t.shape:
@@ -146,36 +162,9 @@ def _manifest_problems(m: Manifest) -> list[Problem]:
         covered = 0
         for c in t.chunks:
             n = 1
-            for s in c.sizes:
-                n *= s
+            for size in c.sizes:
+                n *= size
             covered += n
-            if c.length != n * esize:
-                problems.append(
-                    Problem(
-                        c.file,
-                        fqn,
-                        "manifest",
-                        f"chunk at offsets {list(c.offsets)} has length {c.length}, expected "
-                        f"{n * esize} ({n} elements of {t.dtype})",
-                    )
-                )
-            if c.offset % ALIGNMENT:
-                problems.append(
-                    Problem(
-                        c.file,
-                        fqn,
-                        "manifest",
-                        f"chunk at offsets {list(c.offsets)} starts at byte {c.offset}, "
-                        f"not a multiple of {ALIGNMENT}",
-                    )
-                )
-            f = m.files[c.file]
-            if f.data_start is None:
-                problems.append(
-                    Problem(
-                        c.file, fqn, "manifest", "chunk stored in a file that is not a data file"
-                    )
-                )
         if covered != numel:
             problems.append(
                 Problem(
@@ -189,9 +178,49 @@ def _manifest_problems(m: Manifest) -> list[Problem]:
     for fqn, o in m.objects.items():
         try:
             objcodec.decode(o.value, fqn=fqn)
-        except Exception as e:  # a stored object must decode; report, don't stop
-            problems.append(Problem(MANIFEST_NAME, fqn, "object", f"cannot decode: {e}"))
+        except CheckpointError as e:  # a stored object must decode; report, don't stop
+            problems.append(Problem(MANIFEST_NAME, fqn, "object", f"cannot decode: {e.message}"))
     return problems
+
+
+def _expected_chunks(name: str, m: Manifest) -> list[ExpectedChunk]:
+    out = []
+    for fqn, t in m.tensors.items():
+        dtype = known_dtype(t.dtype)
+        code = (safetensors_code(dtype) if dtype is not None else None) or "U8"
+        for c in t.chunks:
+            if c.file == name:
+                key = chunk_key(fqn, c.offsets, c.sizes, t.shape)
+                out.append(ExpectedChunk(key, fqn, c.offset, c.length, code))
+    return out
+
+
+def _header_problems(
+    fd: int, name: str, entry: FileEntry, size: int, m: Manifest, fpath: str
+) -> list[Problem]:
+    """The data file is valid safetensors and its header agrees with the manifest."""
+    try:
+        prefix = read_at(fd, 0, 8, path=fpath, what="data file")
+        n = header_length(prefix, size, fpath)
+        if 8 + n != entry.data_start:
+            return [
+                Problem(
+                    name,
+                    None,
+                    "header",
+                    f"safetensors header: ends at byte {8 + n}, the manifest's data_start "
+                    f"is {entry.data_start}",
+                )
+            ]
+        text = read_at(fd, 8, n, path=fpath, what="data file")
+        # The manifest's size: a different real size is its own problem (kind size).
+        metadata, entries = parse_header(text, entry.size, fpath)
+    except CorruptCheckpointError as e:
+        return [Problem(name, None, "header", e.message)]
+    return [
+        Problem(name, fqn, "header", f"safetensors header: {message}")
+        for fqn, message in mismatches(metadata, entries, entry.rank, _expected_chunks(name, m))
+    ]
 
 
 def _regions_for(
@@ -210,15 +239,6 @@ def _regions_for(
         ),
         key=lambda x: (x[0], x[1]),
     )
-    if entry.data_start > entry.size:
-        problems.append(
-            Problem(
-                name,
-                None,
-                "manifest",
-                f"data_start {entry.data_start} lies beyond size {entry.size}",
-            )
-        )
     cur = entry.data_start
     for start, end, fqn, c in chunks:
         if start < cur and end > start:
@@ -284,7 +304,7 @@ def _finish(name: str, r: _Region, problems: list[Problem]) -> None:
 
 
 def _check_file(
-    path: str,
+    fd: int,
     name: str,
     regions: list[_Region],
     limit: int,
@@ -292,28 +312,28 @@ def _check_file(
     bar: Any,  # a tqdm bar (disabled when no progress is wanted)
     buf: memoryview,
 ) -> int:
-    """Stream ``path`` up to ``limit`` bytes through ``regions``; returns bytes read."""
+    """Stream the open file ``fd`` up to ``limit`` bytes through ``regions``; returns
+    bytes read."""
     pos = 0
     i = 0
     try:
-        with open(path, "rb", buffering=0) as f:
-            while pos < limit:
-                n = f.readinto(buf[: min(len(buf), limit - pos)])
-                if not n:
+        while pos < limit:
+            n = os.preadv(fd, [buf[: min(len(buf), limit - pos)]], pos)
+            if not n:
+                break
+            block_end = pos + n
+            while i < len(regions) and regions[i].start < block_end:
+                r = regions[i]
+                a = max(r.start, pos)
+                b = min(r.end, block_end)
+                if b > a:
+                    r.feed(buf[a - pos : b - pos], a)
+                if r.end > block_end:
                     break
-                block_end = pos + n
-                while i < len(regions) and regions[i].start < block_end:
-                    r = regions[i]
-                    a = max(r.start, pos)
-                    b = min(r.end, block_end)
-                    if b > a:
-                        r.feed(buf[a - pos : b - pos], a)
-                    if r.end > block_end:
-                        break
-                    _finish(name, r, problems)
-                    i += 1
-                pos = block_end
-                bar.update(n)
+                _finish(name, r, problems)
+                i += 1
+            pos = block_end
+            bar.update(n)
     except OSError as e:
         problems.append(Problem(name, None, "unreadable", f"cannot read: {e.strerror}"))
         return pos
@@ -356,11 +376,13 @@ def verify_checkpoint(path: str | os.PathLike[str], progress: bool = False) -> V
     """
     path = os.path.abspath(os.fspath(path))
     require_committed(path)
-    manifest_path = os.path.join(path, MANIFEST_NAME)
-    manifest_size = os.path.getsize(manifest_path)
+    try:
+        manifest_size = os.lstat(os.path.join(path, MANIFEST_NAME)).st_size
+    except OSError:
+        manifest_size = 0
     try:
         m = read_manifest(path)
-    except CorruptCheckpointError as e:
+    except CheckpointError as e:
         # Nothing else can be trusted without a valid manifest.
         return VerifyReport(
             path,
@@ -372,35 +394,54 @@ def verify_checkpoint(path: str | os.PathLike[str], progress: bool = False) -> V
     problems = _manifest_problems(m)
     present = set(os.listdir(path))
     for extra in sorted(present - set(m.files) - {MANIFEST_NAME}):
-        kind = "directory" if os.path.isdir(os.path.join(path, extra)) else "file"
+        try:
+            is_dir = stat.S_ISDIR(os.lstat(os.path.join(path, extra)).st_mode)
+        except OSError:
+            is_dir = False
+        kind = "directory" if is_dir else "file"
         problems.append(
             Problem(extra, None, "unexpected-file", f"{kind} not listed in the manifest")
         )
 
-    plan: list[tuple[str, str, list[_Region], int]] = []
-    for name, entry in sorted(m.files.items()):
-        fpath = os.path.join(path, name)
-        if name not in present:
-            problems.append(
-                Problem(name, None, "missing-file", "listed in the manifest but absent")
-            )
-            continue
-        if not os.path.isfile(fpath):
-            problems.append(Problem(name, None, "unexpected-file", "not a regular file"))
-            continue
-        actual = os.path.getsize(fpath)
-        if actual != entry.size:
-            problems.append(
-                Problem(name, None, "size", f"file has {actual} bytes, manifest says {entry.size}")
-            )
-        plan.append((name, fpath, _regions_for(name, entry, m, problems), min(actual, entry.size)))
+    plan: list[tuple[str, int, list[_Region], int]] = []
+    try:
+        for name, entry in sorted(m.files.items()):
+            fpath = os.path.join(path, name)  # a plain name: the manifest parser checked
+            if name not in present:
+                problems.append(
+                    Problem(name, None, "missing-file", "listed in the manifest but absent")
+                )
+                continue
+            try:
+                f = open_regular(fpath, what="file")
+            except FileNotFoundError:
+                problems.append(
+                    Problem(name, None, "missing-file", "listed in the manifest but absent")
+                )
+                continue
+            except CorruptCheckpointError as e:
+                problems.append(Problem(name, None, "unexpected-file", e.message))
+                continue
+            plan.append((name, f.fd, [], min(f.size, entry.size)))
+            if f.size != entry.size:
+                problems.append(
+                    Problem(
+                        name, None, "size", f"file has {f.size} bytes, manifest says {entry.size}"
+                    )
+                )
+            if entry.data_start is not None:
+                problems += _header_problems(f.fd, name, entry, f.size, m, fpath)
+            plan[-1][2].extend(_regions_for(name, entry, m, problems))
 
-    total = sum(limit for *_, limit in plan)
-    buf = memoryview(bytearray(min(READ_BLOCK, max(total, 1))))
-    checked = manifest_size
-    with byte_progress(total, "verify", progress) as bar:
-        for name, fpath, regions, limit in plan:
-            checked += _check_file(fpath, name, regions, limit, problems, bar, buf)
+        total = sum(limit for *_, limit in plan)
+        buf = memoryview(bytearray(min(READ_BLOCK, max(total, 1))))
+        checked = manifest_size
+        with byte_progress(total, "verify", progress) as bar:
+            for name, fd, regions, limit in plan:
+                checked += _check_file(fd, name, regions, limit, problems, bar, buf)
+    finally:
+        for _, fd, _, _ in plan:
+            os.close(fd)
     return VerifyReport(
         path,
         tuple(problems),

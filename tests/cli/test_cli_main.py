@@ -171,21 +171,36 @@ def test_inspect_text(checkpoint: Path, capsys) -> None:
     assert any(line.split() == ["opt.lr", "float", "0.01"] for line in out.splitlines())
 
 
-def test_inspect_dcp_needs_allow_pickle(tmp_path: Path, capsys) -> None:
+def test_inspect_dcp_reads_the_pickle_restricted(tmp_path: Path, capsys) -> None:
+    """A stock DCP directory's .metadata is read by the restricted unpickler (DCP's
+    metadata classes only); --allow-pickle unpickles it fully. Both describe it alike."""
     path = tmp_path / "dcp"
     dcp.save({"w": torch.zeros(2, 3), "n": 3}, checkpoint_id=str(path), no_dist=True)
-    rc, out, err = run(capsys, "inspect", str(path))
-    assert (rc, out) == (2, "")
-    assert err.startswith("quicksave: error: this is a stock torch.distributed.checkpoint")
-    assert "(.metadata) is a Python pickle" in err and "--allow-pickle" in err
-    assert f"[path={path}]" in err
-    rc, out, _ = run(capsys, "inspect", str(path), "--allow-pickle", "--json")
-    doc = json.loads(out)
-    assert rc == 0 and doc["format"] == "dcp"
+    docs = []
+    for extra in ((), ("--allow-pickle",)):
+        rc, out, err = run(capsys, "inspect", str(path), "--json", *extra)
+        assert (rc, err) == (0, "")
+        docs.append(json.loads(out))
+    assert docs[0] == docs[1]
+    doc = docs[0]
+    assert doc["format"] == "dcp"
     assert doc["tensors"] == [
         {"fqn": "w", "dtype": "float32", "shape": [2, 3], "bytes": 24, "chunks": 1}
     ]
     assert [o["fqn"] for o in doc["objects"]] == ["n"]
+
+
+def test_inspect_dcp_refuses_a_pickle_that_names_other_globals(tmp_path: Path, capsys) -> None:
+    path = tmp_path / "dcp"
+    dcp.save({"w": torch.zeros(2)}, checkpoint_id=str(path), no_dist=True)
+    (path / ".metadata").write_bytes(pickle.dumps(types.SimpleNamespace(a=1)))
+    rc, out, err = run(capsys, "inspect", str(path))
+    assert (rc, out) == (2, "")
+    assert err == (
+        "quicksave: error: the DCP metadata pickle refers to types.SimpleNamespace, which is "
+        "not part of DCP's metadata; refusing to unpickle it (pass allow_pickle=True only "
+        f"if you trust this checkpoint) [path={path / '.metadata'}]\n"
+    )
 
 
 def test_inspect_uncommitted_and_missing(tmp_path: Path, capsys) -> None:

@@ -10,7 +10,8 @@ Subcommands (``quicksave <cmd> --help`` for each)::
 
 Exit status: 0 success; 1 ``verify`` found corruption; 2 a usage or checkpoint error
 (not found, not committed, unreadable ...), printed as ``quicksave: error: ...`` without
-a traceback.
+a traceback. Human-readable output shows control characters from a checkpoint (in
+names, dtypes, messages) as escapes (``\x1b``), never raw (:mod:`.text`).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, TextIO
 
 from ..errors import CheckpointError
+from .text import json_text, printable
 
 PASS_THROUGH = {
     "demo": "run the end-to-end demo (arguments go to quicksave.demo)",
@@ -43,7 +45,9 @@ def human_bytes(n: int) -> str:
 
 
 def _table(rows: list[list[str]], out: TextIO, right: Sequence[int] = ()) -> None:
-    """Print ``rows`` (the first is the header) as aligned columns."""
+    """Print ``rows`` (the first is the header) as aligned columns, control characters
+    escaped."""
+    rows = [[printable(c) for c in row] for row in rows]
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     for row in rows:
         cells = [
@@ -54,8 +58,13 @@ def _table(rows: list[list[str]], out: TextIO, right: Sequence[int] = ()) -> Non
 
 
 def _print_json(doc: Any, out: TextIO) -> None:
-    json.dump(doc, out, indent=2, ensure_ascii=False)
+    out.write(json_text(doc))
     out.write("\n")
+
+
+def _say(text: str, out: TextIO) -> None:
+    """Print one human-readable line, control characters escaped."""
+    print(printable(text), file=out)
 
 
 # --------------------------------------------------------------------------- ls
@@ -85,7 +94,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
         )
         return 0
     if not infos:
-        print(f"no checkpoints in {os.path.abspath(args.root)}", file=sys.stderr)
+        _say(f"no checkpoints in {os.path.abspath(args.root)}", sys.stderr)
         return 0
     rows = [["NAME", "STEP", "STATUS", "FORMAT", "SIZE", "MODIFIED"]]
     for i in infos:
@@ -114,17 +123,17 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         _print_json(s.to_json(), out)
         return 0
     size = (lambda n: str(n)) if args.bytes else human_bytes
-    print(f"checkpoint:  {s.path}", file=out)
-    print(f"format:      {s.format}", file=out)
-    print(f"step:        {'-' if s.step is None else s.step}", file=out)
-    print(f"world size:  {'-' if s.world_size is None else s.world_size}", file=out)
-    print(
+    _say(f"checkpoint:  {s.path}", out)
+    _say(f"format:      {s.format}", out)
+    _say(f"step:        {'-' if s.step is None else s.step}", out)
+    _say(f"world size:  {'-' if s.world_size is None else s.world_size}", out)
+    _say(
         f"totals:      {len(s.tensors)} tensors ({size(s.tensor_bytes)}), {len(s.objects)} "
         f"objects, {len(s.files)} files ({size(s.file_bytes)})",
-        file=out,
+        out,
     )
     if s.user_metadata:
-        print(f"user metadata: {json.dumps(s.user_metadata, sort_keys=True)}", file=out)
+        _say(f"user metadata: {json.dumps(s.user_metadata, sort_keys=True)}", out)
     if s.tensors:
         print(file=out)
         rows = [["TENSOR", "DTYPE", "SHAPE", "BYTES", "CHUNKS"]]
@@ -164,16 +173,16 @@ def cmd_verify(args: argparse.Namespace) -> int:
         )
         return 0 if report.ok else 1
     if report.ok:
-        print(
+        _say(
             f"OK {report.path}: {report.files_checked} files, {report.bytes_checked} bytes, "
             f"{report.tensors} tensors, {report.objects} objects verified",
-            file=out,
+            out,
         )
         return 0
     for p in report.problems:
-        print(f"CORRUPT {p}", file=out)
+        _say(f"CORRUPT {p}", out)
     n = len(report.problems)
-    print(f"FAILED {report.path}: {n} problem{'s' if n != 1 else ''}", file=out)
+    _say(f"FAILED {report.path}: {n} problem{'s' if n != 1 else ''}", out)
     return 1
 
 
@@ -183,7 +192,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
     progress = sys.stderr.isatty() if args.progress is None else args.progress
     written = convert(args.checkpoint, args.out, args.to, progress=progress)
-    print(f"wrote {written} ({args.to})", file=sys.stdout)
+    _say(f"wrote {written} ({args.to})", sys.stdout)
     return 0
 
 
@@ -252,7 +261,8 @@ def build_parser() -> argparse.ArgumentParser:
         "inspect",
         help="show the tensors and values in a checkpoint",
         description="Show the tensors (fqn, dtype, shape, bytes, chunks) and values of a "
-        "checkpoint, from its manifest only (nothing is unpickled).",
+        "checkpoint, from its manifest only (nothing is unpickled; a stock DCP "
+        "directory's .metadata pickle is read by a restricted unpickler).",
     )
     p.add_argument("checkpoint", metavar="CKPT")
     p.add_argument("--json", action="store_true", help="machine-readable output")
@@ -260,8 +270,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--allow-pickle",
         action="store_true",
-        help="allow reading a stock DCP directory's pickled .metadata "
-        "(runs code from the file: only for trusted checkpoints)",
+        help="unpickle a stock DCP directory's .metadata without restriction (runs code "
+        "from the file: only for trusted checkpoints); without it only DCP's metadata "
+        "classes are admitted",
     )
     p.set_defaults(func=cmd_inspect)
 
@@ -318,7 +329,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return e.code if isinstance(e.code, int) else (0 if e.code is None else 2)
         return args.func(args)
     except CheckpointError as e:
-        print(f"quicksave: error: {e}", file=sys.stderr)
+        _say(f"quicksave: error: {e}", sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("quicksave: interrupted", file=sys.stderr)
@@ -329,6 +340,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         except (OSError, ValueError):
             pass
         return 0
+    except OSError as e:  # e.g. a folder that cannot be listed: a message, not a traceback
+        where = f" [path={e.filename}]" if e.filename else ""
+        _say(f"quicksave: error: {e.strerror or e}{where}", sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

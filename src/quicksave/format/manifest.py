@@ -16,7 +16,7 @@ from typing import Any, NoReturn
 
 import xxhash
 
-from ..errors import CorruptCheckpointError
+from ..errors import CorruptCheckpointError, IncompatibleStateError
 from ..safeio import bad_member_name, read_regular
 from . import ALIGNMENT, FORMAT_NAME, FORMAT_VERSION, strict_json
 from .dtype_names import element_size_of_name
@@ -151,7 +151,15 @@ def _plan_json(p: RankPlan) -> dict[str, Any]:
 
 
 def to_json_bytes(m: Manifest) -> bytes:
-    """Serialize deterministically and append the self-checksum."""
+    """Serialize deterministically and append the self-checksum.
+
+    Raises:
+        IncompatibleStateError: ``user_metadata`` holds something readers refuse
+            (nesting, huge integers, NaN; FORMAT.md §2).
+    """
+    why = strict_json.unwritable(m.user_metadata, strict_json.MAX_DEPTH - 2)
+    if why is not None:
+        raise IncompatibleStateError(f"user_metadata cannot be stored: {why}")
     doc: dict[str, Any] = {
         "format": FORMAT_NAME,
         "format_version": m.format_version,
@@ -255,7 +263,10 @@ def _dtype(obj: dict, where: str, path: str, fqn: str | None = None) -> str:
 
 
 def _int_tuple(values: Any, where: str, path: str, fqn: str | None = None) -> tuple[int, ...]:
-    if not isinstance(values, list) or not all(_is_int(v) for v in values):
+    # ``type(v) is int``: parsed JSON has no int subclasses but bool, which it excludes.
+    if not isinstance(values, list) or not all(
+        type(v) is int and 0 <= v < INT_LIMIT for v in values
+    ):
         _fail(f"{where} must be a list of integers in [0, 2**63)", path, fqn)
     return tuple(values)
 
@@ -365,13 +376,6 @@ def _chunk(
             path,
             fqn,
         )
-    if offset + length > entry.size:
-        _fail(
-            f"{cw} (bytes {offset}..{offset + length}) lies beyond the size of {file!r} "
-            f"({entry.size})",
-            path,
-            fqn,
-        )
     if esize is not None and length != _numel(sizes) * esize:
         _fail(
             f"{cw}.length is {length}, but sizes {list(sizes)} of {esize}-byte elements "
@@ -440,6 +444,7 @@ def from_json_bytes(data: bytes, path: str = "manifest.json") -> Manifest:
     user = doc.get("user_metadata", {})
     if not isinstance(user, dict):
         _fail("user_metadata must be an object", path)
+    strict_json.check_depth(user, what="manifest: user_metadata", path=path)
     return Manifest(
         step=step,
         world_size=world_size,
