@@ -25,7 +25,9 @@ import xxhash
 
 from . import commit
 from .errors import CheckpointError, CorruptCheckpointError
-from .format.manifest import Manifest, ObjectEntry, hexdigest
+from .format import strict_json
+from .format.manifest import MAX_MANIFEST_BYTES, Manifest, ObjectEntry, hexdigest
+from .safeio import read_regular
 
 PART_FORMAT = "quicksave-part"
 
@@ -83,14 +85,19 @@ def read_part(tmp_dir: str, rank: int) -> RankPart:
     """
     path = os.path.join(tmp_dir, part_name(rank))
     try:
-        with open(path, "rb") as f:
-            body = json.loads(f.read())
+        data = read_regular(path, MAX_MANIFEST_BYTES, what="part", rank=rank)
     except FileNotFoundError:
         raise CheckpointError(
             "this rank's writer left no part (its write did not finish)", path=path, rank=rank
         ) from None
-    except (OSError, ValueError) as e:
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
         raise CorruptCheckpointError(f"unreadable part: {e}", path=path, rank=rank) from None
+    try:
+        body = strict_json.loads(text, what="part", path=path)
+    except CorruptCheckpointError as e:
+        raise CorruptCheckpointError(e.message, path=path, rank=rank) from None
     if not isinstance(body, dict) or body.get("format") != PART_FORMAT:
         raise CorruptCheckpointError("not a quicksave part", path=path, rank=rank)
     digest = body.pop("part_xxh3_64", None)
@@ -101,7 +108,16 @@ def read_part(tmp_dir: str, rank: int) -> RankPart:
         raise CorruptCheckpointError(
             f"the part says rank {body.get('rank')!r}", path=path, rank=rank
         )
-    return RankPart(rank, dict(body["chunks"]), dict(body["objects"]))
+    chunks, objects = body.get("chunks"), body.get("objects")
+    if (
+        not isinstance(chunks, dict)
+        or not isinstance(objects, dict)
+        or not all(isinstance(v, str) for v in chunks.values())
+    ):
+        raise CorruptCheckpointError(
+            "the part's chunks and objects are malformed", path=path, rank=rank
+        )
+    return RankPart(rank, dict(chunks), dict(objects))
 
 
 def manifest_from_parts(
