@@ -123,7 +123,8 @@ def _open_data_files(path: str, m: Manifest) -> dict[str, int]:
                     fds[c.file], sizes[c.file] = f.fd, f.size
                 check_chunk_within(c, sizes[c.file], fpath, fqn, rank)
         need = sum(
-            _volume(t.shape) * element_size(dtype_from_name(t.dtype)) for t in m.tensors.values()
+            _volume(t.shape) * element_size(dtype_from_name(t.dtype, path=path, fqn=fqn))
+            for fqn, t in m.tensors.items()
         )
         held = sum(sizes.values())
         if need > held:
@@ -147,7 +148,7 @@ def _read_flat(path: str, progress: bool) -> tuple[Flat, Manifest]:
     try:
         with byte_progress(m.total_tensor_bytes(), "read", progress) as bar:
             for fqn, t in sorted(m.tensors.items()):
-                dtype = dtype_from_name(t.dtype)
+                dtype = dtype_from_name(t.dtype, path=path, fqn=fqn)
                 covered = sum(_volume(c.sizes) for c in t.chunks)
                 # Zero only what no chunk will fill (FORMAT.md: chunks SHOULD cover).
                 full = (

@@ -98,7 +98,8 @@ def require_committed(path: str, *, allow_dcp: bool = False) -> CheckpointKind:
     raise CheckpointNotFoundError("not a checkpoint (no manifest.json)", path=path)
 
 
-def manifest_to_metadata(manifest: Manifest) -> Metadata:
+def manifest_to_metadata(manifest: Manifest, path: str | None = None) -> Metadata:
+    """DCP ``Metadata`` equivalent to ``manifest`` (``path``: named in errors)."""
     sd_md: dict[str, Any] = {}
     storage: dict[MetadataIndex, Any] = {}
     mappings: dict[str, tuple] = {}
@@ -107,7 +108,9 @@ def manifest_to_metadata(manifest: Manifest) -> Metadata:
             ChunkStorageMetadata(torch.Size(c.offsets), torch.Size(c.sizes)) for c in t.chunks
         ]
         sd_md[fqn] = TensorStorageMetadata(
-            TensorProperties(dtype=dtype_from_name(t.dtype)), torch.Size(t.shape), chunks
+            TensorProperties(dtype=dtype_from_name(t.dtype, path=path, fqn=fqn)),
+            torch.Size(t.shape),
+            chunks,
         )
         for c in t.chunks:
             storage[MetadataIndex(fqn, torch.Size(c.offsets))] = (fqn, c)
@@ -150,7 +153,7 @@ def save_plan_of(rank_plan: RankPlan, manifest: Manifest) -> SavePlan:
                 type=WriteItemType.TENSOR if whole else WriteItemType.SHARD,
                 tensor_data=TensorWriteData(
                     chunk=ChunkStorageMetadata(torch.Size(c.offsets), torch.Size(c.sizes)),
-                    properties=TensorProperties(dtype=dtype_from_name(c.dtype)),
+                    properties=TensorProperties(dtype=dtype_from_name(c.dtype, fqn=c.fqn)),
                     size=torch.Size(c.shape),
                 ),
             )
@@ -272,7 +275,7 @@ class StorageReader(_DCPStorageReader):
         if not recorded), which ``init_checkpoint_metadata_cache`` uses to let the first
         save after a restart skip global planning."""
         manifest = self.read_manifest()
-        md = manifest_to_metadata(manifest)
+        md = manifest_to_metadata(manifest, self.path)
         md.storage_meta = StorageMeta(checkpoint_id=self.path)
         plans = manifest_rank_plans(manifest)
         md.all_local_plans = None if plans is None else [save_plan_of(p, manifest) for p in plans]

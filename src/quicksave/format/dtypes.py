@@ -68,17 +68,19 @@ def known_dtype(name: object) -> torch.dtype | None:
     return _BY_NAME.get(name) if isinstance(name, str) else None
 
 
-def dtype_from_name(name: str) -> torch.dtype:
+def dtype_from_name(name: str, *, path: str | None = None, fqn: str | None = None) -> torch.dtype:
     """The torch dtype called ``name`` (a canonical name such as ``bfloat16``).
 
     Raises:
         IncompatibleStateError: no such dtype in this torch (the message repeats the
-            name, which may come from a file).
+            name, which may come from a file), naming ``path`` and ``fqn`` if given.
     """
     value = known_dtype(name)
     if value is None:
         raise IncompatibleStateError(
-            f"unknown dtype {name!r} in checkpoint (written by a newer torch?)"
+            f"unknown dtype {name!r} in checkpoint (written by a newer torch?)",
+            path=path,
+            fqn=fqn,
         )
     return value
 
