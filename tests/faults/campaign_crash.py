@@ -22,20 +22,28 @@ from campaign_checks import (
     newest,
 )
 from faultkit import Job, Result
-from forkserver import ForkServer
+from forkserver import Child, ForkServer
 
 # ====================================================================== 2. SIGKILL
 
 
 def kills(per_mode: int, rng: random.Random, server: ForkServer, work: Path) -> Result:
-    """Campaign 2: SIGKILL the trainer, its worker, or both, at random moments of a job
-    that saves every step (8 MiB payload, async process mode, keep_latest_k=3), and
-    resume after each kill in the same folder.
+    """Campaign 2: SIGKILL at random moments of a job that saves every step (8 MiB
+    payload, async process mode, keep_latest_k=3), resuming in the same folder after
+    each kill. Four targets, ``per_mode`` kills each:
 
-    Checked after every kill: every committed checkpoint passes verify; the worker of a
-    killed trainer is gone within 5 s; the next trainer's start-up leaves no
-    temporaries and resumes the newest step bit-exactly; a trainer whose worker was
-    killed got a CheckpointError for each failed save and committed again afterwards."""
+    - ``trainer``: the trainer; the next one starts once its worker is gone;
+    - ``worker``: the trainer's worker; the trainer goes on, then stops by itself;
+    - ``both``: worker and trainer at once;
+    - ``restart_now``: the trainer, and the next one starts at once, racing the dying
+      worker (a scheduler restarting a job).
+
+    A few kills land during the trainer's start-up (clean-up, resume), some before its
+    first commit, most while it saves. Checked after every kill: every committed
+    checkpoint passes verify; a killed trainer's worker is gone within 5 s; the next
+    trainer's start-up leaves no temporaries and resumes the newest step bit-exactly; a
+    trainer whose worker was killed got a CheckpointError for each failed save and
+    committed again afterwards. At the end a fresh writer resumes and commits."""
     res = Result(
         "sigkill",
         must_be_zero=(
@@ -49,77 +57,107 @@ def kills(per_mode: int, rng: random.Random, server: ForkServer, work: Path) -> 
     kib = 8192
     folder = work / "ckpt"
     stop = work / "stop"
-    modes = ["trainer", "worker", "both"]
+    modes = ["trainer", "worker", "both", "restart_now"]
+    dying: list[tuple[int, float, str]] = []  # (worker pid, its trainer's kill time, label)
     for i in range(per_mode * len(modes)):
         mode = modes[i % len(modes)]
         label = f"kill {i} ({mode})"
-        expect = newest(folder)
+        lowest = newest(folder)
         child = server.start(
             "trainer", work / f"kill-{i}.out", folder=str(folder), seed=SEED, kib=kib,
             keep=3, stop_file=str(stop),
         )  # fmt: skip
         res.grow(f"kills[{mode}]")
-        check_start(res, child, label, expect)
-        child.wait_line("ready", 60)
-        early = mode != "worker" and rng.random() < 0.2
-        if early:
-            res.grow("kills_before_first_commit")
-            time.sleep(rng.uniform(0.0, 0.2))
+        _check_dying(res, dying)
+        startup = mode != "worker" and rng.random() < 0.15
+        if startup:
+            res.grow("kills_during_startup")
+            time.sleep(rng.uniform(0.0, 0.6))
         else:
-            child.wait_line("committed", 60)
-            time.sleep(rng.uniform(0.0, 1.0))
+            check_start(res, child, label, lowest, lambda: newest(folder))
+            child.wait_line("ready", 60)
+            if mode != "worker" and rng.random() < 0.2:
+                res.grow("kills_before_first_commit")
+                time.sleep(rng.uniform(0.0, 0.2))
+            else:
+                child.wait_line("committed", 60)
+                time.sleep(rng.uniform(0.0, 1.0))
         workers = faultkit.children_of(child.pid)
-        res.require(bool(workers), f"{label}: the trainer had no worker to kill")
+        res.require(startup or bool(workers), f"{label}: the trainer had no worker to kill")
         committed_before = [int(ln[1]) for ln in child.find("committed")]
         killed = time.monotonic()
         if mode in ("worker", "both"):
             for w in workers:
                 faultkit.kill_quietly(w)
-        if mode in ("trainer", "both"):
+        if mode == "worker":
+            _worker_killed(res, child, workers, committed_before, killed, stop, rng, label)
+        else:
             child.kill()
             killed = time.monotonic()
             if server.exit_status(child.pid, 30) is None:
                 res.violate("hangs", f"{label}: trainer not reaped 30 s after SIGKILL")
-            for w in workers:
-                gone = faultkit.wait_dead(w, 5.0)
-                if gone is None:
-                    res.violate("orphan_workers", f"{label}: worker {w} alive 5 s after")
-                    faultkit.kill_quietly(w)
-                else:
-                    res.time("worker_exit_after_trainer_s", time.monotonic() - killed)
-            if committed_before:
+            dying += [(w, killed, label) for w in workers]
+            if mode != "restart_now":
+                _check_dying(res, dying)
+            if committed_before:  # what the trainer saw committed is still there
                 last = committed_before[-1]
-                if faultkit.verify_problems(str(folder / f"step-{last}")) != []:
+                problems = faultkit.verify_problems(str(folder / f"step-{last}"))
+                retained_away = problems is None and (newest(folder) or 0) > last
+                if problems != [] and not retained_away:
                     res.violate("lost_commit", f"{label}: step {last} reported committed")
-        else:
-            time.sleep(rng.uniform(0.5, 1.5))
-            stop.touch()
-            try:
-                status = child.wait_exit(60)
-            except AssertionError as e:
-                res.violate("hangs", f"{label}: {e}")
-                status = None
-            stop.unlink()
-            info = account(res, child, label)
-            if status is not None and status != 0:
-                res.violate("raw_exception", f"{label}: exit status {status}\n{child.tail()}")
-            after = [
-                s for s in info["committed"] if not committed_before or s > committed_before[-1]
-            ]
-            errors = [float(ln[2]) for ln in info["lines"] if ln[0] == "error"]
-            if errors:
-                res.count("worker_kills_reported")
-                res.time("time_to_error_after_worker_kill_s", errors[0] - killed)
-            if not after:
-                res.violate("no_recovery", f"{label}: nothing committed after the worker kill")
-            for w in workers:
-                if faultkit.wait_dead(w, 5.0) is None:
-                    res.violate("orphan_workers", f"{label}: killed worker {w} still alive")
         check_folder(res, folder, label)
         res.count("temporaries_left_by_kill", len(faultkit.temporaries(folder)))
+    _check_dying(res, dying)
     final_trainer(res, server, folder, work, kib, "sigkill", keep=3)
     res.seconds = time.monotonic() - t0
     return res
+
+
+def _check_dying(res: Result, dying: list[tuple[int, float, str]]) -> None:
+    """Every worker of a killed trainer is gone within 5 s of the kill."""
+    for pid, killed, label in dying:
+        left = max(0.0, killed + 5.0 - time.monotonic())
+        if faultkit.wait_dead(pid, left) is None:
+            res.violate("orphan_workers", f"{label}: worker {pid} alive 5 s after its trainer")
+            faultkit.kill_quietly(pid)
+        else:
+            res.time("worker_exit_after_trainer_s", time.monotonic() - killed)
+    dying.clear()
+
+
+def _worker_killed(
+    res: Result,
+    child: Child,
+    workers: list[int],
+    committed_before: list[int],
+    killed: float,
+    stop: Path,
+    rng: random.Random,
+    label: str,
+) -> None:
+    """After a worker kill: the trainer goes on for a while, then stops by itself; its
+    failed save was raised to it, and it committed again."""
+    time.sleep(rng.uniform(0.5, 1.5))
+    stop.touch()
+    try:
+        status = child.wait_exit(60)
+    except AssertionError as e:
+        res.violate("hangs", f"{label}: {e}")
+        status = None
+    stop.unlink()
+    info = account(res, child, label)
+    if status is not None and status != 0:
+        res.violate("raw_exception", f"{label}: exit status {status}\n{child.tail()}")
+    after = [s for s in info["committed"] if not committed_before or s > committed_before[-1]]
+    errors = [float(ln[2]) for ln in info["lines"] if ln[0] == "error"]
+    if errors:
+        res.count("worker_kills_reported")
+        res.time("time_to_error_after_worker_kill_s", errors[0] - killed)
+    if not after:
+        res.violate("no_recovery", f"{label}: nothing committed after the worker kill")
+    for w in workers:
+        if faultkit.wait_dead(w, 5.0) is None:
+            res.violate("orphan_workers", f"{label}: killed worker {w} still alive")
 
 
 # ====================================================================== 8. hung worker

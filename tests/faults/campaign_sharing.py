@@ -36,7 +36,7 @@ def two_jobs(seconds: float, rng: random.Random, server: ForkServer, work: Path)
         "two_jobs",
         must_be_zero=(
             "torn_commits", "silent_wrong_load", "raw_exception", "unreported_failures",
-            "lost_saves", "ls_failed", "hangs", "trainer_incomplete",
+            "lost_saves", "ls_failed", "hangs", "trainer_incomplete", "job_a_harmed",
         ),
     )  # fmt: skip
     t0 = time.monotonic()
@@ -70,6 +70,8 @@ def two_jobs(seconds: float, rng: random.Random, server: ForkServer, work: Path)
         res.violate("hangs", f"job A: {e}")
     info = account(res, a, "job A")
     res.grow("a_saves", len([ln for ln in info["lines"] if ln[0] == "saved"]))
+    if info["failed"] or info["reported"]:  # an eval script must never harm the job
+        res.violate("job_a_harmed", f"{info['failed']} failed, {info['reported']} errors")
     _eval_outcomes(res, b)
     res.require(res.outcomes.get("eval_load_ok", 0) > 0, "the eval never loaded")
     res.require(len(info["committed"]) > 3, "job A committed too little to race anything")
@@ -123,7 +125,7 @@ def second_writer(attempts: int, rng: random.Random, server: ForkServer, work: P
             "second_writer_not_refused", "refusal_unclear", "no_warning",
             "second_load_wrong", "job_a_harmed", "torn_commits", "raw_exception",
             "unreported_failures", "lost_saves", "read_only_deleted", "stale_tmp_kept",
-            "hangs", "trainer_incomplete",
+            "hangs", "trainer_incomplete", "two_writers", "no_writer",
         ),
     )  # fmt: skip
     t0 = time.monotonic()
@@ -197,10 +199,60 @@ def second_writer(attempts: int, rng: random.Random, server: ForkServer, work: P
     with CheckpointManager(CheckpointConfig(folder=str(folder)), job.states()):
         pass
     res.require(res.outcomes.get("refused", 0) == attempts + 1, "not every refusal was seen")
+    for i in range(attempts):
+        _simultaneous_start(res, server, work / f"race-{i}", rng, f"race {i}")
+
     if stale.exists():
         res.violate("stale_tmp_kept", "a writer with the lease did not remove a dead temporary")
     res.seconds = time.monotonic() - t0
     return res
+
+
+def _simultaneous_start(
+    res: Result, server: ForkServer, folder: Path, rng: random.Random, label: str
+) -> None:
+    """Two jobs started on one fresh folder at the same moment, both saving every step
+    for a second: exactly one writes; the other's saves are refused, each with a
+    CheckpointError naming the lease; nothing committed is torn."""
+    stop = folder.parent / f"{folder.name}.stop"
+    jobs = [
+        server.start(
+            "trainer",
+            folder.parent / f"{folder.name}-{k}.out",
+            folder=str(folder),
+            seed=SEED,
+            kib=512,
+            keep=2,
+            stop_file=str(stop),
+        )  # fmt: skip
+        for k in range(2)
+    ]
+    res.grow("simultaneous_starts")
+    for job in jobs:
+        job.wait_line("ready", 60)
+    time.sleep(rng.uniform(0.5, 1.0))
+    stop.touch()
+    writers = 0
+    for k, job in enumerate(jobs):
+        try:
+            job.wait_exit(60)
+        except AssertionError as e:
+            res.violate("hangs", f"{label} job {k}: {e}")
+        scratch = Result("race")  # the loser's thousands of refusals are not save errors
+        info = account(scratch, job, f"{label} job {k}")
+        for v in scratch.violations:
+            key, _, detail = v.partition(": ")
+            res.violate(key, detail)
+        errors = [ln for ln in info["lines"] if ln[0] == "error"]
+        if info["committed"]:
+            writers += 1
+        elif errors and all("writer lease" in " ".join(ln) for ln in errors):
+            res.count("refused")
+        else:
+            res.violate("no_writer", f"{label} job {k}: neither wrote nor was refused")
+    if writers != 1:
+        res.violate("two_writers" if writers > 1 else "no_writer", f"{label}: {writers} wrote")
+    check_folder(res, folder, label)
 
 
 # ====================================================================== 6. readers

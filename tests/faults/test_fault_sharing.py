@@ -23,7 +23,9 @@ def test_eval_script_beside_a_job(scale: float, tmp_path: Path, fork_server: For
 @pytest.mark.parametrize("scale", scales())
 def test_second_writer_is_refused(scale: float, tmp_path: Path, fork_server: ForkServer) -> None:
     res = check("second_writer", scale, tmp_path, fork_server)
-    assert res.outcomes["refused"] == res.size["attempts"] + 1
+    # each attempt, the read_only manager, and the loser of each simultaneous start
+    assert res.outcomes["refused"] == 2 * res.size["attempts"] + 1
+    assert res.size["simultaneous_starts"] == res.size["attempts"]
 
 
 @pytest.mark.parametrize("keep", [1, 2])
