@@ -342,3 +342,31 @@ def test_help_and_version(capsys) -> None:
     assert (rc, out) == (0, f"quicksave {quicksave.__version__}\n")
     rc, _, err = run(capsys)
     assert rc == 2 and "required" in err
+
+
+# --------------------------------------------------------------------------- escapes
+def test_printable_and_json_text() -> None:
+    from quicksave.cli.text import json_text, printable
+
+    assert printable("a\x1b[2J\x07\x7f\x9b\u202eb\tc") == "a\\x1b[2J\\x07\\x7f\\x9b\\u202eb\\x09c"
+    assert printable("ünïcödé ☃ / \\ ok") == "ünïcödé ☃ / \\ ok"
+    doc = {"k\x1b": ["\x9b", "\u2028", "é"]}
+    text = json_text(doc)
+    assert json.loads(text) == doc and "é" in text
+    assert not any(c in text for c in "\x1b\x9b\u2028")
+
+
+def test_names_with_terminal_escapes_are_shown_escaped(tmp_path: Path, capsys) -> None:
+    name = "w\x1b]52;c;cHduZWQ=\x07"  # OSC 52: would write the clipboard
+    path = tmp_path / "step-1\x1b[2J"
+    quicksave.save({name: torch.ones(2), "v": "x\x1b[31m"}, path, step=1)
+    for argv in (("inspect", str(path)), ("verify", str(path)), ("ls", str(tmp_path))):
+        rc, out, err = run(capsys, *argv)
+        assert rc == 0 and "\x1b" not in out + err and "\x07" not in out + err, argv
+    rc, out, _ = run(capsys, "inspect", str(path))
+    assert "w\\x1b]52;c;cHduZWQ=\\x07" in out and "step-1\\x1b[2J" in out
+    rc, out, _ = run(capsys, "inspect", str(path), "--json")
+    assert {t["fqn"] for t in json.loads(out)["tensors"]} == {name}
+    (path / "manifest.json").write_bytes(b"\x1b[2J")
+    rc, out, err = run(capsys, "inspect", str(path))
+    assert rc == 2 and "\x1b" not in err and "step-1\\x1b[2J" in err

@@ -156,7 +156,7 @@ class _RunsCommand:
         return (os.system, (self.command,))
 
 
-def _pickle_setting_class_doc() -> bytes:
+def pickle_setting_class_doc() -> bytes:
     """``setattr(MetadataIndex, "__doc__", "pwned")`` through BUILD on the class itself:
     only allowed globals, yet it would change torch for the whole process."""
     return (
@@ -363,7 +363,7 @@ def build_hostile_folder(root: str | os.PathLike[str]) -> dict[str, str]:
         "the .metadata pickle sets MetadataIndex.__doc__ through BUILD on the class",
         dcp_base,
     )
-    (c / ".metadata").write_bytes(_pickle_setting_class_doc())
+    (c / ".metadata").write_bytes(pickle_setting_class_doc())
     c = case(
         "dcp-pickle-path-escape",
         "valid DCP metadata whose data file is ../_outside/elsewhere.distcp",

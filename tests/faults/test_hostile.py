@@ -26,7 +26,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from hostile import ESC_DIR, OUTSIDE, build_hostile_folder, destination, marker
+from hostile import (
+    ESC_DIR,
+    OUTSIDE,
+    build_hostile_folder,
+    destination,
+    marker,
+    pickle_setting_class_doc,
+)
 
 CALL_LIMIT_S = 5  # one call; each takes well under a second
 CHILD_LIMIT_S = 90
@@ -407,6 +414,43 @@ def test_restricted_unpickler_reads_real_dcp_checkpoints(tmp_path: Path) -> None
     assert dest["optim"]["param_groups"] == state["optim"]["param_groups"]
     assert dest["extra"]["name"] == "run" and dest["extra"]["step"] == 3
     assert torch.equal(dest["extra"]["t"], state["extra"]["t"])
+
+
+def test_restricted_unpickler_refusals(tmp_path: Path) -> None:
+    """In-process: a refused pickle changes nothing (BUILD on a class is refused before
+    it sets anything) and its error names the file and the global."""
+    import pickle
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+
+    from quicksave.dcp_reader import read_dcp_metadata
+    from quicksave.errors import CorruptCheckpointError
+
+    path = tmp_path / "d"
+    dcp.save({"w": torch.ones(2)}, checkpoint_id=str(path), no_dist=True)
+    good = (path / ".metadata").read_bytes()
+    doc = MetadataIndex.__doc__
+    for data, text in (
+        (pickle_setting_class_doc(), "BUILD on type objects is not allowed"),
+        (pickle.dumps(print), "refers to builtins.print"),
+        (b"cbuiltins\neval\n(V1\ntR.", "refers to builtins.eval"),
+        (b"\x80\x02ctorch\nload\n.", "refers to torch.load"),
+        (b"\x80\x02ctorch.serialization\n_get_layout\nX\x0d\x00\x00\x00torch._dynamo\x85R.",
+         "unknown torch layout 'torch._dynamo'"),
+        (pickle.dumps({"not": "metadata"}), "the pickle holds a dict, not a Metadata"),
+        (good[: len(good) // 2], "cannot unpickle the DCP metadata"),
+    ):  # fmt: skip
+        (path / ".metadata").write_bytes(data)
+        with pytest.raises(CorruptCheckpointError) as info:
+            read_dcp_metadata(path)
+        assert text in info.value.message and info.value.path == str(path / ".metadata")
+    assert MetadataIndex.__doc__ == doc
+    (path / ".metadata").write_bytes(good)
+    assert read_dcp_metadata(path, allow_pickle=True) == read_dcp_metadata(path)
+    (path / "__0.metadata").write_bytes(good)
+    assert read_dcp_metadata(path, rank=0) == read_dcp_metadata(path)
 
 
 if __name__ == "__main__" and sys.argv[1:2] == ["--probe"]:
