@@ -180,6 +180,15 @@ def test_golden_manifest_validates_against_schema():
         lambda d: d["files"].update({"a/b": {"size": 1, "xxh3_64": "0" * 16}}),
         lambda d: d["objects"]["train.epoch"].update(value={"$t": "pickle", "v": ""}),
         lambda d: d["tensors"]["counter"].pop("chunks"),
+        lambda d: d.update(step=-1),
+        lambda d: d["tensors"]["counter"]["chunks"][0].update(length=2**63),
+        lambda d: d["files"].update({"..": {"size": 1, "xxh3_64": "0" * 16}}),
+        lambda d: d["files"].update({"a\x00": {"size": 1, "xxh3_64": "0" * 16}}),
+        lambda d: d["tensors"]["counter"].update(dtype="\x1b[2J"),
+        lambda d: d["objects"]["train.epoch"].update(
+            value={"$t": "ndarray", "dtype": "|O", "shape": [1], "v": ""}
+        ),
+        lambda d: d["objects"]["train.epoch"].update(value={"$t": "tensor", "dtype": "float32"}),
     ],
     ids=[
         "extra-member",
@@ -190,6 +199,13 @@ def test_golden_manifest_validates_against_schema():
         "file-name",
         "object-tag",
         "no-chunks",
+        "negative-step",
+        "length-2**63",
+        "dotdot",
+        "nul",
+        "dtype-escape",
+        "ndarray-object",
+        "tensor-no-shape",
     ],
 )
 def test_schema_rejects_bad_manifests(mutate):
