@@ -220,7 +220,7 @@ def corruption(trials: int, rng: random.Random, work: Path) -> Result:
         except CheckpointError:
             flagged = True
         except Exception as e:  # noqa: BLE001 - counted as a bug
-            res.violate("raw_exception", f"verify on {label}: {type(e).__name__}: {e}")
+            res.violate("raw_exception", f"verify on {label}: {faultkit.describe(e)}")
             flagged = True
         if flagged:
             res.count("verify_flagged")
@@ -234,7 +234,7 @@ def corruption(trials: int, rng: random.Random, work: Path) -> Result:
             res.count("load_refused")
             res.tally(row, "load refused")
         except Exception as e:  # noqa: BLE001
-            res.violate("raw_exception", f"load of {label}: {type(e).__name__}: {e}")
+            res.violate("raw_exception", f"load of {label}: {faultkit.describe(e)}")
             res.tally(row, "raw exception")
         else:
             if correct:
@@ -388,7 +388,7 @@ def torn_newest(trials: int, rng: random.Random, work: Path) -> Result:
                     res.notes.append(f"{label}: kept {remaining}, newest commit {committed[-1]}")
             check_folder(res, folder, label)
         except Exception as e:  # noqa: BLE001
-            res.violate("raw_exception", f"{label}: {type(e).__name__}: {e}")
+            res.violate("raw_exception", f"{label}: {faultkit.describe(e)}")
     res.require(
         res.outcomes.get("failed_saves_after_kill", 0) > 0,
         "no save failed after its worker was killed: retention was never tested alone",

@@ -247,7 +247,7 @@ def hung_worker(trials: int, rng: random.Random, work: Path) -> Result:
                 res.violate("no_recovery", label)
         except Exception as e:  # noqa: BLE001
             watchdog.cancel()
-            res.violate("raw_exception", f"{label}: {type(e).__name__}: {e}")
+            res.violate("raw_exception", f"{label}: {faultkit.describe(e)}")
             if "pid" in stopped:
                 faultkit.kill_quietly(stopped["pid"])
             with contextlib.suppress(Exception):

@@ -54,8 +54,12 @@ def two_jobs(seconds: float, rng: random.Random, server: ForkServer, work: Path)
     end = time.monotonic() + seconds
     while time.monotonic() < end:
         for path in faultkit.committed_dirs(folder):
-            problems = faultkit.verify_problems(path)
             res.grow("verifications")
+            try:
+                problems = faultkit.verify_problems(path)
+            except Exception as e:  # noqa: BLE001 - verify raises only CheckpointError
+                res.violate("raw_exception", f"verify of {path}: {faultkit.describe(e)}")
+                continue
             if problems:
                 res.violate("torn_commits", f"{path}: {problems[:3]}")
         time.sleep(rng.uniform(0.0, 0.1))
@@ -149,7 +153,7 @@ def second_writer(attempts: int, rng: random.Random, server: ForkServer, work: P
                     CheckpointConfig(folder=str(folder), interval=1), job.states()
                 )
         except Exception as e:  # noqa: BLE001
-            res.violate("raw_exception", f"attempt {i}: construction: {type(e).__name__}: {e}")
+            res.violate("raw_exception", f"attempt {i}: construction: {faultkit.describe(e)}")
             continue
         try:
             if not any("read-only" in r.getMessage() for r in logs):
@@ -168,7 +172,7 @@ def second_writer(attempts: int, rng: random.Random, server: ForkServer, work: P
             else:
                 res.violate("second_writer_not_refused", f"attempt {i}: save() returned")
         except Exception as e:  # noqa: BLE001
-            res.violate("raw_exception", f"attempt {i}: {type(e).__name__}: {e}")
+            res.violate("raw_exception", f"attempt {i}: {faultkit.describe(e)}")
         finally:
             manager.close()
     stop.touch()
@@ -301,7 +305,7 @@ def readers_vs_retention(
             if len(res.notes) < 8:
                 res.notes.append(f"{what}: {type(e).__name__}: {e}"[:300])
         except Exception as e:  # noqa: BLE001
-            res.violate("raw_exception", f"{what}: {type(e).__name__}: {e}")
+            res.violate("raw_exception", f"{what}: {faultkit.describe(e)}")
         return None
 
     end = time.monotonic() + seconds

@@ -82,7 +82,7 @@ def full_disk(cycles: int, rng: random.Random, work: Path) -> Result:
                     raised += 1
                     res.count("enospc_errors" if "No space" in str(e) else "other_errors")
                 except Exception as e:  # noqa: BLE001
-                    res.violate("raw_exception", f"{label} save {step}: {type(e).__name__}: {e}")
+                    res.violate("raw_exception", f"{label} save {step}: {faultkit.describe(e)}")
                     break
             try:
                 manager.close()

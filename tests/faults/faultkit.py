@@ -224,6 +224,15 @@ def verify_problems(path: str) -> list[str] | None:
     return [str(p) for p in report.problems]
 
 
+def describe(e: BaseException) -> str:
+    """An exception with where it was raised (file:line of the innermost frame)."""
+    import traceback
+
+    frames = traceback.extract_tb(e.__traceback__)
+    where = f" at {Path(frames[-1].filename).name}:{frames[-1].lineno}" if frames else ""
+    return f"{type(e).__name__}{where}: {e}"
+
+
 def torn_committed(folder: str | os.PathLike[str]) -> list[str]:
     """Committed checkpoints of ``folder`` that fail ``quicksave.verify`` (with why)."""
     torn = []

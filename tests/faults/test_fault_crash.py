@@ -18,10 +18,10 @@ def test_sigkill_trainer_worker_or_both(
 ) -> None:
     res = check("sigkill", scale, tmp_path, fork_server)
     kills = [v for k, v in res.size.items() if k.startswith("kills[")]
-    assert len(kills) == 3 and min(kills) >= 1
+    assert len(kills) == 4 and min(kills) >= 1  # trainer, worker, both, restart_now
     # each killed trainer's worker was seen and gone within 5 s (else a violation)
     exits = res.timings["worker_exit_after_trainer_s"]
-    assert len(exits) >= res.size["kills[trainer]"] + res.size["kills[both]"]
+    assert len(exits) >= res.size["kills[trainer]"]
     assert max(exits) <= 5.0
 
 
