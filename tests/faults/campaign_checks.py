@@ -34,10 +34,13 @@ def account(res: Result, child: Child, label: str) -> dict[str, Any]:
     res.count("errors_reported", reported)
     if "done" not in keys:
         res.violate("trainer_incomplete", f"{label}: no 'done'\n{child.tail()}")
-    if len(failed) > reported:
+    messages = [" ".join(ln) for ln in lines if ln[0] in ("error", "closeerror")]
+    missed = faultkit.unreported([int(r[1]) for r in failed], messages)
+    if missed:
         res.violate(
             "unreported_failures",
-            f"{label}: {len(failed)} saves failed, {reported} errors raised to the trainer",
+            f"{label}: {len(failed)} saves failed, {reported} errors raised; no raised error "
+            f"names the failed saves of steps {missed[:10]}",
         )
     if in_flight:
         res.violate("lost_saves", f"{label}: still in flight after close: {in_flight}")

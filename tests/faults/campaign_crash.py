@@ -175,7 +175,7 @@ def hung_worker(trials: int, rng: random.Random, work: Path) -> Result:
         "hung_worker",
         must_be_zero=(
             "hangs", "slow_detection", "stopped_worker_left", "no_recovery", "torn_commits",
-            "raw_exception",
+            "raw_exception", "unexpected_error", "unreported_failures",
         ),
     )  # fmt: skip
     t0 = time.monotonic()
@@ -212,14 +212,16 @@ def hung_worker(trials: int, rng: random.Random, work: Path) -> Result:
             timer.start()
             watchdog.start()
             error_at = None
+            messages: list[str] = []
             while "at" not in stopped or time.monotonic() - stopped["at"] < 30:
                 step += 1
                 job.step(step)
                 try:
                     m.save(step)
                 except CheckpointError as e:
+                    messages.append(str(e))
                     if "at" not in stopped:
-                        res.violate("raw_exception", f"{label}: error before the stop: {e}")
+                        res.violate("unexpected_error", f"{label}: before the stop: {e}")
                         continue
                     error_at = time.monotonic()
                     res.notes.append(f"{label}: {type(e).__name__}: {e}"[:200])
@@ -240,11 +242,24 @@ def hung_worker(trials: int, rng: random.Random, work: Path) -> Result:
             for _ in range(3):
                 step += 1
                 job.step(step)
-                m.save(step)
-            m.close()
+                try:
+                    m.save(step)
+                except CheckpointError as e:
+                    messages.append(str(e))
+                    res.count("errors_after_the_first")
+            try:
+                m.close()
+            except CheckpointError as e:
+                messages.append(str(e))
+                res.count("errors_after_the_first")
             later = [r for r in m.metrics if r.step > fail_step and r.status == "committed"]
             if not later:
                 res.violate("no_recovery", label)
+            failed = [r.step for r in m.metrics if r.status == "failed"]
+            res.count("saves_failed", len(failed))
+            missed = faultkit.unreported(failed, messages)
+            if missed:
+                res.violate("unreported_failures", f"{label}: steps {missed}: {messages}")
         except Exception as e:  # noqa: BLE001
             watchdog.cancel()
             res.violate("raw_exception", f"{label}: {faultkit.describe(e)}")

@@ -41,16 +41,14 @@ class SmallState:
 
 def full_disk(cycles: int, rng: random.Random, work: Path) -> Result:
     """Campaign 3: a tmpfs of a few MiB as the folder; save every step until saves
-    fail for lack of space, in process, thread and synchronous modes; then free space.
+    fail for lack of space (process, thread and synchronous modes in turn); then the
+    operator deletes old checkpoints, and the same manager saves again; then a new
+    manager starts on the folder and saves.
 
     Checked: every failed save raised a CheckpointError to the trainer; every committed
-    checkpoint passes verify and loads bit-exactly (the older ones too); after deleting
-    old checkpoints, a new manager's start-up leaves no temporaries and its next save
-    commits."""
-    import quicksave
-    from quicksave.errors import CheckpointError
-    from quicksave.manager import CheckpointConfig, CheckpointManager
-
+    checkpoint passes verify and loads bit-exactly (the older ones too); once space is
+    freed, the same manager's next save commits; a new manager's start-up leaves no
+    temporaries and its save commits."""
     res = Result(
         "full_disk",
         must_be_zero=(
@@ -62,83 +60,116 @@ def full_disk(cycles: int, rng: random.Random, work: Path) -> Result:
     modes = ["process", "thread", "disabled"]
     for c in range(cycles):
         mode = modes[c % len(modes)]
-        kib = rng.randint(200, 1500)
         size_kib = rng.randint(3 * 1024, 8 * 1024)
+        kib = rng.randint(150, size_kib // 3)  # a kept one and a new one fit once freed
         label = f"cycle {c} ({mode}, {kib} KiB state, {size_kib} KiB tmpfs)"
         res.grow(f"cycles[{mode}]")
         with faultkit.tmpfs(f"{size_kib}k") as mnt:
-            folder = mnt / "ckpt"
-            state = SmallState(kib)
-            cfg = CheckpointConfig(folder=str(folder), interval=1, async_mode=mode)
-            manager = CheckpointManager(cfg, state.states())
-            raised = 0
-            step = 0
-            while raised < 2 and step < 200:
-                step += 1
-                state.payload.set_step(step)
-                try:
-                    manager.save(step)
-                except CheckpointError as e:
-                    raised += 1
-                    res.count("enospc_errors" if "No space" in str(e) else "other_errors")
-                except Exception as e:  # noqa: BLE001
-                    res.violate("raw_exception", f"{label} save {step}: {faultkit.describe(e)}")
-                    break
-            try:
-                manager.close()
-            except CheckpointError:
-                raised += 1
-            res.grow("saves", step)
-            failed = [r for r in manager.metrics if r.status == "failed"]
-            in_flight = [r for r in manager.metrics if r.status == "in_flight"]
-            res.count("saves_failed", len(failed))
-            res.count("errors_raised", raised)
-            res.require(raised > 0, f"{label}: the disk never filled in {step} saves")
-            if len(failed) > raised:
-                res.violate(
-                    "unreported_failures", f"{label}: {len(failed)} failed, {raised} raised"
-                )
-            if in_flight:
-                res.violate("lost_saves", f"{label}: {in_flight}")
-            check_folder(res, folder, label)
-            res.count("temporaries_after_failure", len(faultkit.temporaries(folder)))
-            committed = [int(p.rsplit("-", 1)[1]) for p in faultkit.committed_dirs(folder)]
-            res.count("committed", len(committed))
-            for s in committed:
-                out = faultkit.zeros_like(state.expected(s, kib))
-                try:
-                    quicksave.load({"payload": out}, folder / f"step-{s}")
-                    good = faultkit.same_bits(out, state.expected(s, kib))
-                except CheckpointError as e:
-                    good = False
-                    res.notes.append(f"{label}: step {s}: {e}")
-                if not good:
-                    res.violate("old_checkpoint_unloadable", f"{label}: step {s}")
-            for s in committed[:-1]:  # free space: the operator deletes old checkpoints
-                shutil.rmtree(folder / f"step-{s}")
-            manager = CheckpointManager(cfg, state.states())
-            if faultkit.temporaries(folder):
-                res.violate(
-                    "leftover_tmp_after_startup", f"{label}: {faultkit.temporaries(folder)}"
-                )
-            step += 1
-            state.payload.set_step(step)
-            try:
-                manager.save(step)
-                manager.close()
-                ok = faultkit.verify_problems(str(folder / f"step-{step}")) == []
-            except CheckpointError as e:
-                ok = False
-                res.notes.append(f"{label}: after freeing: {e}")
-            if not ok:
-                res.violate("save_after_freeing_failed", label)
-            if committed:
-                out = faultkit.zeros_like(state.expected(committed[-1], kib))
-                quicksave.load({"payload": out}, folder / f"step-{committed[-1]}")
-                if not faultkit.same_bits(out, state.expected(committed[-1], kib)):
-                    res.violate("old_checkpoint_unloadable", f"{label}: kept step {committed[-1]}")
+            _disk_cycle(res, mnt, mode, kib, label)
     res.seconds = time.monotonic() - t0
     return res
+
+
+def _disk_cycle(res: Result, mnt: Path, mode: str, kib: int, label: str) -> None:
+    """One cycle of :func:`full_disk` on the tmpfs ``mnt``."""
+    from quicksave.errors import CheckpointError
+    from quicksave.manager import CheckpointConfig, CheckpointManager
+
+    folder = mnt / "ckpt"
+    state = SmallState(kib)
+    cfg = CheckpointConfig(folder=str(folder), interval=1, async_mode=mode)
+    manager = CheckpointManager(cfg, state.states())
+    raised, step = 0, 0
+    messages: list[str] = []
+
+    def save(step: int) -> bool:
+        nonlocal raised
+        state.payload.set_step(step)
+        try:
+            return manager.save(step)
+        except CheckpointError as e:
+            raised += 1
+            messages.append(str(e))
+            res.count("enospc_errors" if "No space" in str(e) else "other_errors")
+            if "No space" not in str(e) and len(res.notes) < 6:
+                res.notes.append(f"{label}: {e}"[:200])
+        except Exception as e:  # noqa: BLE001
+            res.violate("raw_exception", f"{label} save {step}: {faultkit.describe(e)}")
+        return False
+
+    while raised < 2 and step < 300:  # fill the disk
+        step += 1
+        save(step)
+    res.grow("saves", step)
+    res.require(raised > 0, f"{label}: the disk never filled in {step} saves")
+    check_folder(res, folder, f"{label}, full")
+    committed = [int(p.rsplit("-", 1)[1]) for p in faultkit.committed_dirs(folder)]
+    res.count("committed_before_full", len(committed))
+    for s in committed:
+        _check_loads(res, state, folder, s, kib, label)
+    for s in committed[:-1]:  # free space: the operator deletes old checkpoints
+        shutil.rmtree(folder / f"step-{s}")
+    next_save = None
+    for _ in range(5):  # the same manager goes on (it may first raise an old error)
+        step += 1
+        if save(step):
+            next_save = step
+            break
+    try:
+        manager.close()
+    except CheckpointError as e:
+        raised += 1
+        messages.append(str(e))
+    failed = [r.step for r in manager.metrics if r.status == "failed"]
+    res.count("saves_failed", len(failed))
+    res.count("errors_raised", raised)
+    missed = faultkit.unreported(failed, messages)
+    if missed:
+        res.violate(
+            "unreported_failures",
+            f"{label}: {len(failed)} saves failed, {raised} errors raised, none naming "
+            f"steps {missed}",
+        )
+    if any(r.status == "in_flight" for r in manager.metrics):
+        res.violate("lost_saves", f"{label}: {manager.metrics}")
+    if next_save is None or faultkit.verify_problems(str(folder / f"step-{next_save}")) != []:
+        res.violate("save_after_freeing_failed", f"{label}: same manager")
+    res.count("temporaries_after_failures", len(faultkit.temporaries(folder)))
+    manager = CheckpointManager(cfg, state.states())  # a restarted job
+    if faultkit.temporaries(folder):
+        res.violate("leftover_tmp_after_startup", f"{label}: {faultkit.temporaries(folder)}")
+    step += 1
+    state.payload.set_step(step)
+    try:
+        manager.save(step)
+        manager.close()
+        ok = faultkit.verify_problems(str(folder / f"step-{step}")) == []
+    except CheckpointError as e:
+        ok = False
+        res.notes.append(f"{label}: after a restart: {e}")
+    if not ok:
+        res.violate("save_after_freeing_failed", f"{label}: new manager")
+    if committed:
+        _check_loads(res, state, folder, committed[-1], kib, f"{label}, kept")
+    check_folder(res, folder, label)
+
+
+def _check_loads(
+    res: Result, state: SmallState, folder: Path, step: int, kib: int, label: str
+) -> None:
+    import quicksave
+    from quicksave.errors import CheckpointError
+
+    want = state.expected(step, kib)
+    out = faultkit.zeros_like(want)
+    try:
+        quicksave.load({"payload": out}, folder / f"step-{step}")
+        good = faultkit.same_bits(out, want)
+    except CheckpointError as e:
+        good = False
+        res.notes.append(f"{label}: step {step}: {e}")
+    if not good:
+        res.violate("old_checkpoint_unloadable", f"{label}: step {step}")
 
 
 # ====================================================================== 4. permissions

@@ -224,6 +224,19 @@ def verify_problems(path: str) -> list[str] | None:
     return [str(p) for p in report.problems]
 
 
+def names_step(message: str, step: int) -> bool:
+    """Whether an error message names ``step`` (``step-N``, ``step N``, ``steps [.., N]``)."""
+    import re
+
+    return re.search(rf"\bsteps? \[?(?:\d+, )*{step}\b|\bstep-{step}\b", message) is not None
+
+
+def unreported(failed_steps: list[int], messages: list[str]) -> list[int]:
+    """The failed saves that no raised CheckpointError named: the trainer was never
+    told of them (at most a log line)."""
+    return [s for s in failed_steps if not any(names_step(m, s) for m in messages)]
+
+
 def describe(e: BaseException) -> str:
     """An exception with where it was raised (file:line of the innermost frame)."""
     import traceback
