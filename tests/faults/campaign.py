@@ -180,7 +180,13 @@ def run_campaign(
     reason = c.unavailable(work)
     if reason is not None:
         return reason
-    res = c.run(c.size(scale), random.Random(seed), server if c.forks else None, work)
+    try:
+        res = c.run(c.size(scale), random.Random(seed), server if c.forks else None, work)
+    finally:
+        if server is not None:
+            left = server.kill_all()  # a campaign that failed half-way leaves none running
+            if left:
+                print(f"[{name}] killed children still running: {left}")
     res.size.setdefault(c.unit, c.size(scale))
     res.notes.insert(0, f"seed {seed}, scale {scale:g}")
     return res

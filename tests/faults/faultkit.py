@@ -1,5 +1,5 @@
 """Shared pieces of the fault-injection suite: a deterministic job, bit-exact checks,
-process probes, mounts, privilege drops, the fork-server client and outcome tallies.
+folder and process probes, mounts, privilege drops, and outcome tallies (``Result``).
 
 Nothing here mocks quicksave: the jobs run real ``CheckpointManager`` instances in real
 processes, writing real files with real fsyncs; faults are real signals, real mounts,
@@ -46,7 +46,7 @@ class Payload:
 
     def __init__(self, seed: int, kib: int) -> None:
         g = torch.Generator().manual_seed(seed)
-        n = max(1, kib * 1024 // 8)  # f32 takes 4/8 of the bytes, i64 2/8, bf16 1/8 ...
+        n = max(1, kib * 1024 // 8)  # f32: half of the bytes, i64: a quarter, bf16: 1/8
         self.base32 = torch.randn(n, generator=g)
         self.f32 = self.base32.clone()
         self.bf16 = torch.zeros(n // 2 + 3, dtype=torch.bfloat16)  # odd length: padding

@@ -45,11 +45,15 @@ class ForkServer:
         self._pids: queue.Queue[int] = queue.Queue()
         self._exits: dict[int, int] = {}
         self._cond = threading.Condition()
+        self._ready = threading.Event()
+        self._started: list[int] = []
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
-        self._ready = threading.Event()
-        if not self._ready.wait(120):
-            raise RuntimeError("fork server did not start")
+        deadline = time.monotonic() + 120
+        while not self._ready.wait(0.1):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.close()
+                raise RuntimeError(f"the fork server did not start ({CHILD} serve)")
 
     def _read(self) -> None:
         assert self.proc.stdout is not None
@@ -73,7 +77,21 @@ class ForkServer:
         self.proc.stdin.write(f"go {role} {out} {json.dumps(args)}\n")
         self.proc.stdin.flush()
         pid = self._pids.get(timeout=60)
+        self._started.append(pid)
         return Child(self, pid, out)
+
+    def kill_all(self) -> list[int]:
+        """SIGKILL every child still running (and its children: workers), e.g. after a
+        campaign failed half-way; returns their pids."""
+        running = [pid for pid in self._started if self.exit_status(pid, 0) is None]
+        for pid in running:
+            for kid in children_of(pid):
+                kill_quietly(kid)
+            kill_quietly(pid)
+        for pid in running:
+            self.exit_status(pid, 10)
+        self._started = [pid for pid in self._started if pid not in running]
+        return running
 
     def exit_status(self, pid: int, timeout: float) -> int | None:
         """The raw wait status of child ``pid``, or None if it is still running."""
@@ -87,7 +105,9 @@ class ForkServer:
             return self._exits[pid]
 
     def close(self) -> None:
+        """Kill the children still running, then stop the server."""
         if self.proc.poll() is None:
+            self.kill_all()
             assert self.proc.stdin is not None
             with contextlib.suppress(BrokenPipeError):
                 self.proc.stdin.close()
