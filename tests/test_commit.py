@@ -51,14 +51,14 @@ def test_only_a_temporary_exists_while_saving(ckpt: Path, monkeypatch):
         seen["kind_tmp"] = classify(directory)
         return real_write(directory, *args, **kwargs)
 
-    def publish(tmp, final):
+    def publish(tmp, final, expected):
         seen["before_rename"] = sorted(os.listdir(tmp))
         seen["kind_before_rename"] = classify(tmp)
         with pytest.raises(quicksave.NotCommittedError):
             quicksave.load(_state(), tmp)
         with pytest.raises(quicksave.CheckpointNotFoundError):
             quicksave.load(_state(), final)
-        real_publish(tmp, final)
+        real_publish(tmp, final, expected)
 
     monkeypatch.setattr(persist, "write_rank_files", write_rank_files)
     monkeypatch.setattr(commit, "publish", publish)
@@ -81,7 +81,8 @@ def test_existing_checkpoint_is_never_overwritten(ckpt: Path):
     with pytest.raises(quicksave.CheckpointExistsError) as info:
         quicksave.save(_state(2), ckpt, step=2)
     assert info.value.message == (
-        "a committed checkpoint already exists here; quicksave never overwrites one"
+        "a committed checkpoint already exists here; quicksave never overwrites one: "
+        "choose another path or delete it first"
     )
     assert info.value.path == str(ckpt)
     assert _snapshot(ckpt.parent) == before  # untouched, and no temporary created
@@ -111,7 +112,8 @@ def test_storage_writer_refuses_existing_checkpoint(ckpt: Path):
     failure = failure[0] if isinstance(failure, tuple) else failure  # (exception, traceback)
     assert isinstance(failure, quicksave.CheckpointExistsError)
     assert failure.message == (
-        "a committed checkpoint already exists here; choose another path or delete it first"
+        "a committed checkpoint already exists here; quicksave never overwrites one: "
+        "choose another path or delete it first"
     )
     assert _snapshot(ckpt.parent) == before
 
@@ -121,8 +123,11 @@ def test_target_is_a_non_empty_plain_directory(ckpt: Path):
     (ckpt / "notes.txt").write_text("mine")
     with pytest.raises(quicksave.CheckpointExistsError) as info:
         quicksave.save(_state(), ckpt)
-    assert info.value.message.startswith("cannot commit: Directory not empty")
-    assert sorted(os.listdir(ckpt.parent)) == ["ckpt"]  # the temporary was removed
+    assert info.value.message.startswith(  # refused before anything is written
+        "a directory that is not empty (not a committed checkpoint) is in the way"
+    )
+    assert sorted(os.listdir(ckpt.parent)) == ["ckpt"]  # no temporary was made
+    assert sorted(os.listdir(ckpt)) == ["notes.txt"]
     assert os.listdir(ckpt) == ["notes.txt"] and (ckpt / "notes.txt").read_text() == "mine"
 
 
@@ -189,7 +194,7 @@ def test_parent_cannot_be_created(tmp_path: Path):
 
 def test_failed_save_can_be_retried(ckpt: Path, monkeypatch):
     with monkeypatch.context() as m:
-        m.setattr(commit, "publish", lambda tmp, final: (_ for _ in ()).throw(OSError("x")))
+        m.setattr(commit, "publish", lambda *args: (_ for _ in ()).throw(OSError("x")))
         with pytest.raises(quicksave.CheckpointError):
             quicksave.save(_state(), ckpt)
     quicksave.save(_state(), ckpt)

@@ -3,6 +3,7 @@ a quicksave checkpoint never unpickles anything."""
 
 from __future__ import annotations
 
+import os
 import pickle
 from pathlib import Path
 
@@ -142,17 +143,27 @@ def test_forbidding_unpickling_is_effective(tmp_path: Path, monkeypatch):
     assert calls
 
 
-def test_refusing_dcp_pickle(tmp_path: Path):
+class _RunsCode:
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_dcp_metadata_is_unpickled_restricted_by_default(tmp_path: Path):
     path = tmp_path / "dcp"
-    dcp.save({"w": torch.ones(2)}, checkpoint_id=str(path), no_dist=True)
-    dest = {"w": torch.zeros(2)}
+    dcp.save({"w": torch.ones(2), "o": {"x": 1}}, checkpoint_id=str(path), no_dist=True)
+    dest = {"w": torch.zeros(2), "o": {"x": 0}}
+    quicksave.load(dest, path)  # DCP's own metadata classes pass the restriction
+    assert torch.equal(dest["w"], torch.ones(2)) and dest["o"] == {"x": 1}
+    marker = tmp_path / "ran"
+    (path / ".metadata").write_bytes(pickle.dumps(_RunsCode(str(marker))))
     with pytest.raises(quicksave.CheckpointError) as info:
-        quicksave.load(dest, path, allow_dcp_pickle=False)
-    assert str(info.value) == (
-        "this is a stock DCP checkpoint whose .metadata is a pickle; pass "
-        f"allow_dcp_pickle=True to read it [path={path}]"
-    )
-    assert torch.equal(dest["w"], torch.zeros(2))
+        quicksave.load({"w": torch.zeros(2)}, path)
+    assert info.value.path is not None and str(path) in info.value.path
+    assert "system" in str(info.value)  # names the refused global
+    assert not marker.exists()
 
 
 def test_quicksave_checkpoint_loads_with_allow_dcp_pickle_false(ckpt: Path):

@@ -62,11 +62,10 @@ def classify(path: str) -> CheckpointKind:
     """What ``path`` is, from the files present (no file is parsed)."""
     try:
         names = set(os.listdir(path))
-    except (FileNotFoundError, NotADirectoryError) as e:
-        # Missing, or vanished while a folder was listed (retention, clean-up).
-        if isinstance(e, NotADirectoryError) or os.path.lexists(path):
-            return CheckpointKind.NOT_CHECKPOINT
+    except FileNotFoundError:  # missing, or vanished while listed (retention, clean-up)
         return CheckpointKind.MISSING
+    except NotADirectoryError:  # a file, or a parent that is a file
+        return CheckpointKind.NOT_CHECKPOINT if os.path.lexists(path) else CheckpointKind.MISSING
     has_quicksave_data = any(n.startswith("rank-") and n.endswith(".safetensors") for n in names)
     base = os.path.basename(os.path.normpath(path))
     if TMP_MARK in base or QUARANTINE_MARK in base:
@@ -115,7 +114,8 @@ def check_target(final: str, rank: int | None = None) -> None:
         return
     if kind in (CheckpointKind.QUICKSAVE, CheckpointKind.DCP):
         raise CheckpointExistsError(
-            "a committed checkpoint already exists here; quicksave never overwrites one",
+            "a committed checkpoint already exists here; quicksave never overwrites one: "
+            "choose another path or delete it first",
             path=final,
             rank=rank,
         )

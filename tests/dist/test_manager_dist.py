@@ -20,10 +20,10 @@ from typing import Any
 import pytest
 import torch
 import torch.nn as nn
-from helpers.collectives import CollectiveLog
 from launcher import LaunchConfig, run_ranks
 
 import quicksave
+from helpers.collectives import CollectiveLog
 from quicksave import worker
 from quicksave.errors import CheckpointError
 from quicksave.format.manifest import read_manifest
@@ -186,3 +186,41 @@ def test_one_rank_failing_fails_the_save_on_every_rank(tmp_path, how) -> None:
     fresh = _Job()  # the checkpoint before the failure still loads
     quicksave.load(fresh.states(), str(tmp_path / "ckpt" / "step-2"))
     assert not (tmp_path / "ckpt" / "step-4").exists()
+
+
+def _rank_beside_a_live_writer(rank: int, world_size: int, root: str) -> dict[str, Any]:
+    job, manager = _manager(root, async_mode="process")
+    refused = []
+    for step in (2, 4):  # every rank refuses alike: nobody waits in a collective
+        job.step()
+        try:
+            manager.save(step)
+        except CheckpointError as e:
+            refused.append(str(e))
+    loaded = manager.load()
+    manager.close()
+    return {
+        "reason": manager.read_only_reason,
+        "refused": refused,
+        "loaded": loaded,
+        "worker": manager._writer is not None,
+    }
+
+
+def test_ranks_beside_a_live_writer_all_refuse_to_save(tmp_path) -> None:
+    from quicksave.manager.lease import FolderLease
+
+    job = _Job()
+    quicksave.save(job.states(), str(tmp_path / "ckpt" / "step-1"), step=1)
+    other_job = FolderLease(str(tmp_path / "ckpt"))
+    assert other_job.try_acquire()
+    try:
+        results = run_ranks(_rank_beside_a_live_writer, 2, str(tmp_path), config=LAUNCH)
+    finally:
+        other_job.release()
+    assert f"pid {os.getpid()}" in results[0]["reason"]
+    assert "coordinator" in results[1]["reason"]
+    for rank, r in enumerate(results):
+        assert len(r["refused"]) == 2 and "does not write" in r["refused"][0], (rank, r)
+        assert r["loaded"] == 1 and not r["worker"], (rank, r)
+    assert sorted(os.listdir(tmp_path / "ckpt")) == ["step-1"]

@@ -61,8 +61,8 @@ def _arm(crash_point: str) -> None:
     elif crash_point == "after-rename":
         real_publish = commit.publish
 
-        def publish(tmp: str, final: str) -> None:
-            real_publish(tmp, final)
+        def publish(tmp: str, final: str, expected: dict[str, int]) -> None:
+            real_publish(tmp, final, expected)
             _die()
 
         commit.publish = publish

@@ -225,7 +225,7 @@ def test_model_parts_with_colliding_names_are_refused_before_any_write(tmp_path:
         "parameter names (e.g. split one model, do not reuse one class at the top level) "
         "[fqn=weight]"
     )
-    assert os.listdir(tmp_path / "ckpt") == []
+    assert os.listdir(tmp_path / "ckpt") == [".quicksave-lock"]  # the writer lease only
 
 
 # ---------------------------------------------------------------- retention and commit
@@ -253,7 +253,7 @@ def test_retention_counts_and_keeps_only_committed_checkpoints(tmp_path: Path) -
         job.train_step()
         manager.save(job.train_state.step)
     assert manager.committed_steps() == [4, 5]
-    assert sorted(os.listdir(folder)) == ["step-4", "step-5", "step-99"]
+    assert sorted(os.listdir(folder)) == [".quicksave-lock", "step-4", "step-5", "step-99"]
 
 
 def test_keep_latest_k_zero_keeps_all(tmp_path: Path) -> None:
@@ -494,7 +494,7 @@ def test_bad_steps(tmp_path: Path) -> None:
     )
 
 
-def test_stock_dcp_checkpoints_count_as_committed_and_load(tmp_path: Path) -> None:
+def test_stock_dcp_checkpoints_count_as_committed_and_load_when_allowed(tmp_path: Path) -> None:
     import torch.distributed.checkpoint as dcp
 
     job = Job(seed=0)
@@ -508,7 +508,9 @@ def test_stock_dcp_checkpoints_count_as_committed_and_load(tmp_path: Path) -> No
         dcp.save(states, checkpoint_id=str(folder / "step-2"))
     job.train_step()
     perturb_rng()
-    manager = make(folder, states, interval=1)
+    refusing = make(folder, states, interval=1, read_only=True)  # default: not a checkpoint
+    assert refusing.committed_steps() == [] and refusing.load() is None
+    manager = make(folder, states, interval=1, allow_dcp=True)
     assert manager.committed_steps() == [2]
     assert manager.load() == 2
     assert_same(snapshot(states), expected)
@@ -555,7 +557,8 @@ def test_two_ranks_save_retain_and_resume(tmp_path: Path) -> None:
     )
     for r in results:
         assert r == {"step": 4, "committed": [4], "params_equal": True, "random_equal": True}
-    assert sorted(os.listdir(folder)) == ["step-4"]
+    # (the ranks exit without close(): their lease file stays, unlocked)
+    assert sorted(n for n in os.listdir(folder) if n != ".quicksave-lock") == ["step-4"]
     objects = manifest(folder / "step-4")["objects"]
     assert {"rng.rank_0.python.gauss_next", "rng.rank_1.python.gauss_next"} <= set(objects)
 

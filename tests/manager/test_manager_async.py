@@ -456,7 +456,7 @@ def test_a_published_step_not_yet_finalized_counts_as_in_flight(
         threading.Event().wait(0.01)
     assert manager._in_flight == {1, 2}
     manager._retain(protect=set())  # the policy asks for everything; in flight stays
-    assert sorted(os.listdir(folder)) == ["step-1", "step-10"]
+    assert sorted(os.listdir(folder)) == [".quicksave-lock", "step-1", "step-10"]
     write_gates[2].set()
     manager.close()  # both commit; now the policy may have steps 1 and 2, never the newest
     assert sorted(os.listdir(folder)) == ["step-10"]
@@ -608,7 +608,8 @@ def test_a_failed_save_surfaces_at_close_in_process_mode(tmp_path: Path) -> None
     assert "Not a directory" in str(info.value) and info.value.rank == 0
     assert manager.metrics[0].status == "failed"
     _repair_folder(folder, aside)
-    assert os.listdir(folder) == []  # nothing half-written became visible
+    # nothing half-written became visible (the lease file was away when it was released)
+    assert os.listdir(folder) == [".quicksave-lock"]
 
 
 # ---------------------------------------------------------------- resume

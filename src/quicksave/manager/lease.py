@@ -40,8 +40,9 @@ class FolderLease:
     """The writer lease of ``folder``; see the module docstring.
 
     Call order: :meth:`try_acquire` (once; True if this process now holds the lease),
-    then :meth:`release` when done (``close()`` of the manager). A lease that is never
-    released is released when the object is garbage-collected or the process exits.
+    then :meth:`release` when done (``close()`` of the manager), which also removes the
+    file. A lease that is never released is released when the object is
+    garbage-collected or the process exits (the file then stays, unlocked: harmless).
 
     Attributes:
         folder: the checkpoint folder (absolute).
@@ -72,36 +73,60 @@ class FolderLease:
         """
         if self._fd is not None:
             return True
+        for _ in range(100):  # retried only while holders come and go meanwhile
+            fd = self._open()
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                return False
+            except OSError as e:
+                if e.errno not in _NO_LOCKS:
+                    os.close(fd)
+                    raise CheckpointError(
+                        f"cannot lock the folder's writer lease: {e.strerror}", path=self.path
+                    ) from e
+                self.enforced = False
+            if not self._is_current(fd):
+                # The holder released it and removed the file after we opened it: our
+                # lock is on a dead inode. Try again on the file that is there now.
+                os.close(fd)
+                continue
+            self._fd = fd
+            self._finalizer = weakref.finalize(self, os.close, fd)
+            self._write_holder(fd)
+            return True
+        raise CheckpointError("the folder's writer lease keeps changing hands", path=self.path)
+
+    def release(self) -> None:
+        """Give the lease up: remove the lock file (while still holding it, so that
+        nobody can lock a file that is about to vanish) and close it. Idempotent."""
+        if self._fd is not None and self._is_current(self._fd):
+            try:
+                os.unlink(self.path)
+            except OSError:  # a read-only folder: the file stays, unlocked
+                pass
+        if self._finalizer is not None:
+            self._finalizer()  # closes the fd once, which releases the lock
+        self._fd = None
+        self._finalizer = None
+
+    def _open(self) -> int:
         flags = os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK
         try:
-            fd = os.open(self.path, flags, 0o644)
+            return os.open(self.path, flags, 0o644)
         except OSError as e:
             raise CheckpointError(
                 f"cannot open the folder's writer lease: {e.strerror}", path=self.path
             ) from e
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
-            return False
-        except OSError as e:
-            if e.errno not in _NO_LOCKS:
-                os.close(fd)
-                raise CheckpointError(
-                    f"cannot lock the folder's writer lease: {e.strerror}", path=self.path
-                ) from e
-            self.enforced = False
-        self._fd = fd
-        self._finalizer = weakref.finalize(self, os.close, fd)
-        self._write_holder(fd)
-        return True
 
-    def release(self) -> None:
-        """Give the lease up (closing the file releases the lock). Idempotent."""
-        if self._finalizer is not None:
-            self._finalizer()  # closes the fd once
-        self._fd = None
-        self._finalizer = None
+    def _is_current(self, fd: int) -> bool:
+        """Whether ``fd`` is the file now at ``path``."""
+        try:
+            st, now = os.fstat(fd), os.lstat(self.path)
+        except OSError:
+            return False
+        return (st.st_dev, st.st_ino) == (now.st_dev, now.st_ino)
 
     def holder(self) -> str:
         """Who holds the lease, as the holder wrote it (for messages only)."""
