@@ -85,6 +85,7 @@ from .states import (
 )
 
 logger = logging.getLogger("quicksave")
+_LOAD_ROUNDS = 3  # listings load() tries before it gives up (see load)
 
 _stored_metadata = stored_metadata  # the old private name, kept for callers
 
@@ -367,29 +368,36 @@ class CheckpointManager:
             )
             self._load_step(step)
             return step
-        candidates = self.committed_steps()
-        if not candidates:
+        skipped: dict[int, str] = {}
+        for _ in range(_LOAD_ROUNDS):
+            # Listed again after a round of failures: a checkpoint that vanished meanwhile
+            # (another job's retention, seen from a read-only manager) is no reason to
+            # give up while a newer one has been committed since.
+            candidates = [s for s in reversed(self.committed_steps()) if s not in skipped]
+            if not candidates:
+                break
+            for candidate in candidates:
+                try:
+                    self._load_step(candidate)
+                except (CorruptCheckpointError, CheckpointNotFoundError, NotCommittedError) as e:
+                    # Not IncompatibleStateError: an older checkpoint would not fit either.
+                    logger.error(
+                        "quicksave: the checkpoint of step %d cannot be loaded, trying an "
+                        "older one: %s",
+                        candidate,
+                        e,
+                    )
+                    skipped[candidate] = e.message
+                    if isinstance(e, CorruptCheckpointError) and self._lease is not None:
+                        quarantine(self.step_path(candidate), e.message)
+                    continue
+                return candidate
+        if not skipped:
             logger.info("quicksave: no committed checkpoint in %s; starting fresh", self.folder)
             return None
-        skipped: list[str] = []
-        for candidate in reversed(candidates):
-            try:
-                self._load_step(candidate)
-            except (CorruptCheckpointError, CheckpointNotFoundError, NotCommittedError) as e:
-                # Not IncompatibleStateError: an older checkpoint would not fit either.
-                logger.error(
-                    "quicksave: the checkpoint of step %d cannot be loaded, trying an older "
-                    "one: %s",
-                    candidate,
-                    e,
-                )
-                skipped.append(f"step {candidate}: {e.message}")
-                if isinstance(e, CorruptCheckpointError) and self._lease is not None:
-                    quarantine(self.step_path(candidate), e.message)
-                continue
-            return candidate
+        why = "; ".join(f"step {s}: {m}" for s, m in skipped.items())
         raise CorruptCheckpointError(
-            f"no committed checkpoint in this folder passes its checks ({'; '.join(skipped)}); "
+            f"no committed checkpoint in this folder passes its checks ({why}); "
             "nothing was loaded consistently: restore the folder or start elsewhere",
             path=self.folder,
             rank=self._rank(),
