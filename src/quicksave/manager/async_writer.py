@@ -22,6 +22,7 @@ Life of one save here: ``submit`` (engine ``save()``) → ``track`` (pending, by
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
 import time
@@ -88,6 +89,9 @@ class AsyncWriter:
                 self._optimizers += [o for o in state.optimizers if o not in self._optimizers]
         self._pending: dict[int, _Pending] = {}
         self._errors: list[CheckpointError] = []  # raised in optimizer hooks, reported later
+        # The last errors poll() returned: the engine can hold a failure that a handle
+        # also reports, and each must reach the trainer once.
+        self._returned: collections.deque[CheckpointError] = collections.deque(maxlen=64)
         self._stepped: set[int] = set()
         self._prepared = False
         # the worker starts now, not at save 1
@@ -239,8 +243,9 @@ class AsyncWriter:
                 errors.append(e)
         unique: list[CheckpointError] = []
         for e in errors:
-            if not any(e is u for u in unique):
+            if not any(e is u for u in unique) and not any(e is r for r in self._returned):
                 unique.append(e)
+        self._returned.extend(unique)
         return finished, unique
 
     def drain(self, timeout: float) -> bool:

@@ -47,7 +47,7 @@ from typing import Any
 import torch.distributed as dist
 
 from .. import api
-from ..commit import classify
+from ..commit import TMP_MARK, classify
 from ..dist.saving import DistContext
 from ..engine import SaveHandle
 from ..errors import (
@@ -581,10 +581,22 @@ class CheckpointManager:
             self._retain(protect=set())
 
     def _raise_first(self, errors: list[CheckpointError]) -> None:
-        for later in errors[1:]:
-            logger.error("quicksave: another checkpoint failure: %s", later)
-        if errors:
+        """Raise the failures collected at once as one error (the first one's type),
+        naming every failed save: none may reach the trainer as a log line only."""
+        if not errors:
+            return
+        if len(errors) == 1:
             raise errors[0]
+        first = errors[0]
+        names = ", ".join(_checkpoint_name(e.path) for e in errors)
+        others = "; ".join(str(e) for e in errors[1:])
+        raise type(first)(
+            f"{len(errors)} checkpoints were not committed ({names}): {first.message} "
+            f"(also: {others})",
+            path=first.path,
+            fqn=first.fqn,
+            rank=first.rank,
+        ) from first
 
     # ---------------------------------------------------------------- retention
 
@@ -729,6 +741,16 @@ class CheckpointManager:
             coordinator=0,
             commit_timeout_s=self.config.commit_timeout_s,
         )
+
+
+def _checkpoint_name(path: str | None) -> str:
+    """``step-12`` for an error's path: the checkpoint, its temporary, or a file in it."""
+    if path is None:
+        return "?"
+    for part in reversed(os.path.normpath(path).split(os.sep)[-2:]):
+        if TMP_MARK in part:
+            return part.split(TMP_MARK, 1)[0]
+    return os.path.basename(os.path.normpath(path))
 
 
 def _default_save_policy(config: CheckpointConfig) -> SavePolicy:
