@@ -11,9 +11,9 @@ import torch
 from quicksave.dist.planning import (
     LocalPlan,
     PlanCache,
+    collect_local,
     delta,
     global_plan,
-    collect_local,
     local_plan,
     plan_key,
 )
