@@ -193,6 +193,7 @@ def run_campaign(
 
 
 def _commit() -> str:
+    """HEAD of the checkout this file is in (and whether src/ differs from it)."""
     p = subprocess.run(
         ["git", "rev-parse", "--short=12", "HEAD"], capture_output=True, text=True, cwd=HERE
     )
@@ -202,6 +203,8 @@ def _commit() -> str:
         text=True,
         cwd=HERE,
     ).stdout.strip()
+    if p.returncode != 0:
+        return "unknown (not a git checkout: pass --commit)"
     return p.stdout.strip() + (" (src/ modified)" if dirty else "")
 
 
@@ -218,12 +221,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--json", type=Path, help="also write the results here")
     parser.add_argument("--keep", action="store_true", help="keep the work directory")
+    parser.add_argument(
+        "--commit",
+        help="the commit under test, when this is not a git checkout (e.g. a git archive)",
+    )
     args = parser.parse_args(argv)
     names = [n for n in args.only.split(",") if n] or list(CAMPAIGNS)
     unknown = [n for n in names if n not in CAMPAIGNS]
     if unknown:
         parser.error(f"unknown campaigns {unknown}; known: {', '.join(CAMPAIGNS)}")
-    commit = _commit()
+    commit = args.commit or _commit()
     print(f"quicksave fault campaigns: scale {args.scale:g}, seed {args.seed}, commit {commit}")
     print(f"machine: {os.cpu_count()} cores, {platform.platform()}")
     work = Path(tempfile.mkdtemp(prefix="qs-campaigns-"))
