@@ -182,6 +182,9 @@ def run_campaign(
         return reason
     try:
         res = c.run(c.size(scale), random.Random(seed), server if c.forks else None, work)
+    except Exception as e:  # noqa: BLE001 - a crashed campaign is a failed one, not an abort
+        res = Result(name)
+        res.violate("campaign_crashed", faultkit.describe(e))
     finally:
         if server is not None:
             left = server.kill_all()  # a campaign that failed half-way leaves none running

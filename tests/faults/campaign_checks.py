@@ -81,8 +81,16 @@ def newest(folder: Path) -> int | None:
 
 
 def check_folder(res: Result, folder: Path, label: str) -> None:
-    for torn in faultkit.torn_committed(folder):
-        res.violate("torn_commits", f"{label}: {torn}")
+    """Every committed checkpoint of ``folder`` passes verify (a writer may be deleting
+    some meanwhile: those are skipped; a raw exception from verify is a violation)."""
+    for path in faultkit.committed_dirs(folder):
+        try:
+            problems = faultkit.verify_problems(path)
+        except Exception as e:  # noqa: BLE001 - verify raises only CheckpointError
+            res.violate("raw_exception", f"{label}: verify of {path}: {faultkit.describe(e)}")
+            continue
+        if problems:
+            res.violate("torn_commits", f"{label}: {Path(path).name}: {problems[:3]}")
 
 
 def final_trainer(

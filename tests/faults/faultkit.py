@@ -246,16 +246,6 @@ def describe(e: BaseException) -> str:
     return f"{type(e).__name__}{where}: {e}"
 
 
-def torn_committed(folder: str | os.PathLike[str]) -> list[str]:
-    """Committed checkpoints of ``folder`` that fail ``quicksave.verify`` (with why)."""
-    torn = []
-    for path in committed_dirs(folder):
-        problems = verify_problems(path)
-        if problems:
-            torn.append(f"{os.path.basename(path)}: {problems[:3]}")
-    return torn
-
-
 # ---------------------------------------------------------------- processes
 
 
