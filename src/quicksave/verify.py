@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 import xxhash
 
-from .errors import CheckpointError, CorruptCheckpointError
+from .errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
 from .format import MANIFEST_NAME
 from .format import objects as objcodec
 from .format.dtypes import known_dtype, safetensors_code
@@ -392,7 +392,14 @@ def verify_checkpoint(path: str | os.PathLike[str], progress: bool = False) -> V
         )
 
     problems = _manifest_problems(m)
-    present = set(os.listdir(path))
+    try:
+        present = set(os.listdir(path))
+    except OSError as e:  # deleted meanwhile (another job's retention), or unreadable
+        raise CheckpointNotFoundError(
+            f"the checkpoint cannot be listed while it is verified ({e.strerror}; deleted "
+            "meanwhile?)",
+            path=path,
+        ) from None
     for extra in sorted(present - set(m.files) - {MANIFEST_NAME}):
         try:
             is_dir = stat.S_ISDIR(os.lstat(os.path.join(path, extra)).st_mode)
