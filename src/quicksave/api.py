@@ -37,6 +37,7 @@ from .errors import (
     rank_of_this_process,
 )
 from .format.dtypes import dtype_name
+from .format.manifest import check_user_metadata
 from .reader import StorageReader, require_committed
 from .writer import StorageWriter
 
@@ -147,6 +148,7 @@ def save(
     # In a group the coordinator makes this check inside DCP's planning step (every rank
     # then fails together); checking here on each rank could split the ranks.
     if not _dist_on():
+        check_user_metadata(dict(user_metadata or {}), path, rank)
         check_target(path, rank)
     writer = StorageWriter(path, step=step, thread_count=thread_count, user_metadata=user_metadata)
     try:

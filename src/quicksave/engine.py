@@ -43,7 +43,14 @@ from .dist.saving import DistContext, DistSave, DistSaving
 from .errors import CheckpointError, CheckpointExistsError, IncompatibleStateError
 from .format import objects as objcodec
 from .format.dtypes import dtype_name, element_size
-from .format.manifest import ChunkEntry, FileEntry, Manifest, ObjectEntry, TensorEntry
+from .format.manifest import (
+    ChunkEntry,
+    FileEntry,
+    Manifest,
+    ObjectEntry,
+    TensorEntry,
+    check_user_metadata,
+)
 from .plan import ItemSpec, RankLayout, layout_rank
 from .stage import StagingPool
 from .worker import (
@@ -342,6 +349,7 @@ class AsyncSaver:
             if self._closed:
                 raise CheckpointError("the saver is closed", path=os.fspath(path), rank=self.rank)
             final = os.path.abspath(os.fspath(path))
+            check_user_metadata(dict(user_metadata or {}), final, self.rank)
             if self._dist is not None:
                 ds = self._plan_dist(state_dict, final, step, user_metadata)
                 if ds is None:

@@ -399,3 +399,13 @@ def test_default_worker_timeout_detects_a_stopped_worker_within_ten_seconds(tmp_
     m.close()
     assert 4 in m.committed_steps()
     assert m.metrics[-1].status == "committed"
+
+
+def test_bad_user_metadata_is_refused_before_any_write(tmp_path):
+    from quicksave.errors import IncompatibleStateError
+
+    target = tmp_path / "step-1"
+    with pytest.raises(IncompatibleStateError, match="user_metadata") as e:
+        quicksave.save({"t": torch.ones(4)}, target, user_metadata={"x": float("nan")})
+    assert e.value.path == str(target)
+    assert list(tmp_path.iterdir()) == []

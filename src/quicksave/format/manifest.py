@@ -150,6 +150,23 @@ def _plan_json(p: RankPlan) -> dict[str, Any]:
     }
 
 
+def check_user_metadata(value: Any, path: str | None = None, rank: int | None = None) -> None:
+    """Raise unless ``value`` can be stored as ``user_metadata`` (a dict of JSON that
+    readers accept). Writers call it before any I/O.
+
+    Raises:
+        IncompatibleStateError: not a dict, or something readers refuse (nesting, huge
+            integers, NaN, non-JSON values; FORMAT.md §2).
+    """
+    if not isinstance(value, dict):
+        raise IncompatibleStateError(
+            f"user_metadata must be a dict, got {type(value).__name__}", path=path, rank=rank
+        )
+    why = strict_json.unwritable(value, strict_json.MAX_DEPTH - 2)
+    if why is not None:
+        raise IncompatibleStateError(f"user_metadata cannot be stored: {why}", path=path, rank=rank)
+
+
 def to_json_bytes(m: Manifest) -> bytes:
     """Serialize deterministically and append the self-checksum.
 
@@ -157,9 +174,7 @@ def to_json_bytes(m: Manifest) -> bytes:
         IncompatibleStateError: ``user_metadata`` holds something readers refuse
             (nesting, huge integers, NaN; FORMAT.md §2).
     """
-    why = strict_json.unwritable(m.user_metadata, strict_json.MAX_DEPTH - 2)
-    if why is not None:
-        raise IncompatibleStateError(f"user_metadata cannot be stored: {why}")
+    check_user_metadata(m.user_metadata)
     doc: dict[str, Any] = {
         "format": FORMAT_NAME,
         "format_version": m.format_version,
