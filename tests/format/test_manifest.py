@@ -25,7 +25,9 @@ import quicksave
 from helpers.checks import (
     SCHEMA_PATH,
     check_checkpoint,
+    golden_manifest_doc,
     load_schema,
+    manifest_parse_error,
     reseal,
     seal_manifest,
     validate_against_schema,
@@ -253,14 +255,11 @@ def test_dataclass_roundtrip_and_determinism():
 
 
 def _golden_doc() -> dict:
-    return json.loads(FIXTURE.read_bytes())
+    return golden_manifest_doc()
 
 
 def _parse_error(data: bytes) -> CorruptCheckpointError:
-    with pytest.raises(CorruptCheckpointError) as info:
-        from_json_bytes(data, "/ckpt/manifest.json")
-    assert info.value.path == "/ckpt/manifest.json"
-    return info.value
+    return manifest_parse_error(data)
 
 
 def test_rejects_changed_byte():

@@ -113,3 +113,25 @@ def reseal(data: bytes) -> bytes:
     pos = data.rindex(key) + len(key)
     zeroed = data[:pos] + b"0" * 16 + data[pos + 16 :]
     return data[:pos] + hexdigest(zeroed).encode() + data[pos + 16 :]
+
+
+MANIFEST_FIXTURE = Path(__file__).resolve().parents[1] / "format" / "fixtures" / "manifest_v1.json"
+
+
+def golden_manifest_doc() -> dict[str, Any]:
+    """The golden v1 manifest fixture, parsed (a fresh copy each call)."""
+    return json.loads(MANIFEST_FIXTURE.read_bytes())
+
+
+def manifest_parse_error(data: bytes, path: str = "/ckpt/manifest.json") -> Any:
+    """The CorruptCheckpointError that parsing ``data`` as a manifest must raise
+    (checked to name ``path``)."""
+    import pytest
+
+    from quicksave.errors import CorruptCheckpointError
+    from quicksave.format.manifest import from_json_bytes
+
+    with pytest.raises(CorruptCheckpointError) as info:
+        from_json_bytes(data, path)
+    assert info.value.path == path
+    return info.value
