@@ -97,6 +97,8 @@ def kills(per_mode: int, rng: random.Random, server: ForkServer, work: Path) -> 
             if server.exit_status(child.pid, 30) is None:
                 res.violate("hangs", f"{label}: trainer not reaped 30 s after SIGKILL")
             dying += [(w, killed, label) for w in workers]
+            if workers:
+                res.grow("trainer_kills_with_a_worker")
             if mode != "restart_now":
                 _check_dying(res, dying)
             if committed_before:  # what the trainer saw committed is still there

@@ -19,9 +19,9 @@ def test_sigkill_trainer_worker_or_both(
     res = check("sigkill", scale, tmp_path, fork_server)
     kills = [v for k, v in res.size.items() if k.startswith("kills[")]
     assert len(kills) == 4 and min(kills) >= 1  # trainer, worker, both, restart_now
-    # each killed trainer's worker was seen and gone within 5 s (else a violation)
+    # the worker of every trainer killed beside one was gone within 5 s (else a violation)
     exits = res.timings["worker_exit_after_trainer_s"]
-    assert len(exits) >= res.size["kills[trainer]"]
+    assert len(exits) >= res.size["trainer_kills_with_a_worker"] >= 1
     assert max(exits) <= 5.0
 
 
