@@ -31,7 +31,8 @@ def two_jobs(seconds: float, rng: random.Random, server: ForkServer, work: Path)
     process verifies every committed checkpoint it sees meanwhile.
 
     Checked: no committed checkpoint fails verify (ever); every eval load is bit-exact
-    or a CheckpointError; A's failed saves (if any) were all raised to A."""
+    or a CheckpointError; every failure of A would be raised to A, and there is none
+    (an eval script never harms the job: it takes no lease and deletes nothing)."""
     res = Result(
         "two_jobs",
         must_be_zero=(
