@@ -355,6 +355,13 @@ class StorageReader(_DCPStorageReader):
         try:
             return open_regular(path, what="data file", fqn=fqn, rank=self.rank)
         except FileNotFoundError:
+            if not os.path.isdir(self.path):  # the whole checkpoint went (retention)
+                raise CheckpointNotFoundError(
+                    "the checkpoint was deleted while it was being loaded",
+                    path=self.path,
+                    fqn=fqn,
+                    rank=self.rank,
+                ) from None
             raise CorruptCheckpointError(
                 "data file is missing", path=path, fqn=fqn, rank=self.rank
             ) from None

@@ -409,3 +409,20 @@ def test_bad_user_metadata_is_refused_before_any_write(tmp_path):
         quicksave.save({"t": torch.ones(4)}, target, user_metadata={"x": float("nan")})
     assert e.value.path == str(target)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_checkpoint_deleted_under_a_load_is_not_found_not_corrupt(tmp_path, monkeypatch):
+    from quicksave.reader import StorageReader
+
+    target = tmp_path / "step-1"
+    quicksave.save({"t": torch.ones(4)}, target)
+    real = StorageReader.read_manifest
+
+    def then_retention_deletes(self):
+        manifest = real(self)
+        commit.remove_tree(self.path)  # what another job's retention does
+        return manifest
+
+    monkeypatch.setattr(StorageReader, "read_manifest", then_retention_deletes)
+    with pytest.raises(CheckpointNotFoundError, match="deleted while it was being loaded"):
+        quicksave.load({"t": torch.zeros(4)}, target)
