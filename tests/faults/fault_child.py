@@ -38,6 +38,7 @@ Roles:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -207,6 +208,9 @@ def eval_loop(folder: str, seed: int, kib: int, duration: float, ls_every: int =
 ROLES = {"trainer": trainer, "eval": eval_loop}
 
 
+_RUNNING: set[int] = set()  # the server's children not reaped yet
+
+
 def _reap(_signum: int, _frame: object) -> None:
     while True:
         try:
@@ -215,10 +219,23 @@ def _reap(_signum: int, _frame: object) -> None:
             return
         if pid == 0:
             return
+        _RUNNING.discard(pid)
         os.write(1, f"exited {pid} {status}\n".encode())
 
 
+def _die_with_parent() -> None:
+    """SIGKILL this process when its parent dies (``PR_SET_PDEATHSIG``): a test run
+    that is killed must not leave trainers saving forever."""
+    import ctypes
+
+    parent = os.getppid()
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
+    if os.getppid() != parent:  # the parent died before the call
+        os._exit(1)
+
+
 def serve() -> None:
+    _die_with_parent()
     signal.signal(signal.SIGCHLD, _reap)
     os.write(1, b"ready\n")
     while True:
@@ -231,6 +248,7 @@ def serve() -> None:
             code = 3
             try:
                 signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+                _die_with_parent()  # the server's death (only: the worker is not affected)
                 fd = os.open(out, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND, 0o644)
                 os.dup2(fd, 1)
                 efd = os.open(out + ".err", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
@@ -244,7 +262,11 @@ def serve() -> None:
                 traceback.print_exc()
             finally:
                 os._exit(code)
+        _RUNNING.add(pid)
         os.write(1, f"pid {pid}\n".encode())
+    for pid in list(_RUNNING):  # the test is gone: no child outlives the server
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
 
 
 if __name__ == "__main__":
