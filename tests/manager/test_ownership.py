@@ -426,3 +426,18 @@ def test_a_checkpoint_deleted_under_a_load_is_not_found_not_corrupt(tmp_path, mo
     monkeypatch.setattr(StorageReader, "read_manifest", then_retention_deletes)
     with pytest.raises(CheckpointNotFoundError, match="deleted while it was being loaded"):
         quicksave.load({"t": torch.zeros(4)}, target)
+
+
+def test_retention_waits_for_a_checkpoint_known_to_pass(tmp_path):
+    """A writer that never loaded, beside a torn newest checkpoint: nothing is deleted
+    until one of its own saves commits (if that save failed, the older good ones must
+    still be there)."""
+    save_steps(tmp_path, [1, 2, 3])
+    data_file(tmp_path / "step-3").unlink()
+    box = Box()
+    m = manager(tmp_path, box, keep_latest_k=1, async_mode="process")
+    box.set(4)
+    assert m.save(4, force=True)
+    assert {1, 2} <= set(m.committed_steps())  # in flight: nothing deleted yet
+    m.close()
+    assert m.committed_steps() == [4]  # committed: now the policy applies

@@ -480,6 +480,8 @@ class CheckpointManager:
         handle = self._write(state_dict, path, step, kind)
         now = time.monotonic()
         if not asynchronous:
+            if kind == "full" and (self._last_good or -1) < step:
+                self._last_good = step  # committed by this call
             record = SaveRecord(
                 step, kind, path, nbytes, now - begin, now - begin, now - begin, now - written
             )
@@ -603,9 +605,12 @@ class CheckpointManager:
     def _retain(self, protect: set[int]) -> None:
         if self._lease is None:  # only the lease holder deletes
             return
-        keep = self._in_flight | protect
-        if self._last_good is not None:
-            keep.add(self._last_good)  # never the last checkpoint known to pass
+        if self._last_good is None:
+            # No checkpoint is known to pass yet (nothing loaded, nothing of ours
+            # committed): the newest one may be torn, and deleting the older ones could
+            # leave nothing loadable if our own save then fails.
+            return
+        keep = self._in_flight | protect | {self._last_good}
         apply_retention(self.folder, self.retention, keep, allow_dcp=self.config.allow_dcp)
 
     def _replace_uncommitted(self, path: str) -> None:
