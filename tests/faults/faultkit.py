@@ -22,7 +22,6 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,6 +32,10 @@ import torch.nn as nn
 import xxhash
 
 HERE = Path(__file__).resolve().parent
+if str(HERE.parent) not in sys.path:  # tests/: the shared helpers (the fork server's
+    sys.path.insert(0, str(HERE.parent))  # children and the runner start without it)
+from helpers_engine.engine_util import proc_alive, wait_dead  # noqa: E402, F401 (re-exported)
+
 REPO = HERE.parents[1]
 
 # ---------------------------------------------------------------- the deterministic job
@@ -247,27 +250,6 @@ def describe(e: BaseException) -> str:
 
 
 # ---------------------------------------------------------------- processes
-
-
-def proc_alive(pid: int) -> bool:
-    """True while ``pid`` exists and is not a zombie."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            state = f.read().rsplit(")", 1)[1].split()[0]
-    except (FileNotFoundError, ProcessLookupError):
-        return False
-    return state not in ("Z", "X")
-
-
-def wait_dead(pid: int, timeout: float) -> float | None:
-    """Seconds until ``pid`` is gone, or None if it is still alive after ``timeout``."""
-    t0 = time.monotonic()
-    while True:
-        if not proc_alive(pid):
-            return time.monotonic() - t0
-        if time.monotonic() - t0 > timeout:
-            return None
-        time.sleep(0.01)
 
 
 def children_of(pid: int) -> list[int]:
