@@ -237,3 +237,18 @@ def test_worker_keeps_no_fds_or_mappings_across_pool_rebuilds(root: Path) -> Non
     finally:
         saver.close()
     assert pool_mappings() == 0
+
+
+def test_worker_killed_while_idle_costs_no_save(root: Path) -> None:
+    saver = AsyncSaver(EngineConfig(mode="process"))
+    try:
+        saver.save(big_state(1, 1.0), root / "a", step=1).wait(60)
+        pid = saver.worker_pid
+        os.kill(pid, signal.SIGKILL)
+        saver._persister.process.wait(5)  # dead and reaped before the next save
+        nxt = big_state(1, 2.0)
+        saver.save(nxt, root / "b", step=2).wait(60)  # a new worker writes it
+        assert saver.worker_pid not in (None, pid)
+        _assert_loads(nxt, root / "b")
+    finally:
+        saver.close()

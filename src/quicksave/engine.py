@@ -268,9 +268,15 @@ class AsyncSaver:
             return ProcessPersister(self.config.worker, self.rank)
         return ThreadPersister()
 
-    def _persister_for_submit(self) -> ProcessPersister | ThreadPersister:
+    def _persister_for_submit(
+        self, job_id: int | None = None
+    ) -> ProcessPersister | ThreadPersister:
+        """The persister to hand work to (``job_id``: the job about to be sent, already
+        registered in flight). A worker that died while idle is replaced first."""
         p = self._persister
-        if isinstance(p, ProcessPersister) and not self._in_flight and p.process.poll() is not None:
+        mine = set() if job_id is None else {job_id}
+        idle = set(self._in_flight) <= mine  # no job was in its hands
+        if isinstance(p, ProcessPersister) and idle and p.process.poll() is not None:
             # died while idle (SIGTERM, OOM killer...): no save was lost, start another
             logger.warning(
                 "quicksave: the checkpoint worker (pid %d) exited while idle (code %s)",
@@ -639,7 +645,7 @@ class AsyncSaver:
 
     def _submit(self, job: PersistJob, handle: SaveHandle) -> None:
         try:
-            self._persister_for_submit().submit(job)
+            self._persister_for_submit(job.job_id).submit(job)
         except CheckpointError as e:
             self._worker_failed(e)
 

@@ -506,10 +506,12 @@ class ProcessPersister:
                 pass
 
     def submit(self, job: PersistJob) -> None:
-        self._send(("job", job), f"step {job.step}")
+        # Pending first: a worker found dead while sending fails naming this job's
+        # step and path (it died while idle; this save is the one it costs).
         self._in_flight[job.job_id] = _Pending(
             job.job_id, job.step, job.final_path, time.monotonic()
         )
+        self._send(("job", job), f"step {job.step}")
 
     def submit_call(self, job_id: int, fn: Callable[..., Any], args: tuple, kwargs: dict) -> None:
         """Run ``fn(*args, **kwargs)`` in the worker (pickled: fn must be importable from
