@@ -98,7 +98,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
         return 0
     rows = [["NAME", "STEP", "STATUS", "FORMAT", "SIZE", "MODIFIED"]]
     for i in infos:
-        status = i.status if i.problem is None else f"{i.status} (bad manifest: {i.problem})"
+        status = i.status if i.problem is None else f"{i.status} (bad manifest: {_cut(i.problem)})"
         rows.append(
             [
                 i.name,
@@ -111,6 +111,11 @@ def cmd_ls(args: argparse.Namespace) -> int:
         )
     _table(rows, out, right=(1, 4))
     return 0
+
+
+def _cut(text: str, width: int = 60) -> str:
+    """``text`` shortened for a table cell (``quicksave ls --json`` has it whole)."""
+    return text if len(text) <= width else text[: width - 1] + "…"
 
 
 # --------------------------------------------------------------------------- inspect
