@@ -224,3 +224,36 @@ def test_ranks_beside_a_live_writer_all_refuse_to_save(tmp_path) -> None:
         assert len(r["refused"]) == 2 and "does not write" in r["refused"][0], (rank, r)
         assert r["loaded"] == 1 and not r["worker"], (rank, r)
     assert sorted(os.listdir(tmp_path / "ckpt")) == ["step-1"]
+
+
+def _rank_resume_past_a_torn_newest(rank: int, world_size: int, root: str) -> dict[str, Any]:
+    job, manager = _manager(root, async_mode="disabled")
+    for step in range(1, 5):
+        job.step()
+        manager.save(step)  # commits steps 2 and 4
+    manager.close()
+    torch.distributed.barrier()
+    if rank == 0:  # tear the newest: one of its data files is lost
+        step4 = os.path.join(root, "ckpt", "step-4")
+        os.unlink(os.path.join(step4, sorted(f for f in os.listdir(step4) if "rank-" in f)[-1]))
+    torch.distributed.barrier()
+    fresh, resumed = _manager(root, async_mode="disabled")
+    loaded = resumed.load()
+    committed = resumed.committed_steps()
+    resumed.close()
+    reference = _Job()  # replay two steps: the state of step 2
+    for _ in range(2):
+        reference.step()
+    return {
+        "loaded": loaded,
+        "committed": committed,
+        "exact": _digest(fresh.model) == _digest(reference.model),
+    }
+
+
+def test_ranks_resume_together_past_a_torn_newest(tmp_path) -> None:
+    results = run_ranks(_rank_resume_past_a_torn_newest, 2, str(tmp_path), config=LAUNCH)
+    for rank, r in enumerate(results):
+        assert r["loaded"] == 2 and r["exact"], (rank, r)
+        assert r["committed"] == [2], (rank, r)  # step 4 quarantined by the coordinator
+    assert len(list((tmp_path / "ckpt").glob("step-4.corrupt-*"))) == 1
