@@ -39,6 +39,7 @@ from .errors import (
 from .format.dtypes import dtype_name
 from .format.manifest import check_user_metadata
 from .reader import StorageReader, require_committed
+from .storage import local_path
 from .writer import StorageWriter
 
 
@@ -132,7 +133,7 @@ def save(
 
         quicksave.save({"model": model.state_dict(), "step": 10}, "ckpt/step-10")
     """
-    path = os.path.abspath(os.fspath(path))
+    path = local_path(path)
     rank = rank_of_this_process()
     refused: IncompatibleStateError | None = None
     sd: dict[str, Any] = {}
@@ -370,7 +371,7 @@ def load(
 
         quicksave.load({"model": model.state_dict()}, "ckpt/step-10")
     """
-    path = os.path.abspath(os.fspath(path))
+    path = local_path(path)
     kind = classify(path)
     if kind is CheckpointKind.DCP:
         reader: Any = DCPReader(path, allow_pickle=allow_dcp_pickle)

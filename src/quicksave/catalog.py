@@ -17,6 +17,7 @@ from .commit import CheckpointKind, classify
 from .errors import CheckpointError, CheckpointNotFoundError
 from .format import DCP_METADATA_NAME, MANIFEST_NAME
 from .format.manifest import read_manifest
+from .storage import local_path
 
 _STEP_IN_NAME = re.compile(r"(?:^|[^0-9])(\d+)(?:\.tmp-[0-9a-f]+)?$")
 _LISTED = (CheckpointKind.QUICKSAVE, CheckpointKind.DCP, CheckpointKind.UNCOMMITTED)
@@ -156,7 +157,7 @@ def list_checkpoints(root: str | os.PathLike[str]) -> list[CheckpointInfo]:
         for info in list_checkpoints("ckpt"):
             print(info.name, info.step, info.status)
     """
-    root = os.path.abspath(os.fspath(root))
+    root = local_path(root)
     if not os.path.exists(root):
         raise CheckpointNotFoundError("no such file or directory", path=root)
     if not os.path.isdir(root):

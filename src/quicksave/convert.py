@@ -39,6 +39,7 @@ from .format.manifest import Manifest, read_manifest
 from .persist import byte_view
 from .reader import check_chunk_within, read_chunk_into, require_committed
 from .safeio import member_path, open_regular
+from .storage import local_path
 from .verify import byte_progress
 
 Target = Literal["torch", "dcp", "safetensors"]
@@ -98,7 +99,7 @@ def load_full_state(
 
         state, manifest = load_full_state("ckpt/step-100")
     """
-    flat, m = _read_flat(os.path.abspath(os.fspath(path)), progress)
+    flat, m = _read_flat(local_path(path), progress)
     return _nest(flat), m
 
 
@@ -308,8 +309,8 @@ def convert(
         raise CheckpointError(
             f"unknown conversion target {to!r}; choose one of {', '.join(TARGETS)}"
         )
-    src = os.path.abspath(os.fspath(checkpoint))
-    out = os.path.abspath(os.fspath(out))
+    src = local_path(checkpoint)
+    out = local_path(out)
     if os.path.lexists(out):
         raise CheckpointExistsError(
             "output already exists; quicksave convert never overwrites (choose another path "

@@ -44,6 +44,7 @@ from .format.dtype_names import ELEMENT_SIZES
 from .format.dtypes import known_dtype
 from .format.manifest import MAX_MANIFEST_BYTES
 from .safeio import bad_member_name, member_path, open_regular, read_regular
+from .storage import local_path
 
 MAX_METADATA_BYTES = MAX_MANIFEST_BYTES
 _INT_LIMIT = 1 << 63
@@ -292,7 +293,7 @@ def read_dcp_metadata(
         md = read_dcp_metadata("ckpt/dcp-step-100")
         print(sorted(md.state_dict_metadata))
     """
-    directory = os.path.abspath(os.fspath(path))
+    directory = local_path(path)
     file = member_path(directory, metadata_file_name(rank))
     try:
         data = read_regular(

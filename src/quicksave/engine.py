@@ -53,6 +53,7 @@ from .format.manifest import (
 )
 from .plan import ItemSpec, RankLayout, layout_rank
 from .stage import StagingPool
+from .storage import local_path
 from .worker import (
     CallResult,
     FileJob,
@@ -354,7 +355,7 @@ class AsyncSaver:
         with self._lock:
             if self._closed:
                 raise CheckpointError("the saver is closed", path=os.fspath(path), rank=self.rank)
-            final = os.path.abspath(os.fspath(path))
+            final = local_path(path)
             check_user_metadata(dict(user_metadata or {}), final, self.rank)
             if self._dist is not None:
                 ds = self._plan_dist(state_dict, final, step, user_metadata)

@@ -19,6 +19,7 @@ from .format import objects as objcodec
 from .format.dtypes import dtype_name, element_size
 from .format.manifest import read_manifest
 from .reader import require_committed
+from .storage import local_path
 
 _TAG_TYPES = {
     "float": "float",
@@ -206,7 +207,7 @@ def inspect_checkpoint(
         summary = inspect_checkpoint("ckpt/step-100")
         print(summary.step, len(summary.tensors))
     """
-    path = os.path.abspath(os.fspath(path))
+    path = local_path(path)
     if require_committed(path, allow_dcp=True) is CheckpointKind.QUICKSAVE:
         return _quicksave_summary(path)
     return _dcp_summary(path, allow_pickle)

@@ -63,6 +63,7 @@ from .format.manifest import (
 )
 from .persist import byte_view
 from .safeio import RegularFile, member_path, open_regular
+from .storage import local_path
 
 
 def require_committed(path: str, *, allow_dcp: bool = False) -> CheckpointKind:
@@ -241,7 +242,7 @@ class StorageReader(_DCPStorageReader):
         self, path: str | os.PathLike[str], *, thread_count: int = 4, verify: bool = True
     ) -> None:
         super().__init__()
-        self.path = os.path.abspath(os.fspath(path))
+        self.path = local_path(path)
         self.thread_count = max(1, thread_count)
         self.verify = verify
         self.rank: int | None = None
@@ -251,7 +252,7 @@ class StorageReader(_DCPStorageReader):
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         if checkpoint_id:
-            self.path = os.path.abspath(os.fspath(checkpoint_id))
+            self.path = local_path(checkpoint_id)
             self.manifest = None
         self.storage_data = {}
 

@@ -44,6 +44,7 @@ from .format.safetensors_header import (
 from .plan import chunk_key
 from .reader import require_committed
 from .safeio import open_regular, read_at
+from .storage import local_path
 
 READ_BLOCK = 16 << 20  # one reused buffer; large reads keep syscalls few on big files
 
@@ -374,7 +375,7 @@ def verify_checkpoint(path: str | os.PathLike[str], progress: bool = False) -> V
         for p in report.problems:
             print(p)
     """
-    path = os.path.abspath(os.fspath(path))
+    path = local_path(path)
     require_committed(path)
     try:
         manifest_size = os.lstat(os.path.join(path, MANIFEST_NAME)).st_size

@@ -56,6 +56,7 @@ from .format.manifest import (
 )
 from .plan import ItemSpec, RankLayout, layout_rank
 from .reader import manifest_to_metadata
+from .storage import local_path
 from .worker import commit_files
 
 
@@ -149,7 +150,7 @@ class StorageWriter(_DCPStorageWriter):
         user_metadata: dict[str, Any] | None = None,
     ) -> None:
         super().__init__()
-        self.path = os.path.abspath(os.fspath(path))
+        self.path = local_path(path)
         self.step = step
         self.thread_count = max(1, thread_count)
         self.fsync = fsync
@@ -163,7 +164,7 @@ class StorageWriter(_DCPStorageWriter):
     # 1 ------------------------------------------------------------------ set-up
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         if checkpoint_id:
-            self.path = os.path.abspath(os.fspath(checkpoint_id))
+            self.path = local_path(checkpoint_id)
         self.tmp_dir = None
         self.save_id = uuid.uuid4().hex
         self.plans = None

@@ -24,6 +24,7 @@ import torch
 
 from .. import commit
 from ..errors import CheckpointError, IncompatibleStateError
+from ..storage import local_path
 from ..worker import WorkerConfig
 from .core import AsyncCallsQueue
 from .request import AsyncRequest
@@ -102,7 +103,7 @@ class TorchAsyncCheckpoint:
                 f"async_save writes to a path (str or os.PathLike), not a {type(f).__name__}: "
                 "file objects cannot be handed to the background writer"
             )
-        path = os.path.abspath(os.fspath(f))
+        path = local_path(f, what="torch.save target")
         if not os.path.isdir(os.path.dirname(path)):
             raise CheckpointError("the directory to save into does not exist", path=path)
         if os.path.isdir(path):

@@ -14,6 +14,7 @@ import torch
 
 from ..engine import EngineConfig
 from ..errors import CheckpointError
+from ..storage import local_path
 from ..worker import WorkerConfig
 
 INTERVAL_TYPES = ("steps", "seconds")
@@ -112,6 +113,7 @@ class CheckpointConfig:
             object.__setattr__(self, "folder", os.fspath(self.folder))
         if not isinstance(self.folder, str) or not self.folder:
             raise CheckpointError(f"folder must be a non-empty path, got {self.folder!r}")
+        local_path(self.folder, what="checkpoint folder")  # a URL it cannot serve: now
         if self.interval_type not in INTERVAL_TYPES:
             raise CheckpointError(
                 f"interval_type must be 'steps' or 'seconds', got {self.interval_type!r}"

@@ -57,6 +57,7 @@ from ..errors import (
     IncompatibleStateError,
     NotCommittedError,
 )
+from ..storage import local_path
 from .async_writer import AsyncWriter
 from .config import CheckpointConfig
 from .folder import (
@@ -154,7 +155,7 @@ class CheckpointManager:
         if not isinstance(config, CheckpointConfig):
             raise CheckpointError(f"config must be a CheckpointConfig, got {type(config).__name__}")
         self.config = config
-        self.folder = os.path.abspath(config.folder)
+        self.folder = local_path(config.folder, what="checkpoint folder")
         self.process_group = process_group
         self.states = check_states(states)
         self._clock = clock
