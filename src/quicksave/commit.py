@@ -51,6 +51,12 @@ def is_temp_name(name: str) -> bool:
     return TMP_MARK in os.path.basename(os.path.normpath(name))
 
 
+def final_name(name: str) -> str:
+    """The checkpoint name a directory name stands for: ``step-5`` for ``step-5`` and
+    for its temporaries ``step-5.tmp-<token>`` (a base name, not a path)."""
+    return name.split(TMP_MARK, 1)[0]
+
+
 def quarantine_path(final: str) -> str:
     """Where a committed checkpoint that failed its checks is moved: beside it, under a
     name that is never committed and never cleaned up."""
@@ -219,7 +225,8 @@ def remove_tree(path: str) -> bool:
     (:func:`publish`): only one of the two renames can take the directory.
     """
     path = os.path.normpath(os.path.abspath(path))
-    doomed = temp_path_for(path.split(TMP_MARK, 1)[0], f"del{new_token()}")
+    parent, name = os.path.split(path)  # only the name: a parent may hold ".tmp-" too
+    doomed = temp_path_for(os.path.join(parent, final_name(name)), f"del{new_token()}")
     try:
         os.rename(path, doomed)
     except OSError:

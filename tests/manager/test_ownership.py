@@ -441,3 +441,13 @@ def test_retention_waits_for_a_checkpoint_known_to_pass(tmp_path):
     assert {1, 2} <= set(m.committed_steps())  # in flight: nothing deleted yet
     m.close()
     assert m.committed_steps() == [4]  # committed: now the policy applies
+
+
+def test_deleting_under_a_parent_named_like_a_temporary_stays_in_that_parent(tmp_path, monkeypatch):
+    folder = tmp_path / "run.tmp-x" / "ckpt"
+    save_steps(folder, [1, 2])
+    monkeypatch.setattr(commit.shutil, "rmtree", lambda *a, **k: None)  # crash mid-delete
+    assert commit.remove_tree(str(folder / "step-1"))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run.tmp-x"]
+    (doomed,) = [p.name for p in folder.iterdir() if p.name != "step-2"]
+    assert doomed.startswith("step-1.tmp-del")  # beside it: the next start-up cleans it
