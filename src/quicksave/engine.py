@@ -366,7 +366,7 @@ class AsyncSaver:
                 manifest, token = ds.manifest, ds.dist.token
             else:
                 self.finalize(blocking=False)  # raises an earlier failure, once
-                self._refuse_committed(final)
+                commit.check_target(final, self.rank)
                 tensors, objects, paths = self._collect_state(state_dict, final)
                 plan = self._plan(tensors, objects)
                 manifest = Manifest(
@@ -447,9 +447,6 @@ class AsyncSaver:
             handle.blocking_s = time.monotonic() - t0
             return handle
 
-    def _refuse_committed(self, final: str) -> None:
-        commit.check_target(final, self.rank)
-
     def _plan_dist(
         self,
         state_dict: Mapping[str, Any],
@@ -464,7 +461,7 @@ class AsyncSaver:
         problem: CheckpointError | None = self._unreported[0] if self._unreported else None
         if problem is None:
             try:
-                self._refuse_committed(final)
+                commit.check_target(final, self.rank)
             except CheckpointExistsError as e:
                 problem = e
         if problem is None and self.config.backpressure == "wait":

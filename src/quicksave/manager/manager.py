@@ -47,7 +47,7 @@ from typing import Any
 import torch.distributed as dist
 
 from .. import api
-from ..commit import TMP_MARK, classify
+from ..commit import classify, final_name, is_temp_name
 from ..dist.saving import DistContext
 from ..engine import SaveHandle
 from ..errors import (
@@ -656,11 +656,10 @@ class CheckpointManager:
                         "another folder, stop that job, or pass read_only=True to only load"
                     )
         if self._world_size() > 1:
-            import torch
-
-            flag = torch.tensor([0 if reason is None else 1], dtype=torch.int64)
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._checkpoint_group())
-            if flag.item() and reason is None:
+            # The same one-integer MAX vote as the interval agreement: "any rank is
+            # read-only" (only the coordinator can be, for the lease).
+            any_read_only = agree_any_due(reason is not None, self._checkpoint_group()).wait()
+            if any_read_only and reason is None:
                 reason = "the coordinator could not take the folder's writer lease (see its log)"
         if reason is not None:
             logger.warning(
@@ -754,8 +753,8 @@ def _checkpoint_name(path: str | None) -> str:
     if path is None:
         return "?"
     for part in reversed(os.path.normpath(path).split(os.sep)[-2:]):
-        if TMP_MARK in part:
-            return part.split(TMP_MARK, 1)[0]
+        if is_temp_name(part):
+            return final_name(part)
     return os.path.basename(os.path.normpath(path))
 
 
