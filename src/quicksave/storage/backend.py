@@ -1,0 +1,159 @@
+"""The storage seam: what every backend (local disk, S3, Multi-Storage Client) provides.
+
+A backend stores *objects* under string *keys*. Keys are ``/``-separated; for the local
+backend a key is an absolute path, for S3 it is the object key inside one bucket, for MSC
+the path inside one profile. Everything quicksave reads or writes goes through these few
+operations, so the format, the commit protocol and the multi-rank protocol are the same
+over every backend; only how a checkpoint becomes visible differs:
+
+- ``atomic_rename`` backends (local) write under a temporary directory and rename it;
+- the others (object stores) write data objects and per-rank parts first and the
+  manifest last: the manifest's presence is the commit (docs/ARCHITECTURE.md, "Object
+  stores").
+
+Torch-free: the worker process imports it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
+
+Range = tuple[str, int, int]  # (name, offset, length) of a byte range to hash on the way
+
+
+@dataclass(frozen=True)
+class ObjectInfo:
+    """One stored object: its key, size in bytes and last-modified time (POSIX seconds)."""
+
+    key: str
+    size: int
+    mtime: float
+
+
+@dataclass(frozen=True)
+class S3Options:
+    """S3 settings that override the standard AWS chain (environment variables
+    ``AWS_ENDPOINT_URL``, ``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``,
+    ``AWS_SESSION_TOKEN``, ``AWS_REGION``/``AWS_DEFAULT_REGION``, ``AWS_PROFILE``, the
+    shared config and credentials files). ``None`` leaves a setting to the chain.
+
+    Attributes:
+        endpoint_url: an S3-compatible server (``http://127.0.0.1:8333``).
+        region: the signing region.
+        profile: a named profile of the shared AWS config.
+        access_key_id, secret_access_key, session_token: explicit credentials (never
+            printed: not in ``repr``, logs, errors or manifests).
+        addressing_style: ``"path"``, ``"virtual"`` or ``None`` (path style when an
+            endpoint is given, botocore's choice otherwise).
+        part_size: bytes per multipart part (objects up to this size are one PUT).
+        max_concurrency: parts (or ranged GETs) in flight at once per object stream.
+        max_attempts: tries per request (throttling, 5xx, connection resets).
+        retry_deadline_s: no retry starts after this long since a request's first try.
+        connect_timeout_s, read_timeout_s: per-connection timeouts.
+    """
+
+    endpoint_url: str | None = None
+    region: str | None = None
+    profile: str | None = None
+    access_key_id: str | None = field(default=None, repr=False)
+    secret_access_key: str | None = field(default=None, repr=False)
+    session_token: str | None = field(default=None, repr=False)
+    addressing_style: str | None = None
+    part_size: int = 32 << 20
+    max_concurrency: int = 8
+    max_attempts: int = 6
+    retry_deadline_s: float = 60.0
+    connect_timeout_s: float = 5.0
+    read_timeout_s: float = 30.0
+
+
+@dataclass(frozen=True)
+class StorageOptions:
+    """How quicksave reaches a storage location; passed to every entry point that takes
+    a location (``storage=``) and to ``CheckpointConfig(storage=...)``.
+
+    Attributes:
+        s3: settings for ``s3://`` locations.
+        msc_config: path of a Multi-Storage Client config file for ``msc://`` locations;
+            ``None`` uses MSC's own search (``MSC_CONFIG``, then its default paths).
+        stale_after_s: a manager's start-up clean-up removes leftovers of crashed saves
+            (objects with no manifest, incomplete multipart uploads) only when older
+            than this, so that a save still being written elsewhere is never hit.
+    """
+
+    s3: S3Options = field(default_factory=S3Options)
+    msc_config: str | None = None
+    stale_after_s: float = 3600.0
+
+
+@runtime_checkable
+class Backend(Protocol):
+    """One storage backend (a local filesystem, one S3 bucket, one MSC profile).
+
+    Errors: every operation raises :class:`~quicksave.errors.CheckpointError` naming
+    ``self.url(key)`` (never a credential); a missing object is
+    :class:`~quicksave.errors.CheckpointNotFoundError`. Transient failures (throttling,
+    5xx, connection resets) are retried inside the backend with jittered backoff,
+    bounded in count and time.
+    """
+
+    scheme: str  # "file", "s3", "msc"
+    atomic_rename: bool  # True: a directory can be renamed atomically (local only)
+
+    def url(self, key: str) -> str:
+        """The user-facing URL (or path) of ``key``, for messages."""
+        ...
+
+    def put(self, key: str, data: memoryview, *, ranges: Sequence[Range] = ()) -> dict[str, str]:
+        """Store ``data`` as the object ``key``, whole or not at all (a failed upload
+        leaves nothing: a multipart upload is aborted). Large objects are uploaded in
+        parts that are slices of ``data`` (no copy), several in flight. Returns the
+        xxh3-64 (16 hex digits) of every ``(name, offset, length)`` of ``ranges``,
+        computed from ``data`` on the way."""
+        ...
+
+    def read_into(self, key: str, offset: int, dest: memoryview) -> None:
+        """Fill ``dest`` with the bytes of ``key`` at ``[offset, offset + len(dest))``.
+        Large reads are split into parallel ranged reads. Raises if the object ends
+        first (naming both lengths)."""
+        ...
+
+    def get(self, key: str, max_bytes: int) -> bytes:
+        """The whole object ``key``; refuses (CorruptCheckpointError) one larger than
+        ``max_bytes`` without reading it."""
+        ...
+
+    def stat(self, key: str) -> ObjectInfo | None:
+        """The object ``key``, or None if there is none."""
+        ...
+
+    def list(self, prefix: str) -> Iterator[ObjectInfo]:
+        """Every object whose key starts with ``prefix`` (recursive, any order)."""
+        ...
+
+    def children(self, prefix: str) -> list[str]:
+        """The names directly under the "directory" ``prefix`` (objects and common
+        prefixes, without the trailing ``/``), sorted."""
+        ...
+
+    def delete(self, keys: Iterable[str]) -> None:
+        """Delete the objects ``keys`` (missing ones are no error)."""
+        ...
+
+    def abort_uploads(self, prefix: str, older_than_s: float) -> int:
+        """Abort incomplete multipart uploads under ``prefix`` started more than
+        ``older_than_s`` seconds ago; returns how many. 0 where there are none."""
+        ...
+
+    def close(self) -> None:
+        """Release connections and threads."""
+        ...
+
+
+def join(key: str, name: str) -> str:
+    """``key/name`` (no doubled separator; an empty key is the root)."""
+    if not key:
+        return name
+    return key.rstrip("/") + "/" + name
