@@ -25,6 +25,8 @@ from collections.abc import Mapping
 
 from .errors import CheckpointError, CheckpointExistsError
 from .format import DCP_METADATA_NAME, MANIFEST_NAME
+from .storage.backend import Backend
+from .storage.location import Location, parse_location
 
 TMP_MARK = ".tmp-"
 QUARANTINE_MARK = ".corrupt-"
@@ -64,16 +66,45 @@ def quarantine_path(final: str) -> str:
     return f"{final}{QUARANTINE_MARK}{new_token()}"
 
 
-def classify(path: str) -> CheckpointKind:
-    """What ``path`` is, from the files present (no file is parsed)."""
-    try:
-        names = set(os.listdir(path))
-    except FileNotFoundError:  # missing, or vanished while listed (retention, clean-up)
-        return CheckpointKind.MISSING
-    except NotADirectoryError:  # a file, or a parent that is a file
-        return CheckpointKind.NOT_CHECKPOINT if os.path.lexists(path) else CheckpointKind.MISSING
-    has_quicksave_data = any(n.startswith("rank-") and n.endswith(".safetensors") for n in names)
-    base = os.path.basename(os.path.normpath(path))
+def classify(
+    path: str | os.PathLike[str] | Location, backend: Backend | None = None
+) -> CheckpointKind:
+    """What ``path`` is, from the names present (no file is parsed). On an object store
+    a prefix with no object under it is MISSING, and only its manifest commits it.
+
+    Args:
+        path: a path, URL or Location.
+        backend: an open backend serving it (default: one is opened for the call).
+    """
+    loc = parse_location(path)
+    if loc.is_local:
+        path = loc.key
+        try:
+            names = set(os.listdir(path))
+        except FileNotFoundError:  # missing, or vanished while listed (retention, clean-up)
+            return CheckpointKind.MISSING
+        except NotADirectoryError:  # a file, or a parent that is a file
+            if os.path.lexists(path):
+                return CheckpointKind.NOT_CHECKPOINT
+            return CheckpointKind.MISSING
+    else:
+        b = backend if backend is not None else loc.open()
+        try:
+            names = set(b.children(loc.key))
+        finally:
+            if backend is None:
+                b.close()
+        if not names:
+            return CheckpointKind.MISSING
+    return kind_of(loc.name, names)
+
+
+def kind_of(base: str, names: set[str]) -> CheckpointKind:
+    """The kind of a directory named ``base`` holding ``names`` (not empty)."""
+    has_quicksave_data = any(
+        (n.startswith("rank-") and n.endswith(".safetensors")) or n.startswith("part-rank-")
+        for n in names
+    )
     if TMP_MARK in base or QUARANTINE_MARK in base:
         return CheckpointKind.UNCOMMITTED
     if MANIFEST_NAME in names:

@@ -62,16 +62,22 @@ from .format.manifest import (
     read_manifest,
 )
 from .persist import byte_view
-from .safeio import RegularFile, member_path, open_regular
-from .storage import local_path
+from .storage import Location, StorageOptions, parse_location
+from .storage.backend import Backend, join
+from .storage.checkpoint_dir import CheckpointDir, Member
 
 
-def require_committed(path: str, *, allow_dcp: bool = False) -> CheckpointKind:
+def require_committed(
+    path: str | os.PathLike[str] | Location,
+    *,
+    allow_dcp: bool = False,
+    backend: Backend | None = None,
+) -> CheckpointKind:
     """The kind of the committed checkpoint at ``path``; the one place that turns
     "not a loadable checkpoint" into an error.
 
     Args:
-        path: a checkpoint directory.
+        path: a checkpoint directory (path, URL or Location).
         allow_dcp: accept a committed stock ``torch.distributed.checkpoint`` directory.
 
     Raises:
@@ -79,9 +85,11 @@ def require_committed(path: str, *, allow_dcp: bool = False) -> CheckpointKind:
             directory when ``allow_dcp`` is False.
         NotCommittedError: a temporary or partial checkpoint (it is never loaded).
     """
-    kind = classify(path)
+    loc = parse_location(path)
+    kind = classify(loc, backend)
     if kind is CheckpointKind.QUICKSAVE or (allow_dcp and kind is CheckpointKind.DCP):
         return kind
+    path = loc.url
     if kind is CheckpointKind.MISSING:
         raise CheckpointNotFoundError("no such file or directory", path=path)
     if kind is CheckpointKind.UNCOMMITTED:
@@ -169,7 +177,7 @@ def save_plan_of(rank_plan: RankPlan, manifest: Manifest) -> SavePlan:
 
 
 def read_chunk_into(
-    fd: int,
+    fd: Member,
     view: memoryview,
     entry: ChunkEntry,
     *,
@@ -179,7 +187,8 @@ def read_chunk_into(
     verify: bool = True,
 ) -> None:
     """Fill ``view`` with the bytes of ``entry`` from the open data file ``fd`` (at
-    ``path``) and check their xxh3-64.
+    ``path``; a :class:`~quicksave.storage.checkpoint_dir.Member` on any backend) and
+    check their xxh3-64.
 
     Raises:
         CorruptCheckpointError: the file ends before the chunk does, or the checksum
@@ -187,11 +196,11 @@ def read_chunk_into(
     """
     got = 0
     while got < entry.length:
-        n = os.preadv(fd, [view[got:]], entry.offset + got)
+        n = fd.pread_into(view[got:], entry.offset + got)
         if n == 0:
             raise CorruptCheckpointError(
                 f"data file is truncated: chunk needs bytes {entry.offset}.."
-                f"{entry.offset + entry.length}, file ends at {os.fstat(fd).st_size}",
+                f"{entry.offset + entry.length}, file ends at {entry.offset + got}",
                 path=path,
                 fqn=fqn,
                 rank=rank,
@@ -233,16 +242,26 @@ class StorageReader(_DCPStorageReader):
     """Reads a committed quicksave checkpoint for ``torch.distributed.checkpoint.load``.
 
     Args:
-        path: the checkpoint directory.
-        thread_count: parallel reader threads.
+        path: the checkpoint directory: a path, a ``file://``, ``s3://`` or ``msc://``
+            URL, or a Location.
+        thread_count: parallel reader threads (on object stores each also splits a
+            large chunk into parallel ranged reads).
         verify: check every chunk's xxh3-64 while reading (on by default).
+        storage: how to reach an object store (default: the environment's chain).
     """
 
     def __init__(
-        self, path: str | os.PathLike[str], *, thread_count: int = 4, verify: bool = True
+        self,
+        path: str | os.PathLike[str] | Location,
+        *,
+        thread_count: int = 4,
+        verify: bool = True,
+        storage: StorageOptions | None = None,
     ) -> None:
         super().__init__()
-        self.path = local_path(path)
+        self.location = parse_location(path, options=storage)
+        self.path = self.location.url
+        self._storage = storage
         self.thread_count = max(1, thread_count)
         self.verify = verify
         self.rank: int | None = None
@@ -252,7 +271,8 @@ class StorageReader(_DCPStorageReader):
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         if checkpoint_id:
-            self.path = local_path(checkpoint_id)
+            self.location = parse_location(checkpoint_id, options=self._storage)
+            self.path = self.location.url
             self.manifest = None
         self.storage_data = {}
 
@@ -266,8 +286,9 @@ class StorageReader(_DCPStorageReader):
 
     def read_manifest(self) -> Manifest:
         if self.manifest is None:
-            require_committed(self.path)
-            self.manifest = read_manifest(self.path)
+            with CheckpointDir(self.location) as d:
+                require_committed(self.location, backend=d.backend)
+                self.manifest = read_manifest(d)
         return self.manifest
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
@@ -322,15 +343,14 @@ class StorageReader(_DCPStorageReader):
         by_file: dict[str, list[_Chunk]] = defaultdict(list)
         for c in chunks.values():
             by_file[c.entry.file].append(c)
-        fds: dict[str, int] = {}
+        fds: dict[str, Member] = {}
+        d = CheckpointDir(self.location, rank=self.rank)
         try:
             for name, file_chunks in by_file.items():
-                f = self._open(name, file_chunks[0].fqn)
-                fds[name] = f.fd
+                f = self._open(d, name, file_chunks[0].fqn)
+                fds[name] = f
                 for c in file_chunks:  # before any read or buffer: the file holds it all
-                    check_chunk_within(
-                        c.entry, f.size, os.path.join(self.path, name), c.fqn, self.rank
-                    )
+                    check_chunk_within(c.entry, f.size, d.member_url(name), c.fqn, self.rank)
             work = sorted(chunks.values(), key=lambda c: (c.entry.file, c.entry.offset))
             if self.thread_count == 1 or len(work) <= 1:
                 for c in work:
@@ -342,8 +362,9 @@ class StorageReader(_DCPStorageReader):
                     for f in [pool.submit(self._read_chunk, fds[c.entry.file], c) for c in work]:
                         f.result()
         finally:
-            for fd in fds.values():
-                os.close(fd)
+            for f in fds.values():
+                f.close()
+            d.close()
         for c in chunks.values():
             for req, dest in c.reqs:
                 planner.commit_tensor(req, dest)
@@ -351,12 +372,12 @@ class StorageReader(_DCPStorageReader):
         fut.set_result(None)
         return fut
 
-    def _open(self, name: str, fqn: str) -> RegularFile:
-        path = member_path(self.path, name, fqn=fqn)
+    def _open(self, d: CheckpointDir, name: str, fqn: str) -> Member:
+        path = d.member_url(name)
         try:
-            return open_regular(path, what="data file", fqn=fqn, rank=self.rank)
+            return d.open(name, what="data file", fqn=fqn, rank=self.rank)
         except FileNotFoundError:
-            if not os.path.isdir(self.path):  # the whole checkpoint went (retention)
+            if classify(d.location, d.backend) is CheckpointKind.MISSING:  # retention
                 raise CheckpointNotFoundError(
                     "the checkpoint was deleted while it was being loaded",
                     path=self.path,
@@ -367,12 +388,12 @@ class StorageReader(_DCPStorageReader):
                 "data file is missing", path=path, fqn=fqn, rank=self.rank
             ) from None
 
-    def _read_into(self, fd: int, view: memoryview, c: _Chunk) -> None:
-        path = os.path.join(self.path, c.entry.file)
+    def _read_into(self, fd: Member, view: memoryview, c: _Chunk) -> None:
+        path = join(self.path, c.entry.file)
         read_chunk_into(fd, view, c.entry, path=path, fqn=c.fqn, rank=self.rank, verify=self.verify)
         self.bytes_read += c.entry.length
 
-    def _read_chunk(self, fd: int, c: _Chunk) -> None:
+    def _read_chunk(self, fd: Member, c: _Chunk) -> None:
         e = c.entry
         if len(c.reqs) == 1:
             req, dest = c.reqs[0]

@@ -9,7 +9,6 @@ with ``"manifest_xxh3_64"``: the xxh3-64 of the file's bytes with that value rep
 from __future__ import annotations
 
 import json
-import os
 import re
 from dataclasses import dataclass, field
 from typing import Any, NoReturn
@@ -17,7 +16,7 @@ from typing import Any, NoReturn
 import xxhash
 
 from ..errors import CorruptCheckpointError, IncompatibleStateError
-from ..safeio import bad_member_name, read_regular
+from ..safeio import bad_member_name
 from . import ALIGNMENT, FORMAT_NAME, FORMAT_VERSION, strict_json
 from .dtype_names import element_size_of_name
 
@@ -472,21 +471,34 @@ def from_json_bytes(data: bytes, path: str = "manifest.json") -> Manifest:
     )
 
 
-def read_manifest(checkpoint: str | os.PathLike[str]) -> Manifest:
+def read_manifest(checkpoint: Any) -> Manifest:
     """Read and validate ``<checkpoint>/manifest.json``: a regular file inside the
-    directory (not a symbolic link, FIFO or device), at most 1 GiB, read up to its size.
+    directory (not a symbolic link, FIFO or device) or an object under the checkpoint's
+    prefix, at most 1 GiB, read up to its size.
+
+    Args:
+        checkpoint: a path, URL, Location or an open ``CheckpointDir``.
 
     Raises:
         CorruptCheckpointError: missing, not a regular file, too large, unreadable, or
-            invalid; names the manifest's path.
+            invalid; names the manifest's path or URL.
     """
+    from ..storage.checkpoint_dir import CheckpointDir
     from . import MANIFEST_NAME
 
-    path = os.path.join(os.fspath(checkpoint), MANIFEST_NAME)
+    d = checkpoint if isinstance(checkpoint, CheckpointDir) else CheckpointDir(checkpoint)
     try:
-        data = read_regular(
-            path, MAX_MANIFEST_BYTES, what="manifest", too_large="manifest larger than 1 GiB"
-        )
-    except FileNotFoundError:
-        raise CorruptCheckpointError("manifest.json is missing", path=path) from None
-    return from_json_bytes(data, path)
+        path = d.member_url(MANIFEST_NAME)
+        try:
+            data = d.read(
+                MANIFEST_NAME,
+                MAX_MANIFEST_BYTES,
+                what="manifest",
+                too_large="manifest larger than 1 GiB",
+            )
+        except FileNotFoundError:
+            raise CorruptCheckpointError("manifest.json is missing", path=path) from None
+        return from_json_bytes(data, path)
+    finally:
+        if d is not checkpoint:
+            d.close()

@@ -1,5 +1,15 @@
-"""Where checkpoints live: locations (paths and URLs) and, later, storage backends."""
+"""Where checkpoints live: locations (paths and URLs) and the storage backends behind
+them (``local``, ``s3``, ``msc``), all through one small protocol (:mod:`.backend`)."""
 
-from .location import local_path
+from .backend import Backend, ObjectInfo, S3Options, StorageOptions
+from .location import Location, local_path, parse_location
 
-__all__ = ["local_path"]
+__all__ = [
+    "Backend",
+    "Location",
+    "ObjectInfo",
+    "S3Options",
+    "StorageOptions",
+    "local_path",
+    "parse_location",
+]

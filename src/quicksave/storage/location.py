@@ -1,45 +1,127 @@
 """Checkpoint locations: a plain path, or a URL with a scheme.
 
-Every entry point turns what the user gave into a location here, before any I/O, so a
-destination quicksave does not understand is an error, never a guess: ``s3://b/run``
-used to be taken as a relative path and silently became a local directory ``s3:``.
+Every entry point turns what the user gave into a :class:`Location` here, before any
+I/O, so a destination quicksave does not understand is an error, never a guess:
+``s3://b/run`` used to be taken as a relative path and silently became a local
+directory ``s3:``.
 
-Today only the local filesystem is served (plain paths and ``file://`` URLs); object
-stores (``s3://``, ``msc://``) are refused with a clear error until their backends
-exist.
+Served: plain paths and ``file://`` URLs (the local filesystem), ``s3://bucket/prefix``
+(extra ``quicksave[s3]``) and ``msc://profile/path`` (extra ``quicksave[msc]``). Any
+other scheme is refused.
 """
 
 from __future__ import annotations
 
 import os
 import re
+from dataclasses import dataclass, field
 from urllib.parse import unquote, urlsplit
 
 from ..errors import CheckpointError
+from .backend import Backend, StorageOptions, join
 
 _SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
-_OBJECT_STORES = {"s3": "quicksave[s3]", "msc": "quicksave[msc]"}
+_EXTRAS = {"s3": "quicksave[s3]", "msc": "quicksave[msc]"}
+_BUCKET = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
 
 
-def local_path(location: str | os.PathLike[str], *, what: str = "checkpoint") -> str:
-    """The absolute local path of ``location``.
+@dataclass(frozen=True)
+class Location:
+    """Where a checkpoint (or a folder of them) lives: cheap to build and to pass, even
+    to a worker process; :meth:`open` builds the live backend (clients, threads).
+
+    Attributes:
+        scheme: ``"file"``, ``"s3"`` or ``"msc"``.
+        container: the bucket (s3) or profile (msc); ``""`` for files.
+        key: the absolute path (file), or the key prefix inside the container, without
+            a leading or trailing ``/`` (``""``: the container's root).
+        options: how to reach the store (credentials come from the environment's
+            standard chain unless set there; never printed).
+    """
+
+    scheme: str
+    container: str
+    key: str
+    options: StorageOptions = field(default_factory=StorageOptions, compare=False, repr=False)
+
+    @property
+    def is_local(self) -> bool:
+        return self.scheme == "file"
+
+    @property
+    def url(self) -> str:
+        """The user-facing name: the path for files, the URL otherwise."""
+        if self.is_local:
+            return self.key
+        return f"{self.scheme}://{self.container}/{self.key}".rstrip("/")
+
+    @property
+    def name(self) -> str:
+        """The last component (``step-10``)."""
+        return self.key.rstrip("/").rsplit("/", 1)[-1]
+
+    def child(self, name: str) -> Location:
+        return Location(self.scheme, self.container, join(self.key, name), self.options)
+
+    def parent(self) -> Location:
+        if self.is_local:
+            return Location(self.scheme, "", os.path.dirname(self.key), self.options)
+        head = self.key.rstrip("/").rsplit("/", 1)
+        return Location(
+            self.scheme, self.container, head[0] if len(head) == 2 else "", self.options
+        )
+
+    def with_key(self, key: str) -> Location:
+        return Location(self.scheme, self.container, key, self.options)
+
+    def backend_id(self) -> tuple:
+        """Equal for locations one backend serves (used to share a backend)."""
+        return (self.scheme, self.container, self.options)
+
+    def open(self, *, fsync: bool = True, o_direct: bool = True, rank: int = 0) -> Backend:
+        """A new backend for this location's container; the caller closes it.
+
+        Raises:
+            CheckpointError: the extra for the scheme is not installed (named).
+        """
+        if self.scheme == "file":
+            from .local import LocalBackend
+
+            return LocalBackend(fsync=fsync, o_direct=o_direct, rank=rank)
+        if self.scheme == "s3":
+            from .s3 import S3Backend
+
+            return S3Backend(self.container, self.options.s3)
+        from .msc import MscBackend
+
+        return MscBackend(self.container, self.options)
+
+
+def parse_location(
+    location: str | os.PathLike[str] | Location,
+    *,
+    what: str = "checkpoint",
+    options: StorageOptions | None = None,
+) -> Location:
+    """Turn a path or URL into a :class:`Location`, before any I/O.
 
     Args:
-        location: a path (``str`` or ``os.PathLike``), or a ``file://`` URL.
+        location: a path (``str`` or ``os.PathLike``), a ``file://``, ``s3://bucket/key``
+            or ``msc://profile/path`` URL, or a Location (returned as is).
         what: how errors call it (``"checkpoint"``, ``"checkpoint folder"`` ...).
-
-    Returns:
-        An absolute, normalized path.
+        options: how to reach object stores (default: the environment's chain).
 
     Raises:
-        CheckpointError: a URL of another scheme (object stores are not served yet,
-            unknown schemes never will be), a ``file://`` URL naming a remote host,
-            or not a path at all; the message names the location.
+        CheckpointError: an unknown scheme, a malformed URL (no bucket, ``..`` in the
+            key), a ``file://`` URL naming a remote host; the message names the location.
 
     Example::
 
-        local_path("file:///data/ckpt/step-10")  # '/data/ckpt/step-10'
+        parse_location("s3://ckpts/run-7/step-10").key  # 'run-7/step-10'
     """
+    if isinstance(location, Location):
+        return location
+    opts = options if options is not None else StorageOptions()
     try:
         raw = os.fspath(location)
     except TypeError:
@@ -52,7 +134,7 @@ def local_path(location: str | os.PathLike[str], *, what: str = "checkpoint") ->
         raise CheckpointError(f"a {what} location must not be empty")
     match = _SCHEME.match(raw)
     if match is None:
-        return os.path.abspath(raw)
+        return Location("file", "", os.path.abspath(raw), opts)
     scheme = match.group(1).lower()
     if scheme == "file":
         parts = urlsplit(raw)
@@ -62,15 +144,45 @@ def local_path(location: str | os.PathLike[str], *, what: str = "checkpoint") ->
                 "served (file:///absolute/path)",
                 path=raw,
             )
-        return os.path.abspath(unquote(parts.path))
-    if scheme in _OBJECT_STORES:
-        raise CheckpointError(
-            f"{scheme}:// {what} locations are not supported by this version of quicksave "
-            f"(object stores come with the storage backends, extra {_OBJECT_STORES[scheme]}); "
-            f"refusing rather than writing a local directory named '{scheme}:'",
-            path=raw,
-        )
+        return Location("file", "", os.path.abspath(unquote(parts.path)), opts)
+    if scheme in _EXTRAS:
+        rest = raw[match.end() :]
+        container, _, key = rest.partition("/")
+        key = key.strip("/")
+        if not container:
+            raise CheckpointError(
+                f"a {what} URL needs a {'bucket' if scheme == 's3' else 'profile'}: "
+                f"{scheme}://<{'bucket' if scheme == 's3' else 'profile'}>/<path>",
+                path=raw,
+            )
+        if scheme == "s3" and not _BUCKET.match(container):
+            raise CheckpointError(f"{container!r} is not a valid S3 bucket name", path=raw)
+        parts_ = key.split("/") if key else []
+        if any(p in ("", ".", "..") for p in parts_) or "\x00" in key:
+            raise CheckpointError(
+                f"a {what} URL must not hold empty, '.' or '..' components", path=raw
+            )
+        return Location(scheme, container, key, opts)
     raise CheckpointError(
         f"unknown URL scheme {scheme!r} for a {what}: use a path, file://, s3:// or msc://",
         path=raw,
     )
+
+
+def local_path(location: str | os.PathLike[str], *, what: str = "checkpoint") -> str:
+    """The absolute local path of ``location``, for what only the local filesystem
+    serves (``torch.save`` targets, ``quicksave demo`` folders).
+
+    Raises:
+        CheckpointError: not a local path or ``file://`` URL; names the location.
+
+    Example::
+
+        local_path("file:///data/ckpt/step-10")  # '/data/ckpt/step-10'
+    """
+    loc = parse_location(location, what=what)
+    if not loc.is_local:
+        raise CheckpointError(
+            f"a {what} must be a local path here, not a {loc.scheme}:// URL", path=loc.url
+        )
+    return loc.key

@@ -1,0 +1,185 @@
+"""Reading the members of one checkpoint directory, on any backend.
+
+Everything that reads a checkpoint (load, verify, inspect, ls, convert) goes through
+:class:`CheckpointDir`: the names it holds, a small member read whole (the manifest,
+``.metadata``, a part), and data files opened for ranged reads. On the local filesystem
+members are opened through :mod:`quicksave.safeio` (regular files only, never followed
+out of the directory); on object stores a member is an object under the checkpoint's
+prefix, and a name from a checkpoint is still checked to be a plain name.
+
+Torch-free: the worker process imports it.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Protocol
+
+from ..errors import CheckpointNotFoundError, CorruptCheckpointError
+from ..safeio import member_path, open_regular, read_regular
+from .backend import Backend
+from .location import Location, parse_location
+
+
+class Member(Protocol):
+    """An opened file of a checkpoint: its size and positional reads."""
+
+    size: int
+
+    def pread_into(self, view: memoryview, offset: int) -> int:
+        """Read up to ``len(view)`` bytes at ``offset``; 0 at the end."""
+        ...
+
+    def close(self) -> None: ...
+
+
+class _LocalMember:
+    def __init__(self, fd: int, size: int) -> None:
+        self.fd, self.size = fd, size
+
+    def pread_into(self, view: memoryview, offset: int) -> int:
+        return os.preadv(self.fd, [view], offset)
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+
+class _StoreMember:
+    def __init__(self, backend: Backend, key: str, size: int) -> None:
+        self.backend, self.key, self.size = backend, key, size
+
+    def pread_into(self, view: memoryview, offset: int) -> int:
+        n = max(0, min(len(view), self.size - offset))
+        if n:
+            self.backend.read_into(self.key, offset, view[:n])
+        return n
+
+    def close(self) -> None:
+        pass
+
+
+class CheckpointDir:
+    """One checkpoint directory (or prefix) to read from.
+
+    Args:
+        location: a path, URL or :class:`Location`.
+        backend: an open backend serving ``location`` (shared, not closed here);
+            default: one is opened and closed by :meth:`close`.
+        rank: named in errors.
+    """
+
+    def __init__(
+        self,
+        location: str | os.PathLike[str] | Location,
+        backend: Backend | None = None,
+        *,
+        rank: int | None = None,
+    ) -> None:
+        self.location = parse_location(location)
+        self._owns = backend is None
+        self.backend = backend if backend is not None else self.location.open()
+        self.rank = rank
+
+    @property
+    def url(self) -> str:
+        return self.location.url
+
+    @property
+    def is_local(self) -> bool:
+        return self.location.is_local
+
+    def __enter__(self) -> CheckpointDir:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if self._owns:
+            self.backend.close()
+
+    def member_url(self, name: str) -> str:
+        return self.backend.url(self._key(name, None))
+
+    def _key(self, name: str, fqn: str | None) -> str:
+        if self.is_local:
+            return member_path(self.location.key, name, fqn=fqn)
+        member_path(self.location.key, name, fqn=fqn)  # the same plain-name check
+        return f"{self.location.key}/{name}" if self.location.key else name
+
+    def names(self) -> set[str]:
+        """The names directly in the directory.
+
+        Raises:
+            FileNotFoundError: nothing is there (a store: no object under the prefix).
+            NotADirectoryError: a local file is there.
+        """
+        if self.is_local:
+            return set(os.listdir(self.location.key))
+        names = self.backend.children(self.location.key)
+        if not names:
+            raise FileNotFoundError(self.url)
+        return set(names)
+
+    def read(
+        self,
+        name: str,
+        max_bytes: int,
+        *,
+        what: str = "file",
+        too_large: str | None = None,
+        fqn: str | None = None,
+        rank: int | None = None,
+    ) -> bytes:
+        """The whole member ``name``, refused unread past ``max_bytes``.
+
+        Raises:
+            FileNotFoundError: no such member.
+            CorruptCheckpointError: not a regular file, too large, unreadable.
+        """
+        key = self._key(name, fqn)
+        rank = self.rank if rank is None else rank
+        if self.is_local:
+            return read_regular(key, max_bytes, what=what, too_large=too_large, fqn=fqn, rank=rank)
+        info = self.backend.stat(key)
+        if info is None:
+            raise FileNotFoundError(self.backend.url(key))
+        if info.size > max_bytes:
+            raise CorruptCheckpointError(
+                too_large or f"{what} is {info.size} bytes, more than the limit of {max_bytes}",
+                path=self.backend.url(key),
+                fqn=fqn,
+                rank=rank,
+            )
+        try:
+            return self.backend.get(key, max_bytes)
+        except CheckpointNotFoundError:
+            raise FileNotFoundError(self.backend.url(key)) from None
+
+    def open(
+        self, name: str, *, what: str = "file", fqn: str | None = None, rank: int | None = None
+    ) -> Member:
+        """Open the member ``name`` for positional reads; the caller closes it.
+
+        Raises:
+            FileNotFoundError: no such member.
+            CorruptCheckpointError: not a regular file (local).
+        """
+        key = self._key(name, fqn)
+        rank = self.rank if rank is None else rank
+        if self.is_local:
+            f = open_regular(key, what=what, fqn=fqn, rank=rank)
+            return _LocalMember(f.fd, f.size)
+        info = self.backend.stat(key)
+        if info is None:
+            raise FileNotFoundError(self.backend.url(key))
+        return _StoreMember(self.backend, key, info.size)
+
+    def sizes(self) -> dict[str, int]:
+        """Every object under the directory (recursive: ``sub/name``) and its size."""
+        if self.is_local:
+            from ..catalog import dir_files
+
+            return dir_files(self.location.key)
+        prefix = self.location.key + "/" if self.location.key else ""
+        return {o.key[len(prefix) :]: o.size for o in self.backend.list(prefix)}

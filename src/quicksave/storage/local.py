@@ -1,0 +1,134 @@
+"""The local filesystem behind the backend protocol.
+
+Keys are absolute paths. Writes go through :func:`quicksave.persist.write_image`
+(``O_DIRECT`` where the filesystem takes it, chunk checksums on the way, ``fsync``);
+reads through :mod:`quicksave.safeio` (regular files only: no symbolic links, FIFOs or
+devices, bounded by the file's size). A directory renames atomically, so local
+checkpoints commit by renaming their temporary directory (:mod:`quicksave.commit`).
+
+Torch-free: the worker process imports it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import stat
+from collections.abc import Iterable, Iterator, Sequence
+
+from ..errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
+from ..persist import write_image
+from ..safeio import open_regular, read_regular
+from .backend import ObjectInfo, Range
+
+
+class LocalBackend:
+    """Files under the local filesystem (keys are absolute paths).
+
+    Args:
+        fsync: make every written file durable before ``put`` returns.
+        o_direct: write with ``O_DIRECT`` where the filesystem allows it.
+        rank: named in errors.
+    """
+
+    scheme = "file"
+    atomic_rename = True
+
+    def __init__(self, *, fsync: bool = True, o_direct: bool = True, rank: int = 0) -> None:
+        self.fsync = fsync
+        self.o_direct = o_direct
+        self.rank = rank
+
+    def url(self, key: str) -> str:
+        return key
+
+    def put(self, key: str, data: memoryview, *, ranges: Sequence[Range] = ()) -> dict[str, str]:
+        parent = os.path.dirname(key)
+        try:
+            os.makedirs(parent, exist_ok=True)
+        except OSError as e:
+            raise CheckpointError(
+                f"cannot create the directory: {e.strerror}", path=parent, rank=self.rank
+            ) from e
+        return write_image(
+            key,
+            data,
+            len(data),
+            list(ranges),
+            rank=self.rank,
+            fsync=self.fsync,
+            o_direct=self.o_direct,
+        )
+
+    def put_padded(
+        self, key: str, image: memoryview, size: int, ranges: Sequence[Range]
+    ) -> dict[str, str]:
+        """``put`` of ``image[:size]`` where ``image`` extends to a page boundary past
+        ``size`` (a staging pool's file image), so that ``O_DIRECT`` writes whole pages."""
+        return write_image(
+            key, image, size, list(ranges), rank=self.rank, fsync=self.fsync, o_direct=self.o_direct
+        )
+
+    def read_into(self, key: str, offset: int, dest: memoryview) -> None:
+        try:
+            f = open_regular(key, what="file", rank=self.rank)
+        except FileNotFoundError:
+            raise CheckpointNotFoundError("no such file", path=key, rank=self.rank) from None
+        try:
+            got = 0
+            while got < len(dest):
+                n = os.preadv(f.fd, [dest[got:]], offset + got)
+                if n == 0:
+                    raise CorruptCheckpointError(
+                        f"file ends at {f.size} bytes, before {offset + len(dest)}",
+                        path=key,
+                        rank=self.rank,
+                    )
+                got += n
+        except OSError as e:
+            raise CheckpointError(f"cannot read: {e.strerror}", path=key, rank=self.rank) from e
+        finally:
+            os.close(f.fd)
+
+    def get(self, key: str, max_bytes: int) -> bytes:
+        try:
+            return read_regular(key, max_bytes, rank=self.rank)
+        except FileNotFoundError:
+            raise CheckpointNotFoundError("no such file", path=key, rank=self.rank) from None
+
+    def stat(self, key: str) -> ObjectInfo | None:
+        try:
+            st = os.lstat(key)
+        except OSError:
+            return None
+        if not stat.S_ISREG(st.st_mode):
+            return None
+        return ObjectInfo(key, st.st_size, st.st_mtime)
+
+    def list(self, prefix: str) -> Iterator[ObjectInfo]:
+        top = prefix if os.path.isdir(prefix) else os.path.dirname(prefix)
+        for root, dirs, files in os.walk(top):
+            dirs.sort()
+            for name in sorted(files):
+                path = os.path.join(root, name)
+                if path.startswith(prefix):
+                    info = self.stat(path)
+                    if info is not None:
+                        yield info
+
+    def children(self, prefix: str) -> list[str]:
+        try:
+            return sorted(os.listdir(prefix))
+        except OSError:
+            return []
+
+    def delete(self, keys: Iterable[str]) -> None:
+        for key in keys:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(key)
+
+    def abort_uploads(self, prefix: str, older_than_s: float) -> int:
+        return 0  # files are written in place: there are no pending uploads
+
+    def close(self) -> None:
+        pass
