@@ -137,15 +137,38 @@ def write_durable(path: str, data: bytes) -> None:
         os.close(fd)
 
 
-def check_target(final: str, rank: int | None = None) -> None:
+def check_target(
+    final: str | Location, rank: int | None = None, backend: Backend | None = None
+) -> None:
     """Raise unless a checkpoint can be committed at ``final``: nothing there, or an
-    empty directory. Checked before any byte is written, so that a save onto a file or
-    a full directory fails at once instead of after writing everything.
+    empty directory (an object store: no object under the prefix). Checked before any
+    byte is written, so that a save onto a file or a full directory fails at once
+    instead of after writing everything.
 
     Raises:
-        CheckpointExistsError: a committed checkpoint, a file, or a non-empty directory
-            is at ``final`` (quicksave never replaces anything).
+        CheckpointExistsError: a committed checkpoint, a file, a non-empty directory or
+            a prefix holding objects is at ``final`` (quicksave never replaces anything).
     """
+    if isinstance(final, Location) and not final.is_local:
+        kind = classify(final, backend)
+        if kind is CheckpointKind.MISSING:
+            return
+        if kind in (CheckpointKind.QUICKSAVE, CheckpointKind.DCP):
+            raise CheckpointExistsError(
+                "a committed checkpoint already exists here; quicksave never overwrites "
+                "one: choose another path or delete it first",
+                path=final.url,
+                rank=rank,
+            )
+        raise CheckpointExistsError(
+            "objects of an uncommitted save are under this prefix (a save that crashed "
+            "or is still running); quicksave never replaces them: choose another path, or "
+            "let a CheckpointManager clean them up",
+            path=final.url,
+            rank=rank,
+        )
+    if isinstance(final, Location):
+        final = final.key
     kind = classify(final)
     if kind is CheckpointKind.MISSING:
         return
@@ -245,6 +268,36 @@ def publish(tmp: str, final: str, expected: Mapping[str, int]) -> None:
             f"cannot commit: {e.strerror}; the written data stays in {tmp}", path=final
         ) from e
     fsync_path(os.path.dirname(final))
+
+
+def commit_on_store(
+    backend: Backend, prefix: str, final: str, expected: Mapping[str, int], manifest: bytes
+) -> None:
+    """Commit a checkpoint on an object store: check that every object of ``expected``
+    (name -> size) is under ``prefix`` with its size (one listing), then write the
+    manifest. Objects appear whole or not at all, so the manifest's presence is the
+    commit: nothing under a prefix without one is ever listed, loaded or kept.
+
+    Raises:
+        CheckpointError: an object is missing or of another size (nothing committed).
+        CheckpointExistsError: a manifest appeared under ``prefix`` meanwhile.
+    """
+    base = prefix.rstrip("/") + "/"
+    present = {o.key[len(base) :]: o.size for o in backend.list(base)}
+    for name, size in sorted(expected.items()):
+        got = present.get(name)
+        if got != size:
+            state = "missing" if got is None else f"{got} bytes, expected {size}"
+            raise CheckpointError(
+                f"cannot commit: object {name} is {state} (deleted by another process?); "
+                "nothing was committed",
+                path=final,
+            )
+    if MANIFEST_NAME in present:
+        raise CheckpointExistsError(
+            "cannot commit: another save committed a checkpoint here meanwhile", path=final
+        )
+    backend.put(base + MANIFEST_NAME, memoryview(manifest))
 
 
 def remove_tree(path: str) -> bool:

@@ -53,7 +53,8 @@ from .format.manifest import (
 )
 from .plan import ItemSpec, RankLayout, layout_rank
 from .stage import StagingPool
-from .storage import local_path
+from .storage import Location, StorageOptions, parse_location
+from .storage.backend import Backend
 from .worker import (
     CallResult,
     FileJob,
@@ -88,6 +89,7 @@ class EngineConfig:
         worker: heartbeat and timeouts of the worker process.
         close_timeout_s: how long ``close()`` waits for saves in flight.
         pin_memory: page-lock pools for CUDA copies (default: when CUDA is available).
+        storage: how to reach object stores (``s3://``, ``msc://`` paths).
     """
 
     mode: Literal["process", "thread"] = "process"
@@ -100,6 +102,7 @@ class EngineConfig:
     worker: WorkerConfig = field(default_factory=WorkerConfig)
     close_timeout_s: float = 300.0
     pin_memory: bool | None = None
+    storage: StorageOptions = field(default_factory=StorageOptions)
 
     def __post_init__(self) -> None:
         for name, value, allowed in (
@@ -200,8 +203,9 @@ class _InFlight:
     handle: SaveHandle
     slot: _Slot
     bytes: int
-    tmp_dir: str = ""  # removed by the trainer when the persister died mid-save
+    tmp_dir: str = ""  # removed by the trainer when the persister died mid-save (local)
     token: str = ""  # multi-rank: the save's commit records (see dist/records.py)
+    location: Location | None = None  # where it commits
 
 
 def _lower_thread_priority(nice: int) -> None:
@@ -251,6 +255,7 @@ class AsyncSaver:
         self._slots = [_Slot() for _ in range(self.config.max_in_flight)]
         self._plans: dict[tuple, _Plan] = {}
         self._in_flight: dict[int, _InFlight] = {}
+        self._backends: dict[tuple, Backend] = {}  # object stores (trainer-side checks)
         self._unreported: list[BaseException] = []
         self._next_id = 0
         self._staging: threading.Thread | None = None
@@ -355,10 +360,12 @@ class AsyncSaver:
         with self._lock:
             if self._closed:
                 raise CheckpointError("the saver is closed", path=os.fspath(path), rank=self.rank)
-            final = local_path(path)
+            loc = parse_location(path, options=self.config.storage)
+            final = loc.url
+            store = None if loc.is_local else loc
             check_user_metadata(dict(user_metadata or {}), final, self.rank)
             if self._dist is not None:
-                ds = self._plan_dist(state_dict, final, step, user_metadata)
+                ds = self._plan_dist(state_dict, loc, step, user_metadata)
                 if ds is None:
                     return None
                 tensors = ds.tensors
@@ -366,7 +373,7 @@ class AsyncSaver:
                 manifest, token = ds.manifest, ds.dist.token
             else:
                 self.finalize(blocking=False)  # raises an earlier failure, once
-                commit.check_target(final, self.rank)
+                commit.check_target(loc, self.rank, self._backend_for(store))
                 tensors, objects, paths = self._collect_state(state_dict, final)
                 plan = self._plan(tensors, objects)
                 manifest = Manifest(
@@ -400,7 +407,7 @@ class AsyncSaver:
                 step=step,
                 rank=self.rank,
                 final_path=final,
-                tmp_dir=commit.temp_path_for(final, token),
+                tmp_dir=commit.temp_path_for(final, token) if store is None else loc.key,
                 files=tuple(
                     FileJob(
                         f.name,
@@ -417,13 +424,15 @@ class AsyncSaver:
                 o_direct=self.config.o_direct,
                 thread_count=self.config.thread_count,
                 dist=ds.dist if self._dist is not None else None,
+                location=store,
             )
             self._in_flight[job_id] = _InFlight(
                 handle,
                 slot,
                 sum(f.size for f in plan.layout.files),
-                job.tmp_dir,
+                job.tmp_dir if store is None else "",  # never a store's key: not a path
                 token if self._dist is not None else "",
+                loc,
             )
             now, later = self._split(plan, tensors, deferred)
             try:
@@ -447,10 +456,20 @@ class AsyncSaver:
             handle.blocking_s = time.monotonic() - t0
             return handle
 
+    def _backend_for(self, loc: Location | None) -> Backend | None:
+        """The trainer side's backend for an object store (checks before a save), kept
+        until :meth:`close`; None for the local filesystem."""
+        if loc is None or loc.is_local:
+            return None
+        key = loc.backend_id()
+        if key not in self._backends:
+            self._backends[key] = loc.open(rank=self.rank)
+        return self._backends[key]
+
     def _plan_dist(
         self,
         state_dict: Mapping[str, Any],
-        final: str,
+        loc: Location,
         step: int | None,
         user_metadata: dict[str, Any] | None,
     ) -> DistSave | None:
@@ -461,7 +480,7 @@ class AsyncSaver:
         problem: CheckpointError | None = self._unreported[0] if self._unreported else None
         if problem is None:
             try:
-                commit.check_target(final, self.rank)
+                commit.check_target(loc, self.rank, self._backend_for(loc))
             except CheckpointExistsError as e:
                 problem = e
         if problem is None and self.config.backpressure == "wait":
@@ -470,7 +489,7 @@ class AsyncSaver:
         assert self._dist is not None
         ds = self._dist.plan(
             state_dict,
-            final,
+            loc.url,
             step=step,
             user_metadata=user_metadata,
             thread_count=self.config.thread_count,
@@ -741,12 +760,16 @@ class AsyncSaver:
                     slot.pool.close()
                     slot.pool = None
             atexit.unregister(self._atexit)
+            for b in self._backends.values():
+                b.close()
+            self._backends.clear()
 
     def _abandon_in_flight(self) -> None:
         for job_id, fl in list(self._in_flight.items()):
             del self._in_flight[job_id]
             fl.slot.busy = None
-            if commit.classify(fl.handle.path) is commit.CheckpointKind.QUICKSAVE:
+            where = fl.location if fl.location is not None else fl.handle.path
+            if commit.classify(where) is commit.CheckpointKind.QUICKSAVE:
                 h = fl.handle  # committed just before the writer stopped
                 durable = time.monotonic() - h.started
                 h._finish(

@@ -24,10 +24,11 @@ from typing import Any
 import xxhash
 
 from . import commit
-from .errors import CheckpointError, CorruptCheckpointError
+from .errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
 from .format import strict_json
 from .format.manifest import MAX_MANIFEST_BYTES, Manifest, ObjectEntry, hexdigest
 from .safeio import read_regular
+from .storage.backend import Backend, join
 
 PART_FORMAT = "quicksave-part"
 
@@ -75,21 +76,47 @@ def write_part(tmp_dir: str, part: RankPart, fsync: bool = True) -> str:
     return path
 
 
-def read_part(tmp_dir: str, rank: int) -> RankPart:
-    """Read and check ``rank``'s part.
+def write_part_object(backend: Backend, prefix: str, part: RankPart) -> str:
+    """Store ``part`` as the object ``<prefix>/part-rank-RRRRR.json`` on an object store
+    (an object appears whole or not at all). Returns its URL."""
+    key = join(prefix, part_name(part.rank))
+    backend.put(key, memoryview(_encode(part)))
+    return backend.url(key)
+
+
+def read_part(tmp_dir: str, rank: int, backend: Backend | None = None) -> RankPart:
+    """Read and check ``rank``'s part from the directory ``tmp_dir`` (or, with an object
+    store's ``backend``, from the prefix ``tmp_dir``).
 
     Raises:
         CheckpointError: the part is missing (names the rank).
         CorruptCheckpointError: it does not parse, fails its checksum, or is another
             rank's.
     """
-    path = os.path.join(tmp_dir, part_name(rank))
-    try:
-        data = read_regular(path, MAX_MANIFEST_BYTES, what="part", rank=rank)
-    except FileNotFoundError:
-        raise CheckpointError(
-            "this rank's writer left no part (its write did not finish)", path=path, rank=rank
-        ) from None
+    missing = CheckpointError(
+        "this rank's writer left no part (its write did not finish)",
+        path=backend.url(join(tmp_dir, part_name(rank))) if backend else tmp_dir,
+        rank=rank,
+    )
+    if backend is not None:
+        key = join(tmp_dir, part_name(rank))
+        path = backend.url(key)
+        info = backend.stat(key)
+        if info is None:
+            raise missing
+        if info.size > MAX_MANIFEST_BYTES:
+            raise CorruptCheckpointError("the part is too large", path=path, rank=rank)
+        try:
+            data = backend.get(key, MAX_MANIFEST_BYTES)
+        except CheckpointNotFoundError:
+            raise missing from None
+    else:
+        path = os.path.join(tmp_dir, part_name(rank))
+        try:
+            data = read_regular(path, MAX_MANIFEST_BYTES, what="part", rank=rank)
+        except FileNotFoundError:
+            missing.path = path
+            raise missing from None
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as e:

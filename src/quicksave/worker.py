@@ -22,6 +22,7 @@ new one is started for the next save.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import errno
 import mmap
@@ -49,8 +50,17 @@ from .dist.records import StoreAddress
 from .errors import CheckpointError, WorkerFailedError
 from .format import DCP_METADATA_NAME, MANIFEST_NAME
 from .format.manifest import FileEntry, Manifest, hexdigest, to_json_bytes
-from .parts import RankPart, manifest_from_parts, part_name, read_part, write_part
-from .persist import write_image
+from .parts import (
+    RankPart,
+    manifest_from_parts,
+    part_name,
+    read_part,
+    write_part,
+    write_part_object,
+)
+from .storage.backend import Backend, join
+from .storage.local import LocalBackend
+from .storage.location import Location
 
 
 @dataclass(frozen=True)
@@ -79,6 +89,10 @@ class PersistJob:
     o_direct: bool = True
     thread_count: int = 2
     dist: DistCommit | None = None  # multi-rank: commit through parts and store records
+    # An object store's checkpoint location (None: the local filesystem). Its objects are
+    # written straight under ``final_path``'s prefix (``tmp_dir`` is that prefix too),
+    # and the manifest, written last, commits them.
+    location: Location | None = None
 
 
 @dataclass(frozen=True)
@@ -136,48 +150,83 @@ def _fill_checksums(
     return dataclasses.replace(m, tensors=tensors)
 
 
-def execute_job(job: PersistJob, pool: memoryview, store: Any = None) -> JobResult:
+def execute_job(
+    job: PersistJob,
+    pool: memoryview,
+    store: Any = None,
+    backends: dict[tuple, Backend] | None = None,
+) -> JobResult:
     """Write the job's files from ``pool`` (the staged images), then commit. Never raises:
-    failures come back in the JobResult, and the temporary directory is removed.
+    failures come back in the JobResult, and what was written is removed.
 
     A multi-rank job (``job.dist``) needs ``store``, a client of the ranks' store; its
     result is the outcome of the whole checkpoint, not only of this rank's files.
+    ``backends`` keeps object-store backends (their clients) from job to job.
     """
+    try:
+        backend = _backend_for(job, backends if backends is not None else {})
+    except BaseException as e:  # noqa: BLE001 - e.g. the extra is not installed
+        return _failure(job, e)
     if job.dist is not None:
-        return _execute_dist_job(job, pool, store)
+        return _execute_dist_job(job, pool, store, backend)
     t0 = time.monotonic()
     try:
-        digests = _write_files(job, pool)
+        digests = _write_files(job, pool, backend)
         t1 = time.monotonic()
         commit_files(
             job.tmp_dir,
             job.final_path,
             _fill_checksums(job.manifest, digests, job.chunk_keys),
             job.dcp_metadata,
+            backend,
         )
         t2 = time.monotonic()
         return _done(job, t0, t1, t2)
     except BaseException as e:  # noqa: BLE001 - every failure must reach the trainer
-        shutil.rmtree(job.tmp_dir, ignore_errors=True)
+        _discard(job, backend)
         return _failure(job, e)
 
 
-def _write_files(job: PersistJob, pool: memoryview) -> dict[str, str]:
-    """Write every file image of the job into its temporary directory; return the
-    xxh3-64 of every chunk (safetensors key -> hex), computed while writing."""
-    os.makedirs(job.tmp_dir, exist_ok=True)
+def _backend_for(job: PersistJob, backends: dict[tuple, Backend]) -> Backend:
+    """The backend a job writes through: a fresh local one (it holds only settings), or
+    the object store's, kept in ``backends`` from job to job."""
+    if job.location is None:
+        return LocalBackend(fsync=job.fsync, o_direct=job.o_direct, rank=job.rank)
+    key = job.location.backend_id()
+    if key not in backends:
+        backends[key] = job.location.open(rank=job.rank)
+    return backends[key]
+
+
+def _discard(job: PersistJob, backend: Backend, parts: bool = False) -> None:
+    """Remove what a failed job of this rank wrote (best effort; on object stores
+    objects without a manifest are invisible anyway, and start-up clean-up takes them)."""
+    if backend.atomic_rename:
+        shutil.rmtree(job.tmp_dir, ignore_errors=True)
+        return
+    keys = [join(job.tmp_dir, f.name) for f in job.files]
+    if parts and job.dist is not None:
+        keys += [join(job.tmp_dir, part_name(r)) for r in range(job.dist.world_size)]
+    elif job.dist is not None:
+        keys.append(join(job.tmp_dir, part_name(job.rank)))
+    with contextlib.suppress(Exception):
+        backend.delete(keys)
+
+
+def _write_files(job: PersistJob, pool: memoryview, backend: Backend) -> dict[str, str]:
+    """Write every file image of the job into its temporary directory (an object store:
+    under the checkpoint's prefix); return the xxh3-64 of every chunk (safetensors key ->
+    hex), computed while writing."""
+    local = isinstance(backend, LocalBackend)
+    if local:
+        os.makedirs(job.tmp_dir, exist_ok=True)
 
     def one(f: FileJob) -> dict[str, str]:
-        image = pool[f.base : f.base + f.size + (-f.size % 4096)]
-        return write_image(
-            os.path.join(job.tmp_dir, f.name),
-            image,
-            f.size,
-            list(f.entries),
-            rank=job.rank,
-            fsync=job.fsync,
-            o_direct=job.o_direct,
-        )
+        key = join(job.tmp_dir, f.name)
+        if local:  # whole pages past the end, for O_DIRECT
+            image = pool[f.base : f.base + f.size + (-f.size % 4096)]
+            return backend.put_padded(key, image, f.size, f.entries)
+        return backend.put(key, pool[f.base : f.base + f.size], ranges=f.entries)
 
     digests: dict[str, str] = {}
     if len(job.files) <= 1 or job.thread_count <= 1:
@@ -190,7 +239,7 @@ def _write_files(job: PersistJob, pool: memoryview) -> dict[str, str]:
     return digests
 
 
-def _execute_dist_job(job: PersistJob, pool: memoryview, store: Any) -> JobResult:
+def _execute_dist_job(job: PersistJob, pool: memoryview, store: Any, backend: Backend) -> JobResult:
     """One rank's share of a multi-rank save: files, part, rank record; then commit (the
     coordinator) or wait for the commit record (the others)."""
     d = job.dist
@@ -201,15 +250,19 @@ def _execute_dist_job(job: PersistJob, pool: memoryview, store: Any) -> JobResul
         if store is None:
             raise CheckpointError("a multi-rank save needs the ranks' store", rank=job.rank)
         try:
-            digests = _write_files(job, pool)
-            write_part(job.tmp_dir, RankPart(job.rank, digests, d.objects), job.fsync)
+            digests = _write_files(job, pool, backend)
+            part = RankPart(job.rank, digests, d.objects)
+            if backend.atomic_rename:
+                write_part(job.tmp_dir, part, job.fsync)
+            else:
+                write_part_object(backend, job.tmp_dir, part)
         except BaseException as e:  # noqa: BLE001 - told to the others, then reported here
             result = _failure(job, e)
             records.post_rank(store, d.token, job.rank, result.error_message)
             if coordinator:
                 problem = f"rank {job.rank}: {result.error_message}"
                 records.post_commit(store, d.token, problem)
-                shutil.rmtree(job.tmp_dir, ignore_errors=True)
+                _discard(job, backend, parts=True)
             return result
         records.post_rank(store, d.token, job.rank)
         t1 = time.monotonic()
@@ -217,19 +270,24 @@ def _execute_dist_job(job: PersistJob, pool: memoryview, store: Any) -> JobResul
             problems = records.wait_ranks(store, d.token, d.world_size, d.timeout_s)
             if not problems:
                 try:
-                    parts = [read_part(job.tmp_dir, r) for r in range(d.world_size)]
+                    via = None if backend.atomic_rename else backend
+                    parts = [read_part(job.tmp_dir, r, via) for r in range(d.world_size)]
                     assert job.manifest is not None
                     manifest = manifest_from_parts(job.manifest, job.chunk_keys, parts, job.tmp_dir)
-                    for r in range(d.world_size):  # merged: the checkpoint holds no parts
-                        os.unlink(os.path.join(job.tmp_dir, part_name(r)))
-                    commit_files(job.tmp_dir, job.final_path, manifest, job.dcp_metadata)
+                    # merged: the checkpoint holds no parts
+                    if backend.atomic_rename:
+                        for r in range(d.world_size):
+                            os.unlink(os.path.join(job.tmp_dir, part_name(r)))
+                    else:
+                        backend.delete(join(job.tmp_dir, part_name(r)) for r in range(d.world_size))
+                    commit_files(job.tmp_dir, job.final_path, manifest, job.dcp_metadata, backend)
                 except BaseException as e:  # noqa: BLE001 - an abort like any other
                     problems = {job.rank: f"{type(e).__name__}: {e}"}
             if problems:
                 r, why = min(problems.items())
                 reason = f"rank {r}: {why}"
                 records.post_commit(store, d.token, reason)
-                shutil.rmtree(job.tmp_dir, ignore_errors=True)
+                _discard(job, backend, parts=True)
                 return _not_committed(job, reason, r)
             records.post_commit(store, d.token)
         else:
@@ -319,19 +377,31 @@ def _store_for(job: PersistJob, stores: dict[StoreAddress, Any]) -> Any:
     return stores[addr]
 
 
-def commit_files(tmp_dir: str, final_path: str, manifest: Manifest, dcp_metadata: bytes) -> None:
-    """Write ``.metadata`` then the manifest into ``tmp_dir``, fsync, and publish."""
+def commit_files(
+    tmp_dir: str,
+    final_path: str,
+    manifest: Manifest,
+    dcp_metadata: bytes,
+    backend: Backend | None = None,
+) -> None:
+    """Write ``.metadata`` then the manifest, and make the checkpoint visible: locally
+    into ``tmp_dir``, fsynced, then published by renaming it; on an object store under
+    the checkpoint's prefix (``tmp_dir``), the manifest last, its presence the commit."""
     import xxhash
 
-    commit.write_durable(os.path.join(tmp_dir, DCP_METADATA_NAME), dcp_metadata)
     files = dict(manifest.files)
     files[DCP_METADATA_NAME] = FileEntry(
         len(dcp_metadata), hexdigest(xxhash.xxh3_64_intdigest(dcp_metadata))
     )
     manifest = dataclasses.replace(manifest, files=files)
     manifest_bytes = to_json_bytes(manifest)
-    commit.write_durable(os.path.join(tmp_dir, MANIFEST_NAME), manifest_bytes)
     expected = {name: entry.size for name, entry in files.items()}
+    if backend is not None and not backend.atomic_rename:
+        backend.put(join(tmp_dir, DCP_METADATA_NAME), memoryview(dcp_metadata))
+        commit.commit_on_store(backend, tmp_dir, final_path, expected, manifest_bytes)
+        return
+    commit.write_durable(os.path.join(tmp_dir, DCP_METADATA_NAME), dcp_metadata)
+    commit.write_durable(os.path.join(tmp_dir, MANIFEST_NAME), manifest_bytes)
     expected[MANIFEST_NAME] = len(manifest_bytes)
     commit.publish(tmp_dir, final_path, expected)
 
@@ -356,6 +426,7 @@ class ThreadPersister:
         self._lock = threading.Lock()
         self._threads: dict[int, threading.Thread] = {}
         self._stores: dict[StoreAddress, Any] = {}  # multi-rank jobs' store clients
+        self._backends: dict[tuple, Backend] = {}  # object stores' clients, job to job
         self.pid = os.getpid()
 
     def map_pool(self, pool_id: int, fd: int, nbytes: int, buffer: memoryview) -> None:
@@ -367,7 +438,9 @@ class ThreadPersister:
     def submit(self, job: PersistJob) -> None:
         def run() -> None:
             try:
-                r = execute_job(job, self._pools[job.pool_id], _store_for(job, self._stores))
+                r = execute_job(
+                    job, self._pools[job.pool_id], _store_for(job, self._stores), self._backends
+                )
             except BaseException as e:  # noqa: BLE001 - a lost result would hang the trainer
                 r = _failure(job, e)
             with self._lock:
@@ -671,6 +744,7 @@ def _worker_main(
     threading.Thread(target=_beat, args=(heartbeat, period), daemon=True).start()
     pools: dict[int, tuple[mmap.mmap, memoryview]] = {}
     stores: dict[StoreAddress, Any] = {}  # connected at the first multi-rank job
+    backends: dict[tuple, Backend] = {}  # object stores' clients, kept from job to job
     while not stopping.is_set():
         try:
             if not conn.poll(0.2):
@@ -691,7 +765,7 @@ def _worker_main(
                 _unmap(*entry)
         elif kind == "job":
             job: PersistJob = msg[1]
-            result = execute_job(job, pools[job.pool_id][1], _store_for(job, stores))
+            result = execute_job(job, pools[job.pool_id][1], _store_for(job, stores), backends)
             try:
                 conn.send(("result", result))
             except OSError:
