@@ -11,7 +11,6 @@ import dataclasses
 import gc
 import math
 import os
-import shutil
 import warnings
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -39,7 +38,7 @@ from .errors import (
 from .format.dtypes import dtype_name
 from .format.manifest import check_user_metadata
 from .reader import StorageReader, require_committed
-from .storage import local_path
+from .storage import StorageOptions, parse_location
 from .writer import StorageWriter
 
 
@@ -110,6 +109,7 @@ def save(
     coordinator_rank: int = 0,
     thread_count: int = 2,
     user_metadata: dict[str, Any] | None = None,
+    storage: StorageOptions | None = None,
 ) -> None:
     """Save ``state_dict`` to the directory ``path`` and commit it atomically.
 
@@ -119,10 +119,13 @@ def save(
     Args:
         state_dict: names to tensors (incl. DTensor / ShardedTensor), ``Stateful``
             objects, nested dicts/lists and plain values.
-        path: the checkpoint directory to create; must not hold a committed checkpoint.
+        path: the checkpoint directory to create (a path, or a ``file://``, ``s3://`` or
+            ``msc://`` URL); must not hold a committed checkpoint.
         step: recorded in the manifest.
         thread_count: data files and writer threads per rank.
         user_metadata: JSON-serializable dict stored in the manifest.
+        storage: how to reach an object store (default: the environment's AWS chain,
+            ``MSC_CONFIG``).
 
     Raises:
         IncompatibleStateError: a value cannot be stored (checked before any I/O).
@@ -133,7 +136,8 @@ def save(
 
         quicksave.save({"model": model.state_dict(), "step": 10}, "ckpt/step-10")
     """
-    path = local_path(path)
+    loc = parse_location(path, options=storage)
+    path = loc.url
     rank = rank_of_this_process()
     refused: IncompatibleStateError | None = None
     sd: dict[str, Any] = {}
@@ -150,8 +154,10 @@ def save(
     # then fails together); checking here on each rank could split the ranks.
     if not _dist_on():
         check_user_metadata(dict(user_metadata or {}), path, rank)
-        check_target(path, rank)
-    writer = StorageWriter(path, step=step, thread_count=thread_count, user_metadata=user_metadata)
+        check_target(loc, rank)
+    writer = StorageWriter(
+        loc, step=step, thread_count=thread_count, user_metadata=user_metadata, storage=storage
+    )
     try:
         with _engine_call():
             dcp.save(
@@ -162,15 +168,17 @@ def save(
                 no_dist=not _dist_on(),
             )
     except CheckpointException as e:
-        if writer.tmp_dir and writer.is_coordinator:
-            shutil.rmtree(writer.tmp_dir, ignore_errors=True)
+        if writer.is_coordinator:
+            writer.discard()
         raise _unwrap(e, path) from None
     except RuntimeError as e:
         if not _dist_on():
             raise
-        if writer.tmp_dir and writer.is_coordinator:
-            shutil.rmtree(writer.tmp_dir, ignore_errors=True)
+        if writer.is_coordinator:
+            writer.discard()
         raise _collective_failed(e, path, rank, "nothing was committed") from e
+    finally:
+        writer.close()
 
 
 def _element_bytes(item) -> int:
@@ -343,6 +351,7 @@ def load(
     coordinator_rank: int = 0,
     thread_count: int = 4,
     allow_dcp_pickle: bool = False,
+    storage: StorageOptions | None = None,
 ) -> None:
     """Load the checkpoint at ``path`` into ``state_dict`` in place.
 
@@ -358,7 +367,8 @@ def load(
 
     Args:
         state_dict: the destination (same structure as saved).
-        path: a committed checkpoint directory.
+        path: a committed checkpoint directory: a path, or a ``file://``, ``s3://`` or
+            ``msc://`` URL.
         strict: if True (default) the key sets must match; if False, the keys present
             in both are loaded and the others are left untouched.
 
@@ -371,14 +381,15 @@ def load(
 
         quicksave.load({"model": model.state_dict()}, "ckpt/step-10")
     """
-    path = local_path(path)
-    kind = classify(path)
+    loc = parse_location(path, options=storage)
+    path = loc.url
+    kind = classify(loc)
     if kind is CheckpointKind.DCP:
-        reader: Any = DCPReader(path, allow_pickle=allow_dcp_pickle)
+        reader: Any = DCPReader(loc, allow_pickle=allow_dcp_pickle)
         reader.read_metadata()  # fail fast on a refused pickle, before DCP planning
     else:
-        require_committed(path)
-        reader = StorageReader(path, thread_count=thread_count)
+        require_committed(loc)
+        reader = StorageReader(loc, thread_count=thread_count)
         reader.read_manifest()  # fail fast on a bad manifest, before DCP planning
     planner = LoadPlanner(strict=strict, path=path)
     try:

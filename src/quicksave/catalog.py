@@ -11,13 +11,16 @@ from __future__ import annotations
 
 import os
 import re
+from collections import defaultdict
 from dataclasses import dataclass
 
-from .commit import CheckpointKind, classify
+from .commit import CheckpointKind, classify, kind_of
 from .errors import CheckpointError, CheckpointNotFoundError
 from .format import DCP_METADATA_NAME, MANIFEST_NAME
 from .format.manifest import read_manifest
-from .storage import local_path
+from .storage import Location, ObjectInfo, parse_location
+from .storage.backend import Backend
+from .storage.checkpoint_dir import CheckpointDir
 
 _STEP_IN_NAME = re.compile(r"(?:^|[^0-9])(\d+)(?:\.tmp-[0-9a-f]+)?$")
 _LISTED = (CheckpointKind.QUICKSAVE, CheckpointKind.DCP, CheckpointKind.UNCOMMITTED)
@@ -157,7 +160,10 @@ def list_checkpoints(root: str | os.PathLike[str]) -> list[CheckpointInfo]:
         for info in list_checkpoints("ckpt"):
             print(info.name, info.step, info.status)
     """
-    root = local_path(root)
+    loc = parse_location(root, what="checkpoint folder")
+    if not loc.is_local:
+        return _list_store(loc)
+    root = loc.key
     if not os.path.exists(root):
         raise CheckpointNotFoundError("no such file or directory", path=root)
     if not os.path.isdir(root):
@@ -189,3 +195,63 @@ def list_checkpoints(root: str | os.PathLike[str]) -> list[CheckpointInfo]:
                 found.append(info)
     found.sort(key=lambda i: (i.step is None, i.step if i.step is not None else 0, i.name))
     return found
+
+
+def _list_store(root: Location) -> list[CheckpointInfo]:
+    """``list_checkpoints`` on an object store: one listing of the whole prefix, grouped
+    by first component (each a checkpoint if its names make one); one manifest read per
+    committed checkpoint for its step."""
+    backend = root.open()
+    try:
+        base = root.key + "/" if root.key else ""
+        groups: dict[str, dict[str, ObjectInfo]] = defaultdict(dict)
+        own: dict[str, ObjectInfo] = {}
+        for o in backend.list(base):
+            rest = o.key[len(base) :]
+            head, sep, tail = rest.partition("/")
+            if sep:
+                groups[head][tail] = o
+            else:
+                own[head] = o
+        if not groups and not own:
+            raise CheckpointNotFoundError("no object under this prefix", path=root.url)
+        found: list[CheckpointInfo] = []
+        for name, objs in [(".", own)] + sorted(groups.items()):
+            loc = root if name == "." else root.child(name)
+            info = _describe_store(loc, backend, objs, name)
+            if info is not None:
+                found.append(info)
+    finally:
+        backend.close()
+    found.sort(key=lambda i: (i.step is None, i.step if i.step is not None else 0, i.name))
+    return found
+
+
+def _describe_store(
+    loc: Location, backend: Backend, objs: dict[str, ObjectInfo], name: str
+) -> CheckpointInfo | None:
+    top = {k for k in objs if "/" not in k}
+    if not top:
+        return None
+    kind = kind_of(loc.name, top)
+    if kind not in _LISTED:
+        return None
+    step: int | None = _step_from_name(loc.name)
+    problem: str | None = None
+    fmt = "dcp" if kind is CheckpointKind.DCP else "quicksave"
+    if MANIFEST_NAME in top:
+        try:
+            step = read_manifest(CheckpointDir(loc, backend)).step
+        except CheckpointError as e:
+            problem = e.message
+    stamp = objs.get(MANIFEST_NAME) or objs.get(DCP_METADATA_NAME)
+    return CheckpointInfo(
+        name=name,
+        path=loc.url,
+        format=fmt,
+        committed=kind in (CheckpointKind.QUICKSAVE, CheckpointKind.DCP),
+        step=step,
+        size=sum(o.size for o in objs.values()),
+        mtime=stamp.mtime if stamp else max(o.mtime for o in objs.values()),
+        problem=problem,
+    )

@@ -28,23 +28,30 @@ import io
 import os
 import pathlib
 import pickle
-from collections.abc import Generator
+from collections.abc import Generator, Iterator
 from contextlib import contextmanager
 from typing import Any
 
 import torch
 from torch.distributed.checkpoint import metadata as _md
-from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemReader, _StorageInfo
+from torch.distributed.checkpoint.filesystem import (
+    FileSystem,
+    FileSystemBase,
+    FileSystemReader,
+    _StorageInfo,
+)
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
 from torch.futures import Future
 
-from .errors import CorruptCheckpointError
+from .errors import CheckpointError, CorruptCheckpointError
 from .format import DCP_METADATA_NAME
 from .format.dtype_names import ELEMENT_SIZES
 from .format.dtypes import known_dtype
 from .format.manifest import MAX_MANIFEST_BYTES
-from .safeio import bad_member_name, member_path, open_regular, read_regular
-from .storage import local_path
+from .safeio import bad_member_name, open_regular
+from .storage import Location, parse_location
+from .storage.backend import Backend, join
+from .storage.checkpoint_dir import CheckpointDir
 
 MAX_METADATA_BYTES = MAX_MANIFEST_BYTES
 _INT_LIMIT = 1 << 63
@@ -293,17 +300,17 @@ def read_dcp_metadata(
         md = read_dcp_metadata("ckpt/dcp-step-100")
         print(sorted(md.state_dict_metadata))
     """
-    directory = local_path(path)
-    file = member_path(directory, metadata_file_name(rank))
-    try:
-        data = read_regular(
-            file,
-            MAX_METADATA_BYTES,
-            what="DCP metadata",
-            too_large=f"DCP metadata larger than {MAX_METADATA_BYTES} bytes",
-        )
-    except FileNotFoundError:
-        raise CorruptCheckpointError("DCP metadata file is missing", path=file) from None
+    with CheckpointDir(path) as d:
+        file = d.member_url(metadata_file_name(rank))
+        try:
+            data = d.read(
+                metadata_file_name(rank),
+                MAX_METADATA_BYTES,
+                what="DCP metadata",
+                too_large=f"DCP metadata larger than {MAX_METADATA_BYTES} bytes",
+            )
+        except FileNotFoundError:
+            raise CorruptCheckpointError("DCP metadata file is missing", path=file) from None
     if allow_pickle:
         try:
             md = pickle.load(io.BytesIO(data))  # the caller trusts this checkpoint
@@ -361,14 +368,21 @@ class DCPReader(FileSystemReader):
         dcp.load(state_dict, storage_reader=DCPReader("ckpt/dcp-step-100"))
     """
 
-    def __init__(self, path: str | os.PathLike[str], allow_pickle: bool = False) -> None:
-        super().__init__(path)
+    def __init__(self, path: str | os.PathLike[str] | Location, allow_pickle: bool = False) -> None:
+        self.location = parse_location(path)
+        super().__init__(self.location.key)
         self.allow_pickle = allow_pickle
-        self.fs = _SafeFileSystem()
+        self._backend: Backend | None = None
+        if self.location.is_local:
+            self.fs = _SafeFileSystem()
+        else:
+            self._backend = self.location.open()
+            self.fs = _StoreFileSystem(self._backend)
+            self.path = self.location.key
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> _md.Metadata:
         md = read_dcp_metadata(
-            os.fspath(self.path), allow_pickle=self.allow_pickle, rank=kwargs.get("rank")
+            self.location, allow_pickle=self.allow_pickle, rank=kwargs.get("rank")
         )
         if getattr(md, "storage_meta", None) is None:
             md.storage_meta = _md.StorageMeta()
@@ -383,18 +397,67 @@ class DCPReader(FileSystemReader):
             end = info.offset + info.length
             if end > ends.get(info.relative_path, (-1, ""))[0]:
                 ends[info.relative_path] = (end, item.storage_index.fqn)
-        for name, (end, fqn) in ends.items():
-            _check_range(os.fspath(self.path), name, end, fqn)
+        with CheckpointDir(self.location, self._backend) as d:
+            for name, (end, fqn) in ends.items():
+                _check_range(d, name, end, fqn)
         return super().read_data(plan, planner)
 
+    def _slice_file(self, file: Any, sinfo: Any) -> Any:
+        if isinstance(file, _StoreObject):  # one ranged read per item, not one per read()
+            buf = bytearray(sinfo.length)
+            file.backend.read_into(file.key, sinfo.offset, memoryview(buf))
+            return io.BytesIO(buf)
+        return super()._slice_file(file, sinfo)
 
-def _check_range(directory: str, name: str, end: int, fqn: str) -> None:
-    file = member_path(directory, name, fqn=fqn)
+
+class _StoreObject:
+    def __init__(self, backend: Backend, key: str) -> None:
+        self.backend, self.key = backend, key
+
+
+class _StoreFileSystem(FileSystemBase):
+    """DCP's file system interface over an object store: just enough for reading (the
+    reader asks for one ranged read per item, see ``DCPReader._slice_file``)."""
+
+    def __init__(self, backend: Backend) -> None:
+        self.backend = backend
+
+    @contextmanager
+    def create_stream(self, path: Any, mode: str) -> Iterator[Any]:
+        if mode != "rb":
+            raise CheckpointError("quicksave reads stock DCP checkpoints only", path=str(path))
+        yield _StoreObject(self.backend, str(path))
+
+    def concat_path(self, path: Any, suffix: str) -> str:
+        return join(str(path), suffix)
+
+    def init_path(self, path: Any) -> str:
+        return str(path)
+
+    def rename(self, path: Any, new_path: Any) -> None:
+        raise CheckpointError("read-only", path=str(path))
+
+    def mkdir(self, path: Any) -> None:
+        raise CheckpointError("read-only", path=str(path))
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: Any) -> bool:
+        return False
+
+    def exists(self, path: Any) -> bool:
+        return self.backend.stat(str(path)) is not None
+
+    def rm_file(self, path: Any) -> None:
+        raise CheckpointError("read-only", path=str(path))
+
+
+def _check_range(d: CheckpointDir, name: str, end: int, fqn: str) -> None:
+    file = d.member_url(name)
     try:
-        f = open_regular(file, what="DCP data file", fqn=fqn)
+        f = d.open(name, what="DCP data file", fqn=fqn)
     except FileNotFoundError:
         raise CorruptCheckpointError("DCP data file is missing", path=file, fqn=fqn) from None
-    os.close(f.fd)
+    f.close()
     if end > f.size:
         raise CorruptCheckpointError(
             f"DCP data file is truncated: an item needs bytes up to {end}, the file has {f.size}",

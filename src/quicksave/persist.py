@@ -20,11 +20,13 @@ import xxhash
 
 from .errors import CheckpointError
 from .format.manifest import hexdigest
+from .storage.backend import join
 
 if TYPE_CHECKING:  # the worker process imports this module: keep torch out of it
     import torch
 
     from .plan import FileLayout, RankLayout
+    from .storage.backend import Backend
 
 WRITE_PIECE = 64 << 20  # bytes per pwrite: large enough to stream, small enough to hash in cache
 
@@ -191,3 +193,45 @@ def write_image(
     for key, _, _ in todo:
         digests[key] = hexdigest(hashers[key].intdigest())
     return digests
+
+
+def write_rank_objects(
+    backend: Backend,
+    prefix: str,
+    layout: RankLayout,
+    tensors: Mapping[str, torch.Tensor] | Callable[[str], torch.Tensor],
+) -> list[WrittenFile]:
+    """Store all data files of one rank as objects under ``prefix`` on an object store,
+    one thread per file: each file's image (header, tensor bytes at their offsets, zeros
+    between) is assembled in memory, then uploaded by ``backend.put``, which hashes every
+    chunk on the way. (The asynchronous engine uploads straight from its staging pool
+    instead; this is the synchronous ``quicksave.save`` path.)"""
+    source = tensors.__getitem__ if isinstance(tensors, Mapping) else tensors
+
+    def one(layout_: FileLayout) -> WrittenFile:
+        key = join(prefix, layout_.name)
+        image = bytearray(layout_.size)
+        view = memoryview(image)
+        view[: len(layout_.header)] = layout_.header
+        for entry in layout_.entries:
+            t = as_writable_source(source(entry.item.key))
+            src = byte_view(t)
+            if len(src) != entry.length:
+                raise CheckpointError(
+                    f"tensor has {len(src)} bytes but the plan expects {entry.length}; "
+                    "was the state dict modified during save?",
+                    path=backend.url(key),
+                    fqn=entry.item.fqn,
+                    rank=layout_.rank,
+                )
+            view[entry.offset : entry.offset + entry.length] = src
+        ranges = [(e.item.key, e.offset, e.length) for e in layout_.entries]
+        digests = backend.put(key, view, ranges=ranges)
+        return WrittenFile(layout_.name, layout_.size, layout_.header_xxh3_64, digests)
+
+    if not layout.files:
+        return []
+    if len(layout.files) == 1:
+        return [one(layout.files[0])]
+    with ThreadPoolExecutor(len(layout.files), thread_name_prefix="quicksave-put") as pool:
+        return [f.result() for f in [pool.submit(one, f) for f in layout.files]]

@@ -43,8 +43,9 @@ from .format.safetensors_header import (
 )
 from .plan import chunk_key
 from .reader import require_committed
-from .safeio import open_regular, read_at
-from .storage import local_path
+from .storage import Location, StorageOptions, parse_location
+from .storage.backend import join
+from .storage.checkpoint_dir import CheckpointDir, Member
 
 READ_BLOCK = 16 << 20  # one reused buffer; large reads keep syscalls few on big files
 
@@ -196,12 +197,31 @@ def _expected_chunks(name: str, m: Manifest) -> list[ExpectedChunk]:
     return out
 
 
+def _read_at(f: Member, offset: int, length: int, path: str) -> bytes:
+    """Up to ``length`` bytes of ``f`` from ``offset`` (fewer only at its end)."""
+    buf = bytearray(max(0, min(length, f.size - offset)))
+    view = memoryview(buf)
+    got = 0
+    try:
+        while got < len(buf):
+            n = f.pread_into(view[got:], offset + got)
+            if n == 0:
+                break
+            got += n
+    except OSError as e:
+        raise CorruptCheckpointError(f"cannot read data file: {e.strerror}", path=path) from None
+    finally:
+        view.release()
+    del buf[got:]
+    return bytes(buf)
+
+
 def _header_problems(
-    fd: int, name: str, entry: FileEntry, size: int, m: Manifest, fpath: str
+    fd: Member, name: str, entry: FileEntry, size: int, m: Manifest, fpath: str
 ) -> list[Problem]:
     """The data file is valid safetensors and its header agrees with the manifest."""
     try:
-        prefix = read_at(fd, 0, 8, path=fpath, what="data file")
+        prefix = _read_at(fd, 0, 8, fpath)
         n = header_length(prefix, size, fpath)
         if 8 + n != entry.data_start:
             return [
@@ -213,7 +233,7 @@ def _header_problems(
                     f"is {entry.data_start}",
                 )
             ]
-        text = read_at(fd, 8, n, path=fpath, what="data file")
+        text = _read_at(fd, 8, n, fpath)
         # The manifest's size: a different real size is its own problem (kind size).
         metadata, entries = parse_header(text, entry.size, fpath)
     except CorruptCheckpointError as e:
@@ -305,7 +325,7 @@ def _finish(name: str, r: _Region, problems: list[Problem]) -> None:
 
 
 def _check_file(
-    fd: int,
+    fd: Member,
     name: str,
     regions: list[_Region],
     limit: int,
@@ -319,7 +339,7 @@ def _check_file(
     i = 0
     try:
         while pos < limit:
-            n = os.preadv(fd, [buf[: min(len(buf), limit - pos)]], pos)
+            n = fd.pread_into(buf[: min(len(buf), limit - pos)], pos)
             if not n:
                 break
             block_end = pos + n
@@ -353,12 +373,19 @@ def _check_file(
     return pos
 
 
-def verify_checkpoint(path: str | os.PathLike[str], progress: bool = False) -> VerifyReport:
+def verify_checkpoint(
+    path: str | os.PathLike[str] | Location,
+    progress: bool = False,
+    *,
+    storage: StorageOptions | None = None,
+) -> VerifyReport:
     """Check every byte of the committed quicksave checkpoint at ``path``.
 
     Args:
-        path: the checkpoint directory.
+        path: the checkpoint directory: a path, or a ``file://``, ``s3://`` or ``msc://``
+            URL.
         progress: show a tqdm progress bar over the bytes read, on stderr.
+        storage: how to reach an object store.
 
     Returns:
         A :class:`VerifyReport`; ``report.ok`` is True when the checkpoint is intact.
@@ -375,14 +402,24 @@ def verify_checkpoint(path: str | os.PathLike[str], progress: bool = False) -> V
         for p in report.problems:
             print(p)
     """
-    path = local_path(path)
-    require_committed(path)
+    loc = parse_location(path, options=storage)
+    with CheckpointDir(loc) as d:
+        return _verify(d, progress)
+
+
+def _verify(d: CheckpointDir, progress: bool) -> VerifyReport:
+    path = d.url
+    require_committed(d.location, backend=d.backend)
+    if d.is_local:
+        try:
+            manifest_size = os.lstat(os.path.join(path, MANIFEST_NAME)).st_size
+        except OSError:
+            manifest_size = 0
+    else:
+        info = d.backend.stat(join(d.location.key, MANIFEST_NAME))
+        manifest_size = info.size if info is not None else 0
     try:
-        manifest_size = os.lstat(os.path.join(path, MANIFEST_NAME)).st_size
-    except OSError:
-        manifest_size = 0
-    try:
-        m = read_manifest(path)
+        m = read_manifest(d)
     except CheckpointError as e:
         # Nothing else can be trusted without a valid manifest.
         return VerifyReport(
@@ -394,34 +431,34 @@ def verify_checkpoint(path: str | os.PathLike[str], progress: bool = False) -> V
 
     problems = _manifest_problems(m)
     try:
-        present = set(os.listdir(path))
+        present = d.names()
     except OSError as e:  # deleted meanwhile (another job's retention), or unreadable
         raise CheckpointNotFoundError(
-            f"the checkpoint cannot be listed while it is verified ({e.strerror}; deleted "
-            "meanwhile?)",
+            f"the checkpoint cannot be listed while it is verified ({e.strerror or 'gone'}; "
+            "deleted meanwhile?)",
             path=path,
         ) from None
     for extra in sorted(present - set(m.files) - {MANIFEST_NAME}):
         try:
-            is_dir = stat.S_ISDIR(os.lstat(os.path.join(path, extra)).st_mode)
+            is_dir = d.is_local and stat.S_ISDIR(os.lstat(os.path.join(path, extra)).st_mode)
         except OSError:
             is_dir = False
-        kind = "directory" if is_dir else "file"
+        kind = "directory" if is_dir else ("file" if d.is_local else "object")
         problems.append(
             Problem(extra, None, "unexpected-file", f"{kind} not listed in the manifest")
         )
 
-    plan: list[tuple[str, int, list[_Region], int]] = []
+    plan: list[tuple[str, Member, list[_Region], int]] = []
     try:
         for name, entry in sorted(m.files.items()):
-            fpath = os.path.join(path, name)  # a plain name: the manifest parser checked
+            fpath = d.member_url(name)  # a plain name: the manifest parser checked
             if name not in present:
                 problems.append(
                     Problem(name, None, "missing-file", "listed in the manifest but absent")
                 )
                 continue
             try:
-                f = open_regular(fpath, what="file")
+                f = d.open(name, what="file")
             except FileNotFoundError:
                 problems.append(
                     Problem(name, None, "missing-file", "listed in the manifest but absent")
@@ -430,7 +467,7 @@ def verify_checkpoint(path: str | os.PathLike[str], progress: bool = False) -> V
             except CorruptCheckpointError as e:
                 problems.append(Problem(name, None, "unexpected-file", e.message))
                 continue
-            plan.append((name, f.fd, [], min(f.size, entry.size)))
+            plan.append((name, f, [], min(f.size, entry.size)))
             if f.size != entry.size:
                 problems.append(
                     Problem(
@@ -438,7 +475,7 @@ def verify_checkpoint(path: str | os.PathLike[str], progress: bool = False) -> V
                     )
                 )
             if entry.data_start is not None:
-                problems += _header_problems(f.fd, name, entry, f.size, m, fpath)
+                problems += _header_problems(f, name, entry, f.size, m, fpath)
             plan[-1][2].extend(_regions_for(name, entry, m, problems))
 
         total = sum(limit for *_, limit in plan)
@@ -449,7 +486,7 @@ def verify_checkpoint(path: str | os.PathLike[str], progress: bool = False) -> V
                 checked += _check_file(fd, name, regions, limit, problems, bar, buf)
     finally:
         for _, fd, _, _ in plan:
-            os.close(fd)
+            fd.close()
     return VerifyReport(
         path,
         tuple(problems),

@@ -20,9 +20,11 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import pickle
+import shutil
 import uuid
 from dataclasses import dataclass
 from typing import Any
@@ -43,6 +45,7 @@ from torch.futures import Future
 
 from . import commit, persist
 from .errors import CheckpointError, IncompatibleStateError
+from .format import MANIFEST_NAME
 from .format import objects as objcodec
 from .format.dtypes import check_storable, dtype_name
 from .format.manifest import (
@@ -56,7 +59,8 @@ from .format.manifest import (
 )
 from .plan import ItemSpec, RankLayout, layout_rank
 from .reader import manifest_to_metadata
-from .storage import local_path
+from .storage import StorageOptions, parse_location
+from .storage.backend import Backend
 from .worker import commit_files
 
 
@@ -148,9 +152,13 @@ class StorageWriter(_DCPStorageWriter):
         thread_count: int = 2,
         fsync: bool = True,
         user_metadata: dict[str, Any] | None = None,
+        storage: StorageOptions | None = None,
     ) -> None:
         super().__init__()
-        self.path = local_path(path)
+        self._storage = storage
+        self.location = parse_location(path, options=storage)
+        self.path = self.location.url
+        self._backend: Backend | None = None
         self.step = step
         self.thread_count = max(1, thread_count)
         self.fsync = fsync
@@ -164,7 +172,8 @@ class StorageWriter(_DCPStorageWriter):
     # 1 ------------------------------------------------------------------ set-up
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         if checkpoint_id:
-            self.path = local_path(checkpoint_id)
+            self.location = parse_location(checkpoint_id, options=self._storage)
+            self.path = self.location.url
         self.tmp_dir = None
         self.save_id = uuid.uuid4().hex
         self.plans = None
@@ -192,7 +201,11 @@ class StorageWriter(_DCPStorageWriter):
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         self.plans = tuple(rank_plan_of(p) for p in plans)
-        self.tmp_dir = commit.make_temp_dir(self.path, commit.new_token())
+        if self.location.is_local:
+            self.tmp_dir = commit.make_temp_dir(self.path, commit.new_token())
+        else:  # objects go straight under the prefix; the manifest, last, commits them
+            commit.check_target(self.location, self.rank, self.backend())
+            self.tmp_dir = self.location.key
         out = []
         for rank, plan in enumerate(plans):
             items = [item_spec(i) for i in plan.items if i.type != WriteItemType.BYTE_IO]
@@ -217,7 +230,14 @@ class StorageWriter(_DCPStorageWriter):
         def source(key: str) -> torch.Tensor:
             return planner.resolve_data(by_key[key])
 
-        written = persist.write_rank_files(rank_plan.tmp_dir, rank_plan.layout, source, self.fsync)
+        if self.location.is_local:
+            written = persist.write_rank_files(
+                rank_plan.tmp_dir, rank_plan.layout, source, self.fsync
+            )
+        else:
+            written = persist.write_rank_objects(
+                self.backend(), rank_plan.tmp_dir, rank_plan.layout, source
+            )
         for f_layout, f_written in zip(rank_plan.layout.files, written, strict=True):
             for entry in f_layout.entries:
                 key = entry.item.key
@@ -248,8 +268,36 @@ class StorageWriter(_DCPStorageWriter):
         # One rank's plan is the manifest itself (FORMAT.md §2, plans): omit it.
         plans = self.plans if self.plans is not None and len(self.plans) > 1 else None
         manifest = build_manifest(metadata, results, self.step, self.user_metadata, plans=plans)
-        commit_files(self.tmp_dir, self.path, manifest, dcp_metadata_bytes(manifest))
+        backend = None if self.location.is_local else self.backend()
+        commit_files(self.tmp_dir, self.path, manifest, dcp_metadata_bytes(manifest), backend)
         self.tmp_dir = None
+        self.close()
+
+    def backend(self) -> Backend:
+        """This writer's object-store backend (opened once; closed by :meth:`close`)."""
+        if self._backend is None:
+            self._backend = self.location.open(fsync=self.fsync, rank=self.rank)
+        return self._backend
+
+    def close(self) -> None:
+        if self._backend is not None:
+            self._backend.close()
+            self._backend = None
+
+    def discard(self) -> None:
+        """Remove what a failed save wrote (the coordinator calls it): the temporary
+        directory, or on an object store this save's objects (best effort)."""
+        if self.tmp_dir is None:
+            return
+        if self.location.is_local:
+            shutil.rmtree(self.tmp_dir, ignore_errors=True)
+        else:
+            with contextlib.suppress(Exception):
+                b = self.backend()
+                prefix = self.tmp_dir.rstrip("/") + "/"
+                if b.stat(prefix + MANIFEST_NAME) is None:  # never another save's commit
+                    b.delete([o.key for o in b.list(prefix)])
+        self.close()
 
 
 def dcp_metadata_bytes(manifest: Manifest) -> bytes:

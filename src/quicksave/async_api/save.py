@@ -9,6 +9,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from ..engine import AsyncSaver, EngineConfig, SaveHandle
+from ..storage import StorageOptions, parse_location
 
 logger = logging.getLogger("quicksave")
 
@@ -21,6 +22,7 @@ def async_save(
     saver: AsyncSaver | None = None,
     user_metadata: dict[str, Any] | None = None,
     config: EngineConfig | None = None,
+    storage: StorageOptions | None = None,
 ) -> SaveHandle | None:
     """Save ``state_dict`` to the checkpoint directory ``path`` in the background.
 
@@ -43,6 +45,8 @@ def async_save(
         saver: the AsyncSaver to use (and keep open); default: a one-shot saver.
         user_metadata: JSON-serializable dict stored in the manifest.
         config: configuration of the one-shot saver (ignored with ``saver``).
+        storage: how to reach an object store (``s3://``, ``msc://`` paths); overrides
+            the saver's ``EngineConfig.storage``.
 
     Returns:
         A SaveHandle (``done()``, ``wait(timeout)`` → SaveResult, or raises the save's
@@ -59,6 +63,8 @@ def async_save(
         ...  # training goes on
         handle.wait()
     """
+    if storage is not None:
+        path = parse_location(path, options=storage)
     if saver is not None:
         return saver.save(state_dict, path, step=step, user_metadata=user_metadata)
     one_shot = AsyncSaver(config)
