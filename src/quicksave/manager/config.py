@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from ..engine import EngineConfig
 from ..errors import CheckpointError
-from ..storage import local_path
+from ..storage import StorageOptions, parse_location
 from ..worker import WorkerConfig
 
 INTERVAL_TYPES = ("steps", "seconds")
@@ -28,7 +28,8 @@ class CheckpointConfig:
     """How a :class:`~quicksave.manager.CheckpointManager` checkpoints.
 
     Attributes:
-        folder: the directory holding ``step-<N>`` checkpoints (created if missing).
+        folder: the directory holding ``step-<N>`` checkpoints (created if missing): a
+            path, or a ``file://``, ``s3://bucket/prefix`` or ``msc://profile/path`` URL.
         interval: save every ``interval`` steps (a whole number) or seconds.
         interval_type: ``"steps"`` or ``"seconds"``.
         interval_check_steps: several ranks with ``interval_type="seconds"``: the ranks
@@ -77,6 +78,9 @@ class CheckpointConfig:
             a pickle is never counted as a checkpoint, let alone unpickled.
         allow_dcp_pickle: with ``allow_dcp``, unpickle a DCP ``.metadata`` without
             restriction (runs any code it holds: only for folders you trust).
+        storage: how to reach an object store (S3 endpoint and credentials override the
+            standard AWS chain; ``msc_config``; ``stale_after_s``: how old a crashed
+            save's leftovers must be before start-up clean-up removes them).
 
     Raises:
         CheckpointError: on construction, for any invalid value (message names it).
@@ -107,13 +111,18 @@ class CheckpointConfig:
     read_only: bool = False
     allow_dcp: bool = False
     allow_dcp_pickle: bool = False
+    storage: StorageOptions = field(default_factory=StorageOptions)
 
     def __post_init__(self) -> None:
         if isinstance(self.folder, os.PathLike):
             object.__setattr__(self, "folder", os.fspath(self.folder))
         if not isinstance(self.folder, str) or not self.folder:
             raise CheckpointError(f"folder must be a non-empty path, got {self.folder!r}")
-        local_path(self.folder, what="checkpoint folder")  # a URL it cannot serve: now
+        if not isinstance(self.storage, StorageOptions):
+            raise CheckpointError(
+                f"storage must be a StorageOptions, got {type(self.storage).__name__}"
+            )
+        parse_location(self.folder, what="checkpoint folder")  # a URL it cannot serve: now
         if self.interval_type not in INTERVAL_TYPES:
             raise CheckpointError(
                 f"interval_type must be 'steps' or 'seconds', got {self.interval_type!r}"
@@ -195,6 +204,7 @@ class CheckpointConfig:
                 save_timeout_s=float(self.save_timeout_s),
             ),
             close_timeout_s=float(self.close_timeout_s),
+            storage=self.storage,
         )
 
 

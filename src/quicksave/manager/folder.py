@@ -10,6 +10,13 @@ Plain functions over a folder path (no manager state), used by the manager::
 
 Only committed directories count: ``committed_steps`` is what "latest", ``load()`` and
 retention see.
+
+On an object store the same names are key prefixes (``<folder>/step-<N>/...``); a
+prefix is committed when its ``manifest.json`` object exists. There is no rename: a
+deletion removes the manifest first (the checkpoint is gone at once), then the data; a
+quarantine keeps the manifest under ``step-<N>.corrupt-<token>/`` and removes the
+original's. Leftovers of crashed saves are removed only when older than
+``StorageOptions.stale_after_s`` (docs/ARCHITECTURE.md, "Object stores").
 """
 
 from __future__ import annotations
@@ -17,18 +24,27 @@ from __future__ import annotations
 import logging
 import os
 import re
+import time
 from typing import Any
 
 from ..commit import (
+    QUARANTINE_MARK,
     CheckpointKind,
     classify,
     clean_stale_temporaries,
+    kind_of,
+    new_token,
     quarantine_path,
     remove_tree,
 )
 from ..dcp_reader import DCPReader
 from ..errors import CheckpointError, CheckpointNotFoundError, NotCommittedError
+from ..format import DCP_METADATA_NAME, MANIFEST_NAME
+from ..format.manifest import read_manifest
 from ..reader import StorageReader
+from ..storage import Location, parse_location
+from ..storage.backend import Backend, join
+from ..storage.checkpoint_dir import CheckpointDir
 from .policies import RetentionPolicy
 
 logger = logging.getLogger("quicksave")
@@ -38,16 +54,25 @@ MAX_STEP_NAME = 5 + 20  # "step-" and at most 20 digits: a step beyond int64 is 
 COMMITTED = (CheckpointKind.QUICKSAVE, CheckpointKind.DCP)
 
 
-def committed_steps(folder: str, *, allow_dcp: bool = True) -> list[int]:
+def committed_steps(folder: str | Location, *, allow_dcp: bool = True) -> list[int]:
     """Steps with a committed checkpoint in ``folder``, ascending: quicksave ones, and
     stock DCP ones if ``allow_dcp``. Temporaries, quarantined checkpoints and
     directories without their commit are not listed; a directory that vanishes while
     the folder is listed (retention, clean-up) is simply not listed."""
+    loc = parse_location(folder)
+    kinds = COMMITTED if allow_dcp else (CheckpointKind.QUICKSAVE,)
+    if not loc.is_local:
+        steps = []
+        for name, names in store_groups(loc).items():
+            m = STEP_DIR.fullmatch(name)
+            if m and len(name) <= MAX_STEP_NAME and kind_of(name, set(names)) in kinds:
+                steps.append(int(m.group(1)))
+        return sorted(steps)
+    folder = loc.key
     try:
         names = os.listdir(folder)
     except (FileNotFoundError, NotADirectoryError):
         return []
-    kinds = COMMITTED if allow_dcp else (CheckpointKind.QUICKSAVE,)
     steps = []
     for name in names:
         m = STEP_DIR.fullmatch(name)
@@ -56,12 +81,40 @@ def committed_steps(folder: str, *, allow_dcp: bool = True) -> list[int]:
     return sorted(steps)
 
 
-def create_folder(folder: str, rank: int | None) -> None:
-    """Create ``folder`` (and its parents) if missing.
+def store_groups(folder: Location, backend: Backend | None = None) -> dict[str, dict[str, Any]]:
+    """An object-store folder in one listing: first key component (``step-10``) ->
+    {the rest of the key: ObjectInfo}."""
+    b = backend if backend is not None else folder.open()
+    try:
+        base = folder.key + "/" if folder.key else ""
+        groups: dict[str, dict[str, Any]] = {}
+        for o in b.list(base):
+            head, sep, tail = o.key[len(base) :].partition("/")
+            if sep:
+                groups.setdefault(head, {})[tail] = o
+        return groups
+    finally:
+        if backend is None:
+            b.close()
+
+
+def create_folder(folder: str | Location, rank: int | None) -> None:
+    """Create ``folder`` (and its parents) if missing. On an object store nothing needs
+    creating; the store is asked for the folder's listing at once, so that a missing
+    bucket, bad credentials or an unreachable endpoint fail here, not at the first save.
 
     Raises:
-        CheckpointError: ``folder`` is a file or cannot be created.
+        CheckpointError: ``folder`` is a file or cannot be created; the store refuses.
     """
+    loc = parse_location(folder)
+    if not loc.is_local:
+        b = loc.open(rank=rank or 0)
+        try:
+            b.children(loc.key)
+        finally:
+            b.close()
+        return
+    folder = loc.key
     if os.path.exists(folder) and not os.path.isdir(folder):
         raise CheckpointError(
             "checkpoint folder is a file, not a directory; choose another folder",
@@ -76,28 +129,112 @@ def create_folder(folder: str, rank: int | None) -> None:
         ) from e
 
 
-def clean_leftovers(folder: str) -> None:
+def clean_leftovers(folder: str | Location, stale_after_s: float = 3600.0) -> None:
     """Remove the temporaries of crashed saves. Only the holder of the folder's writer
-    lease calls this (then no live job saves here; see lease.py)."""
+    lease calls this (then no live job saves here; see lease.py).
+
+    On an object store (no lease there) only what is older than ``stale_after_s`` goes,
+    so that a save still being written by another job is never hit: prefixes holding
+    quicksave objects but no manifest, objects of a committed checkpoint that its
+    manifest does not list (parts, a crashed earlier attempt's files), and incomplete
+    multipart uploads."""
+    loc = parse_location(folder)
+    if not loc.is_local:
+        _clean_store(loc, stale_after_s)
+        return
+    folder = loc.key
     for name in clean_stale_temporaries(folder):
         logger.info("quicksave: removed stale temporary %s", os.path.join(folder, name))
 
 
-def delete_checkpoint(path: str) -> None:
+def _clean_store(folder: Location, stale_after_s: float) -> None:
+    b = folder.open()
+    try:
+        cutoff = time.time() - stale_after_s
+        base = folder.key + "/" if folder.key else ""
+        for name, objs in store_groups(folder, b).items():
+            top = {k for k in objs if "/" not in k}
+            kind = kind_of(name, top)
+            if kind in (CheckpointKind.QUICKSAVE, CheckpointKind.DCP):
+                if kind is CheckpointKind.DCP or QUARANTINE_MARK in name:
+                    continue  # nothing of ours to tell apart; quarantine is kept
+                listed = _listed_names(folder.child(name), b)
+                doomed = [k for k, o in objs.items() if k not in listed and o.mtime < cutoff]
+            elif kind is CheckpointKind.UNCOMMITTED and QUARANTINE_MARK not in name:
+                if max(o.mtime for o in objs.values()) >= cutoff:
+                    continue  # possibly a save still being written: not ours to judge yet
+                if b.stat(base + name + "/" + MANIFEST_NAME) is not None:
+                    continue  # committed meanwhile
+                doomed = list(objs)
+            else:
+                continue
+            if doomed:
+                b.delete(base + name + "/" + k for k in doomed)
+                logger.info(
+                    "quicksave: removed %d stale object(s) of crashed saves under %s",
+                    len(doomed),
+                    folder.child(name).url,
+                )
+        aborted = b.abort_uploads(base, stale_after_s)
+        if aborted:
+            logger.info(
+                "quicksave: aborted %d stale multipart upload(s) under %s", aborted, folder.url
+            )
+    except CheckpointError as e:
+        logger.warning("quicksave: clean-up of %s failed: %s", folder.url, e)
+    finally:
+        b.close()
+
+
+def _listed_names(loc: Location, backend: Backend) -> set[str]:
+    """The names a committed checkpoint's manifest accounts for (everything else under
+    its prefix is a leftover); all of them if the manifest cannot be read."""
+    try:
+        m = read_manifest(CheckpointDir(loc, backend))
+    except CheckpointError:
+        return set(backend.children(loc.key)) | {""}  # keep everything
+    return set(m.files) | {MANIFEST_NAME, DCP_METADATA_NAME}
+
+
+def delete_checkpoint(path: str | Location) -> None:
     """Delete a checkpoint directory (logs, never raises). It is moved to a temporary
     name first, so it is never half-deleted while still looking committed; a crash
-    mid-delete leaves a temporary, removed at the next start-up."""
+    mid-delete leaves a temporary, removed at the next start-up. On an object store its
+    manifest is deleted first (it is no checkpoint from then on), then its objects."""
+    loc = parse_location(path)
+    if not loc.is_local:
+        try:
+            b = loc.open()
+            try:
+                base = loc.key + "/"
+                b.delete([base + MANIFEST_NAME])
+                b.delete([o.key for o in b.list(base)])
+            finally:
+                b.close()
+            logger.info("quicksave: deleted old checkpoint %s", loc.url)
+        except CheckpointError as e:
+            logger.warning("quicksave: could not delete old checkpoint %s: %s", loc.url, e)
+        return
+    path = loc.key
     if remove_tree(path):
         logger.info("quicksave: deleted old checkpoint %s", path)
     else:
         logger.warning("quicksave: could not delete old checkpoint %s", path)
 
 
-def quarantine(path: str, why: str) -> str | None:
+def quarantine(path: str | Location, why: str) -> str | None:
     """Move a committed checkpoint that failed its checks out of the way, to
     ``<name>.corrupt-<token>`` beside it: no longer listed, loaded or counted as the
     latest, never deleted by quicksave (kept for a person to look at), and its step can
-    be saved again. Returns the new path, or None if it could not be moved (logged)."""
+    be saved again. Returns the new path, or None if it could not be moved (logged).
+
+    On an object store (no rename) the manifest and the reason are kept under
+    ``<name>.corrupt-<token>/`` and the original manifest is deleted: the data left
+    under ``<name>/`` is then an uncommitted leftover (cleaned up when stale)."""
+    loc = parse_location(path)
+    if not loc.is_local:
+        return _quarantine_on_store(loc, why)
+    path = loc.key
     moved = quarantine_path(path)
     try:
         os.rename(path, moved)
@@ -108,8 +245,29 @@ def quarantine(path: str, why: str) -> str | None:
     return moved
 
 
+def _quarantine_on_store(loc: Location, why: str) -> str | None:
+    moved = loc.parent().child(f"{loc.name}{QUARANTINE_MARK}{new_token()}")
+    try:
+        b = loc.open()
+        try:
+            key = join(loc.key, MANIFEST_NAME)
+            info = b.stat(key)
+            if info is not None:
+                data = b.get(key, max(info.size, 1))
+                b.put(join(moved.key, MANIFEST_NAME), memoryview(data))
+            b.put(join(moved.key, "REASON.txt"), memoryview(why.encode("utf-8", "replace")))
+            b.delete([key])
+        finally:
+            b.close()
+    except CheckpointError as e:
+        logger.error("quicksave: could not quarantine %s (%s): %s", loc.url, why, e)
+        return None
+    logger.error("quicksave: quarantined %s (manifest kept at %s): %s", loc.url, moved.url, why)
+    return moved.url
+
+
 def apply_retention(
-    folder: str, retention: RetentionPolicy, keep: set[int], *, allow_dcp: bool = True
+    folder: str | Location, retention: RetentionPolicy, keep: set[int], *, allow_dcp: bool = True
 ) -> None:
     """Delete the committed checkpoints ``retention`` chooses, except the newest one and
     the steps in ``keep`` (in flight, just written, the last one known good): those are
@@ -122,20 +280,26 @@ def apply_retention(
             # A policy must never pick these; refuse rather than lose a checkpoint.
             logger.warning("quicksave: retention chose step %d, which must be kept; ignored", step)
             continue
-        delete_checkpoint(os.path.join(folder, f"step-{step}"))
+        delete_checkpoint(parse_location(folder).child(f"step-{step}"))
 
 
-def replace_uncommitted(path: str) -> None:
+def replace_uncommitted(path: str | Location) -> None:
     """A ``step-<N>`` directory with quicksave data but no manifest can never be loaded
-    (a non-atomic copy, a damaged disk); it would block the commit rename: delete it.
-    Call on the lease holder only."""
-    if classify(path) is CheckpointKind.UNCOMMITTED:
-        logger.warning("quicksave: replacing uncommitted leftover %s", path)
-        delete_checkpoint(path)
+    (a non-atomic copy, a damaged disk, a crashed save on an object store); it would
+    block the commit: delete it. Call on the lease holder only."""
+    loc = parse_location(path)
+    if classify(loc) is CheckpointKind.UNCOMMITTED:
+        logger.warning("quicksave: replacing uncommitted leftover %s", loc.url)
+        delete_checkpoint(loc)
 
 
 def require_committed(
-    folder: str, path: str, step: int, rank: int | None, *, allow_dcp: bool = True
+    folder: str | Location,
+    path: str | Location,
+    step: int,
+    rank: int | None,
+    *,
+    allow_dcp: bool = True,
 ) -> None:
     """Raise unless ``path`` (the checkpoint of ``step`` in ``folder``) is committed
     (a stock DCP one only if ``allow_dcp``).
@@ -145,7 +309,9 @@ def require_committed(
             checkpoint without ``allow_dcp``.
         NotCommittedError: a checkpoint that was never committed.
     """
-    kind = classify(path)
+    loc = parse_location(path)
+    kind = classify(loc)
+    path = loc.url
     if kind is CheckpointKind.QUICKSAVE or (allow_dcp and kind is CheckpointKind.DCP):
         return
     if kind is CheckpointKind.DCP:
@@ -174,7 +340,7 @@ def require_committed(
     )
 
 
-def stored_metadata(path: str, *, allow_dcp_pickle: bool = False) -> dict[str, Any]:
+def stored_metadata(path: str | Location, *, allow_dcp_pickle: bool = False) -> dict[str, Any]:
     """Names and storage metadata of what a committed checkpoint holds (from its
     manifest, or from DCP's .metadata for a stock DCP directory: through the
     restricted unpickler unless ``allow_dcp_pickle``)."""

@@ -154,3 +154,25 @@ class FolderLease:
             os.pwrite(fd, (line + "\n").encode(), 0)
         except OSError:  # informative only: the lock is what counts
             pass
+
+
+class StoreLease:
+    """The "lease" of a folder on an object store, which has no locks: every writer
+    holds it (``enforced`` is False), as on a filesystem without ``flock``. What a
+    lease protects is kept safe there by age instead: start-up clean-up removes only
+    leftovers older than ``StorageOptions.stale_after_s``, never a save in progress.
+    Same interface as :class:`FolderLease`."""
+
+    enforced = False
+
+    def __init__(self, url: str) -> None:
+        self.folder = url
+
+    def try_acquire(self) -> bool:
+        return True
+
+    def holder(self) -> str:
+        return "(object stores have no writer lease)"
+
+    def release(self) -> None:
+        pass

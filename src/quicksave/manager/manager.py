@@ -57,7 +57,7 @@ from ..errors import (
     IncompatibleStateError,
     NotCommittedError,
 )
-from ..storage import local_path
+from ..storage import Location, parse_location
 from .async_writer import AsyncWriter
 from .config import CheckpointConfig
 from .folder import (
@@ -73,7 +73,7 @@ from .folder import (
     stored_metadata,
 )
 from .interval import IntervalAgreement, agree_any_due, needs_agreement
-from .lease import FolderLease
+from .lease import FolderLease, StoreLease
 from .policies import EveryNSeconds, EveryNSteps, KeepLatestK, RetentionPolicy, SavePolicy
 from .records import SaveRecord, log_committed
 from .states import (
@@ -155,7 +155,10 @@ class CheckpointManager:
         if not isinstance(config, CheckpointConfig):
             raise CheckpointError(f"config must be a CheckpointConfig, got {type(config).__name__}")
         self.config = config
-        self.folder = local_path(config.folder, what="checkpoint folder")
+        self._folder = parse_location(
+            config.folder, what="checkpoint folder", options=config.storage
+        )
+        self.folder = self._folder.url
         self.process_group = process_group
         self.states = check_states(states)
         self._clock = clock
@@ -166,7 +169,7 @@ class CheckpointManager:
         self._closed = False
         self._group: dist.ProcessGroup | None = None  # see _checkpoint_group
         self._interval: IntervalAgreement | None = None
-        self._lease: FolderLease | None = None  # held by a writing coordinator
+        self._lease: FolderLease | StoreLease | None = None  # held by a writing coordinator
         self.read_only_reason: str | None = None  # why save() is refused, if it is
         self._last_good: int | None = None  # newest step known to pass its checks
         if not config.enabled:
@@ -204,17 +207,17 @@ class CheckpointManager:
 
     def step_path(self, step: int) -> str:
         """The directory of the checkpoint of ``step``: ``<folder>/step-<step>``."""
-        return os.path.join(self.folder, f"step-{step}")
+        return self._folder.child(f"step-{step}").url
 
     def export_path(self, step: int) -> str:
         """The directory of the model export of ``step``: ``<folder>/export-step-<step>``."""
-        return os.path.join(self.folder, f"export-step-{step}")
+        return self._folder.child(f"export-step-{step}").url
 
     def committed_steps(self) -> list[int]:
         """Steps with a committed checkpoint in ``folder`` (quicksave, and stock DCP
         with ``config.allow_dcp``), ascending. Temporaries, quarantined checkpoints and
         directories without their commit are not listed."""
-        return committed_steps(self.folder, allow_dcp=self.config.allow_dcp)
+        return committed_steps(self._folder, allow_dcp=self.config.allow_dcp)
 
     def latest_step(self) -> int | None:
         """The newest committed step, or None if there is none."""
@@ -284,7 +287,7 @@ class CheckpointManager:
             return False
         wrote = False
         path = self.step_path(step)
-        if classify(path) in COMMITTED:
+        if classify(self._where(path)) in COMMITTED:
             logger.info(
                 "quicksave: step %d already has a committed checkpoint at %s; skipped", step, path
             )
@@ -294,7 +297,7 @@ class CheckpointManager:
             self.save_policy.saved(step, self._clock())
             wrote = True
         if is_last:
-            if classify(self.export_path(step)) in COMMITTED:
+            if classify(self._where(self.export_path(step))) in COMMITTED:
                 logger.info("quicksave: export of step %d already exists; skipped", step)
             else:
                 self._save_one(step, self.export_path(step), "export", time.monotonic())
@@ -365,7 +368,7 @@ class CheckpointManager:
             check_step(step, self.folder)
             path = self.step_path(step)
             require_committed(
-                self.folder, path, step, self._rank(), allow_dcp=self.config.allow_dcp
+                self._folder, self._where(path), step, self._rank(), allow_dcp=self.config.allow_dcp
             )
             self._load_step(step)
             return step
@@ -390,7 +393,7 @@ class CheckpointManager:
                     )
                     skipped[candidate] = e.message
                     if isinstance(e, CorruptCheckpointError) and self._lease is not None:
-                        quarantine(self.step_path(candidate), e.message)
+                        quarantine(self._where(self.step_path(candidate)), e.message)
                     continue
                 return candidate
         if not skipped:
@@ -410,7 +413,9 @@ class CheckpointManager:
         states = self._model_states() if step == 0 else self.states
         begin = time.perf_counter()
         if any(isinstance(v, PerRankState) for v in states.values()):
-            stored = stored_metadata(path, allow_dcp_pickle=self.config.allow_dcp_pickle)
+            stored = stored_metadata(
+                self._where(path), allow_dcp_pickle=self.config.allow_dcp_pickle
+            )
             states = {
                 k: PerRankLoad(k, v, stored) if isinstance(v, PerRankState) else v
                 for k, v in states.items()
@@ -420,6 +425,7 @@ class CheckpointManager:
             path,
             process_group=self.process_group,
             allow_dcp_pickle=self.config.allow_dcp_pickle,
+            storage=self.config.storage,
         )
         self._last_good = step
         if self._writer is not None:
@@ -532,6 +538,7 @@ class CheckpointManager:
             process_group=self.process_group,
             thread_count=self.config.thread_count,
             user_metadata=metadata,
+            storage=self.config.storage,
         )
         return None
 
@@ -612,11 +619,11 @@ class CheckpointManager:
             # leave nothing loadable if our own save then fails.
             return
         keep = self._in_flight | protect | {self._last_good}
-        apply_retention(self.folder, self.retention, keep, allow_dcp=self.config.allow_dcp)
+        apply_retention(self._folder, self.retention, keep, allow_dcp=self.config.allow_dcp)
 
     def _replace_uncommitted(self, path: str) -> None:
         if self._lease is not None:
-            replace_uncommitted(path)
+            replace_uncommitted(self._where(path))
 
     # ---------------------------------------------------------------- ownership
 
@@ -632,9 +639,9 @@ class CheckpointManager:
         if self.config.read_only:
             return "it was built with read_only=True"
         reason: str | None = None
-        create_folder(self.folder, rank)
+        create_folder(self._folder, rank)
         if self._is_coordinator():
-            lease = FolderLease(self.folder)
+            lease = FolderLease(self.folder) if self._folder.is_local else StoreLease(self.folder)
             try:
                 got = lease.try_acquire()
             except CheckpointError as e:
@@ -644,11 +651,12 @@ class CheckpointManager:
                     self._lease = lease
                     if not lease.enforced:
                         logger.warning(
-                            "quicksave: %s has no working file locks; one job per folder is "
-                            "not enforced here",
+                            "quicksave: %s has no working %s; one job per folder is not "
+                            "enforced here",
                             self.folder,
+                            "file locks" if self._folder.is_local else "locks (object store)",
                         )
-                    clean_leftovers(self.folder)
+                    clean_leftovers(self._folder, self.config.storage.stale_after_s)
                 else:
                     reason = (
                         f"another live process holds the folder's writer lease "
@@ -670,6 +678,11 @@ class CheckpointManager:
         return reason
 
     # ---------------------------------------------------------------- helpers
+
+    def _where(self, path: str) -> Location:
+        """The location of ``path`` (a step's path or URL), reached with the config's
+        storage options."""
+        return parse_location(path, options=self.config.storage)
 
     def _agree(self, step: int, decision: bool, forced: bool) -> bool:
         """Where all ranks agree on a save decision (they must, or the save's
