@@ -38,12 +38,12 @@ from .format.dtypes import dtype_from_name, element_size, safetensors_code
 from .format.manifest import Manifest, read_manifest
 from .persist import byte_view
 from .reader import check_chunk_within, read_chunk_into, require_committed
-from .safeio import member_path, open_regular
-from .storage import local_path
+from .storage import Location, StorageOptions, parse_location
+from .storage.checkpoint_dir import CheckpointDir, Member
 from .verify import byte_progress
 
-Target = Literal["torch", "dcp", "safetensors"]
-TARGETS: tuple[str, ...] = ("torch", "dcp", "safetensors")
+Target = Literal["torch", "dcp", "safetensors", "quicksave"]
+TARGETS: tuple[str, ...] = ("torch", "dcp", "safetensors", "quicksave")
 Flat = dict[str, tuple[tuple[Any, ...], Any]]  # fqn -> (nested path, value)
 
 
@@ -99,29 +99,30 @@ def load_full_state(
 
         state, manifest = load_full_state("ckpt/step-100")
     """
-    flat, m = _read_flat(local_path(path), progress)
+    flat, m = _read_flat(parse_location(path), progress)
     return _nest(flat), m
 
 
-def _open_data_files(path: str, m: Manifest) -> dict[str, int]:
-    """Open every data file the tensors use (regular files inside ``path`` only) and
-    check, before anything is allocated or read, that each holds its chunks and that
-    the unsharded tensors fit in the bytes the files hold. Returns name -> fd."""
-    fds: dict[str, int] = {}
+def _open_data_files(d: CheckpointDir, m: Manifest) -> dict[str, Member]:
+    """Open every data file the tensors use (regular files inside the checkpoint only)
+    and check, before anything is allocated or read, that each holds its chunks and that
+    the unsharded tensors fit in the bytes the files hold. Returns name -> member."""
+    path = d.url
+    fds: dict[str, Member] = {}
     sizes: dict[str, int] = {}
     try:
         for fqn, t in sorted(m.tensors.items()):
             for c in t.chunks:
-                fpath = member_path(path, c.file, fqn=fqn)
+                fpath = d.member_url(c.file)
                 rank = m.files[c.file].rank
                 if c.file not in fds:
                     try:
-                        f = open_regular(fpath, what="data file", fqn=fqn, rank=rank)
+                        f = d.open(c.file, what="data file", fqn=fqn, rank=rank)
                     except FileNotFoundError:
                         raise CorruptCheckpointError(
                             "data file is missing", path=fpath, fqn=fqn, rank=rank
                         ) from None
-                    fds[c.file], sizes[c.file] = f.fd, f.size
+                    fds[c.file], sizes[c.file] = f, f.size
                 check_chunk_within(c, sizes[c.file], fpath, fqn, rank)
         need = sum(
             _volume(t.shape) * element_size(dtype_from_name(t.dtype, path=path, fqn=fqn))
@@ -136,16 +137,22 @@ def _open_data_files(path: str, m: Manifest) -> dict[str, int]:
             )
     except BaseException:
         for fd in fds.values():
-            os.close(fd)
+            fd.close()
         raise
     return fds
 
 
-def _read_flat(path: str, progress: bool) -> tuple[Flat, Manifest]:
-    require_committed(path)
-    m = read_manifest(path)
+def _read_flat(loc: Location, progress: bool) -> tuple[Flat, Manifest]:
+    with CheckpointDir(loc) as d:
+        return _read_flat_from(d, progress)
+
+
+def _read_flat_from(d: CheckpointDir, progress: bool) -> tuple[Flat, Manifest]:
+    path = d.url
+    require_committed(d.location, backend=d.backend)
+    m = read_manifest(d)
     flat: Flat = {}
-    fds = _open_data_files(path, m)
+    fds = _open_data_files(d, m)
     try:
         with byte_progress(m.total_tensor_bytes(), "read", progress) as bar:
             for fqn, t in sorted(m.tensors.items()):
@@ -158,7 +165,7 @@ def _read_flat(path: str, progress: bool) -> tuple[Flat, Manifest]:
                     else torch.zeros(t.shape, dtype=dtype)
                 )
                 for c in t.chunks:
-                    fpath = os.path.join(path, c.file)
+                    fpath = d.member_url(c.file)
                     whole = tuple(c.sizes) == tuple(t.shape)
                     buf = full if whole else torch.empty(c.sizes, dtype=dtype)
                     view = byte_view(buf)
@@ -182,7 +189,7 @@ def _read_flat(path: str, progress: bool) -> tuple[Flat, Manifest]:
                 flat[fqn] = (t.path or (fqn,), full)
     finally:
         for fd in fds.values():
-            os.close(fd)
+            fd.close()
     for fqn, o in sorted(m.objects.items()):
         flat[fqn] = (o.path or (fqn,), objcodec.decode(o.value, fqn=fqn, path=path))
     return flat, m
@@ -274,22 +281,29 @@ def _publish(tmp: str, out: str) -> None:
 
 
 def convert(
-    checkpoint: str | os.PathLike[str],
-    out: str | os.PathLike[str],
+    checkpoint: str | os.PathLike[str] | Location,
+    out: str | os.PathLike[str] | Location,
     to: Target,
     *,
     progress: bool = False,
+    storage: StorageOptions | None = None,
 ) -> str:
     """Write the quicksave checkpoint ``checkpoint`` in another format at ``out``.
 
     Args:
-        checkpoint: a committed quicksave checkpoint directory.
-        out: the file (``torch``, ``safetensors``) or directory (``dcp``) to create; it
-            must not exist. Missing parent directories are created.
+        checkpoint: a committed quicksave checkpoint: a path, or a ``file://``, ``s3://``
+            or ``msc://`` URL.
+        out: the file (``torch``, ``safetensors``) or directory (``dcp``, ``quicksave``)
+            to create; it must not exist. Missing parent directories are created.
+            ``torch``, ``safetensors`` and ``quicksave`` outputs may be object-store
+            URLs too (a file is uploaded as one object once whole; a quicksave copy
+            commits manifest-last): ``convert`` copies checkpoints between local disks
+            and object stores.
         to: ``"torch"`` (one ``torch.save`` file of the nested state dict), ``"dcp"`` (a
             directory that stock ``torch.distributed.checkpoint.load`` reads with its
             default reader) or ``"safetensors"`` (one consolidated file, flat fqn keys;
-            see the module docstring for its metadata).
+            see the module docstring for its metadata), or ``"quicksave"`` (a copy in
+            the quicksave format, same step and user metadata, e.g. to or from S3).
         progress: show a progress bar while reading, on stderr.
 
     Returns:
@@ -309,8 +323,23 @@ def convert(
         raise CheckpointError(
             f"unknown conversion target {to!r}; choose one of {', '.join(TARGETS)}"
         )
-    src = local_path(checkpoint)
-    out = local_path(out)
+    src = parse_location(checkpoint, options=storage)
+    dst = parse_location(out, options=storage)
+    if to == "quicksave":
+        from .api import save
+
+        flat, m = _read_flat(src, progress)
+        save(
+            _nest(flat),
+            dst,
+            step=m.step,
+            user_metadata=dict(m.user_metadata),
+            storage=storage,
+        )
+        return dst.url
+    if not dst.is_local:
+        return _convert_to_store(src, dst, to, progress)
+    out = dst.key
     if os.path.lexists(out):
         raise CheckpointExistsError(
             "output already exists; quicksave convert never overwrites (choose another path "
@@ -331,3 +360,41 @@ def convert(
         elif os.path.lexists(tmp):
             os.unlink(tmp)
     return out
+
+
+def _convert_to_store(src: Location, dst: Location, to: str, progress: bool) -> str:
+    """``torch`` / ``safetensors`` output to an object store: written to a local
+    temporary file, then uploaded as one object (it appears whole or not at all)."""
+    import mmap
+    import tempfile
+
+    if to == "dcp":
+        raise CheckpointError(
+            "a dcp output must be a local directory (or convert --to quicksave, which "
+            "stock DCP readers such as MSC's also load)",
+            path=dst.url,
+        )
+    backend = dst.open()
+    try:
+        if backend.stat(dst.key) is not None or backend.children(dst.key):
+            raise CheckpointExistsError(
+                "output already exists; quicksave convert never overwrites", path=dst.url
+            )
+        flat, m = _read_flat(src, progress)
+        with tempfile.TemporaryDirectory(prefix="quicksave-convert-") as tmpdir:
+            tmp = os.path.join(tmpdir, "out")
+            _WRITERS[to](flat, m, tmp)
+            with open(tmp, "rb") as f:
+                size = os.fstat(f.fileno()).st_size
+                if size == 0:
+                    backend.put(dst.key, memoryview(b""))
+                else:
+                    with mmap.mmap(f.fileno(), size, access=mmap.ACCESS_READ) as mm:
+                        view = memoryview(mm)
+                        try:
+                            backend.put(dst.key, view)
+                        finally:
+                            view.release()
+    finally:
+        backend.close()
+    return dst.url

@@ -19,7 +19,7 @@ from .format import objects as objcodec
 from .format.dtypes import dtype_name, element_size
 from .format.manifest import read_manifest
 from .reader import require_committed
-from .storage import local_path
+from .storage import Location, StorageOptions, parse_location
 
 _TAG_TYPES = {
     "float": "float",
@@ -122,8 +122,9 @@ def _preview(value: Any, fqn: str, path: str) -> str:
     return text if len(text) <= PREVIEW_CHARS else text[: PREVIEW_CHARS - 1] + "…"
 
 
-def _quicksave_summary(path: str) -> CheckpointSummary:
-    m = read_manifest(path)
+def _quicksave_summary(loc: Location) -> CheckpointSummary:
+    m = read_manifest(loc)
+    path = loc.url
     tensors = tuple(
         TensorInfo(fqn, t.dtype, t.shape, sum(c.length for c in t.chunks), len(t.chunks))
         for fqn, t in sorted(m.tensors.items())
@@ -144,13 +145,15 @@ def _quicksave_summary(path: str) -> CheckpointSummary:
     )
 
 
-def _dcp_summary(path: str, allow_pickle: bool) -> CheckpointSummary:
+def _dcp_summary(loc: Location, allow_pickle: bool) -> CheckpointSummary:
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    from .catalog import _step_from_name, dir_files
+    from .catalog import _step_from_name
     from .dcp_reader import read_dcp_metadata
+    from .storage.checkpoint_dir import CheckpointDir
 
-    md = read_dcp_metadata(path, allow_pickle=allow_pickle)
+    md = read_dcp_metadata(loc, allow_pickle=allow_pickle)
+    path = loc.url
     tensors, objects = [], []
     for fqn, item in sorted(md.state_dict_metadata.items()):
         if isinstance(item, TensorStorageMetadata):
@@ -170,22 +173,25 @@ def _dcp_summary(path: str, allow_pickle: bool) -> CheckpointSummary:
     return CheckpointSummary(
         path=path,
         format="dcp",
-        step=_step_from_name(os.path.basename(path)),
+        step=_step_from_name(loc.name),
         world_size=None,
         tensors=tuple(tensors),
         objects=tuple(objects),
-        files=dict(sorted(dir_files(path).items())),
+        files=dict(sorted(CheckpointDir(loc).sizes().items())),
     )
 
 
 def inspect_checkpoint(
-    path: str | os.PathLike[str], *, allow_pickle: bool = False
+    path: str | os.PathLike[str] | Location,
+    *,
+    allow_pickle: bool = False,
+    storage: StorageOptions | None = None,
 ) -> CheckpointSummary:
     """Describe the tensors and values in the checkpoint at ``path``.
 
     Args:
-        path: a committed quicksave checkpoint, or (with ``allow_pickle``) a stock
-            ``torch.distributed.checkpoint`` directory.
+        path: a committed quicksave checkpoint, or a stock ``torch.distributed.checkpoint``
+            directory: a path, or a ``file://``, ``s3://`` or ``msc://`` URL.
         allow_pickle: unpickle a DCP directory's ``.metadata`` without restriction.
             Unpickling runs code named by the file: only for checkpoints you trust.
             Without it the pickle is read by a restricted unpickler that admits only
@@ -207,7 +213,7 @@ def inspect_checkpoint(
         summary = inspect_checkpoint("ckpt/step-100")
         print(summary.step, len(summary.tensors))
     """
-    path = local_path(path)
-    if require_committed(path, allow_dcp=True) is CheckpointKind.QUICKSAVE:
-        return _quicksave_summary(path)
-    return _dcp_summary(path, allow_pickle)
+    loc = parse_location(path, options=storage)
+    if require_committed(loc, allow_dcp=True) is CheckpointKind.QUICKSAVE:
+        return _quicksave_summary(loc)
+    return _dcp_summary(loc, allow_pickle)

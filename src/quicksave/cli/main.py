@@ -5,7 +5,7 @@ Subcommands (``quicksave <cmd> --help`` for each)::
     quicksave ls ROOT [--json] [--bytes]        list checkpoints, sorted by step
     quicksave inspect CKPT [--json] [--allow-pickle]
     quicksave verify CKPT [--json] [--progress | --no-progress]
-    quicksave convert CKPT OUT --to {torch,dcp,safetensors}
+    quicksave convert CKPT OUT --to {torch,dcp,safetensors,quicksave}
     quicksave demo ... / quicksave bench ...    (arguments passed through)
 
 Exit status: 0 success; 1 ``verify`` found corruption; 2 a usage or checkpoint error
@@ -94,7 +94,9 @@ def cmd_ls(args: argparse.Namespace) -> int:
         )
         return 0
     if not infos:
-        _say(f"no checkpoints in {os.path.abspath(args.root)}", sys.stderr)
+        from ..storage import parse_location
+
+        _say(f"no checkpoints in {parse_location(args.root).url}", sys.stderr)
         return 0
     rows = [["NAME", "STEP", "STATUS", "FORMAT", "SIZE", "MODIFIED"]]
     for i in infos:
@@ -302,7 +304,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("checkpoint", metavar="CKPT")
     p.add_argument("out", metavar="OUT")
-    p.add_argument("--to", required=True, choices=("torch", "dcp", "safetensors"))
+    p.add_argument("--to", required=True, choices=("torch", "dcp", "safetensors", "quicksave"))
     _progress_flags(p)
     p.set_defaults(func=cmd_convert)
 
