@@ -153,7 +153,8 @@ def list_checkpoints(root: str | os.PathLike[str]) -> list[CheckpointInfo]:
         One :class:`CheckpointInfo` per checkpoint (possibly none).
 
     Raises:
-        CheckpointNotFoundError: ``root`` does not exist or is not a directory.
+        CheckpointNotFoundError: ``root`` does not exist or is not a directory (an
+            object-store prefix with nothing under it is an empty folder, not an error).
 
     Example::
 
@@ -213,8 +214,6 @@ def _list_store(root: Location) -> list[CheckpointInfo]:
                 groups[head][tail] = o
             else:
                 own[head] = o
-        if not groups and not own:
-            raise CheckpointNotFoundError("no object under this prefix", path=root.url)
         found: list[CheckpointInfo] = []
         for name, objs in [(".", own)] + sorted(groups.items()):
             loc = root if name == "." else root.child(name)

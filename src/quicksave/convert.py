@@ -319,7 +319,7 @@ def convert(
 
         convert("ckpt/step-100", "model.safetensors", "safetensors")
     """
-    if to not in _WRITERS:
+    if to not in TARGETS:
         raise CheckpointError(
             f"unknown conversion target {to!r}; choose one of {', '.join(TARGETS)}"
         )

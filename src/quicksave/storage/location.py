@@ -94,7 +94,10 @@ class Location:
             return S3Backend(self.container, self.options.s3)
         from .msc import MscBackend
 
-        return MscBackend(self.container, self.options)
+        try:
+            return MscBackend(self.container, self.options)
+        except CheckpointError as e:  # an unknown profile, a bad config: name the URL
+            raise type(e)(e.message, path=self.url, fqn=e.fqn, rank=e.rank) from e
 
 
 def parse_location(
