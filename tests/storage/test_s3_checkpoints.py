@@ -461,3 +461,74 @@ def test_sigkill_of_the_trainer_mid_upload(s3_env, s3_server, s3_bucket, fault_p
         assert m.load() == newest
     leftovers = [i for i in list_checkpoints(folder) if not i.committed]
     assert leftovers == [], leftovers  # start-up clean-up (stale_after_s=0) took them
+
+
+def test_sigkill_of_the_worker_mid_upload(s3_env, s3_server, s3_bucket, fault_proxy) -> None:
+    """The worker process dies mid-upload: the save fails with WorkerFailedError naming
+    the step, nothing of it is visible, the newest committed checkpoint loads, later
+    saves (a new worker) commit."""
+    import signal
+
+    opts = StorageOptions(
+        s3=S3Options(
+            endpoint_url=fault_proxy.endpoint_url,
+            access_key_id=s3_server.access_key_id,
+            secret_access_key=s3_server.secret_access_key,
+            region=s3_server.region,
+        )
+    )
+    folder = f"s3://{s3_bucket}/wk"
+    model = torch.nn.Linear(512, 512)
+    config = CheckpointConfig(folder=folder, interval=1, storage=opts)
+    with CheckpointManager(config, {"model": model}) as m:
+        m.save(1)
+    with CheckpointManager(config, {"model": model}) as m:
+        fault_proxy.set_mode("delay", delay_s=0.05)
+        with torch.no_grad():
+            model.weight.add_(1.0)
+        m.save(2)
+        time.sleep(1.0)  # the upload is crawling through the proxy
+        pid = m._writer.saver.worker_pid if m._writer is not None else None
+        assert pid is not None
+        os.kill(pid, signal.SIGKILL)
+        fault_proxy.set_mode("pass")
+        with pytest.raises(quicksave.WorkerFailedError) as info:
+            m.save(3)
+            m.close()
+        assert "step 2" in str(info.value)
+    infos = {i.step: i for i in list_checkpoints(folder)}
+    assert infos[1].committed and (2 not in infos or not infos[2].committed)
+    newest = max(s for s, i in infos.items() if i.committed)  # 3 if save(3) went on
+    loaded = torch.nn.Linear(512, 512)
+    with CheckpointManager(
+        CheckpointConfig(folder=folder, async_mode="disabled", storage=opts), {"model": loaded}
+    ) as m:
+        assert m.load() == newest
+        m.save(4, force=True)
+        assert 4 in m.committed_steps()
+
+
+def test_msc_round_trip_and_manager(s3_server, s3_bucket, tmp_path, monkeypatch) -> None:
+    from msc_config import msc_config_for
+
+    monkeypatch.chdir(tmp_path)
+    config_path = msc_config_for(s3_server, s3_bucket, tmp_path / "msc", profile="ckpts")
+    monkeypatch.setenv("MSC_CONFIG", config_path)
+    sd = _state(5)
+    url = "msc://ckpts/run/step-1"
+    quicksave.save(sd, url, step=1)
+    out = _blank(sd)
+    quicksave.load(out, url)
+    _assert_same(out, sd)
+    assert verify_checkpoint(url).ok
+    assert "run/step-1/manifest.json" in _objects(s3_server, s3_bucket, "run/")
+    model = _Weights(3.0)
+    config = CheckpointConfig(folder="msc://ckpts/job", interval=1, keep_latest_k=1)
+    with CheckpointManager(config, {"model": model}) as m:
+        for step in (1, 2, 3):
+            m.save(step)
+    loaded = _Weights()
+    with CheckpointManager(config, {"model": loaded}) as m:
+        assert m.committed_steps() == [3] and m.load() == 3
+    assert torch.equal(loaded.w.detach(), model.w.detach())
+    assert sorted(os.listdir(tmp_path)) == ["msc"]
