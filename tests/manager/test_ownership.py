@@ -308,8 +308,8 @@ def test_explicit_step_does_not_fall_back(tmp_path):
 def test_retention_keeps_the_last_checkpoint_that_passed(tmp_path, monkeypatch):
     save_steps(tmp_path, [1, 2, 3])
     flip_last_byte(data_file(tmp_path / "step-3"))
-    monkeypatch.setattr(folder_mod, "quarantine", lambda path, why: None)  # cannot move
-    monkeypatch.setattr("quicksave.manager.manager.quarantine", lambda path, why: None)
+    monkeypatch.setattr(folder_mod, "quarantine", lambda path, why, *_: None)  # cannot move
+    monkeypatch.setattr("quicksave.manager.manager.quarantine", lambda path, why, *_: None)
     m = manager(tmp_path, Box(), keep_latest_k=1)
     assert m.load() == 2
     m._retain(set())
