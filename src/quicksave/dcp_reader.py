@@ -10,7 +10,10 @@ torch dtypes, ``torch.Size``, layouts and memory formats, and a few inert contai
 up in a fixed table: nothing named by the file is imported. Anything else is refused
 with a :class:`~quicksave.errors.CorruptCheckpointError` naming the path and the
 global. The result is then checked: types, dtypes, chunk boxes inside their tensors,
-and data file names that stay inside the directory.
+and data file names that stay inside the directory. The Multi-Storage Client's DCP writer
+(``multistorageclient.contrib.torch``) records its checkpoint path, a ``MultiStoragePath``,
+in ``storage_meta``: it unpickles to an inert :class:`_ForeignPath` (its path as a string),
+never MSC's class.
 
 Full unpickling is available with ``allow_pickle=True``, only for trusted checkpoints
 (for example metadata carrying a custom planner's classes).
@@ -71,6 +74,23 @@ def _layout(name: object) -> torch.layout:
     return _LAYOUTS[name]
 
 
+class _ForeignPath:
+    """Stand-in for a path object of another library recorded in the metadata (MSC's
+    ``MultiStoragePath`` as ``storage_meta.checkpoint_id``): created empty, its pickled
+    state kept as plain strings only. Nothing reads it; ``str()`` is the path."""
+
+    def __setstate__(self, state: Any) -> None:
+        if not isinstance(state, dict):
+            raise pickle.UnpicklingError("a path's state must be a dict")
+        self.path = str(state.get("_path", "")) if isinstance(state.get("_path"), str) else ""
+
+    def __str__(self) -> str:
+        return getattr(self, "path", "")
+
+    def __repr__(self) -> str:
+        return f"_ForeignPath({str(self)!r})"
+
+
 def _allowed_globals() -> dict[tuple[str, str], Any]:
     allowed: dict[tuple[str, str], Any] = {}
     for name in (
@@ -104,6 +124,7 @@ def _allowed_globals() -> dict[tuple[str, str], Any]:
         allowed[(module, "PurePosixPath")] = pathlib.PurePosixPath
         allowed[(module, "WindowsPath")] = pathlib.PureWindowsPath
         allowed[(module, "PureWindowsPath")] = pathlib.PureWindowsPath
+    allowed[("multistorageclient.pathlib", "MultiStoragePath")] = _ForeignPath
     return allowed
 
 
@@ -113,6 +134,7 @@ _ALLOWED = _allowed_globals()
 _BUILDABLE = frozenset(
     {
         _StorageInfo,
+        _ForeignPath,
         *(
             v
             for (module, _), v in _ALLOWED.items()

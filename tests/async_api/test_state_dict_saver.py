@@ -113,11 +113,15 @@ def test_usage_guide_flow_in_worker_process_loads_bit_exact(tmp_path: Path):
     assert read_manifest(path).plans is None
 
 
-def test_use_msc_is_a_clear_error(tmp_path: Path):
+def test_msc_path_needs_use_msc(tmp_path: Path, monkeypatch):
+    # msc:// paths are written through MSC only with the seed's use_msc=True (the flow
+    # itself: tests/storage/test_msc_flow.py); without it, an error before any I/O.
+    monkeypatch.chdir(tmp_path)
     with pytest.raises(CheckpointError) as e:
-        FileSystemWriterAsync("msc://profile/iter-1", use_msc=True)
-    assert "Multi-Storage Client (msc://) is not available" in e.value.message
+        FileSystemWriterAsync("msc://profile/iter-1")
+    assert "use_msc=True" in e.value.message
     assert e.value.path == "msc://profile/iter-1"
+    assert list(tmp_path.iterdir()) == []
     with pytest.raises(CheckpointError, match="unsupported arguments"):
         FileSystemWriterAsync(str(tmp_path / "x"), bogus=1)
 

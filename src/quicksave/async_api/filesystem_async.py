@@ -17,11 +17,35 @@ Call order (rank r; "coord" = the coordinator only), driven by ``state_dict_save
 The temporary directory is derived on every rank from what all ranks know — the final
 path, the id of the last real planning and a per-save counter — so a cached plan (no
 collective at all) still gives every rank the same fresh directory.
+
+**Object stores** (``msc://profile/path``, ``s3://bucket/prefix``): nothing is created on
+the local filesystem. Every rank's worker uploads its data objects and then its part
+object straight under the checkpoint's prefix (objects appear whole or not at all); a
+failed rank leaves an error part object there. The coordinator reads the parts through
+the store at finalize, deletes them, and commits like the engine's store saves
+(``worker.commit_files``): ``.metadata``, one listing that checks every object's size,
+``manifest.json`` last — its presence is the commit. The prefix is checked before any
+byte is written (the coordinator, while planning: a committed checkpoint or another
+save's objects there fail the save on every rank, before any collective hands out a
+plan). A failed finalize deletes this save's objects (never a manifest's checkpoint);
+a rank whose write failed leaves its objects and error part, invisible without a
+manifest, for a ``CheckpointManager``'s clean-up.
+
+**use_msc** keeps the seed's meaning, "open paths through the Multi-Storage Client":
+
+* ``msc://`` paths need ``use_msc=True``; with ``use_msc=False`` the writer raises a
+  ``CheckpointError`` naming ``use_msc=True`` before any I/O (the seed would have opened
+  ``msc://...`` as a local path; failing keeps code that runs here correct on the seed).
+* ``use_msc=True`` with a plain path or ``file://`` URL writes to the local filesystem,
+  as MSC itself serves plain paths (its POSIX provider): same checkpoint as without it.
+* ``s3://`` URLs work with either value, through quicksave's own S3 backend.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import importlib.util
 import json
 import os
 import uuid
@@ -40,6 +64,9 @@ from ..errors import CheckpointError, CorruptCheckpointError
 from ..format import objects as objcodec
 from ..format.manifest import RankPlan, hexdigest
 from ..plan import RankLayout, layout_rank
+from ..storage import StorageOptions
+from ..storage.backend import Backend, join
+from ..storage.location import Location
 from ..writer import StorageWriter, _ChunkWritten, _ObjectWritten, _original_object, item_spec
 
 _IGNORED_KWARGS = ("single_file_per_rank", "per_thread_copy_ahead", "separation_hint", "overwrite")
@@ -68,13 +95,17 @@ class SaveLayout:
 
 @dataclass(frozen=True)
 class RankWriteJob:
-    """The small, picklable description of one rank's background write."""
+    """The small, picklable description of one rank's background write.
+
+    ``location`` is the object store's checkpoint location (None: the local filesystem);
+    ``tmp_dir`` is then the checkpoint's key prefix, where the objects go directly."""
 
     rank: int
     tmp_dir: str
     layout: RankLayout
     objects: dict[str, Any]  # fqn -> typed JSON, encoded in the trainer
     fsync: bool
+    location: Location | None = None
 
 
 def error_part_name(rank: int) -> str:
@@ -103,6 +134,9 @@ def write_rank_data(job: RankWriteJob, staged: dict[str, torch.Tensor]) -> None:
         CheckpointError: naming the rank and the cause; an error part is left for the
             coordinator when the directory is writable.
     """
+    if job.location is not None:
+        _write_rank_objects(job, staged)
+        return
     try:
         os.makedirs(job.tmp_dir, exist_ok=True)
         for name in [f.name for f in job.layout.files] + [
@@ -129,6 +163,39 @@ def write_rank_data(job: RankWriteJob, staged: dict[str, torch.Tensor]) -> None:
         ) from e
 
 
+def _write_rank_objects(job: RankWriteJob, staged: dict[str, torch.Tensor]) -> None:
+    """``write_rank_data`` on an object store: this rank's data objects, then its part
+    object, straight under the checkpoint's prefix (``job.tmp_dir``) through a backend
+    opened here (in the worker). Nothing touches the local filesystem.
+
+    Raises:
+        CheckpointError: naming the checkpoint's URL, the rank and the cause; an error
+            part object is left for the coordinator when the store takes it.
+    """
+    assert job.location is not None
+    url = job.location.url
+    backend: Backend | None = None
+    try:
+        backend = job.location.open(rank=job.rank)
+        written = persist.write_rank_objects(backend, job.tmp_dir, job.layout, staged)
+        chunks = {k: d for w in written for k, d in w.chunk_xxh3_64.items()}
+        parts.write_part_object(backend, job.tmp_dir, parts.RankPart(job.rank, chunks, job.objects))
+    except Exception as e:  # noqa: BLE001 - recorded, then raised with the rank named
+        cause = e.message if isinstance(e, CheckpointError) else f"{type(e).__name__}: {e}"
+        if backend is not None:
+            body = json.dumps({"rank": job.rank, "error": cause}).encode()
+            with contextlib.suppress(Exception):  # the store itself may be the problem
+                backend.put(join(job.tmp_dir, error_part_name(job.rank)), memoryview(body))
+        raise CheckpointError(
+            f"rank {job.rank} failed to write its checkpoint data: {cause}",
+            path=url,
+            rank=job.rank,
+        ) from e
+    finally:
+        if backend is not None:
+            backend.close()
+
+
 def _write_error_part(tmp_dir: str, rank: int, cause: str) -> None:
     path = os.path.join(tmp_dir, error_part_name(rank))
     staging = f"{path}.{uuid.uuid4().hex[:8]}.writing"
@@ -136,8 +203,19 @@ def _write_error_part(tmp_dir: str, rank: int, cause: str) -> None:
     os.replace(staging, path)
 
 
-def read_error_part(tmp_dir: str, rank: int) -> str | None:
-    """The cause recorded by ``rank``'s failed write, or None if it recorded none."""
+def read_error_part(tmp_dir: str, rank: int, backend: Backend | None = None) -> str | None:
+    """The cause recorded by ``rank``'s failed write, or None if it recorded none
+    (``backend``: an object store's, ``tmp_dir`` then being the checkpoint's prefix)."""
+    if backend is not None:
+        key = join(tmp_dir, error_part_name(rank))
+        if backend.stat(key) is None:
+            return None
+        try:
+            return str(json.loads(backend.get(key, 1 << 20)).get("error", "unknown error"))
+        except CheckpointError as e:
+            return f"unreadable error part: {e.message}"
+        except (ValueError, AttributeError) as e:
+            return f"unreadable error part: {e}"
     try:
         with open(os.path.join(tmp_dir, error_part_name(rank)), "rb") as f:
             return str(json.loads(f.read()).get("error", "unknown error"))
@@ -156,21 +234,28 @@ class FileSystemWriterAsync(StorageWriter):
     """The seeds' ``FileSystemWriterAsync``, writing a quicksave checkpoint.
 
     Args:
-        path: the final checkpoint directory (must not hold a committed checkpoint).
+        path: the final checkpoint: a directory (path or ``file://`` URL), or an object
+            store prefix (``msc://profile/path`` with ``use_msc=True``, ``s3://bucket/key``);
+            it must not hold a committed checkpoint.
         thread_count: data files (and writer threads) per rank.
-        use_msc: Multi-Storage Client (``msc://``) paths; not available in quicksave.
+        use_msc: open paths through the Multi-Storage Client, as in the seed: required
+            for ``msc://`` paths; plain paths stay local (see the module docstring).
         sync_files: fsync files and directories (off only for throwaway tests).
         step: training step for the manifest. user_metadata: JSON dict for the manifest.
+        storage: how to reach object stores (default: ``MSC_CONFIG`` and MSC's search
+            for ``msc://``, the environment's AWS chain for ``s3://``).
         **kwargs: the seeds' ``single_file_per_rank``, ``per_thread_copy_ahead``,
             ``separation_hint`` and ``overwrite`` are accepted and ignored (quicksave's
             layout decides files; it never overwrites a committed checkpoint).
 
     Raises:
-        CheckpointError: ``use_msc=True``, or an unknown keyword argument.
+        CheckpointError: an ``msc://`` path without ``use_msc=True``, an ``msc://`` path
+            without the Multi-Storage Client installed, an unknown URL scheme, or an
+            unknown keyword argument (all before any I/O, naming the path).
 
     Example::
 
-        writer = FileSystemWriterAsync("ckpt/iter-10", thread_count=2)
+        writer = FileSystemWriterAsync("msc://model-checkpoints/iter-10", use_msc=True)
         ret = save_state_dict_async_plan(state_dict, writer, None, 0)
         save_fn, preload_fn, save_args = writer.get_save_function_and_args()
     """
@@ -184,14 +269,9 @@ class FileSystemWriterAsync(StorageWriter):
         sync_files: bool = True,
         step: int | None = None,
         user_metadata: dict[str, Any] | None = None,
+        storage: StorageOptions | None = None,
         **kwargs: Any,
     ) -> None:
-        if use_msc:
-            raise CheckpointError(
-                "use_msc=True: NVIDIA Multi-Storage Client (msc://) is not available in "
-                "quicksave (the package is not installed); write to a filesystem path",
-                path=os.fspath(path),
-            )
         unknown = sorted(set(kwargs) - set(_IGNORED_KWARGS))
         if args or unknown:
             raise CheckpointError(
@@ -204,7 +284,22 @@ class FileSystemWriterAsync(StorageWriter):
             thread_count=thread_count,
             fsync=sync_files,
             user_metadata=user_metadata,
+            storage=storage,
         )
+        self.use_msc = use_msc
+        if self.location.scheme == "msc":
+            if not use_msc:
+                raise CheckpointError(
+                    "an msc:// path is a Multi-Storage Client location: pass use_msc=True "
+                    "(FileSystemWriterAsync(path, use_msc=True), as the seed requires)",
+                    path=self.path,
+                )
+            if importlib.util.find_spec("multistorageclient") is None:
+                raise CheckpointError(
+                    "use_msc=True needs the Multi-Storage Client package "
+                    "(pip install 'quicksave[msc]')",
+                    path=self.path,
+                )
         self.plan_id = uuid.uuid4().hex  # replaced by the caller on a restart-reuse save
         self.save_index = 0  # set by save_state_dict_async_plan (per-save counter)
         self.layouts: tuple[RankLayout, ...] | None = None
@@ -220,6 +315,25 @@ class FileSystemWriterAsync(StorageWriter):
         self.rank = rank or 0
 
     # ---------------------------------------------------------------- planning
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        """Attach the rank's plan; on an object store the coordinator also checks the
+        prefix (nothing committed, no other save's objects) before any rank can write:
+        a failure here is raised on every rank by the planning collective.
+
+        Raises:
+            CheckpointExistsError: (coordinator, object store) the prefix holds a
+                checkpoint or objects.
+            CheckpointError: (coordinator, object store) the store cannot be reached.
+        """
+        plan = super().prepare_local_plan(plan)
+        if self.is_coordinator and not self.location.is_local:
+            try:
+                commit.check_target(self.location, self.rank, self.backend())
+            except BaseException:
+                self.close()  # this writer's save ends here: drop its client
+                raise
+        return plan
+
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         """Coordinator (or every rank, when all of them replay a loaded plan): fix every
         rank's file layout. Creates nothing on disk: the directory comes at write time."""
@@ -261,7 +375,10 @@ class FileSystemWriterAsync(StorageWriter):
                 path=self.path,
                 rank=self.rank,
             )
-        self.tmp_dir = temp_dir_for(self.path, rank_plan.plan_id, self.save_index)
+        if self.location.is_local:
+            self.tmp_dir = temp_dir_for(self.path, rank_plan.plan_id, self.save_index)
+        else:  # the objects go straight under the checkpoint's prefix
+            self.tmp_dir = self.location.key
         staged: dict[str, torch.Tensor] = {}
         objects: dict[str, Any] = {}
         self._index_of = {}
@@ -276,7 +393,10 @@ class FileSystemWriterAsync(StorageWriter):
             staged[key] = t.to("cpu", copy=True, memory_format=torch.contiguous_format)
             self._index_of[key] = item.index
         self._staged = staged
-        self._job = RankWriteJob(self.rank, self.tmp_dir, rank_plan.layout, objects, self.fsync)
+        store = None if self.location.is_local else self.location
+        self._job = RankWriteJob(
+            self.rank, self.tmp_dir, rank_plan.layout, objects, self.fsync, store
+        )
 
     def get_save_function_and_args(self) -> tuple[Any, Any, tuple]:
         """``(save_fn, preload_fn, save_args)`` for ``AsyncRequest(save_fn, save_args,
@@ -304,10 +424,12 @@ class FileSystemWriterAsync(StorageWriter):
         """
         if self._job is None:
             raise CheckpointError("no write was prepared", path=self.path, rank=self.rank)
-        return rank_write_results(self._job.tmp_dir, self._job.layout, self._index_of)
+        backend = None if self.location.is_local else self.backend()
+        return rank_write_results(self._job.tmp_dir, self._job.layout, self._index_of, backend)
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
-        """Coordinator: write ``.metadata`` and the manifest, then rename (the commit)."""
+        """Coordinator: write ``.metadata`` and the manifest, then rename (the commit);
+        on an object store the manifest, written last, is the commit."""
         if self.tmp_dir is None:
             raise CheckpointError("finish() before prepare_write_data()", path=self.path)
         super().finish(metadata, results)
@@ -323,23 +445,27 @@ def rank_write_results(
     tmp_dir: str,
     layout: RankLayout,
     index_of: dict[str, MetadataIndex] | None = None,
+    backend: Backend | None = None,
 ) -> list[WriteResult]:
     """Rebuild one rank's DCP write results from its part file and its layout.
 
     Args:
-        tmp_dir: the save's temporary directory.
+        tmp_dir: the save's temporary directory (an object store: the checkpoint's prefix).
         layout: the rank's file layout (fixed at plan time).
         index_of: chunk key -> ``MetadataIndex``; derived from the layout when None.
+        backend: the object store's backend (None: the local filesystem).
 
     Raises:
-        CheckpointError: the rank recorded an error, or left no part (names the rank).
+        CheckpointError: the rank recorded an error, or left no part (names the rank and
+            the directory, or the checkpoint's URL).
         CorruptCheckpointError: the part does not match the layout.
     """
     rank = layout.rank
-    cause = read_error_part(tmp_dir, rank)
+    where = backend.url(tmp_dir) if backend is not None else tmp_dir
+    cause = read_error_part(tmp_dir, rank, backend)
     if cause is not None:
-        raise CheckpointError(f"rank {rank} failed to write: {cause}", path=tmp_dir, rank=rank)
-    part = parts.read_part(tmp_dir, rank)
+        raise CheckpointError(f"rank {rank} failed to write: {cause}", path=where, rank=rank)
+    part = parts.read_part(tmp_dir, rank, backend)
     results: list[WriteResult] = []
     expected = set()
     for f in layout.files:
@@ -350,7 +476,7 @@ def rank_write_results(
             if digest is None:
                 raise CorruptCheckpointError(
                     f"rank {rank}'s part lacks chunk {key!r}",
-                    path=tmp_dir,
+                    path=where,
                     fqn=e.item.fqn,
                     rank=rank,
                 )
@@ -365,7 +491,7 @@ def rank_write_results(
     if extra:
         raise CorruptCheckpointError(
             f"rank {rank}'s part reports chunks its plan does not have: {extra[:5]}",
-            path=tmp_dir,
+            path=where,
             rank=rank,
         )
     for fqn, value in part.objects.items():

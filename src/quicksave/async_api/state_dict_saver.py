@@ -18,7 +18,9 @@ One save, every rank (training thread unless said otherwise)::
     maybe_finalize_async_calls(blocking=True, no_dist=False)  (every rank agrees it is done)
         finalize_fn → save_state_dict_async_finalize: the coordinator reads every rank's
         part from the temporary directory (no gather of write results), writes the
-        manifest and renames (the commit); the other ranks return.
+        manifest and renames (the commit); the other ranks return. On an object store
+        (msc://, s3://) the parts are objects under the checkpoint's prefix and the
+        manifest, written last, is the commit (``filesystem_async``'s docstring).
 
 The only collectives are ``agree_plan_reuse``, ``verify_global_md_reuse`` and
 ``exchange_plans`` (the seeds' names, or named for what they exchange); at most one runs
@@ -56,11 +58,14 @@ from torch.distributed.checkpoint.metadata import STATE_DICT_TYPE, Metadata
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.utils import _DistWrapper
 
+from .. import parts
 from ..errors import CheckpointError
+from ..storage.backend import Backend, join
 from ..writer import rank_plan_of
 from .filesystem_async import (
     FileSystemWriterAsync,
     SaveLayout,
+    error_part_name,
     expected_files,
     rank_write_results,
 )
@@ -461,7 +466,9 @@ def save_state_dict_async_finalize(
 
     No write result travels between ranks: the coordinator reads each rank's part file
     from the temporary directory, checks it, writes the manifest and renames the
-    directory into place. The other ranks return at once.
+    directory into place. The other ranks return at once. On an object store the parts
+    are read from the checkpoint's prefix and deleted, and the manifest is written last
+    (the commit).
 
     Args:
         storage_writer, global_metadata, dist_wrapper: ``save_state_dict_async_plan``'s
@@ -469,8 +476,10 @@ def save_state_dict_async_finalize(
 
     Raises:
         CheckpointError: (coordinator) a rank left no part or recorded an error, naming
-            the rank and the cause; nothing is committed and the temporary directory is
-            removed. ``CheckpointExistsError`` if a checkpoint appeared at the path.
+            the rank and the cause (and the checkpoint's URL on an object store); nothing
+            is committed and the temporary directory (an object store: this save's
+            objects) is removed. ``CheckpointExistsError`` if a checkpoint appeared at
+            the path.
 
     Example::
 
@@ -487,20 +496,29 @@ def save_state_dict_async_finalize(
             path=storage_writer.path,
             rank=dist_wrapper.get_rank(),
         )
+    local = storage_writer.location.is_local
     try:
         if len(layout.layouts) != dist_wrapper.get_world_size():
             raise CheckpointError(
                 f"the plan is for {len(layout.layouts)} ranks, the group has "
                 f"{dist_wrapper.get_world_size()}",
-                path=tmp_dir,
+                path=tmp_dir if local else storage_writer.path,
                 rank=dist_wrapper.get_rank(),
             )
-        results = [rank_write_results(tmp_dir, lay) for lay in layout.layouts]
-        _remove_unexpected(tmp_dir, layout)
+        if local:
+            results = [rank_write_results(tmp_dir, lay) for lay in layout.layouts]
+            _remove_unexpected(tmp_dir, layout)
+        else:
+            backend = storage_writer.backend()
+            results = [rank_write_results(tmp_dir, lay, None, backend) for lay in layout.layouts]
+            _remove_parts(backend, tmp_dir, len(layout.layouts))
         storage_writer.plans = layout.plans
         storage_writer.finish(global_metadata, results)
     except CheckpointError:
-        shutil.rmtree(tmp_dir, ignore_errors=True)
+        if local:
+            shutil.rmtree(tmp_dir, ignore_errors=True)
+        else:  # this save's objects, unless a manifest (a commit) is there
+            storage_writer.discard()
         raise
 
 
@@ -515,6 +533,15 @@ def _remove_unexpected(tmp_dir: str, layout: SaveLayout) -> None:
                 shutil.rmtree(path, ignore_errors=True)
             else:
                 os.unlink(path)
+
+
+def _remove_parts(backend: Backend, prefix: str, world_size: int) -> None:
+    """On an object store: delete every rank's part and error part (already read), so the
+    checkpoint holds only its data objects, ``.metadata`` and the manifest. The prefix
+    was empty when the save was planned, so nothing else of an earlier attempt is there;
+    nothing else is deleted (never another save's manifest)."""
+    names = [n for r in range(world_size) for n in (parts.part_name(r), error_part_name(r))]
+    backend.delete(join(prefix, n) for n in names)
 
 
 __all__ = [
