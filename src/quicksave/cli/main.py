@@ -328,6 +328,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     """
     args_list = list(sys.argv[1:] if argv is None else argv)
     try:
+        if args_list[:1] == ["bench"] and "--storage" in args_list[1:]:
+            rest = [a for a in args_list[1:] if a != "--storage"]
+            return run_pass_through("bench.storage", rest)  # S3 benchmark (SeaweedFS)
         if args_list and args_list[0] in PASS_THROUGH:
             return run_pass_through(args_list[0], args_list[1:])
         try:
