@@ -462,8 +462,9 @@ class AsyncSaver:
         if loc is None or loc.is_local:
             return None
         key = loc.backend_id()
-        if key not in self._backends:
-            self._backends[key] = loc.open(rank=self.rank)
+        if key not in self._backends:  # its calls run on the training thread: bounded
+            bounded = loc.bounded(self.config.worker.save_timeout_s)
+            self._backends[key] = bounded.open(rank=self.rank)
         return self._backends[key]
 
     def _plan_dist(

@@ -532,3 +532,36 @@ def test_msc_round_trip_and_manager(s3_server, s3_bucket, tmp_path, monkeypatch)
         assert m.committed_steps() == [3] and m.load() == 3
     assert torch.equal(loaded.w.detach(), model.w.detach())
     assert sorted(os.listdir(tmp_path)) == ["msc"]
+
+
+def test_a_store_that_stops_answering_fails_the_save_within_save_timeout(
+    s3_env, s3_server, s3_bucket, fault_proxy
+) -> None:
+    """The server accepts connections and never answers (its own timeouts are long):
+    the save fails with a CheckpointError after save_timeout_s, never a hang, and the
+    previous checkpoint is intact."""
+    patient = S3Options(
+        endpoint_url=fault_proxy.endpoint_url,
+        access_key_id=s3_server.access_key_id,
+        secret_access_key=s3_server.secret_access_key,
+        region=s3_server.region,
+        read_timeout_s=300.0,
+        retry_deadline_s=600.0,
+    )
+    folder = f"s3://{s3_bucket}/hang"
+    model = _Weights(1.0)
+    config = CheckpointConfig(
+        folder=folder, interval=1, save_timeout_s=4.0, storage=StorageOptions(s3=patient)
+    )
+    with CheckpointManager(config, {"model": model}) as m:
+        m.save(1)
+    began = time.monotonic()
+    with pytest.raises(CheckpointError) as info:
+        with CheckpointManager(config, {"model": model}) as m:
+            fault_proxy.set_mode("blackhole")
+            m.save(2)
+    took = time.monotonic() - began
+    fault_proxy.set_mode("pass")
+    assert took < 60, took  # a hang guard: save_timeout_s is 4 s
+    assert "step 2" in str(info.value) or "step-2" in str(info.value), info.value
+    assert [i.step for i in list_checkpoints(folder) if i.committed] == [1]

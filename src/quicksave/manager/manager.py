@@ -700,7 +700,8 @@ class CheckpointManager:
         if self._folder.is_local:
             return None
         if self._store is None:
-            self._store = self._folder.open(rank=self._rank() or 0)
+            bounded = self._folder.bounded(self.config.save_timeout_s)  # never a hang
+            self._store = bounded.open(rank=self._rank() or 0)
         return self._store
 
     def _where(self, path: str) -> Location:

@@ -12,6 +12,7 @@ other scheme is refused.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 from dataclasses import dataclass, field
@@ -73,6 +74,24 @@ class Location:
 
     def with_key(self, key: str) -> Location:
         return Location(self.scheme, self.container, key, self.options)
+
+    def bounded(self, seconds: float) -> Location:
+        """This location with its S3 timeouts capped so that one request, retries
+        included, ends within about ``seconds`` (half for each attempt's read, half for
+        starting retries): for the store calls a training thread makes itself, which
+        ``save_timeout_s`` must bound too (the worker's are bounded by its kill)."""
+        s3 = self.options.s3
+        half = max(0.5, seconds / 2)
+        capped = dataclasses.replace(
+            s3,
+            read_timeout_s=min(s3.read_timeout_s, half),
+            connect_timeout_s=min(s3.connect_timeout_s, half),
+            retry_deadline_s=min(s3.retry_deadline_s, half),
+        )
+        if capped == s3:
+            return self
+        opts = dataclasses.replace(self.options, s3=capped)
+        return Location(self.scheme, self.container, self.key, opts)
 
     def backend_id(self) -> tuple:
         """Equal for locations one backend serves (used to share a backend)."""
