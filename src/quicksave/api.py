@@ -152,12 +152,16 @@ def save(
         # rank fails together; raising here would leave the others waiting in it forever.
     # In a group the coordinator makes this check inside DCP's planning step (every rank
     # then fails together); checking here on each rank could split the ranks.
-    if not _dist_on():
-        check_user_metadata(dict(user_metadata or {}), path, rank)
-        check_target(loc, rank)
     writer = StorageWriter(
         loc, step=step, thread_count=thread_count, user_metadata=user_metadata, storage=storage
     )
+    if not _dist_on():
+        try:
+            check_user_metadata(dict(user_metadata or {}), path, rank)
+            check_target(loc, rank, None if loc.is_local else writer.backend())
+        except BaseException:
+            writer.close()
+            raise
     try:
         with _engine_call():
             dcp.save(
@@ -383,14 +387,29 @@ def load(
     """
     loc = parse_location(path, options=storage)
     path = loc.url
-    kind = classify(loc)
-    if kind is CheckpointKind.DCP:
-        reader: Any = DCPReader(loc, allow_pickle=allow_dcp_pickle)
-        reader.read_metadata()  # fail fast on a refused pickle, before DCP planning
-    else:
-        require_committed(loc)
-        reader = StorageReader(loc, thread_count=thread_count)
-        reader.read_manifest()  # fail fast on a bad manifest, before DCP planning
+    backend = None if loc.is_local else loc.open()  # one client for the whole load
+    try:
+        kind = classify(loc, backend)
+        if kind is CheckpointKind.DCP:
+            reader: Any = DCPReader(loc, allow_pickle=allow_dcp_pickle)
+            reader.read_metadata()  # fail fast on a refused pickle, before DCP planning
+        else:
+            require_committed(loc, backend=backend)
+            reader = StorageReader(loc, thread_count=thread_count, backend=backend)
+            reader.read_manifest()  # fail fast on a bad manifest, before DCP planning
+        _load_with(reader, state_dict, path, strict, process_group)
+    finally:
+        if backend is not None:
+            backend.close()
+
+
+def _load_with(
+    reader: Any,
+    state_dict: Mapping[str, Any],
+    path: str,
+    strict: bool,
+    process_group: dist.ProcessGroup | None,
+) -> None:
     planner = LoadPlanner(strict=strict, path=path)
     try:
         with _engine_call():

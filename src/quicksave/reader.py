@@ -20,6 +20,7 @@ from __future__ import annotations
 import io
 import os
 from collections import defaultdict
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -238,6 +239,49 @@ class _Chunk:
     reqs: list[tuple[ReadItem, torch.Tensor]]
 
 
+RUN_BYTES = 32 << 20  # object stores: neighbouring chunks up to this are read at once
+RUN_GAP = 1 << 20  # ... when the bytes between them are fewer than this
+
+
+def _runs(work: list[_Chunk]) -> list[list[_Chunk]]:
+    """``work`` (sorted by file and offset) cut into runs of neighbouring chunks of one
+    file, each spanning at most ``RUN_BYTES`` (a chunk larger than that is its own run:
+    the backend splits it into parallel ranged reads)."""
+    runs: list[list[_Chunk]] = []
+    for c in work:
+        if runs:
+            last = runs[-1]
+            head = last[0].entry
+            tail_end = max(x.entry.offset + x.entry.length for x in last)
+            if (
+                head.file == c.entry.file
+                and c.entry.offset - tail_end < RUN_GAP
+                and c.entry.offset + c.entry.length - head.offset <= RUN_BYTES
+            ):
+                last.append(c)
+                continue
+        runs.append([c])
+    return runs
+
+
+class _Span:
+    """Bytes of a data file already read (``view`` holds the file from ``base``), read
+    again as a Member."""
+
+    def __init__(self, view: memoryview, base: int) -> None:
+        self.view, self.base = view, base
+        self.size = base + len(view)
+
+    def pread_into(self, view: memoryview, offset: int) -> int:
+        lo = offset - self.base
+        n = max(0, min(len(view), len(self.view) - lo))
+        view[:n] = self.view[lo : lo + n]
+        return n
+
+    def close(self) -> None:
+        pass
+
+
 class StorageReader(_DCPStorageReader):
     """Reads a committed quicksave checkpoint for ``torch.distributed.checkpoint.load``.
 
@@ -248,6 +292,8 @@ class StorageReader(_DCPStorageReader):
             large chunk into parallel ranged reads).
         verify: check every chunk's xxh3-64 while reading (on by default).
         storage: how to reach an object store (default: the environment's chain).
+        backend: an open backend serving ``path`` to read through (kept open); by
+            default one is opened per step.
     """
 
     def __init__(
@@ -257,11 +303,13 @@ class StorageReader(_DCPStorageReader):
         thread_count: int = 4,
         verify: bool = True,
         storage: StorageOptions | None = None,
+        backend: Backend | None = None,
     ) -> None:
         super().__init__()
         self.location = parse_location(path, options=storage)
         self.path = self.location.url
         self._storage = storage
+        self._backend = backend  # a caller's open backend for the location (not closed)
         self.thread_count = max(1, thread_count)
         self.verify = verify
         self.rank: int | None = None
@@ -271,7 +319,10 @@ class StorageReader(_DCPStorageReader):
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         if checkpoint_id:
-            self.location = parse_location(checkpoint_id, options=self._storage)
+            new = parse_location(checkpoint_id, options=self._storage)
+            if new.backend_id() != self.location.backend_id():
+                self._backend = None  # the caller's backend serves the old location only
+            self.location = new
             self.path = self.location.url
             self.manifest = None
         self.storage_data = {}
@@ -286,7 +337,7 @@ class StorageReader(_DCPStorageReader):
 
     def read_manifest(self) -> Manifest:
         if self.manifest is None:
-            with CheckpointDir(self.location) as d:
+            with CheckpointDir(self.location, self._backend) as d:
                 require_committed(self.location, backend=d.backend)
                 self.manifest = read_manifest(d)
         return self.manifest
@@ -344,7 +395,7 @@ class StorageReader(_DCPStorageReader):
         for c in chunks.values():
             by_file[c.entry.file].append(c)
         fds: dict[str, Member] = {}
-        d = CheckpointDir(self.location, rank=self.rank)
+        d = CheckpointDir(self.location, self._backend, rank=self.rank)
         try:
             for name, file_chunks in by_file.items():
                 f = self._open(d, name, file_chunks[0].fqn)
@@ -352,14 +403,20 @@ class StorageReader(_DCPStorageReader):
                 for c in file_chunks:  # before any read or buffer: the file holds it all
                     check_chunk_within(c.entry, f.size, d.member_url(name), c.fqn, self.rank)
             work = sorted(chunks.values(), key=lambda c: (c.entry.file, c.entry.offset))
-            if self.thread_count == 1 or len(work) <= 1:
-                for c in work:
-                    self._read_chunk(fds[c.entry.file], c)
+            tasks: list[tuple[Callable[..., None], tuple]] = (
+                [(self._read_chunk, (fds[c.entry.file], c)) for c in work]
+                if d.is_local
+                else [(self._read_run, (fds[r[0].entry.file], r)) for r in _runs(work)]
+            )
+            threads = self.thread_count if d.is_local else max(self.thread_count, 8)
+            if threads == 1 or len(tasks) <= 1:
+                for fn, args in tasks:
+                    fn(*args)
             else:
                 with ThreadPoolExecutor(
-                    min(self.thread_count, len(work)), thread_name_prefix="quicksave-read"
+                    min(threads, len(tasks)), thread_name_prefix="quicksave-read"
                 ) as pool:
-                    for f in [pool.submit(self._read_chunk, fds[c.entry.file], c) for c in work]:
+                    for f in [pool.submit(fn, *args) for fn, args in tasks]:
                         f.result()
         finally:
             for f in fds.values():
@@ -371,6 +428,27 @@ class StorageReader(_DCPStorageReader):
         fut: Future[None] = Future()
         fut.set_result(None)
         return fut
+
+    def _read_run(self, fd: Member, run: list[_Chunk]) -> None:
+        """Object stores: one ranged read for a run of neighbouring chunks (many small
+        tensors would otherwise cost one request each), then each chunk is filled and
+        checked from memory as from a file."""
+        start = run[0].entry.offset
+        end = max(c.entry.offset + c.entry.length for c in run)
+        if len(run) == 1:
+            self._read_chunk(fd, run[0])
+            return
+        buf = bytearray(end - start)
+        view = memoryview(buf)
+        got = 0
+        while got < len(buf):
+            n = fd.pread_into(view[got:], start + got)
+            if n == 0:
+                break
+            got += n
+        held = _Span(view[:got], start)
+        for c in run:
+            self._read_chunk(held, c)
 
     def _open(self, d: CheckpointDir, name: str, fqn: str) -> Member:
         path = d.member_url(name)
