@@ -215,6 +215,8 @@ class SeaweedServer:
         stop_grace_s: how long ``stop`` waits after SIGTERM before SIGKILL.
         weed: path of the ``weed`` binary (default: :func:`find_weed`).
         base_dir: where to make the temporary directory (default: the system's temp dir).
+        nice: run the server at this lower CPU priority (``nice -n``): a benchmark's
+            stand-in for a remote store, which would not take the trainer's CPUs.
 
     Attributes: ``access_key_id``, ``secret_access_key``, ``restricted_access_key_id``,
     ``restricted_secret_access_key``, ``restricted_bucket``, ``region`` (``"us-east-1"``)
@@ -236,7 +238,9 @@ class SeaweedServer:
         volumes_per_bucket: int = 2,
         weed: str | os.PathLike[str] | None = None,
         base_dir: str | os.PathLike[str] | None = None,
+        nice: int = 0,
     ) -> None:
+        self.nice = int(nice)
         self.restricted_bucket = restricted_bucket
         self.startup_timeout_s = float(startup_timeout_s)
         self.attempts = max(1, int(attempts))
@@ -373,6 +377,8 @@ class SeaweedServer:
         # Hermetic: no WEED_* overrides of the config, no AWS_* settings from the caller.
         env = {k: v for k, v in os.environ.items() if not k.startswith(("WEED_", "AWS_"))}
         env["HOME"] = str(tmpdir)  # no $HOME/.seaweedfs config either
+        if self.nice > 0:  # e.g. a benchmark: the server stands in for a remote one
+            cmd = ["nice", "-n", str(self.nice), *cmd]
         with open(log_path, "wb") as log:
             proc = subprocess.Popen(
                 cmd,
