@@ -3,7 +3,8 @@
 One thread per data file; each file is written front to back with large ``pwrite``
 calls straight from the tensors' memory (no serialization, no intermediate copy), the
 xxh3-64 of every chunk computed on the same pass, then ``fsync``. The gaps between
-aligned chunks are left as holes, which read back as zeros.
+aligned chunks are left as holes, which read back as zeros; a ``dcp_compat`` layout's
+torch legacy prefixes (``FileLayout.fixed``) are written with the header.
 """
 
 from __future__ import annotations
@@ -83,6 +84,8 @@ def write_file(
         raise _os_error(e, path, layout.rank) from e
     try:
         os.pwrite(fd, layout.header, 0)
+        for off, fixed in layout.fixed:  # torch legacy prefixes (dcp_compat layouts)
+            os.pwrite(fd, fixed, off)
         for entry in layout.entries:
             key = entry.item.key
             t = as_writable_source(source(key))
@@ -213,6 +216,8 @@ def write_rank_objects(
         image = bytearray(layout_.size)
         view = memoryview(image)
         view[: len(layout_.header)] = layout_.header
+        for off, fixed in layout_.fixed:  # torch legacy prefixes (dcp_compat layouts)
+            view[off : off + len(fixed)] = fixed
         for entry in layout_.entries:
             t = as_writable_source(source(entry.item.key))
             src = byte_view(t)

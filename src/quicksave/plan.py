@@ -8,6 +8,11 @@ Data file layout (docs/FORMAT.md): a valid safetensors file whose header is padd
 spaces so that data starts at a multiple of ``alignment``; every chunk starts at a
 multiple of ``alignment``; the gaps are covered by zero-filled ``U8`` padding entries,
 since safetensors requires the data region to be covered without holes.
+
+With ``dcp_compat`` every chunk whose dtype the torch legacy format can store is
+preceded, right up to its first byte, by its deterministic legacy ``torch.save`` prefix
+(:mod:`.format.torch_legacy`), a ``U8`` entry named ``__torch_legacy_K__``: prefix plus
+chunk is then a ``torch.save`` item that DCP's stock ``FileSystemReader`` loads.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import xxhash
 from .format import ALIGNMENT, FORMAT_NAME, FORMAT_VERSION
 from .format.dtypes import dtype_from_name, element_size, safetensors_code
 from .format.manifest import PlannedChunk, hexdigest
+from .format.torch_legacy import TORCH_LEGACY_PREFIX, legacy_prefix_for
 
 PAD_PREFIX = "__quicksave_pad_"
 
@@ -71,6 +77,9 @@ class FileLayout:
     data_start: int
     size: int
     entries: tuple[EntryLayout, ...]
+    # (absolute offset, bytes) written with the header: the torch legacy prefixes
+    # (dcp_compat layouts; empty otherwise)
+    fixed: tuple[tuple[int, bytes], ...] = ()
 
     @property
     def header_xxh3_64(self) -> str:
@@ -119,8 +128,14 @@ def _split_among_files(items: list[ItemSpec], n_files: int) -> list[list[ItemSpe
 
 
 def layout_file(
-    name: str, rank: int, items: list[ItemSpec], alignment: int = ALIGNMENT
+    name: str,
+    rank: int,
+    items: list[ItemSpec],
+    alignment: int = ALIGNMENT,
+    dcp_compat: bool = False,
 ) -> FileLayout:
+    """Lay out one data file; ``dcp_compat``: put each chunk's torch legacy prefix (where
+    its dtype has one) right before it, so stock DCP readers load the file."""
     header: dict[str, object] = {
         "__metadata__": {
             "format": FORMAT_NAME,
@@ -129,15 +144,25 @@ def layout_file(
         }
     }
     placed: list[tuple[ItemSpec, int]] = []
+    fixed: list[tuple[int, bytes]] = []
     cur = 0
     for n_pad, item in enumerate(items):
-        start = _align(cur, alignment)
-        if start > cur:
+        prefix = legacy_prefix_for(item.dtype, item.sizes) if dcp_compat else None
+        n_prefix = len(prefix) if prefix is not None else 0
+        start = _align(cur + n_prefix, alignment)
+        if start - n_prefix > cur:
             header[f"{PAD_PREFIX}{n_pad}__"] = {
                 "dtype": "U8",
-                "shape": [start - cur],
-                "data_offsets": [cur, start],
+                "shape": [start - n_prefix - cur],
+                "data_offsets": [cur, start - n_prefix],
             }
+        if prefix is not None:
+            header[f"{TORCH_LEGACY_PREFIX}{n_pad}__"] = {
+                "dtype": "U8",
+                "shape": [n_prefix],
+                "data_offsets": [start - n_prefix, start],
+            }
+            fixed.append((start - n_prefix, prefix))
         code = safetensors_code(dtype_from_name(item.dtype))
         shape = list(item.sizes) if code is not None else [item.nbytes]
         header[item.key] = {
@@ -159,17 +184,24 @@ def layout_file(
         data_start=data_start,
         size=data_start + cur,
         entries=entries,
+        fixed=tuple((data_start + off, b) for off, b in fixed),
     )
 
 
 def layout_rank(
-    rank: int, items: list[ItemSpec], n_files: int = 1, alignment: int = ALIGNMENT
+    rank: int,
+    items: list[ItemSpec],
+    n_files: int = 1,
+    alignment: int = ALIGNMENT,
+    dcp_compat: bool = False,
 ) -> RankLayout:
-    """Lay out ``items`` of ``rank`` into up to ``n_files`` data files (none if no items)."""
+    """Lay out ``items`` of ``rank`` into up to ``n_files`` data files (none if no items);
+    ``dcp_compat``: see :func:`layout_file`."""
     if not items:
         return RankLayout(rank, ())
     groups = _split_among_files(items, n_files)
     files = tuple(
-        layout_file(data_file_name(rank, i), rank, g, alignment) for i, g in enumerate(groups)
+        layout_file(data_file_name(rank, i), rank, g, alignment, dcp_compat)
+        for i, g in enumerate(groups)
     )
     return RankLayout(rank, files)

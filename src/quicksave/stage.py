@@ -135,6 +135,10 @@ class StagingPool:
             self.buffer[pf.base : pf.base + len(f.header)].copy_(
                 torch.frombuffer(bytearray(f.header), dtype=torch.uint8)
             )
+            for off, fixed in f.fixed:  # torch legacy prefixes (dcp_compat layouts)
+                self.buffer[pf.base + off : pf.base + off + len(fixed)].copy_(
+                    torch.frombuffer(bytearray(fixed), dtype=torch.uint8)
+                )
 
     def touch(self) -> None:
         """Fault in every page of the pool (one write per page; the memory-map lock is

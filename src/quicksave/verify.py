@@ -7,8 +7,10 @@
   other file is present;
 - data files: the safetensors header region ``[0, data_start)`` against the file's
   digest, that it is a valid safetensors header agreeing with the manifest
-  (:mod:`.format.safetensors_header`), every chunk against its own digest, and that
-  every other byte (the alignment padding between chunks) is zero;
+  (:mod:`.format.safetensors_header`), every chunk against its own digest, every torch
+  legacy prefix (files laid out for stock DCP readers) against the prefix recomputed
+  from its chunk's dtype and sizes, and that every other byte (the alignment padding
+  between chunks) is zero;
 - other files (``.metadata``): the digest of all their bytes;
 - the manifest's internal consistency (chunk lengths, alignment, overlaps, coverage) and
   that every stored object decodes.
@@ -38,9 +40,11 @@ from .format.manifest import FileEntry, Manifest, hexdigest, read_manifest
 from .format.safetensors_header import (
     ExpectedChunk,
     header_length,
+    legacy_prefixes,
     mismatches,
     parse_header,
 )
+from .format.torch_legacy import legacy_prefix_for
 from .plan import chunk_key
 from .reader import require_committed
 from .storage import Location, StorageOptions, parse_location
@@ -59,8 +63,8 @@ class Problem:
             ``.metadata``, an unexpected file), or None for the checkpoint as a whole.
         fqn: the tensor or object concerned, if any.
         kind: a short category: ``manifest``, ``missing-file``, ``unexpected-file``,
-            ``size``, ``header``, ``chunk``, ``padding``, ``checksum``, ``truncated``,
-            ``unreadable``, ``object``.
+            ``size``, ``header``, ``chunk``, ``prefix``, ``padding``, ``checksum``,
+            ``truncated``, ``unreadable``, ``object``.
         message: what is wrong, in words.
     """
 
@@ -107,9 +111,11 @@ class _Region:
 
     start: int
     end: int
-    kind: str  # "header" | "chunk" | "zero" | "checksum"
+    kind: str  # "header" | "chunk" | "zero" | "checksum" | "prefix"
     fqn: str | None = None
     expected: str | None = None
+    fixed: bytes | None = None  # "prefix": the bytes it must hold
+    got: bytearray = field(default_factory=bytearray)
     hasher: xxhash.xxh3_64 = field(default_factory=xxhash.xxh3_64)
     first_nonzero: int | None = None
     nonzero: int = 0
@@ -122,6 +128,8 @@ class _Region:
                 if self.first_nonzero is None:
                     self.first_nonzero = at + int(np.flatnonzero(arr)[0])
                 self.nonzero += n
+        elif self.kind == "prefix":
+            self.got += block
         else:
             self.hasher.update(block)
 
@@ -217,9 +225,16 @@ def _read_at(f: Member, offset: int, length: int, path: str) -> bytes:
 
 
 def _header_problems(
-    fd: Member, name: str, entry: FileEntry, size: int, m: Manifest, fpath: str
+    fd: Member,
+    name: str,
+    entry: FileEntry,
+    size: int,
+    m: Manifest,
+    fpath: str,
+    prefixes: dict[int, int] | None = None,
 ) -> list[Problem]:
-    """The data file is valid safetensors and its header agrees with the manifest."""
+    """The data file is valid safetensors and its header agrees with the manifest.
+    Fills ``prefixes`` (chunk start -> start of its torch legacy prefix entry)."""
     try:
         prefix = _read_at(fd, 0, 8, fpath)
         n = header_length(prefix, size, fpath)
@@ -238,6 +253,8 @@ def _header_problems(
         metadata, entries = parse_header(text, entry.size, fpath)
     except CorruptCheckpointError as e:
         return [Problem(name, None, "header", e.message)]
+    if prefixes is not None:
+        prefixes.update(legacy_prefixes(entries))
     return [
         Problem(name, fqn, "header", f"safetensors header: {message}")
         for fqn, message in mismatches(metadata, entries, entry.rank, _expected_chunks(name, m))
@@ -245,9 +262,16 @@ def _header_problems(
 
 
 def _regions_for(
-    name: str, entry: FileEntry, m: Manifest, problems: list[Problem]
+    name: str,
+    entry: FileEntry,
+    m: Manifest,
+    problems: list[Problem],
+    prefixes: dict[int, int] | None = None,
 ) -> list[_Region]:
-    """The checks covering bytes ``[0, entry.size)`` of one listed file, in order."""
+    """The checks covering bytes ``[0, entry.size)`` of one listed file, in order;
+    ``prefixes``: chunk start -> start of the torch legacy prefix before it (from the
+    header, whose own bytes are checked against its digest)."""
+    prefixes = prefixes or {}
     if entry.data_start is None:
         return [_Region(0, entry.size, "checksum", expected=entry.xxh3_64)]
     regions = [_Region(0, entry.data_start, "header", expected=entry.xxh3_64)]
@@ -284,7 +308,13 @@ def _regions_for(
                 )
             )
             continue
-        if start > cur:
+        p_start = prefixes.get(start)
+        if p_start is not None and cur <= p_start < start:
+            if p_start > cur:
+                regions.append(_Region(cur, p_start, "zero"))
+            want = legacy_prefix_for(m.tensors[fqn].dtype, tuple(c.sizes))
+            regions.append(_Region(p_start, start, "prefix", fqn=fqn, fixed=want or b""))
+        elif start > cur:
             regions.append(_Region(cur, start, "zero"))
         regions.append(_Region(start, end, "chunk", fqn=fqn, expected=c.xxh3_64))
         cur = max(cur, end)
@@ -303,6 +333,19 @@ def _finish(name: str, r: _Region, problems: list[Problem]) -> None:
                     "padding",
                     f"{r.nonzero} non-zero byte(s) in padding bytes {r.start}..{r.end} "
                     f"(first at byte {r.first_nonzero}); padding must be zero",
+                )
+            )
+        return
+    if r.kind == "prefix":
+        if bytes(r.got) != r.fixed:
+            what = (
+                "differ from the torch legacy prefix of the chunk's dtype and sizes"
+                if r.fixed
+                else "precede a chunk whose dtype has no torch legacy prefix"
+            )
+            problems.append(
+                Problem(
+                    name, r.fqn, "prefix", f"torch legacy prefix bytes {r.start}..{r.end} {what}"
                 )
             )
         return
@@ -474,9 +517,10 @@ def _verify(d: CheckpointDir, progress: bool) -> VerifyReport:
                         name, None, "size", f"file has {f.size} bytes, manifest says {entry.size}"
                     )
                 )
+            prefixes: dict[int, int] = {}
             if entry.data_start is not None:
-                problems += _header_problems(f, name, entry, f.size, m, fpath)
-            plan[-1][2].extend(_regions_for(name, entry, m, problems))
+                problems += _header_problems(f, name, entry, f.size, m, fpath, prefixes)
+            plan[-1][2].extend(_regions_for(name, entry, m, problems, prefixes))
 
         total = sum(limit for *_, limit in plan)
         buf = memoryview(bytearray(min(READ_BLOCK, max(total, 1))))

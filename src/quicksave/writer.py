@@ -45,7 +45,7 @@ from torch.futures import Future
 
 from . import commit, persist
 from .errors import CheckpointError, IncompatibleStateError
-from .format import MANIFEST_NAME
+from .format import DCP_METADATA_NAME, MANIFEST_NAME
 from .format import objects as objcodec
 from .format.dtypes import check_storable, dtype_name
 from .format.manifest import (
@@ -57,6 +57,7 @@ from .format.manifest import (
     RankPlan,
     TensorEntry,
 )
+from .format.torch_legacy import legacy_prefix_for, object_bytes
 from .plan import ItemSpec, RankLayout, layout_rank
 from .reader import manifest_to_metadata
 from .storage import StorageOptions, parse_location
@@ -142,6 +143,11 @@ class StorageWriter(_DCPStorageWriter):
         thread_count: data files (and writer threads) per rank.
         fsync: fsync files and directories (turn off only for throwaway tests).
         user_metadata: JSON-serializable dict stored in the manifest.
+        dcp_compat: make the checkpoint loadable by DCP's stock ``FileSystemReader`` (and
+            readers built on it, such as MSC's ``MultiStorageFileSystemReader``) too: each
+            chunk is preceded by its torch legacy-serialization prefix and ``.metadata``
+            carries the objects as ``torch.save`` bytes (docs/FORMAT.md §3, §5). Costs a
+            few hundred bytes, and up to one 4 KiB page, per chunk.
     """
 
     def __init__(
@@ -153,8 +159,10 @@ class StorageWriter(_DCPStorageWriter):
         fsync: bool = True,
         user_metadata: dict[str, Any] | None = None,
         storage: StorageOptions | None = None,
+        dcp_compat: bool = False,
     ) -> None:
         super().__init__()
+        self.dcp_compat = dcp_compat
         self._storage = storage
         self.location = parse_location(path, options=storage)
         self.path = self.location.url
@@ -209,7 +217,7 @@ class StorageWriter(_DCPStorageWriter):
         out = []
         for rank, plan in enumerate(plans):
             items = [item_spec(i) for i in plan.items if i.type != WriteItemType.BYTE_IO]
-            layout = layout_rank(rank, items, self.thread_count)
+            layout = layout_rank(rank, items, self.thread_count, dcp_compat=self.dcp_compat)
             out.append(dataclasses.replace(plan, storage_data=_RankWritePlan(self.tmp_dir, layout)))
         return out
 
@@ -269,7 +277,8 @@ class StorageWriter(_DCPStorageWriter):
         plans = self.plans if self.plans is not None and len(self.plans) > 1 else None
         manifest = build_manifest(metadata, results, self.step, self.user_metadata, plans=plans)
         backend = None if self.location.is_local else self.backend()
-        commit_files(self.tmp_dir, self.path, manifest, dcp_metadata_bytes(manifest), backend)
+        metadata_bytes = dcp_metadata_bytes(manifest, dcp_compat=self.dcp_compat)
+        commit_files(self.tmp_dir, self.path, manifest, metadata_bytes, backend)
         self.tmp_dir = None
         self.close()
 
@@ -300,21 +309,60 @@ class StorageWriter(_DCPStorageWriter):
         self.close()
 
 
-def dcp_metadata_bytes(manifest: Manifest) -> bytes:
+def dcp_metadata_bytes(manifest: Manifest, *, dcp_compat: bool = False) -> bytes:
     """The ``.metadata`` of a checkpoint: DCP's ``Metadata`` for ``manifest``, pickled.
 
     Built from the manifest alone (no absolute path, no random id), so the same state
     gives the same bytes (docs/FORMAT.md §2, §5). Tensor items point at the raw bytes
     with ``_StorageInfo(file, offset, length)``.
+
+    ``dcp_compat`` (the data files were laid out with ``dcp_compat``): a chunk whose
+    dtype has a torch legacy prefix points at prefix plus bytes, a ``torch.save`` item;
+    and the objects, ``torch.save`` bytes each (:func:`.format.torch_legacy.object_bytes`),
+    follow the pickle in this same file, each ``BYTE_IO`` item pointing at its bytes
+    (``pickle.load`` stops at the pickle's end, so DCP's readers never see them).
     """
     md = manifest_to_metadata(manifest)
-    md.storage_data = {
-        MetadataIndex(fqn, torch.Size(c.offsets)): _StorageInfo(c.file, c.offset, c.length)
-        for fqn, t in manifest.tensors.items()
-        for c in t.chunks
-    }
+    storage: dict[MetadataIndex, _StorageInfo] = {}
+    for fqn, t in manifest.tensors.items():
+        for c in t.chunks:
+            n = 0
+            if dcp_compat:
+                prefix = legacy_prefix_for(t.dtype, tuple(c.sizes))
+                n = len(prefix) if prefix is not None else 0
+            storage[MetadataIndex(fqn, torch.Size(c.offsets))] = _StorageInfo(
+                c.file, c.offset - n, c.length + n
+            )
     md.storage_meta = None
-    return pickle.dumps(md, protocol=pickle.HIGHEST_PROTOCOL)
+    blobs: list[tuple[str, bytes]] = []
+    if dcp_compat:
+        for fqn in sorted(manifest.objects):
+            blob = object_bytes(objcodec.decode(manifest.objects[fqn].value, fqn=fqn))
+            if blob is not None:
+                blobs.append((fqn, blob))
+    if not blobs:
+        md.storage_data = storage
+        return pickle.dumps(md, protocol=pickle.HIGHEST_PROTOCOL)
+
+    def pickled(base: int) -> bytes:
+        at = base
+        objects = {}
+        for fqn, blob in blobs:
+            objects[MetadataIndex(fqn)] = _StorageInfo(DCP_METADATA_NAME, at, len(blob))
+            at += len(blob)
+        md.storage_data = {**storage, **objects}
+        return pickle.dumps(md, protocol=pickle.HIGHEST_PROTOCOL)
+
+    # The objects' offsets are inside the pickle whose length places them: grow the
+    # guess until the pickle fits before it (the lengths grow with the offsets), then
+    # fill the rest with zeros.
+    base = len(pickled(0))
+    while True:
+        head = pickled(base)
+        if len(head) <= base:
+            break
+        base = len(head)
+    return head + bytes(base - len(head)) + b"".join(blob for _, blob in blobs)
 
 
 def _original_object(planner: SavePlanner, item, rank: int) -> Any:

@@ -244,6 +244,9 @@ class FileSystemWriterAsync(StorageWriter):
         step: training step for the manifest. user_metadata: JSON dict for the manifest.
         storage: how to reach object stores (default: ``MSC_CONFIG`` and MSC's search
             for ``msc://``, the environment's AWS chain for ``s3://``).
+        dcp_compat: (default True) also loadable by DCP's stock ``FileSystemReader`` and
+            MSC's ``MultiStorageFileSystemReader``, as the seed's checkpoints are (see
+            ``quicksave.StorageWriter``); False: quicksave's plain layout.
         **kwargs: the seeds' ``single_file_per_rank``, ``per_thread_copy_ahead``,
             ``separation_hint`` and ``overwrite`` are accepted and ignored (quicksave's
             layout decides files; it never overwrites a committed checkpoint).
@@ -270,6 +273,7 @@ class FileSystemWriterAsync(StorageWriter):
         step: int | None = None,
         user_metadata: dict[str, Any] | None = None,
         storage: StorageOptions | None = None,
+        dcp_compat: bool = True,
         **kwargs: Any,
     ) -> None:
         unknown = sorted(set(kwargs) - set(_IGNORED_KWARGS))
@@ -285,6 +289,7 @@ class FileSystemWriterAsync(StorageWriter):
             fsync=sync_files,
             user_metadata=user_metadata,
             storage=storage,
+            dcp_compat=dcp_compat,
         )
         self.use_msc = use_msc
         if self.location.scheme == "msc":
@@ -341,7 +346,7 @@ class FileSystemWriterAsync(StorageWriter):
         out, layouts = [], []
         for rank, plan in enumerate(plans):
             items = [item_spec(i) for i in plan.items if i.type != WriteItemType.BYTE_IO]
-            layout = layout_rank(rank, items, self.thread_count)
+            layout = layout_rank(rank, items, self.thread_count, dcp_compat=self.dcp_compat)
             layouts.append(layout)
             storage = SeedRankPlan(self.plan_id, layout)
             out.append(dataclasses.replace(plan, storage_data=storage))

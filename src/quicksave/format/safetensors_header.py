@@ -7,6 +7,11 @@ dtype code is known, its ``data_offsets`` lie inside the data region and match i
 shape, the entries tile the data region without holes or overlaps (as safetensors
 requires), and every chunk the manifest places in the file has its entry at the same
 bytes. Torch-free.
+
+Besides chunks and zero padding (``__quicksave_pad_K__``), a file laid out for stock DCP
+readers holds torch legacy prefixes (``__torch_legacy_K__``, ``U8``), each ending where a
+chunk of the manifest starts; the verifier compares their bytes with the prefix it
+recomputes from that chunk's dtype and sizes.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from typing import Any
 from ..errors import CorruptCheckpointError
 from . import strict_json
 from .dtype_names import SAFETENSORS_CODE_SIZES
+from .torch_legacy import TORCH_LEGACY_PREFIX
 
 MAX_HEADER_BYTES = 100 << 20  # safetensors' own limit
 PAD_PREFIX = "__quicksave_pad_"
@@ -155,7 +161,25 @@ def mismatches(
                     f"manifest says {c.dtype} at {c.offset}..{c.offset + c.length}",
                 )
             )
+    chunk_starts = {c.offset for c in expected}
     for x in by_name.values():
-        if not (x.name.startswith(PAD_PREFIX) and x.dtype == "U8"):
+        if x.name.startswith(TORCH_LEGACY_PREFIX) and x.dtype == "U8":
+            if x.end not in chunk_starts:
+                out.append(
+                    (
+                        None,
+                        f"torch legacy prefix entry {x.name!r} does not end where a chunk starts",
+                    )
+                )
+        elif not (x.name.startswith(PAD_PREFIX) and x.dtype == "U8"):
             out.append((None, f"header entry {x.name!r} is not in the manifest"))
     return out
+
+
+def legacy_prefixes(entries: list[Entry]) -> dict[int, int]:
+    """Chunk start -> start of the torch legacy prefix entry that ends there."""
+    return {
+        x.end: x.start
+        for x in entries
+        if x.name.startswith(TORCH_LEGACY_PREFIX) and x.dtype == "U8" and x.end > x.start
+    }
