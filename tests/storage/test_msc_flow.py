@@ -8,10 +8,10 @@ no_dist=False)`` writes a quicksave checkpoint under the profile's prefix (data 
 per-rank parts, ``manifest.json`` last) and nothing on the local filesystem. It loads
 bit-exact with ``quicksave.load`` and with ``dcp.load`` through ``quicksave.StorageReader``.
 
-The guide's ``load_checkpoint`` (DCP's ``load`` with MSC's ``MultiStorageFileSystemReader``)
-cannot read it: quicksave stores raw tensor bytes, which DCP's stock ``FileSystemReader``
-(MSC's reader is one) does not read (docs/FORMAT.md §5). That test is an expected
-failure (strict), so it turns red the day it passes.
+The guide's ``load_checkpoint`` (DCP's ``load`` with MSC's ``MultiStorageFileSystemReader``,
+which is DCP's stock ``FileSystemReader``) reads it bit-exact too: ``FileSystemWriterAsync``
+lays files out with ``dcp_compat`` (each chunk preceded by its torch legacy-serialization
+prefix, objects as ``torch.save`` bytes after ``.metadata``'s pickle; docs/FORMAT.md §3, §5).
 
 Stock DCP checkpoints written by ``dcp.save`` with MSC's ``MultiStorageFileSystemWriter``
 load with ``quicksave.load("msc://...")``.
@@ -33,7 +33,6 @@ pytest.importorskip("multistorageclient")
 import multistorageclient as msc  # noqa: E402
 from msc_config import msc_config_for, msc_profile  # noqa: E402
 from torch.distributed.checkpoint import (  # noqa: E402
-    CheckpointException,
     DefaultLoadPlanner,
     DefaultSavePlanner,
     load,
@@ -251,20 +250,14 @@ def test_guide_flow_saves_to_msc_and_loads_bit_exact(s3_server, bucket, msc_env:
     assert list(msc_env.iterdir()) == []
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=CheckpointException,
-    reason="quicksave stores raw tensor bytes and its objects as JSON in the manifest; "
-    "DCP's stock FileSystemReader (MSC's MultiStorageFileSystemReader is one) torch.load()s "
-    "every item, so it cannot read a quicksave checkpoint (docs/FORMAT.md section 5). "
-    "Load with quicksave.load or quicksave.StorageReader instead.",
-)
 def test_guide_load_checkpoint_with_msc_reader(msc_env: Path):
     checkpoint_path = f"msc://{PROFILE}/iteration-0010"
     state_dict = _state()
     _finalize(_schedule(checkpoint_path, state_dict))
     loaded_state_dict = load_checkpoint(checkpoint_path, _empty_like(state_dict))
     _assert_same(state_dict, loaded_state_dict)
+    # the torch legacy prefixes that make this possible are checked by verify
+    assert verify_checkpoint(checkpoint_path).ok
 
 
 def test_async_save_is_invisible_until_finalize(s3_server, bucket, msc_env: Path):
