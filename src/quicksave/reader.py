@@ -239,17 +239,22 @@ class _Chunk:
     reqs: list[tuple[ReadItem, torch.Tensor]]
 
 
-RUN_BYTES = 32 << 20  # object stores: neighbouring chunks up to this are read at once
+RUN_BYTES = 32 << 20  # object stores: neighbouring small chunks up to this are read at once
 RUN_GAP = 1 << 20  # ... when the bytes between them are fewer than this
+RUN_SMALL = 1 << 20  # chunks this large or larger are read straight into their destination
 
 
 def _runs(work: list[_Chunk]) -> list[list[_Chunk]]:
-    """``work`` (sorted by file and offset) cut into runs of neighbouring chunks of one
-    file, each spanning at most ``RUN_BYTES`` (a chunk larger than that is its own run:
-    the backend splits it into parallel ranged reads)."""
+    """``work`` (sorted by file and offset) cut into runs of neighbouring small chunks
+    of one file, each spanning at most ``RUN_BYTES``; a chunk of ``RUN_SMALL`` bytes or
+    more is its own run, read straight into its destination (the backend splits a large
+    one into parallel ranged reads)."""
     runs: list[list[_Chunk]] = []
     for c in work:
-        if runs:
+        if c.entry.length >= RUN_SMALL:  # one request is worth it: no copy through memory
+            runs.append([c])
+            continue
+        if runs and runs[-1][0].entry.length < RUN_SMALL:
             last = runs[-1]
             head = last[0].entry
             tail_end = max(x.entry.offset + x.entry.length for x in last)
