@@ -241,7 +241,7 @@ class _Chunk:
 
 RUN_BYTES = 32 << 20  # object stores: neighbouring small chunks up to this are read at once
 RUN_GAP = 1 << 20  # ... when the bytes between them are fewer than this
-RUN_SMALL = 1 << 20  # chunks this large or larger are read straight into their destination
+RUN_SMALL = 8 << 20  # chunks this large or larger are read straight into their destination
 
 
 def _runs(work: list[_Chunk]) -> list[list[_Chunk]]:
