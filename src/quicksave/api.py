@@ -391,7 +391,7 @@ def load(
     try:
         kind = classify(loc, backend)
         if kind is CheckpointKind.DCP:
-            reader: Any = DCPReader(loc, allow_pickle=allow_dcp_pickle)
+            reader: Any = DCPReader(loc, allow_pickle=allow_dcp_pickle, backend=backend)
             reader.read_metadata()  # fail fast on a refused pickle, before DCP planning
         else:
             require_committed(loc, backend=backend)

@@ -149,36 +149,26 @@ def check_target(
         CheckpointExistsError: a committed checkpoint, a file, a non-empty directory or
             a prefix holding objects is at ``final`` (quicksave never replaces anything).
     """
-    if isinstance(final, Location) and not final.is_local:
-        kind = classify(final, backend)
-        if kind is CheckpointKind.MISSING:
-            return
-        if kind in (CheckpointKind.QUICKSAVE, CheckpointKind.DCP):
-            raise CheckpointExistsError(
-                "a committed checkpoint already exists here; quicksave never overwrites "
-                "one: choose another path or delete it first",
-                path=final.url,
-                rank=rank,
-            )
-        raise CheckpointExistsError(
-            "objects of an uncommitted save are under this prefix (a save that crashed "
-            "or is still running); quicksave never replaces them: choose another path, or "
-            "let a CheckpointManager clean them up",
-            path=final.url,
-            rank=rank,
-        )
-    if isinstance(final, Location):
-        final = final.key
-    kind = classify(final)
+    loc = parse_location(final)
+    kind = classify(loc, backend)
     if kind is CheckpointKind.MISSING:
         return
     if kind in (CheckpointKind.QUICKSAVE, CheckpointKind.DCP):
         raise CheckpointExistsError(
             "a committed checkpoint already exists here; quicksave never overwrites one: "
             "choose another path or delete it first",
-            path=final,
+            path=loc.url,
             rank=rank,
         )
+    if not loc.is_local:  # a prefix that holds objects but no commit
+        raise CheckpointExistsError(
+            "objects of an uncommitted save are under this prefix (a save that crashed "
+            "or is still running); quicksave never replaces them: choose another path, or "
+            "let a CheckpointManager clean them up",
+            path=loc.url,
+            rank=rank,
+        )
+    final = loc.key
     if os.path.isdir(final) and not os.path.islink(final):
         try:
             empty = not os.listdir(final)

@@ -298,7 +298,11 @@ def metadata_file_name(rank: int | None = None) -> str:
 
 
 def read_dcp_metadata(
-    path: str | os.PathLike[str], allow_pickle: bool = False, *, rank: int | None = None
+    path: str | os.PathLike[str] | Location,
+    allow_pickle: bool = False,
+    *,
+    rank: int | None = None,
+    backend: Backend | None = None,
 ) -> _md.Metadata:
     """The ``Metadata`` of the stock DCP checkpoint directory ``path``.
 
@@ -322,7 +326,7 @@ def read_dcp_metadata(
         md = read_dcp_metadata("ckpt/dcp-step-100")
         print(sorted(md.state_dict_metadata))
     """
-    with CheckpointDir(path) as d:
+    with CheckpointDir(path, backend) as d:
         file = d.member_url(metadata_file_name(rank))
         try:
             data = d.read(
@@ -381,6 +385,8 @@ class DCPReader(FileSystemReader):
         path: a stock DCP checkpoint directory.
         allow_pickle: unpickle ``.metadata`` without restriction (trusted checkpoints
             only; runs code named by the file).
+        backend: an open backend serving ``path`` (object stores; kept open), so that a
+            load makes one client; by default the reader opens its own.
 
     Call order: as DCP's ``FileSystemReader`` (``read_metadata`` → ``set_up_storage_reader``
     → ``prepare_local_plan`` / ``prepare_global_plan`` → ``read_data``).
@@ -390,21 +396,29 @@ class DCPReader(FileSystemReader):
         dcp.load(state_dict, storage_reader=DCPReader("ckpt/dcp-step-100"))
     """
 
-    def __init__(self, path: str | os.PathLike[str] | Location, allow_pickle: bool = False) -> None:
+    def __init__(
+        self,
+        path: str | os.PathLike[str] | Location,
+        allow_pickle: bool = False,
+        backend: Backend | None = None,
+    ) -> None:
         self.location = parse_location(path)
         super().__init__(self.location.key)
         self.allow_pickle = allow_pickle
         self._backend: Backend | None = None
         if self.location.is_local:
             self.fs = _SafeFileSystem()
-        else:
-            self._backend = self.location.open()
+        else:  # a caller's backend, or one of its own for the reader's lifetime
+            self._backend = backend if backend is not None else self.location.open()
             self.fs = _StoreFileSystem(self._backend)
             self.path = self.location.key
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> _md.Metadata:
         md = read_dcp_metadata(
-            self.location, allow_pickle=self.allow_pickle, rank=kwargs.get("rank")
+            self.location,
+            allow_pickle=self.allow_pickle,
+            rank=kwargs.get("rank"),
+            backend=self._backend,
         )
         if getattr(md, "storage_meta", None) is None:
             md.storage_meta = _md.StorageMeta()

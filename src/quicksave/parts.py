@@ -101,15 +101,12 @@ def read_part(tmp_dir: str, rank: int, backend: Backend | None = None) -> RankPa
     if backend is not None:
         key = join(tmp_dir, part_name(rank))
         path = backend.url(key)
-        info = backend.stat(key)
-        if info is None:
-            raise missing
-        if info.size > MAX_MANIFEST_BYTES:
-            raise CorruptCheckpointError("the part is too large", path=path, rank=rank)
-        try:
+        try:  # one request: get refuses an object over the limit before reading it
             data = backend.get(key, MAX_MANIFEST_BYTES)
         except CheckpointNotFoundError:
             raise missing from None
+        except CorruptCheckpointError:  # the protocol's one refusal of get: too large
+            raise CorruptCheckpointError("the part is too large", path=path, rank=rank) from None
     else:
         path = os.path.join(tmp_dir, part_name(rank))
         try:

@@ -26,7 +26,7 @@ from .storage.backend import join
 if TYPE_CHECKING:  # the worker process imports this module: keep torch out of it
     import torch
 
-    from .plan import FileLayout, RankLayout
+    from .plan import EntryLayout, FileLayout, RankLayout
     from .storage.backend import Backend
 
 WRITE_PIECE = 64 << 20  # bytes per pwrite: large enough to stream, small enough to hash in cache
@@ -67,6 +67,36 @@ def _os_error(e: OSError, path: str, rank: int) -> CheckpointError:
     )
 
 
+def _entry_bytes(
+    source: Callable[[str], torch.Tensor], entry: EntryLayout, path: str, rank: int
+) -> tuple[torch.Tensor, memoryview]:
+    """The tensor of a planned chunk and a view of its bytes (valid while the tensor
+    lives: keep both), checked against the plan's length."""
+    t = as_writable_source(source(entry.item.key))
+    view = byte_view(t)
+    if len(view) != entry.length:
+        raise CheckpointError(
+            f"tensor has {len(view)} bytes but the plan expects {entry.length}; "
+            "was the state dict modified during save?",
+            path=path,
+            fqn=entry.item.fqn,
+            rank=rank,
+        )
+    return t, view
+
+
+def _each_file(
+    layout: RankLayout, one: Callable[[FileLayout], WrittenFile], name: str
+) -> list[WrittenFile]:
+    """``one(file)`` for every data file of ``layout``, one thread per file."""
+    if not layout.files:
+        return []
+    if len(layout.files) == 1:
+        return [one(layout.files[0])]
+    with ThreadPoolExecutor(len(layout.files), thread_name_prefix=name) as pool:
+        return [f.result() for f in [pool.submit(one, f) for f in layout.files]]
+
+
 def write_file(
     directory: str,
     layout: FileLayout,
@@ -88,16 +118,7 @@ def write_file(
             os.pwrite(fd, fixed, off)
         for entry in layout.entries:
             key = entry.item.key
-            t = as_writable_source(source(key))
-            view = byte_view(t)
-            if len(view) != entry.length:
-                raise CheckpointError(
-                    f"tensor has {len(view)} bytes but the plan expects {entry.length}; "
-                    "was the state dict modified during save?",
-                    path=path,
-                    fqn=entry.item.fqn,
-                    rank=layout.rank,
-                )
+            t, view = _entry_bytes(source, entry, path, layout.rank)
             h = xxhash.xxh3_64()
             pos = 0
             while pos < entry.length:
@@ -126,13 +147,7 @@ def write_rank_files(
 ) -> list[WrittenFile]:
     """Write all data files of one rank in parallel (one thread per file)."""
     source = tensors.__getitem__ if isinstance(tensors, Mapping) else tensors
-    if not layout.files:
-        return []
-    if len(layout.files) == 1:
-        return [write_file(directory, layout.files[0], source, fsync)]
-    with ThreadPoolExecutor(len(layout.files), thread_name_prefix="quicksave-write") as pool:
-        futures = [pool.submit(write_file, directory, f, source, fsync) for f in layout.files]
-        return [f.result() for f in futures]
+    return _each_file(layout, lambda f: write_file(directory, f, source, fsync), "quicksave-write")
 
 
 def write_image(
@@ -219,24 +234,11 @@ def write_rank_objects(
         for off, fixed in layout_.fixed:  # torch legacy prefixes (dcp_compat layouts)
             view[off : off + len(fixed)] = fixed
         for entry in layout_.entries:
-            t = as_writable_source(source(entry.item.key))
-            src = byte_view(t)
-            if len(src) != entry.length:
-                raise CheckpointError(
-                    f"tensor has {len(src)} bytes but the plan expects {entry.length}; "
-                    "was the state dict modified during save?",
-                    path=backend.url(key),
-                    fqn=entry.item.fqn,
-                    rank=layout_.rank,
-                )
+            # t keeps src's memory alive while it is copied
+            t, src = _entry_bytes(source, entry, backend.url(key), layout_.rank)
             view[entry.offset : entry.offset + entry.length] = src
         ranges = [(e.item.key, e.offset, e.length) for e in layout_.entries]
         digests = backend.put(key, view, ranges=ranges)
         return WrittenFile(layout_.name, layout_.size, layout_.header_xxh3_64, digests)
 
-    if not layout.files:
-        return []
-    if len(layout.files) == 1:
-        return [one(layout.files[0])]
-    with ThreadPoolExecutor(len(layout.files), thread_name_prefix="quicksave-put") as pool:
-        return [f.result() for f in [pool.submit(one, f) for f in layout.files]]
+    return _each_file(layout, one, "quicksave-put")

@@ -141,20 +141,15 @@ class CheckpointDir:
         rank = self.rank if rank is None else rank
         if self.is_local:
             return read_regular(key, max_bytes, what=what, too_large=too_large, fqn=fqn, rank=rank)
-        info = self.backend.stat(key)
-        if info is None:
-            raise FileNotFoundError(self.backend.url(key))
-        if info.size > max_bytes:
-            raise CorruptCheckpointError(
-                too_large or f"{what} is {info.size} bytes, more than the limit of {max_bytes}",
-                path=self.backend.url(key),
-                fqn=fqn,
-                rank=rank,
-            )
-        try:
+        url = self.backend.url(key)
+        try:  # one request: get refuses an object over max_bytes before reading it
             return self.backend.get(key, max_bytes)
         except CheckpointNotFoundError:
-            raise FileNotFoundError(self.backend.url(key)) from None
+            raise FileNotFoundError(url) from None
+        except CorruptCheckpointError as e:  # the protocol's one refusal of get: too large
+            raise CorruptCheckpointError(
+                too_large or f"{what}: {e.message}", path=url, fqn=fqn, rank=rank
+            ) from None
 
     def open(
         self, name: str, *, what: str = "file", fqn: str | None = None, rank: int | None = None
