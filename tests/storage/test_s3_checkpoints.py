@@ -53,6 +53,17 @@ def _objects(s3_server, bucket: str, prefix: str = "") -> dict[str, int]:
         client.close()
 
 
+def _admin_options(s3_server, endpoint_url: str | None = None, **kw: Any) -> S3Options:
+    """S3Options with the server's admin credentials (``endpoint_url``: e.g. a proxy's)."""
+    return S3Options(
+        endpoint_url=endpoint_url or s3_server.endpoint_url,
+        access_key_id=s3_server.access_key_id,
+        secret_access_key=s3_server.secret_access_key,
+        region=s3_server.region,
+        **kw,
+    )
+
+
 def _state(seed: int = 0) -> dict[str, Any]:
     sd: dict[str, Any] = {
         f"t.{str(dt).removeprefix('torch.')}": random_tensor((7, 5), dt, seed)
@@ -132,14 +143,7 @@ def test_async_engine_saves_straight_from_the_pool(s3_env, s3_bucket) -> None:
 def test_explicit_options_override_the_environment(s3_server, s3_bucket, monkeypatch) -> None:
     for k in ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
         monkeypatch.setenv(k, "nonsense-" + k if k != "AWS_ENDPOINT_URL" else "http://127.0.0.1:9")
-    opts = StorageOptions(
-        s3=S3Options(
-            endpoint_url=s3_server.endpoint_url,
-            access_key_id=s3_server.access_key_id,
-            secret_access_key=s3_server.secret_access_key,
-            region=s3_server.region,
-        )
-    )
+    opts = StorageOptions(s3=_admin_options(s3_server))
     sd = {"w": torch.randn(8, 8)}
     quicksave.save(sd, f"s3://{s3_bucket}/o/step-1", storage=opts)
     out = {"w": torch.zeros(8, 8)}
@@ -295,12 +299,7 @@ def test_bad_destinations_fail_at_once_naming_the_url(s3_server, s3_bucket, monk
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", secret)
     sd = {"w": torch.ones(4)}
     cases: list[tuple[str, StorageOptions | None]] = [(f"s3://{s3_bucket}/bad/step-1", None)]
-    good = S3Options(
-        endpoint_url=s3_server.endpoint_url,
-        access_key_id=s3_server.access_key_id,
-        secret_access_key=s3_server.secret_access_key,
-        region=s3_server.region,
-    )
+    good = _admin_options(s3_server)
     cases.append(("s3://no-such-bucket-qs/x/step-1", StorageOptions(s3=good)))
     dead = S3Options(
         endpoint_url="http://127.0.0.1:9",  # nothing listens there
@@ -469,14 +468,7 @@ def test_sigkill_of_the_worker_mid_upload(s3_env, s3_server, s3_bucket, fault_pr
     saves (a new worker) commit."""
     import signal
 
-    opts = StorageOptions(
-        s3=S3Options(
-            endpoint_url=fault_proxy.endpoint_url,
-            access_key_id=s3_server.access_key_id,
-            secret_access_key=s3_server.secret_access_key,
-            region=s3_server.region,
-        )
-    )
+    opts = StorageOptions(s3=_admin_options(s3_server, fault_proxy.endpoint_url))
     folder = f"s3://{s3_bucket}/wk"
     model = torch.nn.Linear(512, 512)
     config = CheckpointConfig(folder=folder, interval=1, storage=opts)
@@ -540,11 +532,9 @@ def test_a_store_that_stops_answering_fails_the_save_within_save_timeout(
     """The server accepts connections and never answers (its own timeouts are long):
     the save fails with a CheckpointError after save_timeout_s, never a hang, and the
     previous checkpoint is intact."""
-    patient = S3Options(
-        endpoint_url=fault_proxy.endpoint_url,
-        access_key_id=s3_server.access_key_id,
-        secret_access_key=s3_server.secret_access_key,
-        region=s3_server.region,
+    patient = _admin_options(
+        s3_server,
+        fault_proxy.endpoint_url,
         read_timeout_s=300.0,
         retry_deadline_s=600.0,
     )
