@@ -252,3 +252,31 @@ def test_worker_killed_while_idle_costs_no_save(root: Path) -> None:
         _assert_loads(nxt, root / "b")
     finally:
         saver.close()
+
+
+def test_worker_runs_on_the_configured_cpus(root: Path) -> None:
+    allowed = sorted(os.sched_getaffinity(0))
+    cpus = (allowed[-1],)  # one CPU: differs from the trainer's set wherever it has two
+    saver = AsyncSaver(EngineConfig(mode="process", worker=WorkerConfig(cpus=cpus)))
+    try:
+        state = big_state(1, 3.0)
+        saver.save(state, root / "pinned", step=1).wait(60)
+        assert os.sched_getaffinity(saver.worker_pid) == set(cpus)
+        assert os.sched_getaffinity(0) == set(allowed)  # the trainer is left as it was
+        _assert_loads(state, root / "pinned")
+    finally:
+        saver.close()
+
+
+def test_worker_cpus_must_be_cpus_this_process_may_use(tmp_path: Path) -> None:
+    from quicksave.manager import CheckpointConfig
+
+    outside = os.cpu_count()
+    with pytest.raises(CheckpointError, match=rf"worker_cpus \[{outside}\] are not CPUs"):
+        CheckpointConfig(folder=str(tmp_path), worker_cpus=(outside,))
+    with pytest.raises(CheckpointError, match="non-empty"):
+        CheckpointConfig(folder=str(tmp_path), worker_cpus=())
+    with pytest.raises(CheckpointError, match="async_mode='process'"):
+        CheckpointConfig(folder=str(tmp_path), worker_cpus=(0,), async_mode="thread")
+    cfg = CheckpointConfig(folder=str(tmp_path), worker_cpus=[min(os.sched_getaffinity(0))])
+    assert cfg.engine_config().worker.cpus == (min(os.sched_getaffinity(0)),)

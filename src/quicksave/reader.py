@@ -208,15 +208,22 @@ def read_chunk_into(
             )
         got += n
     if verify:
-        actual = hexdigest(xxhash.xxh3_64_intdigest(view))
-        if actual != entry.xxh3_64:
-            raise CorruptCheckpointError(
-                f"checksum mismatch in chunk at offsets {list(entry.offsets)} "
-                f"(stored {entry.xxh3_64}, read {actual})",
-                path=path,
-                fqn=fqn,
-                rank=rank,
-            )
+        check_chunk_digest(view, entry, path=path, fqn=fqn, rank=rank)
+
+
+def check_chunk_digest(
+    view: memoryview, entry: ChunkEntry, *, path: str, fqn: str, rank: int | None
+) -> None:
+    """Raise if the bytes of chunk ``entry`` read into ``view`` fail its xxh3-64."""
+    actual = hexdigest(xxhash.xxh3_64_intdigest(view))
+    if actual != entry.xxh3_64:
+        raise CorruptCheckpointError(
+            f"checksum mismatch in chunk at offsets {list(entry.offsets)} "
+            f"(stored {entry.xxh3_64}, read {actual})",
+            path=path,
+            fqn=fqn,
+            rank=rank,
+        )
 
 
 def check_chunk_within(entry: ChunkEntry, size: int, path: str, fqn: str, rank: int | None) -> None:
@@ -436,17 +443,45 @@ class StorageReader(_DCPStorageReader):
 
     def _read_run(self, fd: Member, run: list[_Chunk]) -> None:
         """Object stores: one ranged read for a run of neighbouring chunks (many small
-        tensors would otherwise cost one request each), then each chunk is filled and
-        checked from memory as from a file."""
-        start = run[0].entry.offset
-        end = max(c.entry.offset + c.entry.length for c in run)
+        tensors would otherwise cost one request each), its body scattered straight into
+        each chunk's destination (the bytes between chunks into scratch), then every
+        chunk checked."""
         if len(run) == 1:
             self._read_chunk(fd, run[0])
             return
-        buf = bytearray(end - start)
-        view = memoryview(buf)
+        start = run[0].entry.offset
+        pos = start
+        views: list[memoryview] = []
+        targets: list[tuple[_Chunk, memoryview, Callable[[], None]]] = []
+        for c in run:
+            if c.entry.offset < pos:  # overlapping chunks: read the span once, then copy
+                self._read_span(fd, run)
+                return
+            if c.entry.offset > pos:
+                views.append(memoryview(bytearray(c.entry.offset - pos)))
+            view, finish = self._target(c)
+            views.append(view)
+            targets.append((c, view, finish))
+            pos = c.entry.offset + c.entry.length
+        got = fd.read_scatter(views, start)
+        if got < pos - start:
+            raise CorruptCheckpointError(
+                f"data file is truncated: chunks need bytes {start}..{pos}, "
+                f"file ends at {start + got}",
+                path=join(self.path, run[0].entry.file),
+                fqn=run[-1].fqn,
+                rank=self.rank,
+            )
+        for c, view, finish in targets:
+            self._check(view, c)
+            finish()
+
+    def _read_span(self, fd: Member, run: list[_Chunk]) -> None:
+        start = run[0].entry.offset
+        end = max(c.entry.offset + c.entry.length for c in run)
+        view = memoryview(bytearray(end - start))
         got = 0
-        while got < len(buf):
+        while got < len(view):
             n = fd.pread_into(view[got:], start + got)
             if n == 0:
                 break
@@ -476,7 +511,22 @@ class StorageReader(_DCPStorageReader):
         read_chunk_into(fd, view, c.entry, path=path, fqn=c.fqn, rank=self.rank, verify=self.verify)
         self.bytes_read += c.entry.length
 
+    def _check(self, view: memoryview, c: _Chunk) -> None:
+        """The xxh3-64 check of a chunk already read into ``view``."""
+        e = c.entry
+        if self.verify:
+            check_chunk_digest(view, e, path=join(self.path, e.file), fqn=c.fqn, rank=self.rank)
+        self.bytes_read += e.length
+
     def _read_chunk(self, fd: Member, c: _Chunk) -> None:
+        view, finish = self._target(c)
+        self._read_into(fd, view, c)
+        finish()
+
+    def _target(self, c: _Chunk) -> tuple[memoryview, Callable[[], None]]:
+        """Where chunk ``c``'s bytes are read to: its destination tensor itself when one
+        request wants it whole, as stored (no copy); otherwise a buffer, and ``finish``
+        copies the requested pieces from it once it is read and checked."""
         e = c.entry
         if len(c.reqs) == 1:
             req, dest = c.reqs[0]
@@ -488,22 +538,28 @@ class StorageReader(_DCPStorageReader):
                 and dest.is_contiguous()
                 and dest.numel() * dest.element_size() == e.length
             ):
-                self._read_into(fd, byte_view(dest), c)  # straight into the destination
-                return
+                return byte_view(dest), _nothing
         buf = torch.empty(e.sizes, dtype=c.dtype)
-        self._read_into(fd, byte_view(buf), c)
-        for req, dest in c.reqs:
-            src = buf
-            for dim, (start, length) in enumerate(
-                zip(req.storage_offsets, req.lengths, strict=True)
-            ):
-                src = src.narrow(dim, start, length)
-            if src.shape != dest.shape:
-                raise CorruptCheckpointError(
-                    f"read request shape {list(dest.shape)} does not match "
-                    f"stored {list(src.shape)}",
-                    path=self.path,
-                    fqn=c.fqn,
-                    rank=self.rank,
-                )
-            dest.copy_(src)
+
+        def finish() -> None:
+            for req, dest in c.reqs:
+                src = buf
+                for dim, (start, length) in enumerate(
+                    zip(req.storage_offsets, req.lengths, strict=True)
+                ):
+                    src = src.narrow(dim, start, length)
+                if src.shape != dest.shape:
+                    raise CorruptCheckpointError(
+                        f"read request shape {list(dest.shape)} does not match "
+                        f"stored {list(src.shape)}",
+                        path=self.path,
+                        fqn=c.fqn,
+                        rank=self.rank,
+                    )
+                dest.copy_(src)
+
+        return byte_view(buf), finish
+
+
+def _nothing() -> None:
+    pass

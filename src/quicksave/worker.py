@@ -488,6 +488,9 @@ class WorkerConfig:
     save_timeout_s: float = 900.0  # a job running longer than this: failed
     start_timeout_s: float = 120.0  # spawn + imports on a busy machine
     nice: int = 10  # CPU priority increment of the worker
+    # CPUs the worker process runs on (None: the trainer's); e.g. keep it and the
+    # uploads off the cores that feed the training loop
+    cpus: tuple[int, ...] | None = None
     heartbeat_s: float = 0.2
 
 
@@ -523,6 +526,7 @@ class ProcessPersister:
             str(os.getpid()),
             str(config.nice),
             str(config.heartbeat_s),
+            ",".join(str(c) for c in config.cpus or ()),
         ]
         try:
             self.process = subprocess.Popen(
@@ -730,7 +734,12 @@ def _beat(heartbeat: mmap.mmap, period: float) -> None:
 
 
 def _worker_main(
-    conn: Connection, heartbeat: mmap.mmap, parent_pid: int, nice: int, period: float
+    conn: Connection,
+    heartbeat: mmap.mmap,
+    parent_pid: int,
+    nice: int,
+    period: float,
+    cpus: tuple[int, ...] = (),
 ) -> None:
     threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
     stopping = threading.Event()
@@ -741,6 +750,15 @@ def _worker_main(
             os.nice(nice)
         except OSError:
             pass
+    if cpus:  # every thread started from here on inherits it
+        try:
+            os.sched_setaffinity(0, cpus)
+        except OSError as e:  # e.g. outside this container's cpuset: run where allowed
+            print(
+                f"quicksave worker: cannot run on CPUs {list(cpus)} ({e.strerror}); "
+                f"running on {sorted(os.sched_getaffinity(0))}",
+                file=sys.stderr,
+            )
     threading.Thread(target=_beat, args=(heartbeat, period), daemon=True).start()
     pools: dict[int, tuple[mmap.mmap, memoryview]] = {}
     stores: dict[StoreAddress, Any] = {}  # connected at the first multi-rank job
@@ -853,9 +871,11 @@ def run_pickled_call(job_id: int, payload: bytes, sys_path: list[str]) -> CallRe
 
 
 def main(argv: list[str]) -> None:
-    """Entry point of the worker process: ``SOCK_FD BEAT_FD PARENT_PID NICE PERIOD``."""
+    """Entry point of the worker process: ``SOCK_FD BEAT_FD PARENT_PID NICE PERIOD CPUS``
+    (CPUS: comma-separated, empty for the trainer's)."""
     sock_fd, beat_fd, parent_pid = int(argv[0]), int(argv[1]), int(argv[2])
     nice, period = int(argv[3]), float(argv[4])
+    cpus = tuple(int(c) for c in argv[5].split(",") if c) if len(argv) > 5 else ()
     heartbeat = mmap.mmap(beat_fd, mmap.PAGESIZE)
     os.close(beat_fd)
-    _worker_main(Connection(sock_fd), heartbeat, parent_pid, nice, period)
+    _worker_main(Connection(sock_fd), heartbeat, parent_pid, nice, period, cpus)

@@ -75,7 +75,7 @@ def test_storage_bench_tiny(s3_server, tmp_path) -> None:
         assert row["overhead_per_checkpoint_s"] is not None
         assert row["durable_median_s"] > 0
     assert t["targets"]["s3"]["server_cpu_s"]  # our server: its CPU time is known
-    assert {a["shape"] for a in report["acceptance"]} == {"large", "small", "training"}
+    assert {a["shape"] for a in report["acceptance"]} == {*sb.SHAPES, "training"}
 
     text = sb.format_storage_report(report)
     for name in sb.METHODS:
@@ -142,3 +142,37 @@ def test_own_server_is_stopped_on_interrupt(monkeypatch, capsys) -> None:
     with pytest.raises(ProcessLookupError):
         os.killpg(pid, 0)  # nothing left in its process group
     assert server.tmpdir is not None and not server.tmpdir.exists()
+
+
+def test_model_shape_is_a_transformer_with_adamw_state() -> None:
+    specs = sb.shape_specs("model", 64 << 20)
+    assert len(specs) == sb.MODEL_LAYERS * 12 * 4
+    total = sum(n for _, _, n in specs)
+    assert 0.8 * (64 << 20) <= total <= 64 << 20
+    names = {name for name, _, _ in specs}
+    assert "optim.model.layers.3.mlp.up.weight.exp_avg_sq" in names
+    assert min(n for _, _, n in specs) == 4  # the step counters
+    sd = sb.build_shape("model", 8 << 20)
+    assert len(sd) == len(sb.shape_specs("model", 8 << 20))
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="pinning needs two CPUs")
+def test_pinned_training_places_trainer_worker_and_server(s3_server, tmp_path) -> None:
+    server_pid = s3_server._running.proc.pid
+    before = os.sched_getaffinity(server_pid)
+    config = sb.StorageBenchConfig(
+        size_mib=8,
+        repeat=1,
+        directory=str(tmp_path),
+        throughput=False,
+        train_pin=True,
+        **TINY_TRAINING,
+    )
+    report = sb.run_storage_benchmark(config, sb.Target.from_server(s3_server))
+    t = report["training"]
+    assert t["placement"] == "pinned"
+    for kind in ("local", "s3"):
+        assert "failed" not in t["targets"][kind], t["targets"][kind]
+        assert t["targets"][kind]["checkpoints"] == 2
+    assert os.sched_getaffinity(server_pid) == before  # the shared server is given back
+    assert "pinned: trainer on one CPU" in sb.format_storage_report(report)

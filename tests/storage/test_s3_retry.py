@@ -477,6 +477,28 @@ def test_read_resumes_after_a_reset_mid_body():
     assert seen == ["bytes=100-5099", "bytes=1100-5099"]
 
 
+def test_scatter_read_is_one_request_resumed_across_views():
+    data = bytes(range(256)) * 40
+    seen = []
+
+    def get(**kw):
+        seen.append(kw["Range"])
+        lo, hi = (int(x) for x in kw["Range"].removeprefix("bytes=").split("-"))
+        piece = data[lo : hi + 1]
+        return {  # the first answer breaks off inside the second view
+            "Body": FakeBody(piece, fail_after=1500 if len(seen) == 1 else None),
+            "ContentLength": len(piece),
+            "ContentRange": f"bytes {lo}-{hi}/{len(data)}",
+        }
+
+    client = FakeClient(get_object=[get, get])
+    views = [bytearray(1000), bytearray(0), bytearray(2000), bytearray(7)]
+    backend(client).read_scatter("k", 50, [memoryview(v) for v in views])
+    assert b"".join(views) == data[50:3057]
+    assert views[0] == data[50:1050] and views[3] == data[3050:3057]
+    assert seen == ["bytes=50-3056", "bytes=1550-3056"]
+
+
 def test_short_object_is_corrupt_with_both_lengths():
     def get(**kw):
         return {"Body": FakeBody(b"abc"), "ContentLength": 3, "ContentRange": "bytes 0-2/3"}

@@ -10,7 +10,11 @@ Every method moves the same bytes (``--size-mib``, default 1 GiB) of each worklo
 (``--shapes``):
 
 * ``large`` — four tensors of a quarter of the size each (256 MiB at 1 GiB), float32;
-* ``small`` — 4 MiB tensors (256 at 1 GiB), float32 and bfloat16 alternating.
+* ``small`` — 4 MiB tensors (256 at 1 GiB), float32 and bfloat16 alternating;
+* ``model`` — a transformer's checkpoint: 24 layers of attention, MLP and layer-norm
+  weights and biases (float32, hidden size chosen to fill the size), each with AdamW's
+  ``exp_avg``, ``exp_avg_sq`` and a one-element ``step``: 1152 tensors from 4 bytes to
+  a few MiB, most of the bytes in chunks under 8 MiB.
 
 Methods (save, then load of what it saved, values checked; every save to a fresh
 prefix; the objects are deleted after each load, and every shape and repeat gets a
@@ -91,7 +95,7 @@ DCP_S3TC = "dcp+s3torchconnector"
 QUICKSAVE = "quicksave"
 METHODS = (RAW_THREADS, RAW_BOTO3, DCP_MSC, DCP_S3TC, QUICKSAVE)
 RAW_METHODS = (RAW_THREADS, RAW_BOTO3)
-SHAPES = ("large", "small")
+SHAPES = ("large", "small", "model")
 NOTES = {
     RAW_THREADS: "one multipart upload of slices of one buffer / parallel ranged GETs "
     "with readinto",
@@ -134,6 +138,11 @@ class StorageBenchConfig:
             current directory).
         seed: seed of the tensor values and the model.
         train_timeout_s: a training run that takes longer is stopped, reported failed.
+        train_pin: place the training processes on the first CPU this process may use and
+            the checkpoint worker (``worker_cpus``) and the server the bench started on
+            the others, the way a GPU trainer's loop thread and its host's spare cores
+            are: the overhead then measures what checkpointing costs the loop itself, not
+            what a store on the same two cores costs it.
         server_nice: the SeaweedFS the bench starts runs at this lower CPU priority: it
             stands in for a remote store, which would not take the trainer's CPUs (on this
             2-core machine the server otherwise uses ~11 CPU-s per GiB written beside the
@@ -163,6 +172,7 @@ class StorageBenchConfig:
     seed: int = 0
     train_timeout_s: float = 900.0
     server_nice: int = 19
+    train_pin: bool = False
 
 
 # ------------------------------------------------------------------------ the server
@@ -395,7 +405,41 @@ def shape_specs(shape: str, total_bytes: int) -> list[tuple[str, torch.dtype, in
             (f"layer.{i}.weight", torch.float32 if i % 2 == 0 else torch.bfloat16, SMALL_TENSOR)
             for i in range(n)
         ]
+    if shape == "model":
+        return _model_specs(total_bytes)
     raise ValueError(f"unknown shape {shape!r}; known: {', '.join(SHAPES)}")
+
+
+MODEL_LAYERS = 24
+
+
+def _model_specs(total_bytes: int) -> list[tuple[str, torch.dtype, int]]:
+    """A transformer's parameters with AdamW's state, float32, ~``total_bytes`` in all:
+    per layer 12 h^2 weights (qkv 3h^2, out h^2, MLP 4h^2 + 4h^2) and 8 small vectors."""
+    h = max(8, int((total_bytes / (3 * 4 * 12 * MODEL_LAYERS)) ** 0.5) // 8 * 8)
+    per_layer = (
+        ("attn.qkv.weight", 3 * h * h),
+        ("attn.qkv.bias", 3 * h),
+        ("attn.out.weight", h * h),
+        ("attn.out.bias", h),
+        ("norm1.weight", h),
+        ("norm1.bias", h),
+        ("mlp.up.weight", 4 * h * h),
+        ("mlp.up.bias", 4 * h),
+        ("mlp.down.weight", 4 * h * h),
+        ("mlp.down.bias", h),
+        ("norm2.weight", h),
+        ("norm2.bias", h),
+    )
+    specs = []
+    for i in range(MODEL_LAYERS):
+        for name, numel in per_layer:
+            fqn = f"model.layers.{i}.{name}"
+            specs.append((fqn, torch.float32, 4 * numel))
+            specs.append((f"optim.{fqn}.exp_avg", torch.float32, 4 * numel))
+            specs.append((f"optim.{fqn}.exp_avg_sq", torch.float32, 4 * numel))
+            specs.append((f"optim.{fqn}.step", torch.float32, 4))
+    return specs
 
 
 def build_shape(shape: str, total_bytes: int, seed: int = 0) -> dict[str, torch.Tensor]:
@@ -948,6 +992,8 @@ def _train_run(spec: dict[str, Any]) -> dict[str, Any]:
 
     from .training_loop import _train
 
+    if spec.get("trainer_cpus"):  # before torch starts its threads: they inherit it
+        os.sched_setaffinity(0, spec["trainer_cpus"])
     torch.set_num_threads(spec["threads"])
     model, optim, train_step = _train(spec)
     for _ in range(spec["warmup"]):
@@ -976,7 +1022,11 @@ def _train_run(spec: dict[str, Any]) -> dict[str, Any]:
                 s3=S3Options(endpoint_url=spec["endpoint_url"], region=spec["region"])
             )
         cfg = CheckpointConfig(
-            folder=spec["folder"], interval=spec["interval"], async_mode="process", storage=storage
+            folder=spec["folder"],
+            interval=spec["interval"],
+            async_mode="process",
+            storage=storage,
+            worker_cpus=tuple(spec["worker_cpus"]) if spec.get("worker_cpus") else None,
         )
         manager = CheckpointManager(cfg, states)
         result["setup_s"] = time.perf_counter() - t0
@@ -1021,6 +1071,43 @@ def _train_run(spec: dict[str, Any]) -> dict[str, Any]:
     return result
 
 
+def _placement(config: StorageBenchConfig, log: Any) -> tuple[list[int] | None, list[int] | None]:
+    """``train_pin``: (the trainer's CPUs, the worker's and server's); (None, None) when
+    not pinning."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if not config.train_pin:
+        return None, None
+    if len(cpus) < 2:
+        _say(log, "  training: --train-pin needs two CPUs; running unpinned")
+        return None, None
+    _say(log, f"  training: trainer on CPUs {cpus[:1]}, worker and server on {cpus[1:]}")
+    return cpus[:1], cpus[1:]
+
+
+@contextlib.contextmanager
+def _server_on(target: Target, cpus: list[int] | None) -> Iterator[None]:
+    """Every thread of the server this bench started runs on ``cpus`` inside the block
+    (as it was, after); nothing to do for another endpoint or ``None``."""
+    running = getattr(target.server, "_running", None)
+    proc = getattr(running, "proc", None)
+    if not cpus or proc is None:
+        yield
+        return
+
+    def place(where: Any) -> None:
+        for task in os.listdir(f"/proc/{proc.pid}/task"):  # Go's threads: each one
+            with contextlib.suppress(OSError):
+                os.sched_setaffinity(int(task), where)
+
+    before = os.sched_getaffinity(proc.pid)
+    place(cpus)
+    try:
+        yield
+    finally:
+        with contextlib.suppress(OSError):
+            place(before)
+
+
 def train_schedule(config: StorageBenchConfig) -> list[str]:
     """``none`` first, then per repeat local and S3 (order alternating), each pair
     followed by ``none``."""
@@ -1042,65 +1129,69 @@ def _run_training(
     base = tempfile.mkdtemp(prefix="quicksave-storage-bench-", dir=parent)
     tag = "train"
     bucket = buckets.make(tag)
+    trainer_cpus, worker_cpus = _placement(config, log)
     runs: dict[str, list[dict[str, Any]]] = {}
     try:
-        for i, kind in enumerate(train_schedule(config)):
-            prefix = f"{run_id}/train/{i:02d}"
-            folder = {
-                "none": os.path.join(base, f"{i:02d}-none"),
-                "local": os.path.join(base, f"{i:02d}-local"),
-                "s3": f"s3://{bucket}/{prefix}",
-            }[kind]
-            spec = {
-                "target": kind,
-                "folder": folder,
-                "endpoint_url": target.endpoint_url,
-                "region": target.region,
-                "hidden": config.train_hidden,
-                "layers": config.train_layers,
-                "batch": config.train_batch,
-                "seed": config.seed,
-                "steps": config.train_steps,
-                "interval": config.train_interval,
-                "threads": config.train_threads,
-                "warmup": config.train_warmup,
-                "calibration_steps": config.train_calibration_steps,
-                "result": os.path.join(base, f"{i:02d}-result.json"),
-            }
-            spec_path = os.path.join(base, f"{i:02d}-spec.json")
-            with open(spec_path, "w") as f:
-                json.dump(spec, f)
-            t0 = time.perf_counter()
-            s0 = target.server_cpu_s()
-            try:
-                proc = subprocess.run(
-                    [sys.executable, "-c", _CHILD, spec_path],
-                    capture_output=True,
-                    text=True,
-                    timeout=config.train_timeout_s,
-                )
-                tail = (proc.stderr or "")[-2000:]
-            except subprocess.TimeoutExpired:
-                proc, tail = None, f"timed out after {config.train_timeout_s:.0f} s"
-            s1 = target.server_cpu_s()
-            try:
-                with open(spec["result"]) as f:
-                    result = json.load(f)
-            except (OSError, ValueError):
-                code = "" if proc is None else f" (exit code {proc.returncode})"
-                result = {"failed": f"no result{code}: {tail.strip()}"}
-            finally:
-                if kind == "s3":
-                    with contextlib.suppress(Exception):
-                        _delete_prefix(buckets.client, bucket, prefix + "/")
-                if kind != "s3":
-                    shutil.rmtree(folder, ignore_errors=True)
-            result["wall_s"] = time.perf_counter() - t0
-            if s0 is not None and s1 is not None:
-                result["server_cpu_s"] = s1 - s0
-            runs.setdefault(kind, []).append(result)
-            state = result.get("failed") or f"loop {result['loop_s']:.2f} s"
-            _say(log, f"  training [{i + 1}] {kind}: {state}")
+        with _server_on(target, worker_cpus):
+            for i, kind in enumerate(train_schedule(config)):
+                prefix = f"{run_id}/train/{i:02d}"
+                folder = {
+                    "none": os.path.join(base, f"{i:02d}-none"),
+                    "local": os.path.join(base, f"{i:02d}-local"),
+                    "s3": f"s3://{bucket}/{prefix}",
+                }[kind]
+                spec = {
+                    "target": kind,
+                    "folder": folder,
+                    "endpoint_url": target.endpoint_url,
+                    "region": target.region,
+                    "hidden": config.train_hidden,
+                    "layers": config.train_layers,
+                    "batch": config.train_batch,
+                    "seed": config.seed,
+                    "steps": config.train_steps,
+                    "interval": config.train_interval,
+                    "threads": config.train_threads,
+                    "trainer_cpus": trainer_cpus,
+                    "worker_cpus": worker_cpus,
+                    "warmup": config.train_warmup,
+                    "calibration_steps": config.train_calibration_steps,
+                    "result": os.path.join(base, f"{i:02d}-result.json"),
+                }
+                spec_path = os.path.join(base, f"{i:02d}-spec.json")
+                with open(spec_path, "w") as f:
+                    json.dump(spec, f)
+                t0 = time.perf_counter()
+                s0 = target.server_cpu_s()
+                try:
+                    proc = subprocess.run(
+                        [sys.executable, "-c", _CHILD, spec_path],
+                        capture_output=True,
+                        text=True,
+                        timeout=config.train_timeout_s,
+                    )
+                    tail = (proc.stderr or "")[-2000:]
+                except subprocess.TimeoutExpired:
+                    proc, tail = None, f"timed out after {config.train_timeout_s:.0f} s"
+                s1 = target.server_cpu_s()
+                try:
+                    with open(spec["result"]) as f:
+                        result = json.load(f)
+                except (OSError, ValueError):
+                    code = "" if proc is None else f" (exit code {proc.returncode})"
+                    result = {"failed": f"no result{code}: {tail.strip()}"}
+                finally:
+                    if kind == "s3":
+                        with contextlib.suppress(Exception):
+                            _delete_prefix(buckets.client, bucket, prefix + "/")
+                    if kind != "s3":
+                        shutil.rmtree(folder, ignore_errors=True)
+                result["wall_s"] = time.perf_counter() - t0
+                if s0 is not None and s1 is not None:
+                    result["server_cpu_s"] = s1 - s0
+                runs.setdefault(kind, []).append(result)
+                state = result.get("failed") or f"loop {result['loop_s']:.2f} s"
+                _say(log, f"  training [{i + 1}] {kind}: {state}")
     finally:
         shutil.rmtree(base, ignore_errors=True)
         buckets.drop(tag)
@@ -1111,6 +1202,7 @@ def _training_report(config: StorageBenchConfig, runs: dict[str, list[dict]]) ->
     none_ok = [r for r in runs.get("none", []) if "failed" not in r]
     baseline = _median([r["loop_s"] for r in none_ok])
     out: dict[str, Any] = {
+        "placement": "pinned" if config.train_pin else "shared",
         "model": {
             "hidden": config.train_hidden,
             "layers": config.train_layers,
@@ -1386,7 +1478,12 @@ def format_storage_report(report: dict[str, Any]) -> str:
             f"**training loop**: MLP {md['layers']}×{md['hidden']} + AdamW ({gb:.2f} GB of "
             f"state), {t['steps']} steps, a checkpoint every {t['interval']} steps, "
             "CheckpointManager(async_mode='process', default staging); median step "
-            f"{_f(t['baseline']['step_median_s'], '.3f')} s without checkpoints",
+            f"{_f(t['baseline']['step_median_s'], '.3f')} s without checkpoints; "
+            + (
+                "pinned: trainer on one CPU, worker and server on the others"
+                if t.get("placement") == "pinned"
+                else "shared: trainer, worker and server on the same CPUs"
+            ),
             "",
             "| target | loop s (median) | checkpoints | overhead s / checkpoint | paired s / "
             "checkpoint | blocking s | save→durable s | server CPU s | worker CPU s |",
@@ -1452,7 +1549,9 @@ def build_parser() -> argparse.ArgumentParser:
         default=d.repeat,
         help=f"timed runs of every method per shape ({d.repeat})",
     )
-    p.add_argument("--shapes", default=",".join(d.shapes), help="comma-separated: large,small")
+    p.add_argument(
+        "--shapes", default=",".join(d.shapes), help="comma-separated: " + ",".join(SHAPES)
+    )
     p.add_argument("--methods", default=",".join(d.methods), help="comma-separated methods")
     p.add_argument("--concurrency", type=int, default=d.concurrency, help="raw: parts in flight")
     p.add_argument("--part-mib", type=int, default=d.part_mib, help="raw: part size in MiB")
@@ -1467,6 +1566,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--train-batch", type=int, default=d.train_batch)
     p.add_argument("--train-repeat", type=int, default=d.train_repeat)
     p.add_argument("--train-threads", type=int, default=d.train_threads)
+    p.add_argument(
+        "--train-pin",
+        action="store_true",
+        help="trainer on the first CPU; checkpoint worker and server on the others",
+    )
     p.add_argument("--dir", default=None, help="folder of the local training run (default: .)")
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument(
@@ -1512,6 +1616,7 @@ def main(argv: list[str] | None = None) -> int:
         directory=args.dir,
         seed=args.seed,
         server_nice=args.server_nice,
+        train_pin=args.train_pin,
     )
     if config.bucket and not config.endpoint:
         print("quicksave bench --storage: --bucket needs --endpoint", file=sys.stderr)

@@ -81,6 +81,9 @@ class CheckpointConfig:
         storage: how to reach an object store (S3 endpoint and credentials override the
             standard AWS chain; ``msc_config``; ``stale_after_s``: how old a crashed
             save's leftovers must be before start-up clean-up removes them).
+        worker_cpus: CPUs the worker process (``async_mode="process"``) runs on, e.g.
+            the cores the training loop does not use, so that hashing and uploads never
+            take its CPU time; ``None`` (default): wherever the trainer may run.
 
     Raises:
         CheckpointError: on construction, for any invalid value (message names it).
@@ -112,6 +115,7 @@ class CheckpointConfig:
     allow_dcp: bool = False
     allow_dcp_pickle: bool = False
     storage: StorageOptions = field(default_factory=StorageOptions)
+    worker_cpus: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.folder, os.PathLike):
@@ -173,6 +177,13 @@ class CheckpointConfig:
         for name in ("enabled", "read_only", "allow_dcp", "allow_dcp_pickle"):
             if not isinstance(getattr(self, name), bool):
                 raise CheckpointError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        if self.worker_cpus is not None:
+            object.__setattr__(self, "worker_cpus", _check_cpus(self.worker_cpus))
+            if self.async_mode != "process":
+                raise CheckpointError(
+                    f"worker_cpus places the worker process: it needs async_mode='process', "
+                    f"got {self.async_mode!r}"
+                )
 
     @property
     def export_torch_dtype(self) -> torch.dtype:
@@ -202,10 +213,28 @@ class CheckpointConfig:
             worker=WorkerConfig(
                 worker_timeout_s=float(self.worker_timeout_s),
                 save_timeout_s=float(self.save_timeout_s),
+                cpus=self.worker_cpus,
             ),
             close_timeout_s=float(self.close_timeout_s),
             storage=self.storage,
         )
+
+
+def _check_cpus(cpus: object) -> tuple[int, ...]:
+    """``worker_cpus`` as a sorted tuple of CPUs of this machine."""
+    try:
+        values = sorted({c for c in cpus})  # type: ignore[attr-defined]
+    except TypeError:
+        values = None
+    if not values or any(isinstance(c, bool) or not isinstance(c, int) for c in values):
+        raise CheckpointError(f"worker_cpus must be a non-empty set of CPU numbers, got {cpus!r}")
+    count = os.cpu_count() or 1  # not this process's affinity: the worker may go elsewhere
+    outside = [c for c in values if not 0 <= c < count]
+    if outside:
+        raise CheckpointError(
+            f"worker_cpus {outside} are not CPUs of this machine (it has {count}: 0..{count - 1})"
+        )
+    return tuple(values)
 
 
 def _check_int(name: str, value: object, *, minimum: int) -> None:

@@ -120,6 +120,12 @@ class Backend(Protocol):
         first (naming both lengths)."""
         ...
 
+    def read_scatter(self, key: str, offset: int, dests: Sequence[memoryview]) -> None:
+        """Fill each of ``dests`` in turn with the bytes of ``key`` from ``offset`` on (a
+        scatter read: on a store one request whose body lands straight in every view,
+        e.g. neighbouring chunks in their destination tensors). Raises as ``read_into``."""
+        ...
+
     def get(self, key: str, max_bytes: int) -> bytes:
         """The whole object ``key``; refuses (CorruptCheckpointError) one larger than
         ``max_bytes`` without reading it."""

@@ -30,6 +30,11 @@ class Member(Protocol):
         """Read up to ``len(view)`` bytes at ``offset``; 0 at the end."""
         ...
 
+    def read_scatter(self, views: list[memoryview], offset: int) -> int:
+        """Fill ``views`` in turn from ``offset`` on (on a store: one request); returns
+        the bytes read, fewer only where the file ends."""
+        ...
+
     def close(self) -> None: ...
 
 
@@ -39,6 +44,19 @@ class _LocalMember:
 
     def pread_into(self, view: memoryview, offset: int) -> int:
         return os.preadv(self.fd, [view], offset)
+
+    def read_scatter(self, views: list[memoryview], offset: int) -> int:
+        views, got = list(views), 0
+        while views:
+            n = os.preadv(self.fd, views, offset + got)
+            if n == 0:
+                break
+            got += n
+            while views and n >= len(views[0]):
+                n -= len(views.pop(0))
+            if views:
+                views[0] = views[0][n:]
+        return got
 
     def close(self) -> None:
         os.close(self.fd)
@@ -54,8 +72,26 @@ class _StoreMember:
             self.backend.read_into(self.key, offset, view[:n])
         return n
 
+    def read_scatter(self, views: list[memoryview], offset: int) -> int:
+        want = sum(len(v) for v in views)
+        if offset + want > self.size:  # only what the object holds
+            views = _first(views, max(0, self.size - offset))
+        self.backend.read_scatter(self.key, offset, views)
+        return min(want, max(0, self.size - offset))
+
     def close(self) -> None:
         pass
+
+
+def _first(views: list[memoryview], n: int) -> list[memoryview]:
+    """The first ``n`` bytes of ``views`` (taken in turn)."""
+    out = []
+    for v in views:
+        if n <= 0:
+            break
+        out.append(v[:n])
+        n -= len(out[-1])
+    return out
 
 
 class CheckpointDir:

@@ -90,6 +90,34 @@ class LocalBackend:
         finally:
             os.close(f.fd)
 
+    def read_scatter(self, key: str, offset: int, dests: Sequence[memoryview]) -> None:
+        views = [v for v in dests if len(v)]
+        if len(views) <= 1:
+            self.read_into(key, offset, views[0] if views else memoryview(bytearray()))
+            return
+        try:
+            f = open_regular(key, what="file", rank=self.rank)
+        except FileNotFoundError:
+            raise CheckpointNotFoundError("no such file", path=key, rank=self.rank) from None
+        end = offset + sum(len(v) for v in views)
+        try:
+            pos = offset
+            while views:
+                n = os.preadv(f.fd, views, pos)
+                if n == 0:
+                    raise CorruptCheckpointError(
+                        f"file ends at {f.size} bytes, before {end}", path=key, rank=self.rank
+                    )
+                pos += n
+                while views and n >= len(views[0]):
+                    n -= len(views.pop(0))
+                if views:
+                    views[0] = views[0][n:]
+        except OSError as e:
+            raise CheckpointError(f"cannot read: {e.strerror}", path=key, rank=self.rank) from e
+        finally:
+            os.close(f.fd)
+
     def get(self, key: str, max_bytes: int) -> bytes:
         try:
             return read_regular(key, max_bytes, rank=self.rank)

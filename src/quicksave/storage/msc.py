@@ -543,6 +543,16 @@ class MscBackend:
         except CheckpointError:
             return None
 
+    def read_scatter(self, key: str, offset: int, dests: Sequence[memoryview]) -> None:
+        """MSC hands back ``bytes``, so the range is read once and copied out."""
+        views = [_byte_view(d, writable=True) for d in dests]
+        buf = memoryview(bytearray(sum(len(v) for v in views)))
+        self.read_into(key, offset, buf)
+        pos = 0
+        for v in views:
+            v[:] = buf[pos : pos + len(v)]
+            pos += len(v)
+
     def get(self, key: str, max_bytes: int) -> bytes:
         """The whole object; one larger than ``max_bytes`` is refused before reading it."""
         info = self.stat(key)

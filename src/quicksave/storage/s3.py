@@ -761,17 +761,26 @@ class S3Backend:
             path=url,
         )
 
+    def read_scatter(self, key: str, offset: int, dests: Sequence[memoryview]) -> None:
+        views = [_byte_view(d, writable=True) for d in dests]
+        views = [v for v in views if len(v)]
+        if len(views) <= 1:
+            self.read_into(key, offset, views[0] if views else memoryview(bytearray()))
+            return
+        self._read_range(key, offset, views, self.url(key), None)
+
     def _read_range(
         self,
         key: str,
         offset: int,
-        dest: memoryview,
+        dest: memoryview | list[memoryview],
         url: str,
         stop: threading.Event | None,
     ) -> None:
-        """Fill ``dest`` from ``key`` at ``offset``: one ranged GET, resumed where it
-        broke off when a retry is needed."""
-        length = len(dest)
+        """Fill ``dest`` (one view, or several filled in turn) from ``key`` at
+        ``offset``: one ranged GET, resumed where it broke off when a retry is needed."""
+        views = [dest] if isinstance(dest, memoryview) else dest
+        length = sum(len(v) for v in views)
         done = 0
 
         def attempt() -> None:
@@ -799,7 +808,7 @@ class S3Backend:
                 _close_body(body, reuse=False)
                 raise self._short(url, offset, length, total)
             try:
-                done += _read_body_into(body, dest[done:])
+                done += _read_body_into(body, _skip(views, done))
             except _Progress as p:  # keep what arrived: the next try resumes after it
                 done += p.got
                 raise p.cause from None
@@ -1024,32 +1033,40 @@ READ_MODE = "readinto"
 _COPY_CHUNK = 8 << 20
 
 
-def _read_body_into(body: Any, dest: memoryview) -> int:
-    """Read ``len(dest)`` bytes of a botocore StreamingBody into ``dest``; returns how
-    many arrived before a failure (raised after counting, so that a retry resumes)."""
-    want = len(dest)
+def _skip(views: list[memoryview], n: int) -> list[memoryview]:
+    """``views`` without their first ``n`` bytes (taken in turn)."""
+    out = []
+    for v in views:
+        if n >= len(v):
+            n -= len(v)
+            continue
+        out.append(v[n:])
+        n = 0
+    return out
+
+
+def _read_body_into(body: Any, dests: list[memoryview]) -> int:
+    """Read a botocore StreamingBody into ``dests``, filling each in turn (a scatter
+    read: neighbouring chunks straight into their destinations); returns how many bytes
+    arrived before a failure (raised after counting, so that a retry resumes)."""
     raw = getattr(body, "_raw_stream", None)
     fp = getattr(raw, "_fp", None)
+    direct = READ_MODE == "readinto" and fp is not None and hasattr(fp, "readinto")
     got = 0
-    if READ_MODE == "readinto" and fp is not None and hasattr(fp, "readinto"):
-        try:
-            while got < want:
-                n = fp.readinto(dest[got:])
-                if not n:
-                    raise http.client.IncompleteRead(b"", want - got)
-                got += n
-        except BaseException as exc:
-            _close_body(body, reuse=False)
-            raise _Progress(got, exc) from exc
-        _close_body(body, reuse=True)
-        return got
     try:
-        while got < want:
-            chunk = body.read(min(want - got, _COPY_CHUNK))
-            if not chunk:
-                raise http.client.IncompleteRead(b"", want - got)
-            dest[got : got + len(chunk)] = chunk
-            got += len(chunk)
+        for dest in dests:
+            want, have = len(dest), 0
+            while have < want:
+                if direct:
+                    n = fp.readinto(dest[have:])
+                else:
+                    chunk = body.read(min(want - have, _COPY_CHUNK))
+                    n = len(chunk)
+                    dest[have : have + n] = chunk
+                if not n:
+                    raise http.client.IncompleteRead(b"", want - have)
+                have += n
+                got += n
     except BaseException as exc:
         _close_body(body, reuse=False)
         raise _Progress(got, exc) from exc
