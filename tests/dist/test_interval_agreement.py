@@ -3,8 +3,10 @@
 Each rank gets its own fake clock: only rank 1's runs fast enough for the interval to
 run out, so only rank 1's policy ever says "due". Every rank must still save at the same
 steps (or the save's collectives would deadlock), and the ranks talk only at check
-steps: one asynchronous all-reduce there, nothing at the steps in between. Collectives
-are counted in the ranks by ``helpers.collectives.CollectiveLog``.
+steps: one asynchronous all-reduce there, nothing at the steps in between. Building the
+manager makes one more all-reduce on the same group (every rank learns whether the
+coordinator got the folder's writer lease): it is not a vote and is counted apart, under
+step label 0. Collectives are counted in the ranks by ``helpers.collectives.CollectiveLog``.
 
 Functions whose name starts with ``_rank_`` run inside the spawned ranks.
 """
@@ -75,7 +77,7 @@ def _rank_skewed_clocks(
         staging="blocking",
     )
     manager = CheckpointManager(config, {"model": ModelState(_model())}, clock=clock)
-    setup_calls = len(log.calls)
+    setup = list(log.calls)  # construction: the read-only agreement (log.step is 0)
     saved = []
     for step in range(1, STEPS + 1):
         log.step = step
@@ -85,11 +87,17 @@ def _rank_skewed_clocks(
     manager.close()
     per_step = {step: log.at(step) for step in range(1, STEPS + 1)}
     group = manager._checkpoint_group()
-    votes = [c.group for c in log.calls if c.name == "all_reduce" and c.async_op]
+    # The interval's votes: the asynchronous all-reduces of the save() calls (not the
+    # construction's read-only agreement, which may run the same kind of all-reduce).
+    votes = [
+        c.group for c in log.calls if c.name == "all_reduce" and c.async_op and 1 <= c.step <= STEPS
+    ]
     return {
         "saved": saved,
         "committed": manager.committed_steps(),
-        "setup_calls": setup_calls,
+        "setup": [c.name for c in setup],
+        "setup_on_checkpoint_group": all(c.group is group for c in setup),
+        "at_close": log.at(STEPS + 1),
         "per_step": per_step,
         "new_groups": fake.new_groups,
         "own_group": group is not None,
@@ -122,6 +130,11 @@ def _check_skewed(results: list[dict[str, Any]]) -> None:
     for rank, r in enumerate(results):
         assert r["saved"] == [8, 16], f"rank {rank}"
         assert r["committed"] == [8, 16], f"rank {rank}"
+        # Construction: one all-reduce, the read-only agreement, on the checkpoint group;
+        # close: nothing (the vote launched at step 16 is left unconsumed).
+        assert r["setup"] == ["all_reduce"], f"rank {rank}: {r['setup']}"
+        assert r["setup_on_checkpoint_group"], f"rank {rank}"
+        assert r["at_close"] == [], f"rank {rank}: {r['at_close']}"
     check_steps = {1, 4, 8, 12, 16}
     for rank, r in enumerate(results):
         for step, calls in r["per_step"].items():
@@ -139,7 +152,8 @@ def test_ranks_with_skewed_clocks_save_at_the_same_steps(tmp_path) -> None:
     _check_skewed(results)
     assert sorted(os.listdir(tmp_path / "seconds")) == ["step-16", "step-8"]
     for r in results:
-        # Even beside a gloo training group, the votes run on the checkpoint group.
+        # One vote per check step (1, 4, 8, 12, 16); even beside a gloo training group,
+        # the votes run on the checkpoint group.
         assert (r["own_group"], r["votes"]) == (True, 5)
         assert r["votes_on_checkpoint_group"]
 
