@@ -121,16 +121,16 @@ def test_ranks_save_in_the_background_with_one_collective_per_save(tmp_path, mod
     assert _digest(fresh.model) == results[0]["digest"]
 
 
-def _fail_rank_1_at_step_4(job: worker.PersistJob, pool: memoryview) -> dict[str, str]:
+def _fail_rank_1_at_step_4(job: worker.PersistJob, pool: memoryview, backend: Any) -> dict[str, str]:
     if job.rank == 1 and job.step == 4:
         raise OSError(errno.EACCES, "Permission denied", os.path.join(job.tmp_dir, "x"))
-    return _ORIGINAL_WRITE(job, pool)
+    return _ORIGINAL_WRITE(job, pool, backend)
 
 
-def _stall_rank_1_at_step_4(job: worker.PersistJob, pool: memoryview) -> dict[str, str]:
+def _stall_rank_1_at_step_4(job: worker.PersistJob, pool: memoryview, backend: Any) -> dict[str, str]:
     if job.rank == 1 and job.step == 4:
         time.sleep(6.0)  # longer than commit_timeout_s: the coordinator gives up first
-    return _ORIGINAL_WRITE(job, pool)
+    return _ORIGINAL_WRITE(job, pool, backend)
 
 
 _ORIGINAL_WRITE = worker._write_files
