@@ -75,7 +75,8 @@ def test_storage_bench_tiny(s3_server, tmp_path) -> None:
         assert row["overhead_per_checkpoint_s"] is not None
         assert row["durable_median_s"] > 0
     assert t["targets"]["s3"]["server_cpu_s"]  # our server: its CPU time is known
-    assert {a["shape"] for a in report["acceptance"]} == {*sb.SHAPES, "training"}
+    assert {a["shape"] for a in report["acceptance"]} == {*sb.SHAPES, "training (shared)"}
+    assert all(r["in_loop_overhead_per_checkpoint_s"] is not None for r in t["targets"].values())
 
     text = sb.format_storage_report(report)
     for name in sb.METHODS:

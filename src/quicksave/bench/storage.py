@@ -1060,6 +1060,7 @@ def _train_run(spec: dict[str, Any]) -> dict[str, Any]:
             raise RuntimeError(f"not every checkpoint committed: {records}")
     result.update(
         loop_s=end - begin,
+        steps_loop_s=t_drain - begin,  # the steps alone: the final wait left out
         drain_s=end - t_drain,
         step_s=step_s,
         save_s=save_s,
@@ -1201,6 +1202,7 @@ def _run_training(
 def _training_report(config: StorageBenchConfig, runs: dict[str, list[dict]]) -> dict[str, Any]:
     none_ok = [r for r in runs.get("none", []) if "failed" not in r]
     baseline = _median([r["loop_s"] for r in none_ok])
+    baseline_steps = _median([r.get("steps_loop_s", r["loop_s"]) for r in none_ok])
     out: dict[str, Any] = {
         "placement": "pinned" if config.train_pin else "shared",
         "model": {
@@ -1231,6 +1233,8 @@ def _training_report(config: StorageBenchConfig, runs: dict[str, list[dict]]) ->
             continue
         n = len(ok[0]["saved_steps"])
         loop = _median([r["loop_s"] for r in ok])
+        steps_loop = _median([r["steps_loop_s"] for r in ok])
+        assert steps_loop is not None
         assert loop is not None
         paired = [
             (r["loop_s"] - len(r["step_s"]) * statistics.median(r["calibration_step_s"])) / n
@@ -1243,6 +1247,11 @@ def _training_report(config: StorageBenchConfig, runs: dict[str, list[dict]]) ->
             "loop_median_s": loop,
             "checkpoints": n,
             "overhead_per_checkpoint_s": (loop - baseline) / n if n and baseline else None,
+            # the same without the final wait for the last checkpoint (a one-off at the
+            # end of a job, which dominates a short loop's per-checkpoint share)
+            "in_loop_overhead_per_checkpoint_s": (
+                (steps_loop - baseline_steps) / n if n and baseline_steps else None
+            ),
             "paired_overhead_per_checkpoint_s": _median(paired),
             "blocking_median_s": _median([x["blocking_s"] for x in recs if "blocking_s" in x]),
             "durable_median_s": _median([x["durable_s"] for x in recs if "durable_s" in x]),
@@ -1255,7 +1264,11 @@ def _training_report(config: StorageBenchConfig, runs: dict[str, list[dict]]) ->
     local, s3 = out["targets"].get("local", {}), out["targets"].get("s3", {})
     a, b = s3.get("overhead_per_checkpoint_s"), local.get("overhead_per_checkpoint_s")
     out["s3_minus_local_overhead_s"] = round(a - b, 4) if a is not None and b is not None else None
-    for key in ("overhead_per_checkpoint_s", "paired_overhead_per_checkpoint_s"):
+    for key in (
+        "overhead_per_checkpoint_s",
+        "paired_overhead_per_checkpoint_s",
+        "in_loop_overhead_per_checkpoint_s",
+    ):
         a, b = s3.get(key), local.get(key)
         out[f"s3_vs_local_{key.removesuffix('_per_checkpoint_s')}"] = (
             round(a / b, 3) if a is not None and b and b > 0 else None
@@ -1404,17 +1417,21 @@ def _acceptance(report: dict[str, Any]) -> list[dict[str, Any]]:
                 }
             )
     t = report.get("training") or {}
-    value = t.get("s3_vs_local_overhead")
     if "targets" in t:
-        out.append(
-            {
-                "target": "training overhead per checkpoint: S3 ≤ 1.3× local",
-                "shape": "training",
-                "value": value,
-                # None: not measurable (the local overhead is within the noise, ≤ 0)
-                "met": None if value is None else value <= 1.3,
-            }
-        )
+        for key, what in (
+            ("s3_vs_local_overhead", "training overhead per checkpoint: S3 ≤ 1.3× local"),
+            ("s3_vs_local_in_loop_overhead", "the same, final wait left out"),
+        ):
+            value = t.get(key)
+            out.append(
+                {
+                    "target": what,
+                    "shape": f"training ({t.get('placement', 'shared')})",
+                    "value": value,
+                    # None: not measurable (the local overhead is within the noise, ≤ 0)
+                    "met": None if value is None else value <= 1.3,
+                }
+            )
     return out
 
 
@@ -1485,21 +1502,23 @@ def format_storage_report(report: dict[str, Any]) -> str:
                 else "shared: trainer, worker and server on the same CPUs"
             ),
             "",
-            "| target | loop s (median) | checkpoints | overhead s / checkpoint | paired s / "
-            "checkpoint | blocking s | save→durable s | server CPU s | worker CPU s |",
-            "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+            "| target | loop s (median) | checkpoints | overhead s / checkpoint | without "
+            "final wait | paired s / checkpoint | blocking s | save→durable s | server CPU s "
+            "| worker CPU s |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
             f"| no checkpoints | {_f(t['baseline']['loop_median_s'])} | 0 | – | – | – | – | – "
-            "| – |",
+            "| – | – |",
         ]
         for kind, label in (("local", "local directory"), ("s3", "s3://")):
             r = t["targets"].get(kind, {})
             if "failed" in r:
-                lines.append(f"| {label} | failed: {r['failed']} | | | | | | | |")
+                lines.append(f"| {label} | failed: {r['failed']} | | | | | | | | |")
                 continue
             cpu, wcpu = r["server_cpu_s"], r["worker_cpu_s"]
             lines.append(
                 f"| {label} | {r['loop_median_s']:.2f} | {r['checkpoints']} | "
                 f"{_f(r['overhead_per_checkpoint_s'], '.3f')} | "
+                f"{_f(r['in_loop_overhead_per_checkpoint_s'], '.3f')} | "
                 f"{_f(r['paired_overhead_per_checkpoint_s'], '.3f')} | "
                 f"{_f(r['blocking_median_s'], '.3f')} | {_f(r['durable_median_s'])} | "
                 f"{_f(statistics.median(cpu) if cpu else None, '.1f')} | "
@@ -1508,7 +1527,8 @@ def format_storage_report(report: dict[str, Any]) -> str:
         lines += [
             "",
             f"overhead per checkpoint, S3 / local: {_f(t['s3_vs_local_overhead'])}× "
-            f"(paired: {_f(t['s3_vs_local_paired_overhead'])}×; – where the local overhead "
+            f"(without the final wait: {_f(t['s3_vs_local_in_loop_overhead'])}×; paired: "
+            f"{_f(t['s3_vs_local_paired_overhead'])}×; – where the local overhead "
             f"is ≤ 0, i.e. within the noise); S3 − local: "
             f"{_f(t['s3_minus_local_overhead_s'], '.3f')} s per checkpoint",
         ]
