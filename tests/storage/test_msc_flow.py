@@ -47,7 +47,6 @@ from quicksave.async_api.state_dict_saver import (  # noqa: E402
 )
 from quicksave.errors import CheckpointError, CheckpointExistsError  # noqa: E402
 from quicksave.storage import StorageOptions  # noqa: E402
-from quicksave.storage.backend import S3Options  # noqa: E402
 from quicksave.verify import verify_checkpoint  # noqa: E402
 
 PROFILE = "model-checkpoints"
@@ -324,14 +323,7 @@ def test_use_msc_with_a_local_path_writes_locally(tmp_path: Path):
 def test_s3_url_through_the_guide_api(s3_server, bucket, tmp_path: Path, monkeypatch):
     """``s3://`` works with either use_msc value, through quicksave's own S3 backend."""
     monkeypatch.chdir(tmp_path)
-    storage = StorageOptions(
-        s3=S3Options(
-            endpoint_url=s3_server.endpoint_url,
-            region=s3_server.region,
-            access_key_id=s3_server.access_key_id,
-            secret_access_key=s3_server.secret_access_key,
-        )
-    )
+    storage = s3_server.storage_options()
     for use_msc in (False, True):
         path = f"s3://{bucket}/s3-run/iteration-{int(use_msc)}"
         sd = _state(10 + use_msc)

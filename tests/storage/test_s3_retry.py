@@ -456,44 +456,38 @@ def test_lost_complete_answer_is_not_a_failure():
 # --------------------------------------------------------------------------- reads
 
 
-def test_read_resumes_after_a_reset_mid_body():
-    data = bytes(range(256)) * 40
-    seen = []
+def _ranged_gets(data: bytes, fail_after: int) -> tuple[list, list[str]]:
+    """Two scripted answers to ranged GETs of ``data``: the first breaks off after
+    ``fail_after`` bytes of its body; and the list of the ranges asked for."""
+    seen: list[str] = []
 
     def get(**kw):
         seen.append(kw["Range"])
         lo, hi = (int(x) for x in kw["Range"].removeprefix("bytes=").split("-"))
         piece = data[lo : hi + 1]
         return {
-            "Body": FakeBody(piece, fail_after=1000 if len(seen) == 1 else None),
+            "Body": FakeBody(piece, fail_after=fail_after if len(seen) == 1 else None),
             "ContentLength": len(piece),
             "ContentRange": f"bytes {lo}-{hi}/{len(data)}",
         }
 
-    client = FakeClient(get_object=[get, get])
+    return [get, get], seen
+
+
+def test_read_resumes_after_a_reset_mid_body():
+    data = bytes(range(256)) * 40
+    answers, seen = _ranged_gets(data, fail_after=1000)
     dest = bytearray(5000)
-    backend(client).read_into("k", 100, memoryview(dest))
+    backend(FakeClient(get_object=answers)).read_into("k", 100, memoryview(dest))
     assert bytes(dest) == data[100:5100]
     assert seen == ["bytes=100-5099", "bytes=1100-5099"]
 
 
 def test_scatter_read_is_one_request_resumed_across_views():
     data = bytes(range(256)) * 40
-    seen = []
-
-    def get(**kw):
-        seen.append(kw["Range"])
-        lo, hi = (int(x) for x in kw["Range"].removeprefix("bytes=").split("-"))
-        piece = data[lo : hi + 1]
-        return {  # the first answer breaks off inside the second view
-            "Body": FakeBody(piece, fail_after=1500 if len(seen) == 1 else None),
-            "ContentLength": len(piece),
-            "ContentRange": f"bytes {lo}-{hi}/{len(data)}",
-        }
-
-    client = FakeClient(get_object=[get, get])
+    answers, seen = _ranged_gets(data, fail_after=1500)  # inside the third view
     views = [bytearray(1000), bytearray(0), bytearray(2000), bytearray(7)]
-    backend(client).read_scatter("k", 50, [memoryview(v) for v in views])
+    backend(FakeClient(get_object=answers)).read_scatter("k", 50, [memoryview(v) for v in views])
     assert b"".join(views) == data[50:3057]
     assert views[0] == data[50:1050] and views[3] == data[3050:3057]
     assert seen == ["bytes=50-3056", "bytes=1550-3056"]

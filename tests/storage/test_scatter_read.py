@@ -12,7 +12,7 @@ import quicksave
 from quicksave.errors import CorruptCheckpointError
 from quicksave.format import MANIFEST_NAME
 from quicksave.format.manifest import from_json_bytes
-from quicksave.storage import S3Options, StorageOptions
+from quicksave.storage import StorageOptions
 from quicksave.storage.local import LocalBackend
 from quicksave.storage.location import parse_location
 
@@ -20,14 +20,7 @@ pytest.importorskip("boto3")
 
 
 def _options(s3_server) -> StorageOptions:
-    return StorageOptions(
-        s3=S3Options(
-            endpoint_url=s3_server.endpoint_url,
-            access_key_id=s3_server.access_key_id,
-            secret_access_key=s3_server.secret_access_key,
-            region=s3_server.region,
-        )
-    )
+    return s3_server.storage_options()
 
 
 def _views(sizes: list[int]) -> tuple[list[bytearray], list[memoryview]]:
@@ -129,14 +122,7 @@ def test_neighbouring_small_chunks_cost_one_request_per_run(s3_server, s3_bucket
     sd = _small_tensors()
     url = f"s3://{s3_bucket}/run/step-3"
     quicksave.save(sd, url, storage=_options(s3_server))
-    proxied = StorageOptions(
-        s3=S3Options(
-            endpoint_url=fault_proxy.endpoint_url,
-            access_key_id=s3_server.access_key_id,
-            secret_access_key=s3_server.secret_access_key,
-            region=s3_server.region,
-        )
-    )
+    proxied = s3_server.storage_options(endpoint_url=fault_proxy.endpoint_url)
     dest = {k: torch.zeros_like(v) for k, v in sd.items()}
     fault_proxy.reset_stats()
     quicksave.load(dest, url, storage=proxied)

@@ -543,6 +543,20 @@ class SeaweedServer:
             client.close()
         return name
 
+    def storage_options(self, *, endpoint_url: str | None = None) -> Any:
+        """quicksave's :class:`~quicksave.storage.StorageOptions` with the admin identity
+        (``endpoint_url`` replaces the server's, e.g. a fault proxy's)."""
+        from ..storage import S3Options, StorageOptions
+
+        return StorageOptions(
+            s3=S3Options(
+                endpoint_url=endpoint_url or self._require_started(),
+                region=self.region,
+                access_key_id=self.access_key_id,
+                secret_access_key=self.secret_access_key,
+            )
+        )
+
     def env(self, *, restricted: bool = False) -> dict[str, str]:
         """Environment variables that point AWS SDKs (and tools) at this server."""
         url = self._require_started()
