@@ -86,6 +86,8 @@ from typing import Any
 
 import torch
 
+from .training import run_child
+
 MiB = 1 << 20
 
 RAW_THREADS = "raw threads"
@@ -1159,33 +1161,21 @@ def _run_training(
                     "calibration_steps": config.train_calibration_steps,
                     "result": os.path.join(base, f"{i:02d}-result.json"),
                 }
-                spec_path = os.path.join(base, f"{i:02d}-spec.json")
-                with open(spec_path, "w") as f:
-                    json.dump(spec, f)
                 t0 = time.perf_counter()
                 s0 = target.server_cpu_s()
                 try:
-                    proc = subprocess.run(
-                        [sys.executable, "-c", _CHILD, spec_path],
-                        capture_output=True,
-                        text=True,
-                        timeout=config.train_timeout_s,
+                    result = run_child(
+                        _CHILD,
+                        spec,
+                        os.path.join(base, f"{i:02d}-spec.json"),
+                        config.train_timeout_s,
                     )
-                    tail = (proc.stderr or "")[-2000:]
-                except subprocess.TimeoutExpired:
-                    proc, tail = None, f"timed out after {config.train_timeout_s:.0f} s"
-                s1 = target.server_cpu_s()
-                try:
-                    with open(spec["result"]) as f:
-                        result = json.load(f)
-                except (OSError, ValueError):
-                    code = "" if proc is None else f" (exit code {proc.returncode})"
-                    result = {"failed": f"no result{code}: {tail.strip()}"}
+                    s1 = target.server_cpu_s()
                 finally:
                     if kind == "s3":
                         with contextlib.suppress(Exception):
                             _delete_prefix(buckets.client, bucket, prefix + "/")
-                    if kind != "s3":
+                    else:
                         shutil.rmtree(folder, ignore_errors=True)
                 result["wall_s"] = time.perf_counter() - t0
                 if s0 is not None and s1 is not None:

@@ -152,30 +152,41 @@ def _check(config: TrainingBenchConfig, parent: str) -> None:
         raise ValueError(f"{parent} has {free >> 20} MiB free; this run needs {need >> 20} MiB")
 
 
+def run_child(child: str, spec: dict[str, Any], spec_path: str, timeout_s: float) -> dict[str, Any]:
+    """Run one measurement in a fresh interpreter: ``python -c child spec_path``, where
+    ``spec`` (written to ``spec_path``) names the JSON file the child writes its result
+    to (``spec["result"]``). Returns that result, or ``{"failed": why}`` with the tail of
+    the child's stderr when it wrote none (crashed, or ran past ``timeout_s``)."""
+    with open(spec_path, "w") as f:
+        json.dump(spec, f)
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-c", child, spec_path],
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+        )
+        tail = (proc.stderr or "")[-2000:]
+    except subprocess.TimeoutExpired:
+        proc, tail = None, f"timed out after {timeout_s:.0f} s"
+    try:
+        with open(spec["result"]) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        code = "" if proc is None else f" (exit code {proc.returncode})"
+        return {"failed": f"no result{code}: {tail.strip()}"}
+
+
 def _run_one(method: str, config: TrainingBenchConfig, base: str, index: int) -> dict[str, Any]:
     folder = os.path.join(base, f"{index:02d}-{method}")
     spec = {**asdict(config), "methods": None, "method": method, "folder": folder}
     spec["result"] = os.path.join(base, f"{index:02d}-result.json")
-    spec_path = os.path.join(base, f"{index:02d}-spec.json")
-    with open(spec_path, "w") as f:
-        json.dump(spec, f)
     t0 = time.perf_counter()
     try:
-        proc = subprocess.run(
-            [sys.executable, "-c", _CHILD, spec_path],
-            capture_output=True,
-            text=True,
-            timeout=config.timeout_s,
+        result = run_child(
+            _CHILD, spec, os.path.join(base, f"{index:02d}-spec.json"), config.timeout_s
         )
-        tail = (proc.stderr or "")[-2000:]
-    except subprocess.TimeoutExpired:
-        proc, tail = None, f"timed out after {config.timeout_s:.0f} s"
-    try:
-        with open(spec["result"]) as f:
-            result = json.load(f)
-    except (OSError, ValueError):
-        code = "" if proc is None else f" (exit code {proc.returncode})"
-        result = {"method": method, "failed": f"no result{code}: {tail.strip()}"}
+        result.setdefault("method", method)
     finally:
         shutil.rmtree(folder, ignore_errors=True)  # one method's checkpoints at a time
     result["wall_s"] = time.perf_counter() - t0
