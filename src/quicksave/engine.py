@@ -263,6 +263,10 @@ class AsyncSaver:
         self._closed = False
         self._mapped: set[int] = set()
         self._persister: ProcessPersister | ThreadPersister | None = None
+        self._replaced_worker = False  # this save's vote started a new worker (see _ready)
+        # Several ranks: saves whose job this rank lost with its worker: token -> when
+        # every rank has their outcome at the latest (see _ready).
+        self._lost: dict[str, float] = {}
         self._prepare_thread: threading.Thread | None = None  # see prepare()
         self._persister = self._new_persister()  # started now: the first save pays no start-up
         atexit.register(self._atexit)
@@ -306,7 +310,9 @@ class AsyncSaver:
             fl.handle._finish(None, err)
             del self._in_flight[job_id]
             if self._dist is not None and fl.token:
-                self._dist.worker_failed(fl.token, str(err))
+                why = err.message if isinstance(err, CheckpointError) else str(err)
+                self._dist.worker_failed(fl.token, why)  # the others stop waiting for us
+                self._lost[fl.token] = fl.handle.started + self._dist.outcome_wait_s
             elif fl.tmp_dir:  # the dead writer's partial files: nobody else will remove them
                 shutil.rmtree(fl.tmp_dir, ignore_errors=True)
         self._unreported.append(err)
@@ -476,18 +482,34 @@ class AsyncSaver:
     ) -> DistSave | None:
         """Several ranks: plan (a collective every rank runs for every save, whatever
         happens on this rank), then raise this rank's reason not to save, if any. A save
-        that any rank cannot make now is skipped by every rank together."""
-        self._collect(0.0)
+        that any rank cannot make now is skipped by every rank together.
+
+        Waiting (for a free pool, for a new worker) happens before each vote (see
+        ``_ready``): in step with the other ranks while the save that holds this rank up
+        has no outcome yet, then in bounded rounds of votes. No rank sits in the
+        collective for longer than its timeout while another is busy: a gloo collective
+        that times out closes its pairs, and every later save's planning would fail.
+
+        A failure already collected and not reported is this rank's reason not to save
+        (raised here, the save skipped on every rank); one found while waiting here is
+        reported by the next ``save()`` or ``finalize()``, and this save goes on, so
+        that whether a save is made does not depend on when a failure is noticed."""
         problem: CheckpointError | None = self._unreported[0] if self._unreported else None
         if problem is None:
             try:
                 commit.check_target(loc, self.rank, self._backend_for(loc))
             except CheckpointExistsError as e:
                 problem = e
-        if problem is None and self.config.backpressure == "wait":
-            self._free_slot()  # waits here, locally, before the collective
-        free = any(s.busy is None for s in self._slots)
         assert self._dist is not None
+        wait = self.config.backpressure == "wait"
+        self._collect(0.0)
+        free = wait or any(s.busy is None for s in self._slots)
+        self._replaced_worker = False
+        round_s = self._dist.ctx.commit_timeout_s / 4
+
+        def ready() -> bool:
+            return self._ready(round_s, need_pool=wait)
+
         ds = self._dist.plan(
             state_dict,
             loc.url,
@@ -495,6 +517,7 @@ class AsyncSaver:
             user_metadata=user_metadata,
             thread_count=self.config.thread_count,
             go=problem is None and free,
+            ready=ready,
         )
         if ds is not None:
             return ds
@@ -507,6 +530,134 @@ class AsyncSaver:
             "the previous save is still in flight" if not free else "another rank cannot save now",
         )
         return None
+
+    def _ready(self, timeout: float, need_pool: bool) -> bool:
+        """Several ranks, before a save's vote: whether this rank can take the save now —
+        a free staging pool (``need_pool``) and a worker that can start on the job at
+        once. Never raises; False if not ready yet (every rank then votes again).
+
+        It waits in two stages. First, in step with the other ranks, for the outcome of
+        the save it is held up by (its oldest in flight when no pool is free, and any
+        whose job it lost with its worker): every rank waits for the same commit record,
+        so all of them leave this wait together, however long the save took. Then for at
+        most ``timeout`` seconds (well under the collective's timeout) for what only
+        this rank still needs: its own writer finishing a save whose outcome is known
+        already (a slow rank), or a new worker. A worker found dead is replaced here, and
+        the new one warmed up (torch imported, the store connected, the pools mapped)
+        before this rank is ready: its first job must not spend the coordinator's
+        ``commit_timeout_s`` starting up."""
+        while True:
+            with self._lock:
+                self._collect(0.0)
+                self._replace_dead_worker()
+                if self._local_ready(need_pool) or not self._awaiting_outcome(need_pool):
+                    break
+                self._pause(0.02)
+        deadline = time.monotonic() + timeout
+        while True:
+            with self._lock:
+                if self._local_ready(need_pool):
+                    return True
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._pause(min(0.05, left))
+                self._collect(0.0)
+                self._replace_dead_worker()
+
+    def _local_ready(self, need_pool: bool) -> bool:
+        free = not need_pool or any(s.busy is None for s in self._slots)
+        return free and self._worker_warm() and not self._lost
+
+    def _awaiting_outcome(self, need_pool: bool) -> bool:
+        """Whether the outcome of a save this rank is held up by is still to be posted
+        (and its time is not up): a lost one, or its oldest in flight if no pool is free."""
+        assert self._dist is not None
+        now = time.monotonic()
+        for token, until in list(self._lost.items()):
+            if now >= until or self._dist.settled(token):
+                del self._lost[token]
+        if self._lost:
+            return True
+        if not need_pool or any(s.busy is None for s in self._slots) or not self._in_flight:
+            return False
+        oldest = self._in_flight[min(self._in_flight)]
+        until = oldest.handle.started + self._dist.outcome_wait_s
+        return now < until and not self._dist.settled(oldest.token)
+
+    def _pause(self, timeout: float) -> None:
+        """Wait up to ``timeout`` s for news from the worker (a result, a warm-up answer)."""
+        if self._in_flight:
+            self._collect(timeout)
+        else:
+            self._poll_warm(timeout)
+
+    def _replace_dead_worker(self) -> None:
+        """Process mode, several ranks: start a new worker now (once per save) if the
+        last one died — after failing its jobs (``_worker_failed``) or while idle — and
+        send it the pools and a warm-up (see ``ProcessPersister.warm_up``)."""
+        if self.config.mode != "process" or self._replaced_worker or self._closed:
+            return
+        p = self._persister
+        if p is not None:
+            if not isinstance(p, ProcessPersister) or self._in_flight:
+                return  # a death with jobs in hand is _collect's to find (it fails them)
+            if p.process.poll() is None:
+                return
+            logger.warning(
+                "quicksave: the checkpoint worker (pid %d) exited while idle (code %s)",
+                p.pid,
+                p.process.returncode,
+            )
+            p.close(0.0)
+            self._persister = None
+        self._replaced_worker = True
+        logger.warning("quicksave: starting a new checkpoint worker (rank %d)", self.rank)
+        assert self._dist is not None
+        try:
+            p = self._new_persister()
+        except CheckpointError as e:  # save() tries again, and raises
+            logger.warning("quicksave: %s", e)
+            return
+        self._persister = p
+        try:
+            for slot in self._slots:
+                if slot.pool is not None and slot.pool_id not in self._mapped:
+                    p.map_pool(
+                        slot.pool_id, slot.pool.fd, slot.pool.nbytes, memoryview(slot.pool._mm)
+                    )
+                    self._mapped.add(slot.pool_id)
+            if isinstance(p, ProcessPersister):
+                p.warm_up(self._dist.address, self._dist.ctx.commit_timeout_s)
+        except CheckpointError as e:
+            self._drop_new_worker(e)
+
+    def _worker_warm(self) -> bool:
+        """No warm-up of a new worker is awaited (answered, gone, or past its start-up
+        timeout: then its first job shows what is wrong)."""
+        p = self._persister
+        if not isinstance(p, ProcessPersister) or not p.warming:
+            return True
+        return p.age > self.config.worker.start_timeout_s
+
+    def _poll_warm(self, timeout: float) -> None:
+        """Wait up to ``timeout`` s for a new worker's warm-up answer (no job in flight)."""
+        p = self._persister
+        if not isinstance(p, ProcessPersister) or not p.warming:
+            time.sleep(timeout)
+            return
+        try:
+            p.poll(timeout)  # no job in flight: no result to lose
+        except CheckpointError as e:
+            self._drop_new_worker(e)
+
+    def _drop_new_worker(self, err: CheckpointError) -> None:
+        """A worker started by ``_replace_dead_worker`` failed before any job: no save
+        is lost; the next submit starts another (and reports what goes wrong then)."""
+        logger.warning("quicksave: the new checkpoint worker failed at start-up: %s", err)
+        if self._persister is not None:
+            self._persister.close(0.0)
+        self._persister = None
 
     def _collect_state(
         self, state_dict: Mapping[str, Any], final: str

@@ -292,7 +292,7 @@ def _execute_dist_job(job: PersistJob, pool: memoryview, store: Any, backend: Ba
             records.post_commit(store, d.token)
         else:
             reason = records.wait_commit(
-                store, d.token, d.timeout_s * 1.5 + 10.0, coordinator=d.coordinator
+                store, d.token, records.commit_wait_s(d.timeout_s), coordinator=d.coordinator
             )
             if reason is not None:
                 return _not_committed(job, reason, None)
@@ -552,6 +552,7 @@ class ProcessPersister:
         self._started = time.monotonic()
         self._in_flight: dict[int, _Pending] = {}
         self._failed: WorkerFailedError | None = None
+        self.warming = False  # a warm_up() not answered yet (see poll)
         # A private socket pair: safe to hand over the key (see "auth" in _worker_main).
         self._conn.send(("auth", bytes(multiprocessing.current_process().authkey)))
 
@@ -581,6 +582,23 @@ class ProcessPersister:
                 self._conn.send(("unmap", pool_id))
             except OSError:
                 pass
+
+    def warm_up(self, store: StoreAddress, timeout_s: float) -> None:
+        """Have the worker connect to the ranks' store now, which imports torch (seconds
+        of CPU), instead of at its first multi-rank job; ``warming`` stays True until it
+        answers (``poll`` reads the answer). Sent after ``map_pool``: the answer also
+        means that the pools mapped before are populated.
+
+        Raises:
+            WorkerFailedError: the worker is gone.
+        """
+        self._send(("warm", store, timeout_s), "warm up")
+        self.warming = True
+
+    @property
+    def age(self) -> float:
+        """Seconds since this worker was started."""
+        return time.monotonic() - self._started
 
     def submit(self, job: PersistJob) -> None:
         # Pending first: a worker found dead while sending fails naming this job's
@@ -661,6 +679,8 @@ class ProcessPersister:
                     if kind == "result":
                         self._in_flight.pop(payload.job_id, None)
                         out.append(payload)
+                    elif kind == "warm":
+                        self.warming = False
                     wait = 0
             except (EOFError, OSError):
                 closed = True
@@ -786,6 +806,17 @@ def _worker_main(
             result = execute_job(job, pools[job.pool_id][1], _store_for(job, stores), backends)
             try:
                 conn.send(("result", result))
+            except OSError:
+                break
+        elif kind == "warm":  # connect now: its first job then pays no torch import
+            _, address, timeout_s = msg
+            if address not in stores:
+                try:
+                    stores[address] = records.connect(address, timeout_s)
+                except Exception:  # noqa: BLE001 - the first job reports it (_store_for)
+                    pass
+            try:
+                conn.send(("warm", None))
             except OSError:
                 break
         elif kind == "call":

@@ -121,15 +121,29 @@ def test_ranks_save_in_the_background_with_one_collective_per_save(tmp_path, mod
     assert _digest(fresh.model) == results[0]["digest"]
 
 
-def _fail_rank_1_at_step_4(job: worker.PersistJob, pool: memoryview, backend: Any) -> dict[str, str]:
+def _fail_rank_1_at_step_4(
+    job: worker.PersistJob, pool: memoryview, backend: Any
+) -> dict[str, str]:
     if job.rank == 1 and job.step == 4:
         raise OSError(errno.EACCES, "Permission denied", os.path.join(job.tmp_dir, "x"))
     return _ORIGINAL_WRITE(job, pool, backend)
 
 
-def _stall_rank_1_at_step_4(job: worker.PersistJob, pool: memoryview, backend: Any) -> dict[str, str]:
+def _stall_rank_1_at_step_4(
+    job: worker.PersistJob, pool: memoryview, backend: Any
+) -> dict[str, str]:
     if job.rank == 1 and job.step == 4:
         time.sleep(6.0)  # longer than commit_timeout_s: the coordinator gives up first
+    return _ORIGINAL_WRITE(job, pool, backend)
+
+
+def _slow_rank_1_at_step_4(
+    job: worker.PersistJob, pool: memoryview, backend: Any
+) -> dict[str, str]:
+    if job.rank == 1 and job.step == 4:
+        # Past twice commit_timeout_s: rank 0 is ready for step 6 long before rank 1's
+        # writer is done with step 4 (it must not wait in a collective meanwhile).
+        time.sleep(8.0)
     return _ORIGINAL_WRITE(job, pool, backend)
 
 
@@ -143,6 +157,8 @@ def _rank_one_rank_fails(rank: int, world_size: int, root: str, how: str) -> dic
         worker._write_files = _fail_rank_1_at_step_4
     elif how == "stall":
         worker._write_files = _stall_rank_1_at_step_4
+    elif how == "slow":
+        worker._write_files = _slow_rank_1_at_step_4
     errors: list[str] = []
     began = time.monotonic()
     for step in range(1, 11):
@@ -170,7 +186,7 @@ def _rank_one_rank_fails(rank: int, world_size: int, root: str, how: str) -> dic
     }
 
 
-@pytest.mark.parametrize("how", ["eacces", "stall", "kill"])
+@pytest.mark.parametrize("how", ["eacces", "stall", "slow", "kill"])
 def test_one_rank_failing_fails_the_save_on_every_rank(tmp_path, how) -> None:
     results = run_ranks(_rank_one_rank_fails, 2, str(tmp_path), how, config=LAUNCH)
     for rank, r in enumerate(results):
@@ -181,8 +197,10 @@ def test_one_rank_failing_fails_the_save_on_every_rank(tmp_path, how) -> None:
         assert r["seconds"] < 60, r  # bounded by commit_timeout_s, never a hang
     if how == "eacces":
         assert "EACCES" in results[1]["errors"][0]
-    if how == "stall":
+    if how in ("stall", "slow"):
         assert "within 3 s" in results[0]["errors"][0]
+    if how in ("slow", "kill"):  # the saves after the failed one all commit
+        assert all(r["committed"] == [2, 6, 8, 10] for r in results), results
     fresh = _Job()  # the checkpoint before the failure still loads
     quicksave.load(fresh.states(), str(tmp_path / "ckpt" / "step-2"))
     assert not (tmp_path / "ckpt" / "step-4").exists()

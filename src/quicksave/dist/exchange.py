@@ -3,9 +3,13 @@
 Call order (every rank of ``group``, once per save, same order everywhere):
 
 1. ``collect_local`` (pure, no communication: the plan, the local tensors, the values);
-2. ``agree_save`` — ONE ``all_reduce(MIN)`` of six small integers: can every rank save,
-   did planning fail somewhere, does every rank hold a cached plan with the same key,
-   and a fresh random id for this save. In steady state this is the only collective;
+2. ``agree_save`` — ONE ``all_reduce(MIN)`` of seven small integers: can every rank save,
+   is every rank ready now, did planning fail somewhere, does every rank hold a cached
+   plan with the same key, and a fresh random id for this save. In steady state this is
+   the only collective. A rank still busy (its previous save, a worker starting) votes
+   "not ready" after a bounded wait and every rank votes again, so that no rank waits
+   in a collective for another's unbounded local work (a gloo timeout would break the
+   group for good);
 3. on a miss only, ``exchange_plans``: ``gather_object`` of the plans that changed (the
    others send their plan's key) to the coordinator, which re-plans (``delta``) and
    ``scatter_object_list`` sends every rank its share. If the coordinator lacks a plan
@@ -22,7 +26,7 @@ Example::
 from __future__ import annotations
 
 import secrets
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -79,6 +83,7 @@ class Agreement:
 
     failed_rank: int | None  # lowest rank whose local planning failed
     go: bool  # every rank can save now
+    ready: bool  # every rank is ready now (else every rank votes again)
     reuse: bool  # every rank holds a cached plan with the same key
     save_id: int  # fresh random number, the same on every rank
 
@@ -103,12 +108,19 @@ def _collective_error(e: Exception, rank: int, what: str) -> CheckpointError:
 
 
 def agree_save(
-    *, go: bool, failed: bool, hit_key: str | None, rank: int, world_size: int, group: Any
+    *,
+    go: bool,
+    failed: bool,
+    hit_key: str | None,
+    rank: int,
+    world_size: int,
+    group: Any,
+    ready: bool = True,
 ) -> Agreement:
-    """ONE ``all_reduce(MIN)`` of six int64s that settles everything a save needs agreed.
+    """ONE ``all_reduce(MIN)`` of seven int64s that settles everything a save needs agreed.
 
-    Entries: go (0/1); failed rank (``rank`` if this rank's planning failed, else
-    ``world_size``); hit (0/1); key fingerprint and its negation (MIN of both is the
+    Entries: go (0/1); ready (0/1); failed rank (``rank`` if this rank's planning failed,
+    else ``world_size``); hit (0/1); key fingerprint and its negation (MIN of both is the
     min and the max: equal iff every rank reuses the same global plan); a random id.
 
     Example::
@@ -119,6 +131,7 @@ def agree_save(
     values = torch.tensor(
         [
             1 if go else 0,
+            1 if ready else 0,
             rank if failed else world_size,
             1 if hit_key else 0,
             fp,
@@ -128,10 +141,13 @@ def agree_save(
         dtype=torch.int64,
     )
     dist.all_reduce(values, op=dist.ReduceOp.MIN, group=group)
-    go_min, failed_min, hit_min, fp_min, neg_fp_min, save_id = (int(v) for v in values.tolist())
+    go_min, ready_min, failed_min, hit_min, fp_min, neg_fp_min, save_id = (
+        int(v) for v in values.tolist()
+    )
     return Agreement(
         failed_rank=failed_min if failed_min < world_size else None,
         go=go_min == 1,
+        ready=ready_min == 1,
         reuse=hit_min == 1 and fp_min == -neg_fp_min,
         save_id=save_id,
     )
@@ -238,6 +254,7 @@ def plan_save(
     world_size: int,
     thread_count: int,
     go: bool = True,
+    ready: Callable[[], bool] | None = None,
 ) -> PlannedSave | None:
     """Plan one multi-rank save; every rank of ``group`` calls it for every save.
 
@@ -250,6 +267,13 @@ def plan_save(
         thread_count: data files per rank.
         go: False if this rank cannot save now; then every rank returns None together
             (nobody is left waiting in a collective).
+        ready: called before each vote (if ``go``): waits, for a bounded time well
+            under the group's timeout, until this rank can take the save now, and says
+            whether it can. While some rank is not ready every rank votes again (one
+            more all-reduce each time), so that no rank sits in a collective while
+            another does unbounded local work (finishing its previous save, starting a
+            new worker); a collective past the group's timeout would break the group for
+            every later save. None: always ready.
 
     Returns:
         This rank's ``PlannedSave``, or None if some rank said it cannot save.
@@ -273,28 +297,35 @@ def plan_save(
             hit_key = cache.hit_key(state.plan, rank, context)
         except Exception as e:  # noqa: BLE001 - reported to every rank by the vote below
             error = e
-    try:
-        agreed = agree_save(
-            go=go,
-            failed=error is not None,
-            hit_key=hit_key,
-            rank=rank,
-            world_size=world_size,
-            group=group,
-        )
-    except (RuntimeError, ValueError) as e:
-        cache.clear()
-        raise _collective_error(e, rank, "the save-planning all-reduce") from e
-    if agreed.failed_rank is not None:
-        if error is not None:
-            raise error
-        raise CheckpointError(
-            f"rank {agreed.failed_rank} could not plan its part of the save (see its error); "
-            "nothing was saved",
-            rank=agreed.failed_rank,
-        )
-    if not agreed.go:
-        return None
+    votes = 0
+    while True:
+        ready_now = ready() if ready is not None and go and error is None else True
+        try:
+            agreed = agree_save(
+                go=go,
+                failed=error is not None,
+                hit_key=hit_key,
+                rank=rank,
+                world_size=world_size,
+                group=group,
+                ready=ready_now,
+            )
+        except (RuntimeError, ValueError) as e:
+            cache.clear()
+            raise _collective_error(e, rank, "the save-planning all-reduce") from e
+        votes += 1
+        if agreed.failed_rank is not None:
+            if error is not None:
+                raise error
+            raise CheckpointError(
+                f"rank {agreed.failed_rank} could not plan its part of the save (see its "
+                "error); nothing was saved",
+                rank=agreed.failed_rank,
+            )
+        if not agreed.go:
+            return None
+        if agreed.ready:
+            break
     assert state is not None
     local = state.plan
     token = f"{agreed.save_id:014x}"
@@ -312,7 +343,7 @@ def plan_save(
         cache.local, cache.context = local, context
         assert cache.layout is not None and cache.key is not None
         skeleton = cache.plan.skeleton if rank == coordinator and cache.plan else None
-        return planned(cache.layout, cache.objects, skeleton, cache.key, 1)
+        return planned(cache.layout, cache.objects, skeleton, cache.key, votes)
     cache.misses += 1
     try:
         result = exchange_plans(
@@ -334,7 +365,7 @@ def plan_save(
     cache.key, cache.context, cache.seed = result.key, context, None
     cache.plan = result.plan
     skeleton = result.plan.skeleton if result.plan is not None else None
-    return planned(result.layout, result.objects, skeleton, result.key, 1 + result.collectives)
+    return planned(result.layout, result.objects, skeleton, result.key, votes + result.collectives)
 
 
 def _adopt_seed(cache: PlanCache, rank: int, coordinator: int, thread_count: int) -> None:

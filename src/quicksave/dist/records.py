@@ -133,6 +133,19 @@ def wait_ranks(store: Any, token: str, world_size: int, timeout_s: float) -> dic
         pause = min(2 * pause, POLL_MAX_S)
 
 
+def commit_wait_s(timeout_s: float) -> float:
+    """How long a rank waits for the commit record of a save whose coordinator waits
+    ``timeout_s`` for every rank: a bit longer, so that the coordinator's verdict, not a
+    guess, ends the save."""
+    return timeout_s * 1.5 + 10.0
+
+
+def posted_commit(store: Any, token: str) -> bool:
+    """Whether the coordinator's outcome of the save ``token`` is posted (committed or
+    aborted); one check, no wait."""
+    return bool(store.check([_key(token, "commit")]))
+
+
 def wait_commit(store: Any, token: str, timeout_s: float, coordinator: int = 0) -> str | None:
     """Wait for the coordinator's commit record. Returns None if committed, else the
     reason (its error, or that it did not come within ``timeout_s``)."""

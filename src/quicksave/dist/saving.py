@@ -10,7 +10,7 @@ submits a ``PersistJob`` built from the rest. The only collective is inside
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -69,6 +69,10 @@ class DistSaving:
         self.ctx = ctx
         self.cache = PlanCache()
         self.address = records.store_address(ctx.store)
+        # The records live in the base store, where the workers (connected from
+        # ``address``) read them: not under the PrefixStore the default group wraps
+        # around it, or a trainer's post would never reach the coordinator's writer.
+        self.store = records.base_store(ctx.store)
         self._dcp_metadata: tuple[str, bytes] | None = None  # (global plan key, bytes)
 
     def plan(
@@ -80,10 +84,13 @@ class DistSaving:
         user_metadata: dict[str, Any] | None,
         thread_count: int,
         go: bool = True,
+        ready: Callable[[], bool] | None = None,
     ) -> DistSave | None:
         """Plan this save (runs the planning collective) and describe this rank's part.
 
         Returns None, on every rank, if some rank said it cannot save now (``go``).
+        ``ready``: waits, bounded, until this rank can take the save now (see
+        ``exchange.plan_save``); every rank votes again while one is not ready.
 
         Raises:
             CheckpointError: bad input (names fqn and rank) or a failed exchange.
@@ -101,6 +108,7 @@ class DistSaving:
             ctx.world_size,
             thread_count,
             go,
+            ready,
         )
         if planned is None:
             return None
@@ -152,11 +160,25 @@ class DistSaving:
             collectives=planned.collectives,
         )
 
+    def settled(self, token: str) -> bool:
+        """Whether the outcome of the save ``token`` is posted (see ``records``); True
+        if the store cannot be asked (nothing to wait for then)."""
+        try:
+            return records.posted_commit(self.store, token)
+        except Exception:  # noqa: BLE001 - the store may be gone with the job
+            return True
+
+    @property
+    def outcome_wait_s(self) -> float:
+        """How long after a save starts every rank's writer has its outcome, at the
+        latest (the coordinator's verdict, or its own timeout waiting for it)."""
+        return records.commit_wait_s(self.ctx.commit_timeout_s)
+
     def worker_failed(self, token: str, error: str) -> None:
         """This rank's writer died mid-save: tell the others now, not at the timeout."""
         try:
-            records.post_rank(self.ctx.store, token, self.ctx.rank, error)
+            records.post_rank(self.store, token, self.ctx.rank, error)
             if self.ctx.rank == self.ctx.coordinator:
-                records.post_commit(self.ctx.store, token, f"rank {self.ctx.rank}: {error}")
+                records.post_commit(self.store, token, f"rank {self.ctx.rank}: {error}")
         except Exception:  # noqa: BLE001 - the store may be gone with the job
             pass
