@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 import torch
 from launcher import LaunchConfig, run_ranks
+from tests.helpers.manifests import committed_json
 
 from helpers.collectives import CollectiveLog
 from quicksave.dist.planning import global_plan, local_plan
@@ -112,7 +113,7 @@ def _expected(variant: int, world_size: int) -> Any:
 def test_plan_save_collectives_delta_restart() -> None:
     world = 2
     exp0, exp1 = _expected(0, world), _expected(1, world)
-    got = run_ranks(_rank_plan_saves, world, to_json_bytes(exp1.skeleton), config=LAUNCH)
+    got = run_ranks(_rank_plan_saves, world, committed_json(exp1.skeleton), config=LAUNCH)
 
     def check(name: str, exp: Any, collectives: int) -> None:
         tokens = {got[r][name]["token"] for r in range(world)}

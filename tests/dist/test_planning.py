@@ -7,6 +7,7 @@ import math
 
 import pytest
 import torch
+from tests.helpers.manifests import committed_json
 
 from quicksave.dist.planning import (
     LocalPlan,
@@ -200,7 +201,7 @@ def test_cache_seeded_from_a_manifest_round_trip() -> None:
     ]
     plans = [local_plan(sd, r) for r, sd in enumerate(sds)]
     gp = global_plan(plans, thread_count=2)
-    loaded = from_json_bytes(to_json_bytes(gp.skeleton))
+    loaded = from_json_bytes(committed_json(gp.skeleton))
     cache = PlanCache.from_manifest(loaded)
     assert cache.seed is not None
     assert [p.key for p in cache.seed] == [p.key for p in plans]
