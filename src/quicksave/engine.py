@@ -283,18 +283,10 @@ class AsyncSaver:
     ) -> ProcessPersister | ThreadPersister:
         """The persister to hand work to (``job_id``: the job about to be sent, already
         registered in flight). A worker that died while idle is replaced first."""
-        p = self._persister
         mine = set() if job_id is None else {job_id}
         idle = set(self._in_flight) <= mine  # no job was in its hands
-        if isinstance(p, ProcessPersister) and idle and p.process.poll() is not None:
-            # died while idle (SIGTERM, OOM killer...): no save was lost, start another
-            logger.warning(
-                "quicksave: the checkpoint worker (pid %d) exited while idle (code %s)",
-                p.pid,
-                p.process.returncode,
-            )
-            p.close(0.0)
-            self._persister = None
+        if idle:  # died while idle (SIGTERM, OOM killer...): no save was lost
+            self._drop_idle_dead_worker()
         if self._persister is None:
             logger.warning("quicksave: starting a new checkpoint worker (rank %d)", self.rank)
             self._persister = self._new_persister()
@@ -592,18 +584,11 @@ class AsyncSaver:
         else:
             self._poll_warm(timeout)
 
-    def _replace_dead_worker(self) -> None:
-        """Process mode, several ranks: start a new worker now (once per save) if the
-        last one died — after failing its jobs (``_worker_failed``) or while idle — and
-        send it the pools and a warm-up (see ``ProcessPersister.warm_up``)."""
-        if self.config.mode != "process" or self._replaced_worker or self._closed:
-            return
+    def _drop_idle_dead_worker(self) -> None:
+        """Forget a worker process that exited while it held no job (the caller checked
+        that none is in flight): no save was lost; the next use starts another."""
         p = self._persister
-        if p is not None:
-            if not isinstance(p, ProcessPersister) or self._in_flight:
-                return  # a death with jobs in hand is _collect's to find (it fails them)
-            if p.process.poll() is None:
-                return
+        if isinstance(p, ProcessPersister) and p.process.poll() is not None:
             logger.warning(
                 "quicksave: the checkpoint worker (pid %d) exited while idle (code %s)",
                 p.pid,
@@ -611,6 +596,19 @@ class AsyncSaver:
             )
             p.close(0.0)
             self._persister = None
+
+    def _replace_dead_worker(self) -> None:
+        """Process mode, several ranks: start a new worker now (once per save) if the
+        last one died — after failing its jobs (``_worker_failed``) or while idle — and
+        send it the pools and a warm-up (see ``ProcessPersister.warm_up``)."""
+        if self.config.mode != "process" or self._replaced_worker or self._closed:
+            return
+        if self._persister is not None:
+            if self._in_flight:
+                return  # a death with jobs in hand is _collect's to find (it fails them)
+            self._drop_idle_dead_worker()
+            if self._persister is not None:  # alive (or a thread persister)
+                return
         self._replaced_worker = True
         logger.warning("quicksave: starting a new checkpoint worker (rank %d)", self.rank)
         assert self._dist is not None
