@@ -23,6 +23,7 @@ from collections import defaultdict
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from itertools import pairwise
 from typing import Any
 
 import torch
@@ -449,14 +450,14 @@ class StorageReader(_DCPStorageReader):
         if len(run) == 1:
             self._read_chunk(fd, run[0])
             return
+        if any(b.entry.offset < a.entry.offset + a.entry.length for a, b in pairwise(run)):
+            self._read_span(fd, run)  # overlapping chunks: read the span once, then copy
+            return
         start = run[0].entry.offset
         pos = start
         views: list[memoryview] = []
         targets: list[tuple[_Chunk, memoryview, Callable[[], None]]] = []
         for c in run:
-            if c.entry.offset < pos:  # overlapping chunks: read the span once, then copy
-                self._read_span(fd, run)
-                return
             if c.entry.offset > pos:
                 views.append(memoryview(bytearray(c.entry.offset - pos)))
             view, finish = self._target(c)
@@ -480,12 +481,7 @@ class StorageReader(_DCPStorageReader):
         start = run[0].entry.offset
         end = max(c.entry.offset + c.entry.length for c in run)
         view = memoryview(bytearray(end - start))
-        got = 0
-        while got < len(view):
-            n = fd.pread_into(view[got:], start + got)
-            if n == 0:
-                break
-            got += n
+        got = fd.read_scatter([view], start)  # short where the file ends: the chunks say so
         held = _Span(view[:got], start)
         for c in run:
             self._read_chunk(held, c)

@@ -18,7 +18,11 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
+
+import xxhash
+
+from ..format.manifest import hexdigest
 
 Range = tuple[str, int, int]  # (name, offset, length) of a byte range to hash on the way
 
@@ -163,3 +167,24 @@ def join(key: str, name: str) -> str:
     if not key:
         return name
     return key.rstrip("/") + "/" + name
+
+
+def byte_view(data: Any, *, writable: bool = False) -> memoryview:
+    """``data`` (a buffer a backend transfers from or into) as a flat unsigned-byte
+    memoryview, without a copy."""
+    mv = data if isinstance(data, memoryview) else memoryview(data)
+    if writable and mv.readonly:
+        raise ValueError("read_into needs a writable buffer")
+    if not mv.c_contiguous:
+        raise ValueError("transfers need a C-contiguous buffer")
+    if mv.format != "B" or mv.ndim != 1:
+        mv = mv.cast("B")
+    return mv
+
+
+def hash_ranges(view: memoryview, ranges: Sequence[Range]) -> dict[str, str]:
+    """The xxh3-64 (16 hex digits) of every ``(name, offset, length)`` of ``view``."""
+    return {  # in file order: one pass forward through memory
+        name: hexdigest(xxhash.xxh3_64_intdigest(view[off : off + length]))
+        for name, off, length in sorted(ranges, key=lambda r: r[1])
+    }

@@ -18,6 +18,7 @@ from typing import Protocol
 from ..errors import CheckpointNotFoundError, CorruptCheckpointError
 from ..safeio import member_path, open_regular, read_regular
 from .backend import Backend
+from .local import preadv_full
 from .location import Location, parse_location
 
 
@@ -46,17 +47,7 @@ class _LocalMember:
         return os.preadv(self.fd, [view], offset)
 
     def read_scatter(self, views: list[memoryview], offset: int) -> int:
-        views, got = list(views), 0
-        while views:
-            n = os.preadv(self.fd, views, offset + got)
-            if n == 0:
-                break
-            got += n
-            while views and n >= len(views[0]):
-                n -= len(views.pop(0))
-            if views:
-                views[0] = views[0][n:]
-        return got
+        return preadv_full(self.fd, views, offset)
 
     def close(self) -> None:
         os.close(self.fd)

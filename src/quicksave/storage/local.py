@@ -19,7 +19,23 @@ from collections.abc import Iterable, Iterator, Sequence
 from ..errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
 from ..persist import write_image
 from ..safeio import open_regular, read_regular
-from .backend import ObjectInfo, Range
+from .backend import ObjectInfo, Range, byte_view
+
+
+def preadv_full(fd: int, views: Sequence[memoryview], offset: int) -> int:
+    """Fill ``views`` in turn from ``fd`` at ``offset`` (``preadv`` until done); returns
+    the bytes read, fewer only where the file ends."""
+    views, got = list(views), 0
+    while views:
+        n = os.preadv(fd, views, offset + got)
+        if n == 0:
+            break
+        got += n
+        while views and n >= len(views[0]):
+            n -= len(views.pop(0))
+        if views:
+            views[0] = views[0][n:]
+    return got
 
 
 class LocalBackend:
@@ -70,49 +86,22 @@ class LocalBackend:
         )
 
     def read_into(self, key: str, offset: int, dest: memoryview) -> None:
-        try:
-            f = open_regular(key, what="file", rank=self.rank)
-        except FileNotFoundError:
-            raise CheckpointNotFoundError("no such file", path=key, rank=self.rank) from None
-        try:
-            got = 0
-            while got < len(dest):
-                n = os.preadv(f.fd, [dest[got:]], offset + got)
-                if n == 0:
-                    raise CorruptCheckpointError(
-                        f"file ends at {f.size} bytes, before {offset + len(dest)}",
-                        path=key,
-                        rank=self.rank,
-                    )
-                got += n
-        except OSError as e:
-            raise CheckpointError(f"cannot read: {e.strerror}", path=key, rank=self.rank) from e
-        finally:
-            os.close(f.fd)
+        self.read_scatter(key, offset, [dest])
 
     def read_scatter(self, key: str, offset: int, dests: Sequence[memoryview]) -> None:
-        views = [v for v in dests if len(v)]
-        if len(views) <= 1:
-            self.read_into(key, offset, views[0] if views else memoryview(bytearray()))
-            return
+        views = [v for v in map(byte_view, dests) if len(v)]  # lengths in bytes
         try:
             f = open_regular(key, what="file", rank=self.rank)
         except FileNotFoundError:
             raise CheckpointNotFoundError("no such file", path=key, rank=self.rank) from None
-        end = offset + sum(len(v) for v in views)
+        want = sum(len(v) for v in views)
         try:
-            pos = offset
-            while views:
-                n = os.preadv(f.fd, views, pos)
-                if n == 0:
-                    raise CorruptCheckpointError(
-                        f"file ends at {f.size} bytes, before {end}", path=key, rank=self.rank
-                    )
-                pos += n
-                while views and n >= len(views[0]):
-                    n -= len(views.pop(0))
-                if views:
-                    views[0] = views[0][n:]
+            if preadv_full(f.fd, views, offset) < want:
+                raise CorruptCheckpointError(
+                    f"file ends at {f.size} bytes, before {offset + want}",
+                    path=key,
+                    rank=self.rank,
+                )
         except OSError as e:
             raise CheckpointError(f"cannot read: {e.strerror}", path=key, rank=self.rank) from e
         finally:

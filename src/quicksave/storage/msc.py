@@ -59,11 +59,8 @@ from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from typing import Any, NoReturn
 
-import xxhash
-
 from ..errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
-from ..format.manifest import hexdigest
-from .backend import ObjectInfo, Range, StorageOptions
+from .backend import ObjectInfo, Range, StorageOptions, byte_view, hash_ranges
 
 READ_PIECE = 32 << 20  # bytes per ranged GET of a large read_into
 MAX_CONCURRENCY = 8  # ranged GETs in flight per read_into (and the pool's size)
@@ -169,22 +166,6 @@ class _ViewReader(io.RawIOBase):
 
     def __len__(self) -> int:
         return len(self._view)
-
-
-def _byte_view(data: Any, *, writable: bool = False) -> memoryview:
-    view = data if isinstance(data, memoryview) else memoryview(data)
-    if view.ndim != 1 or view.format != "B":
-        view = view.cast("B")
-    if writable and view.readonly:
-        raise ValueError("read_into needs a writable buffer")
-    return view
-
-
-def _hash_ranges(view: memoryview, ranges: Sequence[Range]) -> dict[str, str]:
-    return {
-        name: hexdigest(xxhash.xxh3_64(view[off : off + length]).intdigest())
-        for name, off, length in ranges
-    }
 
 
 def _walk_secrets(value: Any, under_secret: bool, out: set[str]) -> None:
@@ -454,13 +435,13 @@ class MscBackend:
         the upload if any part fails.
         """
         client = self._live()
-        view = _byte_view(data)
+        view = byte_view(data)
         n = len(view)
         for name, off, length in ranges:
             if off < 0 or length < 0 or off + length > n:
                 raise ValueError(f"range {name!r} [{off}, {off + length}) is outside 0..{n}")
         hashed: Future[dict[str, str]] | None = (
-            self._hasher.submit(_hash_ranges, view, tuple(ranges)) if ranges else None
+            self._hasher.submit(hash_ranges, view, tuple(ranges)) if ranges else None
         )
         try:
             client.upload_file(key, _ViewReader(view))
@@ -477,7 +458,7 @@ class MscBackend:
         ``read_piece``-sized ranged reads in parallel for a large range. Each piece comes
         back from MSC as ``bytes`` and is copied into ``dest``."""
         client = self._live()
-        out = _byte_view(dest, writable=True)
+        out = byte_view(dest, writable=True)
         n = len(out)
         if offset < 0:
             raise ValueError(f"negative offset {offset}")
@@ -545,7 +526,7 @@ class MscBackend:
 
     def read_scatter(self, key: str, offset: int, dests: Sequence[memoryview]) -> None:
         """MSC hands back ``bytes``, so the range is read once and copied out."""
-        views = [_byte_view(d, writable=True) for d in dests]
+        views = [byte_view(d, writable=True) for d in dests]
         buf = memoryview(bytearray(sum(len(v) for v in views)))
         self.read_into(key, offset, buf)
         pos = 0

@@ -30,11 +30,8 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-import xxhash
-
 from ..errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
-from ..format.manifest import hexdigest
-from .backend import ObjectInfo, Range, S3Options
+from .backend import ObjectInfo, Range, S3Options, byte_view, hash_ranges
 
 T = TypeVar("T")
 
@@ -235,18 +232,6 @@ class _Abandoned(CheckpointError):
 # --------------------------------------------------------------------------- buffers
 
 
-def _byte_view(data: Any, *, writable: bool = False) -> memoryview:
-    """``data`` as a flat unsigned-byte memoryview (no copy)."""
-    mv = data if isinstance(data, memoryview) else memoryview(data)
-    if writable and mv.readonly:
-        raise ValueError("read_into needs a writable buffer")
-    if not mv.c_contiguous:
-        raise ValueError("S3 transfers need a C-contiguous buffer")
-    if mv.format != "B" or mv.ndim != 1:
-        mv = mv.cast("B")
-    return mv
-
-
 class _MemoryReader:
     """A read-only, seekable file over a memoryview: what botocore takes as a request
     body (it refuses a bare memoryview) without copying the buffer. ``read`` returns
@@ -297,14 +282,6 @@ def _body(view: memoryview) -> bytes | _MemoryReader:
     if len(view) <= SMALL_BODY:
         return view.tobytes()
     return _MemoryReader(view)
-
-
-def hash_ranges(view: memoryview, ranges: Sequence[Range]) -> dict[str, str]:
-    """The xxh3-64 (16 hex digits) of every ``(name, offset, length)`` of ``view``."""
-    out: dict[str, str] = {}
-    for name, off, length in sorted(ranges, key=lambda r: r[1]):
-        out[name] = hexdigest(xxhash.xxh3_64_intdigest(view[off : off + length]))
-    return out
 
 
 def _check_ranges(ranges: Sequence[Range], size: int) -> None:
@@ -609,7 +586,7 @@ class S3Backend:
         return part
 
     def put(self, key: str, data: memoryview, *, ranges: Sequence[Range] = ()) -> dict[str, str]:
-        view = _byte_view(data)
+        view = byte_view(data)
         size = len(view)
         _check_ranges(ranges, size)
         url = self.url(key)
@@ -727,7 +704,7 @@ class S3Backend:
     # ----------------------------------------------------------------- reading
 
     def read_into(self, key: str, offset: int, dest: memoryview) -> None:
-        view = _byte_view(dest, writable=True)
+        view = byte_view(dest, writable=True)
         size = len(view)
         url = self.url(key)
         if offset < 0:
@@ -762,7 +739,7 @@ class S3Backend:
         )
 
     def read_scatter(self, key: str, offset: int, dests: Sequence[memoryview]) -> None:
-        views = [_byte_view(d, writable=True) for d in dests]
+        views = [byte_view(d, writable=True) for d in dests]
         views = [v for v in views if len(v)]
         if len(views) <= 1:
             self.read_into(key, offset, views[0] if views else memoryview(bytearray()))
