@@ -43,9 +43,17 @@ def tensor_specs(total_bytes: int) -> list[tuple[str, torch.dtype, int]]:
 
 def build_state_dict(total_bytes: int, seed: int = 0) -> dict[str, torch.Tensor]:
     """A deterministic state dict of about ``total_bytes`` (see :func:`tensor_specs`)."""
+    return state_dict_of(tensor_specs(total_bytes), seed)
+
+
+def state_dict_of(
+    specs: list[tuple[str, torch.dtype, int]], seed: int = 0
+) -> dict[str, torch.Tensor]:
+    """Random tensors (deterministic for ``seed``) of the ``(name, dtype, bytes)`` of
+    ``specs``: rows of 1024 elements where the size allows, else one dimension."""
     g = torch.Generator().manual_seed(seed)
     sd = {}
-    for name, dtype, nbytes in tensor_specs(total_bytes):
+    for name, dtype, nbytes in specs:
         numel = nbytes // torch.empty((), dtype=dtype).element_size()
         shape = (numel // 1024, 1024) if numel % 1024 == 0 else (numel,)
         sd[name] = torch.randn(shape, generator=g, dtype=dtype)

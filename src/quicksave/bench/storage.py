@@ -86,6 +86,8 @@ from typing import Any
 
 import torch
 
+from ..persist import byte_view
+from .methods import nbytes_of, state_dict_of
 from .training import run_child
 
 MiB = 1 << 20
@@ -446,28 +448,12 @@ def _model_specs(total_bytes: int) -> list[tuple[str, torch.dtype, int]]:
 
 def build_shape(shape: str, total_bytes: int, seed: int = 0) -> dict[str, torch.Tensor]:
     """A deterministic state dict of ``shape`` holding about ``total_bytes``."""
-    g = torch.Generator().manual_seed(seed)
-    sd = {}
-    for name, dtype, nbytes in shape_specs(shape, total_bytes):
-        numel = nbytes // torch.empty((), dtype=dtype).element_size()
-        shape_ = (numel // 1024, 1024) if numel % 1024 == 0 else (numel,)
-        sd[name] = torch.randn(shape_, generator=g, dtype=dtype)
-    return sd
-
-
-def _nbytes(sd: dict[str, torch.Tensor]) -> int:
-    return sum(t.numel() * t.element_size() for t in sd.values())
-
-
-def _view(t: torch.Tensor) -> memoryview:
-    from quicksave.persist import byte_view
-
-    return byte_view(t)
+    return state_dict_of(shape_specs(shape, total_bytes), seed)
 
 
 def _pack(sd: dict[str, torch.Tensor]) -> torch.Tensor:
     """The bytes of every tensor of ``sd``, one after the other, in one uint8 tensor."""
-    flat = torch.empty(_nbytes(sd), dtype=torch.uint8)
+    flat = torch.empty(nbytes_of(sd), dtype=torch.uint8)
     pos = 0
     for t in sd.values():
         n = t.numel() * t.element_size()
@@ -751,9 +737,9 @@ class _Methods:
 
     def save(self, method: str, bucket: str, tag: str, prefix: str, sd: dict, flat: Any) -> None:
         if method == RAW_THREADS:
-            self.raw.put(bucket, prefix + "/data", _view(flat))
+            self.raw.put(bucket, prefix + "/data", byte_view(flat))
         elif method == RAW_BOTO3:
-            self.raw.boto3_put(bucket, prefix + "/data", _view(flat))
+            self.raw.boto3_put(bucket, prefix + "/data", byte_view(flat))
         elif method == DCP_MSC:
             _dcp_msc_save(sd, f"msc://{self.msc_profiles}{tag}/{prefix}")
         elif method == DCP_S3TC:
@@ -768,9 +754,9 @@ class _Methods:
 
     def load(self, method: str, bucket: str, tag: str, prefix: str, dest: dict, flat: Any) -> None:
         if method == RAW_THREADS:
-            self.raw.get(bucket, prefix + "/data", _view(flat))
+            self.raw.get(bucket, prefix + "/data", byte_view(flat))
         elif method == RAW_BOTO3:
-            self.raw.boto3_get(bucket, prefix + "/data", _view(flat))
+            self.raw.boto3_get(bucket, prefix + "/data", byte_view(flat))
         elif method == DCP_MSC:
             _dcp_msc_load(dest, f"msc://{self.msc_profiles}{tag}/{prefix}")
         elif method == DCP_S3TC:
@@ -899,7 +885,7 @@ def _measure_shape(
     """Every method ``config.repeat`` times on ``shape`` (one bucket per repeat)."""
     total = config.size_mib * MiB
     data = _Data.build(shape, total, config.seed)
-    nbytes = _nbytes(data.sd)
+    nbytes = nbytes_of(data.sd)
     todo = [m for m in config.methods if m not in methods.unavailable]
     samples: dict[str, dict[str, list[_Sample]]] = {}
     failed: dict[str, str] = {}
