@@ -44,7 +44,7 @@ from multiprocessing.connection import Connection
 from multiprocessing.reduction import ForkingPickler, recv_handle, send_handle
 from typing import Any
 
-from . import commit, errors
+from . import commit, errors, fnpickle
 from .dist import records
 from .dist.records import StoreAddress
 from .errors import CheckpointError, WorkerFailedError
@@ -863,22 +863,24 @@ def run_call(job_id: int, fn: Callable[..., Any], args: tuple, kwargs: dict) -> 
 
 
 def pickle_call(job_id: int, fn: Callable[..., Any], args: tuple, kwargs: dict) -> bytes:
-    """Pickle a generic call for the worker with multiprocessing's ``ForkingPickler``.
+    """Pickle a generic call for the worker with ``fnpickle`` (a ``ForkingPickler``).
 
     With torch's reductions registered (``torch.multiprocessing``), a CPU tensor pickles as
     a handle to shared memory: its storage is moved to shared memory once (``is_shared()``
     is then true in the trainer too) and the worker maps the same pages; no tensor bytes
-    are copied into the message.
+    are copied into the message. Functions the worker cannot import (those of the
+    training script's ``__main__``, closures, lambdas) go by value; classes must be
+    importable. Failures surface here, when the call is scheduled, not in the worker.
     """
     if "torch" in sys.modules:
         import torch.multiprocessing  # noqa: F401 - registers the tensor reductions
     try:
-        return bytes(ForkingPickler.dumps((fn, args, kwargs)))
-    except Exception as e:  # noqa: BLE001 - any pickling failure is bad input
+        return fnpickle.dumps((fn, args, kwargs))
+    except CheckpointError as e:
         raise CheckpointError(
             f"call {job_id}: its function or arguments cannot be sent to the worker process "
-            f"({type(e).__name__}: {e}); use module-level functions (or functools.partial of "
-            "them) and picklable arguments"
+            f"({e.message}); the arguments must pickle and classes must be importable (the "
+            "worker does not run the training script)"
         ) from e
 
 
