@@ -1,8 +1,9 @@
 """Catalog: list the checkpoints under a folder (``quicksave ls``).
 
-Cheap by design: it classifies directories by the files they hold, reads only
-``manifest.json`` (for the step; a regular file only, see :mod:`quicksave.safeio`) and
-``lstat``s the files; it never reads tensor data and never unpickles a DCP
+Cheap by design: it classifies directories by the files they hold, reads only the
+manifest (for the step: ``manifest.json``, or the manifest inside a DCP-layout
+``.metadata`` after reading its footer; a regular file only, see :mod:`quicksave.safeio`)
+and ``lstat``s the files; it never reads tensor data and never unpickles a DCP
 ``.metadata``. A damaged checkpoint is listed with its problem; it never fails the
 listing of the others.
 """
@@ -14,10 +15,10 @@ import re
 from collections import defaultdict
 from dataclasses import dataclass
 
-from .commit import CheckpointKind, classify, kind_of
+from .commit import CheckpointKind, classify, kind_of, metadata_has_footer
 from .errors import CheckpointError, CheckpointNotFoundError
 from .format import DCP_METADATA_NAME, MANIFEST_NAME
-from .format.manifest import read_manifest
+from .format.manifest import LAYOUT_DCP, LAYOUT_QUICKSAVE, read_manifest
 from .storage import Location, ObjectInfo, parse_location
 from .storage.backend import Backend
 from .storage.checkpoint_dir import CheckpointDir
@@ -42,6 +43,9 @@ class CheckpointInfo:
             of the directory when neither exists.
         problem: why the manifest could not be read, else None (then ``step`` comes
             from the name).
+        layout: the files' layout: ``quicksave`` (safetensors files and
+            ``manifest.json``) or ``dcp`` (DCP's files: a stock DCP checkpoint, or a
+            quicksave one in the DCP layout, FORMAT.md §8).
     """
 
     name: str
@@ -52,6 +56,7 @@ class CheckpointInfo:
     size: int
     mtime: float
     problem: str | None = None
+    layout: str = LAYOUT_QUICKSAVE
 
     @property
     def status(self) -> str:
@@ -94,6 +99,16 @@ def _step_from_name(name: str) -> int | None:
     return int(match.group(1))
 
 
+def _layout_of(names: set[str]) -> str:
+    """``quicksave`` when the directory holds a manifest.json or quicksave data files
+    (the names say it for committed and uncommitted ones alike), else ``dcp``."""
+    if MANIFEST_NAME in names or any(n.startswith(("rank-", "part-rank-")) for n in names):
+        return LAYOUT_QUICKSAVE
+    if DCP_METADATA_NAME in names or any(n.endswith(".distcp") for n in names):
+        return LAYOUT_DCP
+    return LAYOUT_QUICKSAVE
+
+
 def describe(path: str, name: str | None = None) -> CheckpointInfo | None:
     """Describe the checkpoint at ``path``, or None if it is not one.
 
@@ -116,14 +131,16 @@ def describe(path: str, name: str | None = None) -> CheckpointInfo | None:
     names = set(os.listdir(path))  # never the files' contents: only read_manifest reads
     step: int | None = None
     problem: str | None = None
-    if MANIFEST_NAME in names:
+    layout = _layout_of(names)
+    if MANIFEST_NAME in names or kind is CheckpointKind.QUICKSAVE:
         fmt = "quicksave"
         try:
             step = read_manifest(path).step
         except CheckpointError as e:
             problem = e.message
             step = _step_from_name(base)
-        stamp = os.path.join(path, MANIFEST_NAME)
+        commit = MANIFEST_NAME if MANIFEST_NAME in names else DCP_METADATA_NAME
+        stamp = os.path.join(path, commit)
     elif kind is CheckpointKind.DCP:
         fmt, step, stamp = "dcp", _step_from_name(base), os.path.join(path, DCP_METADATA_NAME)
     else:
@@ -137,6 +154,7 @@ def describe(path: str, name: str | None = None) -> CheckpointInfo | None:
         size=_dir_size(path),
         mtime=os.lstat(stamp).st_mtime,  # the entry itself, even if a symbolic link
         problem=problem,
+        layout=layout,
     )
 
 
@@ -232,13 +250,13 @@ def _describe_store(
     top = {k for k in objs if "/" not in k}
     if not top:
         return None
-    kind = kind_of(loc.name, top)
+    kind = kind_of(loc.name, top, lambda: metadata_has_footer(loc, backend))
     if kind not in _LISTED:
         return None
     step: int | None = _step_from_name(loc.name)
     problem: str | None = None
     fmt = "dcp" if kind is CheckpointKind.DCP else "quicksave"
-    if MANIFEST_NAME in top:
+    if MANIFEST_NAME in top or kind is CheckpointKind.QUICKSAVE:
         try:
             step = read_manifest(CheckpointDir(loc, backend)).step
         except CheckpointError as e:
@@ -253,4 +271,5 @@ def _describe_store(
         size=sum(o.size for o in objs.values()),
         mtime=stamp.mtime if stamp else max(o.mtime for o in objs.values()),
         problem=problem,
+        layout=_layout_of(top),
     )

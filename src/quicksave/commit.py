@@ -8,9 +8,10 @@ Local filesystem protocol (docs/FORMAT.md, "Commit"):
 3. the coordinator renames the directory to ``<parent>/<name>`` and fsyncs ``<parent>``.
 
 A directory is a committed quicksave checkpoint iff its name has no ``.tmp-`` (nor
-``.corrupt-``, quarantined) marker and it holds ``manifest.json``. Anything else is
-invisible: never listed as committed, never loaded, never counted as latest, never kept
-by retention.
+``.corrupt-``, quarantined) marker and it holds ``manifest.json``, or (the DCP layout,
+docs/FORMAT.md §8) no ``manifest.json`` but a ``.metadata`` that ends with the layout's
+footer. Anything else is invisible: never listed as committed, never loaded, never
+counted as latest, never kept by retention.
 """
 
 from __future__ import annotations
@@ -21,11 +22,13 @@ import os
 import shutil
 import stat
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 from .errors import CheckpointError, CheckpointExistsError
 from .format import DCP_METADATA_NAME, MANIFEST_NAME
+from .format.dcp_layout import PROBE_SIZE, has_footer
 from .storage.backend import Backend
+from .storage.checkpoint_dir import CheckpointDir, read_range
 from .storage.location import Location, parse_location
 
 TMP_MARK = ".tmp-"
@@ -33,7 +36,7 @@ QUARANTINE_MARK = ".corrupt-"
 
 
 class CheckpointKind(enum.Enum):
-    QUICKSAVE = "quicksave"  # committed quicksave checkpoint
+    QUICKSAVE = "quicksave"  # committed quicksave checkpoint (either layout)
     DCP = "dcp"  # committed stock torch.distributed.checkpoint directory
     UNCOMMITTED = "uncommitted"  # temporary or partial: never loaded
     MISSING = "missing"
@@ -69,8 +72,11 @@ def quarantine_path(final: str) -> str:
 def classify(
     path: str | os.PathLike[str] | Location, backend: Backend | None = None
 ) -> CheckpointKind:
-    """What ``path`` is, from the names present (no file is parsed). On an object store
-    a prefix with no object under it is MISSING, and only its manifest commits it.
+    """What ``path`` is, from the names present; no file is parsed, except that the
+    last bytes of a ``.metadata`` without ``manifest.json`` beside it are read to tell
+    a DCP-layout quicksave checkpoint from a stock DCP one (:func:`metadata_has_footer`).
+    On an object store a prefix with no object under it is MISSING, and only its
+    manifest (or DCP-layout ``.metadata``) commits it.
 
     Args:
         path: a path, URL or Location.
@@ -96,11 +102,36 @@ def classify(
                 b.close()
         if not names:
             return CheckpointKind.MISSING
-    return kind_of(loc.name, names)
+    return kind_of(loc.name, names, lambda: metadata_has_footer(loc, backend))
 
 
-def kind_of(base: str, names: set[str]) -> CheckpointKind:
-    """The kind of a directory named ``base`` holding ``names`` (not empty)."""
+def metadata_has_footer(path: str | Location, backend: Backend | None = None) -> bool:
+    """Whether the ``.metadata`` of the directory ``path`` claims the DCP layout
+    (:func:`~quicksave.format.dcp_layout.has_footer` on its last bytes; one small ranged
+    read). False when it is missing, not a regular file or unreadable: then it is
+    whatever the names say (a stock DCP checkpoint), and its readers report the rest.
+    """
+    try:
+        with CheckpointDir(path, backend) as d:
+            f = d.open(DCP_METADATA_NAME, what="DCP metadata")
+            try:
+                n = min(PROBE_SIZE, f.size)
+                tail = read_range(f, f.size - n, n, path=d.member_url(DCP_METADATA_NAME))
+            finally:
+                f.close()
+    except (OSError, CheckpointError):
+        return False
+    return has_footer(tail)
+
+
+def kind_of(base: str, names: set[str], footer: Callable[[], bool]) -> CheckpointKind:
+    """The kind of a directory named ``base`` holding ``names`` (not empty).
+
+    Args:
+        footer: says whether its ``.metadata`` claims the DCP layout; called only for a
+            directory that would otherwise be a stock DCP one (usually
+            ``lambda: metadata_has_footer(path, backend)``).
+    """
     has_quicksave_data = any(
         (n.startswith("rank-") and n.endswith(".safetensors")) or n.startswith("part-rank-")
         for n in names
@@ -112,7 +143,7 @@ def kind_of(base: str, names: set[str]) -> CheckpointKind:
     if has_quicksave_data:
         return CheckpointKind.UNCOMMITTED
     if DCP_METADATA_NAME in names:
-        return CheckpointKind.DCP
+        return CheckpointKind.QUICKSAVE if footer() else CheckpointKind.DCP
     return CheckpointKind.NOT_CHECKPOINT
 
 

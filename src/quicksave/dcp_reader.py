@@ -57,6 +57,7 @@ from .storage.backend import Backend, join
 from .storage.checkpoint_dir import CheckpointDir
 
 MAX_METADATA_BYTES = MAX_MANIFEST_BYTES
+_MANIFEST_START = b'{"format":"quicksave",'  # how a manifest written by quicksave begins
 _INT_LIMIT = 1 << 63
 
 _LAYOUTS: dict[str, torch.layout] = {
@@ -178,9 +179,9 @@ class _MetadataUnpickler(pickle._Unpickler):  # type: ignore[name-defined]
     dispatch[pickle.BUILD[0]] = _load_build
 
 
-def _unpickle_restricted(data: bytes, path: str) -> Any:
+def _unpickle_restricted(stream: io.BytesIO, path: str) -> Any:
     try:
-        return _MetadataUnpickler(io.BytesIO(data)).load()
+        return _MetadataUnpickler(stream).load()
     except _Refused as e:
         raise CorruptCheckpointError(
             f"the DCP metadata pickle refers to {e.args[0]}, which is not part of DCP's "
@@ -319,7 +320,9 @@ def read_dcp_metadata(
     Raises:
         CorruptCheckpointError: ``.metadata`` is missing, not a regular file, larger than
             1 GiB, not a pickle of DCP metadata, refers to a global outside the allowlist
-            (named in the message), or names data outside the directory.
+            (named in the message), names data outside the directory, or is the
+            ``.metadata`` of a DCP-layout quicksave checkpoint that lost its footer (a
+            quicksave manifest follows the pickle; docs/FORMAT.md §8).
 
     Example::
 
@@ -337,9 +340,10 @@ def read_dcp_metadata(
             )
         except FileNotFoundError:
             raise CorruptCheckpointError("DCP metadata file is missing", path=file) from None
+    stream = io.BytesIO(data)
     if allow_pickle:
         try:
-            md = pickle.load(io.BytesIO(data))  # the caller trusts this checkpoint
+            md = pickle.load(stream)  # the caller trusts this checkpoint
         except Exception as e:
             raise CorruptCheckpointError(
                 f"cannot unpickle the DCP metadata: {type(e).__name__}: {e}", path=file
@@ -350,8 +354,17 @@ def read_dcp_metadata(
                 path=file,
             )
     else:
-        md = _unpickle_restricted(data, file)
+        md = _unpickle_restricted(stream, file)
         _check_structure(md, file)
+    if data[stream.tell() : stream.tell() + len(_MANIFEST_START)] == _MANIFEST_START:
+        # A DCP-layout .metadata (FORMAT.md §8) that lost its footer: read as a stock
+        # DCP checkpoint it would load without the checksums that cover every byte.
+        raise CorruptCheckpointError(
+            "a quicksave manifest follows DCP's pickle but the file lacks a valid DCP-layout "
+            "footer: a quicksave checkpoint whose .metadata is truncated or damaged; refusing "
+            "to read it as a stock DCP checkpoint",
+            path=file,
+        )
     _check_storage(md, file)
     return md
 

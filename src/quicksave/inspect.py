@@ -1,7 +1,8 @@
 """Inspect: what a checkpoint holds (``quicksave inspect``), from its metadata only.
 
-A quicksave checkpoint is described from ``manifest.json`` alone; nothing is
-unpickled and no tensor data is read. A stock DCP directory keeps its metadata in a
+A quicksave checkpoint is described from its manifest alone (``manifest.json``, or the
+manifest inside a DCP-layout ``.metadata``, FORMAT.md §8); nothing is unpickled and no
+tensor data is read. A stock DCP directory keeps its metadata in a
 pickle (``.metadata``), which could run code when loaded: it is read by the restricted
 unpickler of :mod:`quicksave.dcp_reader` (DCP's metadata classes only), or fully only
 when the caller explicitly allows it.
@@ -68,8 +69,13 @@ class CheckpointSummary:
         world_size: ranks that wrote it (None for DCP, which does not record it).
         tensors: one entry per tensor, sorted by fqn.
         objects: one entry per non-tensor value, sorted by fqn.
-        files: file name -> size in bytes (quicksave: as listed in the manifest).
+        files: file name -> size in bytes (quicksave: as listed in the manifest; the
+            file holding the manifest, ``manifest.json`` or a DCP-layout ``.metadata``,
+            is not listed).
         user_metadata: the manifest's free-form metadata (empty for DCP).
+        layout: the files' layout: ``quicksave`` (safetensors files, ``manifest.json``)
+            or ``dcp`` (DCP's files: a stock DCP checkpoint, or a quicksave one in the
+            DCP layout).
     """
 
     path: str
@@ -80,6 +86,7 @@ class CheckpointSummary:
     objects: tuple[ObjectInfo, ...]
     files: dict[str, int] = field(default_factory=dict)
     user_metadata: dict[str, Any] = field(default_factory=dict)
+    layout: str = "quicksave"
 
     @property
     def tensor_bytes(self) -> int:
@@ -142,6 +149,7 @@ def _quicksave_summary(loc: Location) -> CheckpointSummary:
         objects=objects,
         files={name: f.size for name, f in sorted(m.files.items())},
         user_metadata=dict(m.user_metadata),
+        layout=m.layout,
     )
 
 
@@ -178,6 +186,7 @@ def _dcp_summary(loc: Location, allow_pickle: bool) -> CheckpointSummary:
         tensors=tuple(tensors),
         objects=tuple(objects),
         files=dict(sorted(CheckpointDir(loc).sizes().items())),
+        layout="dcp",
     )
 
 

@@ -1,9 +1,11 @@
 """``quicksave.StorageReader``: quicksave checkpoints for ``torch.distributed.checkpoint.load``.
 
-Nothing from the checkpoint is unpickled: the DCP metadata is rebuilt from
-``manifest.json``. Reads go straight into the destination tensors when a stored chunk
-maps onto a contiguous piece of one (``preadv`` into its memory), otherwise through one
-buffer per stored chunk; every chunk's xxh3-64 is checked as it is read.
+Nothing from the checkpoint is unpickled: the DCP metadata is rebuilt from the
+manifest (``manifest.json``, or the one inside a DCP-layout ``.metadata``, whose chunks
+lie at unaligned offsets inside DCP's own ``.distcp`` files and are read the same way).
+Reads go straight into the destination tensors when a stored chunk maps onto a
+contiguous piece of one (``preadv`` into its memory), otherwise through one buffer per
+stored chunk; every chunk's xxh3-64 is checked as it is read.
 
 Call order (DCP drives it): ``reset`` → ``read_metadata`` (all ranks) →
 ``set_up_storage_reader`` → ``prepare_local_plan`` / ``prepare_global_plan`` (identity) →

@@ -15,6 +15,14 @@
 - the manifest's internal consistency (chunk lengths, alignment, overlaps, coverage) and
   that every stored object decodes.
 
+In the DCP layout (FORMAT.md §8; no ``manifest.json``, the manifest inside
+``.metadata``): the footer's structure and the manifest (read by ``read_manifest``), the
+pickle before them against the footer's digest, and each ``.distcp`` data file's size,
+chunks (each against its digest) and every other byte (``torch.save``'s zip structure,
+the object items) against the file's digest, in one pass. The ``torch.save`` archives
+are not parsed: the digests cover their bytes, and whether DCP's own reader can load
+them is the writer's promise, not something a byte check can prove.
+
 Together this detects any changed, missing or added byte. Nothing is unpickled: the
 ``.metadata`` pickle is only hashed. Only regular files inside the checkpoint are
 opened (:mod:`quicksave.safeio`): a symbolic link, FIFO or device is reported, never
@@ -33,10 +41,11 @@ import numpy as np
 import xxhash
 
 from .errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
-from .format import MANIFEST_NAME
+from .format import DCP_METADATA_NAME, MANIFEST_NAME
 from .format import objects as objcodec
+from .format.dcp_layout import FOOTER_SIZE, parse_footer
 from .format.dtypes import known_dtype, safetensors_code
-from .format.manifest import FileEntry, Manifest, hexdigest, read_manifest
+from .format.manifest import LAYOUT_DCP, FileEntry, Manifest, hexdigest, read_manifest
 from .format.safetensors_header import (
     ExpectedChunk,
     header_length,
@@ -60,7 +69,8 @@ class Problem:
 
     Attributes:
         file: the file inside the checkpoint concerned (``manifest.json``, a data file,
-            ``.metadata``, an unexpected file), or None for the checkpoint as a whole.
+            ``.metadata`` (which holds the manifest in the DCP layout), an unexpected
+            file), or None for the checkpoint as a whole.
         fqn: the tensor or object concerned, if any.
         kind: a short category: ``manifest``, ``missing-file``, ``unexpected-file``,
             ``size``, ``header``, ``chunk``, ``prefix``, ``padding``, ``checksum``,
@@ -111,7 +121,8 @@ class _Region:
 
     start: int
     end: int
-    kind: str  # "header" | "chunk" | "zero" | "checksum" | "prefix"
+    # "header" | "chunk" | "zero" | "checksum" | "prefix" | "outside" | "pickle"
+    kind: str
     fqn: str | None = None
     expected: str | None = None
     fixed: bytes | None = None  # "prefix": the bytes it must hold
@@ -119,6 +130,7 @@ class _Region:
     hasher: xxhash.xxh3_64 = field(default_factory=xxhash.xxh3_64)
     first_nonzero: int | None = None
     nonzero: int = 0
+    last: bool = False  # "outside": the file's last such region, where its digest ends
 
     def feed(self, block: memoryview, at: int) -> None:
         if self.kind == "zero":
@@ -150,16 +162,16 @@ def byte_progress(total: int, desc: str, enabled: bool) -> Any:
     )
 
 
-def _manifest_problems(m: Manifest) -> list[Problem]:
+def _manifest_problems(m: Manifest, where: str = MANIFEST_NAME) -> list[Problem]:
     """Internal consistency of a manifest that parsed (so its checksum matched and every
     chunk's length, alignment and file range were checked): dtypes this torch knows,
-    coverage, and objects that decode."""
+    coverage, and objects that decode. ``where``: the file holding the manifest."""
     problems: list[Problem] = []
     for fqn, t in m.tensors.items():
         if known_dtype(t.dtype) is None:
             problems.append(
                 Problem(
-                    MANIFEST_NAME,
+                    where,
                     fqn,
                     "manifest",
                     f"unknown dtype {t.dtype!r} (written by a newer torch?)",
@@ -178,7 +190,7 @@ def _manifest_problems(m: Manifest) -> list[Problem]:
         if covered != numel:
             problems.append(
                 Problem(
-                    MANIFEST_NAME,
+                    where,
                     fqn,
                     "manifest",
                     f"chunks hold {covered} elements but shape {list(t.shape)} has {numel} "
@@ -189,7 +201,7 @@ def _manifest_problems(m: Manifest) -> list[Problem]:
         try:
             objcodec.decode(o.value, fqn=fqn)
         except CheckpointError as e:  # a stored object must decode; report, don't stop
-            problems.append(Problem(MANIFEST_NAME, fqn, "object", f"cannot decode: {e.message}"))
+            problems.append(Problem(where, fqn, "object", f"cannot decode: {e.message}"))
     return problems
 
 
@@ -272,6 +284,8 @@ def _regions_for(
     ``prefixes``: chunk start -> start of the torch legacy prefix before it (from the
     header, whose own bytes are checked against its digest)."""
     prefixes = prefixes or {}
+    if m.layout == LAYOUT_DCP:
+        return _dcp_regions(name, entry, m)
     if entry.data_start is None:
         return [_Region(0, entry.size, "checksum", expected=entry.xxh3_64)]
     regions = [_Region(0, entry.data_start, "header", expected=entry.xxh3_64)]
@@ -323,6 +337,30 @@ def _regions_for(
     return regions
 
 
+def _dcp_regions(name: str, entry: FileEntry, m: Manifest) -> list[_Region]:
+    """A DCP-layout data file: its chunks, each against its digest, and the bytes
+    between and around them, all fed to one hasher for the file's digest. The manifest
+    parser checked that the chunks lie inside the file's size and do not overlap."""
+    outside = xxhash.xxh3_64()
+    chunks = sorted(
+        (c.offset, c.offset + c.length, fqn, c.xxh3_64)
+        for fqn, t in m.tensors.items()
+        for c in t.chunks
+        if c.file == name
+    )
+    regions = []
+    cur = 0
+    for start, end, fqn, digest in chunks:
+        if start > cur:
+            regions.append(_Region(cur, start, "outside", expected=entry.xxh3_64, hasher=outside))
+        regions.append(_Region(start, end, "chunk", fqn=fqn, expected=digest))
+        cur = max(cur, end)
+    regions.append(
+        _Region(cur, entry.size, "outside", expected=entry.xxh3_64, hasher=outside, last=True)
+    )
+    return regions
+
+
 def _finish(name: str, r: _Region, problems: list[Problem]) -> None:
     if r.kind == "zero":
         if r.nonzero:
@@ -349,6 +387,8 @@ def _finish(name: str, r: _Region, problems: list[Problem]) -> None:
                 )
             )
         return
+    if r.kind == "outside" and not r.last:
+        return  # the file's digest goes on in its next region
     actual = hexdigest(r.hasher.intdigest())
     if actual == r.expected:
         return
@@ -356,13 +396,16 @@ def _finish(name: str, r: _Region, problems: list[Problem]) -> None:
         "header": f"safetensors header (bytes 0..{r.end})",
         "chunk": f"chunk bytes {r.start}..{r.end}",
         "checksum": "file contents",
+        "outside": "the bytes outside the chunks (torch.save structure, object items)",
+        "pickle": f"DCP's metadata pickle (bytes 0..{r.end})",
     }[r.kind]
     problems.append(
         Problem(
             name,
             r.fqn,
-            r.kind,
-            f"checksum mismatch in {what}: manifest {r.expected}, file {actual}",
+            "checksum" if r.kind in ("outside", "pickle") else r.kind,
+            f"checksum mismatch in {what}: "
+            f"{'footer' if r.kind == 'pickle' else 'manifest'} {r.expected}, file {actual}",
         )
     )
 
@@ -422,7 +465,8 @@ def verify_checkpoint(
     *,
     storage: StorageOptions | None = None,
 ) -> VerifyReport:
-    """Check every byte of the committed quicksave checkpoint at ``path``.
+    """Check every byte of the committed quicksave checkpoint at ``path`` (either
+    layout: FORMAT.md §1-§3, or the DCP layout of §8).
 
     Args:
         path: the checkpoint directory: a path, or a ``file://``, ``s3://`` or ``msc://``
@@ -453,26 +497,19 @@ def verify_checkpoint(
 def _verify(d: CheckpointDir, progress: bool) -> VerifyReport:
     path = d.url
     require_committed(d.location, backend=d.backend)
-    if d.is_local:
-        try:
-            manifest_size = os.lstat(os.path.join(path, MANIFEST_NAME)).st_size
-        except OSError:
-            manifest_size = 0
-    else:
-        info = d.backend.stat(join(d.location.key, MANIFEST_NAME))
-        manifest_size = info.size if info is not None else 0
+    commit, commit_size = _commit_file(d)
     try:
         m = read_manifest(d)
     except CheckpointError as e:
         # Nothing else can be trusted without a valid manifest.
         return VerifyReport(
             path,
-            (Problem(MANIFEST_NAME, e.fqn, "manifest", e.message),),
+            (Problem(commit, e.fqn, "manifest", e.message),),
             files_checked=1,
-            bytes_checked=manifest_size,
+            bytes_checked=commit_size,
         )
 
-    problems = _manifest_problems(m)
+    problems = _manifest_problems(m, commit)
     try:
         present = d.names()
     except OSError as e:  # deleted meanwhile (another job's retention), or unreadable
@@ -481,7 +518,7 @@ def _verify(d: CheckpointDir, progress: bool) -> VerifyReport:
             "deleted meanwhile?)",
             path=path,
         ) from None
-    for extra in sorted(present - set(m.files) - {MANIFEST_NAME}):
+    for extra in sorted(present - set(m.files) - {commit}):
         try:
             is_dir = d.is_local and stat.S_ISDIR(os.lstat(os.path.join(path, extra)).st_mode)
         except OSError:
@@ -492,7 +529,13 @@ def _verify(d: CheckpointDir, progress: bool) -> VerifyReport:
         )
 
     plan: list[tuple[str, Member, list[_Region], int]] = []
+    checked = commit_size
     try:
+        if m.layout == LAYOUT_DCP:  # the pickle before the manifest: the footer's digest
+            pickled = _pickle_region(d, problems)
+            if pickled is not None:
+                plan.append(pickled)
+                checked -= pickled[3]  # streamed below, counted there
         for name, entry in sorted(m.files.items()):
             fpath = d.member_url(name)  # a plain name: the manifest parser checked
             if name not in present:
@@ -524,7 +567,6 @@ def _verify(d: CheckpointDir, progress: bool) -> VerifyReport:
 
         total = sum(limit for *_, limit in plan)
         buf = memoryview(bytearray(min(READ_BLOCK, max(total, 1))))
-        checked = manifest_size
         with byte_progress(total, "verify", progress) as bar:
             for name, fd, regions, limit in plan:
                 checked += _check_file(fd, name, regions, limit, problems, bar, buf)
@@ -534,8 +576,50 @@ def _verify(d: CheckpointDir, progress: bool) -> VerifyReport:
     return VerifyReport(
         path,
         tuple(problems),
-        files_checked=1 + len(plan),
+        files_checked=len(plan) + int(commit == MANIFEST_NAME),
         bytes_checked=checked,
         tensors=len(m.tensors),
         objects=len(m.objects),
     )
+
+
+def _commit_file(d: CheckpointDir) -> tuple[str, int]:
+    """The file holding the manifest and its size: ``manifest.json``, or in the DCP
+    layout (no ``manifest.json``) ``.metadata``; size 0 if it cannot be seen."""
+    for name in (MANIFEST_NAME, DCP_METADATA_NAME):
+        if d.is_local:
+            try:
+                return name, os.lstat(os.path.join(d.url, name)).st_size
+            except OSError:
+                continue
+        info = d.backend.stat(join(d.location.key, name))
+        if info is not None:
+            return name, info.size
+    return MANIFEST_NAME, 0
+
+
+def _pickle_region(
+    d: CheckpointDir, problems: list[Problem]
+) -> tuple[str, Member, list[_Region], int] | None:
+    """The DCP-layout ``.metadata``'s pickle ``P`` as a region to stream against the
+    footer's digest (read again: the file may have changed since the manifest was read)."""
+    name = DCP_METADATA_NAME
+    fpath = d.member_url(name)
+    try:
+        f = d.open(name, what="DCP metadata")
+    except FileNotFoundError:
+        problems.append(Problem(name, None, "missing-file", "vanished while verified"))
+        return None
+    except CorruptCheckpointError as e:
+        problems.append(Problem(name, None, "unexpected-file", e.message))
+        return None
+    try:
+        tail = _read_at(f, max(0, f.size - FOOTER_SIZE), FOOTER_SIZE, fpath)
+        footer = parse_footer(tail, f.size, fpath)
+    except CorruptCheckpointError as e:
+        f.close()
+        problems.append(Problem(name, None, "manifest", e.message))
+        return None
+    n = footer.pickle_length
+    region = _Region(0, n, "pickle", expected=hexdigest(footer.pickle_xxh3_64))
+    return name, f, [region], n

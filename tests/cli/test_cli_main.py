@@ -83,6 +83,7 @@ def test_ls_lists_sorted_by_step_with_status(tmp_path: Path, capsys) -> None:
         "name": "step-200.tmp-0123456789ab",
         "path": str(pending),
         "format": "quicksave",
+        "layout": "quicksave",
         "status": "uncommitted",
         "committed": False,
         "step": 200,

@@ -80,6 +80,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
                     "name": i.name,
                     "path": i.path,
                     "format": i.format,
+                    "layout": i.layout,
                     "status": i.status,
                     "committed": i.committed,
                     "step": i.step,
@@ -106,13 +107,19 @@ def cmd_ls(args: argparse.Namespace) -> int:
                 i.name,
                 "-" if i.step is None else str(i.step),
                 status,
-                i.format,
+                _format_label(i.format, i.layout),
                 str(i.size) if args.bytes else human_bytes(i.size),
                 time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(i.mtime)),
             ]
         )
     _table(rows, out, right=(1, 4))
     return 0
+
+
+def _format_label(fmt: str, layout: str) -> str:
+    """``quicksave``, ``dcp``, or ``quicksave (dcp layout)`` for a quicksave checkpoint
+    whose files are DCP's (FORMAT.md §8)."""
+    return f"{fmt} (dcp layout)" if fmt == "quicksave" and layout == "dcp" else fmt
 
 
 def _cut(text: str, width: int = 60) -> str:
@@ -131,7 +138,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         return 0
     size = (lambda n: str(n)) if args.bytes else human_bytes
     _say(f"checkpoint:  {s.path}", out)
-    _say(f"format:      {s.format}", out)
+    _say(f"format:      {_format_label(s.format, s.layout)}", out)
     _say(f"step:        {'-' if s.step is None else s.step}", out)
     _say(f"world size:  {'-' if s.world_size is None else s.world_size}", out)
     _say(

@@ -4,6 +4,10 @@
 dataclasses, with a deterministic layout (the same state gives the same bytes) and ends
 with ``"manifest_xxh3_64"``: the xxh3-64 of the file's bytes with that value replaced by
 16 zeros. Any changed byte is therefore detected. Spec: docs/FORMAT.md.
+
+Two on-disk layouts share this manifest: ``quicksave`` (safetensors data files, the
+manifest in ``manifest.json``) and ``dcp`` (DCP's own ``__{rank}_{i}.distcp`` files, the
+manifest inside ``.metadata`` after DCP's pickle; FORMAT.md §8, :mod:`.dcp_layout`).
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass, field
+from itertools import pairwise
 from typing import Any, NoReturn
 
 import xxhash
@@ -26,6 +31,9 @@ MAX_MANIFEST_BYTES = 1 << 30
 INT_LIMIT = 1 << 63  # every size, offset, length, step and rank is below it
 _DIGEST = re.compile(r"[0-9a-f]{16}\Z")
 _DTYPE_NAME = re.compile(r"[a-z0-9_]{1,64}\Z")
+LAYOUT_QUICKSAVE = "quicksave"  # safetensors data files, manifest.json (FORMAT.md §1-§3)
+LAYOUT_DCP = "dcp"  # DCP's .distcp files, the manifest inside .metadata (FORMAT.md §8)
+LAYOUTS = (LAYOUT_QUICKSAVE, LAYOUT_DCP)
 
 
 def hexdigest(value: int) -> str:
@@ -35,7 +43,8 @@ def hexdigest(value: int) -> str:
 @dataclass(frozen=True)
 class ChunkEntry:
     """One stored piece of a tensor: the box ``offsets``..``offsets+sizes`` of the
-    global tensor, whose raw little-endian bytes are at ``file[offset:offset+length]``."""
+    global tensor, whose raw little-endian bytes are at ``file[offset:offset+length]``
+    (layout ``quicksave``: 4 KiB-aligned; ``dcp``: wherever torch.save put them)."""
 
     offsets: tuple[int, ...]
     sizes: tuple[int, ...]
@@ -61,8 +70,11 @@ class ObjectEntry:
 
 @dataclass(frozen=True)
 class FileEntry:
-    """A file of the checkpoint. Data files (``rank`` set) carry the xxh3-64 of their
-    safetensors header region ``[0, data_start)``; other files the xxh3-64 of all bytes."""
+    """A file of the checkpoint. Layout ``quicksave``: data files (``rank`` and
+    ``data_start`` set) carry the xxh3-64 of their safetensors header region
+    ``[0, data_start)``; other files the xxh3-64 of all bytes. Layout ``dcp``: only data
+    files are listed (``rank`` set, ``data_start`` None), each with the xxh3-64 of all its
+    bytes outside its chunks, in file order."""
 
     size: int
     xxh3_64: str
@@ -108,6 +120,7 @@ class Manifest:
     user_metadata: dict[str, Any] = field(default_factory=dict)
     format_version: int = FORMAT_VERSION
     plans: tuple[RankPlan, ...] | None = None  # per rank; loading never needs it
+    layout: str = LAYOUT_QUICKSAVE  # or LAYOUT_DCP (FORMAT.md §8)
 
     def total_tensor_bytes(self) -> int:
         return sum(c.length for t in self.tensors.values() for c in t.chunks)
@@ -172,7 +185,10 @@ def to_json_bytes(m: Manifest) -> bytes:
     Raises:
         IncompatibleStateError: ``user_metadata`` holds something readers refuse
             (nesting, huge integers, NaN; FORMAT.md §2).
+        ValueError: ``m.layout`` is not one of :data:`LAYOUTS`.
     """
+    if m.layout not in LAYOUTS:
+        raise ValueError(f"unknown manifest layout {m.layout!r}; expected one of {LAYOUTS}")
     check_user_metadata(m.user_metadata)
     doc: dict[str, Any] = {
         "format": FORMAT_NAME,
@@ -210,6 +226,8 @@ def to_json_bytes(m: Manifest) -> bytes:
     }
     if m.plans is not None:
         doc["plans"] = [_plan_json(p) for p in m.plans]
+    if m.layout == LAYOUT_DCP:
+        doc["layout"] = LAYOUT_DCP  # right before the self-checksum (FORMAT.md §8)
     doc["manifest_xxh3_64"] = _ZERO_DIGEST  # last, always (FORMAT.md §2)
     text = json.dumps(doc, separators=(",", ":"), ensure_ascii=True, allow_nan=False) + "\n"
     data = text.encode("ascii")
@@ -341,18 +359,28 @@ def _plans(doc: dict, world_size: int, path: str) -> tuple[RankPlan, ...] | None
     return tuple(out)
 
 
-def _files(doc: dict, world_size: int, path: str) -> dict[str, FileEntry]:
-    from . import MANIFEST_NAME
+def _files(doc: dict, world_size: int, layout: str, path: str) -> dict[str, FileEntry]:
+    from . import DCP_METADATA_NAME, MANIFEST_NAME
 
     files: dict[str, FileEntry] = {}
     for name, f in _req(doc, "files", dict, "manifest", path).items():
         w = f"files[{name!r}]"
-        if bad_member_name(name) is not None or name == MANIFEST_NAME:
+        if (
+            bad_member_name(name) is not None
+            or name == MANIFEST_NAME
+            or (layout == LAYOUT_DCP and name == DCP_METADATA_NAME)
+        ):
             _fail(f"bad file name {name!r}", path)
         size = _int(f, "size", w, path)
         digest = _digest(f, w, path)
         rank = data_start = None
-        if f.get("rank") is not None or f.get("data_start") is not None:
+        if layout == LAYOUT_DCP:  # data files only, digest of the bytes outside chunks
+            rank = _int(f, "rank", w, path)
+            if rank >= world_size:
+                _fail(f"{w}.rank {rank} is not below world_size {world_size}", path)
+            if f.get("data_start") is not None:
+                _fail(f"{w} has data_start, which layout 'dcp' does not use", path)
+        elif f.get("rank") is not None or f.get("data_start") is not None:
             rank = _int(f, "rank", w, path)
             data_start = _int(f, "data_start", w, path, lo=8)
             if rank >= world_size:
@@ -368,7 +396,14 @@ def _files(doc: dict, world_size: int, path: str) -> dict[str, FileEntry]:
 
 
 def _chunk(
-    c: Any, cw: str, fqn: str, shape: tuple[int, ...], esize: int | None, files, path: str
+    c: Any,
+    cw: str,
+    fqn: str,
+    shape: tuple[int, ...],
+    esize: int | None,
+    files: dict[str, FileEntry],
+    layout: str,
+    path: str,
 ) -> ChunkEntry:
     file = _req(c, "file", str, cw, path)
     entry = files.get(file)
@@ -381,9 +416,17 @@ def _chunk(
         _fail(why, path, fqn)
     offset = _int(c, "offset", cw, path, fqn=fqn)
     length = _int(c, "length", cw, path, fqn=fqn)
-    if entry.data_start is None:
+    if layout == LAYOUT_DCP:  # anywhere torch.save put it, inside the file
+        if offset + length > entry.size:
+            _fail(
+                f"{cw} (bytes {offset}..{offset + length}) lies beyond the size "
+                f"{entry.size} of {file!r}",
+                path,
+                fqn,
+            )
+    elif entry.data_start is None:
         _fail(f"{cw} is stored in {file!r}, which is not a data file", path, fqn)
-    if offset % ALIGNMENT or offset < entry.data_start:
+    elif offset % ALIGNMENT or offset < entry.data_start:
         _fail(
             f"{cw}.offset {offset} must be a multiple of {ALIGNMENT} at or after the "
             f"data region of {file!r} (byte {entry.data_start})",
@@ -400,7 +443,9 @@ def _chunk(
     return ChunkEntry(offsets, sizes, file, offset, length, _digest(c, cw, path, fqn))
 
 
-def _tensors(doc: dict, files: dict[str, FileEntry], path: str) -> dict[str, TensorEntry]:
+def _tensors(
+    doc: dict, files: dict[str, FileEntry], layout: str, path: str
+) -> dict[str, TensorEntry]:
     tensors: dict[str, TensorEntry] = {}
     for fqn, t in _req(doc, "tensors", dict, "manifest", path).items():
         w = f"tensors[{fqn!r}]"
@@ -411,17 +456,46 @@ def _tensors(doc: dict, files: dict[str, FileEntry], path: str) -> dict[str, Ten
         if _numel(shape) * (esize or 1) >= INT_LIMIT:
             _fail(f"{w}.shape {list(shape)} holds 2**63 bytes or more", path, fqn)
         chunks = tuple(
-            _chunk(c, f"{w}.chunks[{i}]", fqn, shape, esize, files, path)
+            _chunk(c, f"{w}.chunks[{i}]", fqn, shape, esize, files, layout, path)
             for i, c in enumerate(_req(t, "chunks", list, w, path))
         )
         tensors[fqn] = TensorEntry(dtype, shape, chunks, _state_path(t, w, path, fqn))
+    if layout == LAYOUT_DCP:
+        _check_disjoint(tensors, path)
     return tensors
 
 
-def from_json_bytes(data: bytes, path: str = "manifest.json") -> Manifest:
+def _check_disjoint(tensors: dict[str, TensorEntry], path: str) -> None:
+    """Layout ``dcp``: no two chunks share a byte of a file (each is one torch.save
+    record; the bytes between them are covered by the file's own digest)."""
+    spans = sorted(
+        (c.file, c.offset, c.offset + c.length, fqn)
+        for fqn, t in tensors.items()
+        for c in t.chunks
+        if c.length
+    )
+    for (file, _, end, fqn), (file2, start2, _, fqn2) in pairwise(spans):
+        if file == file2 and start2 < end:
+            _fail(
+                f"chunks of {fqn!r} and {fqn2!r} overlap in {file!r} (byte {start2})",
+                path,
+                fqn2,
+            )
+
+
+def from_json_bytes(
+    data: bytes, path: str = "manifest.json", *, layout: str | None = None
+) -> Manifest:
     """Parse and validate a manifest (FORMAT.md §2): self-checksum first, then JSON
     under :mod:`~quicksave.format.strict_json`'s limits, then every member's type and
     range, before anything is read or allocated.
+
+    Args:
+        data: the manifest's bytes.
+        path: named in errors.
+        layout: the layout the manifest must declare (where it was found says which:
+            ``manifest.json`` holds ``quicksave``, ``.metadata`` ``dcp``); None accepts
+            either.
 
     Raises:
         CorruptCheckpointError: naming ``path`` (and the fqn where there is one).
@@ -447,8 +521,13 @@ def from_json_bytes(data: bytes, path: str = "manifest.json") -> Manifest:
     if step is not None and not _is_int(step):
         _fail("step must be null or an integer in [0, 2**63)", path)
     world_size = _int(doc, "world_size", "manifest", path, lo=1)
-    files = _files(doc, world_size, path)
-    tensors = _tensors(doc, files, path)
+    got = doc.get("layout", LAYOUT_QUICKSAVE)
+    if "layout" in doc and got != LAYOUT_DCP:
+        _fail(f"layout must be {LAYOUT_DCP!r} when present", path)
+    if layout is not None and got != layout:
+        _fail(f"layout {got!r} where a manifest of layout {layout!r} belongs", path)
+    files = _files(doc, world_size, got, path)
+    tensors = _tensors(doc, files, got, path)
     objects: dict[str, ObjectEntry] = {}
     for fqn, o in _req(doc, "objects", dict, "manifest", path).items():
         w = f"objects[{fqn!r}]"
@@ -468,20 +547,26 @@ def from_json_bytes(data: bytes, path: str = "manifest.json") -> Manifest:
         user_metadata=user,
         format_version=version,
         plans=_plans(doc, world_size, path),
+        layout=got,
     )
 
 
 def read_manifest(checkpoint: Any) -> Manifest:
-    """Read and validate ``<checkpoint>/manifest.json``: a regular file inside the
-    directory (not a symbolic link, FIFO or device) or an object under the checkpoint's
-    prefix, at most 1 GiB, read up to its size.
+    """Read and validate the manifest of a checkpoint: ``<checkpoint>/manifest.json``
+    (layout ``quicksave``) or, when there is none and ``.metadata`` ends with the DCP
+    layout's footer, the manifest inside ``.metadata`` (layout ``dcp``, FORMAT.md §8:
+    the footer is read first, then only the manifest's bytes; the pickle before them is
+    never read). A regular file inside the directory (not a symbolic link, FIFO or
+    device) or an object under the checkpoint's prefix; at most 1 GiB of manifest, read
+    up to its recorded size.
 
     Args:
         checkpoint: a path, URL, Location or an open ``CheckpointDir``.
 
     Raises:
         CorruptCheckpointError: missing, not a regular file, too large, unreadable, or
-            invalid; names the manifest's path or URL.
+            invalid; names the manifest's path or URL (``<checkpoint>/.metadata`` for
+            layout ``dcp``).
     """
     from ..storage.checkpoint_dir import CheckpointDir
     from . import MANIFEST_NAME
@@ -497,8 +582,37 @@ def read_manifest(checkpoint: Any) -> Manifest:
                 too_large="manifest larger than 1 GiB",
             )
         except FileNotFoundError:
-            raise CorruptCheckpointError("manifest.json is missing", path=path) from None
-        return from_json_bytes(data, path)
+            found = _read_dcp_layout_manifest(d)
+            if found is None:
+                raise CorruptCheckpointError("manifest.json is missing", path=path) from None
+            return found
+        return from_json_bytes(data, path, layout=LAYOUT_QUICKSAVE)
     finally:
         if d is not checkpoint:
             d.close()
+
+
+def _read_dcp_layout_manifest(d: Any) -> Manifest | None:
+    """The manifest ``M`` of ``.metadata`` in a DCP-layout checkpoint, or None when
+    there is no ``.metadata`` or it does not claim the layout (a stock DCP checkpoint)."""
+    from ..storage.checkpoint_dir import read_range
+    from . import DCP_METADATA_NAME
+    from .dcp_layout import FOOTER_SIZE, PROBE_SIZE, has_footer, parse_footer
+
+    path = d.member_url(DCP_METADATA_NAME)
+    try:
+        f = d.open(DCP_METADATA_NAME, what="DCP metadata")
+    except FileNotFoundError:
+        return None
+    try:
+        n = min(PROBE_SIZE, f.size)
+        tail = read_range(f, f.size - n, n, path=path, what="DCP metadata")
+        if not has_footer(tail):
+            return None
+        footer = parse_footer(tail[-FOOTER_SIZE:], f.size, path)
+        data = read_range(
+            f, footer.pickle_length, footer.manifest_length, path=path, what="manifest"
+        )
+    finally:
+        f.close()
+    return from_json_bytes(data, path, layout=LAYOUT_DCP)

@@ -2,7 +2,8 @@
 
 Plain functions over a folder path (no manager state), used by the manager::
 
-    <folder>/step-<N>/         committed (manifest.json, or a stock DCP .metadata)
+    <folder>/step-<N>/         committed (manifest.json; a DCP-layout .metadata, FORMAT.md
+                               §8; or a stock DCP .metadata)
     <folder>/step-<N>.tmp-*/   being written, or left by a crash
     <folder>/step-<N>.corrupt-*/  failed its checks at load; moved aside, kept
     <folder>/.quicksave-lock   the writer lease (lease.py)
@@ -12,11 +13,13 @@ Only committed directories count: ``committed_steps`` is what "latest", ``load()
 retention see.
 
 On an object store the same names are key prefixes (``<folder>/step-<N>/...``); a
-prefix is committed when its ``manifest.json`` object exists. There is no rename: a
-deletion removes the manifest first (the checkpoint is gone at once), then the data; a
-quarantine keeps the manifest under ``step-<N>.corrupt-<token>/`` and removes the
-original's. Leftovers of crashed saves are removed only when older than
-``StorageOptions.stale_after_s`` (docs/ARCHITECTURE.md, "Object stores").
+prefix is committed when its ``manifest.json`` object exists (in the DCP layout: its
+``.metadata`` with the layout's footer). There is no rename: a deletion removes the
+commit first (``manifest.json``, then ``.metadata``: the checkpoint is gone at once),
+then the data; a quarantine keeps the commit object under
+``step-<N>.corrupt-<token>/`` and removes the original's. Leftovers of crashed saves are
+removed only when older than ``StorageOptions.stale_after_s`` (docs/ARCHITECTURE.md,
+"Object stores").
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ import logging
 import os
 import re
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from ..commit import (
@@ -35,6 +38,7 @@ from ..commit import (
     classify,
     clean_stale_temporaries,
     kind_of,
+    metadata_has_footer,
     new_token,
     quarantine_path,
     remove_tree,
@@ -67,10 +71,15 @@ def committed_steps(
     kinds = COMMITTED if allow_dcp else (CheckpointKind.QUICKSAVE,)
     if not loc.is_local:
         steps = []
-        for name, names in store_groups(loc, backend).items():
-            m = STEP_DIR.fullmatch(name)
-            if m and len(name) <= MAX_STEP_NAME and kind_of(name, set(names)) in kinds:
-                steps.append(int(m.group(1)))
+        with opened(loc, backend) as b:
+            for name, names in store_groups(loc, b).items():
+                m = STEP_DIR.fullmatch(name)
+                if not m or len(name) > MAX_STEP_NAME:
+                    continue
+                top = {k for k in names if "/" not in k}
+                probe = _footer_probe(loc.child(name), b)
+                if top and kind_of(name, top, probe) in kinds:
+                    steps.append(int(m.group(1)))
         return sorted(steps)
     folder = loc.key
     try:
@@ -83,6 +92,12 @@ def committed_steps(
         if m and len(name) <= MAX_STEP_NAME and classify(os.path.join(folder, name)) in kinds:
             steps.append(int(m.group(1)))
     return sorted(steps)
+
+
+def _footer_probe(loc: Location, backend: Backend) -> Callable[[], bool]:
+    """``kind_of``'s question for the prefix ``loc``: does its ``.metadata`` claim the
+    DCP layout (one small ranged read, only asked of a DCP-looking prefix)."""
+    return lambda: metadata_has_footer(loc, backend)
 
 
 @contextlib.contextmanager
@@ -169,7 +184,9 @@ def _clean_store(folder: Location, stale_after_s: float) -> None:
         base = folder.key + "/" if folder.key else ""
         for name, objs in store_groups(folder, b).items():
             top = {k for k in objs if "/" not in k}
-            kind = kind_of(name, top)
+            if not top:
+                continue
+            kind = kind_of(name, top, _footer_probe(folder.child(name), b))
             if kind in (CheckpointKind.QUICKSAVE, CheckpointKind.DCP):
                 if kind is CheckpointKind.DCP or QUARANTINE_MARK in name:
                     continue  # nothing of ours to tell apart; quarantine is kept
@@ -215,13 +232,16 @@ def delete_checkpoint(path: str | Location, backend: Backend | None = None) -> N
     """Delete a checkpoint directory (logs, never raises). It is moved to a temporary
     name first, so it is never half-deleted while still looking committed; a crash
     mid-delete leaves a temporary, removed at the next start-up. On an object store its
-    manifest is deleted first (it is no checkpoint from then on), then its objects."""
+    commit is deleted first (it is no checkpoint from then on): ``manifest.json``, then
+    ``.metadata`` (the commit of the DCP layout, and of a stock DCP checkpoint), each
+    alone; then its other objects."""
     loc = parse_location(path)
     if not loc.is_local:
         try:
             with opened(loc, backend) as b:
                 base = loc.key + "/"
                 b.delete([base + MANIFEST_NAME])
+                b.delete([base + DCP_METADATA_NAME])
                 b.delete([o.key for o in b.list(base)])
             logger.info("quicksave: deleted old checkpoint %s", loc.url)
         except CheckpointError as e:
@@ -240,8 +260,9 @@ def quarantine(path: str | Location, why: str, backend: Backend | None = None) -
     latest, never deleted by quicksave (kept for a person to look at), and its step can
     be saved again. Returns the new path, or None if it could not be moved (logged).
 
-    On an object store (no rename) the manifest and the reason are kept under
-    ``<name>.corrupt-<token>/`` and the original manifest is deleted: the data left
+    On an object store (no rename) the commit object (``manifest.json``, or the
+    ``.metadata`` of the DCP layout) and the reason are kept under
+    ``<name>.corrupt-<token>/`` and the original commit object is deleted: the data left
     under ``<name>/`` is then an uncommitted leftover (cleaned up when stale)."""
     loc = parse_location(path)
     if not loc.is_local:
@@ -261,11 +282,16 @@ def _quarantine_on_store(loc: Location, why: str, backend: Backend | None) -> st
     moved = loc.parent().child(f"{loc.name}{QUARANTINE_MARK}{new_token()}")
     try:
         with opened(loc, backend) as b:
-            key = join(loc.key, MANIFEST_NAME)
+            commit = MANIFEST_NAME
+            key = join(loc.key, commit)
             info = b.stat(key)
+            if info is None and metadata_has_footer(loc, b):
+                commit = DCP_METADATA_NAME
+                key = join(loc.key, commit)
+                info = b.stat(key)
             if info is not None:
                 data = b.get(key, max(info.size, 1))
-                b.put(join(moved.key, MANIFEST_NAME), memoryview(data))
+                b.put(join(moved.key, commit), memoryview(data))
             b.put(join(moved.key, "REASON.txt"), memoryview(why.encode("utf-8", "replace")))
             b.delete([key])
     except CheckpointError as e:

@@ -74,6 +74,54 @@ class _StoreMember:
         pass
 
 
+def read_range(
+    f: Member,
+    offset: int,
+    length: int,
+    *,
+    path: str,
+    what: str = "file",
+    fqn: str | None = None,
+    rank: int | None = None,
+) -> bytes:
+    """Exactly ``length`` bytes of the opened member ``f`` from ``offset`` (on a store:
+    one ranged request), checked against its size before anything is allocated.
+
+    Raises:
+        CorruptCheckpointError: the range ends beyond the member, or a read fails.
+    """
+    if offset < 0 or length < 0 or offset + length > f.size:
+        raise CorruptCheckpointError(
+            f"{what}: bytes {offset}..{offset + length} lie beyond the {f.size} bytes of the "
+            "file (truncated?)",
+            path=path,
+            fqn=fqn,
+            rank=rank,
+        )
+    buf = bytearray(length)
+    view = memoryview(buf)
+    got = 0
+    try:
+        while got < length:
+            n = f.pread_into(view[got:], offset + got)
+            if n == 0:
+                raise CorruptCheckpointError(
+                    f"{what}: the file ends at byte {offset + got}, before byte "
+                    f"{offset + length} (truncated while read?)",
+                    path=path,
+                    fqn=fqn,
+                    rank=rank,
+                )
+            got += n
+    except OSError as e:
+        raise CorruptCheckpointError(
+            f"cannot read {what}: {e.strerror or e}", path=path, fqn=fqn, rank=rank
+        ) from None
+    finally:
+        view.release()
+    return bytes(buf)
+
+
 def _first(views: list[memoryview], n: int) -> list[memoryview]:
     """The first ``n`` bytes of ``views`` (taken in turn)."""
     out = []
