@@ -15,6 +15,7 @@ import functools
 import os
 import signal
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -103,7 +104,7 @@ def test_request_freeze_and_add_finalize_fn() -> None:
     req.add_finalize_fn(print)
     frozen = req.freeze()
     assert frozen.is_frozen and not req.is_frozen and frozen.finalize_fns == [print]
-    assert frozen.async_fn_kwargs == {} and frozen.preload_fn is None
+    assert frozen.async_fn_kwargs is None and frozen.preload_fn is None  # NVRx defaults
     with pytest.raises(CheckpointError, match="cannot add a finalize function to a frozen"):
         frozen.add_finalize_fn(print)
     frozen.finalize_fns.append(len)
@@ -116,7 +117,7 @@ def test_malformed_requests_are_refused(queue: AsyncCallsQueue) -> None:
     with pytest.raises(CheckpointError, match="async_fn must be callable or None"):
         queue.schedule_async_request(AsyncRequest("nope", (), []))  # type: ignore[arg-type]
     with pytest.raises(CheckpointError, match="cannot be sent to the worker process"):
-        queue.schedule_async_request(AsyncRequest(print, (lambda: 1,), []))
+        queue.schedule_async_request(AsyncRequest(print, (threading.Lock(),), []))
     assert queue.get_num_unfinalized_calls() == 0
 
 
@@ -282,8 +283,12 @@ def test_close_abort_does_not_wait_for_calls_in_flight(tmp_path: Path) -> None:
     with pytest.raises(ProcessLookupError):
         os.kill(pid, 0)  # the worker is gone (killed and reaped)
     assert ran == [] and q.get_num_unfinalized_calls() == 0
-    with pytest.raises(CheckpointError, match="the AsyncCallsQueue is closed"):
-        q.schedule_async_request(AsyncRequest(None, (), []))
+    assert q._get_async_caller() is None  # no worker until the next request (NVRx)
+    # The queue is usable again: the next request starts a new worker.
+    assert q.schedule_async_request(AsyncRequest(os.getpid, (), [lambda: ran.append(2)])) == 0
+    assert q.worker_pid not in (None, pid)
+    assert q.maybe_finalize_async_calls(blocking=True) == [0] and ran == [2]
+    q.close()
 
 
 def test_no_op_request_is_finalized_without_a_worker() -> None:
@@ -315,7 +320,7 @@ def _mutate(state: dict[str, Any]) -> None:
 
 @pytest.mark.parametrize("persistent", [True, False])
 def test_torch_async_checkpoint_round_trip(persistent: bool, tmp_path: Path) -> None:
-    ckpt = TorchAsyncCheckpoint(persistent=persistent)
+    ckpt = TorchAsyncCheckpoint(persistent_queue=persistent)
     state = _state()
     expected = copy.deepcopy(state)
     path = tmp_path / "model.pt"
@@ -330,12 +335,14 @@ def test_torch_async_checkpoint_round_trip(persistent: bool, tmp_path: Path) -> 
     assert ckpt.finalize_async_save(blocking=True, terminate=True) == [second]
     _assert_same(torch.load(path), after)
     assert os.listdir(tmp_path) == ["model.pt"]  # no temporary file left behind
-    with pytest.raises(CheckpointError, match="the AsyncCallsQueue is closed"):
-        ckpt.async_save(state, path)
+    # Closed (terminate=True), not dead: the next save starts a new worker (NVRx).
+    third = ckpt.async_save(state, path)
+    assert ckpt.finalize_async_save(blocking=True, terminate=True) == [third]
+    _assert_same(torch.load(path), state)
 
 
 def test_torch_async_checkpoint_module_state_dict_loads_back(tmp_path: Path) -> None:
-    with TorchAsyncCheckpoint(persistent=False) as ckpt:
+    with TorchAsyncCheckpoint(persistent_queue=False) as ckpt:
         model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.BatchNorm1d(3))
         ckpt.async_save(model.state_dict(), f=tmp_path / "m.pt")
         ckpt.finalize_async_save(blocking=True)
@@ -348,7 +355,7 @@ def test_torch_async_checkpoint_module_state_dict_loads_back(tmp_path: Path) -> 
 
 
 def test_torch_async_checkpoint_errors(tmp_path: Path) -> None:
-    ckpt = TorchAsyncCheckpoint(persistent=False)
+    ckpt = TorchAsyncCheckpoint(persistent_queue=False)
     missing = tmp_path / "nope" / "m.pt"
     with pytest.raises(CheckpointError, match="the directory to save into does not exist") as e:
         ckpt.async_save({}, missing)
@@ -460,13 +467,24 @@ def _rank_agree(rank: int, world_size: int, root: str) -> dict[str, Any]:
     ran: list[int] = []
     fn = (_w_boom, ("rank one broke",)) if rank == 1 else (_w_gated, (gate, out, "ok"))
     q.schedule_async_request(AsyncRequest(fn[0], fn[1], [lambda: ran.append(1)]))
+    from torch.distributed.checkpoint import CheckpointException
+
+    error, torch_type, failed = "", False, []
     try:
         q.maybe_finalize_async_calls(blocking=True, no_dist=False)
-        error = ""
     except CheckpointError as e:
         error = e.message
+        torch_type = isinstance(e, CheckpointException)
+        failed = sorted(e.failures)
     q.close()
-    return {"before": before, "after": after, "ran": ran, "error": error}
+    return {
+        "before": before,
+        "after": after,
+        "ran": ran,
+        "error": error,
+        "torch_type": torch_type,
+        "failed": failed,
+    }
 
 
 @pytest.mark.slow
@@ -486,9 +504,11 @@ def test_two_ranks_agree_before_finalizing(tmp_path: Path) -> None:
     assert [r["before"] for r in results] == [[], []]  # rank 0 done, rank 1 not: nobody
     assert [r["after"] for r in results] == [[0], [0]]
     assert [r["ran"] for r in results] == [[], []]
-    assert results[0]["error"] == (
-        "async call 1 (_w_gated) failed on rank 1; it was not finalized on any rank"
+    # Every rank names the failed rank and its cause, as torch's CheckpointException.
+    expected = (
+        "async call 1 (_w_gated) failed on 1 rank(s), so it was not finalized on any rank: "
+        "rank 1: async call 1 (_w_boom): its async_fn failed: ValueError: rank one broke"
     )
-    assert results[1]["error"] == (
-        "async call 1 (_w_boom): its async_fn failed: ValueError: rank one broke"
-    )
+    assert results[0]["error"] == expected
+    assert results[1]["error"] == expected.replace("(_w_gated)", "(_w_boom)")
+    assert [(r["torch_type"], r["failed"]) for r in results] == [(True, [1]), (True, [1])]

@@ -492,6 +492,12 @@ class WorkerConfig:
     # uploads off the cores that feed the training loop
     cpus: tuple[int, ...] | None = None
     heartbeat_s: float = 0.2
+    # Linux I/O scheduling class of the worker (ionice -c: 1 realtime, 2 best-effort,
+    # 3 idle; None: the trainer's)
+    io_priority: int | None = None
+    # The worker behaves as a daemonic process: it may not start processes of its own
+    # (NVRx's is_daemon; multiprocessing refuses children there)
+    daemon: bool = False
 
 
 class ProcessPersister:
@@ -527,6 +533,8 @@ class ProcessPersister:
             str(config.nice),
             str(config.heartbeat_s),
             ",".join(str(c) for c in config.cpus or ()),
+            "" if config.io_priority is None else str(config.io_priority),
+            "1" if config.daemon else "0",
         ]
         try:
             self.process = subprocess.Popen(
@@ -760,8 +768,14 @@ def _worker_main(
     nice: int,
     period: float,
     cpus: tuple[int, ...] = (),
+    io_class: int | None = None,
+    daemon: bool = False,
 ) -> None:
     threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
+    if daemon:  # as a daemonic multiprocessing process: no children of its own
+        multiprocessing.current_process().daemon = True
+    if io_class is not None:
+        _set_io_class(io_class)
     stopping = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stopping.set())  # finish the job in hand
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the trainer, which closes us
@@ -904,11 +918,32 @@ def run_pickled_call(job_id: int, payload: bytes, sys_path: list[str]) -> CallRe
 
 
 def main(argv: list[str]) -> None:
-    """Entry point of the worker process: ``SOCK_FD BEAT_FD PARENT_PID NICE PERIOD CPUS``
-    (CPUS: comma-separated, empty for the trainer's)."""
+    """Entry point of the worker process: ``SOCK_FD BEAT_FD PARENT_PID NICE PERIOD CPUS
+    IO_CLASS DAEMON`` (CPUS: comma-separated, empty for the trainer's; IO_CLASS empty for
+    the trainer's; DAEMON ``1`` or ``0``)."""
     sock_fd, beat_fd, parent_pid = int(argv[0]), int(argv[1]), int(argv[2])
     nice, period = int(argv[3]), float(argv[4])
     cpus = tuple(int(c) for c in argv[5].split(",") if c) if len(argv) > 5 else ()
+    io_class = int(argv[6]) if len(argv) > 6 and argv[6] else None
+    daemon = len(argv) > 7 and argv[7] == "1"
     heartbeat = mmap.mmap(beat_fd, mmap.PAGESIZE)
     os.close(beat_fd)
-    _worker_main(Connection(sock_fd), heartbeat, parent_pid, nice, period, cpus)
+    _worker_main(Connection(sock_fd), heartbeat, parent_pid, nice, period, cpus, io_class, daemon)
+
+
+def _set_io_class(io_class: int) -> None:
+    """``ionice -c io_class`` for this process (Linux ``ioprio_set``); a warning on
+    stderr where the kernel or the platform refuses."""
+    import ctypes
+    import platform
+
+    numbers = {"x86_64": 251, "aarch64": 30, "ppc64le": 273, "s390x": 282}
+    nr = numbers.get(platform.machine())
+    ok = False
+    if nr is not None and 0 <= io_class <= 3:
+        libc = ctypes.CDLL(None, use_errno=True)
+        # IOPRIO_WHO_PROCESS = 1, this process; class in bits 13+, level 4 (the middle)
+        level = 0 if io_class in (0, 3) else 4
+        ok = libc.syscall(nr, 1, 0, (io_class << 13) | level) == 0
+    if not ok:
+        print(f"quicksave worker: cannot set I/O class {io_class}", file=sys.stderr)

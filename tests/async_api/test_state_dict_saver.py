@@ -97,12 +97,9 @@ def test_usage_guide_flow_in_worker_process_loads_bit_exact(tmp_path: Path):
         queue.close()
     path = tmp_path / "iter-1"
     assert classify(str(path)) is CheckpointKind.QUICKSAVE
-    assert sorted(os.listdir(path)) == [
-        ".metadata",
-        "manifest.json",
-        "rank-00000-00.safetensors",
-        "rank-00000-01.safetensors",
-    ]
+    # The DCP layout: DCP's own file set (thread_count=2: two files), manifest in .metadata.
+    assert sorted(os.listdir(path)) == [".metadata", "__0_0.distcp", "__0_1.distcp"]
+    assert read_manifest(path).layout == "dcp"
     out = _empty_like(expected)
     quicksave.load(out, path)
     _assert_same(expected, out)
@@ -122,7 +119,7 @@ def test_msc_path_needs_use_msc(tmp_path: Path, monkeypatch):
     assert "use_msc=True" in e.value.message
     assert e.value.path == "msc://profile/iter-1"
     assert list(tmp_path.iterdir()) == []
-    with pytest.raises(CheckpointError, match="unsupported arguments"):
+    with pytest.raises(CheckpointError, match="unknown arguments"):
         FileSystemWriterAsync(str(tmp_path / "x"), bogus=1)
 
 
@@ -165,34 +162,39 @@ def test_restart_reuses_loaded_plans(tmp_path: Path, thread_queue, monkeypatch):
     _assert_same(sd, out)
 
 
-def test_init_cache_fills_the_given_cache_and_status_needs_one(tmp_path: Path, thread_queue):
+def test_init_cache_fills_the_given_cache_or_the_process_default(tmp_path: Path, thread_queue):
     _save(_state(1), tmp_path / "a", thread_queue)
     thread_queue.maybe_finalize_async_calls(blocking=True)
     md = quicksave.StorageReader(tmp_path / "a").read_metadata()
     mine = CheckpointMetadataCache()
     assert init_checkpoint_metadata_cache(md, mine) is mine
     assert mine.cached_global_metadata is md and mine.loaded_all_plans is md.all_local_plans
-    fresh = init_checkpoint_metadata_cache(md)
-    assert isinstance(fresh, CheckpointMetadataCache) and fresh is not mine
-    # No process-wide default: each call makes its own cache, and no cache, no status.
-    assert init_checkpoint_metadata_cache(md) is not fresh
-    assert get_metadata_caching_status() is None
-    assert get_metadata_caching_status(fresh) == (False, False)
+    assert get_metadata_caching_status(mine) == (False, False)
+    # As NVRx: without a cache, the process default (one object, kept in process_state).
+    default = init_checkpoint_metadata_cache(md)
+    assert default is saver.PROCESS.metadata_cache is init_checkpoint_metadata_cache()
+    assert default is not mine and default.cached_global_metadata is md
+    assert get_metadata_caching_status() == default.get_metadata_caching_status()
 
 
-def test_enable_cache_without_a_cache_is_a_clear_error(tmp_path: Path, monkeypatch):
-    writer = FileSystemWriterAsync(str(tmp_path / "x"))
-    monkeypatch.setattr(saver, "exchange_plans", lambda *a: pytest.fail("collective ran"))
-    with pytest.raises(CheckpointError) as e:
-        save_state_dict_async_plan(_state(1), writer, enable_cache=True)
-    assert e.value.message == (
-        "enable_cache=True needs a metadata_cache: quicksave keeps no process-wide default "
-        "cache (unlike the seed). Create one and pass it to every save, e.g. "
-        "metadata_cache=init_checkpoint_metadata_cache(StorageReader(last).read_metadata()) "
-        "after a restart, or metadata_cache=CheckpointMetadataCache()"
-    )
-    assert e.value.path == str(tmp_path / "x") and e.value.rank == 0
-    assert writer.tmp_dir is None and not os.listdir(tmp_path)
+def test_enable_cache_without_a_cache_uses_the_process_default(
+    tmp_path: Path, thread_queue, monkeypatch
+):
+    monkeypatch.setattr(saver.PROCESS, "metadata_cache", None)  # this test's own default
+    _save(_state(1), tmp_path / "a", thread_queue, enable_cache=True)
+    thread_queue.maybe_finalize_async_calls(blocking=True)
+    default = saver.PROCESS.metadata_cache
+    assert default is not None and default.save_count == 1
+    calls = []
+    real = saver.exchange_plans
+    monkeypatch.setattr(saver, "exchange_plans", lambda *a: calls.append(1) or real(*a))
+    sd = _state(2)
+    _save(sd, tmp_path / "b", thread_queue, enable_cache=True)
+    thread_queue.maybe_finalize_async_calls(blocking=True)
+    assert calls == [] and get_metadata_caching_status() == (True, False)
+    out = _empty_like(sd)
+    quicksave.load(out, tmp_path / "b")
+    _assert_same(sd, out)
 
 
 def test_missing_part_commits_nothing_and_names_the_rank(tmp_path: Path):
@@ -209,17 +211,19 @@ def test_missing_part_commits_nothing_and_names_the_rank(tmp_path: Path):
 
 
 def test_failed_write_leaves_an_error_part_named_at_finalize(tmp_path: Path):
+    from torch.distributed.checkpoint import CheckpointException
+
     sd = _state(1)
     writer = FileSystemWriterAsync(str(tmp_path / "x"), thread_count=1)
     ret = save_state_dict_async_plan(sd, writer)
     save_fn, preload_fn, save_args = writer.get_save_function_and_args()
-    os.makedirs(os.path.join(writer.tmp_dir, "rank-00000-00.safetensors", "blocker"))
-    with pytest.raises(CheckpointError) as e:
-        save_fn(save_args[0], preload_fn())
-    assert "rank 0 failed to write its checkpoint data" in e.value.message
-    with pytest.raises(CheckpointError) as e:
+    os.makedirs(os.path.join(writer.tmp_dir, "__0_0.distcp", "blocker"))
+    # As NVRx's writer: the failure is recorded, and reported at finalize (every rank).
+    save_fn(save_args[0], preload_fn())
+    with pytest.raises(CheckpointException) as e:
         save_state_dict_async_finalize(*ret)
-    assert e.value.rank == 0 and "rank 0 failed to write: " in e.value.message
-    assert "IsADirectoryError" in e.value.message
+    assert isinstance(e.value, CheckpointError) and e.value.rank == 0
+    assert "rank 0: Worker failure: IsADirectoryError" in e.value.message
+    assert list(e.value.failures) == [0]
     assert not os.path.exists(writer.tmp_dir)
     assert classify(str(tmp_path / "x")) is CheckpointKind.MISSING

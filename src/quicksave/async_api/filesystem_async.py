@@ -44,32 +44,43 @@ manifest, for a ``CheckpointManager``'s clean-up.
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import importlib.util
 import json
 import os
+import pickle
+import shutil
 import uuid
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
 import torch
 import xxhash
-from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 
 from .. import commit, parts, persist
 from ..errors import CheckpointError, CorruptCheckpointError
+from ..format import DCP_METADATA_NAME
 from ..format import objects as objcodec
-from ..format.manifest import RankPlan, hexdigest
-from ..plan import RankLayout, layout_rank
-from ..storage import StorageOptions
+from ..format.manifest import RankPlan, hexdigest, to_json_bytes
+from ..plan import ItemSpec, RankLayout, layout_rank
 from ..storage.backend import Backend, join
 from ..storage.location import Location
-from ..writer import StorageWriter, _ChunkWritten, _ObjectWritten, _original_object, item_spec
-
-_IGNORED_KWARGS = ("single_file_per_rank", "per_thread_copy_ahead", "separation_hint", "overwrite")
+from ..writer import (
+    StorageWriter,
+    _ChunkWritten,
+    _ObjectWritten,
+    _original_object,
+    build_manifest,
+    item_spec,
+)
 
 
 @dataclass(frozen=True)
@@ -80,7 +91,7 @@ class SeedRankPlan:
     the temporary directory, so a reused (cached) plan never reuses a directory."""
 
     plan_id: str
-    layout: RankLayout
+    layout: Any  # RankLayout, or DcpRankLayout in the DCP layout
 
 
 @dataclass(frozen=True)
@@ -89,7 +100,7 @@ class SaveLayout:
     ``storage_data`` (cached with it): every rank's file layout and plan."""
 
     plan_id: str
-    layouts: tuple[RankLayout, ...]
+    layouts: tuple[Any, ...]  # RankLayout or DcpRankLayout per rank
     plans: tuple[RankPlan, ...]
 
 
@@ -230,73 +241,172 @@ def _identity_preload(staged: dict[str, torch.Tensor]) -> dict[str, torch.Tensor
     return staged
 
 
+class _NoCache:
+    """Stands for NVRx's class-level caches (``_cached_identifiers``,
+    ``_shm_tensor_cache``): quicksave keeps none, so there is nothing to clear."""
+
+    def clear(self) -> None:
+        pass
+
+    def discard(self, key: object) -> None:
+        pass
+
+    def __contains__(self, key: object) -> bool:
+        return False
+
+    def __len__(self) -> int:
+        return 0
+
+
+# DCP FileSystemWriter's positional arguments after the path, in order (NVRx passes its
+# *args on to it).
+_WRITER_POSITIONAL = (
+    "single_file_per_rank",
+    "sync_files",
+    "thread_count",
+    "per_thread_copy_ahead",
+    "cache_staged_state_dict",
+    "overwrite",
+    "_extensions",
+    "serialization_format",
+)
+# Accepted and without effect here (documented in the class docstring).
+_NO_OP_KWARGS = ("per_thread_copy_ahead", "cache_staged_state_dict")
+
+
 class FileSystemWriterAsync(StorageWriter):
-    """The seeds' ``FileSystemWriterAsync``, writing a quicksave checkpoint.
+    """NVRx 0.7's ``FileSystemWriterAsync`` (same arguments), writing a checkpoint that is
+    at once DCP's own directory and a quicksave checkpoint.
+
+    On a local path (or ``file://``, or any path with ``use_msc=True``) it writes the
+    **DCP layout** (docs/FORMAT.md §8): exactly the files DCP's ``FileSystemWriter``
+    writes — ``__{rank}_{i}.distcp``, byte for byte what DCP writes for the same items,
+    and ``.metadata`` — so ``dcp.load`` with torch's ``FileSystemReader`` (or MSC's
+    reader) loads it; ``.metadata`` carries quicksave's manifest after DCP's pickle, so
+    ``quicksave.load``, ``verify`` and ``inspect`` read it without unpickling anything,
+    with every byte under a checksum. The directory is written under a temporary name
+    and renamed into place at finalize (an existing checkpoint there is replaced
+    atomically when ``overwrite``, DCP's default). On an object store (``msc://`` with
+    ``use_msc=True``, ``s3://``) it writes quicksave's layout with ``dcp_compat`` (see
+    ``quicksave.StorageWriter``), which DCP's and MSC's readers load too.
 
     Args:
-        path: the final checkpoint: a directory (path or ``file://`` URL), or an object
-            store prefix (``msc://profile/path`` with ``use_msc=True``, ``s3://bucket/key``);
-            it must not hold a committed checkpoint.
-        thread_count: data files (and writer threads) per rank.
-        use_msc: open paths through the Multi-Storage Client, as in the seed: required
-            for ``msc://`` paths; plain paths stay local (see the module docstring).
-        sync_files: fsync files and directories (off only for throwaway tests).
-        step: training step for the manifest. user_metadata: JSON dict for the manifest.
-        storage: how to reach object stores (default: ``MSC_CONFIG`` and MSC's search
-            for ``msc://``, the environment's AWS chain for ``s3://``).
-        dcp_compat: (default True) also loadable by DCP's stock ``FileSystemReader`` and
-            MSC's ``MultiStorageFileSystemReader``, as the seed's checkpoints are (see
-            ``quicksave.StorageWriter``); False: quicksave's plain layout.
-        **kwargs: the seeds' ``single_file_per_rank``, ``per_thread_copy_ahead``,
-            ``separation_hint`` and ``overwrite`` are accepted and ignored (quicksave's
-            layout decides files; it never overwrites a committed checkpoint).
+        path: the checkpoint: a directory (path or ``file://`` URL), or an object store
+            prefix (``msc://profile/path`` with ``use_msc=True``, ``s3://bucket/key``).
+        *args: DCP ``FileSystemWriter``'s positional arguments after the path
+            (``single_file_per_rank``, ``sync_files``, ``thread_count``, ...).
+        separation_hint: NVRx's hint to split files; accepted, no effect (files follow
+            ``thread_count``, as DCP's).
+        use_msc: open paths through the Multi-Storage Client, as in NVRx: required for
+            ``msc://`` paths; plain paths stay local (see the module docstring).
+        is_multiproc_io: NVRx's process-based file I/O. Files are written by threads here
+            (writes release the GIL); as in NVRx, it fails the save ("Invalid Setup!")
+            when the queue's worker is a daemon (``AsyncCallsQueue(is_daemon=True)``).
+        use_cached_data_structure: accepted, no effect (NVRx's GPU tensor cache).
+        use_cpu_shm_for_gpu_tensors: accepted, no effect (tensors are always staged in
+            host shared memory here).
+        thread_count: (default 1, as DCP's) data files, and writer threads, per rank.
+        sync_files: fsync files and directories (default True).
+        overwrite: (default True, as DCP's) replace a checkpoint already at ``path``,
+            atomically; False: refuse it (``CheckpointExistsError``). Anything else there
+            (a file, a non-empty directory that is no checkpoint) is always refused.
+        single_file_per_rank: (default True) False: one file per item, as DCP's.
+        open_file: how data files are opened (``open_file(path, "wb")``; NVRx's testing
+            hook), default ``open``.
+        _extensions: must be None or empty (compression and other DCP stream extensions
+            are not supported: a clear error names them).
+        serialization_format: DCP's ``SerializationFormat.TORCH_SAVE`` only.
+        per_thread_copy_ahead, cache_staged_state_dict: accepted, no effect.
+        step, user_metadata: for the manifest. storage: how to reach object stores.
+        dcp_compat: object stores only: make the checkpoint loadable by DCP's readers too.
 
     Raises:
-        CheckpointError: an ``msc://`` path without ``use_msc=True``, an ``msc://`` path
-            without the Multi-Storage Client installed, an unknown URL scheme, or an
-            unknown keyword argument (all before any I/O, naming the path).
+        CheckpointError: an ``msc://`` path without ``use_msc=True`` (or without the
+            Multi-Storage Client), an unknown URL scheme, an unknown keyword argument, or
+            an unsupported extension or serialization format (all before any I/O,
+            naming the path).
 
     Example::
 
-        writer = FileSystemWriterAsync("msc://model-checkpoints/iter-10", use_msc=True)
+        writer = FileSystemWriterAsync("ckpt/iter-10", thread_count=2)
         ret = save_state_dict_async_plan(state_dict, writer, None, 0)
         save_fn, preload_fn, save_args = writer.get_save_function_and_args()
     """
+
+    _cached_identifiers = _NoCache()
+    _shm_tensor_cache = _NoCache()
 
     def __init__(
         self,
         path: str | os.PathLike[str],
         *args: Any,
-        thread_count: int = 2,
+        separation_hint: str | None = None,
         use_msc: bool = False,
-        sync_files: bool = True,
-        step: int | None = None,
-        user_metadata: dict[str, Any] | None = None,
-        storage: StorageOptions | None = None,
-        dcp_compat: bool = True,
+        is_multiproc_io: bool = False,
+        use_cached_data_structure: bool = False,
+        use_cpu_shm_for_gpu_tensors: bool = False,
         **kwargs: Any,
     ) -> None:
-        unknown = sorted(set(kwargs) - set(_IGNORED_KWARGS))
-        if args or unknown:
+        where = os.fspath(path) if isinstance(path, (str, os.PathLike)) else str(path)
+        if len(args) > len(_WRITER_POSITIONAL):
             raise CheckpointError(
-                f"FileSystemWriterAsync: unsupported arguments {list(args) + unknown}",
-                path=os.fspath(path),
+                f"FileSystemWriterAsync: {len(args)} positional arguments after the path; "
+                f"FileSystemWriter takes at most {len(_WRITER_POSITIONAL)}",
+                path=where,
+            )
+        for name, value in zip(_WRITER_POSITIONAL, args, strict=False):
+            if name in kwargs:
+                raise CheckpointError(
+                    f"FileSystemWriterAsync: {name} given twice (by position and by name)",
+                    path=where,
+                )
+            kwargs[name] = value
+        known = set(_WRITER_POSITIONAL) | {
+            "open_file",
+            "step",
+            "user_metadata",
+            "storage",
+            "dcp_compat",
+        }
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise CheckpointError(f"FileSystemWriterAsync: unknown arguments {unknown}", path=where)
+        extensions = kwargs.get("_extensions")
+        if extensions:
+            raise CheckpointError(
+                f"FileSystemWriterAsync: DCP stream extensions {list(extensions)!r} are not "
+                "supported (quicksave reads raw tensor bytes at known offsets)",
+                path=where,
+            )
+        fmt = kwargs.get("serialization_format")
+        if fmt is not None and getattr(fmt, "value", fmt) != "torch_save":
+            raise CheckpointError(
+                f"FileSystemWriterAsync: serialization_format {fmt!r} is not supported; "
+                "only SerializationFormat.TORCH_SAVE (DCP's default)",
+                path=where,
             )
         super().__init__(
             path,
-            step=step,
-            thread_count=thread_count,
-            fsync=sync_files,
-            user_metadata=user_metadata,
-            storage=storage,
-            dcp_compat=dcp_compat,
+            step=kwargs.get("step"),
+            thread_count=int(kwargs.get("thread_count", 1)),
+            fsync=bool(kwargs.get("sync_files", True)),
+            user_metadata=kwargs.get("user_metadata"),
+            storage=kwargs.get("storage"),
+            dcp_compat=bool(kwargs.get("dcp_compat", True)),
         )
         self.use_msc = use_msc
+        self.separation_hint = separation_hint
+        self.is_multiproc_io = is_multiproc_io
+        self.use_cached_data_structure = use_cached_data_structure
+        self.use_cpu_shm_for_gpu_tensors = use_cpu_shm_for_gpu_tensors
+        self.overwrite = bool(kwargs.get("overwrite", True))
+        self.single_file_per_rank = bool(kwargs.get("single_file_per_rank", True))
+        self.open_file = kwargs.get("open_file", open)
         if self.location.scheme == "msc":
             if not use_msc:
                 raise CheckpointError(
                     "an msc:// path is a Multi-Storage Client location: pass use_msc=True "
-                    "(FileSystemWriterAsync(path, use_msc=True), as the seed requires)",
+                    "(FileSystemWriterAsync(path, use_msc=True), as NVRx requires)",
                     path=self.path,
                 )
             if importlib.util.find_spec("multistorageclient") is None:
@@ -305,12 +415,23 @@ class FileSystemWriterAsync(StorageWriter):
                     "(pip install 'quicksave[msc]')",
                     path=self.path,
                 )
+        self.dcp_layout = self.location.is_local
         self.plan_id = uuid.uuid4().hex  # replaced by the caller on a restart-reuse save
         self.save_index = 0  # set by save_state_dict_async_plan (per-save counter)
-        self.layouts: tuple[RankLayout, ...] | None = None
-        self._job: RankWriteJob | None = None
+        self.layouts: tuple[RankLayout | DcpRankLayout, ...] | None = None
+        self._job: RankWriteJob | DcpWriteJob | None = None
         self._staged: dict[str, torch.Tensor] = {}
         self._index_of: dict[str, MetadataIndex] = {}
+
+    # ------------------------------------------------------- NVRx's class hooks
+    @classmethod
+    def cleanup_tensor_caches(cls) -> None:
+        """NVRx's cache clean-up; quicksave keeps no class-level tensor cache."""
+
+    @classmethod
+    def register_shm_drain_callback(cls, fn: Callable[[], Any] | None) -> None:
+        """NVRx's shared-memory drain hook; accepted, no effect (staging buffers here are
+        per save)."""
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         self.is_coordinator = is_coordinator
@@ -326,8 +447,9 @@ class FileSystemWriterAsync(StorageWriter):
         a failure here is raised on every rank by the planning collective.
 
         Raises:
-            CheckpointExistsError: (coordinator, object store) the prefix holds a
-                checkpoint or objects.
+            CheckpointExistsError: (coordinator) an object store prefix holds a
+                checkpoint or objects; a local path holds something that is no
+                checkpoint, or a checkpoint and ``overwrite`` is False.
             CheckpointError: (coordinator, object store) the store cannot be reached.
         """
         plan = super().prepare_local_plan(plan)
@@ -337,6 +459,11 @@ class FileSystemWriterAsync(StorageWriter):
             except BaseException:
                 self.close()  # this writer's save ends here: drop its client
                 raise
+        elif self.is_coordinator:
+            kind = commit.classify(self.location)
+            committed = kind in (commit.CheckpointKind.QUICKSAVE, commit.CheckpointKind.DCP)
+            if not (committed and self.overwrite):
+                commit.check_target(self.location, self.rank)
         return plan
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
@@ -345,11 +472,16 @@ class FileSystemWriterAsync(StorageWriter):
         self.plans = tuple(_rank_plan(p) for p in plans)
         out, layouts = [], []
         for rank, plan in enumerate(plans):
-            items = [item_spec(i) for i in plan.items if i.type != WriteItemType.BYTE_IO]
-            layout = layout_rank(rank, items, self.thread_count, dcp_compat=self.dcp_compat)
+            layout: RankLayout | DcpRankLayout
+            if self.dcp_layout:
+                layout = dcp_rank_layout(
+                    rank, list(plan.items), self.thread_count, self.single_file_per_rank
+                )
+            else:
+                items = [item_spec(i) for i in plan.items if i.type != WriteItemType.BYTE_IO]
+                layout = layout_rank(rank, items, self.thread_count, dcp_compat=self.dcp_compat)
             layouts.append(layout)
-            storage = SeedRankPlan(self.plan_id, layout)
-            out.append(dataclasses.replace(plan, storage_data=storage))
+            out.append(dataclasses.replace(plan, storage_data=SeedRankPlan(self.plan_id, layout)))
         self.layouts = tuple(layouts)
         return out
 
@@ -360,14 +492,14 @@ class FileSystemWriterAsync(StorageWriter):
         return SaveLayout(self.plan_id, self.layouts, self.plans)
 
     # ---------------------------------------------------------------- staging
-    def prepare_write_data(self, central_plan: SavePlan, planner: SavePlanner) -> None:
+    def prepare_write_data(self, plan: SavePlan, planner: SavePlanner) -> None:
         """Stage this rank's tensors on the CPU (copies; device-to-host for GPU tensors)
         and encode its objects, so that the trainer may change its state right after.
 
         Raises:
             CheckpointError: the central plan did not come from this writer's planning.
         """
-        rank_plan = central_plan.storage_data
+        rank_plan = plan.storage_data
         if not isinstance(rank_plan, SeedRankPlan):
             raise CheckpointError(
                 "the central plan was not prepared by FileSystemWriterAsync",
@@ -386,11 +518,15 @@ class FileSystemWriterAsync(StorageWriter):
             self.tmp_dir = self.location.key
         staged: dict[str, torch.Tensor] = {}
         objects: dict[str, Any] = {}
+        byte_items: dict[str, bytes] = {}
         self._index_of = {}
-        for item in central_plan.items:
+        for item in plan.items:
             if item.type == WriteItemType.BYTE_IO:
                 value = _original_object(planner, item, self.rank)
                 objects[item.index.fqn] = objcodec.encode(value, item.index.fqn)
+                if self.dcp_layout:
+                    data = planner.resolve_data(item)
+                    byte_items[item.index.fqn] = bytes(data.getbuffer())
                 continue
             key = item_spec(item).key
             t = planner.resolve_data(item).detach()
@@ -398,6 +534,18 @@ class FileSystemWriterAsync(StorageWriter):
             staged[key] = t.to("cpu", copy=True, memory_format=torch.contiguous_format)
             self._index_of[key] = item.index
         self._staged = staged
+        if isinstance(rank_plan.layout, DcpRankLayout):
+            self._job = DcpWriteJob(
+                self.rank,
+                self.tmp_dir,
+                rank_plan.layout,
+                byte_items,
+                objects,
+                self.fsync,
+                self.open_file,
+                self.is_multiproc_io,
+            )
+            return
         store = None if self.location.is_local else self.location
         self._job = RankWriteJob(
             self.rank, self.tmp_dir, rank_plan.layout, objects, self.fsync, store
@@ -417,7 +565,8 @@ class FileSystemWriterAsync(StorageWriter):
                 rank=self.rank,
             )
         staged, self._staged = self._staged, {}
-        return write_rank_data, partial(_identity_preload, staged), (self._job, staged)
+        fn = write_dcp_rank_data if isinstance(self._job, DcpWriteJob) else write_rank_data
+        return fn, partial(_identity_preload, staged), (self._job, staged)
 
     # ---------------------------------------------------------------- results
     def retrieve_write_results(self) -> list[WriteResult]:
@@ -429,8 +578,50 @@ class FileSystemWriterAsync(StorageWriter):
         """
         if self._job is None:
             raise CheckpointError("no write was prepared", path=self.path, rank=self.rank)
+        if isinstance(self._job, DcpWriteJob):
+            body = _read_dcp_part(self._job.tmp_dir, self._job.layout)
+            results = []
+            for f in self._job.layout.files:
+                for it in f.items:
+                    off, length = body["files"][f.name]["items"][it.key][:2]
+                    results.append(
+                        WriteResult(it.index, int(length), _StorageInfo(f.name, off, length))
+                    )
+            return results
         backend = None if self.location.is_local else self.backend()
         return rank_write_results(self._job.tmp_dir, self._job.layout, self._index_of, backend)
+
+    def commit_parts(self, metadata: Metadata, layout: SaveLayout) -> None:
+        """Coordinator, at finalize: check every rank's part and commit.
+
+        Raises:
+            RankWritesFailed: ranks failed to write (every one named, with its cause).
+            CheckpointError: the commit failed.
+        """
+        if self.tmp_dir is None:
+            raise CheckpointError("finalize before prepare_write_data()", path=self.path)
+        if all(isinstance(lay, DcpRankLayout) for lay in layout.layouts):
+            commit_dcp(self, metadata, layout)
+            self.tmp_dir = None
+            return
+        backend = None if self.location.is_local else self.backend()
+        results, causes = [], {}
+        for lay in layout.layouts:
+            assert isinstance(lay, RankLayout)
+            try:
+                results.append(rank_write_results(self.tmp_dir, lay, None, backend))
+            except CheckpointError as e:
+                if isinstance(e, CorruptCheckpointError):
+                    raise
+                causes[lay.rank] = e.message
+        if causes:
+            raise RankWritesFailed(causes, self.path)
+        if backend is None:
+            _remove_unexpected(self.tmp_dir, expected_files(layout.layouts))
+        else:
+            _remove_parts(backend, self.tmp_dir, len(layout.layouts))
+        self.plans = layout.plans
+        super().finish(metadata, results)
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         """Coordinator: write ``.metadata`` and the manifest, then rename (the commit);
@@ -438,6 +629,374 @@ class FileSystemWriterAsync(StorageWriter):
         if self.tmp_dir is None:
             raise CheckpointError("finish() before prepare_write_data()", path=self.path)
         super().finish(metadata, results)
+
+
+def _remove_parts(backend: Backend, prefix: str, world_size: int) -> None:
+    """On an object store: delete every rank's part and error part (already read), so the
+    checkpoint holds only its data objects, ``.metadata`` and the manifest. The prefix
+    was empty when the save was planned, so nothing else of an earlier attempt is there;
+    nothing else is deleted (never another save's manifest)."""
+    names = [n for r in range(world_size) for n in (parts.part_name(r), error_part_name(r))]
+    backend.delete(join(prefix, n) for n in names)
+
+
+# ====================================================================== DCP layout
+# FileSystemWriterAsync on a local path writes the DCP layout (docs/FORMAT.md §8): DCP's
+# own files, byte for byte, with quicksave's manifest at the end of ``.metadata``.
+
+DCP_SUFFIX = ".distcp"
+INVALID_SETUP = (
+    "Invalid Setup! User cannot establish a daemon Async worker and then use Multi-Proc "
+    "File IO: build the AsyncCallsQueue with is_daemon=False, or pass is_multiproc_io=False"
+)
+
+
+class RankWritesFailed(CheckpointError):
+    """Ranks failed to write their part of a save (the coordinator's view at finalize).
+
+    Attributes:
+        causes: rank -> what went wrong there.
+    """
+
+    def __init__(self, causes: dict[int, str], path: str) -> None:
+        named = "; ".join(f"rank {r}: Worker failure: {c}" for r, c in sorted(causes.items()))
+        super().__init__(
+            f"{len(causes)} rank(s) failed to write the checkpoint, nothing was committed: {named}",
+            path=path,
+        )
+        self.causes = dict(sorted(causes.items()))
+
+
+@dataclass(frozen=True)
+class DcpItem:
+    """One DCP write item of a rank: a tensor chunk (``spec``) or a byte item (an object)."""
+
+    key: str
+    fqn: str
+    spec: ItemSpec | None  # None: a byte item
+
+    @property
+    def index(self) -> MetadataIndex:
+        if self.spec is None:
+            return MetadataIndex(self.fqn)
+        return MetadataIndex(self.fqn, torch.Size(self.spec.offsets))
+
+
+@dataclass(frozen=True)
+class DcpFile:
+    """A data file and its items in DCP's order: byte items first, then tensors."""
+
+    name: str
+    items: tuple[DcpItem, ...]
+
+
+@dataclass(frozen=True)
+class DcpRankLayout:
+    rank: int
+    files: tuple[DcpFile, ...]
+
+
+def _dcp_item(item: Any) -> DcpItem:
+    if item.type == WriteItemType.BYTE_IO:
+        return DcpItem(item.index.fqn, item.index.fqn, None)
+    spec = item_spec(item)
+    return DcpItem(spec.key, spec.fqn, spec)
+
+
+def dcp_rank_layout(
+    rank: int, items: list[Any], thread_count: int, single_file_per_rank: bool = True
+) -> DcpRankLayout:
+    """The files rank ``rank`` writes, as DCP's ``FileSystemWriter`` lays them out:
+    ``__{rank}_{i}.distcp``; one file per item without ``single_file_per_rank``; else
+    ``thread_count`` files, byte items dealt round-robin and tensors, largest first, each
+    to the least-filled file (with one file: every item, in plan order)."""
+    if not single_file_per_rank:
+        buckets = [[i] for i in items]
+    elif thread_count <= 1:
+        buckets = [list(items)]
+    else:
+        byte_items = [i for i in items if i.type == WriteItemType.BYTE_IO]
+        tensors = [i for i in items if i.type != WriteItemType.BYTE_IO]
+        buckets = [[] for _ in range(thread_count)]
+        sizes = [0] * thread_count
+        tensors.sort(key=lambda i: item_spec(i).nbytes, reverse=True)  # stable, as DCP's
+        for n, i in enumerate(byte_items):
+            buckets[n % thread_count].append(i)
+        for i in tensors:
+            at = min(range(thread_count), key=lambda b: sizes[b])
+            buckets[at].append(i)
+            sizes[at] += item_spec(i).nbytes
+    files = []
+    for n, bucket in enumerate(buckets):
+        ordered = [i for i in bucket if i.type == WriteItemType.BYTE_IO] + [
+            i for i in bucket if i.type != WriteItemType.BYTE_IO
+        ]
+        files.append(DcpFile(f"__{rank}_{n}{DCP_SUFFIX}", tuple(_dcp_item(i) for i in ordered)))
+    return DcpRankLayout(rank, tuple(files))
+
+
+@dataclass(frozen=True)
+class DcpWriteJob:
+    """The picklable description of one rank's background write in the DCP layout."""
+
+    rank: int
+    tmp_dir: str
+    layout: DcpRankLayout
+    byte_items: dict[str, bytes]  # key -> DCP's bytes of the object (torch.save)
+    objects: dict[str, Any]  # fqn -> typed JSON, for the manifest
+    fsync: bool
+    open_file: Callable[..., Any] = open
+    multiproc_io: bool = False
+
+
+def write_dcp_rank_data(job: DcpWriteJob, staged: dict[str, torch.Tensor]) -> None:
+    """``save_fn`` in the DCP layout: this rank's data files (one thread each), then its
+    part (item offsets and digests), the rank's "done" record.
+
+    A failure is recorded in an error part, which the coordinator reports at finalize on
+    every rank (NVRx reports writer failures at finalize too); this function then returns
+    normally. It raises only when even the error part cannot be written.
+
+    Raises:
+        CheckpointError: the write failed and the failure could not be recorded.
+    """
+    from ..format.dcp_layout import write_dcp_file
+
+    try:
+        if job.multiproc_io:
+            import multiprocessing
+
+            if multiprocessing.current_process().daemon:
+                raise CheckpointError(INVALID_SETUP, path=job.tmp_dir, rank=job.rank)
+        os.makedirs(job.tmp_dir, exist_ok=True)
+        for name in [f.name for f in job.layout.files] + [
+            parts.part_name(job.rank),
+            error_part_name(job.rank),
+        ]:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(os.path.join(job.tmp_dir, name))
+
+        def write_one(f: DcpFile) -> dict[str, Any]:
+            items: list[tuple[str, Any]] = []
+            for it in f.items:
+                items.append(
+                    (it.key, job.byte_items[it.key] if it.spec is None else staged[it.key])
+                )
+            with job.open_file(os.path.join(job.tmp_dir, f.name), "wb") as stream:
+                w = write_dcp_file(stream, items, fsync=job.fsync)
+            return _file_record(w)
+
+        files = job.layout.files
+        if len(files) <= 1:
+            records = [write_one(f) for f in files]
+        else:
+            with ThreadPoolExecutor(len(files), thread_name_prefix="quicksave-dcp") as pool:
+                records = list(pool.map(write_one, files))
+        body = {
+            "format": DCP_PART_FORMAT,
+            "rank": job.rank,
+            "files": {f.name: r for f, r in zip(files, records, strict=True)},
+            "objects": job.objects,
+        }
+        _write_json_durable(job.tmp_dir, parts.part_name(job.rank), body, job.fsync)
+    except Exception as e:  # noqa: BLE001 - recorded for the coordinator
+        cause = e.message if isinstance(e, CheckpointError) else f"{type(e).__name__}: {e}"
+        try:
+            os.makedirs(job.tmp_dir, exist_ok=True)
+            _write_error_part(job.tmp_dir, job.rank, cause)
+        except OSError:
+            raise CheckpointError(
+                f"rank {job.rank} failed to write its checkpoint data: {cause}",
+                path=job.tmp_dir,
+                rank=job.rank,
+            ) from e
+
+
+DCP_PART_FORMAT = "quicksave-dcp-part"
+
+
+def _file_record(w: Any) -> dict[str, Any]:
+    items = {}
+    for key, it in w.items.items():
+        items[key] = [
+            it.item_offset,
+            it.item_length,
+            getattr(it, "raw_offset", None),
+            getattr(it, "raw_length", None),
+            getattr(it, "xxh3_64", None),
+        ]
+    return {"size": w.size, "xxh3_64": w.xxh3_64, "items": items}
+
+
+def _write_json_durable(tmp_dir: str, name: str, body: dict[str, Any], fsync: bool) -> None:
+    raw = json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
+    body = dict(body, part_xxh3_64=hexdigest(xxhash.xxh3_64_intdigest(raw)))
+    path = os.path.join(tmp_dir, name)
+    staging = f"{path}.{uuid.uuid4().hex[:8]}.writing"
+    data = json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
+    if fsync:
+        commit.write_durable(staging, data)
+    else:
+        with open(staging, "wb") as f:
+            f.write(data)
+    os.replace(staging, path)
+
+
+def _read_dcp_part(tmp_dir: str, layout: DcpRankLayout) -> dict[str, Any]:
+    """One rank's DCP part, checked against its layout.
+
+    Raises:
+        CheckpointError: the rank recorded an error or left no part (its cause).
+        CorruptCheckpointError: the part is damaged or does not match the layout.
+    """
+    rank = layout.rank
+    cause = read_error_part(tmp_dir, rank)
+    if cause is not None:
+        raise CheckpointError(cause, path=tmp_dir, rank=rank)
+    path = os.path.join(tmp_dir, parts.part_name(rank))
+    try:
+        with open(path, "rb") as f:
+            body = json.loads(f.read(64 << 20))
+    except FileNotFoundError:
+        raise CheckpointError(
+            "it left no part: its write did not finish (the worker died, or the call failed)",
+            path=tmp_dir,
+            rank=rank,
+        ) from None
+    except (OSError, ValueError) as e:
+        raise CorruptCheckpointError(f"unreadable part: {e}", path=path, rank=rank) from e
+    digest = body.pop("part_xxh3_64", None) if isinstance(body, dict) else None
+    raw = json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
+    if digest != hexdigest(xxhash.xxh3_64_intdigest(raw)) or body.get("format") != DCP_PART_FORMAT:
+        raise CorruptCheckpointError("damaged part (checksum mismatch)", path=path, rank=rank)
+    files = body.get("files", {})
+    for f in layout.files:
+        rec = files.get(f.name)
+        if rec is None or set(rec.get("items", {})) != {it.key for it in f.items}:
+            raise CorruptCheckpointError(
+                f"the part does not match the plan for {f.name}", path=path, rank=rank
+            )
+    return body
+
+
+def commit_dcp(writer: FileSystemWriterAsync, metadata: Metadata, layout: SaveLayout) -> None:
+    """The coordinator's commit of a DCP-layout save: read every rank's part, build DCP's
+    ``Metadata`` (``storage_data`` → each item's bytes) and quicksave's manifest, write
+    ``.metadata`` = pickle | manifest | footer (FORMAT.md §8), check that every file is
+    whole, and rename the temporary directory into place (replacing an older checkpoint
+    there atomically when ``overwrite``).
+
+    Raises:
+        RankWritesFailed: ranks recorded errors or left no part (every one named).
+        CheckpointError: the commit itself failed.
+    """
+    from ..format.dcp_layout import encode_metadata
+
+    tmp_dir = writer.tmp_dir
+    assert tmp_dir is not None
+    bodies: dict[int, dict[str, Any]] = {}
+    causes: dict[int, str] = {}
+    for lay in layout.layouts:
+        assert isinstance(lay, DcpRankLayout)
+        try:
+            bodies[lay.rank] = _read_dcp_part(tmp_dir, lay)
+        except CheckpointError as e:
+            causes[lay.rank] = e.message
+    if causes:
+        raise RankWritesFailed(causes, writer.path)
+    storage: dict[MetadataIndex, _StorageInfo] = {}
+    results: list[list[WriteResult]] = []
+    expected: dict[str, int] = {}
+    for lay in layout.layouts:
+        body = bodies[lay.rank]
+        rank_results: list[WriteResult] = []
+        for f in lay.files:
+            rec = body["files"][f.name]
+            expected[f.name] = int(rec["size"])
+            for it in f.items:
+                item_off, item_len, raw_off, raw_len, digest = rec["items"][it.key]
+                storage[it.index] = _StorageInfo(f.name, int(item_off), int(item_len))
+                if it.spec is not None:
+                    written = _ChunkWritten(
+                        f.name,
+                        int(raw_off),
+                        int(raw_len),
+                        str(digest),
+                        int(rec["size"]),
+                        str(rec["xxh3_64"]),
+                        None,  # type: ignore[arg-type] - no data_start in this layout
+                        lay.rank,
+                    )
+                    rank_results.append(WriteResult(it.index, int(raw_len), written))
+        for fqn, value in body.get("objects", {}).items():
+            rank_results.append(WriteResult(MetadataIndex(fqn), 0, _ObjectWritten(value)))
+        results.append(rank_results)
+    plans = layout.plans if len(layout.plans) > 1 else None
+    manifest = build_manifest(metadata, results, writer.step, writer.user_metadata, plans=plans)
+    manifest = dataclasses.replace(manifest, layout="dcp")
+    dcp_md = copy.copy(metadata)
+    dcp_md.storage_data = storage
+    dcp_md.storage_meta = StorageMeta(checkpoint_id=writer.path, save_id=writer.save_id)
+    data = encode_metadata(pickle.dumps(dcp_md), to_json_bytes(manifest))
+    commit.write_durable(os.path.join(tmp_dir, DCP_METADATA_NAME), data)
+    expected[DCP_METADATA_NAME] = len(data)
+    _remove_unexpected(tmp_dir, set(expected))
+    publish_checkpoint(tmp_dir, writer.path, expected, writer.overwrite)
+
+
+def _remove_unexpected(tmp_dir: str, keep: set[str]) -> None:
+    """Only the checkpoint's files are committed: the parts (already read) and anything
+    an earlier attempt left are removed first."""
+    for name in os.listdir(tmp_dir):
+        if name not in keep:
+            path = os.path.join(tmp_dir, name)
+            if os.path.isdir(path) and not os.path.islink(path):
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                os.unlink(path)
+
+
+def publish_checkpoint(tmp: str, final: str, expected: dict[str, int], overwrite: bool) -> None:
+    """``commit.publish``, except that with ``overwrite`` a committed checkpoint already
+    at ``final`` (DCP's ``overwrite=True`` semantics) is replaced atomically: the two
+    directories swap places in one ``renameat2(RENAME_EXCHANGE)``, then the old one is
+    deleted, so ``final`` always holds a whole checkpoint. Where the filesystem cannot
+    exchange, the old one is first renamed to a temporary name (a crash in between
+    leaves it there, recoverable, and nothing at ``final``).
+
+    Raises:
+        CheckpointExistsError: something other than a committed checkpoint (or an empty
+            directory) is at ``final``, or a checkpoint is there and not ``overwrite``.
+        CheckpointError: the temporary directory is not whole.
+    """
+    final = os.path.normpath(os.path.abspath(final))
+    kind = commit.classify(final)
+    if kind not in (commit.CheckpointKind.QUICKSAVE, commit.CheckpointKind.DCP) or not overwrite:
+        commit.publish(tmp, final, expected)
+        return
+    commit.check_whole(tmp, expected, final)
+    commit.fsync_path(tmp)
+    if not _rename_exchange(tmp, final):
+        old = commit.temp_path_for(final, commit.new_token())
+        os.rename(final, old)
+        os.rename(tmp, final)
+        tmp = old
+    commit.fsync_path(os.path.dirname(final))
+    shutil.rmtree(tmp, ignore_errors=True)  # the replaced checkpoint, now at tmp
+
+
+def _rename_exchange(a: str, b: str) -> bool:
+    """Swap two paths atomically (Linux ``renameat2(..., RENAME_EXCHANGE)``); False
+    where the platform or filesystem cannot."""
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        fn = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    at_fdcwd, rename_exchange = -100, 2
+    return fn(at_fdcwd, a.encode(), at_fdcwd, b.encode(), rename_exchange) == 0
 
 
 def _rank_plan(plan: SavePlan) -> RankPlan:
@@ -504,18 +1063,21 @@ def rank_write_results(
     return results
 
 
-def expected_files(layouts: tuple[RankLayout, ...]) -> set[str]:
+def expected_files(layouts: tuple[Any, ...]) -> set[str]:
     """The data files a committed save of these layouts holds (besides the files the
     commit itself writes)."""
     return {f.name for lay in layouts for f in lay.files}
 
 
 __all__ = [
+    "DcpWriteJob",
     "FileSystemWriterAsync",
     "RankWriteJob",
+    "RankWritesFailed",
     "SaveLayout",
     "SeedRankPlan",
     "rank_write_results",
     "temp_dir_for",
+    "write_dcp_rank_data",
     "write_rank_data",
 ]

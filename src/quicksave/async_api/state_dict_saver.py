@@ -26,28 +26,23 @@ The only collectives are ``agree_plan_reuse``, ``verify_global_md_reuse`` and
 ``exchange_plans`` (the seeds' names, or named for what they exchange); at most one runs
 per save once plans are cached.
 
-**No default cache: the one deliberate difference from the seed.** NVIDIA's module keeps
-a process-wide default cache, set by ``init_checkpoint_metadata_cache`` and used when
-``metadata_cache`` is not passed. quicksave keeps no module-level mutable state (STYLE.md
-point 8), so the cache is always an object the caller holds:
+**The default cache.** As in NVRx, ``enable_cache=True`` without ``metadata_cache`` uses
+the process's default cache, which ``init_checkpoint_metadata_cache(md)`` fills after a
+restart and ``get_metadata_caching_status()`` reports on. It is one of the three pieces
+of process-wide state NVRx's API defines, all kept in ``process_state.PROCESS``; pass a
+``metadata_cache`` you hold to avoid it.
 
-* ``init_checkpoint_metadata_cache(md, metadata_cache=None)`` returns the cache it filled
-  (a new ``CheckpointMetadataCache`` unless one is passed);
-* ``get_metadata_caching_status(metadata_cache=None)`` returns that cache's status, or
-  None when no cache is given;
-* ``save_state_dict_async_plan(..., enable_cache=True)`` without ``metadata_cache`` raises
-  a ``CheckpointError`` on every rank before any collective (the check is local and the
-  same on every rank, so no rank is left waiting in a collective), where the seed would
-  use its default or silently save without caching.
-
-Apart from these, the calls keep the seed's names and arguments.
+**Finalize is collective**, as NVRx documents: every rank's
+``save_state_dict_async_finalize`` returns only once the checkpoint is committed, or
+raises ``AsyncCheckpointError`` (torch's ``CheckpointException`` too) naming every rank
+whose write failed and why. One barrier (every rank's write is done, even under
+``no_dist=True``), the coordinator's commit, one broadcast of its outcome.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import shutil
 from typing import Any
 
@@ -58,17 +53,14 @@ from torch.distributed.checkpoint.metadata import STATE_DICT_TYPE, Metadata
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.utils import _DistWrapper
 
-from .. import parts
-from ..errors import CheckpointError
-from ..storage.backend import Backend, join
+from ..errors import AsyncCheckpointError, CheckpointError
 from ..writer import rank_plan_of
 from .filesystem_async import (
     FileSystemWriterAsync,
+    RankWritesFailed,
     SaveLayout,
-    error_part_name,
-    expected_files,
-    rank_write_results,
 )
+from .process_state import PROCESS
 
 logger = logging.getLogger("quicksave")
 
@@ -178,31 +170,32 @@ class CheckpointMetadataCache:
 
 
 def init_checkpoint_metadata_cache(
-    cached_global_metadata: Metadata,
+    cached_global_metadata: Metadata | None = None,
     metadata_cache: CheckpointMetadataCache | None = None,
 ) -> CheckpointMetadataCache:
     """Fill a cache from a loaded checkpoint's metadata, so the first save after a restart
     can skip global planning.
 
-    Unlike the seed, this sets up no process-wide default: keep the returned cache and
-    pass it to every save as ``metadata_cache=``.
+    As in NVRx, without ``metadata_cache`` this fills the process's default cache (the
+    one ``save_state_dict_async_plan(..., enable_cache=True)`` uses when no
+    ``metadata_cache`` is passed; see ``process_state``).
 
     Args:
-        cached_global_metadata: ``quicksave.StorageReader(path).read_metadata()``.
-        metadata_cache: the cache to fill; a new ``CheckpointMetadataCache`` if None.
+        cached_global_metadata: ``quicksave.StorageReader(path).read_metadata()`` (or
+            DCP's); None: the cache is created (or kept) with nothing loaded.
+        metadata_cache: the cache to fill; the process default if None.
 
     Returns:
         The cache it filled.
 
     Example::
 
-        cache = init_checkpoint_metadata_cache(quicksave.StorageReader(last).read_metadata())
-        save_state_dict_async_plan(
-            sd, FileSystemWriterAsync(path), enable_cache=True, metadata_cache=cache
-        )
+        init_checkpoint_metadata_cache(quicksave.StorageReader(last).read_metadata())
+        save_state_dict_async_plan(sd, FileSystemWriterAsync(path), enable_cache=True)
     """
-    cache = metadata_cache if metadata_cache is not None else CheckpointMetadataCache()
-    cache.set_cached_global_metadata(cached_global_metadata)
+    cache = metadata_cache if metadata_cache is not None else PROCESS.default_metadata_cache()
+    if cached_global_metadata is not None:
+        cache.set_cached_global_metadata(cached_global_metadata)
     return cache
 
 
@@ -212,16 +205,17 @@ def get_metadata_caching_status(
     """A cache's ``(validated_cache_reuse, validated_loaded_metadata_reuse)``.
 
     Args:
-        metadata_cache: the cache passed to the saves; there is no process-wide default.
+        metadata_cache: the cache passed to the saves; the process default if None.
 
     Returns:
-        Its status, or None when no cache is given.
+        Its status, or None when there is no such cache (no default was ever used).
 
     Example::
 
-        reused_plan, reused_loaded = get_metadata_caching_status(cache)
+        reused_plan, reused_loaded = get_metadata_caching_status()
     """
-    return metadata_cache.get_metadata_caching_status() if metadata_cache is not None else None
+    cache = metadata_cache if metadata_cache is not None else PROCESS.metadata_cache
+    return cache.get_metadata_caching_status() if cache is not None else None
 
 
 # ------------------------------------------------------------------ collectives
@@ -321,25 +315,11 @@ def _without_storage(plan: SavePlan) -> SavePlan:
 
 
 def _resolve_cache(
-    enable_cache: bool,
-    metadata_cache: CheckpointMetadataCache | None,
-    path: str,
-    rank: int,
+    enable_cache: bool, metadata_cache: CheckpointMetadataCache | None
 ) -> CheckpointMetadataCache | None:
-    # Local and identical on every rank (the same arguments everywhere), so raising here,
-    # before any collective, makes every rank fail together instead of leaving some waiting.
     if not enable_cache:
         return None
-    if metadata_cache is None:
-        raise CheckpointError(
-            "enable_cache=True needs a metadata_cache: quicksave keeps no process-wide "
-            "default cache (unlike the seed). Create one and pass it to every save, e.g. "
-            "metadata_cache=init_checkpoint_metadata_cache(StorageReader(last).read_metadata()) "
-            "after a restart, or metadata_cache=CheckpointMetadataCache()",
-            path=path,
-            rank=rank,
-        )
-    return metadata_cache
+    return metadata_cache if metadata_cache is not None else PROCESS.default_metadata_cache()
 
 
 def _default_planner() -> SavePlanner:
@@ -373,8 +353,8 @@ def save_state_dict_async_plan(
         planner: a DCP ``SavePlanner`` (default: quicksave's, which deduplicates
             replicated tensors across ranks); ``DefaultSavePlanner()`` works too.
         enable_cache: reuse the cached plans while unchanged (see the module docstring).
-        metadata_cache: the cache (required with ``enable_cache=True``: there is no
-            process-wide default).
+        metadata_cache: the cache (with ``enable_cache=True``; the process default, as
+            in NVRx, if None).
 
     Returns:
         ``(storage_writer, global_metadata or None, dist_wrapper)``; pass it to
@@ -382,9 +362,7 @@ def save_state_dict_async_plan(
 
     Raises:
         CheckpointError: on every rank when any rank's planning failed (names the rank),
-            when ``storage_writer`` is not a ``FileSystemWriterAsync``, or (on every
-            rank, before any collective) when ``enable_cache`` is True and no
-            ``metadata_cache`` is given.
+            or when ``storage_writer`` is not a ``FileSystemWriterAsync``.
 
     Example::
 
@@ -399,7 +377,7 @@ def save_state_dict_async_plan(
     dist_wrapper = _DistWrapper(process_group, use_dist, coordinator_rank)
     rank = dist_wrapper.get_rank()
     planner = planner if planner is not None else _default_planner()
-    cache = _resolve_cache(enable_cache, metadata_cache, storage_writer.path, rank)
+    cache = _resolve_cache(enable_cache, metadata_cache)
 
     local_plan: SavePlan | BaseException
     try:
@@ -462,31 +440,70 @@ def save_state_dict_async_finalize(
     global_metadata: Metadata | None,
     dist_wrapper: _DistWrapper,
 ) -> None:
-    """Phase 3 (every rank, once every rank's ``save_fn`` is done): the coordinator commits.
+    """Phase 3 (every rank, once its ``save_fn`` is done): commit, collectively.
 
-    No write result travels between ranks: the coordinator reads each rank's part file
-    from the temporary directory, checks it, writes the manifest and renames the
-    directory into place. The other ranks return at once. On an object store the parts
-    are read from the checkpoint's prefix and deleted, and the manifest is written last
-    (the commit).
+    Every rank waits at one barrier (so every rank's write is done, whatever
+    ``no_dist`` the queue used); the coordinator then reads each rank's part (no write
+    result travels between ranks), writes ``.metadata`` and renames the temporary
+    directory into place (the commit; on an object store ``.metadata``, written last,
+    is the commit); one broadcast gives every rank the outcome. So every rank returns
+    only once the checkpoint is committed, or raises.
 
     Args:
         storage_writer, global_metadata, dist_wrapper: ``save_state_dict_async_plan``'s
             return value.
 
     Raises:
-        CheckpointError: (coordinator) a rank left no part or recorded an error, naming
-            the rank and the cause (and the checkpoint's URL on an object store); nothing
-            is committed and the temporary directory (an object store: this save's
-            objects) is removed. ``CheckpointExistsError`` if a checkpoint appeared at
-            the path.
+        AsyncCheckpointError: (every rank; torch's ``CheckpointException`` too) a rank's
+            write failed or left no part, naming each such rank and its cause (on the
+            coordinator as "Worker failure: ...", as NVRx reports it), or the commit
+            failed; nothing is committed and this save's temporary directory (an object
+            store: its objects) is removed.
 
     Example::
 
         save_state_dict_async_finalize(*save_state_dict_ret)
     """
-    if not dist_wrapper.is_coordinator:
+    use_dist = dist_wrapper.use_dist
+    if use_dist:
+        dist.barrier(group=dist_wrapper.group)
+    outcome: tuple[str, dict[int, str], str | None] | None = None
+    if dist_wrapper.is_coordinator:
+        try:
+            _commit(storage_writer, global_metadata, dist_wrapper)
+        except RankWritesFailed as e:
+            outcome = (str(e), dict(e.causes), e.path)
+        except CheckpointError as e:
+            outcome = (str(e), {}, e.path)
+    if use_dist:
+        outcome = dist_wrapper.broadcast_object(outcome)
+    if outcome is None:
         return
+    message, causes, path = outcome
+    rank = dist_wrapper.get_rank()
+    failures = {r: (CheckpointError(c, path=path, rank=r), None) for r, c in causes.items()}
+    if not dist_wrapper.is_coordinator:
+        coordinator = dist_wrapper.coordinator_rank
+        if causes:
+            named = "; ".join(f"rank {r} could not write its data ({c})" for r, c in causes.items())
+            message = f"the checkpoint was not committed: {named}"
+        else:
+            message = f"the checkpoint was not committed: rank {coordinator} failed: {message}"
+            failures = {coordinator: (CheckpointError(message, path=path), None)}
+    raise AsyncCheckpointError(message, path=path, rank=rank, failures=failures)
+
+
+def _commit(
+    storage_writer: FileSystemWriterAsync,
+    global_metadata: Metadata | None,
+    dist_wrapper: _DistWrapper,
+) -> None:
+    """The coordinator's part of finalize: check every rank's part, then commit.
+
+    Raises:
+        RankWritesFailed: ranks failed to write (every one of them named).
+        CheckpointError: anything else; this save's temporary data is removed.
+    """
     tmp_dir = storage_writer.tmp_dir
     layout = getattr(global_metadata, "storage_data", None)
     if tmp_dir is None or not isinstance(layout, SaveLayout):
@@ -505,43 +522,13 @@ def save_state_dict_async_finalize(
                 path=tmp_dir if local else storage_writer.path,
                 rank=dist_wrapper.get_rank(),
             )
-        if local:
-            results = [rank_write_results(tmp_dir, lay) for lay in layout.layouts]
-            _remove_unexpected(tmp_dir, layout)
-        else:
-            backend = storage_writer.backend()
-            results = [rank_write_results(tmp_dir, lay, None, backend) for lay in layout.layouts]
-            _remove_parts(backend, tmp_dir, len(layout.layouts))
-        storage_writer.plans = layout.plans
-        storage_writer.finish(global_metadata, results)
+        storage_writer.commit_parts(global_metadata, layout)
     except CheckpointError:
         if local:
             shutil.rmtree(tmp_dir, ignore_errors=True)
-        else:  # this save's objects, unless a manifest (a commit) is there
+        else:  # this save's objects, unless a commit is there
             storage_writer.discard()
         raise
-
-
-def _remove_unexpected(tmp_dir: str, layout: SaveLayout) -> None:
-    """Only the planned data files go into the checkpoint: the parts (already read) and
-    anything an earlier attempt left are removed before the commit."""
-    keep = expected_files(layout.layouts)
-    for name in os.listdir(tmp_dir):
-        if name not in keep:
-            path = os.path.join(tmp_dir, name)
-            if os.path.isdir(path):
-                shutil.rmtree(path, ignore_errors=True)
-            else:
-                os.unlink(path)
-
-
-def _remove_parts(backend: Backend, prefix: str, world_size: int) -> None:
-    """On an object store: delete every rank's part and error part (already read), so the
-    checkpoint holds only its data objects, ``.metadata`` and the manifest. The prefix
-    was empty when the save was planned, so nothing else of an earlier attempt is there;
-    nothing else is deleted (never another save's manifest)."""
-    names = [n for r in range(world_size) for n in (parts.part_name(r), error_part_name(r))]
-    backend.delete(join(prefix, n) for n in names)
 
 
 __all__ = [

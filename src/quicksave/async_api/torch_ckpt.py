@@ -40,12 +40,18 @@ class TorchAsyncCheckpoint:
     Call order: ``async_save`` per checkpoint → ``finalize_async_save`` now and then
     (non-blocking in the training loop, blocking before exit) → ``close``.
 
+    NVRx 0.7's ``TorchAsyncCheckpoint`` (same arguments and methods), saving atomically.
+
     Args:
-        persistent: run the saves in a persistent worker process (default) or in threads;
-            see :class:`AsyncCallsQueue`.
+        persistent_queue: run the saves in a persistent worker process (default) or in
+            threads; see :class:`AsyncCallsQueue`.
         worker: heartbeat and timeouts of the worker process.
         queue: schedule on this queue (shared with other requests) instead of a new one;
             it is then not closed by ``close()``.
+
+    Attributes:
+        save: ``torch.save`` itself (NVRx's synchronous save).
+        async_fn: what runs in the background: an atomic ``torch.save``.
 
     Example::
 
@@ -58,17 +64,27 @@ class TorchAsyncCheckpoint:
         ckpt.finalize_async_save(blocking=True, terminate=True)
     """
 
+    async_fn: Any = None
+
     def __init__(
         self,
-        persistent: bool = True,
+        persistent_queue: bool = True,
         *,
         worker: WorkerConfig | None = None,
         queue: AsyncCallsQueue | None = None,
     ) -> None:
+        self.save = torch.save
+        self.async_fn = _save_atomically
         self._owns_queue = queue is None
-        self._queue = queue if queue is not None else AsyncCallsQueue(persistent, worker=worker)
+        self._queue = (
+            queue if queue is not None else AsyncCallsQueue(persistent_queue, worker=worker)
+        )
         self._shared = self._queue.persistent
         self._free: tuple[_Signature, list[torch.Tensor]] | None = None
+
+    def _get_async_calls_queue(self) -> AsyncCallsQueue:
+        """The queue the saves run on (NVRx's accessor, for tests and monitoring)."""
+        return self._queue
 
     def async_save(self, state_dict: Any, *args: Any, **kwargs: Any) -> int:
         """Start ``torch.save(state_dict, *args, **kwargs)`` in the background.
@@ -110,7 +126,7 @@ class TorchAsyncCheckpoint:
             raise CheckpointError("the target is a directory; give a file path", path=path)
         staged, signature, buffers = self._stage(state_dict, path)
         request = AsyncRequest(
-            _save_atomically,
+            self.async_fn,
             (staged, path, *rest),
             [lambda: self._release(signature, buffers)],
             kwargs,
@@ -132,7 +148,7 @@ class TorchAsyncCheckpoint:
             Ids of the saves finalized now, oldest first.
 
         Raises:
-            CheckpointError: a save failed (named with its path and cause).
+            AsyncCheckpointError: a save failed (named with its path and cause).
         """
         if blocking and self._queue.get_num_unfinalized_calls():
             logger.info("quicksave: waiting for unfinalized async torch.save calls")
@@ -143,10 +159,16 @@ class TorchAsyncCheckpoint:
                 self.close()
 
     def close(self, abort: bool = False) -> None:
-        """Finalize what is left (unless ``abort``) and stop the worker of an owned queue."""
+        """Finalize what is left (unless ``abort``) and stop the worker of an owned queue
+        (a later ``async_save`` starts a new one)."""
         self._free = None
         if self._owns_queue:
             self._queue.close(abort=abort)
+
+    def __del__(self) -> None:
+        queue = getattr(self, "_queue", None)
+        if queue is not None and getattr(self, "_owns_queue", False):
+            queue.__del__()  # calls in flight finish; nothing collective runs
 
     def __enter__(self) -> TorchAsyncCheckpoint:
         return self

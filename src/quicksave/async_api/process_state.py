@@ -1,0 +1,79 @@
+"""The process-wide state that NVRx's API defines, kept in one object.
+
+quicksave keeps no module-level mutable state (STYLE.md point 8): the engine, its worker
+and its plan cache belong to objects the user holds. NVRx's ``async_ckpt`` API, which
+``quicksave.async_api`` reproduces so that switching is a change of imports, defines three
+things per process instead, and its users call them without holding anything:
+
+* ``abort_nvrx_checkpoint()`` stops the workers of *every* ``AsyncCallsQueue`` alive in
+  the process (an in-process restart's clean-up);
+* ``AsyncCallsQueue.warmup_persistent_caller(rank)`` starts a worker before any queue
+  exists; the next persistent queue adopts it;
+* ``save_state_dict_async_plan(..., enable_cache=True)`` without ``metadata_cache`` uses
+  a default plan cache, which ``init_checkpoint_metadata_cache(md)`` fills after a restart
+  and ``get_metadata_caching_status()`` reports on.
+
+Those three live here, in :data:`PROCESS`, and nowhere else. Code that wants no shared
+state passes its own ``metadata_cache`` and holds its queues (``queue.close(abort=True)``
+is the per-queue abort).
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ..worker import ProcessPersister, WorkerConfig
+
+
+class NvrxProcessState:
+    """What NVRx's API shares across a process (see the module docstring).
+
+    Attributes:
+        metadata_cache: the default ``CheckpointMetadataCache`` (None until first used).
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._queues: weakref.WeakSet[Any] = weakref.WeakSet()
+        self._warm: tuple[ProcessPersister, WorkerConfig, int] | None = None
+        self.metadata_cache: Any = None
+
+    def register_queue(self, queue: Any) -> None:
+        with self._lock:
+            self._queues.add(queue)
+
+    def queues(self) -> list[Any]:
+        """Every ``AsyncCallsQueue`` alive in this process."""
+        with self._lock:
+            return list(self._queues)
+
+    def put_warm_worker(self, persister: ProcessPersister, config: WorkerConfig, rank: int) -> bool:
+        """Keep a pre-started worker for the next persistent queue; False (and nothing
+        kept) if one is already waiting."""
+        with self._lock:
+            if self._warm is not None:
+                return False
+            self._warm = (persister, config, rank)
+            return True
+
+    def take_warm_worker(self) -> tuple[ProcessPersister, WorkerConfig, int] | None:
+        """The pre-started worker, once (None if there is none)."""
+        with self._lock:
+            warm, self._warm = self._warm, None
+            return warm
+
+    def default_metadata_cache(self) -> Any:
+        """The default plan cache, created at first use."""
+        from .state_dict_saver import CheckpointMetadataCache
+
+        with self._lock:
+            if self.metadata_cache is None:
+                self.metadata_cache = CheckpointMetadataCache()
+            return self.metadata_cache
+
+
+PROCESS = NvrxProcessState()
+"""This process's NVRx state (the only instance)."""
