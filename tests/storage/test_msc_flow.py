@@ -314,10 +314,15 @@ def test_use_msc_with_a_local_path_writes_locally(tmp_path: Path):
     path = tmp_path / "iteration-0001"
     sd = _state(1)
     _finalize(_schedule(str(path), sd))
-    assert (path / "manifest.json").is_file()
+    # A local path: the DCP layout (FORMAT.md §8), DCP's own files (thread_count=2).
+    assert sorted(os.listdir(path)) == [".metadata", "__0_0.distcp", "__0_1.distcp"]
     out = _empty_like(sd)
     quicksave.load(out, str(path))
     _assert_same(sd, out)
+    # The guide's load step: DCP's load with MSC's reader (MSC serves plain paths).
+    out2 = load_checkpoint(str(path), _empty_like(sd))
+    _assert_same(sd, out2)
+    assert verify_checkpoint(str(path)).ok
 
 
 def test_s3_url_through_the_guide_api(s3_server, bucket, tmp_path: Path, monkeypatch):
