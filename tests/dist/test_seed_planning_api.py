@@ -180,7 +180,7 @@ def _rank_failure_on_rank_1(rank: int, world_size: int, root: str) -> dict:
             _state(rank, 2), os.path.join(root, "iter-2"), queue
         )
         if rank == 1:  # a path trick: rank 1's data file name is taken by a directory
-            name = f"rank-{rank:05d}-00.safetensors"
+            name = f"__{rank}_0.distcp"  # the DCP layout's first data file
             os.makedirs(os.path.join(writer.tmp_dir, name, "blocker"))
         queue.schedule_async_request(request)
         try:
@@ -201,7 +201,8 @@ def test_write_failure_on_one_rank_commits_nothing(tmp_path: Path):
         assert r["error"] is not None, rank
         assert "rank 1" in r["error"]["message"]
         assert r["error"]["rank"] == rank
-    assert "failed on rank 1; it was not finalized on any rank" in results[0]["error"]["message"]
-    assert "rank 1 failed to write its checkpoint data" in results[1]["error"]["message"]
+    # Reported at finalize on every rank (a CheckpointException), with the cause.
+    assert "rank 1: Worker failure: IsADirectoryError" in results[0]["error"]["message"]
+    assert "rank 1 could not write its data (IsADirectoryError" in results[1]["error"]["message"]
     assert classify(str(tmp_path / "iter-2")) is CheckpointKind.MISSING
     assert classify(str(tmp_path / "iter-1")) is CheckpointKind.QUICKSAVE
