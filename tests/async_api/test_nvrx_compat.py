@@ -252,38 +252,10 @@ NVRX_PUBLIC_NAMES: list[tuple[str, str]] = [
     ("filesystem_async", "WriteBucket"),
 ]
 
-# Where quicksave does not (yet) keep the promise (reported as such): strict xfail, so a
-# fix turns them into failures that say to drop the mark.
-_MISSING = (
-    "not in quicksave.async_api: NVRx's worker/writer internals (its caller classes, "
-    "multiprocess write helpers) were not reproduced"
-)
-MISSING: dict[str, str] = {
-    name: _MISSING
-    for name in (
-        "ObjectTracker",
-        "AsyncCaller",
-        "TemporalAsyncCaller",
-        "PersistentAsyncCaller",
-        "ConsistentDataIdentifier",
-        "get_write_results_queue",
-        "WriteBucket",
-        "FileSystemWriterAsync.preload_tensors",
-        "FileSystemWriterAsync.write_preloaded_data_multiproc",
-        "FileSystemWriterAsync.write_preloaded_data_proc",
-        "FileSystemWriterAsync.write_preloaded_data_multithread",
-        "FileSystemWriterAsync.write_preloaded_data",
-        "FileSystemWriterAsync.prepare_decentralized_global_plan",
-    )
-}
-_POSITIONAL_EXTRA = (
-    "quicksave's extra metadata_cache parameter is positional-or-keyword, not keyword-only"
-)
-SIGNATURE_GAPS: dict[str, str] = {
-    **MISSING,
-    "init_checkpoint_metadata_cache": _POSITIONAL_EXTRA,
-    "get_metadata_caching_status": _POSITIONAL_EXTRA,
-}
+# Where quicksave does not (yet) keep the promise: strict xfail, so a fix turns them
+# into failures that say to drop the mark. (None left.)
+MISSING: dict[str, str] = {}
+SIGNATURE_GAPS: dict[str, str] = {}
 
 
 def _with_gaps(rows: list[tuple[Any, ...]], gaps: dict[str, str]) -> list[Any]:
@@ -1167,3 +1139,46 @@ def test_abort_nvrx_checkpoint_stops_every_queue_and_drops_their_calls(
     assert _mismatches(sd, got) == []
     ckpt.close()
     threads.close()
+
+
+def test_nvrx_write_helpers_write_dcp_items_that_torch_loads(tmp_path: Path) -> None:
+    """NVRx's static write helpers (``write_preloaded_data*``): a bucket per file, results
+    per bucket on the queue; each item is a torch.save archive at its recorded bytes."""
+    import io
+    import queue as queue_mod
+
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+    from torch.distributed.checkpoint.planner import WriteItemType
+
+    from quicksave.async_api.filesystem_async import FileSystemWriterAsync as W
+
+    sd = {"a": torch.arange(6.0).reshape(2, 3), "b": torch.ones(4, dtype=torch.bfloat16), "n": 7}
+    planner = DefaultSavePlanner()
+    planner.set_up_planner(sd, is_coordinator=True)
+    plan = planner.create_local_plan()
+    byte_items = [
+        (i, planner.resolve_data(i)) for i in plan.items if i.type == WriteItemType.BYTE_IO
+    ]
+    tensors = [(i, planner.resolve_data(i)) for i in plan.items if i.type != WriteItemType.BYTE_IO]
+    buckets = [
+        (str(tmp_path / "__0_0.distcp"), "__0_0.distcp", (byte_items, tensors[:1])),
+        (str(tmp_path / "__0_1.distcp"), "__0_1.distcp", ([], tensors[1:])),
+    ]
+    q: queue_mod.Queue = queue_mod.Queue()
+    W.write_preloaded_data_multithread([], False, open, 0, buckets, q)
+    results = q.get_nowait()
+    assert sorted(results) == [0, 1]
+    by_fqn = {r.index.fqn: r for rs in results.values() for r in rs}
+    assert sorted(by_fqn) == ["a", "b", "n"]
+    for fqn in ("a", "b"):
+        info = by_fqn[fqn].storage_data
+        data = (tmp_path / info.relative_path).read_bytes()[info.offset : info.offset + info.length]
+        assert torch.equal(torch.load(io.BytesIO(data), weights_only=True), sd[fqn])
+    info = by_fqn["n"].storage_data
+    data = (tmp_path / info.relative_path).read_bytes()[info.offset : info.offset + info.length]
+    assert torch.load(io.BytesIO(data), weights_only=True) == 7
+    # A failure is put on the queue, not raised (NVRx's protocol).
+    W.write_preloaded_data_multithread(
+        [], False, open, 0, [(str(tmp_path / "no" / "x"), "x", ([], tensors[:1]))], q
+    )
+    assert isinstance(q.get_nowait(), FileNotFoundError)

@@ -167,9 +167,9 @@ def test_init_cache_fills_the_given_cache_or_the_process_default(tmp_path: Path,
     thread_queue.maybe_finalize_async_calls(blocking=True)
     md = quicksave.StorageReader(tmp_path / "a").read_metadata()
     mine = CheckpointMetadataCache()
-    assert init_checkpoint_metadata_cache(md, mine) is mine
+    assert init_checkpoint_metadata_cache(md, metadata_cache=mine) is mine
     assert mine.cached_global_metadata is md and mine.loaded_all_plans is md.all_local_plans
-    assert get_metadata_caching_status(mine) == (False, False)
+    assert get_metadata_caching_status(metadata_cache=mine) == (False, False)
     # As NVRx: without a cache, the process default (one object, kept in process_state).
     default = init_checkpoint_metadata_cache(md)
     assert default is saver.PROCESS.metadata_cache is init_checkpoint_metadata_cache()

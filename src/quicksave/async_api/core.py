@@ -58,6 +58,7 @@ import os
 import time
 import uuid
 import weakref
+from abc import ABC, abstractmethod
 from collections import deque
 from dataclasses import dataclass
 from typing import Any
@@ -84,7 +85,15 @@ from .request import (
 
 logger = logging.getLogger("quicksave")
 
-__all__ = ["AsyncCallsQueue", "AsyncRequest", "abort_nvrx_checkpoint"]
+__all__ = [
+    "AsyncCaller",
+    "AsyncCallsQueue",
+    "AsyncRequest",
+    "ObjectTracker",
+    "PersistentAsyncCaller",
+    "TemporalAsyncCaller",
+    "abort_nvrx_checkpoint",
+]
 
 
 @dataclass
@@ -157,6 +166,21 @@ def _failures_everywhere(call: _Call, process_group: Any) -> dict[int, tuple[str
     return {rank: what for rank, what in gathered if what is not None}
 
 
+class ObjectTracker(type):
+    """NVRx's metaclass that tracks the live instances of a class (``abort_nvrx_checkpoint``
+    reaches every ``AsyncCallsQueue`` through it). The instances are held weakly in
+    ``process_state.PROCESS``, not on the class."""
+
+    def __call__(cls, *args: Any, **kwargs: Any) -> Any:
+        instance = super().__call__(*args, **kwargs)
+        PROCESS.track(instance)
+        return instance
+
+    def get_instances(cls) -> list[Any]:
+        """The live instances of this class (and its subclasses) in this process."""
+        return PROCESS.instances(cls)
+
+
 class WorkerHandle:
     """What ``AsyncCallsQueue._get_async_caller()`` returns: a view of the queue's worker
     (NVRx's ``AsyncCaller``), for monitoring and NVRx's tests."""
@@ -180,7 +204,7 @@ class WorkerHandle:
         return self._debug_is_async_process_running()
 
 
-class AsyncCallsQueue:
+class AsyncCallsQueue(metaclass=ObjectTracker):
     """Runs ``AsyncRequest``s in the background and finalizes them in FIFO order.
 
     Call order (every rank, training thread): ``schedule_async_request`` per request →
@@ -245,7 +269,6 @@ class AsyncCallsQueue:
         self._persister: ProcessPersister | ThreadPersister | None = self._new_persister()
         self._exit_hook = functools.partial(_queue_at_exit, weakref.ref(self))
         atexit.register(self._exit_hook)
-        PROCESS.register_queue(self)
 
     # ---------------------------------------------------------------- persister
     def _new_persister(self) -> ProcessPersister | ThreadPersister:
@@ -419,6 +442,8 @@ class AsyncCallsQueue:
         if self._persister is None:
             logger.info("quicksave: starting a new checkpoint worker (rank %s)", self.rank)
             self._persister = self._new_persister()
+            for fn in PROCESS.restart_callbacks():
+                fn()
         p = self._persister
         fn, args, kwargs = req.async_fn, tuple(req.async_fn_args), req.async_fn_kwargs or {}
         try:
@@ -581,6 +606,130 @@ class AsyncCallsQueue:
             pass
 
 
+class AsyncCaller(ABC):
+    """NVRx's interface of one background caller: schedule a call, check whether the
+    current one is done (on every rank), close. quicksave's callers are adapters over an
+    ``AsyncCallsQueue`` of their own (NVRx's queue holds callers; quicksave's callers
+    hold a queue), so they share its worker, failure reporting and agreement."""
+
+    def __init__(self) -> None:
+        self.rank: int | None = _dist_rank()
+        self.start_time: float | None = None
+
+    @abstractmethod
+    def schedule_async_call(self, async_req: AsyncRequest) -> None:
+        """Start ``async_req`` in the background (every rank)."""
+
+    @abstractmethod
+    def is_current_async_call_done(self, blocking: bool, no_dist: bool) -> bool:
+        """Whether the oldest call is done (on every rank unless ``no_dist``); a done call
+        is removed. Its finalize functions are the caller's business (the queue's)."""
+
+    def sync_all_async_calls(self, is_alive: int) -> bool:
+        """Collective: True iff no rank passes a non-zero ``is_alive`` (one SUM
+        all-reduce), i.e. every rank's call is done."""
+        import torch.distributed as dist
+
+        t = torch.tensor([int(is_alive)], dtype=torch.int64, device=_group_device(None))
+        dist.all_reduce(t)
+        return int(t.item()) == 0
+
+    @abstractmethod
+    def close(self, abort: bool = False) -> None:
+        """Stop the caller (``abort``: drop the calls in flight)."""
+
+
+class _QueueCaller(AsyncCaller):
+    def __init__(self, queue: AsyncCallsQueue) -> None:
+        super().__init__()
+        self._queue = queue
+
+    def schedule_async_call(self, async_req: AsyncRequest) -> None:
+        self.start_time = time.monotonic()
+        self._queue.schedule_async_request(async_req._replace(finalize_fns=[]))
+
+    def is_current_async_call_done(self, blocking: bool = False, no_dist: bool = False) -> bool:
+        if not self._queue._calls:
+            return True
+        return bool(self._queue.maybe_finalize_async_calls(blocking, no_dist))
+
+    def _debug_is_async_process_running(self) -> bool:
+        handle = self._queue._get_async_caller()
+        return handle is not None and handle._debug_is_async_process_running()
+
+    def close(self, abort: bool = False) -> None:
+        self._queue.close(abort=abort)
+
+    def __del__(self) -> None:
+        queue = getattr(self, "_queue", None)
+        if queue is not None:
+            queue.__del__()
+
+
+class PersistentAsyncCaller(_QueueCaller):
+    """NVRx's persistent caller: calls run one at a time in one worker process, started
+    now (arguments as ``AsyncCallsQueue``'s)."""
+
+    def __init__(
+        self,
+        is_daemon: bool = True,
+        cpu_priority: int = 10,
+        io_priority: int | None = None,
+        sigterm_timeout: float = 30.0,
+        cpu_shm_mode: bool = False,
+    ) -> None:
+        super().__init__(
+            AsyncCallsQueue(
+                True, is_daemon, cpu_priority, io_priority, sigterm_timeout, cpu_shm_mode
+            )
+        )
+
+    @classmethod
+    def register_worker_restart_callback(cls, fn: Any) -> None:
+        """Call ``fn()`` in the trainer whenever a queue starts a worker to replace one
+        that was closed, aborted or died (NVRx's hook for re-sending cached state)."""
+        PROCESS.add_restart_callback(fn)
+
+    @classmethod
+    def cleanup_worker_data_cache(cls) -> None:
+        """NVRx's worker-side tensor cache clean-up; quicksave's worker keeps none."""
+
+    @staticmethod
+    def async_process_target(*args: Any, **kwargs: Any) -> None:
+        """NVRx's worker entry point. quicksave's worker is ``quicksave.worker.main``,
+        started by ``AsyncCallsQueue``; NVRx's loop has no counterpart to run.
+
+        Raises:
+            CheckpointError: always (naming what to use instead).
+        """
+        raise CheckpointError(_NO_NVRX_LOOP)
+
+    @staticmethod
+    def async_loop(*args: Any, **kwargs: Any) -> None:
+        """See :meth:`async_process_target`."""
+        raise CheckpointError(_NO_NVRX_LOOP)
+
+    @staticmethod
+    def async_loop_for_daemon_worker(*args: Any, **kwargs: Any) -> None:
+        """See :meth:`async_process_target`."""
+        raise CheckpointError(_NO_NVRX_LOOP)
+
+
+class TemporalAsyncCaller(_QueueCaller):
+    """NVRx's per-call caller (it forks a process per call): here a thread per call, as
+    ``AsyncCallsQueue(persistent=False)``."""
+
+    def __init__(self) -> None:
+        super().__init__(AsyncCallsQueue(persistent=False))
+
+
+_NO_NVRX_LOOP = (
+    "NVRx's worker loop has no counterpart in quicksave: the worker process is "
+    "quicksave.worker.main, started and fed by AsyncCallsQueue (use the queue, or "
+    "PersistentAsyncCaller().schedule_async_call)"
+)
+
+
 def _queue_at_exit(ref: weakref.ref[AsyncCallsQueue]) -> None:
     queue = ref()
     if queue is not None:
@@ -591,7 +740,7 @@ def abort_nvrx_checkpoint() -> None:
     """Abort every ``AsyncCallsQueue`` of this process (NVRx's clean-up before an
     in-process restart): calls in flight are dropped unfinalized and the workers killed.
     Each queue starts a new worker at its next request."""
-    for queue in PROCESS.queues():
+    for queue in AsyncCallsQueue.get_instances():
         try:
             queue.close(abort=True)
         except Exception as e:  # noqa: BLE001 - abort every queue whatever one does

@@ -6,14 +6,17 @@ and its plan cache belong to objects the user holds. NVRx's ``async_ckpt`` API, 
 things per process instead, and its users call them without holding anything:
 
 * ``abort_nvrx_checkpoint()`` stops the workers of *every* ``AsyncCallsQueue`` alive in
-  the process (an in-process restart's clean-up);
+  the process (an in-process restart's clean-up), found through NVRx's ``ObjectTracker``
+  metaclass, whose instances are tracked (weakly) here;
 * ``AsyncCallsQueue.warmup_persistent_caller(rank)`` starts a worker before any queue
   exists; the next persistent queue adopts it;
 * ``save_state_dict_async_plan(..., enable_cache=True)`` without ``metadata_cache`` uses
   a default plan cache, which ``init_checkpoint_metadata_cache(md)`` fills after a restart
   and ``get_metadata_caching_status()`` reports on.
 
-Those three live here, in :data:`PROCESS`, and nowhere else. Code that wants no shared
+(With them, NVRx's ``ObjectTracker.get_instances`` and
+``PersistentAsyncCaller.register_worker_restart_callback``, which serve the first two.)
+Those live here, in :data:`PROCESS`, and nowhere else. Code that wants no shared
 state passes its own ``metadata_cache`` and holds its queues (``queue.close(abort=True)``
 is the per-queue abort).
 """
@@ -37,18 +40,29 @@ class NvrxProcessState:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._queues: weakref.WeakSet[Any] = weakref.WeakSet()
         self._warm: tuple[ProcessPersister, WorkerConfig, int] | None = None
+        self._tracked: weakref.WeakSet[Any] = weakref.WeakSet()
+        self._restart_callbacks: list[Any] = []
         self.metadata_cache: Any = None
 
-    def register_queue(self, queue: Any) -> None:
+    def track(self, obj: Any) -> None:
+        """Remember ``obj`` (weakly) for ``ObjectTracker.get_instances``."""
         with self._lock:
-            self._queues.add(queue)
+            self._tracked.add(obj)
 
-    def queues(self) -> list[Any]:
-        """Every ``AsyncCallsQueue`` alive in this process."""
+    def instances(self, cls: type) -> list[Any]:
+        """The live tracked objects that are instances of ``cls``."""
         with self._lock:
-            return list(self._queues)
+            return [o for o in self._tracked if isinstance(o, cls)]
+
+    def add_restart_callback(self, fn: Any) -> None:
+        """``PersistentAsyncCaller.register_worker_restart_callback``."""
+        with self._lock:
+            self._restart_callbacks.append(fn)
+
+    def restart_callbacks(self) -> list[Any]:
+        with self._lock:
+            return list(self._restart_callbacks)
 
     def put_warm_worker(self, persister: ProcessPersister, config: WorkerConfig, rank: int) -> bool:
         """Keep a pre-started worker for the next persistent queue; False (and nothing

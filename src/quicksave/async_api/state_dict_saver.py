@@ -171,6 +171,7 @@ class CheckpointMetadataCache:
 
 def init_checkpoint_metadata_cache(
     cached_global_metadata: Metadata | None = None,
+    *,
     metadata_cache: CheckpointMetadataCache | None = None,
 ) -> CheckpointMetadataCache:
     """Fill a cache from a loaded checkpoint's metadata, so the first save after a restart
@@ -200,6 +201,7 @@ def init_checkpoint_metadata_cache(
 
 
 def get_metadata_caching_status(
+    *,
     metadata_cache: CheckpointMetadataCache | None = None,
 ) -> tuple[bool, bool] | None:
     """A cache's ``(validated_cache_reuse, validated_loaded_metadata_reuse)``.
