@@ -161,7 +161,9 @@ class StorageWriter(_DCPStorageWriter):
         storage: StorageOptions | None = None,
         dcp_compat: bool = False,
     ) -> None:
-        super().__init__()
+        # Not super(): a subclass may also derive from DCP's FileSystemWriter, whose
+        # __init__ (next in its MRO) takes a path and sets up DCP's own writing.
+        _DCPStorageWriter.__init__(self)
         self.dcp_compat = dcp_compat
         self._storage = storage
         self.location = parse_location(path, options=storage)

@@ -111,7 +111,7 @@ def _rank_usage_guide_and_cache(rank: int, world_size: int, root: str) -> dict:
             queue.schedule_async_request(request)
             queue.maybe_finalize_async_calls(blocking=True, no_dist=False)
             _load_both_ways(sd, path)
-        out["status"] = list(get_metadata_caching_status(run_cache))
+        out["status"] = list(get_metadata_caching_status(metadata_cache=run_cache))
         out["no_cache_status"] = get_metadata_caching_status()
 
         # "Restart": a fresh cache from the loaded checkpoint's metadata.

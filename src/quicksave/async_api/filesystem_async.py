@@ -60,7 +60,7 @@ from typing import Any
 
 import torch
 import xxhash
-from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemWriter, _StorageInfo
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
@@ -323,9 +323,10 @@ _WRITER_POSITIONAL = (
 _NO_OP_KWARGS = ("per_thread_copy_ahead", "cache_staged_state_dict")
 
 
-class FileSystemWriterAsync(StorageWriter):
-    """NVRx 0.7's ``FileSystemWriterAsync`` (same arguments), writing a checkpoint that is
-    at once DCP's own directory and a quicksave checkpoint.
+class FileSystemWriterAsync(StorageWriter, FileSystemWriter):
+    """NVRx 0.7's ``FileSystemWriterAsync`` (same arguments; a ``FileSystemWriter``, as
+    NVRx's), writing a checkpoint that is at once DCP's own directory and a quicksave
+    checkpoint.
 
     On a local path (or ``file://``, or any path with ``use_msc=True``) it writes the
     **DCP layout** (docs/FORMAT.md §8): exactly the files DCP's ``FileSystemWriter``
@@ -451,6 +452,13 @@ class FileSystemWriterAsync(StorageWriter):
         self.overwrite = bool(kwargs.get("overwrite", True))
         self.single_file_per_rank = bool(kwargs.get("single_file_per_rank", True))
         self.open_file = kwargs.get("open_file", open)
+        # FileSystemWriter's attributes (it is a subclass, as NVRx's writer; its __init__
+        # does not run: quicksave's StorageWriter sets up the rest).
+        self.fs = FileSystem()
+        self.sync_files = self.fsync
+        self.per_thread_copy_ahead = int(kwargs.get("per_thread_copy_ahead", 10_000_000))
+        self.cache_staged_state_dict = bool(kwargs.get("cache_staged_state_dict", False))
+        self.serialization_format = fmt
         if self.location.scheme == "msc":
             if not use_msc:
                 raise CheckpointError(
