@@ -47,24 +47,25 @@ class RankPart:
     objects: dict[str, Any]  # fqn -> typed JSON value (objects this rank owns)
 
 
-def _encode(part: RankPart) -> bytes:
-    body = {
-        "format": PART_FORMAT,
-        "rank": part.rank,
-        "chunks": part.chunks,
-        "objects": part.objects,
-    }
+def seal(body: dict[str, Any]) -> bytes:
+    """``body`` as compact JSON with its own xxh3-64 (``part_xxh3_64``) added, so a
+    reader can tell a damaged part from a good one."""
     raw = json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
-    body["part_xxh3_64"] = hexdigest(xxhash.xxh3_64_intdigest(raw))
+    body = dict(body, part_xxh3_64=hexdigest(xxhash.xxh3_64_intdigest(raw)))
     return json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
 
 
-def write_part(tmp_dir: str, part: RankPart, fsync: bool = True) -> str:
-    """Write ``part`` durably into ``tmp_dir`` (temporary name, fsync, rename, fsync of
-    the directory). Returns its path."""
-    path = os.path.join(tmp_dir, part_name(part.rank))
+def _encode(part: RankPart) -> bytes:
+    return seal(
+        {"format": PART_FORMAT, "rank": part.rank, "chunks": part.chunks, "objects": part.objects}
+    )
+
+
+def write_sealed(tmp_dir: str, name: str, data: bytes, fsync: bool = True) -> str:
+    """Write ``data`` (``seal``'s) durably as ``tmp_dir/name``: a temporary name, fsync,
+    rename, fsync of the directory. Returns its path."""
+    path = os.path.join(tmp_dir, name)
     staging = path + ".writing"
-    data = _encode(part)
     if fsync:
         commit.write_durable(staging, data)
     else:
@@ -74,6 +75,12 @@ def write_part(tmp_dir: str, part: RankPart, fsync: bool = True) -> str:
     if fsync:
         commit.fsync_path(tmp_dir)
     return path
+
+
+def write_part(tmp_dir: str, part: RankPart, fsync: bool = True) -> str:
+    """Write ``part`` durably into ``tmp_dir`` (temporary name, fsync, rename, fsync of
+    the directory). Returns its path."""
+    return write_sealed(tmp_dir, part_name(part.rank), _encode(part), fsync)
 
 
 def write_part_object(backend: Backend, prefix: str, part: RankPart) -> str:
@@ -92,6 +99,32 @@ def read_part(tmp_dir: str, rank: int, backend: Backend | None = None) -> RankPa
         CheckpointError: the part is missing (names the rank).
         CorruptCheckpointError: it does not parse, fails its checksum, or is another
             rank's.
+    """
+    body, path = read_sealed(tmp_dir, rank, PART_FORMAT, backend)
+    chunks, objects = body.get("chunks"), body.get("objects")
+    if (
+        not isinstance(chunks, dict)
+        or not isinstance(objects, dict)
+        or not all(isinstance(v, str) for v in chunks.values())
+    ):
+        raise CorruptCheckpointError(
+            "the part's chunks and objects are malformed", path=path, rank=rank
+        )
+    return RankPart(rank, dict(chunks), dict(objects))
+
+
+def read_sealed(
+    tmp_dir: str, rank: int, fmt: str, backend: Backend | None = None
+) -> tuple[dict[str, Any], str]:
+    """``rank``'s sealed part of format ``fmt`` (``part-rank-RRRRR.json``) from the
+    directory ``tmp_dir`` (or, with ``backend``, the prefix), checked: bounded read of a
+    regular file, strict JSON, its checksum, its format and rank. Returns ``(body without
+    the checksum, its path or URL)``.
+
+    Raises:
+        CheckpointError: the part is missing (names the rank).
+        CorruptCheckpointError: it does not parse, fails its checksum, or is another
+            rank's or another format's.
     """
     missing = CheckpointError(
         "this rank's writer left no part (its write did not finish)",
@@ -122,7 +155,7 @@ def read_part(tmp_dir: str, rank: int, backend: Backend | None = None) -> RankPa
         body = strict_json.loads(text, what="part", path=path)
     except CorruptCheckpointError as e:
         raise CorruptCheckpointError(e.message, path=path, rank=rank) from None
-    if not isinstance(body, dict) or body.get("format") != PART_FORMAT:
+    if not isinstance(body, dict) or body.get("format") != fmt:
         raise CorruptCheckpointError("not a quicksave part", path=path, rank=rank)
     digest = body.pop("part_xxh3_64", None)
     raw = json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
@@ -132,16 +165,7 @@ def read_part(tmp_dir: str, rank: int, backend: Backend | None = None) -> RankPa
         raise CorruptCheckpointError(
             f"the part says rank {body.get('rank')!r}", path=path, rank=rank
         )
-    chunks, objects = body.get("chunks"), body.get("objects")
-    if (
-        not isinstance(chunks, dict)
-        or not isinstance(objects, dict)
-        or not all(isinstance(v, str) for v in chunks.values())
-    ):
-        raise CorruptCheckpointError(
-            "the part's chunks and objects are malformed", path=path, rank=rank
-        )
-    return RankPart(rank, dict(chunks), dict(objects))
+    return body, path
 
 
 def manifest_from_parts(

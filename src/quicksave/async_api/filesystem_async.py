@@ -997,7 +997,7 @@ def write_dcp_rank_data(job: DcpWriteJob, staged: dict[str, torch.Tensor]) -> No
             "files": {f.name: r for f, r in zip(files, records, strict=True)},
             "objects": job.objects,
         }
-        _write_json_durable(job.tmp_dir, parts.part_name(job.rank), body, job.fsync)
+        parts.write_sealed(job.tmp_dir, parts.part_name(job.rank), parts.seal(body), job.fsync)
     except Exception as e:  # noqa: BLE001 - recorded for the coordinator
         cause = e.message if isinstance(e, CheckpointError) else f"{type(e).__name__}: {e}"
         try:
@@ -1027,20 +1027,6 @@ def _file_record(w: Any) -> dict[str, Any]:
     return {"size": w.size, "xxh3_64": w.xxh3_64, "items": items}
 
 
-def _write_json_durable(tmp_dir: str, name: str, body: dict[str, Any], fsync: bool) -> None:
-    raw = json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
-    body = dict(body, part_xxh3_64=hexdigest(xxhash.xxh3_64_intdigest(raw)))
-    path = os.path.join(tmp_dir, name)
-    staging = f"{path}.{uuid.uuid4().hex[:8]}.writing"
-    data = json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
-    if fsync:
-        commit.write_durable(staging, data)
-    else:
-        with open(staging, "wb") as f:
-            f.write(data)
-    os.replace(staging, path)
-
-
 def _read_dcp_part(tmp_dir: str, layout: DcpRankLayout) -> dict[str, Any]:
     """One rank's DCP part, checked against its layout.
 
@@ -1052,30 +1038,35 @@ def _read_dcp_part(tmp_dir: str, layout: DcpRankLayout) -> dict[str, Any]:
     cause = read_error_part(tmp_dir, rank)
     if cause is not None:
         raise CheckpointError(cause, path=tmp_dir, rank=rank)
-    path = os.path.join(tmp_dir, parts.part_name(rank))
-    try:
-        with open(path, "rb") as f:
-            body = json.loads(f.read(64 << 20))
-    except FileNotFoundError:
-        raise CheckpointError(
-            "it left no part: its write did not finish (the worker died, or the call failed)",
-            path=tmp_dir,
-            rank=rank,
-        ) from None
-    except (OSError, ValueError) as e:
-        raise CorruptCheckpointError(f"unreadable part: {e}", path=path, rank=rank) from e
-    digest = body.pop("part_xxh3_64", None) if isinstance(body, dict) else None
-    raw = json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
-    if digest != hexdigest(xxhash.xxh3_64_intdigest(raw)) or body.get("format") != DCP_PART_FORMAT:
-        raise CorruptCheckpointError("damaged part (checksum mismatch)", path=path, rank=rank)
-    files = body.get("files", {})
+    body, path = parts.read_sealed(tmp_dir, rank, DCP_PART_FORMAT)
+    files = body.get("files")
     for f in layout.files:
-        rec = files.get(f.name)
-        if rec is None or set(rec.get("items", {})) != {it.key for it in f.items}:
+        rec = files.get(f.name) if isinstance(files, dict) else None
+        items = rec.get("items") if isinstance(rec, dict) else None
+        if (
+            not isinstance(items, dict)
+            or set(items) != {it.key for it in f.items}
+            or not isinstance(rec.get("size"), int)
+            or not isinstance(rec.get("xxh3_64"), str)
+            or not all(_item_record_ok(items[it.key], it.spec is None) for it in f.items)
+        ):
             raise CorruptCheckpointError(
                 f"the part does not match the plan for {f.name}", path=path, rank=rank
             )
+    if not isinstance(body.get("objects", {}), dict):
+        raise CorruptCheckpointError("the part's objects are malformed", path=path, rank=rank)
     return body
+
+
+def _item_record_ok(record: Any, byte_item: bool) -> bool:
+    # [item_offset, item_length, raw_offset, raw_length, xxh3_64]; the last three are
+    # null for a byte item
+    if not isinstance(record, list) or len(record) != 5:
+        return False
+    ints = record[:2] if byte_item else record[:4]
+    if not all(isinstance(v, int) and v >= 0 for v in ints):
+        return False
+    return byte_item or isinstance(record[4], str)
 
 
 def commit_dcp(writer: FileSystemWriterAsync, metadata: Metadata, layout: SaveLayout) -> None:
