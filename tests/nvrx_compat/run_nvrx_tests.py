@@ -16,8 +16,16 @@ Patches (and nothing else):
 * tensors on the CPU instead of CUDA (``'cuda'``/``f'cuda:{torch.cuda.current_device()}'``
   -> ``'cpu'``)
 * ``FSDP(m)`` -> ``m``
+* ``conftest.py``: an autouse fixture seeds torch's CPU generator with CUDA's default seed
+  before each test (on a GPU the tests' random tensors come from the CUDA generator, which
+  starts from the same seed in every process, so every rank holds the same values; the
+  CPU generator's default seed differs per process)
 * with ``--target quicksave`` (the default): ``nvidia_resiliency_ext.checkpointing.async_ckpt``
   -> ``quicksave.async_api``; with ``--target nvrx`` the imports stay, to run NVRx itself.
+
+With ``--target nvrx`` on a machine without CUDA (or with ``--nvrx-cpu-shim``), NVRx's own
+CUDA calls are made to run on the CPU by ``cpu_shim/sitecustomize.py`` (first on the ranks'
+``PYTHONPATH``; NVRx's files are not edited); see that file for the list of patches.
 
 NVRx's test harness (``tests/checkpointing/unit/test_utilities.py``) reads ``RANK``,
 ``LOCAL_RANK`` and ``WORLD_SIZE`` and rendezvouses over ``tcp://MASTER_ADDR:MASTER_PORT``;
@@ -75,6 +83,7 @@ QS_ASYNC = "quicksave.async_api"
 PKG_SRC = "src/nvidia_resiliency_ext"
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
+CPU_SHIM = Path(__file__).resolve().parent / "cpu_shim" / "sitecustomize.py"
 
 
 class SetupError(Exception):
@@ -144,7 +153,22 @@ PATCHES = [
 ]
 
 
-def patch_text(text: str, target: str) -> tuple[str, dict[str, int]]:
+# c10's default_rng_seed_val: the seed of every CUDA default generator in every process.
+CUDA_DEFAULT_SEED = 67280421310721
+SEED_FIXTURE = f"""
+
+# nvrx_compat: the tests' tensors come from the CPU generator here, not from the CUDA one;
+# seed it as CUDA's default generator is seeded (the same in every process), so that every
+# rank holds the same values, as on a GPU.
+@pytest.fixture(autouse=True)
+def _nvrx_compat_cuda_default_seed():
+    import torch
+
+    torch.manual_seed({CUDA_DEFAULT_SEED})
+"""
+
+
+def patch_text(text: str, target: str, rel: str = "") -> tuple[str, dict[str, int]]:
     counts = {}
     for name, fn in PATCHES:
         if fn is _p_imports and target != "quicksave":
@@ -152,6 +176,9 @@ def patch_text(text: str, target: str) -> tuple[str, dict[str, int]]:
         text, n = fn(text)
         if n:
             counts[name] = n
+    if rel == f"{UNIT_DIR}/conftest.py":
+        text = text.rstrip("\n") + "\n" + SEED_FIXTURE
+        counts["CUDA default seed"] = 1
     return text, counts
 
 
@@ -223,7 +250,7 @@ def prepare_workdir(nvrx_root: Path, work: Path, target: str) -> Workdir:
         if not src.is_file():
             continue  # a missing example is reported when it is run
         orig = src.read_text(encoding="utf-8")
-        new, counts = patch_text(orig, target)
+        new, counts = patch_text(orig, target, rel)
         dst = work / rel
         dst.parent.mkdir(parents=True, exist_ok=True)
         dst.write_text(new, encoding="utf-8")
@@ -254,6 +281,50 @@ def prepare_workdir(nvrx_root: Path, work: Path, target: str) -> Workdir:
         pythonpath.append(str(work / "nvrx_src"))
     (work / "patches.diff").write_text("".join(diffs), encoding="utf-8")
     return Workdir(work, pythonpath, patches, "".join(diffs))
+
+
+def install_cpu_shim(dest: Path) -> Path:
+    """Copy the CPU shim (``cpu_shim/sitecustomize.py``) into ``dest``; returns ``dest``.
+
+    ``dest`` must go first on the ``PYTHONPATH`` of the processes that should get it.
+    """
+    dest.mkdir(parents=True, exist_ok=True)
+    shutil.copy2(CPU_SHIM, dest / "sitecustomize.py")
+    return dest
+
+
+def cuda_available(python: str, env: dict | None = None) -> bool:
+    """``torch.cuda.is_available()`` in ``python`` (a fresh process, without the shim)."""
+    out = subprocess.run(
+        [python, "-c", "import torch; print(torch.cuda.is_available())"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    if out.returncode != 0:
+        raise SetupError(f"{python}: cannot import torch: {last_exception_line(out.stderr)}")
+    return out.stdout.strip() == "True"
+
+
+def check_cpu_shim(python: str, env: dict, cwd: Path) -> None:
+    """Raise SetupError unless the shim is active in a process started with ``env``."""
+    ok = "__import__('torch').cuda.current_device() == 'cpu'"
+    code = (
+        "import multiprocessing as mp\n"
+        "if __name__ == '__main__':\n"
+        "    with mp.get_context('spawn').Pool(1) as p:\n"
+        f"        print({ok}, p.apply(eval, ({ok!r},)))\n"
+    )
+    out = subprocess.run(
+        [python, "-c", code], cwd=cwd, env=env, capture_output=True, text=True, timeout=300
+    )
+    if out.stdout.split() != ["True", "True"]:
+        raise SetupError(
+            "the CPU shim is not active in the ranks or their spawned children (it acts only "
+            "when torch.cuda.is_available() is False): "
+            + (last_exception_line(out.stderr) or out.stdout.strip() or exit_text(out.returncode))
+        )
 
 
 def _nvrx_installed() -> bool:
@@ -521,7 +592,12 @@ def test_outcome(runs: list[RankRun], logdir: Path, seconds: float) -> Outcome:
     for run in runs:
         junit = rank_junit(logdir / f"rank{run.rank}.xml")
         err_tail = last_exception_line(_read(run.stderr) + "\n" + _read(run.stdout))
-        if run.killed:
+        if run.killed and junit is not None:
+            # pytest reported, then the process did not exit (e.g. a checkpoint worker
+            # left running by a failed test): the report says why.
+            what = junit[1] if junit[0] == "fail" else f"test reported {junit[0]}"
+            statuses.append(("fail", f"{what} (then did not exit: {run.killed})"))
+        elif run.killed:
             tail = f" (last error in its log: {err_tail})" if err_tail else ""
             statuses.append(("fail", f"{run.killed}{tail}"))
         elif junit is None:
@@ -615,11 +691,19 @@ def _run(args: argparse.Namespace, tmp: Path) -> dict:
         commit = extract_from_git(REPO_ROOT, args.quicksave_ref, qs_src, ["src"])
         pythonpath.insert(0, str(qs_src / "src"))
         qs = {"ref": args.quicksave_ref, "commit": commit}
+    shim = args.nvrx_cpu_shim
+    if shim is None:  # default: on for NVRx on a machine without CUDA
+        shim = args.target == "nvrx" and not cuda_available(args.python)
+    if shim:
+        pythonpath.insert(0, str(install_cpu_shim(tmp / "cpu_shim")))
     if env.get("PYTHONPATH"):
         pythonpath.append(env["PYTHONPATH"])
     env["PYTHONPATH"] = os.pathsep.join(pythonpath)
     env["PYTHONUNBUFFERED"] = "1"
     env.pop("PYTEST_ADDOPTS", None)
+    if shim:
+        check_cpu_shim(args.python, env, wd.root)
+        _log("CPU shim active (cpu_shim/sitecustomize.py first on PYTHONPATH)")
 
     # Which implementation the ranks will import, checked up front.
     probe_mod = QS_ASYNC if args.target == "quicksave" else NVRX_ASYNC + ".core"
@@ -700,6 +784,7 @@ def _run(args: argparse.Namespace, tmp: Path) -> dict:
         "nvrx": source,
         "implementation": qs,
         "python": args.python,
+        "cpu_shim": shim,
         "world_sizes": args.world_sizes,
         "patches": wd.patches,
         "tests": {i: {ws: asdict(o) for ws, o in r.items()} for i, r in results.items()},
@@ -732,6 +817,8 @@ def render(report: dict) -> str:
     if impl.get("commit"):
         lines.append(f"quicksave at {impl['ref']} ({impl['commit'][:12]})")
     lines.append(f"implementation module: {impl.get('module_file')}")
+    if report.get("cpu_shim"):
+        lines.append("CPU shim: on (NVRx's CUDA calls run on the CPU; cpu_shim/sitecustomize.py)")
     lines.append("")
     head = f"{'test id':<{width}}  " + "  ".join(f"{_ws_label(int(w)):>11}" for w in wss)
     lines += [head, "-" * len(head)]
@@ -851,6 +938,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "nvrx: keep them, to run NVRx itself (installed, or pure-Python from the checkout)",
     )
     p.add_argument(
+        "--nvrx-cpu-shim",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="--target nvrx: run NVRx's CUDA calls on the CPU with cpu_shim/sitecustomize.py "
+        "(default: on when torch.cuda.is_available() is False)",
+    )
+    p.add_argument(
         "--quicksave-ref",
         metavar="REF",
         help="test quicksave's src/ at this git ref of this repository (git archive into the "
@@ -882,6 +976,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("give exactly one of NVRX_ROOT or --from-mirror PATH")
     if args.quicksave_ref and args.target != "quicksave":
         p.error("--quicksave-ref only applies to --target quicksave")
+    if args.nvrx_cpu_shim and args.target != "nvrx":
+        p.error("--nvrx-cpu-shim only applies to --target nvrx")
     if not args.world_sizes or min(args.world_sizes) < 1:
         p.error("--world-sizes needs positive integers")
     return args
