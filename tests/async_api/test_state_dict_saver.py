@@ -227,3 +227,28 @@ def test_failed_write_leaves_an_error_part_named_at_finalize(tmp_path: Path):
     assert list(e.value.failures) == [0]
     assert not os.path.exists(writer.tmp_dir)
     assert classify(str(tmp_path / "x")) is CheckpointKind.MISSING
+
+
+def test_staging_buffers_are_reused_after_finalize_and_hold_the_new_values(
+    tmp_path: Path, monkeypatch
+):
+    monkeypatch.setattr(saver.PROCESS, "_staging", {})  # this test's own free buffers
+    queue = AsyncCallsQueue()  # the worker maps the shared-memory buffers
+    try:
+        sd = _state(1)
+        _save(sd, tmp_path / "a", queue)
+        assert queue.maybe_finalize_async_calls(blocking=True) == [0]
+        free = {k: [b.data_ptr() for b in v] for k, v in saver.PROCESS._staging.items()}
+        assert sum(len(v) for v in free.values()) == len(sd["model"])  # one per tensor
+        sd2 = _state(2)  # same shapes, new values
+        second = _save(sd2, tmp_path / "b", queue)[0]
+        reused = sorted(b.data_ptr() for b in second._buffers)
+        assert reused == sorted(p for v in free.values() for p in v)
+        assert all(b.is_shared() for b in second._buffers)
+        queue.maybe_finalize_async_calls(blocking=True)
+    finally:
+        queue.close()
+    for path, expected in ((tmp_path / "a", sd), (tmp_path / "b", sd2)):
+        out = _empty_like(expected)
+        quicksave.load(out, path)
+        _assert_same(expected, out)

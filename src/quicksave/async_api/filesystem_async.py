@@ -81,6 +81,7 @@ from ..writer import (
     build_manifest,
     item_spec,
 )
+from .process_state import PROCESS
 
 
 @dataclass(frozen=True)
@@ -478,6 +479,7 @@ class FileSystemWriterAsync(StorageWriter, FileSystemWriter):
         self.layouts: tuple[RankLayout | DcpRankLayout, ...] | None = None
         self._job: RankWriteJob | DcpWriteJob | None = None
         self._staged: dict[str, torch.Tensor] = {}
+        self._buffers: list[torch.Tensor] = []  # this save's staging buffers
         self._index_of: dict[str, MetadataIndex] = {}
 
     # ------------------------------------------------------- NVRx's class hooks
@@ -730,7 +732,7 @@ class FileSystemWriterAsync(StorageWriter, FileSystemWriter):
             key = item_spec(item).key
             t = planner.resolve_data(item).detach()
             # A copy even on the CPU: the trainer may mutate its tensor once we return.
-            staged[key] = t.to("cpu", copy=True, memory_format=torch.contiguous_format)
+            staged[key] = self._stage(t)
             self._index_of[key] = item.index
         self._staged = staged
         if isinstance(rank_plan.layout, DcpRankLayout):
@@ -749,6 +751,30 @@ class FileSystemWriterAsync(StorageWriter, FileSystemWriter):
         self._job = RankWriteJob(
             self.rank, self.tmp_dir, rank_plan.layout, objects, self.fsync, store
         )
+
+    def _stage(self, t: torch.Tensor) -> torch.Tensor:
+        """A contiguous CPU copy of ``t`` in shared memory (what the worker maps without
+        another copy), in a buffer of an earlier finalized save when one of this dtype and
+        shape is free: a fresh buffer costs a page fault per page, a warm one only the
+        copy."""
+        shape = tuple(t.shape)
+        buf = PROCESS.take_staging(t.dtype, shape)
+        if buf is None:
+            nbytes = t.numel() * t.element_size()
+            if nbytes == 0:
+                buf = torch.empty(shape, dtype=t.dtype)
+            else:
+                storage = torch.UntypedStorage._new_shared(nbytes)
+                buf = torch.empty(0, dtype=t.dtype).set_(storage, 0, shape)
+        buf.copy_(t)
+        self._buffers.append(buf)
+        return buf
+
+    def release_staging(self) -> None:
+        """This save's staging buffers may be reused (its write is over: finalize)."""
+        buffers, self._buffers = self._buffers, []
+        if buffers:
+            PROCESS.release_staging(buffers)
 
     def get_save_function_and_args(self) -> tuple[Any, Any, tuple]:
         """``(save_fn, preload_fn, save_args)`` for ``AsyncRequest(save_fn, save_args,

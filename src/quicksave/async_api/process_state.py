@@ -15,7 +15,9 @@ things per process instead, and its users call them without holding anything:
   and ``get_metadata_caching_status()`` reports on.
 
 (With them, NVRx's ``ObjectTracker.get_instances`` and
-``PersistentAsyncCaller.register_worker_restart_callback``, which serve the first two.)
+``PersistentAsyncCaller.register_worker_restart_callback``, which serve the first two, and
+the staging buffers ``FileSystemWriterAsync`` reuses from one save to the next, as NVRx's
+writer keeps its shared-memory tensors in a class-level cache.)
 Those live here, in :data:`PROCESS`, and nowhere else. Code that wants no shared
 state passes its own ``metadata_cache`` and holds its queues (``queue.close(abort=True)``
 is the per-queue abort).
@@ -43,7 +45,24 @@ class NvrxProcessState:
         self._warm: tuple[ProcessPersister, WorkerConfig, int] | None = None
         self._tracked: weakref.WeakSet[Any] = weakref.WeakSet()
         self._restart_callbacks: list[Any] = []
+        self._staging: dict[tuple[Any, tuple[int, ...]], list[Any]] = {}
         self.metadata_cache: Any = None
+
+    def take_staging(self, dtype: Any, shape: tuple[int, ...]) -> Any:
+        """A free staging buffer (a shared-memory CPU tensor) of this dtype and shape,
+        or None."""
+        with self._lock:
+            free = self._staging.get((dtype, shape))
+            return free.pop() if free else None
+
+    def release_staging(self, buffers: list[Any]) -> None:
+        """The buffers of a finalized save become the free ones (those of older saves
+        are dropped, so at most one save's worth waits here)."""
+        fresh: dict[tuple[Any, tuple[int, ...]], list[Any]] = {}
+        for b in buffers:
+            fresh.setdefault((b.dtype, tuple(b.shape)), []).append(b)
+        with self._lock:
+            self._staging = fresh
 
     def track(self, obj: Any) -> None:
         """Remember ``obj`` (weakly) for ``ObjectTracker.get_instances``."""

@@ -479,6 +479,7 @@ def save_state_dict_async_finalize(
             outcome = (str(e), {}, e.path)
     if use_dist:
         outcome = dist_wrapper.broadcast_object(outcome)
+    storage_writer.release_staging()  # every rank's write is over
     if outcome is None:
         return
     message, causes, path = outcome
