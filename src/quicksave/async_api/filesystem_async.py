@@ -237,9 +237,48 @@ def read_error_part(tmp_dir: str, rank: int, backend: Backend | None = None) -> 
         return f"unreadable error part: {e}"
 
 
-def _identity_preload(staged: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def _identity_preload(staged: Any) -> Any:
     # Staging (device-to-host) already happened in prepare_write_data, in the trainer.
     return staged
+
+
+_POOL_ALIGN = 64
+
+
+@dataclass
+class StagedPool:
+    """One rank's staged tensors: ONE shared-memory byte buffer and where each tensor
+    lies in it. It travels to the worker as one shared-memory handle, whatever the
+    number of tensors (a dict of shared tensors would send one file descriptor per
+    tensor, each through its own connection to the trainer's resource sharer).
+
+    Attributes:
+        pool: a 1-D ``uint8`` CPU tensor in shared memory.
+        entries: key -> (byte offset, dtype, shape).
+    """
+
+    pool: torch.Tensor
+    entries: dict[str, tuple[int, torch.dtype, tuple[int, ...]]]
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """key -> a tensor over the pool's bytes whose storage is exactly that tensor
+        (no copy; as ``torch.save`` must see it to write what DCP writes). Valid while
+        this object lives."""
+        import ctypes
+
+        out: dict[str, torch.Tensor] = {}
+        base = self.pool.data_ptr()
+        for key, (offset, dtype, shape) in self.entries.items():
+            numel = 1
+            for n in shape:
+                numel *= n
+            if numel == 0:
+                out[key] = torch.empty(shape, dtype=dtype)
+                continue
+            nbytes = numel * torch.empty((), dtype=dtype).element_size()
+            buf = (ctypes.c_ubyte * nbytes).from_address(base + offset)
+            out[key] = torch.frombuffer(buf, dtype=dtype, count=numel).view(shape)
+        return out
 
 
 WriteBucket = tuple[str, str, tuple[list, list]]
@@ -717,7 +756,7 @@ class FileSystemWriterAsync(StorageWriter, FileSystemWriter):
             self.tmp_dir = temp_dir_for(self.path, rank_plan.plan_id, self.save_index)
         else:  # the objects go straight under the checkpoint's prefix
             self.tmp_dir = self.location.key
-        staged: dict[str, torch.Tensor] = {}
+        sources: dict[str, torch.Tensor] = {}
         objects: dict[str, Any] = {}
         byte_items: dict[str, bytes] = {}
         self._index_of = {}
@@ -730,11 +769,13 @@ class FileSystemWriterAsync(StorageWriter, FileSystemWriter):
                     byte_items[item.index.fqn] = bytes(data.getbuffer())
                 continue
             key = item_spec(item).key
-            t = planner.resolve_data(item).detach()
             # A copy even on the CPU: the trainer may mutate its tensor once we return.
-            staged[key] = self._stage(t)
+            sources[key] = planner.resolve_data(item).detach()
             self._index_of[key] = item.index
-        self._staged = staged
+        if self.dcp_layout:
+            self._staged = self._stage_pool(sources)
+        else:
+            self._staged = {k: self._stage(t) for k, t in sources.items()}
         if isinstance(rank_plan.layout, DcpRankLayout):
             self._job = DcpWriteJob(
                 self.rank,
@@ -769,6 +810,28 @@ class FileSystemWriterAsync(StorageWriter, FileSystemWriter):
         buf.copy_(t)
         self._buffers.append(buf)
         return buf
+
+    def _stage_pool(self, sources: dict[str, torch.Tensor]) -> StagedPool:
+        """Copy every tensor into one shared-memory pool (64-byte aligned slots), reusing
+        the pool of an earlier finalized save when it is large enough."""
+        entries: dict[str, tuple[int, torch.dtype, tuple[int, ...]]] = {}
+        total = 0
+        for key, t in sources.items():
+            entries[key] = (total, t.dtype, tuple(t.shape))
+            nbytes = t.numel() * t.element_size()
+            total += -(-nbytes // _POOL_ALIGN) * _POOL_ALIGN
+        pool = PROCESS.take_staging(torch.uint8, (-1,))
+        if pool is None or pool.numel() < total:
+            storage = torch.UntypedStorage._new_shared(max(total, 1))
+            pool = torch.empty(0, dtype=torch.uint8).set_(storage, 0, (storage.nbytes(),))
+        for key, t in sources.items():
+            offset, dtype, shape = entries[key]
+            nbytes = t.numel() * t.element_size()
+            if nbytes:
+                dst = pool[offset : offset + nbytes].view(dtype).view(shape)
+                dst.copy_(t)
+        self._buffers.append(pool)
+        return StagedPool(pool, entries)
 
     def release_staging(self) -> None:
         """This save's staging buffers may be reused (its write is over: finalize)."""
@@ -974,7 +1037,7 @@ class DcpWriteJob:
     multiproc_io: bool = False
 
 
-def write_dcp_rank_data(job: DcpWriteJob, staged: dict[str, torch.Tensor]) -> None:
+def write_dcp_rank_data(job: DcpWriteJob, staged: Any) -> None:
     """``save_fn`` in the DCP layout: this rank's data files (one thread each), then its
     part (item offsets and digests), the rank's "done" record.
 
@@ -987,6 +1050,9 @@ def write_dcp_rank_data(job: DcpWriteJob, staged: dict[str, torch.Tensor]) -> No
     """
     from ..format.dcp_layout import write_dcp_file
 
+    pool = staged if isinstance(staged, StagedPool) else None
+    if pool is not None:
+        staged = pool.tensors()
     try:
         if job.multiproc_io:
             import multiprocessing

@@ -55,12 +55,16 @@ class NvrxProcessState:
             free = self._staging.get((dtype, shape))
             return free.pop() if free else None
 
-    def release_staging(self, buffers: list[Any]) -> None:
+    def release_staging(self, buffers: list[Any]) -> None:  # buffers: CPU tensors
         """The buffers of a finalized save become the free ones (those of older saves
         are dropped, so at most one save's worth waits here)."""
+        import torch
+
         fresh: dict[tuple[Any, tuple[int, ...]], list[Any]] = {}
         for b in buffers:
-            fresh.setdefault((b.dtype, tuple(b.shape)), []).append(b)
+            # a 1-D uint8 pool is found by kind (any size may serve), a tensor by shape
+            pool = b.dtype == torch.uint8 and b.dim() == 1
+            fresh.setdefault((b.dtype, (-1,) if pool else tuple(b.shape)), []).append(b)
         with self._lock:
             self._staging = fresh
 
