@@ -33,6 +33,7 @@ from quicksave.manager import (
     RNGState,
     TrainState,
 )
+from quicksave.verify import verify_checkpoint
 
 
 class TinyLoader:
@@ -592,3 +593,29 @@ def test_per_rank_state_without_an_entry_for_this_rank_is_left_alone(tmp_path: P
         "rng.rank_0.numpy.algorithm, "
     )
     assert info.value.fqn == "rng.rank_0.numpy.algorithm"
+
+
+# ---------------------------------------------------------------- wait
+
+
+@pytest.mark.parametrize("mode", ["thread", "process"])
+def test_wait_commits_saves_in_flight_without_closing(tmp_path: Path, mode: str) -> None:
+    job = Job(5)
+    m = make(tmp_path, job.states(), async_mode=mode, interval=1, keep_latest_k=0)
+    try:
+        job.train_step()
+        m.save(1)
+        m.wait()
+        # Committed now, while the manager stays open: loadable, listed, verifiable.
+        assert (tmp_path / "step-1" / "manifest.json").is_file()
+        assert verify_checkpoint(str(tmp_path / "step-1")).ok
+        assert 1 not in m._in_flight and m.metrics[-1].status == "committed"
+        job.train_step()
+        m.save(2)  # the manager goes on after wait()
+        m.wait(timeout=120.0)
+        assert (tmp_path / "step-2" / "manifest.json").is_file()
+        m.wait()  # nothing in flight: returns at once
+    finally:
+        m.close()
+    with pytest.raises(CheckpointError, match="closed"):
+        m.wait()

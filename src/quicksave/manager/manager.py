@@ -566,17 +566,45 @@ class CheckpointManager:
         self._apply(finished)
         self._raise_first(errors)
 
-    def _drain(self) -> None:
-        """Wait for every save in flight (up to ``close_timeout_s``), then finalize."""
+    def wait(self, timeout: float | None = None) -> None:
+        """Block until every save in flight is committed (or has failed), without
+        closing: before an evaluation, an export or a hand-off that must see the latest
+        checkpoint on disk. Retention runs for what was committed. Each rank waits for
+        its own saves (no collective).
+
+        Args:
+            timeout: seconds to wait at most; None: until the saves end (each is bounded
+                by the worker's own save timeout, so this cannot hang forever).
+
+        Raises:
+            CheckpointError: a save failed (the first failure, naming its step), or saves
+                were still in flight at ``timeout`` (named; they go on in the
+                background and a later ``wait``, ``save`` or ``close`` collects them).
+
+        Example::
+
+            manager.save(step)
+            manager.wait()  # step's checkpoint is committed now
+            evaluate(manager.step_path(step))
+        """
+        self._check_open()
+        self._drain(timeout)
+
+    def _drain(self, timeout: float | None = None) -> None:
+        """Wait for every save in flight (up to ``timeout``, default
+        ``close_timeout_s``), then finalize."""
         if self._writer is None:
             return
         pending = sorted(self._in_flight)
-        done = self._writer.drain(self.config.close_timeout_s)
+        limit = self.config.close_timeout_s if timeout is None else timeout
+        if timeout is None and pending:
+            limit = max(limit, float(self.config.save_timeout_s) + 60.0)
+        done = self._writer.drain(limit)
         self._finalize()
         if not done:
+            left = sorted(self._in_flight)
             raise CheckpointError(
-                f"saves of steps {pending} still in flight after close_timeout_s="
-                f"{self.config.close_timeout_s:g} s",
+                f"saves of steps {left or pending} still in flight after {limit:g} s",
                 path=self.folder,
                 rank=self._rank(),
             )
