@@ -232,18 +232,18 @@ def test_failed_write_leaves_an_error_part_named_at_finalize(tmp_path: Path):
 def test_staging_buffers_are_reused_after_finalize_and_hold_the_new_values(
     tmp_path: Path, monkeypatch
 ):
-    monkeypatch.setattr(saver.PROCESS, "_staging", {})  # this test's own free buffers
+    monkeypatch.setattr(saver.PROCESS, "_pool", None)  # this test's own free pool
     queue = AsyncCallsQueue()  # the worker maps the shared-memory buffers
     try:
         sd = _state(1)
         _save(sd, tmp_path / "a", queue)
         assert queue.maybe_finalize_async_calls(blocking=True) == [0]
-        free = [b.data_ptr() for v in saver.PROCESS._staging.values() for b in v]
-        assert len(free) == 1  # one shared-memory pool holds every tensor of the rank
+        free = saver.PROCESS._pool
+        assert free is not None  # one shared-memory pool holds every tensor of the rank
         sd2 = _state(2)  # same shapes, new values
         second = _save(sd2, tmp_path / "b", queue)[0]
-        assert [b.data_ptr() for b in second._buffers] == free  # the same pool again
-        assert all(b.is_shared() for b in second._buffers)
+        assert second._pool.data_ptr() == free.data_ptr()  # the same pool again
+        assert second._pool.is_shared()
         queue.maybe_finalize_async_calls(blocking=True)
     finally:
         queue.close()

@@ -440,7 +440,8 @@ def test_a_rank_error_part_fails_finalize_and_is_cleaned_up(s3_server, bucket, m
     sd = _state(55)
     writer = FileSystemWriterAsync(path, thread_count=2, use_msc=True)
     ret = save_state_dict_async_plan(sd, writer, None, 0, planner=DefaultSavePlanner())
-    save_fn, _, (job, staged) = writer.get_save_function_and_args()
+    save_fn, _, (job, pool) = writer.get_save_function_and_args()
+    staged = pool.tensors()  # chunk key -> tensor (views of the staging pool)
     first = next(iter(staged))
     with pytest.raises(CheckpointError) as e:
         save_fn(job, {k: v for k, v in staged.items() if k != first})  # one tensor lost

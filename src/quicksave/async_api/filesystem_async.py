@@ -131,7 +131,7 @@ def temp_dir_for(path: str, plan_id: str, save_index: int) -> str:
     return commit.temp_path_for(path, token[:12])
 
 
-def write_rank_data(job: RankWriteJob, staged: dict[str, torch.Tensor]) -> None:
+def write_rank_data(job: RankWriteJob, staged: StagedPool | dict[str, torch.Tensor]) -> None:
     """``save_fn``: write one rank's data files and then its part (the "done" record).
 
     Runs in the ``AsyncCallsQueue`` worker process (or a thread). Files this rank left in
@@ -140,12 +140,15 @@ def write_rank_data(job: RankWriteJob, staged: dict[str, torch.Tensor]) -> None:
 
     Args:
         job: what to write and where.
-        staged: chunk key -> CPU tensor (``preload_fn``'s result).
+        staged: chunk key -> CPU tensor, or the ``StagedPool`` holding them
+            (``preload_fn``'s result).
 
     Raises:
         CheckpointError: naming the rank and the cause; an error part is left for the
             coordinator when the directory is writable.
     """
+    pool = staged  # keeps the pool's memory alive while its tensors are written
+    staged = _tensors_of(pool)
     if job.location is not None:
         _write_rank_objects(job, staged)
         return
@@ -243,6 +246,10 @@ def _identity_preload(staged: Any) -> Any:
 
 
 _POOL_ALIGN = 64
+
+
+def _tensors_of(staged: StagedPool | dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return staged.tensors() if isinstance(staged, StagedPool) else staged
 
 
 @dataclass
@@ -518,7 +525,7 @@ class FileSystemWriterAsync(StorageWriter, FileSystemWriter):
         self.layouts: tuple[RankLayout | DcpRankLayout, ...] | None = None
         self._job: RankWriteJob | DcpWriteJob | None = None
         self._staged: dict[str, torch.Tensor] = {}
-        self._buffers: list[torch.Tensor] = []  # this save's staging buffers
+        self._pool: torch.Tensor | None = None  # this save's staging pool
         self._index_of: dict[str, MetadataIndex] = {}
 
     # ------------------------------------------------------- NVRx's class hooks
@@ -772,10 +779,7 @@ class FileSystemWriterAsync(StorageWriter, FileSystemWriter):
             # A copy even on the CPU: the trainer may mutate its tensor once we return.
             sources[key] = planner.resolve_data(item).detach()
             self._index_of[key] = item.index
-        if self.dcp_layout:
-            self._staged = self._stage_pool(sources)
-        else:
-            self._staged = {k: self._stage(t) for k, t in sources.items()}
+        self._staged = self._stage_pool(sources)
         if isinstance(rank_plan.layout, DcpRankLayout):
             self._job = DcpWriteJob(
                 self.rank,
@@ -793,24 +797,6 @@ class FileSystemWriterAsync(StorageWriter, FileSystemWriter):
             self.rank, self.tmp_dir, rank_plan.layout, objects, self.fsync, store
         )
 
-    def _stage(self, t: torch.Tensor) -> torch.Tensor:
-        """A contiguous CPU copy of ``t`` in shared memory (what the worker maps without
-        another copy), in a buffer of an earlier finalized save when one of this dtype and
-        shape is free: a fresh buffer costs a page fault per page, a warm one only the
-        copy."""
-        shape = tuple(t.shape)
-        buf = PROCESS.take_staging(t.dtype, shape)
-        if buf is None:
-            nbytes = t.numel() * t.element_size()
-            if nbytes == 0:
-                buf = torch.empty(shape, dtype=t.dtype)
-            else:
-                storage = torch.UntypedStorage._new_shared(nbytes)
-                buf = torch.empty(0, dtype=t.dtype).set_(storage, 0, shape)
-        buf.copy_(t)
-        self._buffers.append(buf)
-        return buf
-
     def _stage_pool(self, sources: dict[str, torch.Tensor]) -> StagedPool:
         """Copy every tensor into one shared-memory pool (64-byte aligned slots), reusing
         the pool of an earlier finalized save when it is large enough."""
@@ -820,8 +806,8 @@ class FileSystemWriterAsync(StorageWriter, FileSystemWriter):
             entries[key] = (total, t.dtype, tuple(t.shape))
             nbytes = t.numel() * t.element_size()
             total += -(-nbytes // _POOL_ALIGN) * _POOL_ALIGN
-        pool = PROCESS.take_staging(torch.uint8, (-1,))
-        if pool is None or pool.numel() < total:
+        pool = PROCESS.take_staging_pool(total)
+        if pool is None:
             storage = torch.UntypedStorage._new_shared(max(total, 1))
             pool = torch.empty(0, dtype=torch.uint8).set_(storage, 0, (storage.nbytes(),))
         for key, t in sources.items():
@@ -830,14 +816,14 @@ class FileSystemWriterAsync(StorageWriter, FileSystemWriter):
             if nbytes:
                 dst = pool[offset : offset + nbytes].view(dtype).view(shape)
                 dst.copy_(t)
-        self._buffers.append(pool)
+        self._pool = pool
         return StagedPool(pool, entries)
 
     def release_staging(self) -> None:
-        """This save's staging buffers may be reused (its write is over: finalize)."""
-        buffers, self._buffers = self._buffers, []
-        if buffers:
-            PROCESS.release_staging(buffers)
+        """This save's staging pool may be reused (its write is over: finalize)."""
+        pool, self._pool = self._pool, None
+        if pool is not None:
+            PROCESS.release_staging_pool(pool)
 
     def get_save_function_and_args(self) -> tuple[Any, Any, tuple]:
         """``(save_fn, preload_fn, save_args)`` for ``AsyncRequest(save_fn, save_args,
@@ -1050,9 +1036,8 @@ def write_dcp_rank_data(job: DcpWriteJob, staged: Any) -> None:
     """
     from ..format.dcp_layout import write_dcp_file
 
-    pool = staged if isinstance(staged, StagedPool) else None
-    if pool is not None:
-        staged = pool.tensors()
+    pool = staged  # keeps the pool's memory alive while its tensors are written
+    staged = _tensors_of(pool)
     try:
         if job.multiproc_io:
             import multiprocessing

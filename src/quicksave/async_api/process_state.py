@@ -16,7 +16,7 @@ things per process instead, and its users call them without holding anything:
 
 (With them, NVRx's ``ObjectTracker.get_instances`` and
 ``PersistentAsyncCaller.register_worker_restart_callback``, which serve the first two, and
-the staging buffers ``FileSystemWriterAsync`` reuses from one save to the next, as NVRx's
+the staging pool ``FileSystemWriterAsync`` reuses from one save to the next, as NVRx's
 writer keeps its shared-memory tensors in a class-level cache.)
 Those live here, in :data:`PROCESS`, and nowhere else. Code that wants no shared
 state passes its own ``metadata_cache`` and holds its queues (``queue.close(abort=True)``
@@ -45,28 +45,21 @@ class NvrxProcessState:
         self._warm: tuple[ProcessPersister, WorkerConfig, int] | None = None
         self._tracked: weakref.WeakSet[Any] = weakref.WeakSet()
         self._restart_callbacks: list[Any] = []
-        self._staging: dict[tuple[Any, tuple[int, ...]], list[Any]] = {}
+        self._pool: Any = None  # the free staging pool of FileSystemWriterAsync
         self.metadata_cache: Any = None
 
-    def take_staging(self, dtype: Any, shape: tuple[int, ...]) -> Any:
-        """A free staging buffer (a shared-memory CPU tensor) of this dtype and shape,
-        or None."""
+    def take_staging_pool(self, nbytes: int) -> Any:
+        """The free staging pool (a 1-D ``uint8`` shared-memory tensor) if it holds at
+        least ``nbytes``, once; else None (a smaller one is dropped)."""
         with self._lock:
-            free = self._staging.get((dtype, shape))
-            return free.pop() if free else None
+            pool, self._pool = self._pool, None
+        return pool if pool is not None and pool.numel() >= nbytes else None
 
-    def release_staging(self, buffers: list[Any]) -> None:  # buffers: CPU tensors
-        """The buffers of a finalized save become the free ones (those of older saves
-        are dropped, so at most one save's worth waits here)."""
-        import torch
-
-        fresh: dict[tuple[Any, tuple[int, ...]], list[Any]] = {}
-        for b in buffers:
-            # a 1-D uint8 pool is found by kind (any size may serve), a tensor by shape
-            pool = b.dtype == torch.uint8 and b.dim() == 1
-            fresh.setdefault((b.dtype, (-1,) if pool else tuple(b.shape)), []).append(b)
+    def release_staging_pool(self, pool: Any) -> None:
+        """The pool of a finalized save becomes the free one (an older free one is
+        dropped, so at most one save's worth waits here)."""
         with self._lock:
-            self._staging = fresh
+            self._pool = pool
 
     def track(self, obj: Any) -> None:
         """Remember ``obj`` (weakly) for ``ObjectTracker.get_instances``."""
