@@ -260,7 +260,7 @@ def check_whole(tmp: str, expected: Mapping[str, int], final: str) -> None:
             )
 
 
-def publish(tmp: str, final: str, expected: Mapping[str, int]) -> None:
+def publish(tmp: str, final: str, expected: Mapping[str, int], *, replace: bool = False) -> None:
     """Make the fully written ``tmp`` visible as ``final`` in one rename, after
     :func:`check_whole` of the files in ``expected`` (name -> size; every file the
     checkpoint must hold, the manifest included).
@@ -269,13 +269,31 @@ def publish(tmp: str, final: str, expected: Mapping[str, int]) -> None:
     a temporary away before deleting it (:func:`clean_stale_temporaries`), so either
     this rename or that one wins, never half of each.
 
+    ``replace`` (DCP's ``overwrite=True``, for ``FileSystemWriterAsync``): a committed
+    checkpoint already at ``final`` is replaced atomically: the two directories swap
+    places in one ``renameat2(RENAME_EXCHANGE)``, then the old one is deleted, so
+    ``final`` always holds a whole checkpoint. Where the filesystem cannot exchange, the
+    old one is first renamed to a temporary name (a crash in between leaves it there,
+    recoverable, and nothing at ``final``). Anything else at ``final`` is refused as
+    without ``replace``.
+
     Raises:
         CheckpointError: the temporary directory is not whole or is gone.
-        CheckpointExistsError: something already exists at ``final``.
+        CheckpointExistsError: something already exists at ``final`` (a committed
+            checkpoint, unless ``replace``).
     """
     final = os.path.normpath(os.path.abspath(final))
     check_whole(tmp, expected, final)
     fsync_path(tmp)
+    if replace and classify(final) in (CheckpointKind.QUICKSAVE, CheckpointKind.DCP):
+        if not _rename_exchange(tmp, final):
+            old = temp_path_for(final, new_token())
+            os.rename(final, old)
+            os.rename(tmp, final)
+            tmp = old
+        fsync_path(os.path.dirname(final))
+        shutil.rmtree(tmp, ignore_errors=True)  # the replaced checkpoint, now at tmp
+        return
     try:
         os.rename(tmp, final)  # atomic; fails if ``final`` is a non-empty directory
     except FileNotFoundError as e:
@@ -289,6 +307,20 @@ def publish(tmp: str, final: str, expected: Mapping[str, int]) -> None:
             f"cannot commit: {e.strerror}; the written data stays in {tmp}", path=final
         ) from e
     fsync_path(os.path.dirname(final))
+
+
+def _rename_exchange(a: str, b: str) -> bool:
+    """Swap two paths atomically (Linux ``renameat2(..., RENAME_EXCHANGE)``); False
+    where the platform or filesystem cannot."""
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        fn = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    at_fdcwd, rename_exchange = -100, 2
+    return fn(at_fdcwd, a.encode(), at_fdcwd, b.encode(), rename_exchange) == 0
 
 
 def commit_on_store(

@@ -1208,7 +1208,7 @@ def commit_dcp(writer: FileSystemWriterAsync, metadata: Metadata, layout: SaveLa
     commit.write_durable(os.path.join(tmp_dir, DCP_METADATA_NAME), data)
     expected[DCP_METADATA_NAME] = len(data)
     _remove_unexpected(tmp_dir, set(expected))
-    publish_checkpoint(tmp_dir, writer.path, expected, writer.overwrite)
+    commit.publish(tmp_dir, writer.path, expected, replace=writer.overwrite)
 
 
 def _remove_unexpected(tmp_dir: str, keep: set[str]) -> None:
@@ -1221,49 +1221,6 @@ def _remove_unexpected(tmp_dir: str, keep: set[str]) -> None:
                 shutil.rmtree(path, ignore_errors=True)
             else:
                 os.unlink(path)
-
-
-def publish_checkpoint(tmp: str, final: str, expected: dict[str, int], overwrite: bool) -> None:
-    """``commit.publish``, except that with ``overwrite`` a committed checkpoint already
-    at ``final`` (DCP's ``overwrite=True`` semantics) is replaced atomically: the two
-    directories swap places in one ``renameat2(RENAME_EXCHANGE)``, then the old one is
-    deleted, so ``final`` always holds a whole checkpoint. Where the filesystem cannot
-    exchange, the old one is first renamed to a temporary name (a crash in between
-    leaves it there, recoverable, and nothing at ``final``).
-
-    Raises:
-        CheckpointExistsError: something other than a committed checkpoint (or an empty
-            directory) is at ``final``, or a checkpoint is there and not ``overwrite``.
-        CheckpointError: the temporary directory is not whole.
-    """
-    final = os.path.normpath(os.path.abspath(final))
-    kind = commit.classify(final)
-    if kind not in (commit.CheckpointKind.QUICKSAVE, commit.CheckpointKind.DCP) or not overwrite:
-        commit.publish(tmp, final, expected)
-        return
-    commit.check_whole(tmp, expected, final)
-    commit.fsync_path(tmp)
-    if not _rename_exchange(tmp, final):
-        old = commit.temp_path_for(final, commit.new_token())
-        os.rename(final, old)
-        os.rename(tmp, final)
-        tmp = old
-    commit.fsync_path(os.path.dirname(final))
-    shutil.rmtree(tmp, ignore_errors=True)  # the replaced checkpoint, now at tmp
-
-
-def _rename_exchange(a: str, b: str) -> bool:
-    """Swap two paths atomically (Linux ``renameat2(..., RENAME_EXCHANGE)``); False
-    where the platform or filesystem cannot."""
-    import ctypes
-
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        fn = libc.renameat2
-    except (OSError, AttributeError):
-        return False
-    at_fdcwd, rename_exchange = -100, 2
-    return fn(at_fdcwd, a.encode(), at_fdcwd, b.encode(), rename_exchange) == 0
 
 
 def _rank_plan(plan: SavePlan) -> RankPlan:
