@@ -81,8 +81,9 @@ def test_strict_unexpected_keys(saved: Path):
     del dest["model"]["b"], dest["name"]
     err = _load_error(IncompatibleStateError, dest, saved)
     assert str(err) == (
-        "state dict keys do not match the checkpoint (not in the state dict being loaded: "
-        "model.b, name); pass strict=False to load the intersection "
+        "state dict keys do not match the checkpoint (in the checkpoint but not in the "
+        "state dict of this process: model.b, name); pass strict=False to load the "
+        "intersection "
         f"[path={saved}, fqn=model.b, rank=0]"
     )
     assert torch.equal(dest["model"]["w"], torch.zeros(64, 64))

@@ -26,6 +26,7 @@ from torch.distributed.checkpoint.metadata import (
     Metadata,
     TensorStorageMetadata,
 )
+from torch.distributed.checkpoint.planner import LoadPlan
 
 from .collect import to_state_dict, validate_for_save
 from .commit import CheckpointKind, check_target, classify
@@ -245,12 +246,33 @@ def _real_path(root: Any, path: tuple) -> tuple:
     return tuple(out)
 
 
+@dataclasses.dataclass(frozen=True)
+class _LoadedKeys:
+    """The fqns one rank loads, sent to the coordinator in its local plan."""
+
+    fqns: tuple[str, ...]
+
+
+def _some(fqns: list[str], limit: int = 20) -> str:
+    return ", ".join(fqns[:limit]) + (f" … ({len(fqns)} in all)" if len(fqns) > limit else "")
+
+
 class LoadPlanner(DefaultLoadPlanner):
     """DCP's default load planner plus quicksave's checks and object hand-off.
 
     Before any read it compares the destination with the checkpoint and raises
-    IncompatibleStateError for missing or unexpected keys (unless not strict) and for
-    shape or dtype mismatches, naming every offending fqn.
+    IncompatibleStateError, naming the offending fqns, for shape or dtype mismatches
+    and (when strict) for missing or unexpected keys.
+
+    Strictness is a property of the whole group, not of one rank: in a pipeline-
+    parallel job, or with per-rank entries, each rank loads only its own keys.
+
+    - missing: a key this rank asks for that the checkpoint lacks, raised by that rank
+      in DCP's local planning step (every failing rank is named);
+    - unexpected: a key of the checkpoint that *no* rank asks for, found by the
+      coordinator in DCP's global planning step from the key sets the ranks' local
+      plans carry (``planner_data``). That rides on the plan exchange DCP makes anyway:
+      no extra collective.
     """
 
     def __init__(self, *, strict: bool = True, path: str = "") -> None:
@@ -269,30 +291,44 @@ class LoadPlanner(DefaultLoadPlanner):
             }
         self._check(metadata)
 
+    def create_local_plan(self) -> LoadPlan:
+        plan = super().create_local_plan()
+        if not self.strict:
+            return plan
+        loaded = sorted(set(self.state_dict) & set(self.metadata.state_dict_metadata))
+        return dataclasses.replace(plan, planner_data=_LoadedKeys(tuple(loaded)))
+
+    def create_global_plan(self, global_plan: list[LoadPlan]) -> list[LoadPlan]:
+        if self.strict:
+            loaded: set[str] = set()
+            for plan in global_plan:
+                if isinstance(plan.planner_data, _LoadedKeys):
+                    loaded.update(plan.planner_data.fqns)
+            unexpected = sorted(set(self.metadata.state_dict_metadata) - loaded)
+            if unexpected:
+                who = "this process" if len(global_plan) == 1 else "any rank"
+                raise IncompatibleStateError(
+                    f"state dict keys do not match the checkpoint (in the checkpoint but "
+                    f"not in the state dict of {who}: {_some(unexpected)}); "
+                    "pass strict=False to load the intersection",
+                    path=self.path,
+                    fqn=unexpected[0],
+                )
+            # Only the coordinator needs the key sets: do not send them back.
+            global_plan = [dataclasses.replace(p, planner_data=None) for p in global_plan]
+        return super().create_global_plan(global_plan)
+
     def _check(self, metadata: Metadata) -> None:
         rank = rank_of_this_process()
         stored = metadata.state_dict_metadata
         dest_keys = set(self.state_dict)
         missing = sorted(dest_keys - set(stored))
-        unexpected = sorted(set(stored) - dest_keys)
-        if self.strict and (missing or unexpected):
-            parts = []
-            if missing:
-                parts.append(
-                    f"missing from checkpoint: {', '.join(missing[:20])}"
-                    + (" …" if len(missing) > 20 else "")
-                )
-            if unexpected:
-                parts.append(
-                    f"not in the state dict being loaded: {', '.join(unexpected[:20])}"
-                    + (" …" if len(unexpected) > 20 else "")
-                )
+        if self.strict and missing:
             raise IncompatibleStateError(
-                "state dict keys do not match the checkpoint ("
-                + "; ".join(parts)
-                + "); pass strict=False to load the intersection",
+                f"state dict keys do not match the checkpoint (missing from checkpoint: "
+                f"{_some(missing)}); pass strict=False to load the intersection",
                 path=self.path,
-                fqn=(missing or unexpected)[0],
+                fqn=missing[0],
                 rank=rank,
             )
         for fqn in sorted(dest_keys & set(stored)):
@@ -373,8 +409,11 @@ def load(
         state_dict: the destination (same structure as saved).
         path: a committed checkpoint directory: a path, or a ``file://``, ``s3://`` or
             ``msc://`` URL.
-        strict: if True (default) the key sets must match; if False, the keys present
-            in both are loaded and the others are left untouched.
+        strict: if True (default) the key sets must match across the group: every key
+            a rank asks for is in the checkpoint (else that rank is named), and every
+            key of the checkpoint is asked for by some rank (each rank may load a
+            subset: pipeline stages, per-rank entries). If False, the keys present in
+            both are loaded and the others are left untouched.
 
     Raises:
         CheckpointNotFoundError, NotCommittedError, CorruptCheckpointError,

@@ -488,7 +488,11 @@ def _rank_guide_flow(rank: int, world_size: int, path: str) -> bool:
     dist.barrier()
     out = {"shared": torch.zeros(64), f"rank{rank}": torch.zeros(19, dtype=torch.bfloat16)}
     out["step"] = -1
-    quicksave.load(out, path, strict=False)
+    quicksave.load(out, path)  # strict: each rank loads its own key, and some rank each key
+    # and the guide's load_checkpoint (MSC's reader, DCP's planner), on every rank
+    stock = {"shared": torch.zeros(64), f"rank{rank}": torch.zeros(19, dtype=torch.bfloat16)}
+    load_checkpoint(path, stock)
+    assert torch.equal(stock[f"rank{rank}"].view(torch.int16), sd[f"rank{rank}"].view(torch.int16))
     return (
         torch.equal(out["shared"], sd["shared"])
         and torch.equal(out[f"rank{rank}"].view(torch.int16), sd[f"rank{rank}"].view(torch.int16))
