@@ -111,27 +111,38 @@ def save(
     thread_count: int = 2,
     user_metadata: dict[str, Any] | None = None,
     storage: StorageOptions | None = None,
+    overwrite: bool = False,
+    no_dist: bool = False,
 ) -> None:
     """Save ``state_dict`` to the directory ``path`` and commit it atomically.
 
     Every rank of ``process_group`` (default: the world, or no group if torch.distributed
-    is not initialized) must call it with the same ``path``.
+    is not initialized) must call it with the same ``path``, unless ``no_dist``.
 
     Args:
         state_dict: names to tensors (incl. DTensor / ShardedTensor), ``Stateful``
             objects, nested dicts/lists and plain values.
         path: the checkpoint directory to create (a path, or a ``file://``, ``s3://`` or
-            ``msc://`` URL); must not hold a committed checkpoint.
+            ``msc://`` URL); must not hold a committed checkpoint (unless ``overwrite``).
         step: recorded in the manifest.
         thread_count: data files and writer threads per rank.
         user_metadata: JSON-serializable dict stored in the manifest.
         storage: how to reach an object store (default: the environment's AWS chain,
             ``MSC_CONFIG``).
+        overwrite: replace a committed checkpoint at ``path`` atomically: the new one is
+            written beside it and the two directories are exchanged in one rename at the
+            commit, so ``path`` always holds a whole checkpoint, the old one if the save
+            fails. Local paths only.
+        no_dist: save from this process alone, with no collective, even when
+            torch.distributed is initialized (e.g. a full state dict that only rank 0
+            saves, as Lightning's strategies do); ``process_group`` is then ignored.
 
     Raises:
         IncompatibleStateError: a value cannot be stored (checked before any I/O).
-        CheckpointExistsError: ``path`` already holds a committed checkpoint.
-        CheckpointError: writing failed on some rank (named); nothing became visible.
+        CheckpointExistsError: ``path`` already holds a committed checkpoint (and not
+            ``overwrite``), or something that is not a checkpoint.
+        CheckpointError: writing failed on some rank (named); nothing became visible;
+            ``overwrite`` on an object store (before any I/O).
 
     Example::
 
@@ -140,6 +151,7 @@ def save(
     loc = parse_location(path, options=storage)
     path = loc.url
     rank = rank_of_this_process()
+    distributed = _dist_on() and not no_dist
     refused: IncompatibleStateError | None = None
     sd: dict[str, Any] = {}
     try:
@@ -147,19 +159,24 @@ def save(
         validate_for_save(sd, rank)
     except IncompatibleStateError as e:  # add the path, which the checks do not know
         refused = IncompatibleStateError(e.message, path=path, fqn=e.fqn, rank=rank)
-        if not _dist_on():
+        if not distributed:
             raise refused from None
         # Distributed: the planner raises it inside DCP's first collective step, so every
         # rank fails together; raising here would leave the others waiting in it forever.
     # In a group the coordinator makes this check inside DCP's planning step (every rank
     # then fails together); checking here on each rank could split the ranks.
     writer = StorageWriter(
-        loc, step=step, thread_count=thread_count, user_metadata=user_metadata, storage=storage
+        loc,
+        step=step,
+        thread_count=thread_count,
+        user_metadata=user_metadata,
+        storage=storage,
+        overwrite=overwrite,
     )
-    if not _dist_on():
+    if not distributed:
         try:
             check_user_metadata(dict(user_metadata or {}), path, rank)
-            check_target(loc, rank, None if loc.is_local else writer.backend())
+            check_target(loc, rank, None if loc.is_local else writer.backend(), replace=overwrite)
         except BaseException:
             writer.close()
             raise
@@ -169,15 +186,15 @@ def save(
                 sd,
                 storage_writer=writer,
                 planner=_SavePlanner(refused=refused),
-                process_group=process_group,
-                no_dist=not _dist_on(),
+                process_group=None if no_dist else process_group,
+                no_dist=not distributed,
             )
     except CheckpointException as e:
         if writer.is_coordinator:
             writer.discard()
         raise _unwrap(e, path) from None
     except RuntimeError as e:
-        if not _dist_on():
+        if not distributed:
             raise
         if writer.is_coordinator:
             writer.discard()

@@ -169,20 +169,37 @@ def write_durable(path: str, data: bytes) -> None:
 
 
 def check_target(
-    final: str | Location, rank: int | None = None, backend: Backend | None = None
+    final: str | Location,
+    rank: int | None = None,
+    backend: Backend | None = None,
+    *,
+    replace: bool = False,
 ) -> None:
     """Raise unless a checkpoint can be committed at ``final``: nothing there, or an
-    empty directory (an object store: no object under the prefix). Checked before any
-    byte is written, so that a save onto a file or a full directory fails at once
-    instead of after writing everything.
+    empty directory (an object store: no object under the prefix), or with ``replace``
+    also a committed checkpoint (local paths only: :func:`publish` exchanges it
+    atomically). Checked before any byte is written, so that a save onto a file or a
+    full directory fails at once instead of after writing everything.
 
     Raises:
-        CheckpointExistsError: a committed checkpoint, a file, a non-empty directory or
-            a prefix holding objects is at ``final`` (quicksave never replaces anything).
+        CheckpointError: ``replace`` on an object store (no atomic replace there: the
+            new objects would mix with the old checkpoint's under one manifest).
+        CheckpointExistsError: a committed checkpoint (unless ``replace``), a file, a
+            non-empty directory or a prefix holding objects is at ``final``.
     """
     loc = parse_location(final)
+    if replace and not loc.is_local:
+        raise CheckpointError(
+            "overwrite=True is not supported on an object store: it has no atomic "
+            "replace (the new objects would land beside the old checkpoint's, under its "
+            "manifest); save to a new prefix instead",
+            path=loc.url,
+            rank=rank,
+        )
     kind = classify(loc, backend)
     if kind is CheckpointKind.MISSING:
+        return
+    if replace and kind in (CheckpointKind.QUICKSAVE, CheckpointKind.DCP):
         return
     if kind in (CheckpointKind.QUICKSAVE, CheckpointKind.DCP):
         raise CheckpointExistsError(
@@ -217,11 +234,12 @@ def check_target(
     )
 
 
-def make_temp_dir(final: str, token: str) -> str:
-    """Create the temporary directory a checkpoint is written into."""
+def make_temp_dir(final: str, token: str, *, replace: bool = False) -> str:
+    """Create the temporary directory a checkpoint is written into (``replace``: a
+    committed checkpoint at ``final`` is allowed, see :func:`check_target`)."""
     final = os.path.normpath(os.path.abspath(final))
     parent = os.path.dirname(final)
-    check_target(final)
+    check_target(final, replace=replace)
     try:
         os.makedirs(parent, exist_ok=True)
         tmp = temp_path_for(final, token)

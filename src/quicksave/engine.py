@@ -206,6 +206,7 @@ class _InFlight:
     tmp_dir: str = ""  # removed by the trainer when the persister died mid-save (local)
     token: str = ""  # multi-rank: the save's commit records (see dist/records.py)
     location: Location | None = None  # where it commits
+    replace: bool = False  # overwrite: a committed checkpoint was there before the save
 
 
 def _lower_thread_priority(nice: int) -> None:
@@ -332,24 +333,31 @@ class AsyncSaver:
         step: int | None = None,
         deferred: Deferred | None = None,
         user_metadata: dict[str, Any] | None = None,
+        overwrite: bool = False,
     ) -> SaveHandle | None:
         """Start saving ``state_dict`` to the checkpoint directory ``path``.
 
         Args:
             state_dict: names to tensors, ``Stateful`` objects, nested dicts/lists, values.
-            path: the checkpoint directory to create (must not hold a committed one).
+            path: the checkpoint directory to create (must not hold a committed one,
+                unless ``overwrite``).
             step: recorded in the manifest.
             deferred: in overlap mode, ``deferred(fqn, tensor)`` says which tensors may be
                 copied after ``save()`` returns (their values are still those at the call,
                 as long as nothing mutates them before ``maybe_wait_for_staging()``).
             user_metadata: JSON-serializable dict stored in the manifest.
+            overwrite: a committed checkpoint at ``path`` is replaced atomically at the
+                commit (the two directories are exchanged, ``commit.publish``): until
+                then, and if the save fails, the old one stays whole. Single-rank saves
+                to local paths only.
 
         Returns:
             a SaveHandle, or None if skipped by ``backpressure="skip"``.
 
         Raises:
             CheckpointError: a previous save failed (reported once), bad input (checked
-                before any I/O), the target exists, or the worker failed.
+                before any I/O), the target exists, ``overwrite`` on an object store or
+                in a multi-rank saver, or the worker failed.
         """
         t0 = time.monotonic()
         # Outside the lock: the staging and prepare threads take it.
@@ -362,6 +370,12 @@ class AsyncSaver:
             final = loc.url
             store = None if loc.is_local else loc
             check_user_metadata(dict(user_metadata or {}), final, self.rank)
+            if overwrite and self._dist is not None:
+                raise CheckpointError(
+                    "overwrite=True is supported for single-rank saves only",
+                    path=final,
+                    rank=self.rank,
+                )
             if self._dist is not None:
                 ds = self._plan_dist(state_dict, loc, step, user_metadata)
                 if ds is None:
@@ -371,7 +385,7 @@ class AsyncSaver:
                 manifest, token = ds.manifest, ds.dist.token
             else:
                 self.finalize(blocking=False)  # raises an earlier failure, once
-                commit.check_target(loc, self.rank, self._backend_for(store))
+                commit.check_target(loc, self.rank, self._backend_for(store), replace=overwrite)
                 tensors, objects, paths = self._collect_state(state_dict, final)
                 plan = self._plan(tensors, objects)
                 manifest = Manifest(
@@ -423,6 +437,7 @@ class AsyncSaver:
                 thread_count=self.config.thread_count,
                 dist=ds.dist if self._dist is not None else None,
                 location=store,
+                replace=overwrite,
             )
             self._in_flight[job_id] = _InFlight(
                 handle,
@@ -431,6 +446,7 @@ class AsyncSaver:
                 job.tmp_dir if store is None else "",  # never a store's key: not a path
                 token if self._dist is not None else "",
                 loc,
+                overwrite,
             )
             now, later = self._split(plan, tensors, deferred)
             try:
@@ -919,7 +935,8 @@ class AsyncSaver:
             del self._in_flight[job_id]
             fl.slot.busy = None
             where = fl.location if fl.location is not None else fl.handle.path
-            if commit.classify(where) is commit.CheckpointKind.QUICKSAVE:
+            # With overwrite a checkpoint was there before: its presence proves nothing.
+            if not fl.replace and commit.classify(where) is commit.CheckpointKind.QUICKSAVE:
                 h = fl.handle  # committed just before the writer stopped
                 durable = time.monotonic() - h.started
                 h._finish(
@@ -935,7 +952,13 @@ class AsyncSaver:
                 None,
                 CheckpointError(
                     "the saver was closed before this save was durable (close_timeout_s="
-                    f"{self.config.close_timeout_s:g} s or abort); it was not committed",
+                    f"{self.config.close_timeout_s:g} s or abort); "
+                    + (
+                        "the checkpoint at this path is the old one or this one (each "
+                        "whole): the writer stopped around its atomic replace"
+                        if fl.replace
+                        else "it was not committed"
+                    ),
                     path=fl.handle.path,
                     rank=self.rank,
                 ),

@@ -93,6 +93,8 @@ class PersistJob:
     # written straight under ``final_path``'s prefix (``tmp_dir`` is that prefix too),
     # and the manifest, written last, commits them.
     location: Location | None = None
+    # Replace a committed checkpoint at ``final_path`` atomically (local, single rank).
+    replace: bool = False
 
 
 @dataclass(frozen=True)
@@ -179,6 +181,7 @@ def execute_job(
             _fill_checksums(job.manifest, digests, job.chunk_keys),
             job.dcp_metadata,
             backend,
+            replace=job.replace,
         )
         t2 = time.monotonic()
         return _done(job, t0, t1, t2)
@@ -383,10 +386,14 @@ def commit_files(
     manifest: Manifest,
     dcp_metadata: bytes,
     backend: Backend | None = None,
+    *,
+    replace: bool = False,
 ) -> None:
     """Write ``.metadata`` then the manifest, and make the checkpoint visible: locally
-    into ``tmp_dir``, fsynced, then published by renaming it; on an object store under
-    the checkpoint's prefix (``tmp_dir``), the manifest last, its presence the commit."""
+    into ``tmp_dir``, fsynced, then published by renaming it (``replace``: exchanged
+    with a committed checkpoint at ``final_path``, :func:`.commit.publish`); on an
+    object store under the checkpoint's prefix (``tmp_dir``), the manifest last, its
+    presence the commit."""
     import xxhash
 
     files = dict(manifest.files)
@@ -397,13 +404,21 @@ def commit_files(
     manifest_bytes = to_json_bytes(manifest)
     expected = {name: entry.size for name, entry in files.items()}
     if backend is not None and not backend.atomic_rename:
+        if replace:
+            raise CheckpointError(
+                "cannot replace a checkpoint on an object store (no atomic replace)",
+                path=final_path,
+            )
         backend.put(join(tmp_dir, DCP_METADATA_NAME), memoryview(dcp_metadata))
         commit.commit_on_store(backend, tmp_dir, final_path, expected, manifest_bytes)
         return
     commit.write_durable(os.path.join(tmp_dir, DCP_METADATA_NAME), dcp_metadata)
     commit.write_durable(os.path.join(tmp_dir, MANIFEST_NAME), manifest_bytes)
     expected[MANIFEST_NAME] = len(manifest_bytes)
-    commit.publish(tmp_dir, final_path, expected)
+    if replace:
+        commit.publish(tmp_dir, final_path, expected, replace=True)
+    else:
+        commit.publish(tmp_dir, final_path, expected)
 
 
 # --------------------------------------------------------------------- persisters

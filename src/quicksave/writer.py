@@ -148,6 +148,10 @@ class StorageWriter(_DCPStorageWriter):
             chunk is preceded by its torch legacy-serialization prefix and ``.metadata``
             carries the objects as ``torch.save`` bytes (docs/FORMAT.md §3, §5). Costs a
             few hundred bytes, and up to one 4 KiB page, per chunk.
+        overwrite: a committed checkpoint at ``path`` is replaced atomically at the
+            commit (``commit.publish(..., replace=True)``: the two directories are
+            exchanged); until then, and if the save fails, the old one stays whole.
+            Local paths only: on an object store it raises ``CheckpointError``.
     """
 
     def __init__(
@@ -160,6 +164,7 @@ class StorageWriter(_DCPStorageWriter):
         user_metadata: dict[str, Any] | None = None,
         storage: StorageOptions | None = None,
         dcp_compat: bool = False,
+        overwrite: bool = False,
     ) -> None:
         # Not super(): a subclass may also derive from DCP's FileSystemWriter, whose
         # __init__ (next in its MRO) takes a path and sets up DCP's own writing.
@@ -168,6 +173,10 @@ class StorageWriter(_DCPStorageWriter):
         self._storage = storage
         self.location = parse_location(path, options=storage)
         self.path = self.location.url
+        if overwrite and not self.location.is_local:  # before any I/O
+            commit.check_target(self.location, replace=True)  # raises, naming the URL
+        # Private: FileSystemWriterAsync (a subclass) has its own public ``overwrite``.
+        self._overwrite = overwrite
         self._backend: Backend | None = None
         self.step = step
         self.thread_count = max(1, thread_count)
@@ -212,7 +221,9 @@ class StorageWriter(_DCPStorageWriter):
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         self.plans = tuple(rank_plan_of(p) for p in plans)
         if self.location.is_local:
-            self.tmp_dir = commit.make_temp_dir(self.path, commit.new_token())
+            self.tmp_dir = commit.make_temp_dir(
+                self.path, commit.new_token(), replace=self._overwrite
+            )
         else:  # objects go straight under the prefix; the manifest, last, commits them
             commit.check_target(self.location, self.rank, self.backend())
             self.tmp_dir = self.location.key
@@ -280,7 +291,9 @@ class StorageWriter(_DCPStorageWriter):
         manifest = build_manifest(metadata, results, self.step, self.user_metadata, plans=plans)
         backend = None if self.location.is_local else self.backend()
         metadata_bytes = dcp_metadata_bytes(manifest, dcp_compat=self.dcp_compat)
-        commit_files(self.tmp_dir, self.path, manifest, metadata_bytes, backend)
+        commit_files(
+            self.tmp_dir, self.path, manifest, metadata_bytes, backend, replace=self._overwrite
+        )
         self.tmp_dir = None
         self.close()
 

@@ -1,0 +1,161 @@
+"""``overwrite=True``: ``quicksave.save`` and ``AsyncSaver.save`` replace a committed
+checkpoint atomically (the new one is written beside it and the two directories are
+exchanged at the commit), and a failed save leaves the old one whole."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import quicksave
+from quicksave import commit
+from quicksave.engine import AsyncSaver, EngineConfig
+from quicksave.errors import CheckpointError, CheckpointExistsError, IncompatibleStateError
+
+
+def _state(v: float) -> dict:
+    return {"w": torch.full((64,), v), "meta": {"epoch": int(v), "name": f"v{v}"}}
+
+
+def _loaded(path) -> dict:
+    dest = {"w": torch.zeros(64), "meta": {"epoch": -1, "name": ""}}
+    quicksave.load(dest, path)
+    return dest
+
+
+def _siblings(path) -> list[str]:
+    return sorted(os.listdir(os.path.dirname(os.fspath(path))))
+
+
+def test_save_overwrite_replaces_a_committed_checkpoint(ckpt):
+    quicksave.save(_state(1.0), ckpt, step=1)
+    ino = os.stat(ckpt).st_ino
+    quicksave.save(_state(2.0), ckpt, step=2, overwrite=True)
+    got = _loaded(ckpt)
+    assert torch.equal(got["w"], torch.full((64,), 2.0))
+    assert got["meta"] == {"epoch": 2, "name": "v2.0"}
+    assert os.stat(ckpt).st_ino != ino  # a new directory took the name
+    assert _siblings(ckpt) == ["ckpt"]  # the old one and the temporary are gone
+
+
+def test_save_overwrite_onto_nothing_is_a_plain_save(ckpt):
+    quicksave.save(_state(3.0), ckpt, overwrite=True)
+    assert torch.equal(_loaded(ckpt)["w"], torch.full((64,), 3.0))
+
+
+def test_save_without_overwrite_still_refuses(ckpt):
+    quicksave.save(_state(1.0), ckpt)
+    with pytest.raises(CheckpointExistsError, match="already exists") as e:
+        quicksave.save(_state(2.0), ckpt)
+    assert e.value.path == str(ckpt)
+    assert torch.equal(_loaded(ckpt)["w"], torch.full((64,), 1.0))
+
+
+def test_overwrite_never_replaces_what_is_not_a_checkpoint(tmp_path):
+    f = tmp_path / "file.ckpt"
+    f.write_bytes(b"torch.save bytes")
+    with pytest.raises(CheckpointExistsError, match="a file is in the way"):
+        quicksave.save(_state(1.0), f, overwrite=True)
+    assert f.read_bytes() == b"torch.save bytes"
+    d = tmp_path / "dir"
+    d.mkdir()
+    (d / "notes.txt").write_text("mine")
+    with pytest.raises(CheckpointExistsError, match="not empty"):
+        quicksave.save(_state(1.0), d, overwrite=True)
+    assert (d / "notes.txt").read_text() == "mine"
+
+
+def test_failed_overwrite_before_io_keeps_the_old_checkpoint(ckpt):
+    quicksave.save(_state(1.0), ckpt, step=1)
+    bad = {**_state(2.0), "hparams": {"data_dir": object()}}
+    with pytest.raises(IncompatibleStateError) as e:
+        quicksave.save(bad, ckpt, overwrite=True)
+    assert e.value.path == str(ckpt) and e.value.fqn == "hparams.data_dir"
+    assert torch.equal(_loaded(ckpt)["w"], torch.full((64,), 1.0))
+    assert _siblings(ckpt) == ["ckpt"]
+
+
+def test_failed_overwrite_while_writing_keeps_the_old_checkpoint(ckpt, monkeypatch):
+    quicksave.save(_state(1.0), ckpt, step=1)
+
+    def disk_full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(quicksave.persist, "write_file", disk_full)
+    with pytest.raises(CheckpointError, match="No space left"):
+        quicksave.save(_state(2.0), ckpt, overwrite=True)
+    monkeypatch.undo()
+    assert torch.equal(_loaded(ckpt)["w"], torch.full((64,), 1.0))
+    assert _siblings(ckpt) == ["ckpt"]  # the new save's temporary was removed
+
+
+def test_failed_overwrite_at_the_commit_keeps_the_old_checkpoint(ckpt, monkeypatch):
+    quicksave.save(_state(1.0), ckpt, step=1)
+
+    def damaged(tmp, expected, final):
+        raise CheckpointError("cannot commit: a file is gone", path=final)
+
+    monkeypatch.setattr(commit, "check_whole", damaged)
+    with pytest.raises(CheckpointError, match="a file is gone"):
+        quicksave.save(_state(2.0), ckpt, overwrite=True)
+    monkeypatch.undo()
+    assert torch.equal(_loaded(ckpt)["w"], torch.full((64,), 1.0))
+    assert _siblings(ckpt) == ["ckpt"]
+
+
+@pytest.mark.parametrize("url", ["s3://bucket/run/last.ckpt", "msc://profile/run/last.ckpt"])
+def test_overwrite_on_an_object_store_is_refused_before_any_io(url):
+    with pytest.raises(CheckpointError, match="not supported on an object store") as e:
+        quicksave.save(_state(1.0), url, overwrite=True)
+    assert e.value.path == url
+    with pytest.raises(CheckpointError, match="not supported on an object store"):
+        quicksave.StorageWriter(url, overwrite=True)
+
+
+def test_storage_writer_overwrite_through_dcp(ckpt):
+    import torch.distributed.checkpoint as dcp
+
+    quicksave.save(_state(1.0), ckpt)
+    writer = quicksave.StorageWriter(ckpt, overwrite=True)
+    dcp.save(_state(5.0), storage_writer=writer, no_dist=True)
+    assert torch.equal(_loaded(ckpt)["w"], torch.full((64,), 5.0))
+    with pytest.raises(dcp.CheckpointException) as e:
+        dcp.save(_state(6.0), storage_writer=quicksave.StorageWriter(ckpt), no_dist=True)
+    assert isinstance(e.value.failures[0][0], CheckpointExistsError)
+
+
+# ------------------------------------------------------------------ the async engine
+
+
+def test_async_saver_overwrite_replaces(ckpt):
+    with AsyncSaver(EngineConfig(mode="thread")) as saver:
+        saver.save(_state(1.0), ckpt, step=1).wait()
+        with pytest.raises(CheckpointExistsError):
+            saver.save(_state(2.0), ckpt, step=2)
+        saver.save(_state(2.0), ckpt, step=2, overwrite=True).wait()
+    assert torch.equal(_loaded(ckpt)["w"], torch.full((64,), 2.0))
+    assert _siblings(ckpt) == ["ckpt"]
+
+
+def test_async_saver_failed_overwrite_keeps_the_old_checkpoint(ckpt, monkeypatch):
+    with AsyncSaver(EngineConfig(mode="thread")) as saver:
+        saver.save(_state(1.0), ckpt, step=1).wait()
+
+        def damaged(tmp, expected, final):
+            raise CheckpointError("cannot commit: a file is gone", path=final)
+
+        monkeypatch.setattr(commit, "check_whole", damaged)
+        handle = saver.save(_state(2.0), ckpt, step=2, overwrite=True)
+        with pytest.raises(CheckpointError, match="a file is gone"):
+            handle.wait()
+        monkeypatch.undo()
+    assert torch.equal(_loaded(ckpt)["w"], torch.full((64,), 1.0))
+    assert _siblings(ckpt) == ["ckpt"]
+
+
+def test_async_saver_overwrite_on_an_object_store_is_refused():
+    with AsyncSaver(EngineConfig(mode="thread")) as saver:
+        with pytest.raises(CheckpointError, match="not supported on an object store"):
+            saver.save(_state(1.0), "s3://bucket/run/last.ckpt", overwrite=True)
