@@ -329,7 +329,7 @@ class CheckpointManager:
         if self._writer is not None:
             self._writer.maybe_wait_for_staging()
 
-    def load(self, step: int = -1) -> int | None:
+    def load(self, step: int = -1, *, strict: bool = True) -> int | None:
         """Restore every state from the checkpoint of ``step`` (default: the newest
         committed one that passes its checks). A step-0 (seed) checkpoint restores the
         model only.
@@ -343,6 +343,12 @@ class CheckpointManager:
 
         Args:
             step: the step to load, or -1 for the newest committed checkpoint.
+            strict: True (default): the checkpoint's names must be exactly the states'
+                (a missing or unexpected key raises ``IncompatibleStateError`` naming
+                them). False: load the names present in both and leave the others as
+                they are, e.g. a stock DCP checkpoint written by another trainer
+                (torchtitan) whose extra entries these states do not have. Shapes and
+                dtypes of the names loaded are checked either way.
 
         Returns:
             The step restored, or None if ``step`` is -1 and there is no committed
@@ -357,12 +363,15 @@ class CheckpointManager:
             NotCommittedError: ``step`` was given and its checkpoint was never committed.
             CorruptCheckpointError: ``step`` was given and its checkpoint is corrupt, or
                 no committed checkpoint passes its checks (each is named).
-            CheckpointError: the checkpoint does not fit the states (no fallback then:
-                an older checkpoint would not fit either), or a save in flight failed.
+            IncompatibleStateError: the checkpoint does not fit the states (with
+                ``strict``, its keys differ; no fallback then: an older checkpoint would
+                not fit either).
+            CheckpointError: a save in flight failed.
 
         Example::
 
             start = manager.load() or 0
+            manager.load(step=1000, strict=False)  # e.g. a folder written by torchtitan
         """
         self._check_open()
         if not self.config.enabled:
@@ -374,7 +383,7 @@ class CheckpointManager:
             require_committed(
                 self._folder, self._where(path), step, self._rank(), allow_dcp=self.config.allow_dcp
             )
-            self._load_step(step)
+            self._load_step(step, strict=strict)
             return step
         skipped: dict[int, str] = {}
         for _ in range(_LOAD_ROUNDS):
@@ -386,7 +395,7 @@ class CheckpointManager:
                 break
             for candidate in candidates:
                 try:
-                    self._load_step(candidate)
+                    self._load_step(candidate, strict=strict)
                 except (CorruptCheckpointError, CheckpointNotFoundError, NotCommittedError) as e:
                     # Not IncompatibleStateError: an older checkpoint would not fit either.
                     logger.error(
@@ -413,8 +422,9 @@ class CheckpointManager:
             rank=self._rank(),
         )
 
-    def _load_step(self, step: int) -> None:
-        """Load the committed checkpoint of ``step`` into the states."""
+    def _load_step(self, step: int, *, strict: bool = True) -> None:
+        """Load the committed checkpoint of ``step`` into the states (``strict``: see
+        :meth:`load`)."""
         path = self.step_path(step)
         states = self._model_states() if step == 0 else self.states
         begin = time.perf_counter()
@@ -429,6 +439,7 @@ class CheckpointManager:
         api.load(
             states,
             path,
+            strict=strict,
             process_group=self.process_group,
             allow_dcp_pickle=self.config.allow_dcp_pickle,
             storage=self.config.storage,

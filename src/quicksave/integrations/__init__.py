@@ -1,0 +1,1 @@
+"""Integrations with training frameworks (imported explicitly, not by ``import quicksave``)."""
