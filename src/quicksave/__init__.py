@@ -30,6 +30,7 @@ __version__ = "0.1.0"
 _LAZY: dict[str, str] = {
     "save": "api",
     "load": "api",
+    "load_state": "convert",
     "LoadPlanner": "api",
     "StorageReader": "reader",
     "StorageWriter": "writer",
@@ -113,6 +114,7 @@ __all__ = [
     "WorkerFailedError",
     "async_save",
     "load",
+    "load_state",
     "save",
 ]
 

@@ -38,9 +38,10 @@ from .errors import (
 )
 from .format.dtypes import dtype_name
 from .format.manifest import check_user_metadata
+from .keypaths import empty_dicts, typed_paths
 from .reader import StorageReader, require_committed
 from .storage import StorageOptions, parse_location
-from .writer import StorageWriter
+from .writer import EMPTY_DICTS, StorageWriter
 
 
 def _dist_on() -> bool:
@@ -225,6 +226,12 @@ class _SavePlanner(DefaultSavePlanner):
         if self.refused is not None:
             raise self.refused
         super().set_up_planner(state_dict, storage_meta, is_coordinator)
+        # What DCP's flattening loses (keypaths.py), carried to the writer's manifest in
+        # the mappings DCP merges into Metadata.planner_data; a tuple key cannot be an fqn.
+        self.mappings = typed_paths(state_dict, self.mappings)
+        empty = empty_dicts(state_dict)
+        if empty:
+            self.mappings[(EMPTY_DICTS, rank_of_this_process() or 0)] = tuple(empty)
 
     def _dedup_save_plans(self, all_plans):
         owners: dict[Any, list[int]] = {}

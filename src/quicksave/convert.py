@@ -4,9 +4,12 @@ directory, or one consolidated safetensors file (``quicksave convert``).
 The full (unsharded) state is rebuilt in host memory: one tensor per manifest entry
 with its global shape and dtype, every stored chunk read straight into its box (and its
 xxh3-64 checked), every object decoded from typed JSON (never unpickled), and the nested
-structure restored from each entry's ``path``. Path elements that are integers are list
-indices (that is how DCP flattens lists), so a dict whose keys were integers comes back
-as a list.
+structure restored from each entry's ``path`` and ``key_types`` and the manifest's
+``empty_dicts`` (FORMAT.md §2.1): dict keys come back with the types they were saved
+with (``int``, ``bool``, ``None``, ``float``, ``str``; any other key type as its
+``str()``), path elements that are integers are list indices, and empty dicts are
+there. Checkpoints written before quicksave recorded key types give non-string keys
+back as strings.
 
 Outputs appear atomically: they are written to ``<out>.tmp-<token>`` next to ``out``,
 fsynced, then renamed; an existing ``out`` is never overwritten.
@@ -14,7 +17,10 @@ fsynced, then renamed; an existing ``out`` is never overwritten.
 safetensors output: tensor keys are the flat fqns. ``__metadata__`` holds JSON strings:
 ``quicksave.objects`` (fqn -> ``{"value": typed JSON, "path": [...]}``, decodable with
 ``quicksave.format.objects.decode``), ``quicksave.paths`` (tensor fqn -> nested path,
-where it differs from ``[fqn]``), ``quicksave.step`` and ``quicksave.user_metadata``.
+where it differs from ``[fqn]``), ``quicksave.key_types`` (fqn -> the entry's
+``key_types``, where it has them), ``quicksave.empty_dicts`` (the manifest's
+``empty_dicts``), ``quicksave.step`` and ``quicksave.user_metadata``;
+:func:`load_state` reads such a file back into the nested state.
 A dtype that safetensors cannot describe (e.g. ``complex128``) is stored as its raw
 little-endian bytes (``U8``, 1-D) and recorded in ``quicksave.raw_dtypes`` as
 ``{fqn: {"dtype": name, "shape": [...]}}``; ``t.view(dtype).reshape(shape)`` restores it.
@@ -26,15 +32,17 @@ import json
 import os
 import shutil
 import warnings
+from collections.abc import Sequence
 from typing import Any, Literal
 
 import torch
 
-from .commit import fsync_path, new_token, temp_path_for
+from .commit import CheckpointKind, classify, fsync_path, new_token, temp_path_for
 from .errors import CheckpointError, CheckpointExistsError, CorruptCheckpointError
 from .format import FORMAT_VERSION
 from .format import objects as objcodec
 from .format.dtypes import dtype_from_name, element_size, safetensors_code
+from .format.keys import key_types_of, real_key, typed_path
 from .format.manifest import Manifest, read_manifest
 from .persist import byte_view
 from .reader import check_chunk_within, read_chunk_into, require_committed
@@ -47,34 +55,44 @@ TARGETS: tuple[str, ...] = ("torch", "dcp", "safetensors", "quicksave")
 Flat = dict[str, tuple[tuple[Any, ...], Any]]  # fqn -> (nested path, value)
 
 
-def _nest(flat: Flat) -> dict[str, Any]:
-    """Rebuild the nested state from (path, value) pairs; integer keys become list indices."""
+def _nest(flat: Flat, empty: Sequence[tuple[Any, ...]] = ()) -> dict[str, Any]:
+    """Rebuild the nested state from (path, value) pairs and the paths of empty dicts.
+
+    Path elements that are plain ``int`` are list indices (DCP flattens lists that
+    way; a dict's int keys are ``DictKey`` elements), so a node whose keys are exactly
+    the ints ``0 .. n-1`` becomes a list."""
     root: dict[Any, Any] = {}
-    for fqn, (path, value) in flat.items():
+
+    def place(path: tuple[Any, ...], what: str) -> dict[Any, Any]:
         node = root
         for key in path[:-1]:
             child = node.setdefault(key, {})
             if not isinstance(child, dict):
                 raise CorruptCheckpointError(
-                    f"path {list(path)} conflicts with another entry", fqn=fqn
+                    f"path {list(path)} conflicts with another entry", fqn=what
                 )
             node = child
-        node[path[-1]] = value
+        return node
 
-    def listify(node: Any) -> Any:
+    for fqn, (path, value) in flat.items():
+        place(path, fqn)[path[-1]] = value
+    for path in empty:
+        node = place(path, ".".join(map(str, path)))
+        if not isinstance(node.setdefault(path[-1], {}), dict):
+            raise CorruptCheckpointError(
+                f"empty dict at {list(path)} conflicts with another entry",
+                fqn=".".join(map(str, path)),
+            )
+
+    def build(node: Any) -> Any:
         if not isinstance(node, dict):
             return node
-        items = {k: listify(v) for k, v in node.items()}
-        keys = list(items)
-        if (
-            keys
-            and all(isinstance(k, int) and not isinstance(k, bool) for k in keys)
-            and sorted(keys) == list(range(len(keys)))
-        ):
-            return [items[i] for i in range(len(keys))]
-        return items
+        keys = list(node)
+        if keys and all(type(k) is int for k in keys) and sorted(keys) == list(range(len(keys))):
+            return [build(node[i]) for i in range(len(keys))]
+        return {real_key(k): build(v) for k, v in node.items()}
 
-    return {k: listify(v) for k, v in root.items()}
+    return {real_key(k): build(v) for k, v in root.items()}
 
 
 def load_full_state(
@@ -100,7 +118,107 @@ def load_full_state(
         state, manifest = load_full_state("ckpt/step-100")
     """
     flat, m = _read_flat(parse_location(path), progress)
-    return _nest(flat), m
+    return _nest(flat, m.empty_dicts), m
+
+
+def load_state(
+    path: str | os.PathLike[str],
+    *,
+    storage: StorageOptions | None = None,
+    allow_dcp_pickle: bool = False,
+    progress: bool = False,
+) -> dict[str, Any]:
+    """Load a whole checkpoint without a template: the nested state as it was saved.
+
+    For frameworks that have no state dict to load into (a Lightning ``CheckpointIO``,
+    an inference server, a conversion script). Tensors come back unsharded with their
+    global shapes, on the CPU; dict keys with the types they were saved with (``int``,
+    ``bool``, ``None``, ``float`` and ``str``; a key of any other type as its
+    ``str()``, FORMAT.md §2.1); lists as lists, tuples as tuples, empty dicts as empty
+    dicts; values decoded from typed JSON, never unpickled.
+
+    Args:
+        path: a committed quicksave checkpoint (either layout; a path or a ``file://``,
+            ``s3://`` or ``msc://`` URL), a safetensors file written by ``quicksave
+            convert --to safetensors``, or a stock DCP checkpoint (whose ``.metadata``
+            records dict keys as strings only: they come back as strings).
+        storage: how to reach an object store.
+        allow_dcp_pickle: see :func:`quicksave.load` (stock DCP checkpoints only).
+        progress: show a tqdm bar over bytes read, on stderr (quicksave checkpoints).
+
+    Raises:
+        CheckpointNotFoundError, NotCommittedError: nothing committed at ``path``.
+        CorruptCheckpointError: a file is missing, truncated or fails its checksum.
+        CheckpointError: ``path`` is a file that is not a quicksave safetensors file.
+
+    Example::
+
+        state = quicksave.load_state("ckpt/step-100")
+        optimizer.load_state_dict(state["optimizer"])  # "state" keyed by int ids
+    """
+    loc = parse_location(path, options=storage)
+    if loc.is_local and os.path.isfile(loc.key):
+        return _load_safetensors_state(loc.key)
+    kind = classify(loc)
+    if kind is CheckpointKind.DCP:
+        return _load_dcp_state(loc, allow_dcp_pickle)
+    flat, m = _read_flat(loc, progress)
+    return _nest(flat, m.empty_dicts)
+
+
+def _load_dcp_state(loc: Location, allow_pickle: bool) -> dict[str, Any]:
+    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+    from .dcp_reader import DCPReader
+
+    reader = DCPReader(loc, allow_pickle=allow_pickle)
+    reader.read_metadata()  # a refused pickle fails here, naming the file
+    state: dict[str, Any] = {}
+    # This process alone, also inside a process group (the planner fills ``state``).
+    _load_state_dict(state, reader, planner=_EmptyStateDictLoadPlanner(), no_dist=True)
+    return state
+
+
+def _load_safetensors_state(path: str) -> dict[str, Any]:
+    """A file of ``convert --to safetensors``: its tensors and ``__metadata__`` nested."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(path, framework="pt") as f:
+            meta = f.metadata() or {}
+            if "quicksave.format_version" not in meta:
+                raise CheckpointError(
+                    "not a quicksave checkpoint, nor a safetensors file written by "
+                    "'quicksave convert --to safetensors' (no quicksave metadata)",
+                    path=path,
+                )
+            tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (not a dict)
+    except CheckpointError:
+        raise
+    except Exception as e:  # safetensors' own errors: a file that is not safetensors
+        raise CheckpointError(f"cannot read as a safetensors file: {e}", path=path) from None
+    try:
+        paths = json.loads(meta.get("quicksave.paths", "{}"))
+        types = json.loads(meta.get("quicksave.key_types", "{}"))
+        objects = json.loads(meta.get("quicksave.objects", "{}"))
+        raw = json.loads(meta.get("quicksave.raw_dtypes", "{}"))
+        empty = [
+            typed_path(e["path"], e.get("key_types"))
+            for e in json.loads(meta.get("quicksave.empty_dicts", "[]"))
+        ]
+        flat: Flat = {}
+        for fqn, t in tensors.items():
+            if fqn in raw:
+                r = raw[fqn]
+                t = t.view(dtype_from_name(r["dtype"], path=path, fqn=fqn)).reshape(r["shape"])
+            flat[fqn] = (typed_path(paths.get(fqn, [fqn]), types.get(fqn)), t)
+        for fqn, o in objects.items():
+            value = objcodec.decode(o["value"], fqn=fqn, path=path)
+            flat[fqn] = (typed_path(o.get("path", [fqn]), types.get(fqn)), value)
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise CorruptCheckpointError(f"bad quicksave metadata: {e}", path=path) from None
+    return _nest(flat, empty)
 
 
 def _open_data_files(d: CheckpointDir, m: Manifest) -> dict[str, Member]:
@@ -203,7 +321,7 @@ def _volume(sizes: tuple[int, ...]) -> int:
 
 
 def _write_torch(flat: Flat, m: Manifest, tmp: str) -> None:
-    torch.save(_nest(flat), tmp)
+    torch.save(_nest(flat, m.empty_dicts), tmp)
     fsync_path(tmp)
 
 
@@ -213,7 +331,7 @@ def _write_dcp(flat: Flat, m: Manifest, tmp: str) -> None:
     with warnings.catch_warnings():
         # single-process by design; DCP warns about that on every call
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.save(_nest(flat), checkpoint_id=tmp, no_dist=True)
+        dcp.save(_nest(flat, m.empty_dicts), checkpoint_id=tmp, no_dist=True)
 
 
 def _write_safetensors(flat: Flat, m: Manifest, tmp: str) -> None:
@@ -240,6 +358,17 @@ def _write_safetensors(flat: Flat, m: Manifest, tmp: str) -> None:
         ),
         "quicksave.paths": json.dumps(
             {fqn: list(t.path) for fqn, t in m.tensors.items() if t.path}, **compact
+        ),
+        "quicksave.key_types": json.dumps(
+            {
+                fqn: types
+                for fqn, e in [*m.tensors.items(), *m.objects.items()]
+                if e.path and (types := key_types_of(e.path)) is not None
+            },
+            **compact,
+        ),
+        "quicksave.empty_dicts": json.dumps(
+            [{"path": list(p), "key_types": key_types_of(p)} for p in m.empty_dicts], **compact
         ),
         "quicksave.user_metadata": json.dumps(m.user_metadata, **compact),
     }

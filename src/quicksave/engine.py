@@ -43,6 +43,7 @@ from .dist.saving import DistContext, DistSave, DistSaving
 from .errors import CheckpointError, CheckpointExistsError, IncompatibleStateError
 from .format import objects as objcodec
 from .format.dtypes import dtype_name, element_size
+from .format.keys import names_itself
 from .format.manifest import (
     ChunkEntry,
     FileEntry,
@@ -51,6 +52,7 @@ from .format.manifest import (
     TensorEntry,
     check_user_metadata,
 )
+from .keypaths import empty_dicts, typed_paths
 from .plan import ItemSpec, RankLayout, layout_rank
 from .stage import StagingPool
 from .storage import Location, StorageOptions, parse_location
@@ -386,7 +388,7 @@ class AsyncSaver:
             else:
                 self.finalize(blocking=False)  # raises an earlier failure, once
                 commit.check_target(loc, self.rank, self._backend_for(store), replace=overwrite)
-                tensors, objects, paths = self._collect_state(state_dict, final)
+                tensors, objects, paths, empty = self._collect_state(state_dict, final)
                 plan = self._plan(tensors, objects)
                 manifest = Manifest(
                     step=step,
@@ -398,6 +400,7 @@ class AsyncSaver:
                     objects={fqn: ObjectEntry(v, paths.get(fqn)) for fqn, v in objects.items()},
                     files=plan.files,
                     user_metadata=dict(user_metadata or {}),
+                    empty_dicts=empty,
                 )
                 token = commit.new_token()
             slot = self._free_slot()
@@ -675,9 +678,10 @@ class AsyncSaver:
 
     def _collect_state(
         self, state_dict: Mapping[str, Any], final: str
-    ) -> tuple[dict[str, torch.Tensor], dict[str, Any], dict[str, tuple]]:
+    ) -> tuple[dict[str, torch.Tensor], dict[str, Any], dict[str, tuple], tuple[tuple, ...]]:
         try:
-            flat, mappings = flatten_state_dict(to_state_dict(state_dict))
+            nested = to_state_dict(state_dict)
+            flat, mappings = flatten_state_dict(nested)
             tensors: dict[str, torch.Tensor] = {}
             objects: dict[str, Any] = {}
             for fqn, v in flat.items():
@@ -695,8 +699,9 @@ class AsyncSaver:
                     objects[fqn] = objcodec.encode(v, fqn)
         except IncompatibleStateError as e:
             raise IncompatibleStateError(e.message, path=final, fqn=e.fqn, rank=self.rank) from None
-        paths = {fqn: tuple(p) for fqn, p in mappings.items() if tuple(p) != (fqn,)}
-        return tensors, objects, paths
+        typed = typed_paths(nested, mappings)
+        paths = {fqn: tuple(p) for fqn, p in typed.items() if not names_itself(p, fqn)}
+        return tensors, objects, paths, tuple(empty_dicts(nested))
 
     # ---------------------------------------------------------------------- plan
     def _plan(self, tensors: dict[str, torch.Tensor], objects: dict[str, Any]) -> _Plan:

@@ -48,6 +48,7 @@ from .errors import CheckpointError, IncompatibleStateError
 from .format import DCP_METADATA_NAME, MANIFEST_NAME
 from .format import objects as objcodec
 from .format.dtypes import check_storable, dtype_name
+from .format.keys import names_itself
 from .format.manifest import (
     ChunkEntry,
     FileEntry,
@@ -392,6 +393,11 @@ def _original_object(planner: SavePlanner, item, rank: int) -> Any:
     return lookup(item.index)
 
 
+# The key under which quicksave's save planner lists a rank's empty dicts in its DCP
+# mappings (``planner_data``), as ``(EMPTY_DICTS, rank)``: never an fqn (fqns are str).
+EMPTY_DICTS = "quicksave.empty_dicts"
+
+
 def build_manifest(
     metadata: Metadata,
     results: list[list[WriteResult]],
@@ -410,11 +416,15 @@ def build_manifest(
             if isinstance(sd, _ChunkWritten):
                 files[sd.file] = FileEntry(sd.file_size, sd.header_xxh3_64, sd.rank, sd.data_start)
     mappings = metadata.planner_data if isinstance(metadata.planner_data, dict) else {}
+    empty: set[tuple] = set()
+    for key, paths in mappings.items():
+        if isinstance(key, tuple) and key[:1] == (EMPTY_DICTS,):
+            empty.update(paths)
     tensors: dict[str, TensorEntry] = {}
     objs: dict[str, ObjectEntry] = {}
     for fqn, md in metadata.state_dict_metadata.items():
         p = mappings.get(fqn)
-        path = tuple(p) if p is not None and tuple(p) != (fqn,) else None
+        path = tuple(p) if p is not None and not names_itself(p, fqn) else None
         if isinstance(md, TensorStorageMetadata):
             chunks = []
             for c in md.chunks:
@@ -445,5 +455,6 @@ def build_manifest(
         files=files,
         user_metadata=user_metadata,
         plans=plans,
+        empty_dicts=tuple(sorted(empty, key=repr)),
     )
     return manifest

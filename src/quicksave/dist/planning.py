@@ -28,16 +28,17 @@ from ..collect import check_tensor, to_state_dict
 from ..errors import IncompatibleStateError
 from ..format import ALIGNMENT
 from ..format import objects as objcodec
-from ..format.dtypes import dtype_from_name, dtype_name, element_size
+from ..format.dtypes import dtype_name, element_size
 from ..format.manifest import (
     ChunkEntry,
     FileEntry,
     Manifest,
     ObjectEntry,
-    PlannedChunk,
     RankPlan,
     TensorEntry,
 )
+from ..format.keys import names_itself
+from ..keypaths import empty_dicts, typed_paths
 from ..plan import ItemSpec, RankLayout, item_spec_of, layout_rank, planned_chunk
 
 Path = tuple[Any, ...]  # nested state-dict path of a flattened fqn (str / int keys)
@@ -57,6 +58,7 @@ class LocalPlan:
     objects: tuple[str, ...]
     paths: tuple[tuple[str, Path], ...] = ()
     key: str = ""
+    empty_dicts: tuple[Path, ...] = ()  # paths of empty dicts (keypaths.empty_dicts)
 
 
 @dataclass(frozen=True)
@@ -91,13 +93,14 @@ def _hash(value: object) -> str:
     return xxhash.xxh3_128_hexdigest(repr(value).encode("utf-8", "surrogatepass"))
 
 
-def _flatten(state_dict: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Path]]:
-    """fqn -> leaf and fqn -> nested path, named exactly as ``quicksave.save`` (DCP's
+def _flatten(nested: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Path]]:
+    """fqn -> leaf and fqn -> nested path (of a state dict whose ``Stateful`` values
+    were turned into their state dicts), named exactly as ``quicksave.save`` (DCP's
     flattening) names them, so fqns match the manifest and ``load``."""
     from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 
     try:
-        flat, mappings = flatten_state_dict(to_state_dict(state_dict))
+        flat, mappings = flatten_state_dict(nested)
     except ValueError as e:  # duplicated flattened key
         raise IncompatibleStateError(f"cannot flatten the state dict: {e}") from None
     return flat, mappings
@@ -176,7 +179,9 @@ def collect_local(state_dict: Mapping[str, Any], rank: int) -> LocalState:
         state = collect_local({"model": model.state_dict(), "step": 3}, rank=0)
         state.plan.key, state.tensors, state.values["step"]
     """
-    flat, mappings = _flatten(state_dict)
+    nested = to_state_dict(state_dict)
+    flat, mappings = _flatten(nested)
+    mappings = typed_paths(nested, mappings)
     items: list[ItemSpec] = []
     tensors: dict[str, torch.Tensor] = {}
     values: dict[str, Any] = {}
@@ -192,9 +197,10 @@ def collect_local(state_dict: Mapping[str, Any], rank: int) -> LocalState:
             except IncompatibleStateError as e:
                 raise IncompatibleStateError(e.message, fqn=fqn, rank=rank) from None
         path = tuple(mappings.get(fqn, (fqn,)))
-        if path != (fqn,):
+        if not names_itself(path, fqn):
             paths.append((fqn, path))
-    return LocalState(make_local_plan(rank, items, list(values), paths), tensors, values)
+    plan = make_local_plan(rank, items, list(values), paths, empty_dicts(nested))
+    return LocalState(plan, tensors, values)
 
 
 def local_plan(state_dict: Mapping[str, Any], rank: int) -> LocalPlan:
@@ -213,6 +219,7 @@ def make_local_plan(
     items: Sequence[ItemSpec],
     objects: Sequence[str] = (),
     paths: Sequence[tuple[str, Path]] | Mapping[str, Path] = (),
+    empty: Sequence[Path] = (),
 ) -> LocalPlan:
     """A ``LocalPlan`` in canonical order with its key (for plans built without a state
     dict: restored from a manifest, or simulated).
@@ -226,10 +233,12 @@ def make_local_plan(
         tuple(sorted(items, key=lambda it: (it.fqn, it.offsets))),
         tuple(sorted(objects)),
         tuple(sorted(pairs, key=lambda p: p[0])),
+        tuple(sorted(empty, key=repr)),
     )
     # Hash plain tuples: repr() of 500 dataclasses is the slow part of a cache hit.
     flat = tuple((i.fqn, i.offsets, i.sizes, i.global_shape, i.dtype, i.nbytes) for i in body[0])
-    return LocalPlan(rank, body[0], body[1], body[2], _hash((flat, body[1], body[2])))
+    key = _hash((flat, body[1], body[2], body[3]) if body[3] else (flat, body[1], body[2]))
+    return LocalPlan(rank, body[0], body[1], body[2], key, body[3])
 
 
 # ------------------------------------------------------------------ global side
@@ -412,6 +421,7 @@ def _skeleton(
         objects=objects,
         files=files,
         plans=manifest_plans(local_plans),
+        empty_dicts=tuple(sorted({e for lp in local_plans for e in lp.empty_dicts}, key=repr)),
     )
 
 
@@ -469,7 +479,7 @@ def _plans_from_manifest(manifest: Manifest) -> tuple[LocalPlan, ...] | None:
             o = manifest.objects.get(fqn)
             if o is not None and o.path is not None:
                 paths[fqn] = tuple(o.path)
-        out.append(make_local_plan(r, items, rp.objects, paths))
+        out.append(make_local_plan(r, items, rp.objects, paths, rp.empty_dicts))
     return tuple(out)
 
 
@@ -479,6 +489,7 @@ def manifest_plans(local_plans: Sequence[LocalPlan]) -> tuple[RankPlan, ...]:
         RankPlan(
             tensors=tuple(planned_chunk(it) for it in lp.items),
             objects=tuple(lp.objects),
+            empty_dicts=lp.empty_dicts,
         )
         for lp in local_plans
     )

@@ -24,6 +24,7 @@ from ..errors import CorruptCheckpointError, IncompatibleStateError
 from ..safeio import bad_member_name
 from . import ALIGNMENT, FORMAT_NAME, FORMAT_VERSION, strict_json
 from .dtype_names import element_size_of_name
+from .keys import DictKey, key_types_of, typed_path
 
 _CHECKSUM_KEY = '"manifest_xxh3_64":"'
 _ZERO_DIGEST = "0" * 16
@@ -59,7 +60,8 @@ class TensorEntry:
     dtype: str
     shape: tuple[int, ...]
     chunks: tuple[ChunkEntry, ...]
-    path: tuple[str | int, ...] | None = None  # nested state-dict path, if flattened
+    # nested state-dict path, if flattened; non-str dict keys are DictKey (keys.py)
+    path: tuple[str | int, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -101,12 +103,14 @@ class RankPlan:
 
     tensors: tuple[PlannedChunk, ...]
     objects: tuple[str, ...]
+    empty_dicts: tuple[tuple[str | int, ...], ...] = ()  # this rank's (Manifest.empty_dicts)
 
     def normalized(self) -> RankPlan:
         """The same plan in a canonical order (plan equality ignores item order)."""
         return RankPlan(
             tuple(sorted(self.tensors, key=lambda c: (c.fqn, c.offsets))),
             tuple(sorted(self.objects)),
+            tuple(sorted(self.empty_dicts, key=repr)),
         )
 
 
@@ -121,6 +125,8 @@ class Manifest:
     format_version: int = FORMAT_VERSION
     plans: tuple[RankPlan, ...] | None = None  # per rank; loading never needs it
     layout: str = LAYOUT_QUICKSAVE  # or LAYOUT_DCP (FORMAT.md §8)
+    # paths of the state dict's empty dicts, which have no entry (FORMAT.md §2.1)
+    empty_dicts: tuple[tuple[str | int, ...], ...] = ()
 
     def total_tensor_bytes(self) -> int:
         return sum(c.length for t in self.tensors.values() for c in t.chunks)
@@ -142,12 +148,15 @@ def _chunk_json(c: ChunkEntry) -> dict[str, Any]:
 
 def _opt_path(d: dict[str, Any], path: tuple | None) -> dict[str, Any]:
     if path is not None:
-        d["path"] = list(path)
+        d["path"] = [str(k) if isinstance(k, DictKey) else k for k in path]
+        types = key_types_of(path)
+        if types is not None:
+            d["key_types"] = types
     return d
 
 
 def _plan_json(p: RankPlan) -> dict[str, Any]:
-    return {
+    out: dict[str, Any] = {
         "tensors": [
             {
                 "fqn": c.fqn,
@@ -160,6 +169,9 @@ def _plan_json(p: RankPlan) -> dict[str, Any]:
         ],
         "objects": list(p.objects),
     }
+    if p.empty_dicts:
+        out["empty_dicts"] = [_opt_path({}, e) for e in sorted(p.empty_dicts, key=repr)]
+    return out
 
 
 def check_user_metadata(value: Any, path: str | None = None, rank: int | None = None) -> None:
@@ -226,6 +238,8 @@ def to_json_bytes(m: Manifest) -> bytes:
     }
     if m.plans is not None:
         doc["plans"] = [_plan_json(p) for p in m.plans]
+    if m.empty_dicts:
+        doc["empty_dicts"] = [_opt_path({}, p) for p in sorted(m.empty_dicts, key=repr)]
     if m.layout == LAYOUT_DCP:
         doc["layout"] = LAYOUT_DCP  # right before the self-checksum (FORMAT.md §8)
     doc["manifest_xxh3_64"] = _ZERO_DIGEST  # last, always (FORMAT.md §2)
@@ -329,7 +343,22 @@ def _state_path(entry: dict, where: str, path: str, fqn: str) -> tuple[str | int
         return None
     if not isinstance(p, list) or not p or not all(isinstance(k, str) or _is_int(k) for k in p):
         _fail(f"{where}.path must be a non-empty list of strings and integers ≥ 0", path, fqn)
-    return tuple(p)
+    try:
+        return typed_path(p, entry.get("key_types"))
+    except ValueError as e:
+        _fail(f"{where}.key_types: {e}", path, fqn)
+
+
+def _empty_dicts(doc: dict, path: str) -> tuple[tuple[str | int, ...], ...]:
+    raw = doc.get("empty_dicts", [])
+    if not isinstance(raw, list):
+        _fail("empty_dicts must be a list", path)
+    out = []
+    for i, e in enumerate(raw):
+        if not isinstance(e, dict) or "path" not in e:
+            _fail(f"empty_dicts[{i}] lacks 'path'", path)
+        out.append(_state_path(e, f"empty_dicts[{i}]", path, str(e["path"])[:200]))
+    return tuple(p for p in out if p is not None)
 
 
 def _plans(doc: dict, world_size: int, path: str) -> tuple[RankPlan, ...] | None:
@@ -355,7 +384,7 @@ def _plans(doc: dict, world_size: int, path: str) -> tuple[RankPlan, ...] | None
         objs = _req(p, "objects", list, w, path)
         if not all(isinstance(o, str) for o in objs):
             _fail(f"{w}.objects must be strings", path)
-        out.append(RankPlan(tuple(chunks), tuple(objs)))
+        out.append(RankPlan(tuple(chunks), tuple(objs), _empty_dicts(p, path)))
     return tuple(out)
 
 
@@ -548,6 +577,7 @@ def from_json_bytes(
         format_version=version,
         plans=_plans(doc, world_size, path),
         layout=got,
+        empty_dicts=_empty_dicts(doc, path),
     )
 
 
