@@ -22,6 +22,7 @@ import importlib
 import inspect
 import json
 import os
+import pickle
 import signal
 import socket
 import subprocess
@@ -1182,3 +1183,25 @@ def test_nvrx_write_helpers_write_dcp_items_that_torch_loads(tmp_path: Path) -> 
         [], False, open, 0, [(str(tmp_path / "no" / "x"), "x", ([], tensors[:1]))], q
     )
     assert isinstance(q.get_nowait(), FileNotFoundError)
+
+
+def test_default_planner_records_key_types_and_keeps_the_pickle_dcp_only(
+    queue: AsyncCallsQueue, tmp_path: Path
+) -> None:
+    """quicksave's default planner records int keys and empty dicts for load_state
+    (FORMAT.md §2.1) in the manifest only: ``.metadata``'s pickle stays DCP's own
+    (no quicksave class, no non-fqn keys), so stock DCP still loads it."""
+    sd = {"optim": {"state": {0: {"m": torch.arange(3.0)}}, "empty": {}}, "step": 4}
+    path = tmp_path / "ckpt"
+    _schedule_save(queue, sd, path)
+    queue.maybe_finalize_async_calls(blocking=True)
+    got = quicksave.load_state(path)
+    assert list(got["optim"]["state"]) == [0] and got["optim"]["empty"] == {}
+    assert torch.equal(got["optim"]["state"][0]["m"], torch.arange(3.0))
+    with open(path / ".metadata", "rb") as f:
+        md = pickle.load(f)  # stops at the pickle's end (FORMAT.md §8)
+    assert md.planner_data == {"optim.state.0.m": ("optim", "state", "0", "m"), "step": ("step",)}
+    assert all(type(e) in (str, int) for p in md.planner_data.values() for e in p)
+    stock = {"optim": {"state": {0: {"m": torch.zeros(3)}}}, "step": 0}
+    dcp.load(stock, checkpoint_id=str(path), no_dist=True)
+    assert torch.equal(stock["optim"]["state"][0]["m"], torch.arange(3.0)) and stock["step"] == 4

@@ -69,6 +69,7 @@ from .. import commit, parts, persist
 from ..errors import CheckpointError, CorruptCheckpointError
 from ..format import DCP_METADATA_NAME
 from ..format import objects as objcodec
+from ..format.keys import dcp_planner_data
 from ..format.manifest import RankPlan, hexdigest, to_json_bytes
 from ..plan import ItemSpec, RankLayout, layout_rank
 from ..storage.backend import Backend, join
@@ -1203,6 +1204,7 @@ def commit_dcp(writer: FileSystemWriterAsync, metadata: Metadata, layout: SaveLa
     manifest = dataclasses.replace(manifest, layout="dcp")
     dcp_md = copy.copy(metadata)
     dcp_md.storage_data = storage
+    dcp_md.planner_data = dcp_planner_data(metadata.planner_data)  # the pickle: DCP's only
     dcp_md.storage_meta = StorageMeta(checkpoint_id=writer.path, save_id=writer.save_id)
     data = encode_metadata(pickle.dumps(dcp_md), to_json_bytes(manifest))
     commit.write_durable(os.path.join(tmp_dir, DCP_METADATA_NAME), data)

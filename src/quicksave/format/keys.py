@@ -88,6 +88,20 @@ def real_key(element: Any) -> Any:
     return element.key if isinstance(element, DictKey) else element
 
 
+def dcp_planner_data(planner_data: Any) -> Any:
+    """DCP ``Metadata.planner_data`` as DCP itself writes it: fqn -> path of plain
+    ``str`` and ``int`` elements. quicksave's save planner also puts typed paths and
+    ``(EMPTY_DICTS, rank)`` entries there for its manifest; a ``.metadata`` pickle must
+    hold neither (stock readers unpickle it, some with a restricted unpickler)."""
+    if not isinstance(planner_data, dict):
+        return planner_data
+    return {
+        fqn: tuple(str(e) if isinstance(e, DictKey) else e for e in path)
+        for fqn, path in planner_data.items()
+        if isinstance(fqn, str)
+    }
+
+
 def names_itself(path: Sequence[Any], fqn: str) -> bool:
     """``path`` is ``(fqn,)`` with a plain ``str`` key: the manifest then omits it."""
     return len(path) == 1 and type(path[0]) is str and path[0] == fqn
