@@ -47,6 +47,7 @@ from . import commit, persist
 from .errors import CheckpointError, IncompatibleStateError
 from .format import DCP_METADATA_NAME, MANIFEST_NAME
 from .format import objects as objcodec
+from .format.dcp_guard import QuicksaveStorageData
 from .format.dtypes import check_storable, dtype_name
 from .format.keys import names_itself
 from .format.manifest import (
@@ -329,33 +330,39 @@ def dcp_metadata_bytes(manifest: Manifest, *, dcp_compat: bool = False) -> bytes
     """The ``.metadata`` of a checkpoint: DCP's ``Metadata`` for ``manifest``, pickled.
 
     Built from the manifest alone (no absolute path, no random id), so the same state
-    gives the same bytes (docs/FORMAT.md §2, §5). Tensor items point at the raw bytes
-    with ``_StorageInfo(file, offset, length)``.
+    gives the same bytes (docs/FORMAT.md §2, §5).
+
+    Without ``dcp_compat`` stock DCP readers cannot load the checkpoint (raw tensor
+    bytes, objects in the manifest only): ``storage_data`` is an empty
+    :class:`.format.dcp_guard.QuicksaveStorageData`, whose lookups raise a
+    ``CheckpointError`` naming the format and what to do, rather than a ``KeyError`` or
+    a ``torch.load`` of raw bytes.
 
     ``dcp_compat`` (the data files were laid out with ``dcp_compat``): a chunk whose
-    dtype has a torch legacy prefix points at prefix plus bytes, a ``torch.save`` item;
+    dtype has a torch legacy prefix points at prefix plus bytes, a ``torch.save`` item
+    (one without a prefix at its raw bytes, ``_StorageInfo(file, offset, length)``);
     and the objects, ``torch.save`` bytes each (:func:`.format.torch_legacy.object_bytes`),
     follow the pickle in this same file, each ``BYTE_IO`` item pointing at its bytes
     (``pickle.load`` stops at the pickle's end, so DCP's readers never see them).
     """
     md = manifest_to_metadata(manifest)
+    md.storage_meta = None
+    if not dcp_compat:
+        md.storage_data = QuicksaveStorageData()
+        return pickle.dumps(md, protocol=pickle.HIGHEST_PROTOCOL)
     storage: dict[MetadataIndex, _StorageInfo] = {}
     for fqn, t in manifest.tensors.items():
         for c in t.chunks:
-            n = 0
-            if dcp_compat:
-                prefix = legacy_prefix_for(t.dtype, tuple(c.sizes))
-                n = len(prefix) if prefix is not None else 0
+            prefix = legacy_prefix_for(t.dtype, tuple(c.sizes))
+            n = len(prefix) if prefix is not None else 0
             storage[MetadataIndex(fqn, torch.Size(c.offsets))] = _StorageInfo(
                 c.file, c.offset - n, c.length + n
             )
-    md.storage_meta = None
     blobs: list[tuple[str, bytes]] = []
-    if dcp_compat:
-        for fqn in sorted(manifest.objects):
-            blob = object_bytes(objcodec.decode(manifest.objects[fqn].value, fqn=fqn))
-            if blob is not None:
-                blobs.append((fqn, blob))
+    for fqn in sorted(manifest.objects):
+        blob = object_bytes(objcodec.decode(manifest.objects[fqn].value, fqn=fqn))
+        if blob is not None:
+            blobs.append((fqn, blob))
     if not blobs:
         md.storage_data = storage
         return pickle.dumps(md, protocol=pickle.HIGHEST_PROTOCOL)
