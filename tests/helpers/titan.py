@@ -107,6 +107,13 @@ class Job:
     data: Any = None
 
 
+def disabled_checkpoint() -> Any:
+    """torchtitan's stock checkpoint config, disabled (a job that saves nothing)."""
+    from torchtitan.components.checkpointer import CheckpointManager
+
+    return CheckpointManager.Config(enable=False)
+
+
 def build(checkpoint_config: Any, base_folder: str, steps: int = 6, layers: int = 2) -> Job:
     """Build the job on this rank (FSDP2 over the world when it has several ranks) and
     its checkpointer from ``checkpoint_config`` (any torchtitan checkpoint Config)."""

@@ -558,7 +558,8 @@ class QuicksaveCheckpointManager(BaseCheckpointManager):
         afresh beside them (or report "not found"), say what to do."""
         if self.config.allow_dcp:
             return
-        stock = committed_steps(self._folder, allow_dcp=True)
+        ours = set(self.committed_steps())
+        stock = [s for s in committed_steps(self._folder, allow_dcp=True) if s not in ours]
         if step is not None:
             stock = [s for s in stock if s == step]
         if stock:
