@@ -242,8 +242,8 @@ def _assert_same_tree(got: Any, ref: Any, where: str = "") -> None:
     else:
         assert type(got) is type(ref), (where, type(got), type(ref))
     if isinstance(ref, dict):
-        assert list(map(type, got)) == list(map(type, ref)), where  # int keys stay ints
-        assert set(got) == set(ref), (where, set(got) ^ set(ref))
+        typed = {(type(k), k) for k in got}  # int keys stay ints, str keys strs
+        assert typed == {(type(k), k) for k in ref}, (where, typed ^ {(type(k), k) for k in ref})
         for k in ref:
             _assert_same_tree(got[k], ref[k], f"{where}.{k}")
     elif isinstance(ref, (list, tuple)):
@@ -478,6 +478,47 @@ def test_native_async_refuses_unstorable_values_before_staging(tmp_path):
     assert os.listdir(tmp_path) == []
 
 
+def test_remove_waits_for_a_save_running_in_another_thread(tmp_path, monkeypatch):
+    """Under Lightning's AsyncCheckpointIO the save runs in its thread while the
+    training thread may remove the same path: the removal waits, nothing comes back."""
+    import threading
+
+    io = QuicksaveCheckpointIO()
+    p = tmp_path / "epoch=0-step=4.ckpt"
+    entered, go = threading.Event(), threading.Event()
+    real_write = quicksave.persist.write_file
+
+    def held(*args, **kwargs):
+        entered.set()
+        assert go.wait(60)
+        return real_write(*args, **kwargs)
+
+    monkeypatch.setattr(quicksave.persist, "write_file", held)
+    saver = threading.Thread(target=io.save_checkpoint, args=({"w": torch.ones(4)}, p))
+    saver.start()
+    assert entered.wait(60)
+    remover = threading.Thread(target=io.remove_checkpoint, args=(p,))
+    remover.start()
+    remover.join(0.2)
+    assert remover.is_alive()  # blocked behind the save (it cannot have finished)
+    go.set()
+    saver.join(60)
+    remover.join(60)
+    assert not saver.is_alive() and not remover.is_alive()
+    assert os.listdir(tmp_path) == []
+
+
+def test_object_store_resave_error_says_why(monkeypatch):
+    url = "s3://bucket/run/last.ckpt"
+
+    def exists(*args, **kwargs):
+        raise CheckpointExistsError("a committed checkpoint already exists here", path=url)
+
+    monkeypatch.setattr(quicksave, "save", exists)
+    with pytest.raises(CheckpointExistsError, match=r"save_last=True\) saves last.ckpt again"):
+        QuicksaveCheckpointIO().save_checkpoint({"epoch": 1}, url)
+
+
 def test_storage_options_must_be_quicksave_storage_options(tmp_path):
     with pytest.raises(TypeError, match="StorageOptions"):
         QuicksaveCheckpointIO().save_checkpoint({}, tmp_path / "a.ckpt", storage_options={})
@@ -571,6 +612,16 @@ def test_rank_zero_saves_without_a_collective(tmp_path):
     for async_save in (False, True):
         got = run_ranks(_rank_saves_on_rank_zero_only, 2, str(tmp_path), async_save, config=config)
         assert got == [[2, 32.0], [2, 32.0]]
+
+
+def test_import_quicksave_does_not_import_lightning():
+    code = (
+        "import sys, quicksave, quicksave.integrations; "
+        "assert not any(m.split('.')[0] in ('lightning', 'pytorch_lightning', 'torchtitan') "
+        "for m in sys.modules), sorted(sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
 
 
 # ------------------------------------------------------------------ the example

@@ -32,6 +32,7 @@ import importlib
 import os
 import sys
 import threading
+from collections import Counter
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -40,7 +41,12 @@ import torch
 import quicksave
 from quicksave.commit import CheckpointKind, classify, remove_tree
 from quicksave.engine import AsyncSaver, EngineConfig, SaveHandle
-from quicksave.errors import CheckpointError, IncompatibleStateError, rank_of_this_process
+from quicksave.errors import (
+    CheckpointError,
+    CheckpointExistsError,
+    IncompatibleStateError,
+    rank_of_this_process,
+)
 from quicksave.storage import StorageOptions, parse_location
 
 
@@ -149,8 +155,8 @@ class QuicksaveCheckpointIO(*_checkpoint_io_bases()):  # type: ignore[misc]
         self._saver: AsyncSaver | None = None  # built on the first async save (rank 0)
         self._in_flight: dict[str, SaveHandle] = {}  # async: final path -> its save
         # Synchronous saves running in some thread (Lightning's AsyncCheckpointIO calls
-        # save_checkpoint from its own): load/remove of the same path waits for them.
-        self._running: set[str] = set()
+        # save_checkpoint from its own), per path: load/remove of that path waits.
+        self._running: Counter[str] = Counter()
         self._cond = threading.Condition()
 
     # ---------------------------------------------------------------- CheckpointIO
@@ -193,6 +199,16 @@ class QuicksaveCheckpointIO(*_checkpoint_io_bases()):  # type: ignore[misc]
                 self._save_sync(checkpoint, loc, target, storage)
         except IncompatibleStateError as e:
             raise _explained(e, target) from None
+        except CheckpointExistsError as e:
+            if not loc.is_local and e.path == target:
+                e.message += (
+                    "; an object store has no atomic replace, and ModelCheckpoint("
+                    "save_last=True) saves last.ckpt again every epoch: checkpoint to a "
+                    "local directory (and copy it with 'quicksave convert'), or "
+                    "save_last=False"
+                )
+                e.args = (e.message,)
+            raise
 
     def load_checkpoint(
         self,
@@ -291,7 +307,7 @@ class QuicksaveCheckpointIO(*_checkpoint_io_bases()):  # type: ignore[misc]
         storage: StorageOptions | None,
     ) -> None:
         with self._cond:
-            self._running.add(target)
+            self._running[target] += 1
         try:
             quicksave.save(
                 checkpoint,
@@ -304,7 +320,7 @@ class QuicksaveCheckpointIO(*_checkpoint_io_bases()):  # type: ignore[misc]
             )
         finally:
             with self._cond:
-                self._running.discard(target)
+                self._running -= Counter({target: 1})  # drops the path at zero
                 self._cond.notify_all()
 
     def _save_async(self, checkpoint: Mapping[str, Any], loc: Any, target: str) -> None:
