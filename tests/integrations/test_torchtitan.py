@@ -35,6 +35,7 @@ import pytest
 pytest.importorskip("torchtitan")
 
 import torch  # noqa: E402
+from torch.distributed.checkpoint import CheckpointException  # noqa: E402
 from torchtitan.components.checkpointer import BaseCheckpointManager  # noqa: E402
 from torchtitan.components.checkpointer import CheckpointManager as StockManager  # noqa: E402
 from torchtitan.config import Configurable  # noqa: E402
@@ -181,10 +182,11 @@ def test_stock_torchtitan_and_quicksave_convert_both_ways(tmp_path: Path) -> Non
     # stock torchtitan on that folder: the error names the format and what to do
     stock_cfg = StockManager.Config(enable=True, folder="checkpoint", keep_latest_k=0)
     stock = titan.build(stock_cfg, str(tmp_path / "qs"))
-    with pytest.raises(Exception) as info:
+    with pytest.raises(CheckpointException) as info:  # a BaseException, as torch raises it
         stock.checkpointer.load()
     text = str(info.value)
-    assert "quicksave checkpoint" in text and "quicksave convert --to dcp" in text, text
+    assert "this is a quicksave checkpoint (format v1: its index is manifest.json" in text
+    assert "quicksave convert --to dcp" in text and f"path={step4}" in text, text
 
     # quicksave convert --to dcp: stock torchtitan resumes bit-exactly from it
     convert(str(step4), str(tmp_path / "dcp" / "checkpoint" / "step-4"), "dcp")
