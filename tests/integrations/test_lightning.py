@@ -164,7 +164,16 @@ MODES = {
 
 
 @pytest.mark.parametrize("mode", list(MODES))
-def test_resume_is_bit_identical_to_torch_checkpoint_io(mode, reference, tmp_path):
+def test_resume_is_bit_identical_to_torch_checkpoint_io(mode, reference, tmp_path, monkeypatch):
+    removed: list[tuple[str, CheckpointKind, CheckpointKind]] = []
+    real_remove = QuicksaveCheckpointIO.remove_checkpoint
+
+    def remove(self, path):
+        before = classify(str(path))
+        real_remove(self, path)
+        removed.append((os.path.basename(path), before, classify(str(path))))
+
+    monkeypatch.setattr(QuicksaveCheckpointIO, "remove_checkpoint", remove)
     got = _train_and_resume(tmp_path, MODES[mode])
     _assert_bit_identical(got, reference)
     # The optimizer moments were restored: right after the restore they are what the
@@ -173,18 +182,13 @@ def test_resume_is_bit_identical_to_torch_checkpoint_io(mode, reference, tmp_pat
     assert got["optim_at_restore"]["state"][0]["step"] == torch.tensor(8.0)
     # The same checkpoints were kept (top-2 + last), each a committed quicksave directory;
     # the other two top-k checkpoints were removed; no temporaries are left.
-    assert (
-        got["kept"]
-        == reference["kept"]
-        == [
-            "epoch=2-step=12.ckpt",
-            "epoch=3-step=16.ckpt",
-            "last.ckpt",
-        ]
-    )
+    kept = ["epoch=2-step=12.ckpt", "epoch=3-step=16.ckpt", "last.ckpt"]
+    assert got["kept"] == reference["kept"] == kept
     for name in got["kept"]:
         assert classify(str(tmp_path / "ckpt" / name)) is CheckpointKind.QUICKSAVE, name
         assert os.path.isfile(reference["root"] / "ckpt" / name)
+    gone = (CheckpointKind.QUICKSAVE, CheckpointKind.MISSING)
+    assert removed == [("epoch=0-step=4.ckpt", *gone), ("epoch=1-step=8.ckpt", *gone)]
 
 
 def test_a_resume_without_the_optimizer_moments_would_differ(reference, tmp_path):
