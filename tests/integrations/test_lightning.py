@@ -523,6 +523,19 @@ def test_object_store_resave_error_says_why(monkeypatch):
         QuicksaveCheckpointIO().save_checkpoint({"epoch": 1}, url)
 
 
+def test_pickles_its_configuration_only(tmp_path):
+    """strategy="ddp_spawn" pickles the Trainer, and so the plugin, to its processes."""
+    import pickle
+
+    io = QuicksaveCheckpointIO(async_save=True, engine=THREAD_ENGINE, thread_count=3)
+    io.save_checkpoint({"w": torch.ones(4)}, tmp_path / "a.ckpt")
+    copy_ = pickle.loads(pickle.dumps(io))
+    assert (copy_.async_save, copy_.engine, copy_.thread_count) == (True, THREAD_ENGINE, 3)
+    assert copy_._saver is None and copy_._in_flight == {}
+    io.teardown()
+    assert torch.equal(copy_.load_checkpoint(tmp_path / "a.ckpt")["w"], torch.ones(4))
+
+
 def test_storage_options_must_be_quicksave_storage_options(tmp_path):
     with pytest.raises(TypeError, match="StorageOptions"):
         QuicksaveCheckpointIO().save_checkpoint({}, tmp_path / "a.ckpt", storage_options={})

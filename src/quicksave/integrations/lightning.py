@@ -159,6 +159,19 @@ class QuicksaveCheckpointIO(*_checkpoint_io_bases()):  # type: ignore[misc]
         self._running: Counter[str] = Counter()
         self._cond = threading.Condition()
 
+    # Configuration only travels (e.g. to the processes of strategy="ddp_spawn"): the
+    # lock, the saver and the saves in flight belong to this process.
+    def __getstate__(self) -> dict[str, Any]:
+        return {
+            "async_save": self.async_save,
+            "engine": self.engine,
+            "thread_count": self.thread_count,
+            "storage": self.storage,
+        }
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(**state)
+
     # ---------------------------------------------------------------- CheckpointIO
     def save_checkpoint(
         self,
