@@ -17,39 +17,23 @@ through quicksave::
         ),
     )
 
-What it keeps from torchtitan: the folder (``<dump_folder>/<folder>/step-<N>``), the
-state layout (model keys flattened at the top level beside ``optimizer``,
-``lr_scheduler``, ``dataloader``, ``train_state``, so ``quicksave convert --to dcp``
-gives a checkpoint stock torchtitan resumes, and stock torchtitan checkpoints load here
-with ``allow_dcp=True``), ``interval``, ``enable_first_step_checkpoint``,
-``keep_latest_k``, ``load_step``, ``exclude_from_loading``, ``load_only``,
-``initial_load_path`` / ``initial_load_model_only``, the model-only step-0 (seed) and
-last-step checkpoints (``last_save_model_only``, ``export_dtype``). What quicksave adds:
-atomic commits (``step-<N>.tmp-*`` until renamed; a crash never leaves a half-written
-``step-<N>``), checksums, a corrupt newest checkpoint skipped at load, one writer per
-folder, and its asynchronous engine:
+It keeps torchtitan's folder (``<dump_folder>/<folder>/step-<N>``), state layout
+(:mod:`._torchtitan_layout`: checkpoints convert both ways with stock torchtitan) and
+options (interval, keep_latest_k, load_step, exclude_from_loading, load_only,
+initial_load_path, model-only seed and last step); it adds atomic commits, checksums,
+skipping a corrupt newest checkpoint at load, one writer per folder and quicksave's
+asynchronous engine (``async_mode``: ``"disabled"``, ``"async"``, or
+``"async_with_pinned_mem"`` for overlapped staging). Hugging Face import/export is
+refused. Details: docs/integrations/torchtitan.md.
 
-- ``async_mode="disabled"``: ``save()`` returns once the checkpoint is committed
-  (``quicksave.save``);
-- ``async_mode="async"``: ``save()`` returns once every tensor is copied into a reusable
-  staging pool; a worker (``async_worker``: ``"process"`` or ``"thread"``) writes and
-  commits in the background;
-- ``async_mode="async_with_pinned_mem"``: as ``"async"``, but parameters and optimizer
-  states are copied during the next forward/backward; torchtitan's trainer calls
-  ``maybe_wait_for_staging()`` before ``optimizers.step()``, and the backend's optimizer
-  step pre-hooks wait too.
-
-Refused at config time: ``last_save_in_hf`` and ``initial_load_in_hf`` (Hugging Face
-safetensors are not quicksave's format: use torchtitan's stock manager for those, or
-``quicksave convert --to safetensors``). Loading a last-step model-only checkpoint as a
-training state is refused with a message (it holds no optimizer or train state).
-
-Order of calls (torchtitan's trainer, every rank alike): build (each rank; the
-coordinator takes the folder's writer lease) → ``load(step)`` → per step
-``maybe_wait_for_staging()`` before ``optimizers.step()``, then ``save(step,
-last_step)`` → ``close()``. Collectives: one all-reduce at build (do all ranks write?),
-DCP's planning inside every save and load, and, in the async modes, the engine's
-commit records in the default store.
+Order of calls (torchtitan's trainer, every rank alike): build (the coordinator takes
+the folder's writer lease) → ``load(step)`` → per step ``maybe_wait_for_staging()``
+before ``optimizers.step()``, then ``save(step, last_step)`` → ``close()``.
+Collectives, all on the checkpointer's own gloo group unless noted: at build, creating
+that group and one all-reduce (does every rank write?); at each load one all-gather
+(every rank's verdict on the checkpoint) before DCP's load collectives (default group);
+DCP's planning in each synchronous save (default group); the engine's planning
+all-reduce in each asynchronous save, whose commit records go through the default store.
 
 Importing this module imports torchtitan; ``import quicksave`` never does.
 """
@@ -57,7 +41,6 @@ Importing this module imports torchtitan; ``import quicksave`` never does.
 from __future__ import annotations
 
 import logging
-import os
 import sys
 import time
 from dataclasses import dataclass
@@ -67,7 +50,6 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 
 try:
     from torchtitan.components.checkpointer import (
@@ -85,15 +67,13 @@ except ImportError as e:  # pragma: no cover - depends on the environment
     ) from e
 
 from .. import api
-from ..commit import CheckpointKind, classify
-from ..dcp_reader import DCPReader
+from ..commit import classify
 from ..dist.saving import DistContext
 from ..engine import SaveHandle
 from ..errors import (
     CheckpointError,
     CheckpointNotFoundError,
     CorruptCheckpointError,
-    IncompatibleStateError,
     NotCommittedError,
 )
 from ..manager.async_writer import AsyncWriter
@@ -113,16 +93,13 @@ from ..manager.interval import agree_any_due
 from ..manager.lease import FolderLease, StoreLease
 from ..manager.policies import KeepLatestK
 from ..manager.records import SaveRecord, log_committed
-from ..manager.states import ModelState, OptimizerState, payload_bytes
-from ..reader import StorageReader
+from ..manager.states import ModelState, payload_bytes
 from ..storage import Location, parse_location
+from . import _torchtitan_layout as layout
 
 __all__ = ["QuicksaveCheckpointManager"]
 
 logger = logging.getLogger("quicksave")
-
-_KIND_KEY = "checkpoint_kind"  # in the manifest's user_metadata: full, seed or export
-_MAX_NAMED = 20  # keys named in one error message
 
 
 class QuicksaveCheckpointManager(BaseCheckpointManager):
@@ -257,7 +234,7 @@ class QuicksaveCheckpointManager(BaseCheckpointManager):
         if not self.enable:
             return
         self.config = config
-        self._qs = config.quicksave_config(_join(base_folder, config.folder))
+        self._qs = config.quicksave_config(layout.join_folder(base_folder, config.folder))
         self._folder: Location = parse_location(self._qs.folder, what="checkpoint folder")
         self.folder = self._folder.url
         self.interval = config.interval
@@ -278,10 +255,10 @@ class QuicksaveCheckpointManager(BaseCheckpointManager):
             self._checkpoint_group()  # now, on every rank alike (creating it is collective)
         self.read_only_reason = self._take_folder()
         if self.read_only_reason is None and self._qs.async_mode != "disabled":
-            torch_optimizers = _torch_optimizers(optimizers)
+            torch_optimizers = layout.torch_optimizers(optimizers)
             hooks: dict[str, Any] = {MODEL: ModelState(model_parts)}
             if torch_optimizers:
-                hooks[OPTIMIZER] = _OptimizerHooks(model_parts, torch_optimizers)
+                hooks[OPTIMIZER] = layout.OptimizerHooks(model_parts, torch_optimizers)
             self._writer = AsyncWriter(
                 self._qs.engine_config(),
                 hooks,
@@ -472,9 +449,12 @@ class QuicksaveCheckpointManager(BaseCheckpointManager):
             self._drain()  # a synchronous write never runs beside a save in flight
         if self._lease is not None:
             replace_uncommitted(self._folder.child(f"step-{step}"))
-        state = self._full_state() if kind == "full" else self._model_state(kind)
+        if kind == "full":
+            state = self._full_state()
+        else:
+            state = layout.model_state(self.states, getattr(torch, self.config.export_dtype))
         nbytes = payload_bytes(state)
-        metadata: dict[str, Any] = {_KIND_KEY: kind, "trainer": "torchtitan"}
+        metadata: dict[str, Any] = {layout.KIND_KEY: kind, "trainer": "torchtitan"}
         if kind != "full":
             metadata["export_dtype"] = self.config.export_dtype
         if synchronous or self._writer is None:
@@ -513,34 +493,8 @@ class QuicksaveCheckpointManager(BaseCheckpointManager):
         return True
 
     def _full_state(self) -> dict[str, Any]:
-        """torchtitan's layout: the model's keys at the top level, beside the other
-        states (each as its ``state_dict()``)."""
-        state: dict[str, Any] = {}
-        for name, value in self.states.items():
-            if name != MODEL:
-                state[name] = value.state_dict() if _is_stateful(value) else value
-        model = self.states[MODEL].state_dict()
-        clash = sorted(set(model) & set(state))
-        if clash:
-            raise IncompatibleStateError(
-                f"model keys {clash} collide with checkpoint states of the same names; "
-                "rename the module or the state",
-                path=self.folder,
-                fqn=clash[0],
-                rank=self._rank(),
-            )
-        state.update(model)
-        return state
-
-    def _model_state(self, kind: str) -> dict[str, Any]:
-        """The model's keys only; floating tensors in ``export_dtype``."""
-        dtype = getattr(torch, self.config.export_dtype)
-        return {
-            k: v.to(dtype)
-            if isinstance(v, torch.Tensor) and v.is_floating_point() and v.dtype != dtype
-            else v
-            for k, v in self.states[MODEL].state_dict().items()
-        }
+        """torchtitan's layout (``_torchtitan_layout.full_state``)."""
+        return layout.full_state(self.states, self.folder, self._rank())
 
     # ------------------------------------------------------------ load path
 
@@ -593,7 +547,16 @@ class QuicksaveCheckpointManager(BaseCheckpointManager):
         dest: dict[str, Any] = {}
         failure: CheckpointError | None = None
         try:
-            dest = self._destination(loc, model_only)
+            stored, kind = layout.read_stored(loc, allow_dcp_pickle=self.config.allow_dcp_pickle)
+            dest = layout.load_destination(
+                self.states,
+                stored,
+                kind,
+                model_only=model_only,
+                excluded=self.config.exclude_from_loading,
+                path=loc.url,
+                rank=self._rank(),
+            )
         except CheckpointError as e:
             failure = e
         except Exception as e:  # noqa: BLE001 - reported on every rank, raised below
@@ -605,91 +568,6 @@ class QuicksaveCheckpointManager(BaseCheckpointManager):
         # ranks' data loader entries, excluded states, the rest of a full step 0).
         api.load(dest, loc.url, strict=False, allow_dcp_pickle=self.config.allow_dcp_pickle)
         self.states[MODEL].load_state_dict(dest)  # filled in place; this runs the hooks
-
-    def _destination(self, loc: Location, model_only: bool) -> dict[str, Any]:
-        """What to load from ``loc`` (checked against what it holds)."""
-        stored, kind = self._stored(loc)
-        if kind in ("export", "seed") and not model_only:
-            raise CheckpointError(
-                f"this checkpoint holds the model only ({kind} checkpoint, written at the "
-                "last step with last_save_model_only=True), no optimizer or train state: "
-                "training cannot resume from it. Load an earlier step "
-                "(--checkpoint.load_step), or start a new run from its weights with "
-                "--checkpoint.initial_load_path and initial_load_model_only",
-                path=loc.url,
-                rank=self._rank(),
-            )
-        model = self.states[MODEL]
-        if model_only:
-            dest = model.state_dict()
-        else:
-            excluded = self.config.exclude_from_loading
-            unknown = [k for k in excluded if k not in self.states]
-            if unknown:
-                raise CheckpointError(
-                    f"checkpoint.exclude_from_loading names {unknown}, which are not "
-                    f"checkpoint states (states: {sorted(self.states)})",
-                    path=loc.url,
-                    rank=self._rank(),
-                )
-            dest = {k: v for k, v in self.states.items() if k != MODEL and k not in excluded}
-            dest.update(model.state_dict())
-        self._check_keys(dest, stored, loc.url)
-        return dest
-
-    def _stored(self, loc: Location) -> tuple[set[str], str | None]:
-        """The fqns a committed checkpoint holds, and its kind (quicksave checkpoints
-        written by this backend or the manager: ``full``, ``seed`` or ``export``)."""
-        if classify(loc) is CheckpointKind.DCP:
-            md = DCPReader(loc, allow_pickle=self.config.allow_dcp_pickle).read_metadata()
-            return set(md.state_dict_metadata), None
-        reader = StorageReader(loc)
-        manifest = reader.read_manifest()
-        kind = manifest.user_metadata.get(_KIND_KEY)
-        return set(reader.read_metadata().state_dict_metadata), kind
-
-    def _check_keys(self, dest: dict[str, Any], stored: set[str], path: str) -> None:
-        """Every key to load must be in the checkpoint. Keys the checkpoint has beyond
-        them are fine under the other states' names (other data-parallel ranks' data
-        loader entries, excluded states), logged under unknown names, and an error
-        where they look like model keys (a module this model lacks)."""
-        flat, _ = flatten_state_dict(
-            {k: v.state_dict() if _is_stateful(v) else v for k, v in dest.items()}
-        )
-        rank = self._rank()
-        missing = sorted(set(flat) - stored)
-        if missing:
-            hint = ""
-            if any(k.startswith(f"{DATALOADER}.dp_rank_") for k in missing):
-                hint = (
-                    "; the data loader's state is saved per data-parallel rank and torchtitan "
-                    "cannot reshard it: to resume on another number of data-parallel ranks, "
-                    "add 'dataloader' to checkpoint.exclude_from_loading"
-                )
-            raise IncompatibleStateError(
-                f"the checkpoint lacks {len(missing)} key(s) to load: {_names(missing)}{hint}",
-                path=path,
-                fqn=missing[0],
-                rank=rank,
-            )
-        model_tops = {k.split(".", 1)[0] for k in self.states[MODEL].state_dict()}
-        extra = sorted(stored - set(flat))
-        unexpected = [k for k in extra if k.split(".", 1)[0] in model_tops]
-        if unexpected:
-            raise IncompatibleStateError(
-                f"the checkpoint holds {len(unexpected)} model key(s) this model does not "
-                f"have: {_names(unexpected)}",
-                path=path,
-                fqn=unexpected[0],
-                rank=rank,
-            )
-        unknown = sorted({k.split(".", 1)[0] for k in extra} - set(self.states))
-        if unknown:
-            logger.warning(
-                "quicksave: %s holds entries no state of this trainer has, not loaded: %s",
-                path,
-                ", ".join(unknown),
-            )
 
     # ------------------------------------------------------------ background saves
 
@@ -825,45 +703,3 @@ class QuicksaveCheckpointManager(BaseCheckpointManager):
             coordinator=0,
             commit_timeout_s=self.config.commit_timeout_s,
         )
-
-
-class _OptimizerHooks(OptimizerState):
-    """Tells the async writer which torch optimizers change the parameters (for its
-    step pre-hooks and what overlapped staging may copy late). Never saved: the
-    optimizer state comes from torchtitan's container. torchtitan may build several
-    optimizers per model part, which ``OptimizerState``'s own constructor refuses."""
-
-    def __init__(self, parts: list[nn.Module], optimizers: list[torch.optim.Optimizer]) -> None:
-        self.parts = list(parts)
-        self.optimizers = list(optimizers)
-
-
-def _torch_optimizers(optimizers: Any) -> list[torch.optim.Optimizer]:
-    """The torch optimizers inside torchtitan's container (its ``optimizers`` list), or
-    the optimizer itself."""
-    inner = getattr(optimizers, "optimizers", None)
-    if isinstance(inner, (list, tuple)) and all(
-        isinstance(o, torch.optim.Optimizer) for o in inner
-    ):
-        return list(inner)
-    return [optimizers] if isinstance(optimizers, torch.optim.Optimizer) else []
-
-
-def _is_stateful(value: Any) -> bool:
-    return callable(getattr(value, "state_dict", None)) and callable(
-        getattr(value, "load_state_dict", None)
-    )
-
-
-def _join(base_folder: str, folder: str) -> str:
-    """``folder`` under torchtitan's dump folder, unless it is absolute or a URL."""
-    if not base_folder or "://" in folder or os.path.isabs(folder):
-        return folder
-    if "://" in base_folder:
-        return base_folder.rstrip("/") + "/" + folder
-    return os.path.join(base_folder, folder)
-
-
-def _names(keys: list[str]) -> str:
-    shown = ", ".join(keys[:_MAX_NAMED])
-    return shown + (f" … ({len(keys) - _MAX_NAMED} more)" if len(keys) > _MAX_NAMED else "")
