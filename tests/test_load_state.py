@@ -226,3 +226,19 @@ def test_a_file_that_is_not_quicksave_safetensors_is_refused(tmp_path: Path) -> 
     (tmp_path / "junk").write_bytes(b"\x00" * 100)
     with pytest.raises(quicksave.CheckpointError, match="junk"):
         quicksave.load_state(tmp_path / "junk")
+
+
+@pytest.mark.parametrize("writer", ["save", "engine"])
+def test_keys_that_flatten_alike_are_refused_before_any_write(tmp_path: Path, writer: str) -> None:
+    sd = {"o": {0: torch.ones(1), "0": torch.zeros(1)}}
+    with pytest.raises(quicksave.IncompatibleStateError, match="rename one") as e:
+        if writer == "save":
+            quicksave.save(sd, tmp_path / "c")
+        else:
+            saver = AsyncSaver(EngineConfig(mode="thread"))
+            try:
+                saver.save(sd, tmp_path / "c")
+            finally:
+                saver.close()
+    assert e.value.fqn == "o.0"
+    assert list(tmp_path.iterdir()) == []

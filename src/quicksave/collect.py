@@ -69,9 +69,19 @@ def check_tensor(fqn: str, leaf: torch.Tensor, rank: int | None = None) -> None:
         )
 
 
+DUPLICATE_FQN = (
+    "two values get this name (dict keys whose str() is the same, e.g. 0 and '0', are "
+    "named alike when the state dict is flattened); rename one"
+)
+
+
 def validate_for_save(state_dict: Mapping[str, Any], rank: int | None = None) -> None:
     """Raise IncompatibleStateError for anything quicksave cannot store, naming the fqn."""
+    seen: set[str] = set()
     for fqn, leaf in iter_leaves(state_dict):
+        if fqn in seen:
+            raise IncompatibleStateError(DUPLICATE_FQN, fqn=fqn, rank=rank)
+        seen.add(fqn)
         if isinstance(leaf, torch.Tensor):
             check_tensor(fqn, leaf, rank)
         else:

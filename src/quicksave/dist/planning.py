@@ -24,11 +24,12 @@ from typing import Any
 import torch
 import xxhash
 
-from ..collect import check_tensor, to_state_dict
+from ..collect import DUPLICATE_FQN, check_tensor, to_state_dict
 from ..errors import IncompatibleStateError
 from ..format import ALIGNMENT
 from ..format import objects as objcodec
 from ..format.dtypes import dtype_name, element_size
+from ..format.keys import names_itself
 from ..format.manifest import (
     ChunkEntry,
     FileEntry,
@@ -37,7 +38,6 @@ from ..format.manifest import (
     RankPlan,
     TensorEntry,
 )
-from ..format.keys import names_itself
 from ..keypaths import empty_dicts, typed_paths
 from ..plan import ItemSpec, RankLayout, item_spec_of, layout_rank, planned_chunk
 
@@ -101,8 +101,8 @@ def _flatten(nested: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Path]
 
     try:
         flat, mappings = flatten_state_dict(nested)
-    except ValueError as e:  # duplicated flattened key
-        raise IncompatibleStateError(f"cannot flatten the state dict: {e}") from None
+    except ValueError as e:  # DCP's "duplicated flatten key <fqn>"
+        raise IncompatibleStateError(DUPLICATE_FQN, fqn=str(e).rpartition(" ")[2]) from None
     return flat, mappings
 
 
