@@ -242,6 +242,34 @@ def test_model_only_last_step_and_seed(tmp_path: Path) -> None:
     assert resumed.checkpointer.load() is True and resumed.train_state.step == 0
 
 
+def test_corrupt_newest_is_skipped_and_quarantined(tmp_path: Path) -> None:
+    reference = _run_alone(_config(async_mode="disabled"), tmp_path / "ref", until=2)
+    expected = titan.fingerprint(reference)
+    expected["next_batch"] = titan.next_batch_digest(reference)
+    reference.checkpointer.close()
+    job = _run_alone(_config(async_mode="disabled", keep_latest_k=0), tmp_path, until=4)
+    job.checkpointer.close()
+    step4 = tmp_path / "checkpoint" / "step-4"
+    manifest = StorageReader(step4).read_manifest()
+    chunk = manifest.tensors["layers.1.w2.weight"].chunks[0]
+    with open(step4 / chunk.file, "r+b") as f:  # one bit of one tensor
+        f.seek(chunk.offset + 5)
+        byte = f.read(1)[0]
+        f.seek(chunk.offset + 5)
+        f.write(bytes([byte ^ 0x01]))
+    resumed = titan.build(_config(async_mode="disabled"), str(tmp_path))
+    assert resumed.checkpointer.load() is True
+    loaded = titan.fingerprint(resumed)
+    loaded["next_batch"] = titan.next_batch_digest(resumed)
+    del loaded["data_pos"], expected["data_pos"]  # the loader restores it at iter()
+    assert loaded == expected  # step 2, exactly
+    names = sorted(p.name for p in (tmp_path / "checkpoint").iterdir())
+    assert "step-2" in names and "step-4" not in names, names
+    assert any(n.startswith("step-4.corrupt-") for n in names), names
+    assert resumed.checkpointer.committed_steps() == [2]
+    resumed.checkpointer.close()
+
+
 @dataclass(kw_only=True, slots=True)
 class TrainerConfig(Configurable.Config):
     """The checkpoint field of torchtitan's ``Trainer.Config`` (importing the trainer
