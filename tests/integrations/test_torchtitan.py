@@ -123,6 +123,7 @@ def _without_rank_local(fp: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in fp.items() if k not in ("data_pos", "next_batch")}
 
 
+@pytest.mark.slow
 def test_resume_bit_exact_then_reshard_to_three_ranks(tmp_path: Path) -> None:
     first = run_ranks(_first_run, 2, str(tmp_path), config=LAUNCH)
     assert first[0]["kinds"] == [(2, "full", "committed"), (4, "full", "committed")]
@@ -307,6 +308,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.slow
 def test_example_runs_under_torchrun(tmp_path: Path) -> None:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"}
     cmd = [
