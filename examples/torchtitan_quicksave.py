@@ -184,6 +184,12 @@ def main() -> None:
     parser.add_argument("--interval", type=int, default=2)
     parser.add_argument("--async-mode", default="async_with_pinned_mem", choices=ASYNC_MODES)
     args = parser.parse_args()
+    existing = os.path.join(args.dump_folder, "checkpoint")
+    if os.path.isdir(existing) and os.listdir(existing):
+        raise SystemExit(
+            f"{existing} holds checkpoints of an earlier run (its last step is a model-only "
+            "checkpoint, which training cannot resume from): pass a new --dump-folder"
+        )
     dist.init_process_group("gloo")
     rank = dist.get_rank()
 
