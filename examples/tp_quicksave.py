@@ -273,4 +273,12 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    # Leave without interpreter finalization. torch's gloo worker threads outlive
+    # destroy_process_group() (the group stays referenced from C++), and one that is
+    # still dropping the buffers of a finished collective when Python finalizes takes
+    # the GIL and aborts the process ("terminate called without an active exception",
+    # SIGABRT; pytorch/pytorch#190489). Everything is committed and printed by now.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

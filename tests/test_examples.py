@@ -1,0 +1,157 @@
+"""The training scripts in ``examples/``, run as a user runs them: under torchrun, on CPU
+with gloo, each rank a real process.
+
+Every script prints ``final state digest: <hex>`` (a SHA-256 of the full model and
+optimizer state) and, after loading a checkpoint, ``resumed from step N ... state
+digest: <hex>``. The tests compare those digests: a run killed with SIGKILL and resumed
+ends bit-exactly where an uninterrupted run ends, and a checkpoint loaded on another
+world size (FSDP2), another pipeline split (PP) or in a plain process (TP) holds exactly
+the state that was saved.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLES = ROOT / "examples"
+TIMEOUT_S = 240.0  # one launch; a few seconds when the machine is idle
+FINAL = re.compile(r"^final state digest: ([0-9a-f]{64})$", re.MULTILINE)
+RESUMED = re.compile(r"^resumed from step (\d+)\b.*state digest: ([0-9a-f]{64})$", re.MULTILINE)
+
+
+def launch(script: str, nproc: int | None, *args: str) -> subprocess.CompletedProcess[str]:
+    """Run ``examples/<script>`` under torchrun with ``nproc`` ranks (``None``: as a
+    plain ``python`` process). On timeout, torchrun gets SIGTERM (it stops its ranks,
+    which stop their checkpoint workers), then everything left in its group SIGKILL."""
+    if nproc is None:
+        cmd = [sys.executable, str(EXAMPLES / script), *args]
+    else:
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            str(nproc),
+            str(EXAMPLES / script),
+            *args,
+        ]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(
+        cmd,
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        out, _ = proc.communicate(timeout=TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            out, _ = proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            out, _ = proc.communicate()
+        pytest.fail(f"{' '.join(cmd)} ran past {TIMEOUT_S} s; output:\n{out[-6000:]}")
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, None)
+
+
+def succeed(script: str, nproc: int | None, *args: str) -> str:
+    run = launch(script, nproc, *args)
+    assert run.returncode == 0, f"{' '.join(run.args)} exited {run.returncode}:\n{run.stdout}"
+    return run.stdout
+
+
+def crash(script: str, nproc: int, folder: Path, step: int) -> None:
+    """A run told to SIGKILL itself after the checkpoint of ``step``: it must die there,
+    leaving that checkpoint committed and no later one."""
+    run = launch(script, nproc, "--folder", str(folder), "--kill-at", str(step))
+    out = run.stdout
+    killed = [f"rank {rank}: SIGKILL after step {step}" in out for rank in range(nproc)]
+    assert run.returncode != 0 and all(killed), f"not killed as asked:\n{out}"
+    assert f"step {step + 1} loss" not in out and not FINAL.search(out), out
+    steps = sorted(p.name for p in folder.iterdir() if p.name.startswith("step-"))
+    assert steps == [f"step-{step}"], steps
+
+
+def final_digest(out: str) -> str:
+    found = FINAL.findall(out)
+    assert len(found) == 1, out
+    return found[0]
+
+
+def resumed(out: str) -> tuple[int, str]:
+    found = RESUMED.findall(out)
+    assert len(found) == 1, out
+    return int(found[0][0]), found[0][1]
+
+
+def test_fsdp2_resume_after_sigkill_is_bit_exact_and_reshards_to_three_ranks(
+    tmp_path: Path,
+) -> None:
+    script = "fsdp2_quicksave.py"
+    straight, crashed = tmp_path / "straight", tmp_path / "crashed"
+    out = succeed(script, 2, "--folder", str(straight), "--steps", "8", "--interval", "4")
+    assert not RESUMED.search(out), out  # a fresh folder: nothing to resume
+    want = final_digest(out)
+
+    crash(script, 2, crashed, 4)
+    out = succeed(script, 2, "--folder", str(crashed), "--steps", "8", "--interval", "4")
+    assert resumed(out)[0] == 4
+    assert final_digest(out) == want
+
+    # The 2-rank checkpoint of step 8 on 3 ranks: the loaded state is the saved state,
+    # and training goes on from it.
+    out = succeed(script, 3, "--folder", str(straight), "--steps", "10", "--interval", "4")
+    assert resumed(out) == (8, want)
+    assert "step 10 loss" in out
+    assert final_digest(out) != want
+
+
+def test_tp_resume_after_sigkill_is_bit_exact_and_loads_in_a_plain_process(
+    tmp_path: Path,
+) -> None:
+    script = "tp_quicksave.py"
+    straight, crashed = tmp_path / "straight", tmp_path / "crashed"
+    want = final_digest(succeed(script, 2, "--folder", str(straight)))
+
+    crash(script, 2, crashed, 4)
+    out = succeed(script, 2, "--folder", str(crashed))
+    assert resumed(out)[0] == 4
+    assert final_digest(out) == want
+
+    out = succeed(script, None, "--folder", str(straight), "--plain")
+    assert f"loaded step 8 into a plain Model from {straight / 'step-8'}" in out, out
+    assert re.findall(r"^plain state digest: ([0-9a-f]{64})$", out, re.MULTILINE) == [want]
+
+
+def test_pp_resume_after_sigkill_is_bit_exact_and_loads_into_another_split(
+    tmp_path: Path,
+) -> None:
+    script = "pp_quicksave.py"
+    straight, crashed = tmp_path / "straight", tmp_path / "crashed"
+    want = final_digest(succeed(script, 4, "--folder", str(straight), "--layers", "8"))
+
+    crash(script, 4, crashed, 4)
+    out = succeed(script, 4, "--folder", str(crashed), "--layers", "8")
+    assert "resumed from step 4 on 4 stages of 2 layers" in out, out
+    assert final_digest(out) == want
+
+    # Saved by 4 stages of 2 layers, loaded (strictly) by 2 stages of 4 layers.
+    out = succeed(script, 2, "--folder", str(straight), "--layers", "8", "--steps", "10")
+    assert "resumed from step 8 on 2 stages of 4 layers" in out, out
+    assert resumed(out) == (8, want)
+    assert "step 10 loss" in out
