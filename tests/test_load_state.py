@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 import torch
+from tests.helpers.state import Holder
 
 import quicksave
 from quicksave.convert import convert, load_full_state
@@ -107,24 +108,13 @@ def test_every_writer_records_the_structure(tmp_path: Path, writer: str) -> None
         finally:
             saver.close()
     else:
-        holder = _Holder(expected)
+        holder = Holder(expected)
         config = quicksave.CheckpointConfig(folder=str(tmp_path), interval=1, async_mode="process")
         with quicksave.CheckpointManager(config, {"all": holder}) as manager:
             manager.save(12)
         path = Path(manager.step_path(12))
         expected = {"all": expected}
     assert_exactly(quicksave.load_state(path), expected)
-
-
-class _Holder:
-    def __init__(self, value: dict[str, Any]) -> None:
-        self.value = value
-
-    def state_dict(self) -> dict[str, Any]:
-        return self.value
-
-    def load_state_dict(self, value: dict[str, Any]) -> None:
-        self.value = value
 
 
 def test_convert_outputs_keep_the_structure(tmp_path: Path) -> None:

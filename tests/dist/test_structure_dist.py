@@ -11,21 +11,11 @@ from typing import Any
 import pytest
 import torch
 from launcher import LaunchConfig, run_ranks
+from tests.helpers.state import Holder
 
 import quicksave
 
 pytestmark = pytest.mark.slow
-
-
-class Holder:
-    def __init__(self, value: dict[str, Any]) -> None:
-        self.value = value
-
-    def state_dict(self) -> dict[str, Any]:
-        return self.value
-
-    def load_state_dict(self, value: dict[str, Any]) -> None:
-        self.value = value
 
 
 def rank_state(rank: int) -> dict[str, Any]:

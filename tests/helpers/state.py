@@ -98,3 +98,16 @@ def assert_same_value(actual: Any, expected: Any, where: str = "value") -> None:
             assert_same_value(a, e, f"{where}[{i}]")
     else:
         assert actual == expected, f"{where}: {actual!r} != {expected!r}"
+
+
+class Holder:
+    """A ``Stateful`` that holds any state dict as it is (for manager tests)."""
+
+    def __init__(self, value: dict[str, Any]) -> None:
+        self.value = value
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.value
+
+    def load_state_dict(self, value: dict[str, Any]) -> None:
+        self.value = value
