@@ -232,3 +232,39 @@ def test_keys_that_flatten_alike_are_refused_before_any_write(tmp_path: Path, wr
                 saver.close()
     assert e.value.fqn == "o.0"
     assert list(tmp_path.iterdir()) == []
+
+
+def _leave_a_mark(path: str) -> int:
+    Path(path).write_text("code ran")
+    return 1
+
+
+class _Planted:
+    """A value whose unpickling runs code (what a hostile DCP checkpoint can hold)."""
+
+    def __init__(self, mark: str) -> None:
+        self.mark = mark
+
+    def __reduce__(self):
+        return (_leave_a_mark, (self.mark,))
+
+
+def test_stock_dcp_objects_are_not_unpickled_without_permission(tmp_path: Path) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    mark = tmp_path / "mark"
+    with pytest.warns(UserWarning):
+        dcp.save(
+            {"w": torch.ones(2), "evil": _Planted(str(mark))}, checkpoint_id=str(tmp_path / "d")
+        )
+    for load in (
+        lambda: quicksave.load_state(tmp_path / "d"),
+        lambda: quicksave.load({"w": torch.zeros(2), "evil": None}, tmp_path / "d"),
+    ):
+        with pytest.raises(quicksave.CheckpointError, match="allow_dcp_pickle") as e:
+            load()
+        assert e.value.fqn == "evil" and str(tmp_path / "d") in str(e.value)
+        assert not mark.exists()
+    # trusted: the caller said so
+    assert quicksave.load_state(tmp_path / "d", allow_dcp_pickle=True)["evil"] == 1
+    assert mark.read_text() == "code ran"

@@ -30,7 +30,7 @@ from torch.distributed.checkpoint.planner import LoadPlan
 
 from .collect import to_state_dict, validate_for_save
 from .commit import CheckpointKind, check_target, classify
-from .dcp_reader import DCPReader
+from .dcp_reader import DCPReader, RestrictedObjectsMixin
 from .errors import (
     CheckpointError,
     IncompatibleStateError,
@@ -281,7 +281,7 @@ def _some(fqns: list[str], limit: int = 20) -> str:
     return ", ".join(fqns[:limit]) + (f" … ({len(fqns)} in all)" if len(fqns) > limit else "")
 
 
-class LoadPlanner(DefaultLoadPlanner):
+class LoadPlanner(RestrictedObjectsMixin, DefaultLoadPlanner):
     """DCP's default load planner plus quicksave's checks and object hand-off.
 
     Before any read it compares the destination with the checkpoint and raises
@@ -299,10 +299,11 @@ class LoadPlanner(DefaultLoadPlanner):
       no extra collective.
     """
 
-    def __init__(self, *, strict: bool = True, path: str = "") -> None:
+    def __init__(self, *, strict: bool = True, path: str = "", allow_pickle: bool = False) -> None:
         super().__init__(allow_partial_load=not strict)
         self.strict = strict
         self.path = path
+        self.allow_pickle = allow_pickle  # stock DCP objects (RestrictedObjectsMixin)
 
     def set_up_planner(
         self, state_dict, metadata: Metadata | None = None, is_coordinator: bool = False
@@ -460,7 +461,7 @@ def load(
             require_committed(loc, backend=backend)
             reader = StorageReader(loc, thread_count=thread_count, backend=backend)
             reader.read_manifest()  # fail fast on a bad manifest, before DCP planning
-        _load_with(reader, state_dict, path, strict, process_group)
+        _load_with(reader, state_dict, path, strict, process_group, allow_dcp_pickle)
     finally:
         if backend is not None:
             backend.close()
@@ -472,8 +473,9 @@ def _load_with(
     path: str,
     strict: bool,
     process_group: dist.ProcessGroup | None,
+    allow_pickle: bool = False,
 ) -> None:
-    planner = LoadPlanner(strict=strict, path=path)
+    planner = LoadPlanner(strict=strict, path=path, allow_pickle=allow_pickle)
     try:
         with _engine_call():
             dcp.load(

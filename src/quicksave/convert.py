@@ -167,16 +167,27 @@ def load_state(
 
 
 def _load_dcp_state(loc: Location, allow_pickle: bool) -> dict[str, Any]:
+    from torch.distributed.checkpoint import CheckpointException
     from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
-    from .dcp_reader import DCPReader
+    from .dcp_reader import DCPReader, RestrictedObjectsMixin
 
+    class Planner(RestrictedObjectsMixin, _EmptyStateDictLoadPlanner):
+        pass
+
+    planner = Planner()
+    planner.allow_pickle, planner.path = allow_pickle, loc.url
     reader = DCPReader(loc, allow_pickle=allow_pickle)
     reader.read_metadata()  # a refused pickle fails here, naming the file
     state: dict[str, Any] = {}
     # This process alone, also inside a process group (the planner fills ``state``).
-    _load_state_dict(state, reader, planner=_EmptyStateDictLoadPlanner(), no_dist=True)
+    try:
+        _load_state_dict(state, reader, planner=planner, no_dist=True)
+    except CheckpointException as e:
+        from .api import _unwrap
+
+        raise _unwrap(e, loc.url) from None
     return state
 
 

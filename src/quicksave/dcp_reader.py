@@ -37,6 +37,7 @@ from typing import Any
 
 import torch
 from torch.distributed.checkpoint import metadata as _md
+from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.filesystem import (
     FileSystem,
     FileSystemBase,
@@ -177,6 +178,34 @@ class _MetadataUnpickler(pickle._Unpickler):  # type: ignore[name-defined]
         pickle._Unpickler.load_build(self)  # type: ignore[attr-defined]
 
     dispatch[pickle.BUILD[0]] = _load_build
+
+
+class RestrictedObjectsMixin:
+    """For a DCP ``LoadPlanner``: the non-tensor values of a stock DCP checkpoint (each
+    a ``torch.save`` pickle) are read with ``torch.load(weights_only=True)``, as
+    ``.metadata`` is read with the restricted unpickler, unless ``allow_pickle``; DCP's
+    own ``load_bytes`` unpickles them without restriction, running any code the
+    checkpoint names. Set ``allow_pickle`` and ``path`` before loading."""
+
+    allow_pickle: bool = False
+    path: str = ""
+
+    def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
+        fqn = read_item.dest_index.fqn
+        try:
+            obj = torch.load(value, weights_only=not self.allow_pickle)
+        except pickle.UnpicklingError as e:
+            raise CheckpointError(
+                "this value is a pickle that the restricted unpickler refuses "
+                f"({str(e).splitlines()[0][:300]}); pass allow_dcp_pickle=True to unpickle "
+                "it without restriction (only for checkpoints you trust)",
+                path=self.path,
+                fqn=fqn,
+            ) from None
+        if self.flatten_state_dict:  # type: ignore[attr-defined]
+            set_element(self.original_state_dict, self.mappings[fqn], obj)  # type: ignore[attr-defined]
+        else:
+            self.state_dict[fqn] = obj  # type: ignore[attr-defined]
 
 
 def _unpickle_restricted(stream: io.BytesIO, path: str) -> Any:
