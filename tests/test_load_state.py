@@ -268,3 +268,27 @@ def test_stock_dcp_objects_are_not_unpickled_without_permission(tmp_path: Path) 
     # trusted: the caller said so
     assert quicksave.load_state(tmp_path / "d", allow_dcp_pickle=True)["evil"] == 1
     assert mark.read_text() == "code ran"
+
+
+def test_dcp_compatible_metadata_holds_dcp_classes_only(tmp_path: Path) -> None:
+    """``StorageWriter(dcp_compat=True)`` with quicksave's planner (the object-store
+    layout of the NVRx writer): int keys and empty dicts reach the manifest, never
+    ``.metadata``'s pickle."""
+    import torch.distributed.checkpoint as dcp
+
+    from quicksave.api import _SavePlanner
+    from quicksave.dcp_reader import read_dcp_metadata
+
+    sd = {"optim": {"state": {0: {"m": torch.arange(3.0)}}, "loop": {}}, "step": 2}
+    writer = quicksave.StorageWriter(tmp_path / "c", dcp_compat=True)
+    with pytest.warns(UserWarning):
+        dcp.save(sd, storage_writer=writer, planner=_SavePlanner())
+    md = read_dcp_metadata(tmp_path / "c")  # the restricted unpickler: DCP's classes only
+    assert md.planner_data["optim.state.0.m"] == ("optim", "state", "0", "m")
+    assert all(isinstance(k, str) for k in md.planner_data)
+    got = quicksave.load_state(tmp_path / "c")
+    assert list(got["optim"]["state"]) == [0] and got["optim"]["loop"] == {}
+    stock = {"optim": {"state": {0: {"m": torch.zeros(3)}}}, "step": 0}
+    with pytest.warns(UserWarning):
+        dcp.load(stock, checkpoint_id=str(tmp_path / "c"))
+    assert torch.equal(stock["optim"]["state"][0]["m"], torch.arange(3.0)) and stock["step"] == 2

@@ -37,11 +37,12 @@ from .errors import (
     rank_of_this_process,
 )
 from .format.dtypes import dtype_name
+from .format.keys import EMPTY_KEY
 from .format.manifest import check_user_metadata
 from .keypaths import empty_dicts, typed_paths
 from .reader import StorageReader, require_committed
 from .storage import StorageOptions, parse_location
-from .writer import EMPTY_DICTS, StorageWriter
+from .writer import StorageWriter
 
 
 def _dist_on() -> bool:
@@ -231,7 +232,22 @@ class _SavePlanner(DefaultSavePlanner):
         self.mappings = typed_paths(state_dict, self.mappings)
         empty = empty_dicts(state_dict)
         if empty:
-            self.mappings[(EMPTY_DICTS, rank_of_this_process() or 0)] = tuple(empty)
+            self.mappings[EMPTY_KEY] = tuple(sorted(empty, key=repr))  # type: ignore[index]
+
+    def create_global_plan(self, all_plans):
+        # DCP merges the ranks' mappings with a ChainMap (the first rank's entry wins):
+        # the empty dicts are every rank's.
+        empty: set[tuple] = set()
+        for plan in all_plans:
+            if isinstance(plan.planner_data, dict):
+                empty.update(plan.planner_data.get(EMPTY_KEY, ()))
+        plans, metadata = super().create_global_plan(all_plans)
+        if isinstance(metadata.planner_data, dict):
+            merged = {k: v for k, v in metadata.planner_data.items() if k != EMPTY_KEY}
+            if empty:
+                merged[EMPTY_KEY] = tuple(sorted(empty, key=repr))
+            metadata = dataclasses.replace(metadata, planner_data=merged)
+        return plans, metadata
 
     def _dedup_save_plans(self, all_plans):
         owners: dict[Any, list[int]] = {}

@@ -56,6 +56,7 @@ from .commit import CheckpointKind, classify
 from .errors import CheckpointNotFoundError, CorruptCheckpointError, NotCommittedError
 from .format import objects as objcodec
 from .format.dtypes import dtype_from_name
+from .format.keys import EMPTY_KEY, dcp_planner_data
 from .format.manifest import (
     ChunkEntry,
     Manifest,
@@ -132,7 +133,9 @@ def manifest_to_metadata(manifest: Manifest, path: str | None = None) -> Metadat
         sd_md[fqn] = BytesStorageMetadata()
         storage[MetadataIndex(fqn)] = (fqn, o)
         mappings[fqn] = o.path or (fqn,)
-    return Metadata(state_dict_metadata=sd_md, planner_data=mappings, storage_data=storage)
+    # DCP's own paths (plain str/int): DCP planners and .metadata pickles see only those.
+    planner_data = dcp_planner_data(mappings)
+    return Metadata(state_dict_metadata=sd_md, planner_data=planner_data, storage_data=storage)
 
 
 def manifest_rank_plans(manifest: Manifest) -> tuple[RankPlan, ...] | None:
@@ -148,7 +151,7 @@ def manifest_rank_plans(manifest: Manifest) -> tuple[RankPlan, ...] | None:
         for fqn, t in sorted(manifest.tensors.items())
         for c in t.chunks
     )
-    return (RankPlan(chunks, tuple(sorted(manifest.objects))),)
+    return (RankPlan(chunks, tuple(sorted(manifest.objects)), manifest.empty_dicts),)
 
 
 def save_plan_of(rank_plan: RankPlan, manifest: Manifest) -> SavePlan:
@@ -177,6 +180,8 @@ def save_plan_of(rank_plan: RankPlan, manifest: Manifest) -> SavePlan:
         items.append(WriteItem(index=MetadataIndex(fqn), type=WriteItemType.BYTE_IO))
         entry = manifest.objects.get(fqn)
         paths[fqn] = (entry.path if entry is not None else None) or (fqn,)
+    if rank_plan.empty_dicts:
+        paths[EMPTY_KEY] = rank_plan.empty_dicts  # type: ignore[index]
     return SavePlan(items, storage_data=rank_plan, planner_data=paths)
 
 

@@ -49,7 +49,7 @@ from .format import DCP_METADATA_NAME, MANIFEST_NAME
 from .format import objects as objcodec
 from .format.dcp_guard import QuicksaveStorageData
 from .format.dtypes import check_storable, dtype_name
-from .format.keys import names_itself
+from .format.keys import EMPTY_KEY, names_itself
 from .format.manifest import (
     ChunkEntry,
     FileEntry,
@@ -117,6 +117,7 @@ def rank_plan_of(plan: SavePlan) -> RankPlan:
     built from the plan's items."""
     if isinstance(plan.storage_data, RankPlan):
         return plan.storage_data
+    data = plan.planner_data if isinstance(plan.planner_data, dict) else {}
     tensors = []
     objects = []
     for item in plan.items:
@@ -133,7 +134,7 @@ def rank_plan_of(plan: SavePlan) -> RankPlan:
                 dtype_name(td.properties.dtype),
             )
         )
-    return RankPlan(tuple(tensors), tuple(objects))
+    return RankPlan(tuple(tensors), tuple(objects), tuple(data.get(EMPTY_KEY, ())))
 
 
 class StorageWriter(_DCPStorageWriter):
@@ -400,11 +401,6 @@ def _original_object(planner: SavePlanner, item, rank: int) -> Any:
     return lookup(item.index)
 
 
-# The key under which quicksave's save planner lists a rank's empty dicts in its DCP
-# mappings (``planner_data``), as ``(EMPTY_DICTS, rank)``: never an fqn (fqns are str).
-EMPTY_DICTS = "quicksave.empty_dicts"
-
-
 def build_manifest(
     metadata: Metadata,
     results: list[list[WriteResult]],
@@ -423,10 +419,7 @@ def build_manifest(
             if isinstance(sd, _ChunkWritten):
                 files[sd.file] = FileEntry(sd.file_size, sd.header_xxh3_64, sd.rank, sd.data_start)
     mappings = metadata.planner_data if isinstance(metadata.planner_data, dict) else {}
-    empty: set[tuple] = set()
-    for key, paths in mappings.items():
-        if isinstance(key, tuple) and key[:1] == (EMPTY_DICTS,):
-            empty.update(paths)
+    empty = mappings.get(EMPTY_KEY, ())
     tensors: dict[str, TensorEntry] = {}
     objs: dict[str, ObjectEntry] = {}
     for fqn, md in metadata.state_dict_metadata.items():
@@ -462,6 +455,6 @@ def build_manifest(
         files=files,
         user_metadata=user_metadata,
         plans=plans,
-        empty_dicts=tuple(sorted(empty, key=repr)),
+        empty_dicts=tuple(empty),
     )
     return manifest

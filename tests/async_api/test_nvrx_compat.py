@@ -1205,3 +1205,29 @@ def test_default_planner_records_key_types_and_keeps_the_pickle_dcp_only(
     stock = {"optim": {"state": {0: {"m": torch.zeros(3)}}}, "step": 0}
     dcp.load(stock, checkpoint_id=str(path), no_dist=True)
     assert torch.equal(stock["optim"]["state"][0]["m"], torch.arange(3.0)) and stock["step"] == 4
+
+
+def test_metadata_cache_sees_key_types_and_empty_dicts(
+    queue: AsyncCallsQueue, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The cached plan is reused only when the structure the manifest records (key
+    types, empty dicts) is unchanged too, and a plan loaded from a checkpoint carries
+    its empty dicts (FORMAT.md §2.1)."""
+    monkeypatch.setattr(saver.PROCESS, "metadata_cache", None)
+    first = {"state": {0: {"m": torch.ones(2)}}, "loop": {}}
+    _schedule_save(queue, first, tmp_path / "a", enable_cache=True)
+    queue.maybe_finalize_async_calls(blocking=True)
+    # Same items, other structure: int key 0 -> "0", loop gains an empty dict.
+    second = {"state": {"0": {"m": torch.ones(2)}}, "loop": {"x": {}}}
+    _schedule_save(queue, second, tmp_path / "b", enable_cache=True)
+    queue.maybe_finalize_async_calls(blocking=True)
+    got = quicksave.load_state(tmp_path / "b")
+    assert list(got["state"]) == ["0"] and got["loop"] == {"x": {}}
+    # "Restart" from the first checkpoint: its plans carry its empty dicts.
+    monkeypatch.setattr(saver.PROCESS, "metadata_cache", None)
+    init_checkpoint_metadata_cache(quicksave.StorageReader(tmp_path / "a").read_metadata())
+    monkeypatch.setattr(saver, "exchange_plans", lambda *a: pytest.fail("planned again"))
+    _schedule_save(queue, first, tmp_path / "c", enable_cache=True)
+    queue.maybe_finalize_async_calls(blocking=True)
+    got = quicksave.load_state(tmp_path / "c")
+    assert list(got["state"]) == [0] and got["loop"] == {}

@@ -305,10 +305,16 @@ def exchange_plans(
 def _same_items(a: SavePlan | None, b: SavePlan | None) -> bool:
     if a is None or b is None:
         return False
-    return (
-        rank_plan_of(_without_storage(a)).normalized()
-        == rank_plan_of(_without_storage(b)).normalized()
-    )
+    return rank_plan_of(_without_storage(a)).normalized() == rank_plan_of(
+        _without_storage(b)
+    ).normalized() and _structure(a) == _structure(b)
+
+
+def _structure(plan: SavePlan) -> list[tuple[str, str]]:
+    """The plan's state-dict paths, key types included (``repr``: a ``DictKey`` equals
+    its string) and empty dicts: what the manifest records beside the items."""
+    data = plan.planner_data if isinstance(plan.planner_data, dict) else {}
+    return sorted((repr(k), repr(tuple(v))) for k, v in data.items())
 
 
 def _without_storage(plan: SavePlan) -> SavePlan:

@@ -19,6 +19,11 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
+# The key under which quicksave's save planner lists the empty dicts in its DCP
+# mappings (``planner_data``): a rank's in its local plan, every rank's in the global
+# metadata (``api._SavePlanner.create_global_plan``). A tuple is never an fqn.
+EMPTY_KEY = ("quicksave.empty_dicts",)
+
 # type name in the manifest -> the Python type it restores
 KEY_TYPES: dict[str, type] = {"int": int, "bool": bool, "none": type(None), "float": float}
 _NAME_OF: dict[type, str] = {t: n for n, t in KEY_TYPES.items()}
@@ -91,7 +96,7 @@ def real_key(element: Any) -> Any:
 def dcp_planner_data(planner_data: Any) -> Any:
     """DCP ``Metadata.planner_data`` as DCP itself writes it: fqn -> path of plain
     ``str`` and ``int`` elements. quicksave's save planner also puts typed paths and
-    ``(EMPTY_DICTS, rank)`` entries there for its manifest; a ``.metadata`` pickle must
+    its ``EMPTY_KEY`` entry there for its manifest; a ``.metadata`` pickle must
     hold neither (stock readers unpickle it, some with a restricted unpickler)."""
     if not isinstance(planner_data, dict):
         return planner_data
