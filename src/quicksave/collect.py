@@ -75,6 +75,20 @@ DUPLICATE_FQN = (
 )
 
 
+def flatten(
+    nested: Mapping[str, Any], rank: int | None = None
+) -> tuple[dict[str, Any], dict[str, tuple]]:
+    """DCP's ``flatten_state_dict`` (fqn -> leaf, fqn -> path), its duplicate-name
+    ``ValueError`` turned into an IncompatibleStateError naming the fqn."""
+    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+
+    try:
+        return flatten_state_dict(nested)
+    except ValueError as e:  # "duplicated flatten key <fqn>"
+        fqn = str(e).removeprefix("duplicated flatten key ")
+        raise IncompatibleStateError(DUPLICATE_FQN, fqn=fqn, rank=rank) from None
+
+
 def validate_for_save(state_dict: Mapping[str, Any], rank: int | None = None) -> None:
     """Raise IncompatibleStateError for anything quicksave cannot store, naming the fqn."""
     seen: set[str] = set()

@@ -35,10 +35,9 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
-from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 
 from . import commit
-from .collect import DUPLICATE_FQN, check_tensor, to_state_dict
+from .collect import check_tensor, flatten, to_state_dict
 from .dist.saving import DistContext, DistSave, DistSaving
 from .errors import CheckpointError, CheckpointExistsError, IncompatibleStateError
 from .format import objects as objcodec
@@ -681,11 +680,7 @@ class AsyncSaver:
     ) -> tuple[dict[str, torch.Tensor], dict[str, Any], dict[str, tuple], tuple[tuple, ...]]:
         try:
             nested = to_state_dict(state_dict)
-            try:
-                flat, mappings = flatten_state_dict(nested)
-            except ValueError as e:  # DCP's "duplicated flatten key <fqn>"
-                fqn = str(e).rpartition(" ")[2]
-                raise IncompatibleStateError(DUPLICATE_FQN, fqn=fqn) from None
+            flat, mappings = flatten(nested)
             tensors: dict[str, torch.Tensor] = {}
             objects: dict[str, Any] = {}
             for fqn, v in flat.items():

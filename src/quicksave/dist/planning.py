@@ -24,7 +24,7 @@ from typing import Any
 import torch
 import xxhash
 
-from ..collect import DUPLICATE_FQN, check_tensor, to_state_dict
+from ..collect import check_tensor, flatten, to_state_dict
 from ..errors import IncompatibleStateError
 from ..format import ALIGNMENT
 from ..format import objects as objcodec
@@ -91,19 +91,6 @@ class GlobalPlan:
 def _hash(value: object) -> str:
     # repr() of tuples of str/int/dataclasses is deterministic across processes.
     return xxhash.xxh3_128_hexdigest(repr(value).encode("utf-8", "surrogatepass"))
-
-
-def _flatten(nested: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Path]]:
-    """fqn -> leaf and fqn -> nested path (of a state dict whose ``Stateful`` values
-    were turned into their state dicts), named exactly as ``quicksave.save`` (DCP's
-    flattening) names them, so fqns match the manifest and ``load``."""
-    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
-
-    try:
-        flat, mappings = flatten_state_dict(nested)
-    except ValueError as e:  # DCP's "duplicated flatten key <fqn>"
-        raise IncompatibleStateError(DUPLICATE_FQN, fqn=str(e).rpartition(" ")[2]) from None
-    return flat, mappings
 
 
 def _chunks(
@@ -180,7 +167,7 @@ def collect_local(state_dict: Mapping[str, Any], rank: int) -> LocalState:
         state.plan.key, state.tensors, state.values["step"]
     """
     nested = to_state_dict(state_dict)
-    flat, mappings = _flatten(nested)
+    flat, mappings = flatten(nested, rank)  # names as quicksave.save names them
     mappings = typed_paths(nested, mappings)
     items: list[ItemSpec] = []
     tensors: dict[str, torch.Tensor] = {}
