@@ -159,3 +159,36 @@ def test_async_saver_overwrite_on_an_object_store_is_refused():
     with AsyncSaver(EngineConfig(mode="thread")) as saver:
         with pytest.raises(CheckpointError, match="not supported on an object store"):
             saver.save(_state(1.0), "s3://bucket/run/last.ckpt", overwrite=True)
+
+
+def test_overwrite_without_an_atomic_exchange_never_loses_the_old_checkpoint(
+    ckpt, monkeypatch, caplog
+):
+    """Where the filesystem cannot exchange two directories, the old checkpoint is moved
+    to ``<name>.replaced-<token>`` (invisible, never cleaned up) and deleted only once
+    the new one is in place; a crash between the renames leaves it there whole."""
+    quicksave.save(_state(1.0), ckpt, step=1)
+    monkeypatch.setattr(commit, "_rename_exchange", lambda a, b: False)
+    quicksave.save(_state(2.0), ckpt, step=2, overwrite=True)
+    assert torch.equal(_loaded(ckpt)["w"], torch.full((64,), 2.0))
+    assert _siblings(ckpt) == ["ckpt"]
+    assert "cannot exchange directories atomically" in caplog.text
+
+    # A crash right after the old one was moved aside: it is whole and invisible.
+    real_rename = os.rename
+
+    def crash_on_second_rename(src, dst):
+        real_rename(src, dst)
+        if commit.REPLACED_MARK in os.fspath(dst):
+            raise KeyboardInterrupt("killed between the two renames")
+
+    monkeypatch.setattr(commit.os, "rename", crash_on_second_rename)
+    with pytest.raises(CheckpointError, match="killed between the two renames"):
+        quicksave.save(_state(3.0), ckpt, step=3, overwrite=True)
+    assert not os.path.exists(ckpt)  # the window: nothing at the name
+    (aside,) = [n for n in _siblings(ckpt) if commit.REPLACED_MARK in n]
+    parked = os.path.join(os.path.dirname(os.fspath(ckpt)), aside)
+    assert commit.classify(parked) is commit.CheckpointKind.UNCOMMITTED  # never listed
+    monkeypatch.setattr(commit.os, "rename", real_rename)
+    os.rename(parked, os.fspath(ckpt) + "-restored")
+    assert torch.equal(_loaded(os.fspath(ckpt) + "-restored")["w"], torch.full((64,), 2.0))

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import logging
 import os
 import shutil
 import stat
@@ -31,8 +32,13 @@ from .storage.backend import Backend
 from .storage.checkpoint_dir import CheckpointDir, read_range
 from .storage.location import Location, parse_location
 
+logger = logging.getLogger(__name__)
+
 TMP_MARK = ".tmp-"
 QUARANTINE_MARK = ".corrupt-"
+# A checkpoint being replaced where the filesystem cannot exchange two directories
+# (``publish(replace=True)``): moved here first, deleted once the new one is in place.
+REPLACED_MARK = ".replaced-"
 
 
 class CheckpointKind(enum.Enum):
@@ -136,7 +142,7 @@ def kind_of(base: str, names: set[str], footer: Callable[[], bool]) -> Checkpoin
         (n.startswith("rank-") and n.endswith(".safetensors")) or n.startswith("part-rank-")
         for n in names
     )
-    if TMP_MARK in base or QUARANTINE_MARK in base:
+    if TMP_MARK in base or QUARANTINE_MARK in base or REPLACED_MARK in base:
         return CheckpointKind.UNCOMMITTED
     if MANIFEST_NAME in names:
         return CheckpointKind.QUICKSAVE
@@ -290,10 +296,12 @@ def publish(tmp: str, final: str, expected: Mapping[str, int], *, replace: bool 
     ``replace`` (DCP's ``overwrite=True``, for ``FileSystemWriterAsync``): a committed
     checkpoint already at ``final`` is replaced atomically: the two directories swap
     places in one ``renameat2(RENAME_EXCHANGE)``, then the old one is deleted, so
-    ``final`` always holds a whole checkpoint. Where the filesystem cannot exchange, the
-    old one is first renamed to a temporary name (a crash in between leaves it there,
-    recoverable, and nothing at ``final``). Anything else at ``final`` is refused as
-    without ``replace``.
+    ``final`` always holds a whole checkpoint. Where the filesystem cannot exchange (NFS,
+    some FUSE filesystems, non-Linux), the old one is first renamed to
+    ``<final>.replaced-<token>``, a name that is never listed, loaded or cleaned up, and
+    deleted only once the new one is in place: a crash between the two renames leaves
+    nothing at ``final`` but the old checkpoint whole beside it (a warning says so).
+    Anything else at ``final`` is refused as without ``replace``.
 
     Raises:
         CheckpointError: the temporary directory is not whole or is gone.
@@ -305,8 +313,16 @@ def publish(tmp: str, final: str, expected: Mapping[str, int], *, replace: bool 
     fsync_path(tmp)
     if replace and classify(final) in (CheckpointKind.QUICKSAVE, CheckpointKind.DCP):
         if not _rename_exchange(tmp, final):
-            old = temp_path_for(final, new_token())
+            old = f"{final}{REPLACED_MARK}{new_token()}"
+            logger.warning(
+                "quicksave: %s cannot exchange directories atomically; replacing %s by "
+                "two renames (a crash between them leaves the old checkpoint at %s)",
+                os.path.dirname(final),
+                final,
+                old,
+            )
             os.rename(final, old)
+            fsync_path(os.path.dirname(final))
             os.rename(tmp, final)
             tmp = old
         fsync_path(os.path.dirname(final))
