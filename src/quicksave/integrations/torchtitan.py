@@ -665,13 +665,15 @@ class QuicksaveCheckpointManager(BaseCheckpointManager):
 
     def _agree_on_failure(self, failure: CheckpointError | None) -> CheckpointError | None:
         """Several ranks: every rank's failure (or None) to every rank (one
-        all-gather on the checkpoint group); returns this rank's failure, or else the
-        first other rank's (it names its rank). One rank: ``failure``."""
+        all-gather on the checkpoint group); returns the lowest failing rank's failure
+        (it names its rank) on every rank alike, so that all ranks take the same branch
+        (raise, or try the next checkpoint) and none waits in a collective the others
+        left. One rank: ``failure``."""
         if self._world_size() == 1:
             return failure
         gathered: list[CheckpointError | None] = [None] * self._world_size()
         dist.all_gather_object(gathered, failure, group=self._checkpoint_group())
-        return failure or next((f for f in gathered if f is not None), None)
+        return next((f for f in gathered if f is not None), None)
 
     def _check_open(self) -> None:
         if self._closed:
