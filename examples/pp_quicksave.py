@@ -43,17 +43,22 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import math
-import os
-import signal
-import sys
-from collections.abc import Iterator
-from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+from _common import (
+    example_parser,
+    exit_without_finalizing,
+    leaf_hash,
+    leaves,
+    lr_lambda,
+    print0,
+    setup_cpu,
+    sigkill_once_committed,
+    synthetic_batch,
+)
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 from torch.optim.lr_scheduler import LambdaLR
 
@@ -67,25 +72,11 @@ from quicksave import (
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--folder", required=True, help="checkpoint folder (path or URL)")
-    p.add_argument("--steps", type=int, default=8, help="train until this step")
-    p.add_argument("--interval", type=int, default=4, help="checkpoint every N steps")
-    p.add_argument(
-        "--kill-at",
-        type=int,
-        default=None,
-        metavar="STEP",
-        help="SIGKILL every rank once the checkpoint of STEP has committed",
-    )
+    p = example_parser(__doc__.splitlines()[0])  # --folder, --steps, --interval, --kill-at, ...
     p.add_argument("--layers", type=int, default=8, help="divisible by the world size")
     p.add_argument("--dim", type=int, default=32)
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--microbatches", type=int, default=2, help="divides --batch")
-    p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--max-norm", type=float, default=1.0, help="gradient clipping")
-    p.add_argument("--seed", type=int, default=0)
     return p.parse_args(argv)
 
 
@@ -129,21 +120,13 @@ class Stage(nn.Module):
         return self.head(x) if self.is_last else x
 
 
-def batch(step: int, args: argparse.Namespace) -> tuple[torch.Tensor, torch.Tensor]:
-    """The batch of ``step`` (the first stage uses the inputs, the last the targets): a
-    pure function of the step, so a resumed run sees exactly the data the uninterrupted
-    one saw."""
-    g = torch.Generator().manual_seed(args.seed * 1_000_003 + step)
-    x = torch.randn(args.batch, args.dim, generator=g)
-    return x, torch.sin(x.roll(1, dims=1)) * 0.5
-
-
 def train_step(stage: Stage, step: int, args: argparse.Namespace) -> float:
     """Forward and backward of one batch through the pipeline (GPipe: every
     microbatch forward, then every microbatch backward); gradients accumulate in
     ``stage``. Returns the batch's mean loss on every rank."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    x, y = batch(step, args)
+    # The whole batch on every rank: the first stage uses the inputs, the last the targets.
+    x, y = synthetic_batch(args.seed, step, args.batch, args.dim)
     xs, ys = x.chunk(args.microbatches), y.chunk(args.microbatches)
     inputs, outputs = [], []
     loss_sum = torch.zeros(())
@@ -185,39 +168,6 @@ def clip_grad_norm(stage: Stage, max_norm: float) -> None:
         g.mul_(scale)
 
 
-def lr_lambda(warmup: int, total: int):
-    def factor(step: int) -> float:
-        if step < warmup:
-            return (step + 1) / warmup
-        progress = (step - warmup) / max(1, total - warmup)
-        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
-
-    return factor
-
-
-def _leaves(value: Any, prefix: str) -> Iterator[tuple[str, Any]]:
-    if isinstance(value, dict):
-        for key, item in value.items():
-            yield from _leaves(item, f"{prefix}.{key}")
-    elif isinstance(value, (list, tuple)):
-        for i, item in enumerate(value):
-            yield from _leaves(item, f"{prefix}.{i}")
-    else:
-        yield prefix, value
-
-
-def leaf_hash(value: Any) -> str:
-    """SHA-256 of a tensor's dtype, shape and bytes, or of another value's ``repr``."""
-    h = hashlib.sha256()
-    if isinstance(value, torch.Tensor):
-        t = value.detach().cpu().contiguous()
-        h.update(f"{t.dtype}{tuple(t.shape)}".encode())
-        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
-    else:
-        h.update(repr(value).encode())
-    return h.hexdigest()
-
-
 def full_state_digest(stage: Stage, optim: torch.optim.Optimizer, step: int) -> str | None:
     """Collective: the digest of the whole model and optimizer state, whatever the split.
 
@@ -228,7 +178,7 @@ def full_state_digest(stage: Stage, optim: torch.optim.Optimizer, step: int) -> 
     model_sd, optim_sd = get_state_dict(
         stage, optim, options=StateDictOptions(flatten_optimizer_state_dict=True)
     )
-    mine = {k: leaf_hash(v) for k, v in _leaves({"model": model_sd, "optim": optim_sd}, "")}
+    mine = {k: leaf_hash(v) for k, v in leaves({"model": model_sd, "optim": optim_sd})}
     gathered: list[dict[str, str]] | None = (
         [{} for _ in range(dist.get_world_size())] if dist.get_rank() == 0 else None
     )
@@ -249,10 +199,7 @@ def full_state_digest(stage: Stage, optim: torch.optim.Optimizer, step: int) -> 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    torch.set_num_threads(1)
-    torch.use_deterministic_algorithms(True)
+    rank, world = setup_cpu()
     if args.layers % world or args.batch % args.microbatches:
         raise SystemExit(
             f"--layers ({args.layers}) must divide by the world size ({world}) and --batch "
@@ -282,12 +229,10 @@ def main(argv: list[str] | None = None) -> int:
     resumed = manager.load()  # strict: every key of the checkpoint is loaded by some rank
     if resumed is not None:
         loaded = full_state_digest(stage, optim, train_state.step)
-        if rank == 0:
-            print(
-                f"resumed from step {resumed} on {world} stages of {per_stage} layers, "
-                f"state digest: {loaded}",
-                flush=True,
-            )
+        print0(
+            f"resumed from step {resumed} on {world} stages of {per_stage} layers, "
+            f"state digest: {loaded}"
+        )
 
     for step in range(train_state.step + 1, args.steps + 1):
         optim.zero_grad(set_to_none=True)
@@ -299,29 +244,16 @@ def main(argv: list[str] | None = None) -> int:
         train_state.losses.append(loss)
         train_state.log_steps.append(step)
         manager.save(step)
-        if rank == 0:
-            print(f"step {step} loss {loss:.6f}", flush=True)
+        print0(f"step {step} loss {loss:.6f}")
         if step == args.kill_at:
-            manager.wait()  # the checkpoint of this step is committed ...
-            dist.barrier()  # ... on every rank: now crash, as hard as a process can
-            print(f"rank {rank}: SIGKILL after step {step}", flush=True)
-            os.kill(os.getpid(), signal.SIGKILL)
+            sigkill_once_committed(manager, step)  # every rank, once the save is committed
 
     manager.close()  # waits for the last checkpoint
     final = full_state_digest(stage, optim, train_state.step)
-    if rank == 0:
-        print(f"final state digest: {final}", flush=True)
+    print0(f"final state digest: {final}")
     dist.destroy_process_group()
     return 0
 
 
 if __name__ == "__main__":
-    code = main()
-    # Leave without interpreter finalization. torch's gloo worker threads outlive
-    # destroy_process_group() (the group stays referenced from C++), and one that is
-    # still dropping the buffers of a finished collective when Python finalizes takes
-    # the GIL and aborts the process ("terminate called without an active exception",
-    # SIGABRT; pytorch/pytorch#190489). Everything is committed and printed by now.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    exit_without_finalizing(main())  # skips interpreter finalization (see _common)

@@ -28,13 +28,13 @@ from __future__ import annotations
 import argparse
 import hashlib
 import os
-import sys
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+from _common import exit_without_finalizing
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.utils.data import IterableDataset
@@ -231,11 +231,5 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    code = main()
-    # Leave without interpreter finalization: gloo's worker threads outlive
-    # destroy_process_group(), and one still freeing a finished collective's buffers
-    # while Python finalizes aborts the process (SIGABRT; pytorch/pytorch#190489). Both
-    # checkpoints are committed and the verdict printed by now.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    # Both checkpoints are committed and the verdict printed by now.
+    exit_without_finalizing(main())  # skips interpreter finalization (see _common)

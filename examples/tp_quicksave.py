@@ -31,19 +31,22 @@ Exit status: 0 on success, non-zero on any failure (and after ``--kill-at``).
 from __future__ import annotations
 
 import argparse
-import hashlib
-import math
-import os
-import signal
 import sys
-from collections.abc import Iterator
-from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+from _common import (
+    example_parser,
+    exit_without_finalizing,
+    full_state_digest,
+    lr_lambda,
+    print0,
+    setup_cpu,
+    sigkill_once_committed,
+    synthetic_batch,
+)
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
@@ -63,17 +66,7 @@ from quicksave import (
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--folder", required=True, help="checkpoint folder (path or URL)")
-    p.add_argument("--steps", type=int, default=8, help="train until this step")
-    p.add_argument("--interval", type=int, default=4, help="checkpoint every N steps")
-    p.add_argument(
-        "--kill-at",
-        type=int,
-        default=None,
-        metavar="STEP",
-        help="SIGKILL every rank once the checkpoint of STEP has committed",
-    )
+    p = example_parser(__doc__.splitlines()[0])  # --folder, --steps, --interval, --kill-at, ...
     p.add_argument(
         "--plain",
         action="store_true",
@@ -83,10 +76,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--hidden", type=int, default=64, help="divisible by the world size")
     p.add_argument("--blocks", type=int, default=3)
     p.add_argument("--batch", type=int, default=8)
-    p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--max-norm", type=float, default=1.0, help="gradient clipping")
-    p.add_argument("--seed", type=int, default=0)
     return p.parse_args(argv)
 
 
@@ -126,64 +115,6 @@ def build_training(
     return optim, LambdaLR(optim, lr_lambda(args.warmup, args.steps)), TrainState()
 
 
-def batch(step: int, args: argparse.Namespace) -> tuple[torch.Tensor, torch.Tensor]:
-    """The batch of ``step``, the same on every rank (tensor parallelism splits the
-    weights, not the data): a pure function of the step, so a resumed run sees exactly
-    the data the uninterrupted one saw."""
-    g = torch.Generator().manual_seed(args.seed * 1_000_003 + step)
-    x = torch.randn(args.batch, args.dim, generator=g)
-    return x, torch.sin(x.roll(1, dims=1)) * 0.5
-
-
-def lr_lambda(warmup: int, total: int):
-    def factor(step: int) -> float:
-        if step < warmup:
-            return (step + 1) / warmup
-        progress = (step - warmup) / max(1, total - warmup)
-        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
-
-    return factor
-
-
-def _leaves(value: Any, prefix: str) -> Iterator[tuple[str, Any]]:
-    if isinstance(value, dict):
-        for key, item in value.items():
-            yield from _leaves(item, f"{prefix}.{key}")
-    elif isinstance(value, (list, tuple)):
-        for i, item in enumerate(value):
-            yield from _leaves(item, f"{prefix}.{i}")
-    else:
-        yield prefix, value
-
-
-def digest(state: dict[str, Any]) -> str:
-    """SHA-256 over every leaf of ``state`` (tensor bytes, dtype and shape; other values
-    by ``repr``), in key order."""
-    h = hashlib.sha256()
-    for key, value in sorted(_leaves(state, "")):
-        h.update(key.encode())
-        if isinstance(value, torch.Tensor):
-            t = value.detach().cpu().contiguous()
-            h.update(f"{t.dtype}{tuple(t.shape)}".encode())
-            h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
-        else:
-            h.update(repr(value).encode())
-    return h.hexdigest()
-
-
-def full_state_digest(model: nn.Module, optim: torch.optim.Optimizer, step: int) -> str | None:
-    """The digest of the full model and optimizer state (keys are parameter fqns, so a
-    TP model and a plain one compare). Distributed: collective, gathers the full tensors
-    onto rank 0 and returns the digest there (None on the other ranks)."""
-    distributed = dist.is_initialized()
-    model_sd, optim_sd = get_state_dict(
-        model, optim, options=StateDictOptions(full_state_dict=True, cpu_offload=distributed)
-    )
-    if distributed and dist.get_rank() != 0:
-        return None
-    return digest({"model": model_sd, "optim": optim_sd, "step": step})
-
-
 def states(model: nn.Module, optim: torch.optim.Optimizer, scheduler, train_state) -> dict:
     """What a checkpoint holds: the same names in the TP run and in the plain load."""
     return {
@@ -215,15 +146,12 @@ def load_plain(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    torch.set_num_threads(1)
-    torch.use_deterministic_algorithms(True)
+    _, world = setup_cpu(distributed=not args.plain)
     if args.plain:
         return load_plain(args)
 
-    dist.init_process_group("gloo")
-    rank = dist.get_rank()
     model = build_model(args)
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("tp",))
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
     for block in model.blocks:
         parallelize_module(block, mesh, {"up": ColwiseParallel(), "down": RowwiseParallel()})
     optim, scheduler, train_state = build_training(model, args)
@@ -241,11 +169,11 @@ def main(argv: list[str] | None = None) -> int:
     resumed = manager.load()
     if resumed is not None:
         loaded = full_state_digest(model, optim, train_state.step)
-        if rank == 0:
-            print(f"resumed from step {resumed}, state digest: {loaded}", flush=True)
+        print0(f"resumed from step {resumed}, state digest: {loaded}")
 
     for step in range(train_state.step + 1, args.steps + 1):
-        x, y = batch(step, args)
+        # The same batch on every rank: tensor parallelism splits the weights, not the data.
+        x, y = synthetic_batch(args.seed, step, args.batch, args.dim)
         loss = F.mse_loss(model(x), y)
         optim.zero_grad(set_to_none=True)
         loss.backward()
@@ -256,29 +184,16 @@ def main(argv: list[str] | None = None) -> int:
         train_state.losses.append(loss.item())
         train_state.log_steps.append(step)
         manager.save(step)
-        if rank == 0:
-            print(f"step {step} loss {loss.item():.6f}", flush=True)
+        print0(f"step {step} loss {loss.item():.6f}")
         if step == args.kill_at:
-            manager.wait()  # the checkpoint of this step is committed ...
-            dist.barrier()  # ... on every rank: now crash, as hard as a process can
-            print(f"rank {rank}: SIGKILL after step {step}", flush=True)
-            os.kill(os.getpid(), signal.SIGKILL)
+            sigkill_once_committed(manager, step)  # every rank, once the save is committed
 
     manager.close()  # waits for the last checkpoint
     final = full_state_digest(model, optim, train_state.step)
-    if rank == 0:
-        print(f"final state digest: {final}", flush=True)
+    print0(f"final state digest: {final}")
     dist.destroy_process_group()
     return 0
 
 
 if __name__ == "__main__":
-    code = main()
-    # Leave without interpreter finalization. torch's gloo worker threads outlive
-    # destroy_process_group() (the group stays referenced from C++), and one that is
-    # still dropping the buffers of a finished collective when Python finalizes takes
-    # the GIL and aborts the process ("terminate called without an active exception",
-    # SIGABRT; pytorch/pytorch#190489). Everything is committed and printed by now.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    exit_without_finalizing(main())  # skips interpreter finalization (see _common)
