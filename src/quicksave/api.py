@@ -209,7 +209,7 @@ def _element_bytes(item) -> int:
     td = item.tensor_data
     if td is None:
         return 1
-    return math.prod(td.chunk.sizes) * torch.empty((), dtype=td.properties.dtype).element_size()
+    return math.prod(td.chunk.sizes) * td.properties.dtype.itemsize
 
 
 class _SavePlanner(DefaultSavePlanner):

@@ -1015,7 +1015,7 @@ class AsyncSaver:
             if self._closed:
                 return None
             try:
-                tensors, objects, _ = self._collect_state(state_dict, "")
+                tensors, objects, _, _ = self._collect_state(state_dict, "")
                 plan = self._plan(tensors, objects)
             except CheckpointError as e:
                 logger.debug("quicksave: nothing prepared: %s", e)

@@ -107,7 +107,7 @@ def item_spec(item) -> ItemSpec:
         sizes=sizes,
         global_shape=tuple(td.size),
         dtype=dtype_name(dtype),
-        nbytes=numel * torch.empty((), dtype=dtype).element_size(),
+        nbytes=numel * dtype.itemsize,
     )
 
 

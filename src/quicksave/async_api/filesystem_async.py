@@ -283,7 +283,7 @@ class StagedPool:
             if numel == 0:
                 out[key] = torch.empty(shape, dtype=dtype)
                 continue
-            nbytes = numel * torch.empty((), dtype=dtype).element_size()
+            nbytes = numel * dtype.itemsize
             buf = (ctypes.c_ubyte * nbytes).from_address(base + offset)
             out[key] = torch.frombuffer(buf, dtype=dtype, count=numel).view(shape)
         return out

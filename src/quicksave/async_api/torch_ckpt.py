@@ -199,7 +199,7 @@ class TorchAsyncCheckpoint:
         if not self._shared:
             return torch.empty(shape, dtype=dtype)
         # Allocated in shared memory directly: ``share_memory_()`` would copy it there.
-        nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        nbytes = math.prod(shape) * dtype.itemsize
         storage = torch.UntypedStorage._new_shared(max(nbytes, 1))
         strides = torch.empty(shape, dtype=dtype, device="meta").stride()
         return torch.empty(0, dtype=dtype).set_(storage, 0, shape, strides)

@@ -54,7 +54,7 @@ def state_dict_of(
     g = torch.Generator().manual_seed(seed)
     sd = {}
     for name, dtype, nbytes in specs:
-        numel = nbytes // torch.empty((), dtype=dtype).element_size()
+        numel = nbytes // dtype.itemsize
         shape = (numel // 1024, 1024) if numel % 1024 == 0 else (numel,)
         sd[name] = torch.randn(shape, generator=g, dtype=dtype)
     return sd
