@@ -73,8 +73,6 @@ from ..engine import SaveHandle
 from ..errors import (
     CheckpointError,
     CheckpointNotFoundError,
-    CorruptCheckpointError,
-    NotCommittedError,
 )
 from ..manager.async_writer import AsyncWriter
 from ..manager.config import CheckpointConfig
@@ -85,6 +83,7 @@ from ..manager.folder import (
     clean_leftovers,
     committed_steps,
     create_folder,
+    load_newest,
     quarantine,
     replace_uncommitted,
     require_committed,
@@ -362,30 +361,17 @@ class QuicksaveCheckpointManager(BaseCheckpointManager):
             if not candidates:
                 self._refuse_stock_dcp(None)
                 return self._initial_load()
-            skipped: dict[int, str] = {}
-            for candidate in candidates:
-                try:
-                    self._load_step(candidate)
-                except (CorruptCheckpointError, CheckpointNotFoundError, NotCommittedError) as e:
-                    # Not IncompatibleStateError: an older checkpoint would not fit either.
-                    logger.error(
-                        "quicksave: the checkpoint of step %d cannot be loaded, trying an "
-                        "older one: %s",
-                        candidate,
-                        e,
-                    )
-                    skipped[candidate] = e.message
-                    if isinstance(e, CorruptCheckpointError) and self._lease is not None:
-                        quarantine(self._folder.child(f"step-{candidate}"), e.message)
-                    continue
-                return True
-        why = "; ".join(f"step {s}: {m}" for s, m in skipped.items())
-        raise CorruptCheckpointError(
-            f"no committed checkpoint in this folder passes its checks ({why}); nothing was "
-            "loaded consistently: restore the folder or start elsewhere",
-            path=self.folder,
-            rank=self._rank(),
-        )
+            on_corrupt = None
+            if self._lease is not None:  # a writer moves a corrupt checkpoint aside
+
+                def on_corrupt(candidate: int, why: str) -> None:
+                    quarantine(self._folder.child(f"step-{candidate}"), why)
+
+            folder, rank = self.folder, self._rank()
+            return (
+                load_newest(self.committed_steps, self._load_step, on_corrupt, folder, rank)
+                is not None
+            )
 
     def _maybe_wait_for_staging(self) -> None:
         if self._writer is not None:

@@ -44,7 +44,12 @@ from ..commit import (
     remove_tree,
 )
 from ..dcp_reader import DCPReader
-from ..errors import CheckpointError, CheckpointNotFoundError, NotCommittedError
+from ..errors import (
+    CheckpointError,
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    NotCommittedError,
+)
 from ..format import DCP_METADATA_NAME, MANIFEST_NAME
 from ..format.manifest import read_manifest
 from ..reader import StorageReader
@@ -252,6 +257,63 @@ def delete_checkpoint(path: str | Location, backend: Backend | None = None) -> N
         logger.info("quicksave: deleted old checkpoint %s", path)
     else:
         logger.warning("quicksave: could not delete old checkpoint %s", path)
+
+
+LOAD_ROUNDS = 3  # listings load_newest tries before it gives up
+
+
+def load_newest(
+    list_steps: Callable[[], list[int]],
+    load_step: Callable[[int], None],
+    on_corrupt: Callable[[int, str], None] | None,
+    folder: str,
+    rank: int | None,
+) -> int | None:
+    """Load the newest committed step that passes its checks, newest first.
+
+    A step that turns out corrupt (``on_corrupt(step, why)`` is called: a writer
+    quarantines it), vanished or uncommitted meanwhile is logged and skipped, and the
+    next older one is tried. Not an ``IncompatibleStateError``: an older checkpoint
+    would not fit either. After a round of failures the folder is listed again (up to
+    ``LOAD_ROUNDS`` times): a checkpoint that vanished meanwhile (another job's
+    retention, seen from a read-only reader) is no reason to give up while a newer one
+    has been committed since.
+
+    Returns:
+        The step loaded, or None if there is no committed step at all.
+
+    Raises:
+        CorruptCheckpointError: no committed step passes its checks (each is named).
+    """
+    skipped: dict[int, str] = {}
+    for _ in range(LOAD_ROUNDS):
+        candidates = [s for s in reversed(list_steps()) if s not in skipped]
+        if not candidates:
+            break
+        for candidate in candidates:
+            try:
+                load_step(candidate)
+            except (CorruptCheckpointError, CheckpointNotFoundError, NotCommittedError) as e:
+                logger.error(
+                    "quicksave: the checkpoint of step %d cannot be loaded, trying an "
+                    "older one: %s",
+                    candidate,
+                    e,
+                )
+                skipped[candidate] = e.message
+                if isinstance(e, CorruptCheckpointError) and on_corrupt is not None:
+                    on_corrupt(candidate, e.message)
+                continue
+            return candidate
+    if not skipped:
+        return None
+    why = "; ".join(f"step {s}: {m}" for s, m in skipped.items())
+    raise CorruptCheckpointError(
+        f"no committed checkpoint in this folder passes its checks ({why}); "
+        "nothing was loaded consistently: restore the folder or start elsewhere",
+        path=folder,
+        rank=rank,
+    )
 
 
 def quarantine(path: str | Location, why: str, backend: Backend | None = None) -> str | None:

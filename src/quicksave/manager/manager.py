@@ -52,10 +52,7 @@ from ..dist.saving import DistContext
 from ..engine import SaveHandle
 from ..errors import (
     CheckpointError,
-    CheckpointNotFoundError,
-    CorruptCheckpointError,
     IncompatibleStateError,
-    NotCommittedError,
 )
 from ..storage import Location, parse_location
 from ..storage.backend import Backend
@@ -68,6 +65,7 @@ from .folder import (
     clean_leftovers,
     committed_steps,
     create_folder,
+    load_newest,
     quarantine,
     replace_uncommitted,
     require_committed,
@@ -87,7 +85,6 @@ from .states import (
 )
 
 logger = logging.getLogger("quicksave")
-_LOAD_ROUNDS = 3  # listings load() tries before it gives up (see load)
 
 _stored_metadata = stored_metadata  # the old private name, kept for callers
 
@@ -385,42 +382,22 @@ class CheckpointManager:
             )
             self._load_step(step, strict=strict)
             return step
-        skipped: dict[int, str] = {}
-        for _ in range(_LOAD_ROUNDS):
-            # Listed again after a round of failures: a checkpoint that vanished meanwhile
-            # (another job's retention, seen from a read-only manager) is no reason to
-            # give up while a newer one has been committed since.
-            candidates = [s for s in reversed(self.committed_steps()) if s not in skipped]
-            if not candidates:
-                break
-            for candidate in candidates:
-                try:
-                    self._load_step(candidate, strict=strict)
-                except (CorruptCheckpointError, CheckpointNotFoundError, NotCommittedError) as e:
-                    # Not IncompatibleStateError: an older checkpoint would not fit either.
-                    logger.error(
-                        "quicksave: the checkpoint of step %d cannot be loaded, trying an "
-                        "older one: %s",
-                        candidate,
-                        e,
-                    )
-                    skipped[candidate] = e.message
-                    if isinstance(e, CorruptCheckpointError) and self._lease is not None:
-                        quarantine(
-                            self._where(self.step_path(candidate)), e.message, self._backend()
-                        )
-                    continue
-                return candidate
-        if not skipped:
-            logger.info("quicksave: no committed checkpoint in %s; starting fresh", self.folder)
-            return None
-        why = "; ".join(f"step {s}: {m}" for s, m in skipped.items())
-        raise CorruptCheckpointError(
-            f"no committed checkpoint in this folder passes its checks ({why}); "
-            "nothing was loaded consistently: restore the folder or start elsewhere",
-            path=self.folder,
-            rank=self._rank(),
+        on_corrupt = None
+        if self._lease is not None:  # a writer moves a corrupt checkpoint aside
+
+            def on_corrupt(candidate: int, why: str) -> None:
+                quarantine(self._where(self.step_path(candidate)), why, self._backend())
+
+        loaded = load_newest(
+            self.committed_steps,
+            lambda candidate: self._load_step(candidate, strict=strict),
+            on_corrupt,
+            self.folder,
+            self._rank(),
         )
+        if loaded is None:
+            logger.info("quicksave: no committed checkpoint in %s; starting fresh", self.folder)
+        return loaded
 
     def _load_step(self, step: int, *, strict: bool = True) -> None:
         """Load the committed checkpoint of ``step`` into the states (``strict``: see
