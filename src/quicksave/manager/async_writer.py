@@ -122,6 +122,11 @@ class AsyncWriter:
         """Build the staging pool for the full state ahead of the first save (once):
         in the background during training, in the foreground at start-up."""
         if self._prepared:
+            if not background:
+                # A build already started in the background (e.g. by the step hook that
+                # DCP's optimizer-state initialisation fires inside load()): at start-up
+                # it is finished here, before training resumes.
+                self.saver.wait_prepared()
             return
         self._prepared = True  # first: collect() may step an optimizer (DCP's state init)
         for hook in self._post_hooks:
