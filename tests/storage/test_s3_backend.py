@@ -4,6 +4,8 @@ the point."""
 
 from __future__ import annotations
 
+import base64
+import hashlib
 import os
 import random
 import socket
@@ -378,3 +380,27 @@ def test_blackhole_fails_in_bounded_time(s3_server, bucket, fault_proxy):
                 assert "read_timeout_s=1" in str(info.value)
         finally:
             fault_proxy.mode = "pass"
+
+
+def test_single_puts_are_checked_by_the_store(backend, s3_server, bucket, monkeypatch):
+    """A single PUT carries Content-MD5, and the store refuses a body that does not
+    match it: a PUT cut off by the writer's death can never leave a truncated object
+    (for a manifest, that would be a half-written commit)."""
+    sent = []
+    real = backend._client.put_object
+
+    def spy(**kwargs):
+        sent.append(kwargs)
+        return real(**kwargs)
+
+    monkeypatch.setattr(backend._client, "put_object", spy)
+    data = payload(5000)
+    backend.put("manifest.json", memoryview(data))
+    assert sent[-1]["ContentMD5"] == base64.b64encode(hashlib.md5(data).digest()).decode()
+    assert backend.get("manifest.json", 5000) == bytes(data)
+    # the server really checks it: a body that is not the one the digest was taken of
+    with pytest.raises(Exception, match="BadDigest|InvalidDigest|Content-MD5|md5"):
+        s3_server.client().put_object(
+            Bucket=bucket, Key="short", Body=bytes(data[:4000]), ContentMD5=sent[-1]["ContentMD5"]
+        )
+    assert backend.stat("short") is None
