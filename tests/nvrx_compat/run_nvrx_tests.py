@@ -622,10 +622,10 @@ def test_outcome(runs: list[RankRun], logdir: Path, seconds: float) -> Outcome:
     return Outcome("fail", _short(prefix + why), seconds, codes)
 
 
-def example_outcome(runs: list[RankRun], seconds: float) -> Outcome:
-    codes = [r.returncode for r in runs]
-    if all(c == 0 for c in codes):
-        return Outcome("pass", seconds=seconds, rank_codes=codes)
+def first_failure(runs: list[RankRun]) -> str:
+    """Why the group failed, from the rank that failed first on its own (not killed by
+    the launcher after another rank's failure): its last exception line, or how it
+    ended; ``"rank r: "`` in front when there are several ranks."""
     real = [r for r in runs if not r.killed and r.returncode != 0] or runs
     run = min(real, key=lambda r: (r.ended, r.rank))
     err_tail = last_exception_line(_read(run.stderr))
@@ -633,8 +633,14 @@ def example_outcome(runs: list[RankRun], seconds: float) -> Outcome:
         why = run.killed + (f" (last error in its log: {err_tail})" if err_tail else "")
     else:
         why = err_tail or exit_text(run.returncode)
-    prefix = f"rank {run.rank}: " if len(runs) > 1 else ""
-    return Outcome("fail", _short(prefix + why), seconds, codes)
+    return (f"rank {run.rank}: " if len(runs) > 1 else "") + why
+
+
+def example_outcome(runs: list[RankRun], seconds: float) -> Outcome:
+    codes = [r.returncode for r in runs]
+    if all(c == 0 for c in codes):
+        return Outcome("pass", seconds=seconds, rank_codes=codes)
+    return Outcome("fail", _short(first_failure(runs)), seconds, codes)
 
 
 def exit_code_text(o: Outcome) -> str:

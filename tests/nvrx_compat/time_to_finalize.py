@@ -53,8 +53,8 @@ from run_nvrx_tests import (
     _read,
     check_cpu_shim,
     cuda_available,
-    exit_text,
     extract_from_git,
+    first_failure,
     install_cpu_shim,
     last_exception_line,
     launch,
@@ -245,15 +245,7 @@ def run_once(
     run = Run(impl.name, rnd, "ok", seconds=secs, module_file=data.get("module_file", ""))
     run.first, run.saves = data.get("first"), data.get("saves", [])
     if any(r.returncode != 0 for r in runs):
-        failed = [r for r in runs if not r.killed and r.returncode != 0] or runs
-        r = min(failed, key=lambda r: (r.ended, r.rank))
-        err = last_exception_line(_read(r.stderr))
-        if r.killed:
-            why = r.killed + (f" (last error in its log: {err})" if err else "")
-        else:
-            why = err or exit_text(r.returncode)
-        prefix = f"rank {r.rank}: " if ws > 1 else ""
-        run.status, run.error = "fail", (prefix + why).replace(str(tmp), "$TMP")
+        run.status, run.error = "fail", first_failure(runs).replace(str(tmp), "$TMP")
     elif len(run.saves) != args.saves or run.first is None:
         run.status, run.error = "fail", f"exit 0 but {len(run.saves)}/{args.saves} saves reported"
     return run
