@@ -39,7 +39,7 @@ from .errors import (
 from .format.dtypes import dtype_name
 from .format.keys import EMPTY_KEY
 from .format.manifest import check_user_metadata
-from .keypaths import empty_dicts, typed_paths
+from .keypaths import structure
 from .reader import StorageReader, require_committed
 from .storage import StorageOptions, parse_location
 from .writer import StorageWriter
@@ -229,8 +229,7 @@ class _SavePlanner(DefaultSavePlanner):
         super().set_up_planner(state_dict, storage_meta, is_coordinator)
         # What DCP's flattening loses (keypaths.py), carried to the writer's manifest in
         # the mappings DCP merges into Metadata.planner_data; a tuple key cannot be an fqn.
-        self.mappings = typed_paths(state_dict, self.mappings)
-        empty = empty_dicts(state_dict)
+        self.mappings, empty = structure(state_dict, self.mappings)
         if empty:
             self.mappings[EMPTY_KEY] = tuple(sorted(empty, key=repr))  # type: ignore[index]
 

@@ -51,7 +51,7 @@ from .format.manifest import (
     TensorEntry,
     check_user_metadata,
 )
-from .keypaths import empty_dicts, typed_paths
+from .keypaths import structure
 from .plan import ItemSpec, RankLayout, layout_rank
 from .stage import StagingPool
 from .storage import Location, StorageOptions, parse_location
@@ -698,9 +698,9 @@ class AsyncSaver:
                     objects[fqn] = objcodec.encode(v, fqn)
         except IncompatibleStateError as e:
             raise IncompatibleStateError(e.message, path=final, fqn=e.fqn, rank=self.rank) from None
-        typed = typed_paths(nested, mappings)
+        typed, empty = structure(nested, mappings)
         paths = {fqn: tuple(p) for fqn, p in typed.items() if not names_itself(p, fqn)}
-        return tensors, objects, paths, tuple(empty_dicts(nested))
+        return tensors, objects, paths, tuple(empty)
 
     # ---------------------------------------------------------------------- plan
     def _plan(self, tensors: dict[str, torch.Tensor], objects: dict[str, Any]) -> _Plan:

@@ -1,14 +1,15 @@
 """What DCP's flattening loses, recorded at save time so that a load without a template
 gives back the structure that was saved (``quicksave.load_state``, ``convert``).
 
-- **Key types.** DCP names nested values by ``str(key)``; :func:`typed_paths` turns its
-  paths into paths whose non-string keys are :class:`~.format.keys.DictKey` elements.
+- **Key types.** DCP names nested values by ``str(key)``; the paths :func:`structure`
+  returns have a :class:`~.format.keys.DictKey` for each non-string key instead.
 - **Empty dicts.** A dict with nothing in it has no leaf, so DCP drops it (an
   optimizer's ``"state": {}`` before its first step, a loop's empty ``state_dict``);
-  :func:`empty_dicts` lists their paths.
+  :func:`structure` lists their paths.
 
-Both walk the state dict as DCP's ``traverse_state_dict`` does (dicts always; lists
-only when they hold tensors, dicts or such lists; tuples never).
+One walk of the state dict, as DCP's ``traverse_state_dict`` walks it (dicts always;
+lists only when they hold tensors, dicts or such lists; tuples never), so every leaf
+gets the fqn DCP gives it. It runs on every save: one pass, no lookups per fqn.
 """
 
 from __future__ import annotations
@@ -23,68 +24,49 @@ from .format.keys import DictKey
 Path = tuple[Any, ...]
 
 
-def typed_paths(original: Mapping[str, Any], mappings: Mapping[str, Path]) -> dict[str, Path]:
-    """``mappings`` (fqn -> DCP path, as ``flatten_state_dict`` returns it) with each
-    string element that stood for a non-string dict key of ``original`` replaced by
-    its :class:`DictKey`. Paths that need no change are returned as they are."""
-    by_text: dict[int, dict[str, Any]] = {}  # id(dict) -> str(key) -> key, built once
-    return {fqn: _typed(original, path, by_text) for fqn, path in mappings.items()}
+def structure(
+    nested: Mapping[str, Any], mappings: Mapping[str, Path]
+) -> tuple[dict[str, Path], list[Path]]:
+    """The typed paths and the empty dicts of ``nested``.
 
+    Args:
+        nested: the state dict (``Stateful`` values already turned into state dicts).
+        mappings: fqn -> DCP path, as ``flatten_state_dict`` returned them for it.
 
-def _typed(root: Any, path: Path, by_text: dict[int, dict[str, Any]]) -> Path:
-    node = root
-    elements: list[Any] | None = None
-    for i, element in enumerate(path):
-        if isinstance(node, Mapping):
-            if element in node:  # a str key (DCP's element is the key itself)
-                node = node[element]
-                continue
-            index = by_text.get(id(node))
-            if index is None:
-                index = by_text[id(node)] = {str(k): k for k in node if not isinstance(k, str)}
-            if element not in index:
-                return path if elements is None else tuple(elements)
-            key = index[element]
-            typed = DictKey.of(key)
-            if typed is not None:
-                if elements is None:
-                    elements = list(path)
-                elements[i] = typed
-            node = node[key]
-        elif isinstance(node, list) and isinstance(element, int) and element < len(node):
-            node = node[element]
-        else:
-            break
-    return path if elements is None else tuple(elements)
+    Returns:
+        ``(paths, empty)``: ``mappings`` with each string element that stood for a
+        non-string dict key replaced by its :class:`DictKey` (paths without one are
+        DCP's own), and the paths of the empty dicts.
+    """
+    typed: dict[str, Path] = {}
+    empty: list[Path] = []
 
+    def walk(path: Path, value: Any, has_typed: bool) -> None:
+        if isinstance(value, Mapping):
+            if not value:
+                empty.append(path)
+            for k, v in value.items():
+                element = _element(k)
+                walk(path + (element,), v, has_typed or isinstance(element, DictKey))
+        elif isinstance(value, list) and not _terminal(value):
+            for i, v in enumerate(value):
+                walk(path + (i,), v, has_typed)
+        elif has_typed:
+            typed[".".join(map(str, path))] = path
 
-def empty_dicts(original: Mapping[str, Any]) -> list[Path]:
-    """Paths (DCP-style, with :class:`DictKey` for non-string keys) of the empty dicts
-    in ``original`` that DCP's flattening drops."""
-    out: list[Path] = []
-    for key, value in original.items():
-        _walk(_element(key), value, out)
-    return out
+    for key, value in nested.items():
+        element = _element(key)
+        walk((element,), value, isinstance(element, DictKey))
+    return {fqn: typed.get(fqn, path) for fqn, path in mappings.items()}, empty
 
 
 def _element(key: Any) -> Any:
+    """A dict key as a path element: a ``str`` as it is, a kept type as its
+    :class:`DictKey`, any other key as its ``str()`` (as DCP names it)."""
     if isinstance(key, str):
         return key
     typed = DictKey.of(key)
     return typed if typed is not None else str(key)
-
-
-def _walk(path: Path | Any, value: Any, out: list[Path]) -> None:
-    if not isinstance(path, tuple):
-        path = (path,)
-    if isinstance(value, Mapping):
-        if not value:
-            out.append(path)
-        for k, v in value.items():
-            _walk(path + (_element(k),), v, out)
-    elif isinstance(value, list) and not _terminal(value):
-        for i, v in enumerate(value):
-            _walk(path + (i,), v, out)
 
 
 def _terminal(value: list[Any]) -> bool:

@@ -38,7 +38,7 @@ from ..format.manifest import (
     RankPlan,
     TensorEntry,
 )
-from ..keypaths import empty_dicts, typed_paths
+from ..keypaths import structure
 from ..plan import ItemSpec, RankLayout, item_spec_of, layout_rank, planned_chunk
 
 Path = tuple[Any, ...]  # nested state-dict path of a flattened fqn (str / int keys)
@@ -168,7 +168,7 @@ def collect_local(state_dict: Mapping[str, Any], rank: int) -> LocalState:
     """
     nested = to_state_dict(state_dict)
     flat, mappings = flatten(nested, rank)  # names as quicksave.save names them
-    mappings = typed_paths(nested, mappings)
+    mappings, empty = structure(nested, mappings)
     items: list[ItemSpec] = []
     tensors: dict[str, torch.Tensor] = {}
     values: dict[str, Any] = {}
@@ -186,7 +186,7 @@ def collect_local(state_dict: Mapping[str, Any], rank: int) -> LocalState:
         path = tuple(mappings.get(fqn, (fqn,)))
         if not names_itself(path, fqn):
             paths.append((fqn, path))
-    plan = make_local_plan(rank, items, list(values), paths, empty_dicts(nested))
+    plan = make_local_plan(rank, items, list(values), paths, empty)
     return LocalState(plan, tensors, values)
 
 
