@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
+import xxhash
 
 from . import commit
 from .collect import check_tensor, flatten, to_state_dict
@@ -50,6 +51,7 @@ from .format.manifest import (
     ObjectEntry,
     TensorEntry,
     check_user_metadata,
+    hexdigest,
 )
 from .keypaths import structure
 from .plan import ItemSpec, RankLayout, layout_rank
@@ -131,6 +133,12 @@ class SaveResult:
     durable_s: float  # committed: files, manifest and rename fsynced
     write_s: float  # the persister's writing (files + fsync)
     commit_s: float  # .metadata + manifest + rename
+    # CPU seconds spent on this save by the trainer (save() on the calling thread plus
+    # the background staging thread) and by the persister (its job and writer threads)
+    trainer_cpu_s: float = 0.0
+    worker_cpu_s: float = 0.0
+    bytes_copied: int = 0  # tensor bytes copied into the staging pool
+    bytes_hashed: int = 0  # bytes checksummed, by the trainer's staging and the writer
 
 
 class SaveHandle:
@@ -142,6 +150,9 @@ class SaveHandle:
         self.started = started
         self.blocking_s = 0.0
         self.staging_s: float | None = None
+        self.trainer_cpu_s = 0.0  # save() on its thread + the background staging thread
+        self.bytes_copied = 0
+        self.bytes_hashed = 0  # by the staging thread (hashed while copying)
         self._done = threading.Event()
         self._result: SaveResult | None = None
         self._error: BaseException | None = None
@@ -189,6 +200,7 @@ class _Plan:
     tensors: dict[str, TensorEntry]  # checksums empty
     files: dict[str, FileEntry]
     places: dict[str, tuple[str, int, int]]  # staged name -> (file, offset, length)
+    keys: dict[str, str] = field(default_factory=dict)  # staged name -> chunk key, if not same
 
 
 @dataclass
@@ -361,6 +373,7 @@ class AsyncSaver:
                 in a multi-rank saver, or the worker failed.
         """
         t0 = time.monotonic()
+        cpu0 = time.thread_time()
         # Outside the lock: the staging and prepare threads take it.
         self.maybe_wait_for_staging()
         self.wait_prepared()
@@ -452,7 +465,7 @@ class AsyncSaver:
             )
             now, later = self._split(plan, tensors, deferred)
             try:
-                self._stage(pool, plan, tensors, now)
+                handle.bytes_copied = self._stage(pool, plan, tensors, now)
             except BaseException:
                 slot.busy = None
                 del self._in_flight[job_id]
@@ -470,6 +483,7 @@ class AsyncSaver:
                 handle.staging_s = time.monotonic() - t0
                 self._submit(job, handle)
             handle.blocking_s = time.monotonic() - t0
+            handle.trainer_cpu_s += time.thread_time() - cpu0
             return handle
 
     def _backend_for(self, loc: Location | None) -> Backend | None:
@@ -742,7 +756,10 @@ class AsyncSaver:
                 chunk_keys[it.key] = (it.fqn, 0)
                 places[it.fqn] = (f.name, e.offset, e.length)
         skeleton = Manifest(None, 1, entries, {fqn: ObjectEntry(None) for fqn in objects}, files)
-        plan = _Plan(key, layout, chunk_keys, dcp_metadata_bytes(skeleton), entries, files, places)
+        keys = {fqn: key for key, (fqn, _) in chunk_keys.items()}
+        plan = _Plan(
+            key, layout, chunk_keys, dcp_metadata_bytes(skeleton), entries, files, places, keys
+        )
         self._plans = {key: plan}  # keep the latest only: plans change rarely
         return plan
 
@@ -783,29 +800,58 @@ class AsyncSaver:
         return now, later
 
     def _stage(
-        self, pool: StagingPool, plan: _Plan, tensors: dict[str, torch.Tensor], fqns: list[str]
-    ) -> None:
+        self,
+        pool: StagingPool,
+        plan: _Plan,
+        tensors: dict[str, torch.Tensor],
+        fqns: list[str],
+        digests: dict[str, str] | None = None,
+    ) -> int:
+        """Copy ``fqns`` into the pool; return the bytes copied. With ``digests``, also
+        hash every copied chunk into it (chunk key -> xxh3-64 hex): CPU tensors in the
+        same pass as the copy (``stage_hashed``), CUDA ones from the pool once their
+        copies are done."""
         cuda = any(tensors[f].is_cuda for f in fqns)
         stream = torch.cuda.Stream() if cuda else None
         ctx = torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
+        copied = 0
+        after: list[str] = []  # hashed once the side stream's copies are done
         with ctx:
             for name in fqns:
                 file, offset, length = plan.places[name]
-                pool.stage(pool.view(file, offset, length), tensors[name], non_blocking=pool.pinned)
+                view = pool.view(file, offset, length)
+                copied += length
+                if digests is not None and not tensors[name].is_cuda:
+                    digests[plan.keys.get(name, name)] = pool.stage_hashed(view, tensors[name])
+                    continue
+                pool.stage(view, tensors[name], non_blocking=pool.pinned)
+                if digests is not None:
+                    after.append(name)
         if stream is not None:
             stream.synchronize()
+        for name in after:
+            view = pool.view(*plan.places[name])
+            digests[plan.keys.get(name, name)] = hexdigest(xxhash.xxh3_64(view.numpy()).intdigest())
+        return copied
 
     def _stage_then_submit(
         self, pool, plan, tensors, fqns, job: PersistJob, handle: SaveHandle
     ) -> None:
+        # Runs beside training: copies on one thread, hashing each block while it is in
+        # the cache, so that the writer only writes (see ARCHITECTURE.md, issue 12).
+        cpu0 = time.thread_time()
+        digests: dict[str, str] = {}
         try:
-            self._stage(pool, plan, tensors, fqns)
+            copied = self._stage(pool, plan, tensors, fqns, digests)
         except BaseException as e:  # noqa: BLE001 - reported at the next wait/save
             self._staging_error = e
             return
+        handle.bytes_copied += copied
+        handle.bytes_hashed += copied
         handle.staging_s = time.monotonic() - handle.started
+        handle.trainer_cpu_s += time.thread_time() - cpu0
         with self._lock:
-            self._submit(job, handle)
+            self._submit(dataclasses.replace(job, digests=digests), handle)
 
     def maybe_wait_for_staging(self) -> None:
         """Block until background staging is done (call before mutating deferred tensors;
@@ -869,6 +915,10 @@ class AsyncSaver:
                     durable_s=r.finished_at - h.started,
                     write_s=r.write_s,
                     commit_s=r.commit_s,
+                    trainer_cpu_s=h.trainer_cpu_s,
+                    worker_cpu_s=r.cpu_s,
+                    bytes_copied=h.bytes_copied,
+                    bytes_hashed=h.bytes_hashed + r.bytes_hashed,
                 ),
                 None,
             )

@@ -27,16 +27,97 @@ engine, which owns the pools.
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import mmap
 import os
+import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
+import xxhash
 
 from .errors import CheckpointError
 from .format import ALIGNMENT
+from .format.manifest import hexdigest
 from .persist import as_writable_source, byte_view
 from .plan import RankLayout
+
+# Copy-and-hash block: small enough that the block is still in the L2 cache when it is
+# hashed right after its copy, large enough that the Python loop costs nothing (~6k
+# iterations per 1.6 GB).
+HASH_BLOCK = 256 << 10
+_HEADROOM = 1 << 30  # memory a page shield always leaves available to everyone else
+
+
+def _available_bytes() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0
+
+
+_SHIELD_CHUNK = 64 << 20  # pages held per step of a shield
+_PROBE = 16 << 20  # bytes faulted in to time recently freed pages
+
+
+def _fault_in(view: torch.Tensor, start: int, stop: int) -> float:
+    """Write one byte per page of ``view[start:stop]``; return the seconds it took."""
+    t0 = time.perf_counter()
+    view[start : stop : mmap.PAGESIZE].fill_(1)
+    return time.perf_counter() - t0
+
+
+@contextlib.contextmanager
+def shield_free_pages(nbytes: int) -> Iterator[int]:
+    """Hold the system's recently freed pages (up to ``nbytes``) while a pool is
+    allocated, then give them back; yields the bytes held.
+
+    The kernel hands out the most recently freed pages first, and those are the pages a
+    training loop frees and takes again at every step (gradients, activations). A pool
+    allocated without this shield takes them, and the next training steps get pages
+    that have sat free long enough to be cold: on a VM with free-page reporting
+    (virtio-balloon) the host has taken them back, and every first touch of such a page
+    costs a host fault. Measured on the 2-CPU VM of docs/benchmarks.md: the first step
+    after building a 1.6 GB pool took 2.1–2.9 s instead of 0.77 s, with the same number
+    of (guest) page faults. Held by this shield, the recycled pages stay out of the
+    pool's reach, the pool takes (and pays for) fresh pages, and once the shield is
+    released the recycled pages are the first ones handed out again.
+
+    The shield takes pages 64 MiB at a time and stops at the first step whose pages
+    fault in 3× slower than recently freed ones (timed first, on 16 MiB): from there on
+    it would only hold cold pages, which training does not use, and pay their faults.
+    It never takes memory that would leave less than 1 GiB available.
+    """
+    limit = min(nbytes, max(0, _available_bytes() - nbytes - _HEADROOM))
+    limit -= limit % mmap.PAGESIZE
+    if limit < 2 * _SHIELD_CHUNK:
+        yield 0
+        return
+    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
+    held = mmap.mmap(-1, limit, flags=flags)
+    pages = torch.frombuffer(held, dtype=torch.uint8)
+    size = 0
+    try:
+        probe = mmap.mmap(-1, _PROBE, flags=flags | getattr(mmap, "MAP_POPULATE", 0))
+        probe.close()  # freed just now: the next fault-in of that size takes these pages
+        hot = _fault_in(pages, 0, _PROBE) * (_SHIELD_CHUNK / _PROBE)
+        size = _PROBE
+        while size < limit:
+            stop = min(limit, size + _SHIELD_CHUNK)
+            took = _fault_in(pages, size, stop) * _SHIELD_CHUNK / (stop - size)
+            size = stop
+            if took > 3 * hot:
+                break  # cold pages from here on: every recycled page is held
+        yield size
+    finally:
+        del pages
+        held.close()
 
 
 def _align(n: int) -> int:
@@ -85,9 +166,11 @@ class StagingPool:
     Args:
         layout: the rank's file layout (plan.py); the headers are written at build time.
         pin: page-lock for CUDA copies (default: when CUDA is available).
-        populate: fault every page into this process now (``MAP_POPULATE``). False: the
-            pages are allocated (``fallocate``: running out of memory is an error here,
-            never a ``SIGBUS`` later) but left for another process or :meth:`touch`.
+        populate: fault every page into this process now (``MAP_POPULATE``), behind a
+            :func:`shield_free_pages` so that the pool does not take the pages training
+            recycles. False: the pages are allocated (``fallocate``: running out of
+            memory is an error here, never a ``SIGBUS`` later) but left for another
+            process or :meth:`touch`.
 
     Raises:
         CheckpointError: the memory cannot be allocated (names the size).
@@ -102,15 +185,17 @@ class StagingPool:
         self.fd = -1
         self._mm: mmap.mmap | None = None
         self._registered = False
+        shield = shield_free_pages(self.nbytes) if populate else contextlib.nullcontext()
         try:
-            self.fd = os.memfd_create(f"quicksave-pool-{os.getpid()}", os.MFD_CLOEXEC)
-            os.ftruncate(self.fd, self.nbytes)
-            os.posix_fallocate(self.fd, 0, self.nbytes)  # allocate now, not at first write
-            self._mm = mmap.mmap(
-                self.fd,
-                self.nbytes,
-                flags=mmap.MAP_SHARED | (getattr(mmap, "MAP_POPULATE", 0) if populate else 0),
-            )
+            with shield:
+                self.fd = os.memfd_create(f"quicksave-pool-{os.getpid()}", os.MFD_CLOEXEC)
+                os.ftruncate(self.fd, self.nbytes)
+                os.posix_fallocate(self.fd, 0, self.nbytes)  # allocate now, not at first write
+                self._mm = mmap.mmap(
+                    self.fd,
+                    self.nbytes,
+                    flags=mmap.MAP_SHARED | (getattr(mmap, "MAP_POPULATE", 0) if populate else 0),
+                )
         except OSError as e:
             self.close()
             raise CheckpointError(
@@ -169,6 +254,37 @@ class StagingPool:
             # dtypes without copy kernels (bits*, sub-byte ints): move the raw bytes
             raw = as_writable_source(src)
             dest.copy_(torch.frombuffer(byte_view(raw), dtype=torch.uint8))
+
+    def stage_hashed(self, dest: torch.Tensor, src: torch.Tensor) -> str:
+        """Copy ``src`` into the pool bytes ``dest`` like :meth:`stage` and return the
+        xxh3-64 (hex) of those bytes, computed in the same pass over memory: each
+        :data:`HASH_BLOCK` is hashed right after it is copied, while it is still in the
+        cache, so the writer need not read the pool again to hash it. The copy is
+        ``memmove`` on one thread with the GIL released (a CPU tensor in one piece);
+        anything else (CUDA, strided, conjugated) is staged by :meth:`stage` and then
+        hashed from the pool."""
+        n = dest.numel()
+        h = xxhash.xxh3_64()
+        if n == 0:
+            return hexdigest(h.intdigest())
+        src = src.detach()
+        arr = dest.numpy()
+        if (
+            src.device.type == "cpu"
+            and src.is_contiguous()
+            and not src.is_conj()
+            and not src.is_neg()
+            and src.numel() * src.dtype.itemsize == n
+        ):
+            s, d = src.data_ptr(), dest.data_ptr()
+            for a in range(0, n, HASH_BLOCK):
+                b = min(n, a + HASH_BLOCK)
+                ctypes.memmove(d + a, s + a, b - a)
+                h.update(arr[a:b])
+        else:
+            self.stage(dest, src, non_blocking=False)
+            h.update(arr)
+        return hexdigest(h.intdigest())
 
     def close(self) -> None:
         """Release the memory (the worker's mapping keeps it alive until it unmaps)."""

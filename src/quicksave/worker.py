@@ -39,7 +39,7 @@ import time
 import traceback
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from multiprocessing.reduction import ForkingPickler, recv_handle, send_handle
 from typing import Any
@@ -95,6 +95,9 @@ class PersistJob:
     location: Location | None = None
     # Replace a committed checkpoint at ``final_path`` atomically (local, single rank).
     replace: bool = False
+    # Chunk digests the trainer computed while staging (chunk key -> xxh3-64 hex): the
+    # writer hashes only the chunks missing here.
+    digests: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -123,6 +126,8 @@ class JobResult:
     write_s: float = 0.0
     commit_s: float = 0.0
     finished_at: float = 0.0  # time.monotonic() when durable (comparable across processes)
+    cpu_s: float = 0.0  # CPU seconds of the job's thread and its writer threads
+    bytes_hashed: int = 0  # chunk bytes the writer hashed (not given by the trainer)
     error_type: str = ""
     error_message: str = ""
     error_path: str | None = None
@@ -172,8 +177,9 @@ def execute_job(
     if job.dist is not None:
         return _execute_dist_job(job, pool, store, backend)
     t0 = time.monotonic()
+    usage = _Usage(time.thread_time())
     try:
-        digests = _write_files(job, pool, backend)
+        digests = _write_files(job, pool, backend, usage)
         t1 = time.monotonic()
         commit_files(
             job.tmp_dir,
@@ -184,10 +190,23 @@ def execute_job(
             replace=job.replace,
         )
         t2 = time.monotonic()
-        return _done(job, t0, t1, t2)
+        return _done(job, t0, t1, t2, usage)
     except BaseException as e:  # noqa: BLE001 - every failure must reach the trainer
         _discard(job, backend)
         return _failure(job, e)
+
+
+@dataclass
+class _Usage:
+    """What one job cost the persister: CPU seconds of its thread (from ``cpu0``, its
+    ``time.thread_time()`` at the start) and of its writer threads, chunk bytes hashed."""
+
+    cpu0: float
+    helpers_cpu_s: float = 0.0
+    bytes_hashed: int = 0
+
+    def cpu_s(self) -> float:
+        return time.thread_time() - self.cpu0 + self.helpers_cpu_s
 
 
 def _backend_for(job: PersistJob, backends: dict[tuple, Backend]) -> Backend:
@@ -216,29 +235,38 @@ def _discard(job: PersistJob, backend: Backend, parts: bool = False) -> None:
         backend.delete(keys)
 
 
-def _write_files(job: PersistJob, pool: memoryview, backend: Backend) -> dict[str, str]:
+def _write_files(
+    job: PersistJob, pool: memoryview, backend: Backend, usage: _Usage
+) -> dict[str, str]:
     """Write every file image of the job into its temporary directory (an object store:
     under the checkpoint's prefix); return the xxh3-64 of every chunk (safetensors key ->
-    hex), computed while writing."""
+    hex): those the trainer hashed while staging (``job.digests``), the others computed
+    while writing. Adds the writer threads' CPU and the bytes hashed to ``usage``."""
     local = isinstance(backend, LocalBackend)
     if local:
         os.makedirs(job.tmp_dir, exist_ok=True)
 
-    def one(f: FileJob) -> dict[str, str]:
+    def one(f: FileJob) -> tuple[dict[str, str], float]:
+        cpu0 = time.thread_time()
         key = join(job.tmp_dir, f.name)
+        todo = tuple(e for e in f.entries if e[0] not in job.digests)
         if local:  # whole pages past the end, for O_DIRECT
             image = pool[f.base : f.base + f.size + (-f.size % 4096)]
-            return backend.put_padded(key, image, f.size, f.entries)
-        return backend.put(key, pool[f.base : f.base + f.size], ranges=f.entries)
+            digests = backend.put_padded(key, image, f.size, todo)
+        else:
+            digests = backend.put(key, pool[f.base : f.base + f.size], ranges=todo)
+        return digests, time.thread_time() - cpu0
 
-    digests: dict[str, str] = {}
+    digests: dict[str, str] = dict(job.digests)
+    usage.bytes_hashed += sum(e[2] for f in job.files for e in f.entries if e[0] not in digests)
     if len(job.files) <= 1 or job.thread_count <= 1:
         for f in job.files:
-            digests.update(one(f))
+            digests.update(one(f)[0])  # on the job's thread: counted by its usage.cpu0
     else:
         with ThreadPoolExecutor(min(job.thread_count, len(job.files))) as ex:
-            for d in ex.map(one, job.files):
+            for d, cpu in ex.map(one, job.files):
                 digests.update(d)
+                usage.helpers_cpu_s += cpu
     return digests
 
 
@@ -248,12 +276,13 @@ def _execute_dist_job(job: PersistJob, pool: memoryview, store: Any, backend: Ba
     d = job.dist
     assert d is not None
     t0 = time.monotonic()
+    usage = _Usage(time.thread_time())
     coordinator = job.rank == d.coordinator
     try:
         if store is None:
             raise CheckpointError("a multi-rank save needs the ranks' store", rank=job.rank)
         try:
-            digests = _write_files(job, pool, backend)
+            digests = _write_files(job, pool, backend, usage)
             part = RankPart(job.rank, digests, d.objects)
             if backend.atomic_rename:
                 write_part(job.tmp_dir, part, job.fsync)
@@ -300,7 +329,7 @@ def _execute_dist_job(job: PersistJob, pool: memoryview, store: Any, backend: Ba
             if reason is not None:
                 return _not_committed(job, reason, None)
         t2 = time.monotonic()
-        return _done(job, t0, t1, t2)
+        return _done(job, t0, t1, t2, usage)
     except BaseException as e:  # noqa: BLE001 - e.g. the store went away
         return _failure(job, e)
 
@@ -317,7 +346,9 @@ def _not_committed(job: PersistJob, reason: str, failed_rank: int | None) -> Job
     )
 
 
-def _done(job: PersistJob, began: float, written: float, committed: float) -> JobResult:
+def _done(
+    job: PersistJob, began: float, written: float, committed: float, usage: _Usage
+) -> JobResult:
     """A job's success: its files written at ``written``, committed at ``committed``."""
     return JobResult(
         job.job_id,
@@ -327,6 +358,8 @@ def _done(job: PersistJob, began: float, written: float, committed: float) -> Jo
         write_s=written - began,
         commit_s=committed - written,
         finished_at=committed,
+        cpu_s=usage.cpu_s(),
+        bytes_hashed=usage.bytes_hashed,
     )
 
 

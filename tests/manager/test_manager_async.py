@@ -128,7 +128,7 @@ class StageGate:
 @pytest.fixture
 def stage_gate(monkeypatch: pytest.MonkeyPatch) -> StageGate:
     gate = StageGate()
-    original = StagingPool.stage
+    original, original_hashed = StagingPool.stage, StagingPool.stage_hashed
 
     def stage(self: StagingPool, dest: torch.Tensor, src: torch.Tensor, non_blocking=False):
         name = threading.current_thread().name
@@ -138,7 +138,17 @@ def stage_gate(monkeypatch: pytest.MonkeyPatch) -> StageGate:
         with gate.lock:
             gate.calls.append((name, src.data_ptr()))
 
+    def stage_hashed(self: StagingPool, dest: torch.Tensor, src: torch.Tensor) -> str:
+        name = threading.current_thread().name
+        if name == "quicksave-stage":
+            assert gate.opened.wait(GATE_TIMEOUT_S)
+        digest = original_hashed(self, dest, src)
+        with gate.lock:
+            gate.calls.append((name, src.data_ptr()))
+        return digest
+
     monkeypatch.setattr(StagingPool, "stage", stage)
+    monkeypatch.setattr(StagingPool, "stage_hashed", stage_hashed)
     return gate
 
 

@@ -237,6 +237,10 @@ class AsyncWriter:
                         write_s=result.write_s,
                         commit_s=result.commit_s,
                         status="committed",
+                        trainer_cpu_s=result.trainer_cpu_s,
+                        worker_cpu_s=result.worker_cpu_s,
+                        bytes_copied=result.bytes_copied,
+                        bytes_hashed=result.bytes_hashed,
                     ),
                 )
             )

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import logging
 import os
+import resource
 import time
 from collections.abc import Callable, Mapping
 from datetime import timedelta
@@ -477,6 +478,7 @@ class CheckpointManager:
         asynchronous = self._writer is not None and kind == "full"
         if not asynchronous:
             self._drain()  # a synchronous write never runs beside a save in flight
+        cpu0 = _process_cpu_s()
         state_dict = self._collect(kind)
         nbytes = payload_bytes(state_dict)
         self._replace_uncommitted(path)
@@ -487,7 +489,18 @@ class CheckpointManager:
             if kind == "full" and (self._last_good or -1) < step:
                 self._last_good = step  # committed by this call
             record = SaveRecord(
-                step, kind, path, nbytes, now - begin, now - begin, now - begin, now - written
+                step,
+                kind,
+                path,
+                nbytes,
+                now - begin,
+                now - begin,
+                now - begin,
+                now - written,
+                trainer_cpu_s=_process_cpu_s() - cpu0,
+                worker_cpu_s=0.0,
+                bytes_copied=0,
+                bytes_hashed=nbytes,
             )
             self.metrics.append(record)
             log_committed(record)
@@ -816,3 +829,9 @@ def _default_save_policy(config: CheckpointConfig) -> SavePolicy:
     if config.interval_type == "seconds":
         return EveryNSeconds(config.interval)
     return EveryNSteps(int(config.interval))
+
+
+def _process_cpu_s() -> float:
+    """CPU seconds (user + system) of this process so far, all threads."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime

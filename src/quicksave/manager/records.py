@@ -37,6 +37,15 @@ class SaveRecord:
             synchronous saves, where it is part of ``write_s``).
         status: ``"in_flight"``, ``"committed"`` or ``"failed"``.
         mode: the ``async_mode`` that wrote it (``"disabled"`` for synchronous writes).
+        trainer_cpu_s: CPU seconds the save cost the training process: ``save()`` on its
+            thread plus the background staging thread (synchronous saves: the whole
+            process while ``save()`` ran). None until known.
+        worker_cpu_s: CPU seconds of the writer (the worker process's job and writer
+            threads, or the writer thread in thread mode); 0 for synchronous saves.
+        bytes_copied: tensor bytes copied into the staging pool (0: written from the
+            tensors' own memory).
+        bytes_hashed: bytes checksummed (xxh3-64), by the staging thread while copying
+            and by the writer.
     """
 
     step: int
@@ -50,6 +59,10 @@ class SaveRecord:
     commit_s: float | None = None
     status: str = "committed"
     mode: str = "disabled"
+    trainer_cpu_s: float | None = None
+    worker_cpu_s: float | None = None
+    bytes_copied: int | None = None
+    bytes_hashed: int | None = None
 
 
 def _s(value: float | None) -> str:
@@ -60,7 +73,7 @@ def log_committed(record: SaveRecord) -> None:
     """The one log line of a committed checkpoint, with its costs."""
     logger.info(
         "quicksave: committed %s checkpoint of step %d to %s (%s): %d bytes, blocking %s, "
-        "staging %s, durable %s (write %s, commit %s)",
+        "staging %s, durable %s (write %s, commit %s), CPU %s trainer + %s writer",
         record.kind,
         record.step,
         record.path,
@@ -71,4 +84,6 @@ def log_committed(record: SaveRecord) -> None:
         _s(record.durable_s),
         _s(record.write_s),
         _s(record.commit_s),
+        _s(record.trainer_cpu_s),
+        _s(record.worker_cpu_s),
     )

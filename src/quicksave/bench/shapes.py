@@ -1,0 +1,160 @@
+"""The model shapes of the training-loop benchmark: three ways to hold the same ~1.6 GB of
+state (~134M float32 parameters plus AdamW's two moments), so that no one layout of
+tensors decides the result.
+
+* ``mlp`` — a wide MLP: 8 × Linear(4096, 4096), 16 parameter tensors of up to 64 MiB.
+* ``transformer`` — a 24-layer decoder-only language model (d_model 640, 10 heads,
+  4× MLP, separate q/k/v/o projections, learned positions, a 32k vocabulary tied to the
+  output head): 388 parameter tensors, most of them 0.4–6.6 MiB, ~1,550 state entries.
+* ``embedding`` — a recommendation-style model: one EmbeddingBag(200,000 × 512) table
+  (102M parameters: 1.23 GB of the state with its moments) whose gradient is non-zero
+  only in the rows a batch looks up (≈ 4k of 200k per step), plus a small dense MLP.
+
+Each shape is ``(model, batches, loss)`` with seeded weights and data, so every method
+of one run trains exactly the same thing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+__all__ = ["SHAPES", "Shape", "build"]
+
+
+@dataclass(frozen=True)
+class Shape:
+    """One model shape: how to build it, and what it is (for the report)."""
+
+    name: str
+    about: str
+    build: Callable[[int, bool], tuple[nn.Module, list[tuple[torch.Tensor, torch.Tensor]], Any]]
+
+
+def _mlp(seed: int, quick: bool) -> tuple[nn.Module, list, Callable]:
+    hidden, layers, batch = (256, 4, 8) if quick else (4096, 8, 32)
+    torch.manual_seed(seed)
+    mods: list[nn.Module] = []
+    for i in range(layers):
+        mods.append(nn.Linear(hidden, hidden))
+        if i < layers - 1:
+            mods.append(nn.ReLU())
+    g = torch.Generator().manual_seed(seed + 1)
+    data = [(torch.randn(batch, hidden, generator=g), torch.randn(batch, hidden, generator=g))]
+    data += [(torch.randn(batch, hidden, generator=g), torch.randn(batch, hidden, generator=g))]
+    return nn.Sequential(*mods), data, nn.functional.mse_loss
+
+
+class _Block(nn.Module):
+    def __init__(self, d: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.q, self.k, self.v, self.o = (nn.Linear(d, d) for _ in range(4))
+        self.fc1, self.fc2 = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        h = self.ln1(x)
+        q, k, v = (
+            p(h).view(b, t, self.heads, d // self.heads).transpose(1, 2)
+            for p in (self.q, self.k, self.v)
+        )
+        a = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.o(a.transpose(1, 2).reshape(b, t, d))
+        return x + self.fc2(nn.functional.gelu(self.fc1(self.ln2(x))))
+
+
+class _LM(nn.Module):
+    def __init__(self, vocab: int, d: int, layers: int, heads: int, context: int) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(vocab, d)
+        self.pos = nn.Embedding(context, d)
+        self.blocks = nn.ModuleList(_Block(d, heads) for _ in range(layers))
+        self.ln = nn.LayerNorm(d)
+        for table in (self.tok, self.pos):
+            nn.init.normal_(table.weight, std=0.02)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.tok(ids) + self.pos(torch.arange(ids.shape[1]))
+        for block in self.blocks:
+            x = block(x)
+        return self.ln(x) @ self.tok.weight.t()  # output head tied to the embedding
+
+
+def _lm_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1))
+
+
+def _transformer(seed: int, quick: bool) -> tuple[nn.Module, list, Callable]:
+    vocab, d, layers, heads, batch, seq = (
+        (512, 64, 24, 4, 2, 16) if quick else (32000, 640, 24, 10, 2, 32)
+    )
+    torch.manual_seed(seed)
+    model = _LM(vocab, d, layers, heads, context=seq)
+    g = torch.Generator().manual_seed(seed + 1)
+    data = []
+    for _ in range(2):
+        ids = torch.randint(0, vocab, (batch, seq + 1), generator=g)
+        data.append((ids[:, :-1].contiguous(), ids[:, 1:].contiguous()))
+    return model, data, _lm_loss
+
+
+class _Recommender(nn.Module):
+    def __init__(self, rows: int, dim: int, hidden: int, depth: int) -> None:
+        super().__init__()
+        self.table = nn.EmbeddingBag(rows, dim, mode="sum")
+        layers: list[nn.Module] = [nn.Linear(dim, hidden), nn.ReLU()]
+        for _ in range(depth):
+            layers += [nn.Linear(hidden, hidden), nn.ReLU()]
+        layers.append(nn.Linear(hidden, 1))
+        self.dense = nn.Sequential(*layers)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.dense(self.table(ids)).squeeze(-1)
+
+
+def _embedding(seed: int, quick: bool) -> tuple[nn.Module, list, Callable]:
+    rows, dim, hidden, depth, batch, bag = (
+        (5000, 32, 64, 2, 16, 4) if quick else (200_000, 512, 2048, 7, 256, 16)
+    )
+    torch.manual_seed(seed)
+    model = _Recommender(rows, dim, hidden, depth)
+    g = torch.Generator().manual_seed(seed + 1)
+    data = []
+    for _ in range(2):
+        # skewed ids (a few rows are hot), as lookups of real catalogs are
+        u = torch.rand(batch, bag, generator=g)
+        ids = (rows * u.pow(3)).long().clamp_(max=rows - 1)
+        data.append((ids, torch.randn(batch, generator=g)))
+    return model, data, nn.functional.mse_loss
+
+
+SHAPES: dict[str, Shape] = {
+    s.name: s
+    for s in (
+        Shape("mlp", "wide MLP, 8 × Linear(4096, 4096): 16 parameter tensors", _mlp),
+        Shape(
+            "transformer",
+            "24-layer LM, d 640, 32k vocab (tied): 388 parameter tensors",
+            _transformer,
+        ),
+        Shape(
+            "embedding",
+            "EmbeddingBag 200k × 512 (sparse gradients) + 8-layer MLP of width 2048",
+            _embedding,
+        ),
+    )
+}
+
+
+def build(shape: str, seed: int, quick: bool = False) -> tuple[nn.Module, list, Callable]:
+    """The seeded model, its batches (inputs, targets) and its loss function."""
+    try:
+        return SHAPES[shape].build(seed, quick)
+    except KeyError:
+        raise ValueError(f"unknown shape {shape!r}; known: {', '.join(SHAPES)}") from None
