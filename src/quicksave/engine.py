@@ -327,6 +327,11 @@ class AsyncSaver:
         self._unreported = [e for e in self._unreported if e is not err]
 
     @property
+    def staging_bytes(self) -> int:
+        """Bytes of host memory held by this saver's staging pools now."""
+        return sum(s.pool.nbytes for s in self._slots if s.pool is not None)
+
+    @property
     def distributed(self) -> bool:
         """True if this saver's saves are multi-rank (each ``save()`` is collective)."""
         return self._dist is not None

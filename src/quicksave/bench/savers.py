@@ -66,6 +66,10 @@ class Saver:
         """The saving library's own per-save metrics (None: it keeps none)."""
         return None
 
+    def staging_bytes(self) -> int:
+        """Host memory the method holds for staging between saves (0: none, or unknown)."""
+        return 0
+
 
 class _TorchSaver(Saver):
     suffix = ".pt"
@@ -212,9 +216,24 @@ class _QuicksaveSaver(Saver):
             time.sleep(0.005)
         self.watcher.close()
 
+    def staging_bytes(self) -> int:
+        return self.manager.staging_bytes
+
     def records(self) -> list[dict[str, Any]]:
         """The manager's own per-save metrics (whichever fields it has)."""
-        keys = ("step", "kind", "bytes", "blocking_s", "staging_s", "commit_s", "durable_s")
+        keys = (
+            "step",
+            "kind",
+            "bytes",
+            "blocking_s",
+            "staging_s",
+            "commit_s",
+            "durable_s",
+            "trainer_cpu_s",
+            "worker_cpu_s",
+            "bytes_copied",
+            "bytes_hashed",
+        )
         return [
             {k: getattr(r, k) for k in keys if getattr(r, k, None) is not None}
             for r in getattr(self.manager, "metrics", [])

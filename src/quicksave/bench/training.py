@@ -1,11 +1,13 @@
 """``quicksave bench --training``: what checkpointing costs a real training loop.
 
-A seeded MLP (``layers`` × Linear(hidden, hidden); the defaults give 134M parameters,
-a 1.61 GB state dict with AdamW) trains ``steps`` steps and checkpoints every
-``interval`` steps, once per method, each method in a **fresh process** (so memory,
-threads and worker processes do not leak from one method into the next, and the peak
-RSS is per method). The loop without checkpoints (``none``) runs before, in the middle
-of and after the methods, and its median is the baseline. Methods:
+Three model shapes of the same ~1.6 GB state with AdamW (:mod:`.shapes`: a wide MLP, a
+24-layer language model of ~1,550 state tensors, an embedding-heavy recommender), so
+that no one layout of tensors decides the result. Each trains ``steps`` steps and
+checkpoints every ``interval`` steps, once per method, each method in a **fresh
+process** (so memory, threads and worker processes do not leak from one method into
+the next, and the peak RSS is per method). Per shape, the loop without checkpoints
+(``none``) runs before, in the middle of and after the methods, and its median is the
+baseline. Methods:
 
 * ``torch.save`` — the whole state dict to one file, then ``fsync``.
 * ``dcp.save`` — stock ``torch.distributed.checkpoint.save`` (``FileSystemWriter``).
@@ -16,8 +18,9 @@ of and after the methods, and its median is the baseline. Methods:
 * ``quicksave-sync`` / ``-thread`` / ``-process`` / ``-process-blocking`` — a
   ``CheckpointManager`` with ``async_mode`` disabled / thread / process (overlapped
   staging) / process with blocking staging.
-* ``raw`` (always run) — a raw write+fsync, an ``O_DIRECT`` write, a raw read and
-  in-memory copies of the same bytes.
+* ``raw`` (always run, once per shape) — a raw write+fsync, an ``O_DIRECT`` write, a raw
+  read, in-memory copies of the same bytes, and the floor: CPU seconds of one
+  single-threaded ``memcpy`` of the state plus one xxh3-64 pass over it.
 
 Every save is waited for before the next one starts (DCP: ``future.result()``; the
 manager does it itself) and at the end of the loop; that waiting is part of the loop's
@@ -25,7 +28,11 @@ time. Reported per method: loop seconds, extra seconds per checkpoint against th
 baseline, blocking time of the first and of later saves, seconds from ``save`` to
 durable commit, write GB/s against the raw write, restore time (torch.load,
 ``dcp.load`` or ``quicksave.load`` of the last checkpoint, values checked) against
-``dcp.load`` and the raw read, and peak RSS of the trainer and of its worker processes.
+``dcp.load`` and the raw read, peak RSS of the trainer and of its worker processes, CPU
+seconds per checkpoint of the trainer (beyond its training) and of the workers, the first
+step after the saver was built against the process's steady step, the final wait against
+the last save's time to durable, and the staging memory against the state's bytes. The
+``acceptance`` rows check quicksave's default mode against issue 12's targets.
 
 Example::
 
@@ -48,6 +55,7 @@ from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from .savers import DCP_ASYNC, QUICKSAVE_MODES
+from .shapes import SHAPES
 from .training_loop import median
 from .training_report import format_training_report, plot_training_report
 
@@ -63,6 +71,7 @@ __all__ = [
 
 METHODS = ("torch.save", "dcp.save", *DCP_ASYNC, *QUICKSAVE_MODES)
 REFERENCE = "dcp.async_save-process"  # the best of PyTorch's own options
+DEFAULT = "quicksave-process"  # CheckpointConfig's defaults: process worker, overlap
 _CHILD = (
     "import sys; from quicksave.bench.training_loop import child_main; "
     "sys.exit(child_main(sys.argv[1:]))"
@@ -76,9 +85,9 @@ class TrainingBenchConfig:
     Args:
         steps: timed training steps per run.
         interval: checkpoint every ``interval`` steps.
-        hidden: width of the MLP (4096 with 8 layers: 134M parameters).
-        layers: number of Linear layers.
-        batch: rows per batch.
+        shapes: model shapes (:data:`quicksave.bench.shapes.SHAPES`), each with every
+            method.
+        quick: tiny versions of the shapes (tests, smoke runs).
         repeats: runs of every method (their order is rotated each repeat).
         methods: which methods to run (see :data:`METHODS`).
         directory: where checkpoints are written (a sub-folder is made and removed).
@@ -94,16 +103,15 @@ class TrainingBenchConfig:
 
     steps: int = 30
     interval: int = 5
-    hidden: int = 4096
-    layers: int = 8
-    batch: int = 32
-    repeats: int = 1
+    shapes: tuple[str, ...] = tuple(SHAPES)
+    quick: bool = False
+    repeats: int = 2
     methods: tuple[str, ...] = METHODS
     directory: str | None = None
     threads: int = 2
     warmup: int = 1
-    calibration_steps: int = 8
-    restore_repeats: int = 3
+    calibration_steps: int = 6
+    restore_repeats: int = 2
     raw_repeats: int = 3
     seed: int = 0
     timeout_s: float = 1800.0
@@ -112,40 +120,46 @@ class TrainingBenchConfig:
 QUICK = {
     "steps": 6,
     "interval": 2,
-    "hidden": 256,
-    "layers": 4,
-    "batch": 8,
+    "quick": True,
+    "repeats": 1,
     "threads": 1,
     "calibration_steps": 2,
 }
 
 
-def schedule(config: TrainingBenchConfig) -> list[str]:
-    """The order of the runs: per repeat the methods rotated by the repeat's index, with
-    the baseline ``none`` first and (from four methods on) in the middle; one more
-    baseline at the end. ``raw`` runs first."""
-    runs = ["raw"]
+def schedule(config: TrainingBenchConfig) -> list[tuple[str, str]]:
+    """The order of the runs, as (shape, method): ``raw`` of every shape first; then per
+    repeat and shape the methods rotated by the repeat's index, with the baseline
+    ``none`` first and (from four methods on) in the middle; one more baseline per shape
+    at the end."""
+    runs = [(shape, "raw") for shape in config.shapes]
     methods = list(config.methods)
     for r in range(config.repeats):
         shift = r % len(methods) if methods else 0
         order = methods[shift:] + methods[:shift]
         half = len(order) // 2 if len(order) >= 4 else len(order)
-        runs += ["none", *order[:half]]
-        if half < len(order):
-            runs += ["none", *order[half:]]
-    return [*runs, "none"]
+        for shape in config.shapes:
+            runs += [(shape, m) for m in ("none", *order[:half])]
+            if half < len(order):
+                runs += [(shape, m) for m in ("none", *order[half:])]
+    return [*runs, *((shape, "none") for shape in config.shapes)]
 
 
 def _check(config: TrainingBenchConfig, parent: str) -> None:
     unknown = [m for m in config.methods if m not in METHODS]
     if unknown:
         raise ValueError(f"unknown method(s) {', '.join(unknown)}; known: {', '.join(METHODS)}")
-    for name in ("steps", "interval", "hidden", "layers", "batch", "repeats", "threads"):
+    bad = [s for s in config.shapes if s not in SHAPES]
+    if bad or not config.shapes:
+        raise ValueError(
+            f"unknown shape(s) {', '.join(bad) or '(none)'}; known: {', '.join(SHAPES)}"
+        )
+    for name in ("steps", "interval", "repeats", "threads"):
         if getattr(config, name) < 1:
             raise ValueError(f"{name} must be at least 1")
     if config.interval > config.steps:
         raise ValueError("interval must not exceed steps (no checkpoint would be written)")
-    state_bytes = 12 * config.layers * (config.hidden**2 + config.hidden)
+    state_bytes = 0 if config.quick else 1_700_000_000
     need = (config.steps // config.interval + 2) * state_bytes + (512 << 20)
     free = shutil.disk_usage(parent).free
     if free < need:
@@ -177,9 +191,12 @@ def run_child(child: str, spec: dict[str, Any], spec_path: str, timeout_s: float
         return {"failed": f"no result{code}: {tail.strip()}"}
 
 
-def _run_one(method: str, config: TrainingBenchConfig, base: str, index: int) -> dict[str, Any]:
+def _run_one(
+    shape: str, method: str, config: TrainingBenchConfig, base: str, index: int
+) -> dict[str, Any]:
     folder = os.path.join(base, f"{index:02d}-{method}")
-    spec = {**asdict(config), "methods": None, "method": method, "folder": folder}
+    spec = {**asdict(config), "methods": None, "shapes": None, "method": method}
+    spec.update(shape=shape, folder=folder)
     spec["result"] = os.path.join(base, f"{index:02d}-result.json")
     t0 = time.perf_counter()
     try:
@@ -204,7 +221,17 @@ def _round(value: Any, digits: int = 4) -> Any:
 
 
 # what the report keeps of every run (for --json and --plot)
-_RUN_KEYS = ("step_s", "save_s", "events", "loop_s", "drain_s", "calibration_step_s")
+_RUN_KEYS = (
+    "step_s",
+    "save_s",
+    "events",
+    "loop_s",
+    "drain_s",
+    "calibration_step_s",
+    "trainer_cpu_s",
+    "workers_cpu_s",
+    "setup_s",
+)
 
 
 def _paired_extra_s(run: dict[str, Any]) -> float | None:
@@ -212,6 +239,11 @@ def _paired_extra_s(run: dict[str, Any]) -> float | None:
     checkpoints (measured just before its loop)."""
     calib = median(run.get("calibration_step_s") or [])
     return None if calib is None else run["loop_s"] - len(run["step_s"]) * calib
+
+
+def _steady_cpu_s(run: dict[str, Any]) -> float:
+    """The trainer's CPU seconds for the loop's steps at its calibration rate."""
+    return len(run["step_s"]) * run["calibration_cpu_s"] / len(run["calibration_step_s"])
 
 
 def _summarize(method: str, runs: list[dict], baseline_s: float | None) -> dict[str, Any]:
@@ -227,10 +259,39 @@ def _summarize(method: str, runs: list[dict], baseline_s: float | None) -> dict[
     later = [e["blocking_s"] for ev in events for e in ev[1:]]
     durable_first = [ev[0]["durable_s"] for ev in events if ev and ev[0]["durable_s"]]
     durable_later = [e["durable_s"] for ev in events for e in ev[1:] if e["durable_s"]]
+    per_run = [(r["loop_s"] - baseline_s) / n_ckpt for r in ok] if n_ckpt and baseline_s else []
+    first_vs_steady = [
+        r["step_s"][0] / median(r["calibration_step_s"])
+        for r in ok
+        if r.get("calibration_step_s") and r["step_s"]
+    ]
+    close_vs_durable = [
+        r["drain_s"] / r["events"][-1]["durable_s"]
+        for r in ok
+        if r["events"] and r["events"][-1].get("durable_s")
+    ]
+    trainer_cpu = [
+        (
+            r["trainer_cpu_s"]
+            - len(r["step_s"]) * r["calibration_cpu_s"] / len(r["calibration_step_s"])
+        )
+        / n_ckpt
+        for r in ok
+        if n_ckpt and r.get("calibration_step_s") and "trainer_cpu_s" in r
+    ]
+    workers_cpu = [r["workers_cpu_s"] / n_ckpt for r in ok if n_ckpt and "workers_cpu_s" in r]
     out: dict[str, Any] = {
         "loop_s": [r["loop_s"] for r in ok],
         "loop_median_s": loop,
         "checkpoints": n_ckpt,
+        "overhead_per_checkpoint_runs_s": per_run,
+        "first_step_vs_steady": median(first_vs_steady),
+        "first_step_vs_steady_runs": first_vs_steady,
+        "close_vs_last_durable": median(close_vs_durable),
+        "close_vs_last_durable_runs": close_vs_durable,
+        "trainer_cpu_per_checkpoint_s": median(trainer_cpu),
+        "workers_cpu_per_checkpoint_s": median(workers_cpu),
+        "staging_bytes": max(r.get("staging_bytes", 0) for r in ok),
         "overhead_per_checkpoint_s": (
             (loop - baseline_s) / n_ckpt if n_ckpt and baseline_s is not None else None
         ),
@@ -257,26 +318,33 @@ def _summarize(method: str, runs: list[dict], baseline_s: float | None) -> dict[
     out["restore_median_s"] = median(out["restore_s"])
     if "manager_records" in ok[0]:
         out["manager_records"] = ok[0]["manager_records"]
+        recs = [rec for r in ok for rec in r.get("manager_records", [])]
+        for key in ("trainer_cpu_s", "worker_cpu_s"):
+            values = [rec[key] for rec in recs if rec.get(key) is not None]
+            out[f"save_{key}_median"] = median(values)
     return out
 
 
 def run_training_benchmark(config: TrainingBenchConfig, log: Any = None) -> dict[str, Any]:
-    """Run every method in its own process and return the report.
+    """Run every (shape, method) in its own process and return the report.
 
     Args:
-        config: model size, loop length, methods, repeats and folder.
+        config: shapes, loop length, methods, repeats and folder.
         log: a text stream for one progress line per run (None: quiet).
 
     Returns:
-        A JSON-serializable dict: ``config``, ``machine``, ``state`` (parameters, bytes),
-        ``raw`` (write/O_DIRECT/read/copy seconds), ``baseline`` (loop seconds of every
-        run without checkpoints) and ``methods`` (per method: loop seconds, overhead per
-        checkpoint, blocking, durable, GB/s, restore, RSS, the per-step timings), plus
-        ``failed`` / ``unavailable`` entries for methods that could not run.
+        A JSON-serializable dict: ``config``, ``machine``, ``shapes`` (per shape:
+        ``state`` (parameters, tensors, bytes), ``raw`` (write/O_DIRECT/read/copy
+        seconds), ``floor`` (memcpy + xxh3 CPU seconds), ``baseline`` (loop seconds of
+        every run without checkpoints) and ``methods`` (per method: loop seconds,
+        overhead per checkpoint and its spread, blocking, durable, GB/s, restore, RSS,
+        CPU per checkpoint, first step and final wait ratios, the per-step timings, or
+        ``failed`` / ``unavailable``)), ``acceptance`` (issue 12's checks of the default
+        mode, per shape) and ``order``.
 
     Raises:
         ValueError: bad arguments or too little free disk space.
-        RuntimeError: the baseline or the raw run failed (nothing to compare with).
+        RuntimeError: a baseline or raw run failed (nothing to compare with).
 
     Example::
 
@@ -287,11 +355,12 @@ def run_training_benchmark(config: TrainingBenchConfig, log: Any = None) -> dict
     _check(config, parent)
     load_before = os.getloadavg()
     base = tempfile.mkdtemp(prefix="quicksave-train-bench-", dir=parent)
-    results: dict[str, list[dict]] = {}
+    results: dict[tuple[str, str], list[dict]] = {}
+    order = schedule(config)
     try:
-        for i, method in enumerate(schedule(config)):
-            r = _run_one(method, config, base, i)
-            results.setdefault(method, []).append(r)
+        for i, (shape, method) in enumerate(order):
+            r = _run_one(shape, method, config, base, i)
+            results.setdefault((shape, method), []).append(r)
             if log is not None:
                 state = r.get("failed") or r.get("unavailable")
                 if not state:
@@ -300,27 +369,66 @@ def run_training_benchmark(config: TrainingBenchConfig, log: Any = None) -> dict
                         if method == "raw"
                         else f"loop {r['loop_s']:.1f} s"
                     )
-                print(f"[{i + 1}] {method}: {state} ({r['wall_s']:.0f} s)", file=log, flush=True)
+                print(
+                    f"[{i + 1}/{len(order)}] {shape} {method}: {state} ({r['wall_s']:.0f} s)",
+                    file=log,
+                    flush=True,
+                )
     finally:
         shutil.rmtree(base, ignore_errors=True)
+    shapes = {shape: _shape_report(shape, config, results) for shape in config.shapes}
+    return _round(
+        {
+            "config": {
+                **asdict(config),
+                "directory": parent,
+                "methods": list(config.methods),
+                "shapes": list(config.shapes),
+            },
+            "machine": {
+                "cpus": os.cpu_count(),
+                "platform": platform.platform(),
+                "python": platform.python_version(),
+                "torch": _torch_version(),
+                "loadavg_before": [round(x, 2) for x in load_before],
+                "loadavg_after": [round(x, 2) for x in os.getloadavg()],
+            },
+            "shapes": shapes,
+            "reference": REFERENCE,
+            "default": DEFAULT,
+            "acceptance": [row for name, sh in shapes.items() for row in _acceptance(name, sh)],
+            "order": [list(run) for run in order],
+        }
+    )
+
+
+def _shape_report(
+    shape: str, config: TrainingBenchConfig, results: dict[tuple[str, str], list[dict]]
+) -> dict[str, Any]:
     for needed in ("raw", "none"):
-        bad = [r for r in results[needed] if "failed" in r]
+        bad = [r for r in results[(shape, needed)] if "failed" in r]
         if bad:
-            raise RuntimeError(f"the {needed} run failed: {bad[0]['failed']}")
-    raw = results["raw"][0]
-    baseline = [r["loop_s"] for r in results["none"]]
+            raise RuntimeError(f"the {needed} run of {shape} failed: {bad[0]['failed']}")
+    raw = results[(shape, "raw")][0]
+    nones = results[(shape, "none")]
+    baseline = [r["loop_s"] for r in nones]
     nbytes = raw["bytes"]
-    methods = {m: _summarize(m, results.get(m, []), median(baseline)) for m in config.methods}
+    methods = {
+        m: _summarize(m, results.get((shape, m), []), median(baseline)) for m in config.methods
+    }
     ref = methods.get(REFERENCE, {}).get("overhead_per_checkpoint_s")
     paired_ref = methods.get(REFERENCE, {}).get("paired_overhead_per_checkpoint_s")
     write_s, read_s = median(raw["write_s"]), median(raw["read_s"])
+    floor_copy, floor_hash = median(raw["floor_copy_cpu_s"]), median(raw["floor_hash_cpu_s"])
+    floor = floor_copy + floor_hash
     dcp_restore = methods.get("dcp.save", {}).get("restore_median_s")
-    base_loss = results["none"][0]["final_loss"]
+    base_loss = nones[0]["final_loss"]
     for m in methods.values():
         if "loop_median_s" not in m:
             continue
         over, dur, rest = m["overhead_per_checkpoint_s"], m["later_durable_median_s"], None
         m["overhead_vs_reference"] = over / ref if ref and over is not None else None
+        m["overhead_vs_floor"] = over / floor if floor and over is not None else None
         paired = m["paired_overhead_per_checkpoint_s"]
         m["paired_overhead_vs_reference"] = (
             paired / paired_ref if paired_ref and paired is not None else None
@@ -332,48 +440,80 @@ def run_training_benchmark(config: TrainingBenchConfig, log: Any = None) -> dict
         )
         m["write_gbps"] = nbytes / 1e9 / dur if dur else None
         m["durable_vs_raw_write"] = dur / write_s if dur else None
+        m["staging_vs_state"] = m["staging_bytes"] / nbytes if m["staging_bytes"] else None
         rest = m["restore_median_s"]
         m["restore_gbps"] = nbytes / 1e9 / rest if rest else None
         m["restore_speedup_vs_dcp_load"] = dcp_restore / rest if rest and dcp_restore else None
         m["restore_vs_raw_read"] = rest / read_s if rest else None
         m["same_loss_as_baseline"] = m["final_loss"] == base_loss
-    return _round(
+    return {
+        "about": SHAPES[shape].about,
+        "state": {"params": raw["params"], "tensors": raw["tensors"], "bytes": nbytes},
+        "raw": {
+            k: raw.get(k)
+            for k in (
+                "write_s",
+                "direct_s",
+                "read_s",
+                "copy_warm_s",
+                "copy_fresh_s",
+                "floor_copy_cpu_s",
+                "floor_hash_cpu_s",
+                "direct_unavailable",
+            )
+            if raw.get(k) is not None
+        },
+        "floor": {"copy_cpu_s": floor_copy, "hash_cpu_s": floor_hash, "cpu_s": floor},
+        "baseline": {
+            "loop_s": baseline,
+            "loop_median_s": median(baseline),
+            "step_s": nones[0]["step_s"],
+            "step_median_s": median([t for r in nones for t in r["step_s"]]),
+            # what the paired estimate gives where there is nothing to find
+            "paired_extra_s": [_paired_extra_s(r) for r in nones],
+            "trainer_cpu_s": [r.get("trainer_cpu_s") for r in nones],
+            "final_loss": base_loss,
+        },
+        "methods": methods,
+    }
+
+
+# issue 12's targets for the default mode: (name, key in the method summary, limit)
+TARGETS = (
+    ("loop overhead per checkpoint vs dcp.async_save (process)", "overhead_vs_reference", 0.15),
+    ("loop overhead per checkpoint vs the floor (memcpy + xxh3 CPU s)", "overhead_vs_floor", 2.5),
+    ("first step after building the saver vs a steady step", "first_step_vs_steady", 1.2),
+    ("close() wait vs the last save's time to durable", "close_vs_last_durable", 1.1),
+    ("time to durable vs a raw write+fsync of the same bytes", "durable_vs_raw_write", 1.15),
+    ("staging memory vs the state's bytes", "staging_vs_state", 1.05),
+)
+
+
+def _acceptance(shape: str, report: dict[str, Any]) -> list[dict[str, Any]]:
+    m = report["methods"].get(DEFAULT, {})
+    rows = []
+    for what, key, limit in TARGETS:
+        value = m.get(key)
+        rows.append(
+            {
+                "shape": shape,
+                "target": what,
+                "value": value,
+                "limit": limit,
+                "met": value is not None and value <= limit,
+            }
+        )
+    cpu = (m.get("save_trainer_cpu_s_median"), m.get("save_worker_cpu_s_median"))
+    rows.append(
         {
-            "config": {**asdict(config), "directory": parent, "methods": list(config.methods)},
-            "machine": {
-                "cpus": os.cpu_count(),
-                "platform": platform.platform(),
-                "python": platform.python_version(),
-                "torch": _torch_version(),
-                "loadavg_before": [round(x, 2) for x in load_before],
-                "loadavg_after": [round(x, 2) for x in os.getloadavg()],
-            },
-            "state": {"params": raw["params"], "bytes": nbytes},
-            "raw": {
-                k: raw.get(k)
-                for k in (
-                    "write_s",
-                    "direct_s",
-                    "read_s",
-                    "copy_warm_s",
-                    "copy_fresh_s",
-                    "direct_unavailable",
-                )
-                if raw.get(k) is not None
-            },
-            "baseline": {
-                "loop_s": baseline,
-                "loop_median_s": median(baseline),
-                "step_s": results["none"][0]["step_s"],
-                # what the paired estimate gives where there is nothing to find
-                "paired_extra_s": [_paired_extra_s(r) for r in results["none"]],
-                "final_loss": base_loss,
-            },
-            "reference": REFERENCE,
-            "methods": methods,
-            "order": schedule(config),
+            "shape": shape,
+            "target": "CPU seconds per save in the save's metrics (trainer, worker)",
+            "value": list(cpu),
+            "limit": None,
+            "met": all(c is not None for c in cpu),
         }
     )
+    return rows
 
 
 def _torch_version() -> str:
@@ -392,10 +532,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--steps", type=int, default=d.steps, help=f"timed steps ({d.steps})")
     p.add_argument("--interval", type=int, default=d.interval, help="checkpoint every N steps")
-    p.add_argument("--hidden", type=int, default=d.hidden, help=f"MLP width ({d.hidden})")
-    p.add_argument("--layers", type=int, default=d.layers, help=f"MLP depth ({d.layers})")
-    p.add_argument("--batch", type=int, default=d.batch, help=f"batch rows ({d.batch})")
-    p.add_argument("--repeats", type=int, default=d.repeats, help="runs of every method")
+    p.add_argument(
+        "--shapes", default=",".join(d.shapes), help=f"model shapes ({', '.join(SHAPES)})"
+    )
+    p.add_argument(
+        "--repeats", type=int, default=d.repeats, help=f"runs of every method ({d.repeats})"
+    )
     p.add_argument("--methods", default=",".join(METHODS), help="comma-separated methods")
     p.add_argument("--dir", default=None, help="folder to write in (default: current)")
     p.add_argument("--threads", type=int, default=d.threads, help="torch threads (2)")
@@ -423,9 +565,7 @@ def main(argv: list[str] | None = None) -> int:
     config = TrainingBenchConfig(
         steps=args.steps,
         interval=args.interval,
-        hidden=args.hidden,
-        layers=args.layers,
-        batch=args.batch,
+        shapes=tuple(x.strip() for x in args.shapes.split(",") if x.strip()),
         repeats=args.repeats,
         methods=tuple(m.strip() for m in args.methods.split(",") if m.strip()),
         directory=args.dir,

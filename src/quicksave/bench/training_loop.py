@@ -1,25 +1,29 @@
 """One method of the training-loop benchmark, run in a fresh process (the child side of
 :mod:`quicksave.bench.training`).
 
-The child builds the same seeded MLP + AdamW as every other child, trains ``warmup``
+The child builds the same seeded model (one of :mod:`.shapes`) + AdamW as every other
+child of that shape, trains ``warmup``
 untimed steps (so the optimizer state exists) and ``calibration_steps`` timed steps
 without checkpoints (its own step time: the paired baseline), then times ``steps``
 steps, checkpointing every ``interval`` steps with one method (:mod:`.savers`), waits
 for the last checkpoint to be durable, and finally times restores of the last
 checkpoint (values checked). The method ``raw`` trains nothing:
 it times a raw write+fsync, an ``O_DIRECT`` write, a raw read and in-memory copies of
-the same bytes. The result is one JSON file.
+the same bytes, and the floor: the CPU seconds of one single-threaded ``memcpy`` of the
+state into warm memory plus one xxh3-64 pass over it. The result is one JSON file.
 
 Entry point: ``python -c "...; child_main([spec_path])"`` (see ``training.py``).
 """
 
 from __future__ import annotations
 
+import ctypes
 import gc
 import json
 import mmap
 import os
 import re
+import resource
 import statistics
 import sys
 import threading
@@ -31,11 +35,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+import xxhash
 
 from quicksave.manager import ModelState, OptimizerState
 
 from .methods import direct_io_error, raw_direct_save, raw_load, raw_save
 from .savers import Saver, Unavailable, make_saver
+from .shapes import build
 
 
 # --------------------------------------------------------------------- memory probes
@@ -69,22 +75,52 @@ def _descendants(root: int) -> list[int]:
     return out
 
 
+def _cpu_s(pid: int) -> float | None:
+    """utime + stime of ``pid`` in seconds (None: gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def process_cpu_s() -> float:
+    """CPU seconds (user + system, every thread) of this process so far."""
+    u = resource.getrusage(resource.RUSAGE_SELF)
+    return u.ru_utime + u.ru_stime
+
+
 class _WorkerRssMonitor:
-    """Samples the peak RSS (VmHWM) of this process's descendants (checkpoint workers)
-    twice a second; a worker that exits before the end still counts."""
+    """Samples the peak RSS (VmHWM) and the CPU seconds of this process's descendants
+    (checkpoint workers) five times a second; a worker that exits before the end still
+    counts, with its CPU as last seen (up to 0.2 s of it may be missed)."""
 
     def __init__(self) -> None:
         self.peak_kib = 0
+        self.cpu: dict[int, float] = {}  # pid -> CPU seconds last seen
+        self._start: dict[int, float] = {}  # pid -> CPU seconds when first seen
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="rss-monitor", daemon=True)
 
     def _run(self) -> None:
-        while not self._stop.wait(0.5):
+        while not self._stop.wait(0.2):
             self.sample()
 
     def sample(self) -> None:
         for pid in _descendants(os.getpid()):
             self.peak_kib = max(self.peak_kib, _status_kib("VmHWM", pid) or 0)
+            cpu = _cpu_s(pid)
+            if cpu is not None:
+                self.cpu[pid] = cpu
+
+    def baseline(self) -> None:
+        """Descendants' CPU so far is not the loop's (a worker started before it)."""
+        self.sample()
+        self._start = dict(self.cpu)
+
+    def cpu_s(self) -> float:
+        return sum(c - self._start.get(pid, 0.0) for pid, c in self.cpu.items())
 
     def __enter__(self) -> _WorkerRssMonitor:
         self._thread.start()
@@ -143,23 +179,29 @@ def _fingerprint(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
 
 # ------------------------------------------------------------------------ the loop
 def _train(spec: dict[str, Any]) -> tuple[nn.Module, torch.optim.Optimizer, Callable[[], float]]:
-    model = build_model(spec["hidden"], spec["layers"], spec["seed"])
+    """The model, its AdamW and one training step: the shape ``spec["shape"]`` (see
+    :mod:`.shapes`), or an MLP of ``spec["hidden"]`` × ``spec["layers"]``."""
+    if spec.get("shape"):
+        model, batches, loss_fn = build(spec["shape"], spec["seed"], bool(spec.get("quick")))
+    else:
+        model = build_model(spec["hidden"], spec["layers"], spec["seed"])
+        g = torch.Generator().manual_seed(spec["seed"] + 1)
+        batches = [
+            (
+                torch.randn(spec["batch"], spec["hidden"], generator=g),
+                torch.randn(spec["batch"], spec["hidden"], generator=g),
+            )
+            for _ in range(4)
+        ]
+        loss_fn = nn.functional.mse_loss
     optim = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    g = torch.Generator().manual_seed(spec["seed"] + 1)
-    batches = [
-        (
-            torch.randn(spec["batch"], spec["hidden"], generator=g),
-            torch.randn(spec["batch"], spec["hidden"], generator=g),
-        )
-        for _ in range(4)
-    ]
     counter = [0]
 
     def step() -> float:
         x, y = batches[counter[0] % len(batches)]
         counter[0] += 1
         optim.zero_grad(set_to_none=True)
-        loss = nn.functional.mse_loss(model(x), y)
+        loss = loss_fn(model(x), y)
         loss.backward()
         optim.step()
         return float(loss.detach())
@@ -173,6 +215,8 @@ def _run_loop(spec: dict[str, Any], saver: Saver, train_step: Callable[[], float
     loss = 0.0
     _reset_peak_rss()
     with _WorkerRssMonitor() as monitor:
+        monitor.baseline()
+        cpu0 = process_cpu_s()
         begin = time.perf_counter()
         for step in range(1, steps + 1):
             t0 = time.perf_counter()
@@ -196,6 +240,8 @@ def _run_loop(spec: dict[str, Any], saver: Saver, train_step: Callable[[], float
         t_drain = time.perf_counter()
         saver.finish()
         end = time.perf_counter()
+        cpu = process_cpu_s() - cpu0
+        monitor.sample()
     for ev in events:
         ev["durable_s"] = saver.durable.get(ev["step"])
     return {
@@ -207,6 +253,8 @@ def _run_loop(spec: dict[str, Any], saver: Saver, train_step: Callable[[], float
         "final_loss": loss,
         "peak_rss_mib": (_status_kib("VmHWM") or 0) / 1024,
         "worker_peak_rss_mib": monitor.peak_kib / 1024,
+        "trainer_cpu_s": cpu,
+        "workers_cpu_s": monitor.cpu_s(),
     }
 
 
@@ -231,12 +279,26 @@ def _restore_times(
     return times
 
 
+def _floor(tensors: list[torch.Tensor], warm: list[torch.Tensor]) -> tuple[float, float]:
+    """CPU seconds of one ``memcpy`` of every tensor into ``warm`` (touched memory of the
+    same sizes) on one thread, and of one xxh3-64 pass over every tensor: the least any
+    checkpoint that copies and checksums the state can cost the machine."""
+    t0 = time.thread_time()
+    for w, t in zip(warm, tensors, strict=True):
+        ctypes.memmove(w.data_ptr(), t.data_ptr(), t.numel() * t.element_size())
+    t1 = time.thread_time()
+    for t in tensors:
+        xxhash.xxh3_64(t.reshape(-1).view(torch.uint8).numpy()).intdigest()
+    return t1 - t0, time.thread_time() - t1
+
+
 def _raw(spec: dict[str, Any], tensors: list[torch.Tensor], folder: str) -> dict[str, Any]:
-    """Raw baselines on the same bytes: write+fsync, O_DIRECT write, read, memcpy."""
+    """Raw baselines on the same bytes: write+fsync, O_DIRECT write, read, memcpy, and
+    the floor (memcpy + xxh3 CPU seconds)."""
     sd = {str(i): t for i, t in enumerate(tensors)}
     path = os.path.join(folder, "raw.bin")
     out: dict[str, Any] = {"write_s": [], "direct_s": [], "read_s": [], "copy_warm_s": []}
-    out["copy_fresh_s"] = []
+    out.update(copy_fresh_s=[], floor_copy_cpu_s=[], floor_hash_cpu_s=[])
     no_direct = direct_io_error(folder)
     bounce_map = None if no_direct else mmap.mmap(-1, 32 << 20)
     warm = [torch.empty_like(t).zero_() for t in tensors]  # touched once, like a pool
@@ -252,6 +314,10 @@ def _raw(spec: dict[str, Any], tensors: list[torch.Tensor], folder: str) -> dict
             t0 = time.perf_counter()
             fn()
             out[key].append(time.perf_counter() - t0)
+        gc.collect()
+        copy_cpu, hash_cpu = _floor(tensors, warm)
+        out["floor_copy_cpu_s"].append(copy_cpu)
+        out["floor_hash_cpu_s"].append(hash_cpu)
         if bounce_map is not None:
             os.sync()
             t0 = time.perf_counter()
@@ -284,6 +350,7 @@ def run_child(spec: dict[str, Any]) -> dict[str, Any]:
             "method": spec["method"],
             "params": sum(p.numel() for p in model.parameters()),
             "bytes": sum(t.numel() * t.element_size() for t in tensors),
+            "tensors": len(tensors),
             "rss_before_mib": (_status_kib("VmRSS") or 0) / 1024,
         }
         if spec["method"] == "raw":
@@ -294,16 +361,20 @@ def run_child(spec: dict[str, Any]) -> dict[str, Any]:
         # so that anything the saver prepares at the next optimizer step (a staging pool)
         # falls into the timed loop.
         calibration = result["calibration_step_s"] = []
+        cpu0 = process_cpu_s()
         for _ in range(spec["calibration_steps"]):
             t0 = time.perf_counter()
             train_step()
             calibration.append(time.perf_counter() - t0)
+        calibration_cpu = process_cpu_s() - cpu0
         t0 = time.perf_counter()
         try:
             saver = make_saver(spec["method"], folder, states, spec["interval"])
         except Unavailable as e:
             return {**result, "unavailable": str(e)}
         result["setup_s"] = time.perf_counter() - t0
+        result["calibration_cpu_s"] = calibration_cpu
+        result["staging_bytes"] = saver.staging_bytes()
         result.update(_run_loop(spec, saver, train_step))
         records = saver.records()
         if records is not None:

@@ -11,49 +11,96 @@ def _fmt(value: float | None, spec: str = ".2f", unit: str = "") -> str:
     return "–" if value is None else f"{value:{spec}}{unit}"
 
 
+def _spread(values: list[float] | None, spec: str = ".2f") -> str:
+    if not values:
+        return "–"
+    if len(values) == 1:
+        return f"{values[0]:{spec}}"
+    return f"{min(values):{spec}}–{max(values):{spec}}"
+
+
 def format_training_report(report: dict[str, Any]) -> str:
-    """The report as Markdown: one line about the run, the loop table, the restore table."""
-    c, m, raw, st = report["config"], report["machine"], report["raw"], report["state"]
+    """The report as Markdown: one line about the run; per shape its state, raw figures
+    and floor, the loop table and the restore table; then the acceptance table."""
+    c, m = report["config"], report["machine"]
+    lines = [
+        f"{len(c['shapes'])} model shape(s), {c['steps']} steps, checkpoint every "
+        f"{c['interval']}, {c['repeats']} repeat(s), {c['threads']} torch threads; {m['cpus']} "
+        f"CPUs, torch {m['torch']}, load average {m['loadavg_before'][0]} → "
+        f"{m['loadavg_after'][0]}",
+    ]
+    for name, sh in report["shapes"].items():
+        lines += ["", *_format_shape(name, sh)]
+    lines += [
+        "",
+        f"Acceptance ({report['default']}, the default mode; medians over repeats):",
+        "",
+        "| shape | target | value | limit | met |",
+        "|---|---|---:|---:|---|",
+    ]
+    for row in report["acceptance"]:
+        v = row["value"]
+        shown = (
+            " / ".join(_fmt(x, ".3f", " s") for x in v)
+            if isinstance(v, list)
+            else _fmt(v, ".2f", "×")
+        )
+        limit = "–" if row["limit"] is None else f"≤ {row['limit']}×"
+        lines.append(
+            f"| {row['shape']} | {row['target']} | {shown} | {limit} | "
+            f"{'yes' if row['met'] else 'NO'} |"
+        )
+    return "\n".join(lines)
+
+
+def _format_shape(name: str, sh: dict[str, Any]) -> list[str]:
+    st, raw, fl, base = sh["state"], sh["raw"], sh["floor"], sh["baseline"]
     gb = st["bytes"] / 1e9
     w, r = median(raw["write_s"]), median(raw["read_s"])
     lines = [
-        f"{st['params'] / 1e6:.1f}M-parameter MLP + AdamW, {gb:.2f} GB state, {c['steps']} "
-        f"steps, checkpoint every {c['interval']}, {c['repeats']} repeat(s), "
-        f"{c['threads']} torch threads; {m['cpus']} CPUs, torch {m['torch']}, load average "
-        f"{m['loadavg_before'][0]} → {m['loadavg_after'][0]}",
-        f"baseline loop (no checkpoints): median {report['baseline']['loop_median_s']:.2f} s "
-        f"of {', '.join(f'{x:.2f}' for x in report['baseline']['loop_s'])}; paired estimate "
-        "without checkpoints (should be 0): "
-        + ", ".join(_fmt(x, "+.2f") for x in report["baseline"].get("paired_extra_s", []))
+        f"### {name}: {sh['about']}",
+        "",
+        f"{st['params'] / 1e6:.1f}M parameters, {st['tensors']} state tensors, {gb:.2f} GB state",
+        f"baseline loop (no checkpoints): median {base['loop_median_s']:.2f} s of "
+        f"{', '.join(f'{x:.2f}' for x in base['loop_s'])} (median step "
+        f"{base['step_median_s']:.3f} s); paired estimate without checkpoints (should be 0): "
+        + ", ".join(_fmt(x, "+.2f") for x in base.get("paired_extra_s", []))
         + " s",
         f"raw write+fsync {w:.3f} s ({gb / w:.2f} GB/s)"
         + (f", O_DIRECT write {median(raw['direct_s']):.3f} s" if raw.get("direct_s") else "")
-        + f", raw read {r:.3f} s, memcpy into warm memory {median(raw['copy_warm_s']):.3f} s, "
-        f"into fresh memory {median(raw['copy_fresh_s']):.3f} s",
+        + f", raw read {r:.3f} s, memcpy into warm memory {median(raw['copy_warm_s']):.3f} s "
+        f"(torch, 2 threads), into fresh memory {median(raw['copy_fresh_s']):.3f} s",
+        f"floor: {fl['cpu_s']:.3f} CPU s = one single-threaded memcpy {fl['copy_cpu_s']:.3f} + "
+        f"one xxh3-64 pass {fl['hash_cpu_s']:.3f}",
         "",
-        "| method | loop s | extra s / ckpt | vs dcp process | extra s / ckpt (paired) | "
-        "vs dcp process (paired) | 1st save blocks s | later saves block s | "
-        "save→durable s | write GB/s | durable vs raw write | end wait s | setup s | "
-        "peak RSS MiB (trainer / workers) |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| method | extra s / ckpt (spread) | vs dcp process | vs floor | paired extra s / ckpt "
+        "| 1st save blocks s | later block s | save→durable s | durable vs raw write | "
+        "1st step vs steady | close wait s (vs last durable) | CPU s / ckpt trainer + "
+        "workers | setup s | staging / state | peak RSS MiB (trainer / workers) |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
-    for name, s in report["methods"].items():
+    for method, s in sh["methods"].items():
         if "loop_median_s" not in s:
             why = s.get("unavailable") or s.get("failed")
             lines.append(
-                f"| {name} | {'unavailable' if 'unavailable' in s else 'failed'}: "
-                f"{why.splitlines()[0][:150]} |" + " |" * 12
+                f"| {method} | {'unavailable' if 'unavailable' in s else 'failed'}: "
+                f"{why.splitlines()[0][:150]} |" + " |" * 14
             )
             continue
         lines.append(
-            f"| {name} | {s['loop_median_s']:.2f} | {_fmt(s['overhead_per_checkpoint_s'])} | "
+            f"| {method} | {_fmt(s['overhead_per_checkpoint_s'])} "
+            f"({_spread(s['overhead_per_checkpoint_runs_s'])}) | "
             f"{_fmt(s['overhead_vs_reference'], '.2f', '×')} | "
+            f"{_fmt(s['overhead_vs_floor'], '.1f', '×')} | "
             f"{_fmt(s['paired_overhead_per_checkpoint_s'])} | "
-            f"{_fmt(s['paired_overhead_vs_reference'], '.2f', '×')} | "
             f"{_fmt(s['first_blocking_s'], '.3f')} | {_fmt(s['later_blocking_median_s'], '.3f')} | "
-            f"{_fmt(s['later_durable_median_s'], '.2f')} | {_fmt(s['write_gbps'])} | "
-            f"{_fmt(s['durable_vs_raw_write'], '.2f', '×')} | {_fmt(s['drain_median_s'])} | "
-            f"{_fmt(s['setup_median_s'], '.3f')} | "
+            f"{_fmt(s['later_durable_median_s'], '.2f')} | "
+            f"{_fmt(s['durable_vs_raw_write'], '.2f', '×')} | "
+            f"{_fmt(s['first_step_vs_steady'], '.2f', '×')} | "
+            f"{_fmt(s['drain_median_s'])} ({_fmt(s['close_vs_last_durable'], '.2f', '×')}) | "
+            f"{_fmt(s['trainer_cpu_per_checkpoint_s'])} + "
+            f"{_fmt(s['workers_cpu_per_checkpoint_s'])} | "
+            f"{_fmt(s['setup_median_s'], '.2f')} | {_fmt(s['staging_vs_state'], '.3f', '×')} | "
             f"{s['peak_rss_mib']:.0f} / {s['worker_peak_rss_mib']:.0f} |"
         )
     lines += [
@@ -62,17 +109,17 @@ def format_training_report(report: dict[str, Any]) -> str:
         "|---|---:|---:|---:|---:|",
         f"| raw read | {r:.3f} | {gb / r:.2f} | – | 1.00× |",
     ]
-    for name, s in report["methods"].items():
+    for method, s in sh["methods"].items():
         if s.get("restore_median_s"):
             lines.append(
-                f"| {name} | {s['restore_median_s']:.3f} | {_fmt(s['restore_gbps'])} | "
+                f"| {method} | {s['restore_median_s']:.3f} | {_fmt(s['restore_gbps'])} | "
                 f"{_fmt(s['restore_speedup_vs_dcp_load'], '.2f', '× faster')} | "
                 f"{_fmt(s['restore_vs_raw_read'], '.1f', '× slower')} |"
             )
-    diverged = [n for n, s in report["methods"].items() if s.get("same_loss_as_baseline") is False]
+    diverged = [n for n, s in sh["methods"].items() if s.get("same_loss_as_baseline") is False]
     if diverged:
         lines += ["", f"WARNING: final loss differs from the baseline's: {', '.join(diverged)}"]
-    return "\n".join(lines)
+    return lines
 
 
 def plot_training_report(report: dict[str, Any], path: str) -> None:
@@ -86,6 +133,8 @@ def plot_training_report(report: dict[str, Any], path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    first = next(iter(report["shapes"]))
+    report = {**report["shapes"][first], "config": report["config"]}  # the first shape
     rows = [(n, s) for n, s in report["methods"].items() if s.get("runs")]
     fig, axes = plt.subplots(
         len(rows) + 1,

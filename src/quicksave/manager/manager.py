@@ -308,6 +308,13 @@ class CheckpointManager:
         self._raise_first(failures)
         return wrote
 
+    @property
+    def staging_bytes(self) -> int:
+        """Bytes of host memory held by the staging pools of the async modes now (0 for
+        synchronous saves): about the bytes of the state, built when the manager is
+        constructed if the state is complete (issue 12: at most 1.05× of it)."""
+        return self._writer.saver.staging_bytes if self._writer is not None else 0
+
     def maybe_wait_for_staging(self) -> None:
         """Block until the background copy of the last checkpoint is done (overlap
         mode). The manager's optimizer hooks call it before each step; call it yourself
