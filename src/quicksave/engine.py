@@ -93,6 +93,9 @@ class EngineConfig:
         close_timeout_s: how long ``close()`` waits for saves in flight.
         pin_memory: page-lock pools for CUDA copies (default: when CUDA is available).
         storage: how to reach object stores (``s3://``, ``msc://`` paths).
+        write_rate_mbps: MB/s (10^6 bytes) each writer thread writes to local files at
+            most: spreads a save's disk traffic over more time, for machines where it
+            slows training (the time to durable grows accordingly). None: no limit.
     """
 
     mode: Literal["process", "thread"] = "process"
@@ -106,8 +109,12 @@ class EngineConfig:
     close_timeout_s: float = 300.0
     pin_memory: bool | None = None
     storage: StorageOptions = field(default_factory=StorageOptions)
+    write_rate_mbps: float | None = None
 
     def __post_init__(self) -> None:
+        rate = self.write_rate_mbps
+        if rate is not None and not rate > 0:
+            raise CheckpointError(f"EngineConfig.write_rate_mbps must be > 0 or None: {rate!r}")
         for name, value, allowed in (
             ("mode", self.mode, ("process", "thread")),
             ("staging", self.staging, ("overlap", "blocking")),
@@ -458,6 +465,7 @@ class AsyncSaver:
                 dist=ds.dist if self._dist is not None else None,
                 location=store,
                 replace=overwrite,
+                write_rate=None if (mbps := self.config.write_rate_mbps) is None else mbps * 1e6,
             )
             self._in_flight[job_id] = _InFlight(
                 handle,
@@ -977,7 +985,14 @@ class AsyncSaver:
             if self._persister is not None:
                 # saves still in flight here timed out (or abort): stop the writer now, so
                 # that no save is reported failed and then committed behind our back
-                self._persister.close(0.0 if (abort or self._in_flight) else 5.0)
+                if abort or self._in_flight:
+                    self._persister.close(0.0)
+                elif isinstance(self._persister, ProcessPersister):
+                    # idle: its exit (and the freeing of the pages it maps) need not
+                    # delay close(); our own mappings are released below
+                    self._persister.close(5.0, wait=False)
+                else:
+                    self._persister.close(5.0)
                 self._persister = None
             self._abandon_in_flight()
             for slot in self._slots:

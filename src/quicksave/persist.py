@@ -12,6 +12,7 @@ from __future__ import annotations
 import ctypes
 import errno
 import os
+import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -159,9 +160,13 @@ def write_image(
     rank: int,
     fsync: bool = True,
     o_direct: bool = False,
+    rate: float | None = None,
 ) -> dict[str, str]:
     """Write a file whose exact bytes are ``image[:size]`` (a staged file image) and return
     the xxh3-64 of every ``(key, offset, length)`` entry, hashed piece by piece as written.
+
+    ``rate`` (bytes/s) paces the writes: after each piece the writer sleeps until the
+    bytes written so far are not ahead of ``rate`` (None: as fast as the disk goes).
 
     With ``o_direct`` the file is written with ``O_DIRECT`` (the page cache is bypassed: no
     kernel copy, less CPU taken from training) in page-aligned pieces of ``image``, which
@@ -182,9 +187,14 @@ def write_image(
     todo = sorted(entries, key=lambda e: e[1])
     hashers = {key: xxhash.xxh3_64() for key, _, _ in todo}
     end = aligned if direct else size
+    began = time.monotonic()
     try:
         pos = 0
         while pos < end:
+            if rate and pos:
+                ahead = pos / rate - (time.monotonic() - began)
+                if ahead > 0:
+                    time.sleep(ahead)
             stop = min(pos + WRITE_PIECE, end)
             for key, off, length in todo:
                 lo, hi = max(off, pos), min(off + length, stop)

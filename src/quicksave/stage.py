@@ -17,8 +17,10 @@ in another address space), so that training threads neither pay for the page cle
 wait on their own process's memory-map lock while it runs; the trainer's mapping then
 takes only cheap minor faults at the first copy. In thread mode :meth:`StagingPool.touch`
 does the clearing from a background thread. At start-up, when nothing competes, the pool
-is simply populated where it is built. On a CUDA machine the pool is also page-locked
-(``cudaHostRegister``) so device-to-host copies run asynchronously on a side stream.
+is populated where it is built, behind :func:`shield_free_pages` so that it takes fresh
+pages rather than those the training loop recycles (see that function). On a CUDA
+machine the pool is also page-locked (``cudaHostRegister``) so device-to-host copies run
+asynchronously on a side stream.
 
 Pool states: EMPTY → (build) → READY → (stage) → STAGED → (worker writing) → IN_USE
 → (worker done) → READY. A pool in IN_USE is never written: backpressure lives in the

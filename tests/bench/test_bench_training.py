@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import os
 
+import pytest
+
 from quicksave.bench import main
 from quicksave.bench.training import (
     METHODS,
@@ -18,64 +20,92 @@ from quicksave.bench.training import (
 def test_quick_run_reports_every_method(tmp_path, capsys) -> None:
     plot = tmp_path / "steps.png"
     work = tmp_path / "work"
-    argv = ["--training", "--quick", "--methods", "torch.save,quicksave-sync"]
+    argv = ["--training", "--quick", "--methods", "torch.save,quicksave-sync,quicksave-process"]
+    argv += ["--shapes", "mlp,transformer"]
     rc = main([*argv, "--dir", str(work), "--json", "--plot", str(plot)])
     captured = capsys.readouterr()
     assert rc == 0, captured.err
     report = json.loads(captured.out)
     assert report["config"]["steps"] == 6 and report["config"]["interval"] == 2
-    assert report["state"]["params"] == 4 * (256 * 256 + 256)
-    assert report["state"]["bytes"] > 3 * 4 * report["state"]["params"]  # model + 2 moments
-    # baseline before and after the methods; raw baselines measured
-    assert len(report["baseline"]["loop_s"]) == 2
-    assert len(report["baseline"]["step_s"]) == 6
-    assert all(s > 0 for s in report["baseline"]["loop_s"])
-    assert len(report["baseline"]["paired_extra_s"]) == 2
-    for key in ("write_s", "read_s", "copy_warm_s", "copy_fresh_s"):
-        assert report["raw"][key] and all(s > 0 for s in report["raw"][key]), key
-    assert set(report["methods"]) == {"torch.save", "quicksave-sync"}
-    for name, m in report["methods"].items():
-        assert "failed" not in m and "unavailable" not in m, (name, m)
-        assert m["checkpoints"] == 3, name
-        assert m["loop_median_s"] > 0, name
-        assert m["first_blocking_s"] > 0 and m["later_blocking_median_s"] > 0, name
-        # synchronous methods: durable when save() returns
-        assert 0 < m["later_durable_median_s"] <= m["later_blocking_median_s"] + 1e-3, name
-        assert m["write_gbps"] > 0 and m["durable_vs_raw_write"] > 0, name
-        assert m["restore_median_s"] > 0 and m["restore_vs_raw_read"] > 0, name
-        assert m["peak_rss_mib"] > 0, name
-        assert m["paired_overhead_per_checkpoint_s"] is not None, name
-        assert m["overhead_per_checkpoint_s"] is not None, name
-        # checkpointing must not change training: same final loss as without it
-        assert m["same_loss_as_baseline"] is True, name
-        run = m["runs"][0]
-        assert len(run["step_s"]) == 6
-        assert [e["step"] for e in run["events"]] == [2, 4, 6]
-        assert all(e["durable_s"] > 0 for e in run["events"])
-    # quicksave's manager metrics came through
-    assert [r["step"] for r in report["methods"]["quicksave-sync"]["manager_records"]] == [2, 4, 6]
+    assert set(report["shapes"]) == {"mlp", "transformer"}
+    mlp, lm = report["shapes"]["mlp"], report["shapes"]["transformer"]
+    assert mlp["state"]["params"] == 4 * (256 * 256 + 256)
+    assert mlp["state"]["bytes"] > 3 * 4 * mlp["state"]["params"]  # model + 2 moments
+    # the quick LM keeps the real one's layout: 24 layers of 16 parameters, ~4 per state
+    assert lm["state"]["tensors"] >= 4 * (24 * 16 + 4) - 4
+    for sh in (mlp, lm):
+        # baseline before and after the methods; raw baselines and the floor measured
+        assert len(sh["baseline"]["loop_s"]) == 2
+        assert len(sh["baseline"]["step_s"]) == 6
+        assert all(s > 0 for s in sh["baseline"]["loop_s"])
+        assert len(sh["baseline"]["paired_extra_s"]) == 2
+        for key in ("write_s", "read_s", "copy_warm_s", "copy_fresh_s", "floor_hash_cpu_s"):
+            assert sh["raw"][key] and all(s > 0 for s in sh["raw"][key]), key
+        assert sh["floor"]["cpu_s"] == pytest.approx(
+            sh["floor"]["copy_cpu_s"] + sh["floor"]["hash_cpu_s"], abs=1e-3
+        )
+        assert set(sh["methods"]) == {"torch.save", "quicksave-sync", "quicksave-process"}
+        for name, m in sh["methods"].items():
+            assert "failed" not in m and "unavailable" not in m, (name, m)
+            assert m["checkpoints"] == 3, name
+            assert m["loop_median_s"] > 0, name
+            assert m["first_blocking_s"] > 0 and m["later_blocking_median_s"] > 0, name
+            assert m["write_gbps"] > 0 and m["durable_vs_raw_write"] > 0, name
+            assert m["restore_median_s"] > 0 and m["restore_vs_raw_read"] > 0, name
+            assert m["peak_rss_mib"] > 0, name
+            assert m["paired_overhead_per_checkpoint_s"] is not None, name
+            assert m["overhead_per_checkpoint_s"] is not None, name
+            assert len(m["overhead_per_checkpoint_runs_s"]) == 1, name
+            assert m["first_step_vs_steady"] > 0, name
+            assert m["trainer_cpu_per_checkpoint_s"] is not None, name
+            # checkpointing must not change training: same final loss as without it
+            assert m["same_loss_as_baseline"] is True, name
+            run = m["runs"][0]
+            assert len(run["step_s"]) == 6
+            assert [e["step"] for e in run["events"]] == [2, 4, 6]
+            assert all(e["durable_s"] > 0 for e in run["events"])
+        sync = sh["methods"]["quicksave-sync"]
+        # synchronous: durable when save() returns, no staging memory, no worker
+        assert 0 < sync["later_durable_median_s"] <= sync["later_blocking_median_s"] + 1e-3
+        assert sync["staging_bytes"] == 0 and sync["workers_cpu_per_checkpoint_s"] == 0
+        proc = sh["methods"]["quicksave-process"]
+        # the manager's own metrics came through, with CPU per save of both processes
+        assert [r["step"] for r in proc["manager_records"]] == [2, 4, 6]
+        assert all(r["trainer_cpu_s"] > 0 for r in proc["manager_records"])
+        assert all(r["worker_cpu_s"] > 0 for r in proc["manager_records"])
+        assert proc["staging_bytes"] >= sh["state"]["bytes"]
+        assert proc["workers_cpu_per_checkpoint_s"] >= 0  # sampled: a short loop may miss it
+        assert proc["close_vs_last_durable"] > 0
+    # one acceptance row per target and shape, for the default mode
+    assert {r["shape"] for r in report["acceptance"]} == {"mlp", "transformer"}
+    assert all(isinstance(r["met"], bool) for r in report["acceptance"])
     # the checkpoints and the run's folder are gone; the plot is a PNG
     assert os.listdir(work) == []
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     table = format_training_report(report)
     assert "| torch.save |" in table and "| quicksave-sync |" in table
-    assert "| raw read |" in table
+    assert "| raw read |" in table and "### transformer" in table
+    assert "| mlp | first step after building the saver vs a steady step |" in table
 
 
 def test_schedule_interleaves_the_baseline_and_rotates_methods() -> None:
-    runs = schedule(TrainingBenchConfig(repeats=2))
-    assert runs[0] == "raw" and runs[-1] == "none"
-    assert runs.count("none") == 5  # start and middle of each repeat, and the end
-    for m in METHODS:
-        assert runs.count(m) == 2
-    first = [r for r in runs[1:] if r not in ("none", "raw")]
-    assert first[: len(METHODS)] == list(METHODS)
-    assert first[len(METHODS) :] == [*METHODS[1:], METHODS[0]]
-    assert schedule(TrainingBenchConfig(methods=("torch.save",))) == [
-        "raw",
-        "none",
-        "torch.save",
-        "none",
+    config = TrainingBenchConfig(repeats=2, shapes=("mlp", "embedding"))
+    runs = schedule(config)
+    assert runs[:2] == [("mlp", "raw"), ("embedding", "raw")]
+    assert runs[-2:] == [("mlp", "none"), ("embedding", "none")]
+    for shape in config.shapes:
+        mine = [m for s, m in runs if s == shape]
+        assert mine.count("none") == 5  # start and middle of each repeat, and the end
+        for m in METHODS:
+            assert mine.count(m) == 2
+        first = [m for m in mine if m not in ("none", "raw")]
+        assert first[: len(METHODS)] == list(METHODS)
+        assert first[len(METHODS) :] == [*METHODS[1:], METHODS[0]]
+    assert schedule(TrainingBenchConfig(methods=("torch.save",), shapes=("mlp",), repeats=1)) == [
+        ("mlp", "raw"),
+        ("mlp", "none"),
+        ("mlp", "torch.save"),
+        ("mlp", "none"),
     ]
 
 
@@ -84,6 +114,6 @@ def test_bad_arguments(tmp_path, capsys) -> None:
     assert "unknown method(s) nope; known: torch.save" in capsys.readouterr().err
     assert main(["--training", "--steps", "4", "--interval", "5", "--dir", str(tmp_path)]) == 2
     assert "interval must not exceed steps" in capsys.readouterr().err
-    assert main(["--training", "--hidden", "0", "--dir", str(tmp_path)]) == 2
-    assert "hidden must be at least 1" in capsys.readouterr().err
+    assert main(["--training", "--shapes", "mlp,cnn", "--dir", str(tmp_path)]) == 2
+    assert "unknown shape(s) cnn; known: mlp, transformer, embedding" in capsys.readouterr().err
     assert os.listdir(tmp_path) == []

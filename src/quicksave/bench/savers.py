@@ -22,6 +22,12 @@ QUICKSAVE_MODES = {  # method -> CheckpointConfig arguments
     "quicksave-thread": {"async_mode": "thread", "staging": "overlap"},
     "quicksave-process": {"async_mode": "process", "staging": "overlap"},
     "quicksave-process-blocking": {"async_mode": "process", "staging": "blocking"},
+    # the default with its writes paced (write_rate_mbps per writer thread, 2 threads)
+    "quicksave-process-paced": {
+        "async_mode": "process",
+        "staging": "overlap",
+        "write_rate_mbps": 300,
+    },
 }
 DCP_ASYNC = {"dcp.async_save-thread": "THREAD", "dcp.async_save-process": "PROCESS"}
 

@@ -15,9 +15,10 @@ baseline. Methods:
   default staging (a fresh CPU copy per save).
 * ``dcp.async_save-process`` — ``dcp.async_save`` with the process executor and one
   shared-memory ``DefaultStager`` created once and passed to every save.
-* ``quicksave-sync`` / ``-thread`` / ``-process`` / ``-process-blocking`` — a
-  ``CheckpointManager`` with ``async_mode`` disabled / thread / process (overlapped
-  staging) / process with blocking staging.
+* ``quicksave-sync`` / ``-thread`` / ``-process`` / ``-process-blocking`` /
+  ``-process-paced`` — a ``CheckpointManager`` with ``async_mode`` disabled / thread /
+  process (overlapped staging: the default) / process with blocking staging / the
+  default with ``write_rate_mbps=300`` (its writes paced).
 * ``raw`` (always run, once per shape) — a raw write+fsync, an ``O_DIRECT`` write, a raw
   read, in-memory copies of the same bytes, and the floor: CPU seconds of one
   single-threaded ``memcpy`` of the state plus one xxh3-64 pass over it.

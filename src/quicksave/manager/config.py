@@ -84,6 +84,12 @@ class CheckpointConfig:
         worker_cpus: CPUs the worker process (``async_mode="process"``) runs on, e.g.
             the cores the training loop does not use, so that hashing and uploads never
             take its CPU time; ``None`` (default): wherever the trainer may run.
+        write_rate_mbps: the async modes write local files at most this many MB/s
+            per writer thread (``thread_count`` of them): a save's disk traffic is spread
+            over more time, which helps where the disk's work slows the training steps
+            (a VM's virtual disk shares the host with its CPUs); the time to durable grows
+            to at least the bytes / (rate × threads). ``None`` (default): no limit. See
+            docs/benchmarks.md (issue 12) for what it changed here.
 
     Raises:
         CheckpointError: on construction, for any invalid value (message names it).
@@ -116,6 +122,7 @@ class CheckpointConfig:
     allow_dcp_pickle: bool = False
     storage: StorageOptions = field(default_factory=StorageOptions)
     worker_cpus: tuple[int, ...] | None = None
+    write_rate_mbps: float | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.folder, os.PathLike):
@@ -177,6 +184,14 @@ class CheckpointConfig:
         for name in ("enabled", "read_only", "allow_dcp", "allow_dcp_pickle"):
             if not isinstance(getattr(self, name), bool):
                 raise CheckpointError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        rate = self.write_rate_mbps
+        if rate is not None and (
+            isinstance(rate, bool)
+            or not isinstance(rate, (int, float))
+            or not math.isfinite(rate)
+            or rate <= 0
+        ):
+            raise CheckpointError(f"write_rate_mbps must be a positive number or None: {rate!r}")
         if self.worker_cpus is not None:
             object.__setattr__(self, "worker_cpus", _check_cpus(self.worker_cpus))
             if self.async_mode != "process":
@@ -217,6 +232,7 @@ class CheckpointConfig:
             ),
             close_timeout_s=float(self.close_timeout_s),
             storage=self.storage,
+            write_rate_mbps=(None if self.write_rate_mbps is None else float(self.write_rate_mbps)),
         )
 
 

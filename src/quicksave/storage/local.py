@@ -45,15 +45,24 @@ class LocalBackend:
         fsync: make every written file durable before ``put`` returns.
         o_direct: write with ``O_DIRECT`` where the filesystem allows it.
         rank: named in errors.
+        write_rate: bytes per second each ``put`` writes at most (None: no limit).
     """
 
     scheme = "file"
     atomic_rename = True
 
-    def __init__(self, *, fsync: bool = True, o_direct: bool = True, rank: int = 0) -> None:
+    def __init__(
+        self,
+        *,
+        fsync: bool = True,
+        o_direct: bool = True,
+        rank: int = 0,
+        write_rate: float | None = None,
+    ) -> None:
         self.fsync = fsync
         self.o_direct = o_direct
         self.rank = rank
+        self.write_rate = write_rate
 
     def url(self, key: str) -> str:
         return key
@@ -74,6 +83,7 @@ class LocalBackend:
             rank=self.rank,
             fsync=self.fsync,
             o_direct=self.o_direct,
+            rate=self.write_rate,
         )
 
     def put_padded(
@@ -82,7 +92,14 @@ class LocalBackend:
         """``put`` of ``image[:size]`` where ``image`` extends to a page boundary past
         ``size`` (a staging pool's file image), so that ``O_DIRECT`` writes whole pages."""
         return write_image(
-            key, image, size, list(ranges), rank=self.rank, fsync=self.fsync, o_direct=self.o_direct
+            key,
+            image,
+            size,
+            list(ranges),
+            rank=self.rank,
+            fsync=self.fsync,
+            o_direct=self.o_direct,
+            rate=self.write_rate,
         )
 
     def read_into(self, key: str, offset: int, dest: memoryview) -> None:
