@@ -423,7 +423,10 @@ def _shape_report(
     floor_copy, floor_hash = median(raw["floor_copy_cpu_s"]), median(raw["floor_hash_cpu_s"])
     floor = floor_copy + floor_hash
     dcp_restore = methods.get("dcp.save", {}).get("restore_median_s")
-    base_loss = nones[0]["final_loss"]
+    # Training itself is not bit-reproducible across processes here (multi-threaded
+    # reductions, e.g. EmbeddingBag's backward): the baseline runs end with a few
+    # different losses, and a method must end with one of them.
+    base_losses = sorted({r["final_loss"] for r in nones})
     for m in methods.values():
         if "loop_median_s" not in m:
             continue
@@ -446,7 +449,7 @@ def _shape_report(
         m["restore_gbps"] = nbytes / 1e9 / rest if rest else None
         m["restore_speedup_vs_dcp_load"] = dcp_restore / rest if rest and dcp_restore else None
         m["restore_vs_raw_read"] = rest / read_s if rest else None
-        m["same_loss_as_baseline"] = m["final_loss"] == base_loss
+        m["same_loss_as_baseline"] = m["final_loss"] in base_losses
     return {
         "about": SHAPES[shape].about,
         "state": {"params": raw["params"], "tensors": raw["tensors"], "bytes": nbytes},
@@ -473,7 +476,7 @@ def _shape_report(
             # what the paired estimate gives where there is nothing to find
             "paired_extra_s": [_paired_extra_s(r) for r in nones],
             "trainer_cpu_s": [r.get("trainer_cpu_s") for r in nones],
-            "final_loss": base_loss,
+            "final_losses": base_losses,
         },
         "methods": methods,
     }

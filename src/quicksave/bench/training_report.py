@@ -118,7 +118,10 @@ def _format_shape(name: str, sh: dict[str, Any]) -> list[str]:
             )
     diverged = [n for n, s in sh["methods"].items() if s.get("same_loss_as_baseline") is False]
     if diverged:
-        lines += ["", f"WARNING: final loss differs from the baseline's: {', '.join(diverged)}"]
+        lines += [
+            "",
+            f"WARNING: final loss differs from every baseline run's: {', '.join(diverged)}",
+        ]
     return lines
 
 
