@@ -122,29 +122,29 @@ def test_ranks_save_in_the_background_with_one_collective_per_save(tmp_path, mod
 
 
 def _fail_rank_1_at_step_4(
-    job: worker.PersistJob, pool: memoryview, backend: Any
+    job: worker.PersistJob, pool: memoryview, backend: Any, usage: Any
 ) -> dict[str, str]:
     if job.rank == 1 and job.step == 4:
         raise OSError(errno.EACCES, "Permission denied", os.path.join(job.tmp_dir, "x"))
-    return _ORIGINAL_WRITE(job, pool, backend)
+    return _ORIGINAL_WRITE(job, pool, backend, usage)
 
 
 def _stall_rank_1_at_step_4(
-    job: worker.PersistJob, pool: memoryview, backend: Any
+    job: worker.PersistJob, pool: memoryview, backend: Any, usage: Any
 ) -> dict[str, str]:
     if job.rank == 1 and job.step == 4:
         time.sleep(6.0)  # longer than commit_timeout_s: the coordinator gives up first
-    return _ORIGINAL_WRITE(job, pool, backend)
+    return _ORIGINAL_WRITE(job, pool, backend, usage)
 
 
 def _slow_rank_1_at_step_4(
-    job: worker.PersistJob, pool: memoryview, backend: Any
+    job: worker.PersistJob, pool: memoryview, backend: Any, usage: Any
 ) -> dict[str, str]:
     if job.rank == 1 and job.step == 4:
         # Past twice commit_timeout_s: rank 0 is ready for step 6 long before rank 1's
         # writer is done with step 4 (it must not wait in a collective meanwhile).
         time.sleep(8.0)
-    return _ORIGINAL_WRITE(job, pool, backend)
+    return _ORIGINAL_WRITE(job, pool, backend, usage)
 
 
 _ORIGINAL_WRITE = worker._write_files

@@ -113,8 +113,10 @@ def test_the_first_save_cycle_after_construction_faults_like_a_later_one(
     pool_pages = records[0]["bytes"] // 4096
     print(f"{mode}: faults per save cycle {counts}; the pool has {pool_pages} pages")
     first, later = counts[0], min(counts[1:])
-    # A pool left for the first save to fault in would add ~pool_pages (12k) here.
-    assert first <= later * 1.1 + pool_pages // 10
+    # A pool left for the first save to fault in would add ~pool_pages (12k) here; a
+    # first save in thread mode also runs the writer's code for the first time in this
+    # process (up to ~3k pages seen).
+    assert first <= later * 1.1 + pool_pages // 3
     # Every save reports its CPU and bytes: copied into the pool and hashed once.
     for r in records:
         assert r["trainer_cpu_s"] is not None and r["trainer_cpu_s"] > 0
