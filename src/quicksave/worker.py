@@ -655,6 +655,18 @@ class ProcessPersister:
         self._send(("warm", store, timeout_s), "warm up")
         self.warming = True
 
+    def sync(self, timeout_s: float) -> None:
+        """Wait until the worker has handled every message sent so far (its start-up
+        and the populate of the pools mapped before), at most ``timeout_s`` seconds.
+
+        Raises:
+            WorkerFailedError: the worker is gone.
+        """
+        self.warm_up(None, timeout_s)  # type: ignore[arg-type]  # None: answer only
+        deadline = time.monotonic() + timeout_s
+        while self.warming and time.monotonic() < deadline:
+            self.poll(0.05)  # no job in flight: no result to lose
+
     @property
     def age(self) -> float:
         """Seconds since this worker was started."""
@@ -895,7 +907,7 @@ def _worker_main(
                 break
         elif kind == "warm":  # connect now: its first job then pays no torch import
             _, address, timeout_s = msg
-            if address not in stores:
+            if address is not None and address not in stores:  # None: only answer
                 try:
                     stores[address] = records.connect(address, timeout_s)
                 except Exception:  # noqa: BLE001 - the first job reports it (_store_for)
