@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -35,8 +36,10 @@ def test_a_paced_write_takes_its_bytes_over_the_rate(
 ) -> None:
     clock = FakeClock()
     monkeypatch.setattr(persist, "WRITE_PIECE", 64 << 10)
-    monkeypatch.setattr(persist.time, "monotonic", clock.monotonic)
-    monkeypatch.setattr(persist.time, "sleep", clock.sleep)
+    # persist's own view of the time module only: other threads keep the real clock
+    monkeypatch.setattr(
+        persist, "time", SimpleNamespace(monotonic=clock.monotonic, sleep=clock.sleep)
+    )
     image = memoryview(bytearray(range(256)) * 4096)  # 1 MiB: 16 pieces
     rate = 4 << 20  # bytes/s: the whole file is due after 0.25 s
     persist.write_image(str(tmp_path / "f"), image, len(image), [], rank=0, rate=rate)
