@@ -4,10 +4,12 @@ pages training recycles."""
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import mmap
 import os
 import struct
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -84,18 +86,27 @@ def test_tiny_tensors_pay_the_alignment() -> None:
     ids=["transposed", "strided3d", "negzero0d", "bf16nan", "int64step", "f8", "bool"],
 )
 def test_stage_copies_exact_bytes(src: torch.Tensor) -> None:
+    with _pool_view_for(src) as (pool, dest):
+        pool.stage(dest, src)
+        assert same_bytes(_as_staged(dest, src), src.contiguous())
+
+
+@contextlib.contextmanager
+def _pool_view_for(src: torch.Tensor) -> Iterator[tuple[StagingPool, torch.Tensor]]:
+    """A pool planned for ``src`` (and a small neighbour) and the pool bytes of ``src``."""
     sd = {"x": src, "pad": torch.ones(3)}
     with AsyncSaver(EngineConfig(mode="thread")) as saver:
         plan = saver._plan(sd, {})
     pool = StagingPool(plan.layout, pin=False)
     try:
         c = plan.tensors["x"].chunks[0]
-        dest = pool.view(c.file, c.offset, c.length)
-        pool.stage(dest, src)
-        back = dest.view(src.dtype).view(src.shape) if src.dim() else dest.view(src.dtype)[0]
-        assert same_bytes(back, src.contiguous())
+        yield pool, pool.view(c.file, c.offset, c.length)
     finally:
         pool.close()
+
+
+def _as_staged(dest: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
+    return dest.view(src.dtype).view(src.shape) if src.dim() else dest.view(src.dtype)[0]
 
 
 @pytest.mark.parametrize(
@@ -112,19 +123,10 @@ def test_stage_copies_exact_bytes(src: torch.Tensor) -> None:
     ids=["big", "transposed", "negzero0d", "conj", "int64step", "f8", "bool"],
 )
 def test_stage_hashed_copies_exact_bytes_and_returns_their_xxh3(src: torch.Tensor) -> None:
-    sd = {"x": src, "pad": torch.ones(3)}
-    with AsyncSaver(EngineConfig(mode="thread")) as saver:
-        plan = saver._plan(sd, {})
-    pool = StagingPool(plan.layout, pin=False)
-    try:
-        c = plan.tensors["x"].chunks[0]
-        dest = pool.view(c.file, c.offset, c.length)
+    with _pool_view_for(src) as (pool, dest):
         digest = pool.stage_hashed(dest, src)
-        back = dest.view(src.dtype).view(src.shape) if src.dim() else dest.view(src.dtype)[0]
-        assert same_bytes(back, src.resolve_conj().contiguous())
+        assert same_bytes(_as_staged(dest, src), src.resolve_conj().contiguous())
         assert digest == hexdigest(xxhash.xxh3_64(bytes(dest.numpy())).intdigest())
-    finally:
-        pool.close()
 
 
 # ----------------------------------------------------------------- page shield

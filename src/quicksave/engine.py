@@ -35,7 +35,6 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
-import xxhash
 
 from . import commit
 from .collect import check_tensor, flatten, to_state_dict
@@ -51,11 +50,10 @@ from .format.manifest import (
     ObjectEntry,
     TensorEntry,
     check_user_metadata,
-    hexdigest,
 )
 from .keypaths import structure
 from .plan import ItemSpec, RankLayout, layout_rank
-from .stage import StagingPool
+from .stage import StagingPool, digest_of
 from .storage import Location, StorageOptions, parse_location
 from .storage.backend import Backend
 from .worker import (
@@ -843,8 +841,7 @@ class AsyncSaver:
         if stream is not None:
             stream.synchronize()
         for name in after:
-            view = pool.view(*plan.places[name])
-            digests[plan.keys.get(name, name)] = hexdigest(xxhash.xxh3_64(view.numpy()).intdigest())
+            digests[plan.keys.get(name, name)] = digest_of(pool.view(*plan.places[name]))
         return copied
 
     def _stage_then_submit(

@@ -122,6 +122,11 @@ def shield_free_pages(nbytes: int) -> Iterator[int]:
         held.close()
 
 
+def digest_of(view: torch.Tensor) -> str:
+    """The xxh3-64 (hex) of the pool bytes ``view`` (a uint8 tensor)."""
+    return hexdigest(xxhash.xxh3_64(view.numpy()).intdigest())
+
+
 def _align(n: int) -> int:
     return (n + ALIGNMENT - 1) // ALIGNMENT * ALIGNMENT
 
@@ -285,7 +290,7 @@ class StagingPool:
                 h.update(arr[a:b])
         else:
             self.stage(dest, src, non_blocking=False)
-            h.update(arr)
+            return digest_of(dest)
         return hexdigest(h.intdigest())
 
     def close(self) -> None:

@@ -164,3 +164,13 @@ def dcp_save(sd: dict[str, torch.Tensor], path: str) -> None:
 
 def dcp_load(dest: dict[str, torch.Tensor], path: str) -> None:
     dcp.load(dest, storage_reader=dcp.FileSystemReader(path))
+
+
+def pid_cpu_s(pid: int) -> float | None:
+    """CPU seconds (utime + stime) process ``pid`` has used so far (None: gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return None

@@ -87,7 +87,7 @@ from typing import Any
 import torch
 
 from ..persist import byte_view
-from .methods import nbytes_of, state_dict_of
+from .methods import nbytes_of, pid_cpu_s, state_dict_of
 from .training import run_child
 
 MiB = 1 << 20
@@ -259,12 +259,7 @@ class Target:
         proc = getattr(running, "proc", None)
         if proc is None:
             return None
-        try:
-            with open(f"/proc/{proc.pid}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:
-            return None
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        return pid_cpu_s(proc.pid)
 
 
 @contextlib.contextmanager

@@ -23,7 +23,6 @@ import json
 import mmap
 import os
 import re
-import resource
 import statistics
 import sys
 import threading
@@ -39,7 +38,7 @@ import xxhash
 
 from quicksave.manager import ModelState, OptimizerState
 
-from .methods import direct_io_error, raw_direct_save, raw_load, raw_save
+from .methods import direct_io_error, pid_cpu_s, raw_direct_save, raw_load, raw_save
 from .savers import Saver, Unavailable, make_saver
 from .shapes import build, mlp
 
@@ -75,23 +74,7 @@ def _descendants(root: int) -> list[int]:
     return out
 
 
-def _cpu_s(pid: int) -> float | None:
-    """utime + stime of ``pid`` in seconds (None: gone)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    except (OSError, IndexError, ValueError):
-        return None
-
-
-def process_cpu_s() -> float:
-    """CPU seconds (user + system, every thread) of this process so far."""
-    u = resource.getrusage(resource.RUSAGE_SELF)
-    return u.ru_utime + u.ru_stime
-
-
-class _WorkerRssMonitor:
+class _WorkerMonitor:
     """Samples the peak RSS (VmHWM) and the CPU seconds of this process's descendants
     (checkpoint workers) five times a second; a worker that exits before the end still
     counts, with its CPU as last seen (up to 0.2 s of it may be missed)."""
@@ -110,7 +93,7 @@ class _WorkerRssMonitor:
     def sample(self) -> None:
         for pid in _descendants(os.getpid()):
             self.peak_kib = max(self.peak_kib, _status_kib("VmHWM", pid) or 0)
-            cpu = _cpu_s(pid)
+            cpu = pid_cpu_s(pid)
             if cpu is not None:
                 self.cpu[pid] = cpu
 
@@ -122,7 +105,7 @@ class _WorkerRssMonitor:
     def cpu_s(self) -> float:
         return sum(c - self._start.get(pid, 0.0) for pid, c in self.cpu.items())
 
-    def __enter__(self) -> _WorkerRssMonitor:
+    def __enter__(self) -> _WorkerMonitor:
         self._thread.start()
         return self
 
@@ -202,9 +185,9 @@ def _run_loop(spec: dict[str, Any], saver: Saver, train_step: Callable[[], float
     step_s, save_s, events = [], [], []
     loss = 0.0
     _reset_peak_rss()
-    with _WorkerRssMonitor() as monitor:
+    with _WorkerMonitor() as monitor:
         monitor.baseline()
-        cpu0 = process_cpu_s()
+        cpu0 = time.process_time()
         begin = time.perf_counter()
         for step in range(1, steps + 1):
             t0 = time.perf_counter()
@@ -228,7 +211,7 @@ def _run_loop(spec: dict[str, Any], saver: Saver, train_step: Callable[[], float
         t_drain = time.perf_counter()
         saver.finish()
         end = time.perf_counter()
-        cpu = process_cpu_s() - cpu0
+        cpu = time.process_time() - cpu0
         monitor.sample()
     for ev in events:
         ev["durable_s"] = saver.durable.get(ev["step"])
@@ -349,12 +332,12 @@ def run_child(spec: dict[str, Any]) -> dict[str, Any]:
         # so that anything the saver prepares at the next optimizer step (a staging pool)
         # falls into the timed loop.
         calibration = result["calibration_step_s"] = []
-        cpu0 = process_cpu_s()
+        cpu0 = time.process_time()
         for _ in range(spec["calibration_steps"]):
             t0 = time.perf_counter()
             train_step()
             calibration.append(time.perf_counter() - t0)
-        calibration_cpu = process_cpu_s() - cpu0
+        calibration_cpu = time.process_time() - cpu0
         t0 = time.perf_counter()
         try:
             saver = make_saver(spec["method"], folder, states, spec["interval"])

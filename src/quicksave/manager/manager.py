@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import logging
 import os
-import resource
 import time
 from collections.abc import Callable, Mapping
 from datetime import timedelta
@@ -485,7 +484,7 @@ class CheckpointManager:
         asynchronous = self._writer is not None and kind == "full"
         if not asynchronous:
             self._drain()  # a synchronous write never runs beside a save in flight
-        cpu0 = _process_cpu_s()
+        cpu0 = time.process_time()
         state_dict = self._collect(kind)
         nbytes = payload_bytes(state_dict)
         self._replace_uncommitted(path)
@@ -504,7 +503,7 @@ class CheckpointManager:
                 now - begin,
                 now - begin,
                 now - written,
-                trainer_cpu_s=_process_cpu_s() - cpu0,
+                trainer_cpu_s=time.process_time() - cpu0,
                 worker_cpu_s=0.0,
                 bytes_copied=0,
                 bytes_hashed=nbytes,
@@ -836,9 +835,3 @@ def _default_save_policy(config: CheckpointConfig) -> SavePolicy:
     if config.interval_type == "seconds":
         return EveryNSeconds(config.interval)
     return EveryNSteps(int(config.interval))
-
-
-def _process_cpu_s() -> float:
-    """CPU seconds (user + system) of this process so far, all threads."""
-    usage = resource.getrusage(resource.RUSAGE_SELF)
-    return usage.ru_utime + usage.ru_stime
