@@ -51,6 +51,7 @@ from .format.manifest import (
     TensorEntry,
     check_user_metadata,
 )
+from .guard import Snapshot, torn_copy_error
 from .keypaths import structure
 from .plan import ItemSpec, RankLayout, layout_rank
 from .stage import StagingPool, digest_of
@@ -165,6 +166,9 @@ class SaveHandle:
 
     def done(self) -> bool:
         if not self._done.is_set() and self._saver is not None:
+            if self._confirmable():
+                with contextlib.suppress(CheckpointError):  # this handle holds it
+                    self._saver._confirm_if_staged()
             self._saver._collect(0.0)
         return self._done.is_set()
 
@@ -172,6 +176,10 @@ class SaveHandle:
         """Block until durable. Raises CheckpointError if the save failed, TimeoutError if
         not done within ``timeout`` seconds."""
         deadline = None if timeout is None else time.monotonic() + timeout
+        if self._confirmable():
+            assert self._saver is not None
+            with contextlib.suppress(CheckpointError):  # this handle holds it
+                self._saver.maybe_wait_for_staging()
         while not self._done.is_set():
             if self._saver is None:
                 self._done.wait(0.05)
@@ -187,6 +195,11 @@ class SaveHandle:
             raise self._error
         assert self._result is not None
         return self._result
+
+    def _confirmable(self) -> bool:
+        """Whether this save's background copy awaits the training thread's check."""
+        overlap = None if self._saver is None else self._saver._overlap
+        return overlap is not None and overlap.handle is self
 
     def exception(self) -> BaseException | None:
         return self._error if self._done.is_set() else None
@@ -225,6 +238,19 @@ class _InFlight:
     token: str = ""  # multi-rank: the save's commit records (see dist/records.py)
     location: Location | None = None  # where it commits
     replace: bool = False  # overwrite: a committed checkpoint was there before the save
+
+
+@dataclass
+class _Overlap:
+    """A save whose deferred tensors are copied in the background: submitted to the
+    persister only once the training thread has seen their version counters unchanged
+    (``guard.py``)."""
+
+    job: PersistJob
+    handle: SaveHandle
+    snapshot: Snapshot
+    tensors: dict[str, torch.Tensor]  # staged name -> the tensor copied
+    fqn_of: dict[str, str]  # staged name -> fqn, where they differ (several ranks)
 
 
 def _lower_thread_priority(nice: int) -> None:
@@ -279,6 +305,10 @@ class AsyncSaver:
         self._next_id = 0
         self._staging: threading.Thread | None = None
         self._staging_error: BaseException | None = None
+        self._overlap: _Overlap | None = None  # the background copy's save, unconfirmed
+        # Staged tensors (by address) seen written during a background copy: copied
+        # inside save() from then on (see guard.py).
+        self._unguarded: set[int] = set()
         self._closed = False
         self._mapped: set[int] = set()
         self._persister: ProcessPersister | ThreadPersister | None = None
@@ -316,17 +346,23 @@ class AsyncSaver:
         if self._persister is not None:
             self._persister.close(0.0)  # kills it, and frees its socket and heartbeat page
         self._persister = None
-        for job_id, fl in list(self._in_flight.items()):
-            fl.slot.busy = None
-            fl.handle._finish(None, err)
-            del self._in_flight[job_id]
-            if self._dist is not None and fl.token:
-                why = err.message if isinstance(err, CheckpointError) else str(err)
-                self._dist.worker_failed(fl.token, why)  # the others stop waiting for us
-                self._lost[fl.token] = fl.handle.started + self._dist.outcome_wait_s
-            elif fl.tmp_dir:  # the dead writer's partial files: nobody else will remove them
-                shutil.rmtree(fl.tmp_dir, ignore_errors=True)
+        for job_id in list(self._in_flight):
+            self._fail_job(job_id, err)
         self._unreported.append(err)
+
+    def _fail_job(self, job_id: int, err: BaseException) -> None:
+        """Fail one save in flight that no writer will finish: free its pool, tell the
+        other ranks (they stop waiting for this rank, and nothing commits), remove its
+        partial files."""
+        fl = self._in_flight.pop(job_id)
+        fl.slot.busy = None
+        fl.handle._finish(None, err)
+        if self._dist is not None and fl.token:
+            why = err.message if isinstance(err, CheckpointError) else str(err)
+            self._dist.worker_failed(fl.token, why)  # the others stop waiting for us
+            self._lost[fl.token] = fl.handle.started + self._dist.outcome_wait_s
+        elif fl.tmp_dir:  # the dead writer's partial files: nobody else will remove them
+            shutil.rmtree(fl.tmp_dir, ignore_errors=True)
 
     def _reported(self, err: BaseException) -> None:
         self._unreported = [e for e in self._unreported if e is not err]
@@ -404,13 +440,13 @@ class AsyncSaver:
                 ds = self._plan_dist(state_dict, loc, step, user_metadata)
                 if ds is None:
                     return None
-                tensors = ds.tensors
+                tensors, sources = ds.tensors, ds.sources
                 plan = _Plan(ds.key, ds.layout, ds.chunk_keys, ds.dcp_metadata, {}, {}, ds.places)
                 manifest, token = ds.manifest, ds.dist.token
             else:
                 self.finalize(blocking=False)  # raises an earlier failure, once
                 commit.check_target(loc, self.rank, self._backend_for(store), replace=overwrite)
-                tensors, objects, paths, empty = self._collect_state(state_dict, final)
+                tensors, sources, objects, paths, empty = self._collect_state(state_dict, final)
                 plan = self._plan(tensors, objects)
                 manifest = Manifest(
                     step=step,
@@ -482,10 +518,14 @@ class AsyncSaver:
                 del self._in_flight[job_id]
                 raise
             if later:
+                fqn_of = {} if self._dist is None else _fqns_of(plan.layout)
+                self._overlap = _Overlap(
+                    job, handle, Snapshot.take(sources, later), tensors, fqn_of
+                )
                 self._staging_error = None
                 self._staging = threading.Thread(
-                    target=self._stage_then_submit,
-                    args=(pool, plan, tensors, later, job, handle),
+                    target=self._stage_in_background,
+                    args=(pool, plan, tensors, later, handle),
                     name="quicksave-stage",
                     daemon=True,
                 )
@@ -700,24 +740,26 @@ class AsyncSaver:
             self._persister.close(0.0)
         self._persister = None
 
-    def _collect_state(
-        self, state_dict: Mapping[str, Any], final: str
-    ) -> tuple[dict[str, torch.Tensor], dict[str, Any], dict[str, tuple], tuple[tuple, ...]]:
+    def _collect_state(self, state_dict: Mapping[str, Any], final: str) -> tuple[
+        dict[str, torch.Tensor],
+        dict[str, torch.Tensor],
+        dict[str, Any],
+        dict[str, tuple],
+        tuple[tuple, ...],
+    ]:
+        """Flatten ``state_dict``: (tensors to stage, the tensors whose version counters
+        track their writes, encoded values, key paths, empty dicts)."""
         try:
             nested = to_state_dict(state_dict)
             flat, mappings = flatten(nested)
             tensors: dict[str, torch.Tensor] = {}
+            sources: dict[str, torch.Tensor] = {}
             objects: dict[str, Any] = {}
             for fqn, v in flat.items():
                 if isinstance(v, torch.Tensor):
-                    if type(v) is not torch.Tensor and not isinstance(v, torch.nn.Parameter):
-                        raise IncompatibleStateError(
-                            f"{type(v).__name__} values are saved by quicksave.save (DCP "
-                            "planning); the async engine saves one rank's plain tensors",
-                            fqn=fqn,
-                        )
                     check_tensor(fqn, v, self.rank)
-                    tensors[fqn] = v.detach()
+                    tensors[fqn] = _whole_local(fqn, v)
+                    sources[fqn] = v
                 else:
                     # Encoding is also the check; done once, with the value of this moment.
                     objects[fqn] = objcodec.encode(v, fqn)
@@ -725,7 +767,7 @@ class AsyncSaver:
             raise IncompatibleStateError(e.message, path=final, fqn=e.fqn, rank=self.rank) from None
         typed, empty = structure(nested, mappings)
         paths = {fqn: tuple(p) for fqn, p in typed.items() if not names_itself(p, fqn)}
-        return tensors, objects, paths, tuple(empty)
+        return tensors, sources, objects, paths, tuple(empty)
 
     # ---------------------------------------------------------------------- plan
     def _plan(self, tensors: dict[str, torch.Tensor], objects: dict[str, Any]) -> _Plan:
@@ -803,11 +845,14 @@ class AsyncSaver:
 
     # ------------------------------------------------------------------ staging
     def _split(self, plan: _Plan, tensors: dict[str, torch.Tensor], deferred: Deferred | None):
+        """(copied in save(), copied in the background): ``deferred`` picks the second,
+        less those a background copy has already seen written (see guard.py)."""
         if self.config.staging == "blocking" or deferred is None:
             return list(tensors), []
         now, later = [], []
         for fqn, t in tensors.items():
-            (later if deferred(fqn, t) else now).append(fqn)
+            late = deferred(fqn, t) and t.data_ptr() not in self._unguarded
+            (later if late else now).append(fqn)
         return now, later
 
     def _stage(
@@ -844,11 +889,11 @@ class AsyncSaver:
             digests[plan.keys.get(name, name)] = digest_of(pool.view(*plan.places[name]))
         return copied
 
-    def _stage_then_submit(
-        self, pool, plan, tensors, fqns, job: PersistJob, handle: SaveHandle
-    ) -> None:
+    def _stage_in_background(self, pool, plan, tensors, fqns, handle: SaveHandle) -> None:
         # Runs beside training: copies on one thread, hashing each block while it is in
-        # the cache, so that the writer only writes (see ARCHITECTURE.md, issue 12).
+        # the cache, so that the writer only writes (see ARCHITECTURE.md). The save is
+        # handed to the writer by the training thread, once it has checked that nothing
+        # wrote these tensors meanwhile (maybe_wait_for_staging).
         cpu0 = time.thread_time()
         digests: dict[str, str] = {}
         try:
@@ -856,35 +901,71 @@ class AsyncSaver:
         except BaseException as e:  # noqa: BLE001 - reported at the next wait/save
             self._staging_error = e
             return
+        overlap = self._overlap
+        if overlap is not None and overlap.handle is handle:
+            overlap.job = dataclasses.replace(overlap.job, digests=digests)
         handle.bytes_copied += copied
         handle.bytes_hashed += copied
         handle.staging_s = time.monotonic() - handle.started
         handle.trainer_cpu_s += time.thread_time() - cpu0
-        with self._lock:
-            self._submit(dataclasses.replace(job, digests=digests), handle)
 
     def maybe_wait_for_staging(self) -> None:
-        """Block until background staging is done (call before mutating deferred tensors;
-        the manager's optimizer pre-hooks do)."""
+        """Block until background staging is done, then hand that save to the writer —
+        or fail it, if a deferred tensor was written since ``save()`` (``guard.py``).
+
+        Call from the training thread before writing deferred tensors, between training
+        operations (the manager's optimizer pre-hooks do, and so do ``save()``,
+        ``finalize()``, ``close()`` and ``SaveHandle.wait()``).
+
+        Raises:
+            CheckpointError: the background copy failed, or a deferred tensor was
+                written during it (the save is not committed; on every rank).
+        """
         t = self._staging
-        if t is not None:
-            t.join()
-            self._staging = None
-            if self._staging_error is not None:
-                err, self._staging_error = self._staging_error, None
-                self._release_unsubmitted()
-                raise CheckpointError(
-                    f"staging failed: {type(err).__name__}: {err}", rank=self.rank
-                ) from err
+        if t is None:
+            return
+        t.join()
+        self._staging = None
+        overlap, self._overlap = self._overlap, None
+        if self._staging_error is not None:
+            err, self._staging_error = self._staging_error, None
+            self._release_unsubmitted()
+            raise CheckpointError(
+                f"staging failed: {type(err).__name__}: {err}", rank=self.rank
+            ) from err
+        if overlap is not None:
+            self._confirm(overlap)
+
+    def _confirm_if_staged(self) -> None:
+        """``maybe_wait_for_staging`` if the background copy is already done (no wait)."""
+        t = self._staging
+        if t is not None and not t.is_alive():
+            self.maybe_wait_for_staging()
+
+    def _confirm(self, overlap: _Overlap) -> None:
+        """Submit a save staged in the background, or fail it if its tensors moved."""
+        changed = overlap.snapshot.changed()
+        with self._lock:
+            fl = self._in_flight.get(overlap.job.job_id)
+            if fl is None or fl.handle is not overlap.handle:
+                return  # failed meanwhile (its worker died): nothing to submit
+            if not changed:
+                self._submit(overlap.job, overlap.handle)
+                return
+            self._unguarded.update(overlap.tensors[n].data_ptr() for n in changed)
+            err = torn_copy_error(
+                changed, overlap.fqn_of, overlap.handle.step, overlap.handle.path, self.rank
+            )
+            logger.error("quicksave: %s", err)
+            self._fail_job(overlap.job.job_id, err)
+        raise err
 
     def _release_unsubmitted(self) -> None:
-        for job_id, fl in list(self._in_flight.items()):
-            if fl.handle.staging_s is None:
-                fl.slot.busy = None
-                fl.handle._finish(
-                    None, CheckpointError("staging failed", path=fl.handle.path, rank=self.rank)
-                )
-                del self._in_flight[job_id]
+        with self._lock:
+            for job_id, fl in list(self._in_flight.items()):
+                if fl.handle.staging_s is None:
+                    err = CheckpointError("staging failed", path=fl.handle.path, rank=self.rank)
+                    self._fail_job(job_id, err)
 
     def _submit(self, job: PersistJob, handle: SaveHandle) -> None:
         try:
@@ -952,6 +1033,7 @@ class AsyncSaver:
             while self._in_flight:
                 self._collect(0.1)
         else:
+            self._confirm_if_staged()
             self._collect(0.0)
         if self._unreported:
             err = self._unreported.pop(0)
@@ -1088,7 +1170,7 @@ class AsyncSaver:
             if self._closed:
                 return None
             try:
-                tensors, objects, _, _ = self._collect_state(state_dict, "")
+                tensors, _, objects, _, _ = self._collect_state(state_dict, "")
                 plan = self._plan(tensors, objects)
             except CheckpointError as e:
                 logger.debug("quicksave: nothing prepared: %s", e)
@@ -1166,3 +1248,36 @@ class AsyncSaver:
                         self._persister.sync(self.config.worker.start_timeout_s)
                 except CheckpointError as e:
                     self._worker_failed(e)
+
+
+def _whole_local(fqn: str, v: torch.Tensor) -> torch.Tensor:
+    """The plain tensor a single-rank save stages for ``v``: ``v`` itself, or the local
+    tensor of a DTensor on a one-rank mesh (FSDP2 or TP code run on one rank), which holds
+    every element.
+
+    Raises:
+        IncompatibleStateError: a tensor split over several ranks (a multi-rank saver
+            saves it), or another tensor subclass.
+    """
+    if type(v) is torch.Tensor or isinstance(v, torch.nn.Parameter):
+        return v.detach()
+    if type(v).__name__ == "DTensor":
+        local = v.to_local()
+        if v.device_mesh.size() == 1 and tuple(local.shape) == tuple(v.shape):
+            return local.detach()
+        raise IncompatibleStateError(
+            f"this DTensor is split over {v.device_mesh.size()} ranks, and this saver saves "
+            "one rank; build the saver with a dist_context (CheckpointManager does when the "
+            "process group has several ranks) or save with quicksave.save",
+            fqn=fqn,
+        )
+    raise IncompatibleStateError(
+        f"{type(v).__name__} values are not saved by the single-rank engine; save them "
+        "with quicksave.save, or pass plain tensors",
+        fqn=fqn,
+    )
+
+
+def _fqns_of(layout: RankLayout) -> dict[str, str]:
+    """Chunk key -> fqn of every chunk in ``layout`` (several ranks stage by chunk key)."""
+    return {e.item.key: e.item.fqn for f in layout.files for e in f.entries}

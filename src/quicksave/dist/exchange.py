@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import secrets
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -65,6 +65,7 @@ class PlannedSave:
         collectives: collectives this call ran (1 on a steady-state cache hit).
         tensors: chunk key -> this rank's local tensor holding it (every chunk it holds).
         values: fqn -> typed-JSON value of each object in ``objects``, taken at the call.
+        sources: chunk key -> the tensor whose version counter tracks its writes.
     """
 
     layout: RankLayout
@@ -75,6 +76,7 @@ class PlannedSave:
     collectives: int
     tensors: dict[str, torch.Tensor]
     values: dict[str, Any]
+    sources: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -334,7 +336,9 @@ def plan_save(
         layout: RankLayout, objects: tuple[str, ...], skeleton: Manifest | None, key: str, n: int
     ) -> PlannedSave:
         values = {fqn: state.values[fqn] for fqn in objects}
-        return PlannedSave(layout, objects, skeleton, token, key, n, state.tensors, values)
+        return PlannedSave(
+            layout, objects, skeleton, token, key, n, state.tensors, values, state.sources
+        )
 
     if agreed.reuse:
         cache.hits += 1

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -141,11 +141,15 @@ class LocalState:
         plan: the rank's ``LocalPlan``.
         tensors: chunk key (``ItemSpec.key``) -> the local tensor holding it.
         values: fqn -> typed-JSON encoding of every non-tensor value (taken now).
+        sources: chunk key -> the state dict's tensor holding it, whose version counter
+            counts writes to it (a DTensor's local tensor has a counter of its own that
+            in-place ops on the DTensor leave alone; see guard.py).
     """
 
     plan: LocalPlan
     tensors: dict[str, torch.Tensor]
     values: dict[str, Any]
+    sources: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 def collect_local(state_dict: Mapping[str, Any], rank: int) -> LocalState:
@@ -171,6 +175,7 @@ def collect_local(state_dict: Mapping[str, Any], rank: int) -> LocalState:
     mappings, empty = structure(nested, mappings)
     items: list[ItemSpec] = []
     tensors: dict[str, torch.Tensor] = {}
+    sources: dict[str, torch.Tensor] = {}
     values: dict[str, Any] = {}
     paths: list[tuple[str, Path]] = []
     for fqn, leaf in flat.items():
@@ -178,6 +183,7 @@ def collect_local(state_dict: Mapping[str, Any], rank: int) -> LocalState:
             for spec, local in _chunks(fqn, leaf, rank):
                 items.append(spec)
                 tensors[spec.key] = local
+                sources[spec.key] = leaf if type(leaf).__name__ == "DTensor" else local
         else:
             try:
                 values[fqn] = objcodec.encode(leaf, fqn)  # refused before any rank writes
@@ -187,7 +193,7 @@ def collect_local(state_dict: Mapping[str, Any], rank: int) -> LocalState:
         if not names_itself(path, fqn):
             paths.append((fqn, path))
     plan = make_local_plan(rank, items, list(values), paths, empty)
-    return LocalState(plan, tensors, values)
+    return LocalState(plan, tensors, values, sources)
 
 
 def local_plan(state_dict: Mapping[str, Any], rank: int) -> LocalPlan:

@@ -52,6 +52,7 @@ class DistSave:
     key: tuple  # identifies the layout (the pool is reused while it is unchanged)
     layout: RankLayout
     tensors: dict[str, torch.Tensor]  # chunk key -> this rank's local tensor to write
+    sources: dict[str, torch.Tensor]  # chunk key -> its writes' version counter (guard.py)
     places: dict[str, tuple[str, int, int]]  # chunk key -> (file, offset, length)
     manifest: Manifest | None  # the coordinator's skeleton (step, metadata filled)
     chunk_keys: dict[str, tuple[str, int]]  # every rank's chunks (coordinator), else {}
@@ -113,6 +114,7 @@ class DistSaving:
         if planned is None:
             return None
         tensors: dict[str, torch.Tensor] = {}
+        sources: dict[str, torch.Tensor] = {}
         places: dict[str, tuple[str, int, int]] = {}
         for f in planned.layout.files:
             for e in f.entries:
@@ -126,6 +128,7 @@ class DistSaving:
                         rank=ctx.rank,
                     )
                 tensors[key] = t
+                sources[key] = planned.sources.get(key, t)
                 places[key] = (f.name, e.offset, e.length)
         manifest = None
         chunk_keys: dict[str, tuple[str, int]] = {}
@@ -145,6 +148,7 @@ class DistSaving:
             key=("dist", planned.key, ctx.rank),
             layout=planned.layout,
             tensors=tensors,
+            sources=sources,
             places=places,
             manifest=manifest,
             chunk_keys=chunk_keys,
