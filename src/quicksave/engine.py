@@ -511,8 +511,9 @@ class AsyncSaver:
                 overwrite,
             )
             now, later = self._split(plan, tensors, deferred)
+            ready = _cuda_ready(tensors)
             try:
-                handle.bytes_copied = self._stage(pool, plan, tensors, now)
+                handle.bytes_copied = self._stage(pool, plan, tensors, now, ready=ready)
             except BaseException:
                 slot.busy = None
                 del self._in_flight[job_id]
@@ -525,7 +526,7 @@ class AsyncSaver:
                 self._staging_error = None
                 self._staging = threading.Thread(
                     target=self._stage_in_background,
-                    args=(pool, plan, tensors, later, handle),
+                    args=(pool, plan, tensors, later, handle, ready),
                     name="quicksave-stage",
                     daemon=True,
                 )
@@ -851,7 +852,9 @@ class AsyncSaver:
             return list(tensors), []
         now, later = [], []
         for fqn, t in tensors.items():
-            late = deferred(fqn, t) and t.data_ptr() not in self._unguarded
+            late = (
+                deferred(fqn, t) and t.data_ptr() not in self._unguarded and not t.is_inference()
+            )
             (later if late else now).append(fqn)
         return now, later
 
@@ -862,13 +865,19 @@ class AsyncSaver:
         tensors: dict[str, torch.Tensor],
         fqns: list[str],
         digests: dict[str, str] | None = None,
+        *,
+        ready: torch.cuda.Event | None = None,
     ) -> int:
         """Copy ``fqns`` into the pool; return the bytes copied. With ``digests``, also
         hash every copied chunk into it (chunk key -> xxh3-64 hex): CPU tensors in the
         same pass as the copy (``stage_hashed``), CUDA ones from the pool once their
-        copies are done."""
+        copies are done. CUDA copies run on a side stream that first waits for
+        ``ready`` (recorded on the training thread's stream at ``save()``: the kernels
+        that wrote the state, e.g. the optimizer step, may still be queued there)."""
         cuda = any(tensors[f].is_cuda for f in fqns)
         stream = torch.cuda.Stream() if cuda else None
+        if stream is not None and ready is not None:
+            stream.wait_event(ready)
         ctx = torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
         copied = 0
         after: list[str] = []  # hashed once the side stream's copies are done
@@ -889,7 +898,9 @@ class AsyncSaver:
             digests[plan.keys.get(name, name)] = digest_of(pool.view(*plan.places[name]))
         return copied
 
-    def _stage_in_background(self, pool, plan, tensors, fqns, handle: SaveHandle) -> None:
+    def _stage_in_background(
+        self, pool, plan, tensors, fqns, handle: SaveHandle, ready: torch.cuda.Event | None
+    ) -> None:
         # Runs beside training: copies on one thread, hashing each block while it is in
         # the cache, so that the writer only writes (see ARCHITECTURE.md). The save is
         # handed to the writer by the training thread, once it has checked that nothing
@@ -897,7 +908,7 @@ class AsyncSaver:
         cpu0 = time.thread_time()
         digests: dict[str, str] = {}
         try:
-            copied = self._stage(pool, plan, tensors, fqns, digests)
+            copied = self._stage(pool, plan, tensors, fqns, digests, ready=ready)
         except BaseException as e:  # noqa: BLE001 - reported at the next wait/save
             self._staging_error = e
             return
@@ -1281,3 +1292,14 @@ def _whole_local(fqn: str, v: torch.Tensor) -> torch.Tensor:
 def _fqns_of(layout: RankLayout) -> dict[str, str]:
     """Chunk key -> fqn of every chunk in ``layout`` (several ranks stage by chunk key)."""
     return {e.item.key: e.item.fqn for f in layout.files for e in f.entries}
+
+
+def _cuda_ready(tensors: Mapping[str, torch.Tensor]) -> torch.cuda.Event | None:
+    """An event on the calling thread's current CUDA stream, if any tensor is on a GPU:
+    the staging stream waits for it, so it copies what the queued kernels leave."""
+    device = next((t.device for t in tensors.values() if t.is_cuda), None)
+    if device is None:
+        return None
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(device))
+    return event

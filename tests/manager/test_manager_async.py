@@ -230,9 +230,10 @@ def test_the_optimizer_pre_hook_waits_for_the_background_copy(
     job = Job(seed=0)
     manager = make(tmp_path / "ckpt", job.states(), interval=1)
     closing.append(manager)
-    job.train_step()
+    for _ in range(2):  # a whole interval between steps: parameters and moments proven
+        job.train_step()
     deferred = deferred_ptrs(job)
-    manager.save(1)
+    manager.save(2)
     saver = manager._writer.saver
     waiting = threading.Event()
     wait_for_staging = saver.maybe_wait_for_staging
@@ -263,9 +264,10 @@ def test_maybe_wait_for_staging_is_there_for_custom_loops(
     job = Job(seed=0)
     manager = make(tmp_path / "ckpt", job.states(), interval=1)
     closing.append(manager)
-    job.train_step()
+    for _ in range(2):
+        job.train_step()
     deferred = deferred_ptrs(job)
-    manager.save(1)
+    manager.save(2)
     assert stage_gate.background() == set()
     timer = release_later(stage_gate.opened)
     manager.maybe_wait_for_staging()
@@ -276,7 +278,7 @@ def test_maybe_wait_for_staging_is_there_for_custom_loops(
     manager.close()
     fresh = Job(seed=3)
     with make(tmp_path / "ckpt", fresh.states()) as reader:
-        assert reader.load() == 1
+        assert reader.load() == 2
     assert fresh.model[0].weight.abs().sum() > 0
 
 

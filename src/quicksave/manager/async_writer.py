@@ -1,15 +1,17 @@
 """The manager's asynchronous write path: one :class:`~quicksave.engine.AsyncSaver` per
 manager, and the hooks that keep overlapped staging correct.
 
-Which tensors are staged in the background (``staging="overlap"``): the parameters of
-the models and the optimizer state tensors (exp_avg, step, ...) of the manager's
-``ModelState`` / ``OptimizerState`` states, recognised by their memory address. They
-change only inside ``optimizer.step()``, and every optimizer of an ``OptimizerState``
-gets a step pre-hook that waits until the background copy is done. Everything else
-(buffers such as BatchNorm statistics, which the forward pass updates, scalars, RNG,
-train state, data loader, schedulers) is copied before ``save()`` returns. A loop that
-changes parameters outside these optimizers' ``step()`` must call
-``manager.maybe_wait_for_staging()`` first.
+Which tensors are staged in the background (``staging="overlap"``): those that only the
+optimizers of the manager's ``OptimizerState`` states write — their parameters and state
+tensors (exp_avg, step, ...) — once the step hooks have seen them through an interval
+between steps with no other writer (``overlap.py``). Every such optimizer gets a step
+pre-hook that waits until the background copy is done and lets the engine check, by
+version counters, that nothing else wrote the tensors meanwhile (``guard.py``).
+Everything else (buffers such as BatchNorm statistics, which the forward pass updates,
+parameters no registered optimizer holds or that something else writes, scalars, RNG,
+train state, data loader, schedulers) is copied before ``save()`` returns. Writes the
+counters cannot see (through ``tensor.data``, fused optimizers the manager was not given)
+need ``manager.maybe_wait_for_staging()`` first (docs/RELIABILITY.md).
 
 No cold start: as soon as the state is complete — when the manager is built or a
 checkpoint is loaded if every optimizer already holds state, else after every optimizer's
@@ -31,14 +33,14 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn as nn
 from torch.utils.hooks import RemovableHandle
 
 from ..dist.saving import DistContext
 from ..engine import AsyncSaver, Deferred, EngineConfig, SaveHandle
 from ..errors import CheckpointError
+from .overlap import WriterWatch
 from .records import SaveRecord
-from .states import ModelState, OptimizerState
+from .states import OptimizerState
 
 logger = logging.getLogger("quicksave")
 
@@ -80,11 +82,8 @@ class AsyncWriter:
     ) -> None:
         self.config = config
         self._collect = collect
-        self._models: list[nn.Module] = []
         self._optimizers: list[torch.optim.Optimizer] = []
         for state in states.values():
-            if isinstance(state, (ModelState, OptimizerState)):
-                self._models += state.parts
             if isinstance(state, OptimizerState):
                 self._optimizers += [o for o in state.optimizers if o not in self._optimizers]
         self._pending: dict[int, _Pending] = {}
@@ -93,6 +92,7 @@ class AsyncWriter:
         # also reports, and each must reach the trainer once.
         self._returned: collections.deque[CheckpointError] = collections.deque(maxlen=64)
         self._stepped: set[int] = set()
+        self._watch = WriterWatch(self._optimizers)
         self._prepared = False
         # the worker starts now, not at save 1
         self.saver = AsyncSaver(config, rank=rank, dist_context=dist_context)
@@ -112,8 +112,12 @@ class AsyncWriter:
             self.saver.maybe_wait_for_staging()
         except CheckpointError as e:
             self._errors.append(e)
+        self._watch.before_step(optimizer)
 
     def _after_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        self._watch.after_step(optimizer)
+        if self._prepared:
+            return
         self._stepped.add(id(optimizer))
         if len(self._stepped) == len(self._optimizers):
             self.prepare()
@@ -129,9 +133,6 @@ class AsyncWriter:
                 self.saver.wait_prepared()
             return
         self._prepared = True  # first: collect() may step an optimizer (DCP's state init)
-        for hook in self._post_hooks:
-            hook.remove()
-        self._post_hooks = []
         try:
             self.saver.prepare(self._collect(), background=background)
         except Exception as e:  # noqa: BLE001 - an optimisation; save() reports real errors
@@ -151,16 +152,11 @@ class AsyncWriter:
 
     # -------------------------------------------------------------------- save
     def deferred(self) -> Deferred | None:
-        """Which tensors the background copy may take (overlap mode): parameters and
-        optimizer state tensors, by address, as they are now."""
+        """Which tensors the background copy may take (overlap mode): those only the
+        manager's optimizers write (``overlap.WriterWatch``), as they are now."""
         if self.config.staging != "overlap":
             return None
-        ptrs = {_local_ptr(p) for m in self._models for p in m.parameters()}
-        for optimizer in self._optimizers:
-            for state in optimizer.state.values():
-                ptrs.update(_local_ptr(v) for v in state.values() if isinstance(v, torch.Tensor))
-        ptrs.discard(0)
-        return lambda fqn, t: t.numel() > 0 and t.data_ptr() in ptrs
+        return self._watch.deferred()
 
     def submit(
         self, state_dict: dict[str, Any], path: str, step: int, metadata: dict[str, Any]
@@ -300,13 +296,3 @@ class AsyncWriter:
         self.saver.close(abort=not done)
         return finished, errors
 
-
-def _local_ptr(t: torch.Tensor) -> int:
-    """Address of this rank's bytes of ``t`` (a DTensor's local shard; 0 if none)."""
-    to_local = getattr(t, "to_local", None)
-    if to_local is not None:
-        t = to_local()
-    try:
-        return t.data_ptr()
-    except RuntimeError:  # a tensor subclass without storage
-        return 0
