@@ -318,7 +318,8 @@ def test_step_zero_is_a_model_only_seed_checkpoint(tmp_path: Path) -> None:
     assert manager.save(0)
     m = manifest(tmp_path / "ckpt" / "step-0")
     assert set(m["tensors"]) == {f"model.{k}" for k in job.full.state_dict()}
-    assert m["objects"] == {} and m["user_metadata"] == {"checkpoint_kind": "seed"}
+    assert m["objects"] == {}
+    assert m["user_metadata"] == {"checkpoint_kind": "seed", "model_states": ["model"]}
     assert manager.metrics[0].kind == "seed"
 
     fresh = Job(seed=7)
@@ -354,7 +355,11 @@ def test_last_step_saves_and_exports_model_weights_in_export_dtype(tmp_path: Pat
     assert set(m["tensors"]) == {f"model.{k}" for k in job.full.state_dict()}
     assert {t["dtype"] for t in m["tensors"].values()} == {"bfloat16"}
     assert m["objects"] == {}
-    assert m["user_metadata"] == {"checkpoint_kind": "export", "export_dtype": "bfloat16"}
+    assert m["user_metadata"] == {
+        "checkpoint_kind": "export",
+        "export_dtype": "bfloat16",
+        "model_states": ["model"],
+    }
     assert [r.kind for r in manager.metrics] == ["full", "full", "export"]
 
     dest = {

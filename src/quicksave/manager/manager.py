@@ -22,7 +22,7 @@ Layout of ``folder``::
 
     step-<N>/           full checkpoint of step N (N not zero-padded, like torchtitan)
     step-0/             seed checkpoint: the model only
-    export-step-<N>/    model weights only, in ``export_dtype``, written at ``last_step``
+    export-step-<N>/    model weights only, in ``export_dtype``: at ``last_step``, or export()
     *.tmp-*/            being written, or left by a crash (deleted at start-up)
     step-<N>.corrupt-*/ failed its checks at load(): moved aside by the writer, kept
     .quicksave-lock     the writer lease (lease.py)
@@ -44,6 +44,7 @@ from collections.abc import Callable, Mapping
 from datetime import timedelta
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from .. import api
@@ -54,6 +55,7 @@ from ..errors import (
     CheckpointError,
     IncompatibleStateError,
 )
+from ..model_record import cast_floating, floating_dtype, model_record
 from ..storage import Location, parse_location
 from ..storage.backend import Backend
 from .async_writer import AsyncWriter
@@ -79,7 +81,6 @@ from .states import (
     ModelState,
     PerRankLoad,
     PerRankState,
-    cast_floating,
     check_states,
     payload_bytes,
 )
@@ -212,6 +213,49 @@ class CheckpointManager:
         """The directory of the model export of ``step``: ``<folder>/export-step-<step>``."""
         return self._folder.child(f"export-step-{step}").url
 
+    def export(self, step: int, *, dtype: str | torch.dtype | None = None) -> str | None:
+        """Export the model as it is now to ``export-step-<step>``: the model states
+        only (its :class:`ModelState` entries, or the state named ``"model"``), floating
+        tensors cast to ``dtype``, written synchronously after the saves in flight have
+        committed. Any step, saved or not; ``save(last_step)`` calls it by itself. Every
+        rank calls it alike (several ranks write it together).
+
+        ``quicksave.export_hf(manager.export_path(step), out_dir)`` (or ``quicksave
+        convert --to hf``) then writes it for Hugging Face's ``from_pretrained``; it reads
+        a full ``step-<N>`` checkpoint's model as well.
+
+        Args:
+            step: the step to label the export with (an int >= 0).
+            dtype: a torch floating dtype or its name; default ``config.export_dtype``.
+
+        Returns:
+            The export's path or URL (also when it existed already: it is not written
+            again, and that is logged); None if the manager is disabled.
+
+        Raises:
+            CheckpointError: bad ``step`` or ``dtype``, manager closed or read-only, an
+                earlier save failed, or the write failed (nothing became visible).
+            IncompatibleStateError: no state is a ``ModelState`` or named ``"model"``.
+
+        Example::
+
+            manager.save(step)
+            if step % 10_000 == 0:
+                manager.export(step, dtype="bfloat16")
+        """
+        self._check_open()
+        check_step(step, self.folder)
+        cast = None if dtype is None else floating_dtype(dtype, "export dtype")
+        if not self.config.enabled:
+            return None
+        self._check_writable()
+        path = self.export_path(step)
+        if classify(self._where(path), self._backend()) in COMMITTED:
+            logger.info("quicksave: export of step %d already exists; skipped", step)
+        else:
+            self._save_one(step, path, "export", time.monotonic(), cast)
+        return path
+
     def committed_steps(self) -> list[int]:
         """Steps with a committed checkpoint in ``folder`` (quicksave, and stock DCP
         with ``config.allow_dcp``), ascending. Temporaries, quarantined checkpoints and
@@ -264,12 +308,7 @@ class CheckpointManager:
         check_step(step, self.folder)
         if not self.config.enabled:
             return False
-        if self.read_only_reason is not None:
-            raise CheckpointError(
-                f"this manager does not write checkpoints: {self.read_only_reason}",
-                path=self.folder,
-                rank=self._rank(),
-            )
+        self._check_writable()
         failures: list[CheckpointError] = []
         if self._writer is not None:
             self._writer.prepare_if_due()
@@ -478,18 +517,21 @@ class CheckpointManager:
 
     # ---------------------------------------------------------------- save path
 
-    def _save_one(self, step: int, path: str, kind: str, begin: float) -> bool:
+    def _save_one(
+        self, step: int, path: str, kind: str, begin: float, dtype: torch.dtype | None = None
+    ) -> bool:
         """Collect and write one checkpoint; False if the engine skipped it (backpressure).
-        ``begin``: ``time.monotonic()`` when the ``save()`` call started."""
+        ``begin``: ``time.monotonic()`` when the ``save()`` call started; ``dtype``: an
+        export's dtype (default ``config.export_dtype``)."""
         asynchronous = self._writer is not None and kind == "full"
         if not asynchronous:
             self._drain()  # a synchronous write never runs beside a save in flight
         cpu0 = time.process_time()
-        state_dict = self._collect(kind)
+        state_dict = self._collect(kind, dtype)
         nbytes = payload_bytes(state_dict)
         self._replace_uncommitted(path)
         written = time.monotonic()
-        handle = self._write(state_dict, path, step, kind)
+        handle = self._write(state_dict, path, step, kind, dtype)
         now = time.monotonic()
         if not asynchronous:
             if kind == "full" and (self._last_good or -1) < step:
@@ -522,18 +564,22 @@ class CheckpointManager:
         logger.debug("quicksave: step %d handed to the writer in %.3f s", step, now - begin)
         return True
 
-    def _collect(self, kind: str) -> dict[str, Any]:
+    def _collect(self, kind: str, dtype: torch.dtype | None = None) -> dict[str, Any]:
         """The state dict to write, taken now (the async modes stage it from here)."""
         if kind == "full":
             return {name: state.state_dict() for name, state in self.states.items()}
         models = {name: state.state_dict() for name, state in self._model_states().items()}
         if kind == "export":
-            dtype = self.config.export_torch_dtype
-            models = {name: cast_floating(sd, dtype) for name, sd in models.items()}
+            models = cast_floating(models, dtype or self.config.export_torch_dtype)
         return models
 
     def _write(
-        self, state_dict: dict[str, Any], path: str, step: int, kind: str
+        self,
+        state_dict: dict[str, Any],
+        path: str,
+        step: int,
+        kind: str,
+        dtype: torch.dtype | None = None,
     ) -> SaveHandle | None:
         """The one hand-off to the engine: write ``state_dict`` to ``path`` and commit it.
 
@@ -544,7 +590,11 @@ class CheckpointManager:
         """
         metadata: dict[str, Any] = {"checkpoint_kind": kind}
         if kind == "export":
-            metadata["export_dtype"] = self.config.export_dtype
+            metadata["export_dtype"] = (
+                self.config.export_dtype if dtype is None else str(dtype).removeprefix("torch.")
+            )
+        # which states are the model, and its tied keys: for exports (model_record.py)
+        metadata.update(model_record(state_dict, self._model_state_names()))
         if self._writer is not None and kind == "full":
             return self._writer.submit(state_dict, path, step, metadata)
         api.save(
@@ -755,10 +805,13 @@ class CheckpointManager:
             return decision
         return self._interval.decide(step, decision, forced)
 
+    def _model_state_names(self) -> list[str]:
+        """The states that hold the model: the ModelState ones, else one named "model"."""
+        names = [k for k, v in self.states.items() if isinstance(v, ModelState)]
+        return names or (["model"] if "model" in self.states else [])
+
     def _model_states(self) -> dict[str, Any]:
-        models = {k: v for k, v in self.states.items() if isinstance(v, ModelState)}
-        if not models and "model" in self.states:
-            models = {"model": self.states["model"]}
+        models = {k: self.states[k] for k in self._model_state_names()}
         if not models:
             raise IncompatibleStateError(
                 "seed (step 0) and export checkpoints hold the model only, but no state is a "
@@ -767,6 +820,14 @@ class CheckpointManager:
                 rank=self._rank(),
             )
         return models
+
+    def _check_writable(self) -> None:
+        if self.read_only_reason is not None:
+            raise CheckpointError(
+                f"this manager does not write checkpoints: {self.read_only_reason}",
+                path=self.folder,
+                rank=self._rank(),
+            )
 
     def _check_open(self) -> None:
         if self._closed:

@@ -379,15 +379,6 @@ def check_states(states: Mapping[str, Any]) -> dict[str, Any]:
     return checked
 
 
-def cast_floating(value: Any, dtype: torch.dtype) -> Any:
-    """``value`` with every floating tensor (in nested dicts) cast to ``dtype``."""
-    if isinstance(value, torch.Tensor):
-        return value.to(dtype) if value.is_floating_point() else value
-    if isinstance(value, Mapping):
-        return {k: cast_floating(v, dtype) for k, v in value.items()}
-    return value
-
-
 def payload_bytes(state_dict: Mapping[str, Any]) -> int:
     """Bytes of the tensors of this rank in ``state_dict`` (local shards of DTensors)."""
     total = 0
