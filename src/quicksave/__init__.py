@@ -31,6 +31,7 @@ _LAZY: dict[str, str] = {
     "save": "api",
     "load": "api",
     "load_state": "convert",
+    "export_hf": "hf_export",
     "LoadPlanner": "api",
     "StorageReader": "reader",
     "StorageWriter": "writer",
@@ -113,6 +114,7 @@ __all__ = [
     "TrainState",
     "WorkerFailedError",
     "async_save",
+    "export_hf",
     "load",
     "load_state",
     "save",
@@ -151,6 +153,7 @@ if TYPE_CHECKING:
         verify_global_md_reuse,
     )
     from .engine import AsyncSaver, EngineConfig, SaveHandle, SaveResult
+    from .hf_export import export_hf
     from .manager import (
         CheckpointConfig,
         CheckpointManager,

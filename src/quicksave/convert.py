@@ -28,11 +28,12 @@ little-endian bytes (``U8``, 1-D) and recorded in ``quicksave.raw_dtypes`` as
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Any, Literal
 
 import torch
@@ -47,11 +48,12 @@ from .format.manifest import Manifest, read_manifest
 from .persist import byte_view
 from .reader import check_chunk_within, read_chunk_into, require_committed
 from .storage import Location, StorageOptions, parse_location
+from .storage.backend import Backend
 from .storage.checkpoint_dir import CheckpointDir, Member
 from .verify import byte_progress
 
-Target = Literal["torch", "dcp", "safetensors", "quicksave"]
-TARGETS: tuple[str, ...] = ("torch", "dcp", "safetensors", "quicksave")
+Target = Literal["torch", "dcp", "safetensors", "quicksave", "hf"]
+TARGETS: tuple[str, ...] = ("torch", "dcp", "safetensors", "quicksave", "hf")
 Flat = dict[str, tuple[tuple[Any, ...], Any]]  # fqn -> (nested path, value)
 
 
@@ -271,15 +273,32 @@ def _open_data_files(d: CheckpointDir, m: Manifest) -> dict[str, Member]:
     return fds
 
 
-def _read_flat(loc: Location, progress: bool) -> tuple[Flat, Manifest]:
+Select = Callable[[Manifest], Collection[str]]  # the manifest -> the fqns to read
+
+
+def _read_flat(
+    loc: Location, progress: bool, select: Select | None = None
+) -> tuple[Flat, Manifest]:
     with CheckpointDir(loc) as d:
-        return _read_flat_from(d, progress)
+        return _read_flat_from(d, progress, select)
 
 
-def _read_flat_from(d: CheckpointDir, progress: bool) -> tuple[Flat, Manifest]:
+def _read_flat_from(
+    d: CheckpointDir, progress: bool, select: Select | None = None
+) -> tuple[Flat, Manifest]:
+    """The entries of the committed checkpoint in ``d``: all of them, or those that
+    ``select`` picks once the manifest is read (the returned manifest then lists only
+    those; nothing else is opened, allocated or read)."""
     path = d.url
     require_committed(d.location, backend=d.backend)
     m = read_manifest(d)
+    if select is not None:
+        keep = set(select(m))
+        m = dataclasses.replace(
+            m,
+            tensors={k: t for k, t in m.tensors.items() if k in keep},
+            objects={k: o for k, o in m.objects.items() if k in keep},
+        )
     flat: Flat = {}
     fds = _open_data_files(d, m)
     try:
@@ -394,7 +413,7 @@ def _write_safetensors(flat: Flat, m: Manifest, tmp: str) -> None:
 _WRITERS = {"torch": _write_torch, "dcp": _write_dcp, "safetensors": _write_safetensors}
 
 
-def _publish(tmp: str, out: str) -> None:
+def publish_output(tmp: str, out: str) -> None:
     """Rename ``tmp`` to ``out`` without ever replacing an existing ``out``."""
     if os.path.isdir(tmp):
         if os.path.lexists(out):  # rename() would replace an empty directory
@@ -443,7 +462,9 @@ def convert(
             directory that stock ``torch.distributed.checkpoint.load`` reads with its
             default reader) or ``"safetensors"`` (one consolidated file, flat fqn keys;
             see the module docstring for its metadata), or ``"quicksave"`` (a copy in
-            the quicksave format, same step and user metadata, e.g. to or from S3).
+            the quicksave format, same step and user metadata, e.g. to or from S3), or
+            ``"hf"`` (the model only, as a Hugging Face ``from_pretrained`` directory:
+            :func:`quicksave.export_hf` with its defaults; call it for its options).
         progress: show a progress bar while reading, on stderr.
 
     Returns:
@@ -463,6 +484,10 @@ def convert(
         raise CheckpointError(
             f"unknown conversion target {to!r}; choose one of {', '.join(TARGETS)}"
         )
+    if to == "hf":
+        from .hf_export import export_hf
+
+        return export_hf(checkpoint, out, progress=progress, storage=storage)
     src = parse_location(checkpoint, options=storage)
     dst = parse_location(out, options=storage)
     if to == "quicksave":
@@ -491,7 +516,7 @@ def convert(
     try:
         os.makedirs(os.path.dirname(out), exist_ok=True)
         _WRITERS[to](flat, m, tmp)
-        _publish(tmp, out)
+        publish_output(tmp, out)
     except OSError as e:
         raise CheckpointError(f"cannot write the converted checkpoint: {e}", path=out) from e
     finally:
@@ -505,7 +530,6 @@ def convert(
 def _convert_to_store(src: Location, dst: Location, to: str, progress: bool) -> str:
     """``torch`` / ``safetensors`` output to an object store: written to a local
     temporary file, then uploaded as one object (it appears whole or not at all)."""
-    import mmap
     import tempfile
 
     if to == "dcp":
@@ -524,17 +548,25 @@ def _convert_to_store(src: Location, dst: Location, to: str, progress: bool) -> 
         with tempfile.TemporaryDirectory(prefix="quicksave-convert-") as tmpdir:
             tmp = os.path.join(tmpdir, "out")
             _WRITERS[to](flat, m, tmp)
-            with open(tmp, "rb") as f:
-                size = os.fstat(f.fileno()).st_size
-                if size == 0:
-                    backend.put(dst.key, memoryview(b""))
-                else:
-                    with mmap.mmap(f.fileno(), size, access=mmap.ACCESS_READ) as mm:
-                        view = memoryview(mm)
-                        try:
-                            backend.put(dst.key, view)
-                        finally:
-                            view.release()
+            upload_file(backend, dst.key, tmp)
     finally:
         backend.close()
     return dst.url
+
+
+def upload_file(backend: Backend, key: str, local: str) -> None:
+    """Upload the local file ``local`` as the one object ``key`` of ``backend`` (an
+    object appears whole or not at all), mapped rather than read into memory."""
+    import mmap
+
+    with open(local, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        if size == 0:
+            backend.put(key, memoryview(b""))
+            return
+        with mmap.mmap(f.fileno(), size, access=mmap.ACCESS_READ) as mm:
+            view = memoryview(mm)
+            try:
+                backend.put(key, view)
+            finally:
+                view.release()
