@@ -5,7 +5,8 @@ Subcommands (``quicksave <cmd> --help`` for each)::
     quicksave ls ROOT [--json] [--bytes]        list checkpoints, sorted by step
     quicksave inspect CKPT [--json] [--allow-pickle]
     quicksave verify CKPT [--json] [--progress | --no-progress]
-    quicksave convert CKPT OUT --to {torch,dcp,safetensors,quicksave}
+    quicksave convert CKPT OUT --to {torch,dcp,safetensors,quicksave,hf}
+              [--state NAME] [--dtype DTYPE] [--max-shard-size SIZE] [--config FILE]
     quicksave demo ... / quicksave bench ...    (arguments passed through)
 
 Exit status: 0 success; 1 ``verify`` found corruption; 2 a usage or checkpoint error
@@ -205,9 +206,42 @@ def cmd_convert(args: argparse.Namespace) -> int:
     from ..convert import convert
 
     progress = sys.stderr.isatty() if args.progress is None else args.progress
-    written = convert(args.checkpoint, args.out, args.to, progress=progress)
+    hf_options = {
+        "--state": args.state,
+        "--dtype": args.dtype,
+        "--max-shard-size": args.max_shard_size,
+        "--config": args.config,
+    }
+    if args.to == "hf":
+        written = _export_hf(args, progress)
+    elif given := [k for k, v in hf_options.items() if v is not None]:
+        raise CheckpointError(f"{', '.join(given)}: only with --to hf")
+    else:
+        written = convert(args.checkpoint, args.out, args.to, progress=progress)
     _say(f"wrote {written} ({args.to})", sys.stdout)
     return 0
+
+
+def _export_hf(args: argparse.Namespace, progress: bool) -> str:
+    from ..hf_export import DEFAULT_MAX_SHARD_BYTES, export_hf, parse_size
+
+    config = None
+    if args.config is not None:
+        try:
+            with open(args.config, encoding="utf-8") as f:
+                config = json.load(f)
+        except (OSError, ValueError) as e:
+            raise CheckpointError(f"cannot read the config: {e}", path=args.config) from None
+    size = args.max_shard_size
+    return export_hf(
+        args.checkpoint,
+        args.out,
+        state=args.state,
+        dtype=args.dtype,
+        max_shard_bytes=DEFAULT_MAX_SHARD_BYTES if size is None else parse_size(size),
+        config=config,
+        progress=progress,
+    )
 
 
 # --------------------------------------------------------------------------- demo, bench
@@ -304,14 +338,33 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser(
         "convert",
-        help="write a checkpoint as torch.save, stock DCP or safetensors",
+        help="write a checkpoint as torch.save, stock DCP, safetensors or Hugging Face",
         description="Write the full (unsharded) state of a quicksave checkpoint to OUT, which "
-        "must not exist: one torch.save file, a stock DCP directory, or one "
-        "safetensors file.",
+        "must not exist: one torch.save file, a stock DCP directory, one "
+        "safetensors file, or a quicksave copy. --to hf writes the model only, as a "
+        "directory that Hugging Face's from_pretrained loads (sharded safetensors and "
+        "model.safetensors.index.json, keys without the state's name).",
     )
     p.add_argument("checkpoint", metavar="CKPT")
     p.add_argument("out", metavar="OUT")
-    p.add_argument("--to", required=True, choices=("torch", "dcp", "safetensors", "quicksave"))
+    p.add_argument(
+        "--to", required=True, choices=("torch", "dcp", "safetensors", "quicksave", "hf")
+    )
+    p.add_argument(
+        "--state",
+        metavar="NAME",
+        help="hf: the state that holds the model (default: the one the manager recorded, "
+        "or 'model')",
+    )
+    p.add_argument("--dtype", metavar="DTYPE", help="hf: cast floating tensors (e.g. bfloat16)")
+    p.add_argument(
+        "--max-shard-size",
+        metavar="SIZE",
+        help="hf: the most bytes per shard (e.g. 5GB, 500MiB; default 5GB)",
+    )
+    p.add_argument(
+        "--config", metavar="FILE", help="hf: a model config (JSON) to write as config.json"
+    )
     _progress_flags(p)
     p.set_defaults(func=cmd_convert)
 
