@@ -63,8 +63,9 @@ def async_save(
         ...  # training goes on
         handle.wait()
     """
+    checked = parse_location(path, options=storage)  # a bad location: before a worker starts
     if storage is not None:
-        path = parse_location(path, options=storage)
+        path = checked
     if saver is not None:
         return saver.save(state_dict, path, step=step, user_metadata=user_metadata)
     one_shot = AsyncSaver(config)

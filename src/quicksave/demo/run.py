@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from typing import Any, TextIO
 
 from ..commit import CheckpointKind, classify, is_temp_name
+from ..storage import local_path
 from .report import list_checkpoints, summarize
 from .train import DEFAULT_ASYNC_MODE
 
@@ -122,7 +123,7 @@ def parse_args(argv: list[str] | None = None) -> DemoConfig:
         steps=a.steps,
         interval=a.interval,
         kill_at=kill_at,
-        folder=os.path.abspath(folder),
+        folder=local_path(folder, what="demo folder"),  # 's3:/x' is no local folder
         keep=a.keep,
         seed=a.seed,
         threads=a.threads,

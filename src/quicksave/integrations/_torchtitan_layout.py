@@ -28,7 +28,7 @@ from ..dcp_reader import DCPReader
 from ..errors import CheckpointError, IncompatibleStateError
 from ..manager.states import OptimizerState
 from ..reader import StorageReader
-from ..storage import Location
+from ..storage import Location, parse_location
 
 logger = logging.getLogger("quicksave")
 
@@ -220,6 +220,7 @@ def is_stateful(value: Any) -> bool:
 
 def join_folder(base_folder: str, folder: str) -> str:
     """``folder`` under torchtitan's dump folder, unless it is absolute or a URL."""
+    parse_location(folder, what="checkpoint folder")  # 's3:/b/x' must not land under base
     if not base_folder or "://" in folder or os.path.isabs(folder):
         return folder
     if "://" in base_folder:

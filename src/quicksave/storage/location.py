@@ -3,11 +3,25 @@
 Every entry point turns what the user gave into a :class:`Location` here, before any
 I/O, so a destination quicksave does not understand is an error, never a guess:
 ``s3://b/run`` used to be taken as a relative path and silently became a local
-directory ``s3:``.
+directory ``s3:``, and ``s3:/b/run`` (one slash missing) a local ``./s3:/b/run``.
 
-Served: plain paths and ``file://`` URLs (the local filesystem), ``s3://bucket/prefix``
+Served: plain paths and ``file:`` URLs (the local filesystem), ``s3://bucket/prefix``
 (extra ``quicksave[s3]``) and ``msc://profile/path`` (extra ``quicksave[msc]``). Any
 other scheme is refused.
+
+The rule for what is a URL (Linux paths only: ``C:`` is no drive letter here):
+
+- ``scheme://...``: a URL; an unknown scheme is an error.
+- ``file:/abs``, ``file:///abs`` and ``file://localhost/abs`` (RFC 8089) all mean the
+  local path ``/abs``; ``file:relative``, a ``file://host/...`` and a ``?`` or ``#`` in
+  a ``file:`` URL (percent-encode them: ``%3F``, ``%23``) are errors.
+- Anything else whose first component looks like a URL scheme
+  (``^[A-Za-z][A-Za-z0-9+.-]*:``, e.g. ``s3:/bucket/run``, ``s3:bucket``, ``S3:/b``,
+  ``gs:bucket``, ``run:2024/x``) is an error that suggests the URL meant
+  (``s3://bucket/run``): a missing ``//`` must not send a job's checkpoints to local
+  disk. A local name with a colon in its first component is written ``./run:2024/x``
+  (or as an absolute path); colons further on (``runs/a:b``) need nothing.
+- Everything else is a local path, relative to the working directory.
 """
 
 from __future__ import annotations
@@ -22,6 +36,7 @@ from ..errors import CheckpointError
 from .backend import Backend, StorageOptions, join
 
 _SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
+_SCHEME_LIKE = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*):")
 _EXTRAS = {"s3": "quicksave[s3]", "msc": "quicksave[msc]"}
 _BUCKET = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
 
@@ -135,11 +150,16 @@ def parse_location(
 
     Raises:
         CheckpointError: an unknown scheme, a malformed URL (no bucket, ``..`` in the
-            key), a ``file://`` URL naming a remote host; the message names the location.
+            key), a ``file://`` URL naming a remote host, ``file:relative``, a path
+            beginning like a URL scheme without ``//`` (``s3:/b/run``, ``run:2/x``: see
+            the module's rule; the message suggests the URL or ``./run:2/x``); the
+            message names the location.
 
     Example::
 
         parse_location("s3://ckpts/run-7/step-10").key  # 'run-7/step-10'
+        parse_location("file:/data/ckpt").key  # '/data/ckpt'
+        parse_location("./run:2024/x").key  # '<cwd>/run:2024/x'
     """
     if isinstance(location, Location):
         return location
@@ -154,19 +174,19 @@ def parse_location(
         raw = os.fsdecode(raw)
     if not raw:
         raise CheckpointError(f"a {what} location must not be empty")
-    match = _SCHEME.match(raw)
+    match = _SCHEME.match(raw.lstrip())
     if match is None:
+        if raw.lower().startswith("file:"):
+            return Location("file", "", _file_url_path(raw, what), opts)
+        _refuse_scheme_like(raw, what, isinstance(location, os.PathLike))
         return Location("file", "", os.path.abspath(raw), opts)
+    if raw != raw.strip():
+        raise CheckpointError(
+            f"a {what} URL must not begin or end with white space: {raw!r}", path=raw
+        )
     scheme = match.group(1).lower()
     if scheme == "file":
-        parts = urlsplit(raw)
-        if parts.netloc not in ("", "localhost"):
-            raise CheckpointError(
-                f"file:// URL names the host {parts.netloc!r}; only local files are "
-                "served (file:///absolute/path)",
-                path=raw,
-            )
-        return Location("file", "", os.path.abspath(unquote(parts.path)), opts)
+        return Location("file", "", _file_url_path(raw, what), opts)
     if scheme in _EXTRAS:
         rest = raw[match.end() :]
         container, _, key = rest.partition("/")
@@ -187,6 +207,59 @@ def parse_location(
         return Location(scheme, container, key, opts)
     raise CheckpointError(
         f"unknown URL scheme {scheme!r} for a {what}: use a path, file://, s3:// or msc://",
+        path=raw,
+    )
+
+
+def _file_url_path(raw: str, what: str) -> str:
+    """The absolute local path of a ``file:`` URL (RFC 8089: ``file:/abs``,
+    ``file:///abs``, ``file://localhost/abs``), percent-decoded."""
+    parts = urlsplit(raw)
+    if "?" in raw or "#" in raw:
+        raise CheckpointError(
+            f"a file: URL for a {what} must not hold '?' or '#' (they would start a query "
+            "or fragment and be dropped): percent-encode them (%3F, %23), or give the "
+            "path without 'file:'",
+            path=raw,
+        )
+    if parts.netloc not in ("", "localhost"):
+        raise CheckpointError(
+            f"file:// URL names the host {parts.netloc!r}; only local files are "
+            f"served: did you mean 'file:///{raw[len('file://') :]}'?",
+            path=raw,
+        )
+    if not parts.path.startswith("/"):
+        raise CheckpointError(
+            f"a file: URL for a {what} must name an absolute path (file:/abs/path or "
+            "file:///abs/path); for a path relative to the working directory, drop "
+            "'file:'",
+            path=raw,
+        )
+    return os.path.abspath(unquote(parts.path))
+
+
+def _refuse_scheme_like(raw: str, what: str, pathlike: bool) -> None:
+    """Raise if ``raw`` (not a ``scheme://`` URL) begins like a URL scheme (``s3:``,
+    ``gs:``, ``run:``): a URL with its ``//`` missing, never taken as a local path."""
+    stripped = raw.lstrip()
+    match = _SCHEME_LIKE.match(stripped)
+    if match is None:
+        return
+    scheme = match.group(1).lower()
+    rest = stripped[match.end() :].lstrip("/")
+    why = " (a pathlib.Path collapses '//' into '/': pass a URL as a str)" if pathlike else ""
+    if scheme in _EXTRAS:
+        rest = rest or ("<bucket>/<path>" if scheme == "s3" else "<profile>/<path>")
+        raise CheckpointError(
+            f"{raw!r} is not a {what} location: an {scheme}: URL needs '//' after the "
+            f"scheme{why}; did you mean '{scheme}://{rest}'? quicksave never takes "
+            f"'{match.group(1)}:...' as a local path",
+            path=raw,
+        )
+    raise CheckpointError(
+        f"{raw!r} begins like a URL scheme ({match.group(1)}:) without '//'{why}; "
+        f"quicksave does not guess: for a local {what} write './{raw}' (or an absolute "
+        "path), for an object store a URL (s3://bucket/path, msc://profile/path)",
         path=raw,
     )
 
