@@ -35,6 +35,9 @@ _LAZY: dict[str, str] = {
     "LoadPlanner": "api",
     "StorageReader": "reader",
     "StorageWriter": "writer",
+    "StorageOptions": "storage",
+    "S3Options": "storage",
+    "verify_checkpoint": "verify",
     "AsyncSaver": "engine",
     "EngineConfig": "engine",
     "SaveHandle": "engine",
@@ -108,6 +111,8 @@ __all__ = [
     "SaveRecord",
     "SaveResult",
     "StatefulList",
+    "S3Options",
+    "StorageOptions",
     "StorageReader",
     "StorageWriter",
     "TorchAsyncCheckpoint",
@@ -118,6 +123,7 @@ __all__ = [
     "load",
     "load_state",
     "save",
+    "verify_checkpoint",
 ]
 
 
@@ -170,4 +176,6 @@ if TYPE_CHECKING:
         TrainState,
     )
     from .reader import StorageReader
+    from .storage import S3Options, StorageOptions
+    from .verify import verify_checkpoint
     from .writer import StorageWriter
