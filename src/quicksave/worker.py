@@ -14,10 +14,10 @@ persistent worker process per rank (``ProcessPersister``), which:
 
 Control messages are small pickled tuples of this module's dataclasses.
 
-Trainer-side failure detection (``ProcessPersister.poll``): a dead process, a heartbeat
-older than ``worker_timeout_s``, or a job running longer than ``save_timeout_s`` each
-raise ``WorkerFailedError`` naming the step and the cause; the worker is then killed and a
-new one is started for the next save.
+Trainer-side failure detection (``ProcessPersister.poll``): a dead process, a hung one
+(a heartbeat older than ``worker_timeout_s`` and no progress: see ``WorkerConfig``), or a
+job running longer than ``save_timeout_s`` each raise ``WorkerFailedError`` naming the
+step and the cause; the worker is then killed and a new one is started for the next save.
 """
 
 from __future__ import annotations
@@ -61,6 +61,7 @@ from .parts import (
 from .storage.backend import Backend, join
 from .storage.local import LocalBackend
 from .storage.location import Location
+from .worker_liveness import Liveness
 
 
 @dataclass(frozen=True)
@@ -533,9 +534,19 @@ class ThreadPersister:
 
 @dataclass(frozen=True)
 class WorkerConfig:
-    # Heartbeat older than this: the worker is hung (stopped, or stuck). The beat comes
-    # from a thread of its own every ``heartbeat_s``, so a slow write keeps beating: a
-    # slow save is ``save_timeout_s``'s business, not this one's.
+    """How the worker process runs and when the trainer gives up on it.
+
+    Hung means not progressing, not unscheduled. The worker beats a heartbeat from a
+    thread of its own every ``heartbeat_s`` (so a slow write keeps beating). A heartbeat
+    older than ``worker_timeout_s`` alone is not a failure: the trainer then reads the
+    worker's progress in /proc (``quicksave.worker_liveness``) and fails its saves
+    (``WorkerFailedError``) only if it is stopped (SIGSTOP, a debugger), or if it has
+    also been seen making no progress — no thread runnable, no CPU time, no bytes read
+    or written — for half of ``worker_timeout_s`` (a deadlock). A starved worker (runnable
+    but not scheduled on a busy node, or progressing slowly) is never failed for it,
+    however long: ``save_timeout_s`` is the absolute bound on each save.
+    """
+
     worker_timeout_s: float = 5.0
     save_timeout_s: float = 900.0  # a job running longer than this: failed
     start_timeout_s: float = 120.0  # spawn + imports on a busy machine
@@ -610,6 +621,7 @@ class ProcessPersister:
         self._conn = Connection(parent_sock.detach())
         self.pid = self.process.pid
         self._started = time.monotonic()
+        self._liveness = Liveness(self.pid, config.worker_timeout_s)
         self._in_flight: dict[int, _Pending] = {}
         self._failed: WorkerFailedError | None = None
         self.warming = False  # a warm_up() not answered yet (see poll)
@@ -725,10 +737,10 @@ class ProcessPersister:
         if beat == 0.0:
             if now - self._started > self.config.start_timeout_s:
                 raise self._fail(f"it did not start within {self.config.start_timeout_s:.0f} s")
-        elif now - beat > self.config.worker_timeout_s:
-            state = _process_state(self.pid)
-            how = "it is stopped (SIGSTOP?)" if state in ("T", "t") else "hung?"
-            raise self._fail(f"no heartbeat for {now - beat:.1f} s ({how})")
+        else:
+            hung = self._liveness.check(now, beat)  # a stale heartbeat: is it progressing?
+            if hung is not None:
+                raise self._fail(hung)
         for p in self._in_flight.values():
             if now - p.submitted_at > self.config.save_timeout_s:
                 raise self._fail(
@@ -816,16 +828,6 @@ class ProcessPersister:
             self.process.wait(5)
         except subprocess.TimeoutExpired:
             pass
-
-
-def _process_state(pid: int) -> str | None:
-    """The state letter of ``pid`` in /proc (``T``: stopped), or None if unknown."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read(4096)
-        return stat[stat.rindex(b")") + 2 :].split(b" ", 1)[0].decode()
-    except (OSError, ValueError, UnicodeDecodeError):
-        return None
 
 
 # ------------------------------------------------------------------ worker process
