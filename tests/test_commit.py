@@ -81,8 +81,9 @@ def test_existing_checkpoint_is_never_overwritten(ckpt: Path):
     with pytest.raises(quicksave.CheckpointExistsError) as info:
         quicksave.save(_state(2), ckpt, step=2)
     assert info.value.message == (
-        "a committed checkpoint already exists here; quicksave never overwrites one: "
-        "choose another path or delete it first"
+        "a committed checkpoint already exists here; quicksave never overwrites one unless "
+        "asked: pass overwrite=True (quicksave.save, StorageWriter, AsyncSaver.save on one "
+        "rank) to replace it atomically, or choose another path or delete it first"
     )
     assert info.value.path == str(ckpt)
     assert _snapshot(ckpt.parent) == before  # untouched, and no temporary created
@@ -111,10 +112,7 @@ def test_storage_writer_refuses_existing_checkpoint(ckpt: Path):
     (failure,) = info.value.failures.values()
     failure = failure[0] if isinstance(failure, tuple) else failure  # (exception, traceback)
     assert isinstance(failure, quicksave.CheckpointExistsError)
-    assert failure.message == (
-        "a committed checkpoint already exists here; quicksave never overwrites one: "
-        "choose another path or delete it first"
-    )
+    assert failure.message == commit.EXISTS_LOCAL
     assert _snapshot(ckpt.parent) == before
 
 

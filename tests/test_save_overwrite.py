@@ -4,6 +4,7 @@ exchanged at the commit), and a failed save leaves the old one whole."""
 
 from __future__ import annotations
 
+import functools
 import os
 
 import pytest
@@ -192,3 +193,68 @@ def test_overwrite_without_an_atomic_exchange_never_loses_the_old_checkpoint(
     monkeypatch.setattr(commit.os, "rename", real_rename)
     os.rename(parked, os.fspath(ckpt) + "-restored")
     assert torch.equal(_loaded(os.fspath(ckpt) + "-restored")["w"], torch.full((64,), 2.0))
+
+
+def test_the_refusal_names_overwrite_and_following_it_works(tmp_path):
+    """Each entry point that has ``overwrite`` refuses a committed checkpoint with a
+    message naming ``overwrite=True``; passing it then replaces the checkpoint."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import CheckpointException
+
+    from quicksave.async_api import (
+        AsyncCallsQueue,
+        AsyncRequest,
+        FileSystemWriterAsync,
+        save_state_dict_async_finalize,
+        save_state_dict_async_plan,
+    )
+
+    def via_save(path, overwrite):
+        quicksave.save(_state(2.0), path, overwrite=overwrite)
+
+    def via_engine(path, overwrite):
+        saver = AsyncSaver(EngineConfig(mode="thread"))
+        try:
+            handle = saver.save(_state(2.0), path, overwrite=overwrite)
+            handle.wait()
+        finally:
+            saver.close()
+
+    def via_storage_writer(path, overwrite, cls=quicksave.StorageWriter):
+        writer = cls(path, overwrite=overwrite)
+        try:
+            dcp.save(_state(2.0), storage_writer=writer, no_dist=True)
+        except CheckpointException as e:  # DCP wraps the rank's failure
+            (failure,) = e.failures.values()
+            raise failure[0] if isinstance(failure, tuple) else failure from None
+
+    def via_nvrx_writer(path, overwrite):  # NVRx's flow: plan, then a queued request
+        writer = FileSystemWriterAsync(str(path), overwrite=overwrite)
+        ret = save_state_dict_async_plan(_state(2.0), writer, None, 0)
+        save_fn, preload_fn, save_args = writer.get_save_function_and_args()
+        queue = AsyncCallsQueue()
+        try:
+            finalize = functools.partial(save_state_dict_async_finalize, *ret)
+            queue.schedule_async_request(
+                AsyncRequest(save_fn, save_args, [finalize], preload_fn=preload_fn)
+            )
+            queue.maybe_finalize_async_calls(blocking=True)
+        finally:
+            queue.close()
+
+    for name, call in {
+        "save": via_save,
+        "AsyncSaver.save": via_engine,
+        "StorageWriter": via_storage_writer,
+        "FileSystemWriterAsync": via_nvrx_writer,
+    }.items():
+        path = tmp_path / name
+        quicksave.save(_state(1.0), path)
+        with pytest.raises(CheckpointExistsError) as e:
+            call(path, False)
+        assert e.value.message == commit.EXISTS_LOCAL, name
+        assert "quicksave never overwrites one unless asked: pass overwrite=True" in str(e.value)
+        assert e.value.path == str(path)
+        assert torch.equal(_loaded(path)["w"], torch.full((64,), 1.0)), name
+        call(path, True)  # the way the message names
+        assert torch.equal(_loaded(path)["w"], torch.full((64,), 2.0)), name

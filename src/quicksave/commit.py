@@ -174,6 +174,20 @@ def write_durable(path: str, data: bytes) -> None:
         os.close(fd)
 
 
+# What a save onto a committed checkpoint is told: the way to replace one, where there is
+# one (the entry points that take ``overwrite``), else the alternatives.
+EXISTS_LOCAL = (
+    "a committed checkpoint already exists here; quicksave never overwrites one unless "
+    "asked: pass overwrite=True (quicksave.save, StorageWriter, AsyncSaver.save on one "
+    "rank) to replace it atomically, or choose another path or delete it first"
+)
+EXISTS_ON_STORE = (
+    "a committed checkpoint already exists under this prefix; quicksave never overwrites "
+    "one, and an object store has no atomic replace for overwrite=True: choose another "
+    "prefix or delete it first"
+)
+
+
 def check_target(
     final: str | Location,
     rank: int | None = None,
@@ -209,10 +223,7 @@ def check_target(
         return
     if kind in (CheckpointKind.QUICKSAVE, CheckpointKind.DCP):
         raise CheckpointExistsError(
-            "a committed checkpoint already exists here; quicksave never overwrites one: "
-            "choose another path or delete it first",
-            path=loc.url,
-            rank=rank,
+            EXISTS_LOCAL if loc.is_local else EXISTS_ON_STORE, path=loc.url, rank=rank
         )
     if not loc.is_local:  # a prefix that holds objects but no commit
         raise CheckpointExistsError(
