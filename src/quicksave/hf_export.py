@@ -87,8 +87,8 @@ def export_hf(
         checkpoint: a committed quicksave checkpoint (a full ``step-<N>``, a seed, or an
             ``export-step-<N>``): a path or a ``file://``, ``s3://`` or ``msc://`` URL.
         out_dir: the directory to create (a path or an object-store URL); it must not
-            exist. ``from_pretrained(out_dir)`` loads it (with ``config.json`` there, or
-            a ``config=`` passed to ``from_pretrained``).
+            exist. ``from_pretrained(out_dir)`` loads it (with a ``config.json``: see
+            ``config``).
         state: the name of the state that holds the model. Default: the one the
             manager recorded (its ``ModelState``, or the state named ``"model"``); for
             checkpoints without that record, ``"model"``, the only state of an export,
@@ -100,7 +100,9 @@ def export_hf(
             no index.
         config: a model config (a mapping, or an object with ``to_dict()`` such as a
             ``transformers`` ``PretrainedConfig``) to write as ``config.json``; its
-            ``dtype`` is set to the exported weights' floating dtype.
+            ``dtype`` is set to the exported weights' floating dtype. Without one,
+            copy a ``config.json`` in yourself: ``transformers`` 5 looks for it to build
+            a generative model's generation config, even given ``config=``.
         storage: how to reach an object store (input and output).
         progress: show a progress bar over the bytes read, on stderr.
 
@@ -158,6 +160,12 @@ def export_hf(
         if backend is not None:
             backend.close()
     logger.info("quicksave: exported %d tensors of %s to %s", len(tensors), src.url, dst.url)
+    if conf is None:
+        logger.warning(
+            "quicksave: %s has no config.json (pass config=): from_pretrained needs one "
+            "there for a generative model, even with config= of its own",
+            dst.url,
+        )
     return dst.url
 
 
