@@ -25,8 +25,10 @@ from helpers.hf_models import (  # first: transformers is imported offline (HF_H
 from quicksave.cli.main import main
 from quicksave.convert import convert
 from quicksave.errors import CheckpointError, CheckpointExistsError
-from quicksave.hf_export import INDEX_NAME, WEIGHTS_NAME, parse_size, plan_shards
+from quicksave.format.hf_layout import INDEX_NAME, WEIGHTS_NAME, parse_size, plan_shards
+from quicksave.hf_export import upload_dir, write_model_dir
 from quicksave.manager import CheckpointConfig, CheckpointManager, ModelState, TrainState
+from quicksave.storage import parse_location
 
 
 def stored(out: Path) -> dict[str, torch.Tensor]:
@@ -322,3 +324,37 @@ def test_parse_size() -> None:
     for bad in ("", "GB", "5XB", "0", "-1", "0.5B"):
         with pytest.raises(CheckpointError):
             parse_size(bad)
+
+
+class _Store:
+    """A backend that records uploads and deletions, failing the upload of ``fail``."""
+
+    def __init__(self, fail: str | None = None) -> None:
+        self.fail, self.puts, self.deleted = fail, [], []
+
+    def put(self, key: str, data: memoryview, **_: object) -> dict[str, str]:
+        if self.fail is not None and key.endswith(self.fail):
+            raise CheckpointError("the store refused it", path=key)
+        self.puts.append(key)
+        return {}
+
+    def delete(self, keys: list[str]) -> None:
+        self.deleted.extend(keys)
+
+
+def test_a_store_upload_publishes_the_index_last_and_removes_a_partial_one(
+    tmp_path: Path,
+) -> None:
+    tensors = {f"w{i}": torch.full((10,), float(i)) for i in range(3)}  # 40 bytes each
+    names = write_model_dir(tensors, str(tmp_path / "d"), 80, {"model_type": "x"})
+    shards = ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
+    assert names == ["config.json", *shards, INDEX_NAME]
+    dst = parse_location("s3://bucket/out")
+    ok = _Store()
+    upload_dir(ok, dst, str(tmp_path / "d"), names)
+    assert ok.puts == [f"out/{n}" for n in names] and ok.deleted == []
+
+    failing = _Store(fail=INDEX_NAME)
+    with pytest.raises(CheckpointError, match="the store refused it"):
+        upload_dir(failing, dst, str(tmp_path / "d"), names)
+    assert failing.deleted == failing.puts == [f"out/{n}" for n in names[:-1]]

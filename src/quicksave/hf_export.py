@@ -1,14 +1,9 @@
 """Hugging Face export: the model of a quicksave checkpoint as a directory that
 ``transformers``' ``from_pretrained`` loads (``quicksave convert --to hf``).
 
-What is written, as ``save_pretrained`` writes it::
-
-    <out>/model.safetensors                       when the weights fit one shard, else
-    <out>/model-00001-of-0000M.safetensors ...    shards of at most ``max_shard_bytes``
-    <out>/model.safetensors.index.json            {"metadata": {"total_size": bytes,
-                                                   "total_parameters": n},
-                                                   "weight_map": {key: shard file}}
-    <out>/config.json                             only if a ``config`` is given
+What is written is what ``save_pretrained`` writes (:mod:`quicksave.format.hf_layout`):
+``model.safetensors``, or shards of at most ``max_shard_bytes`` and their
+``model.safetensors.index.json``; ``config.json`` if a ``config`` is given.
 
 The keys are the model's own (``transformer.wte.weight``): the state that holds the
 model is chosen (:func:`select_model`) and its name is not part of them; optimizer,
@@ -17,8 +12,7 @@ when the checkpoint was saved (tied weights, recorded by the manager: see
 :mod:`quicksave.model_record`) only the first is written, as ``save_pretrained`` does;
 ``from_pretrained`` ties the others to it again. A checkpoint without that record
 (written by ``quicksave.save``) keeps every key: ``from_pretrained`` loads the
-duplicates and ties them all the same. Each shard's ``__metadata__`` is
-``{"format": "pt"}``, which ``from_pretrained`` requires.
+duplicates and ties them all the same.
 
 Order of work: read the manifest → choose the model state → read its tensors only
 (checksummed) → drop tied duplicates → cast → plan shards → write them into a
@@ -44,19 +38,21 @@ from .commit import fsync_path, new_token, temp_path_for
 from .convert import Flat, _read_flat, publish_output, upload_file
 from .errors import CheckpointError, CheckpointExistsError
 from .format.dtypes import safetensors_code
+from .format.hf_layout import (
+    CONFIG_NAME,
+    DEFAULT_MAX_SHARD_BYTES,
+    INDEX_NAME,
+    SHARD_METADATA,
+    index_doc,
+    plan_shards,
+    shard_names,
+)
 from .format.keys import real_key
 from .format.manifest import Manifest
 from .model_record import MODEL_STATES_KEY, TIED_WEIGHTS_KEY, cast_floating, floating_dtype
 from .storage import Location, StorageOptions, parse_location
 
 logger = logging.getLogger("quicksave")
-
-WEIGHTS_NAME = "model.safetensors"
-INDEX_NAME = "model.safetensors.index.json"
-CONFIG_NAME = "config.json"
-DEFAULT_MAX_SHARD_BYTES = 5 * 10**9  # the Hugging Face Hub's usual "5GB"
-_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
-_UNITS.update({"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40})
 
 
 @dataclass(frozen=True)
@@ -150,7 +146,7 @@ def export_hf(
                 if backend is None:
                     publish_output(tmp, dst.key)
                 else:
-                    _upload_dir(backend, dst, tmp, names)
+                    upload_dir(backend, dst, tmp, names)
             except OSError as e:
                 raise CheckpointError(f"cannot write the export: {e}", path=dst.url) from e
             finally:
@@ -298,28 +294,6 @@ def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
     )
 
 
-def plan_shards(sizes: Mapping[str, int], max_bytes: int) -> list[list[str]]:
-    """Keys grouped into shards in order, a shard closed when the next tensor would
-    take it past ``max_bytes`` (``save_pretrained``'s rule); a tensor larger than
-    ``max_bytes`` is a shard of its own."""
-    shards: list[list[str]] = []
-    used = 0
-    for key, n in sizes.items():
-        if not shards or (shards[-1] and used + n > max_bytes):
-            shards.append([])
-            used = 0
-        shards[-1].append(key)
-        used += n
-    return shards
-
-
-def shard_names(count: int) -> list[str]:
-    """The file names of ``count`` shards, as ``save_pretrained`` names them."""
-    if count == 1:
-        return [WEIGHTS_NAME]
-    return [f"model-{i:05d}-of-{count:05d}.safetensors" for i in range(1, count + 1)]
-
-
 def write_model_dir(
     tensors: Mapping[str, torch.Tensor],
     directory: str,
@@ -337,7 +311,7 @@ def write_model_dir(
     names = shard_names(len(shards))
     for name, keys in zip(names, shards, strict=True):
         target = os.path.join(directory, name)
-        save_file({k: tensors[k].contiguous() for k in keys}, target, metadata={"format": "pt"})
+        save_file({k: tensors[k].contiguous() for k in keys}, target, metadata=SHARD_METADATA)
         fsync_path(target)
     written = list(names)
     if config is not None:
@@ -350,37 +324,11 @@ def write_model_dir(
         _write_json(os.path.join(directory, CONFIG_NAME), config)
         written.insert(0, CONFIG_NAME)
     if len(shards) > 1:
-        index = {
-            "metadata": {
-                "total_size": sum(sizes.values()),
-                "total_parameters": sum(t.numel() for t in tensors.values()),
-            },
-            "weight_map": {k: name for name, keys in zip(names, shards, strict=True) for k in keys},
-        }
-        _write_json(os.path.join(directory, INDEX_NAME), index)
+        count = sum(t.numel() for t in tensors.values())
+        _write_json(os.path.join(directory, INDEX_NAME), index_doc(shards, names, sizes, count))
         written.append(INDEX_NAME)
     fsync_path(directory)
     return written
-
-
-def parse_size(text: str) -> int:
-    """``"5GB"`` -> 5_000_000_000, ``"500MiB"`` -> 524_288_000, ``"1024"`` -> 1024.
-
-    Raises:
-        CheckpointError: not a whole number of bytes with an optional unit.
-    """
-    s = text.strip().upper().replace(" ", "")
-    digits = len(s) - len(s.lstrip("0123456789."))
-    unit = s[digits:]
-    try:
-        value = float(s[:digits]) * _UNITS[unit]
-    except (KeyError, ValueError):
-        raise CheckpointError(
-            f"not a size: {text!r} (e.g. 5GB, 500MiB, or a number of bytes)"
-        ) from None
-    if value <= 0 or value != int(value):
-        raise CheckpointError(f"not a positive whole number of bytes: {text!r}")
-    return int(value)
 
 
 def _config_dict(config: Mapping[str, Any] | Any | None) -> dict[str, Any] | None:
@@ -418,9 +366,9 @@ def _refuse_existing(dst: Location, backend: Any) -> None:
         )
 
 
-def _upload_dir(backend: Any, dst: Location, local: str, names: list[str]) -> None:
-    """Upload ``names`` from ``local`` under ``dst`` in order (the last one publishes);
-    on a failure, delete what was uploaded."""
+def upload_dir(backend: Any, dst: Location, local: str, names: list[str]) -> None:
+    """Upload the files ``names`` of the directory ``local`` under ``dst`` in order (the
+    last one publishes the export); on a failure, delete what was uploaded."""
     from .storage.backend import join
 
     done: list[str] = []

@@ -13,7 +13,7 @@ import torch
 import quicksave
 from helpers.hf_models import GPT2LMHeadModel, cast_weights, gpt2, logits, train_and_save
 from quicksave.errors import CheckpointExistsError
-from quicksave.hf_export import INDEX_NAME
+from quicksave.format.hf_layout import INDEX_NAME
 
 
 @pytest.fixture

@@ -223,7 +223,8 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
 
 def _export_hf(args: argparse.Namespace, progress: bool) -> str:
-    from ..hf_export import DEFAULT_MAX_SHARD_BYTES, export_hf, parse_size
+    from ..format.hf_layout import DEFAULT_MAX_SHARD_BYTES, parse_size
+    from ..hf_export import export_hf
 
     config = None
     if args.config is not None:
