@@ -1,5 +1,6 @@
 """Convert: rewrite a quicksave checkpoint as one ``torch.save`` file, a stock DCP
-directory, or one consolidated safetensors file (``quicksave convert``).
+directory, or one consolidated safetensors file (``quicksave convert``); ``--to hf``
+(the model only, for Hugging Face) is :mod:`quicksave.hf_export`, over the reading here.
 
 The full (unsharded) state is rebuilt in host memory: one tensor per manifest entry
 with its global shape and dtype, every stored chunk read straight into its box (and its
