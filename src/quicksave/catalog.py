@@ -1,5 +1,10 @@
 """Catalog: list the checkpoints under a folder (``quicksave ls``).
 
+A folder is searched ``depth`` levels down (default 2): the checkpoints in a run folder,
+and in a parent of run folders (a bucket, ``/data/ckpts``) the checkpoints of each run,
+named by their path from the folder (``run-7/step-100``). A checkpoint is a leaf: what
+is inside one is never searched.
+
 Cheap by design: it classifies directories by the files they hold, reads only the
 manifest (for the step: ``manifest.json``, or the manifest inside a DCP-layout
 ``.metadata`` after reading its footer; a regular file only, see :mod:`quicksave.safeio`)
@@ -12,19 +17,19 @@ from __future__ import annotations
 
 import os
 import re
-from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .commit import CheckpointKind, classify, kind_of, metadata_has_footer
 from .errors import CheckpointError, CheckpointNotFoundError
 from .format import DCP_METADATA_NAME, MANIFEST_NAME
 from .format.manifest import LAYOUT_DCP, LAYOUT_QUICKSAVE, read_manifest
-from .storage import Location, ObjectInfo, parse_location
+from .storage import Location, ObjectInfo, StorageOptions, parse_location
 from .storage.backend import Backend
 from .storage.checkpoint_dir import CheckpointDir
 
 _STEP_IN_NAME = re.compile(r"(?:^|[^0-9])(\d+)(?:\.tmp-[0-9a-f]+)?$")
 _LISTED = (CheckpointKind.QUICKSAVE, CheckpointKind.DCP, CheckpointKind.UNCOMMITTED)
+DEFAULT_DEPTH = 2  # a parent of run folders: <root>/<run>/step-<N>
 
 
 @dataclass(frozen=True)
@@ -32,7 +37,8 @@ class CheckpointInfo:
     """One row of ``quicksave ls``.
 
     Attributes:
-        name: directory name (relative to the listed root; ``.`` for the root itself).
+        name: the path relative to the listed root (``step-5``, or ``run-7/step-5`` in a
+            run folder below it; ``.`` for the root itself).
         path: absolute path.
         format: ``quicksave`` or ``dcp``; for an uncommitted one, what it would become.
         committed: True for a committed checkpoint (quicksave or stock DCP).
@@ -61,6 +67,12 @@ class CheckpointInfo:
     @property
     def status(self) -> str:
         return "committed" if self.committed else "uncommitted"
+
+    @property
+    def run(self) -> str:
+        """The folder holding it, relative to the listed root (``.``: the root)."""
+        head, _, _ = self.name.rpartition("/")
+        return head or "."
 
 
 def dir_files(path: str) -> dict[str, int]:
@@ -158,14 +170,26 @@ def describe(path: str, name: str | None = None) -> CheckpointInfo | None:
     )
 
 
-def list_checkpoints(root: str | os.PathLike[str]) -> list[CheckpointInfo]:
-    """The checkpoints in ``root`` (and ``root`` itself if it is one), sorted by step.
+def list_checkpoints(
+    root: str | os.PathLike[str] | Location,
+    *,
+    depth: int = DEFAULT_DEPTH,
+    storage: StorageOptions | None = None,
+) -> list[CheckpointInfo]:
+    """The checkpoints in ``root`` (or ``root`` itself if it is one), and in the folders
+    below it down to ``depth`` levels: a parent of run folders lists every run's.
 
     Uncommitted ones (temporary directories of interrupted or running saves) are listed
-    too, marked ``committed=False``. Checkpoints without a step sort last, by name.
+    too, marked ``committed=False``. Sorted by run folder, then by step; checkpoints
+    without a step sort last in their run, by name. Folders whose names begin with
+    ``.`` and symbolic links to folders are not searched (a link to a checkpoint is
+    listed).
 
     Args:
-        root: a folder of checkpoints, or one checkpoint.
+        root: a folder of checkpoints (or of run folders), or one checkpoint.
+        depth: how many folder levels below ``root`` may hold checkpoints (1: only its
+            entries; 2: also their entries, e.g. ``root/run-7/step-100``).
+        storage: how to reach an object store.
 
     Returns:
         One :class:`CheckpointInfo` per checkpoint (possibly none).
@@ -176,12 +200,12 @@ def list_checkpoints(root: str | os.PathLike[str]) -> list[CheckpointInfo]:
 
     Example::
 
-        for info in list_checkpoints("ckpt"):
-            print(info.name, info.step, info.status)
+        for info in list_checkpoints("s3://bucket"):
+            print(info.run, info.name, info.step, info.status)
     """
-    loc = parse_location(root, what="checkpoint folder")
+    loc = parse_location(root, what="checkpoint folder", options=storage)
     if not loc.is_local:
-        return _list_store(loc)
+        return _sorted(_list_store(loc, depth))
     root = loc.key
     if not os.path.exists(root):
         raise CheckpointNotFoundError("no such file or directory", path=root)
@@ -189,59 +213,109 @@ def list_checkpoints(root: str | os.PathLike[str]) -> list[CheckpointInfo]:
         raise CheckpointNotFoundError(
             "not a directory (expected a folder of checkpoints)", path=root
         )
-    found: list[CheckpointInfo] = []
     own = describe(root, ".")
     if own is not None:
-        found.append(own)
-    for entry in sorted(os.scandir(root), key=lambda e: e.name):
-        if entry.is_dir(follow_symlinks=True):
-            try:
-                info = describe(entry.path, entry.name)
-            except FileNotFoundError:  # deleted meanwhile (retention, temp cleanup)
+        return [own]
+    found: list[CheckpointInfo] = []
+    _walk_local(root, "", depth, found)
+    return _sorted(found)
+
+
+def _sorted(infos: list[CheckpointInfo]) -> list[CheckpointInfo]:
+    return sorted(
+        infos, key=lambda i: (i.run, i.step is None, i.step if i.step is not None else 0, i.name)
+    )
+
+
+def _walk_local(path: str, prefix: str, depth: int, found: list[CheckpointInfo]) -> None:
+    """Add the checkpoints among the entries of ``path`` (named ``prefix`` + name), and
+    search the other folders ``depth - 1`` levels further."""
+    if depth < 1:
+        return
+    try:
+        entries = sorted(os.scandir(path), key=lambda e: e.name)
+    except OSError:  # vanished or unreadable below the root: nothing to list there
+        return
+    for entry in entries:
+        try:
+            if not entry.is_dir(follow_symlinks=True):
                 continue
-            except OSError as e:  # unreadable: list it with its problem, not fail the folder
-                info = CheckpointInfo(
-                    name=entry.name,
-                    path=os.path.abspath(entry.path),
-                    format="unknown",
-                    committed=False,
-                    step=_step_from_name(entry.name),
-                    size=0,
-                    mtime=0.0,
-                    problem=f"cannot read the directory: {e.strerror}",
-                )
-            if info is not None:
-                found.append(info)
-    found.sort(key=lambda i: (i.step is None, i.step if i.step is not None else 0, i.name))
-    return found
+            real_dir = entry.is_dir(follow_symlinks=False)
+        except OSError:
+            continue
+        name = prefix + entry.name
+        try:
+            info = describe(entry.path, name)
+        except FileNotFoundError:  # deleted meanwhile (retention, temp cleanup)
+            continue
+        except OSError as e:  # unreadable: list it with its problem, not fail the folder
+            info = CheckpointInfo(
+                name=name,
+                path=os.path.abspath(entry.path),
+                format="unknown",
+                committed=False,
+                step=_step_from_name(entry.name),
+                size=0,
+                mtime=0.0,
+                problem=f"cannot read the directory: {e.strerror}",
+            )
+        if info is not None:
+            found.append(info)
+        elif real_dir and not entry.name.startswith("."):
+            _walk_local(entry.path, name + "/", depth - 1, found)
 
 
-def _list_store(root: Location) -> list[CheckpointInfo]:
+@dataclass
+class _Folder:
+    """A folder of an object-store listing: every object under it (by key relative to
+    it) and its sub-folders, down to the listing's depth."""
+
+    objects: dict[str, ObjectInfo] = field(default_factory=dict)
+    folders: dict[str, _Folder] = field(default_factory=dict)
+
+
+def _list_store(root: Location, depth: int) -> list[CheckpointInfo]:
     """``list_checkpoints`` on an object store: one listing of the whole prefix, grouped
-    by first component (each a checkpoint if its names make one); one manifest read per
-    committed checkpoint for its step."""
+    into folders by key components; one manifest read per committed checkpoint for its
+    step."""
     backend = root.open()
     try:
         base = root.key + "/" if root.key else ""
-        groups: dict[str, dict[str, ObjectInfo]] = defaultdict(dict)
-        own: dict[str, ObjectInfo] = {}
+        tree = _Folder()
         for o in backend.list(base):
             rest = o.key[len(base) :]
-            head, sep, tail = rest.partition("/")
-            if sep:
-                groups[head][tail] = o
-            else:
-                own[head] = o
+            folder = tree
+            folder.objects[rest] = o
+            parts = rest.split("/")
+            for i, head in enumerate(parts[: min(depth, len(parts) - 1)]):
+                folder = folder.folders.setdefault(head, _Folder())
+                folder.objects["/".join(parts[i + 1 :])] = o
+        own = _describe_store(root, backend, tree.objects, ".")
+        if own is not None:
+            return [own]
         found: list[CheckpointInfo] = []
-        for name, objs in [(".", own)] + sorted(groups.items()):
-            loc = root if name == "." else root.child(name)
-            info = _describe_store(loc, backend, objs, name)
-            if info is not None:
-                found.append(info)
+        _walk_store(root, tree, "", depth, backend, found)
     finally:
         backend.close()
-    found.sort(key=lambda i: (i.step is None, i.step if i.step is not None else 0, i.name))
     return found
+
+
+def _walk_store(
+    loc: Location,
+    tree: _Folder,
+    prefix: str,
+    depth: int,
+    backend: Backend,
+    found: list[CheckpointInfo],
+) -> None:
+    if depth < 1:
+        return
+    for name, folder in sorted(tree.folders.items()):
+        info = _describe_store(loc.child(name), backend, folder.objects, prefix + name)
+        if info is not None:
+            found.append(info)
+        elif not name.startswith("."):
+            _walk_store(loc.child(name), folder, prefix + name + "/", depth - 1, backend, found)
 
 
 def _describe_store(

@@ -81,6 +81,7 @@ def test_ls_lists_sorted_by_step_with_status(tmp_path: Path, capsys) -> None:
     assert by_name["step-20"]["mtime"] == (tmp_path / "step-20" / "manifest.json").stat().st_mtime
     assert by_name["step-200.tmp-0123456789ab"] | {"mtime": 0, "modified": ""} == {
         "name": "step-200.tmp-0123456789ab",
+        "run": ".",
         "path": str(pending),
         "format": "quicksave",
         "layout": "quicksave",

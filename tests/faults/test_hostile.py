@@ -264,7 +264,9 @@ def test_ls_lists_every_case_and_each_problem(folder, probe) -> None:
     r = probe[(None, "ls")]
     assert r["outcome"] == "ok", r
     listed = dict(r["value"])
-    assert set(listed) == set(cases)
+    # The sources of the cases, one folder down, are listed too (ls searches run folders).
+    sources = {f"{OUTSIDE}/base", f"{OUTSIDE}/dcp-base"}
+    assert set(listed) == set(cases) | sources
     for name in cases:
         broken = expected(name) is MANIFEST_BROKEN
         assert (listed[name] is not None) == broken, (name, listed[name])
@@ -272,7 +274,7 @@ def test_ls_lists_every_case_and_each_problem(folder, probe) -> None:
     assert r["outcome"] == "ok" and r["value"] == 0, r
     assert r["err"] == "" and not RAW_CONTROL.search(r["out"])
     rows = r["out"].splitlines()[1:]
-    assert len(rows) == len(cases)
+    assert len(rows) == len(cases) + len(sources)
     assert sum("(bad manifest: " in row for row in rows) == sum(
         expected(n) is MANIFEST_BROKEN for n in cases
     )

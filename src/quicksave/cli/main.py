@@ -2,17 +2,18 @@
 
 Subcommands (``quicksave <cmd> --help`` for each)::
 
-    quicksave ls ROOT [--json] [--bytes]        list checkpoints, sorted by step
+    quicksave ls ROOT [--json] [--bytes] [--depth N]   checkpoints (of each run), by step
     quicksave inspect CKPT [--json] [--allow-pickle]
-    quicksave verify CKPT [--json] [--progress | --no-progress]
+    quicksave verify CKPT|FOLDER [--json] [--progress | --no-progress]
     quicksave convert CKPT OUT --to {torch,dcp,safetensors,quicksave,hf}
               [--state NAME] [--dtype DTYPE] [--max-shard-size SIZE] [--config FILE]
     quicksave demo ... / quicksave bench ...    (arguments passed through)
 
-Exit status: 0 success; 1 ``verify`` found corruption; 2 a usage or checkpoint error
-(not found, not committed, unreadable ...), printed as ``quicksave: error: ...`` without
-a traceback. Human-readable output shows control characters from a checkpoint (in
-names, dtypes, messages) as escapes (``\x1b``), never raw (:mod:`.text`).
+Exit status: 0 success; 1 ``verify`` found corruption (in any checkpoint of a folder);
+2 a usage or checkpoint error (not found, not committed, unreadable ...), printed as
+``quicksave: error: ...`` without a traceback. Human-readable output shows control
+characters from a checkpoint (in names, dtypes, messages) as escapes (``\x1b``), never
+raw (:mod:`.text`).
 """
 
 from __future__ import annotations
@@ -26,8 +27,11 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, TextIO
 
+from ..catalog import DEFAULT_DEPTH
 from ..errors import CheckpointError
-from .text import json_text, printable
+from .text import print_json as _print_json
+from .text import printable
+from .text import say as _say
 
 PASS_THROUGH = {
     "demo": "run the end-to-end demo (arguments go to quicksave.demo)",
@@ -58,27 +62,18 @@ def _table(rows: list[list[str]], out: TextIO, right: Sequence[int] = ()) -> Non
         print("  ".join(cells).rstrip(), file=out)
 
 
-def _print_json(doc: Any, out: TextIO) -> None:
-    out.write(json_text(doc))
-    out.write("\n")
-
-
-def _say(text: str, out: TextIO) -> None:
-    """Print one human-readable line, control characters escaped."""
-    print(printable(text), file=out)
-
-
 # --------------------------------------------------------------------------- ls
 def cmd_ls(args: argparse.Namespace) -> int:
     from ..catalog import list_checkpoints
 
-    infos = list_checkpoints(args.root)
+    infos = list_checkpoints(args.root, depth=args.depth)
     out = sys.stdout
     if args.json:
         _print_json(
             [
                 {
                     "name": i.name,
+                    "run": i.run,
                     "path": i.path,
                     "format": i.format,
                     "layout": i.layout,
@@ -98,14 +93,17 @@ def cmd_ls(args: argparse.Namespace) -> int:
     if not infos:
         from ..storage import parse_location
 
-        _say(f"no checkpoints in {parse_location(args.root).url}", sys.stderr)
+        levels = f"{args.depth} folder level{'s' if args.depth != 1 else ''}"
+        _say(f"no checkpoints in {parse_location(args.root).url} ({levels} searched)", sys.stderr)
         return 0
-    rows = [["NAME", "STEP", "STATUS", "FORMAT", "SIZE", "MODIFIED"]]
+    runs = any(i.run != "." for i in infos)  # a parent of run folders: say whose each is
+    rows = [["RUN"] * runs + ["NAME", "STEP", "STATUS", "FORMAT", "SIZE", "MODIFIED"]]
     for i in infos:
         status = i.status if i.problem is None else f"{i.status} (bad manifest: {_cut(i.problem)})"
         rows.append(
-            [
-                i.name,
+            [i.run] * runs
+            + [
+                i.name.rsplit("/", 1)[-1],
                 "-" if i.step is None else str(i.step),
                 status,
                 _format_label(i.format, i.layout),
@@ -113,7 +111,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
                 time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(i.mtime)),
             ]
         )
-    _table(rows, out, right=(1, 4))
+    _table(rows, out, right=(1 + runs, 4 + runs))
     return 0
 
 
@@ -165,40 +163,9 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 # --------------------------------------------------------------------------- verify
 def cmd_verify(args: argparse.Namespace) -> int:
-    from ..verify import verify_checkpoint
+    from .verify_cmd import cmd_verify as run  # one checkpoint, or each of a folder
 
-    progress = sys.stderr.isatty() if args.progress is None else args.progress
-    report = verify_checkpoint(args.checkpoint, progress=progress and not args.json)
-    out = sys.stdout
-    if args.json:
-        _print_json(
-            {
-                "path": report.path,
-                "ok": report.ok,
-                "files_checked": report.files_checked,
-                "bytes_checked": report.bytes_checked,
-                "tensors": report.tensors,
-                "objects": report.objects,
-                "problems": [
-                    {"file": p.file, "fqn": p.fqn, "kind": p.kind, "message": p.message}
-                    for p in report.problems
-                ],
-            },
-            out,
-        )
-        return 0 if report.ok else 1
-    if report.ok:
-        _say(
-            f"OK {report.path}: {report.files_checked} files, {report.bytes_checked} bytes, "
-            f"{report.tensors} tensors, {report.objects} objects verified",
-            out,
-        )
-        return 0
-    for p in report.problems:
-        _say(f"CORRUPT {p}", out)
-    n = len(report.problems)
-    _say(f"FAILED {report.path}: {n} problem{'s' if n != 1 else ''}", out)
-    return 1
+    return run(args)
 
 
 # --------------------------------------------------------------------------- convert
@@ -298,10 +265,19 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser(
         "ls",
-        help="list the checkpoints in a folder, sorted by step",
-        description="List the checkpoints in ROOT (and ROOT itself if it is one).",
+        help="list the checkpoints in a folder (or in each run folder of it), by step",
+        description="List the checkpoints in ROOT (or ROOT itself if it is one), and in "
+        "the folders below it: given a parent of run folders or a bucket, each run's "
+        "checkpoints (a RUN column names the folder).",
     )
     p.add_argument("root", metavar="ROOT")
+    p.add_argument(
+        "--depth",
+        type=int,
+        default=DEFAULT_DEPTH,
+        help=f"folder levels below ROOT searched for checkpoints (default {DEFAULT_DEPTH}: "
+        "ROOT/RUN/step-N)",
+    )
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument("--bytes", action="store_true", help="exact sizes in bytes")
     p.set_defaults(func=cmd_ls)
@@ -327,10 +303,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser(
         "verify",
-        help="check every byte of a checkpoint against its manifest",
+        help="check every byte of a checkpoint (or of each checkpoint in a folder)",
         description="Check every byte of a quicksave checkpoint: manifest checksum, file "
-        "sizes, header, chunk checksums, zero padding, no extra files. "
-        "Exit 0 if intact, 1 if corrupt, 2 if it is not a committed checkpoint.",
+        "sizes, header, chunk checksums, zero padding, no extra files. Given a folder "
+        "of checkpoints (a run folder, a parent of runs, a bucket), each checkpoint "
+        "`quicksave ls` lists is checked and reported in turn (uncommitted and stock "
+        "DCP ones are skipped, and said so). Exit 0 if intact, 1 if any is corrupt "
+        "or cannot be verified, 2 if there is no committed checkpoint to verify.",
     )
     p.add_argument("checkpoint", metavar="CKPT")
     p.add_argument("--json", action="store_true", help="machine-readable output")

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Any
+from typing import Any, TextIO
 
 # C0 controls, DEL, C1 controls; the Unicode line/paragraph separators and the bidi
 # embedding/override/isolate controls, which reorder what a terminal shows.
@@ -48,3 +48,14 @@ def json_text(doc: Any) -> str:
     character: inside JSON strings they become ``\\u`` escapes, which parse back to
     the same text."""
     return _JSON_RAW.sub(_json_escape, json.dumps(doc, indent=2, ensure_ascii=False))
+
+
+def say(text: str, out: TextIO) -> None:
+    """Print one human-readable line, control characters escaped."""
+    print(printable(text), file=out)
+
+
+def print_json(doc: Any, out: TextIO) -> None:
+    """Print ``doc`` as :func:`json_text`, with a final newline."""
+    out.write(json_text(doc))
+    out.write("\n")
