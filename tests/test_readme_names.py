@@ -107,7 +107,10 @@ def _all_references() -> list[tuple[str, str]]:
             for ref in _code_references(block):
                 found.setdefault(ref, where)
         for span in _spans(text):
-            for ref in _DOTTED.findall(span):
+            refs = set(_DOTTED.findall(span))
+            if span.startswith(("from quicksave", "import quicksave")):
+                refs |= _code_references(span)  # an import shown inline
+            for ref in refs:
                 found.setdefault(ref, where)
     return sorted(found.items())
 
@@ -126,6 +129,7 @@ def test_the_docs_reference_quicksave_names_at_all() -> None:
     for ref in ("quicksave:CheckpointManager", "quicksave.save", "quicksave.load_state"):
         assert refs.get(ref) == "README.md", ref
     assert {"StorageOptions", "S3Options", "CheckpointConfig"} <= set(_readme_calls())
+    assert refs.get("quicksave:StorageOptions") == "README.md"  # shown as an inline import
 
 
 @pytest.mark.parametrize(("ref", "doc"), _all_references())
