@@ -203,6 +203,8 @@ def _entry_points() -> dict[str, Callable[[str], object]]:
         "verify_checkpoint": verify_checkpoint,
         "convert (source)": lambda u: convert(u, "./out.pt", "torch"),
         "convert (target)": lambda u: convert(_saved(), u, "quicksave"),
+        "export_hf (source)": lambda u: quicksave.export_hf(u, "./hf"),
+        "export_hf (target)": lambda u: quicksave.export_hf(_saved(), u),
     }
 
 
@@ -219,7 +221,7 @@ def _saved() -> str:
 def test_every_entry_point_refuses_before_any_io(tmp_path, monkeypatch, entry, raw, hint):
     monkeypatch.chdir(tmp_path)
     call = _entry_points()[entry]
-    if entry == "convert (target)":
+    if entry.endswith("(target)"):
         _saved()
     before = sorted(os.listdir(tmp_path))
     with pytest.raises(CheckpointError) as e:
