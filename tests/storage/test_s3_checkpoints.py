@@ -237,7 +237,8 @@ def test_manager_lifecycle_with_retention(s3_env, s3_server, s3_bucket) -> None:
         manager.close()
     expected = {k: v.clone() for k, v in model.state_dict().items()}
     keys = _objects(s3_server, s3_bucket, "job/")
-    steps = sorted({k.split("/")[1] for k in keys})
+    assert "job/.quicksave-lease.json" in keys  # the writer lease, released, stays
+    steps = sorted({k.split("/")[1] for k in keys} - {".quicksave-lease.json"})
     assert steps == ["step-10", "step-8"], steps  # retention removed manifest and data
     with torch.no_grad():
         for p in model.parameters():

@@ -80,7 +80,6 @@ from ..manager.folder import (
     COMMITTED,
     apply_retention,
     check_step,
-    clean_leftovers,
     committed_steps,
     create_folder,
     load_newest,
@@ -89,11 +88,12 @@ from ..manager.folder import (
     require_committed,
 )
 from ..manager.interval import agree_any_due
-from ..manager.lease import FolderLease, StoreLease
+from ..manager.lease import WriterLease, clean_folder, take_writer_lease
 from ..manager.policies import KeepLatestK
 from ..manager.records import SaveRecord, log_committed
 from ..manager.states import ModelState, payload_bytes
 from ..storage import Location, parse_location
+from ..storage.backend import Backend
 from . import _torchtitan_layout as layout
 
 __all__ = ["QuicksaveCheckpointManager"]
@@ -228,7 +228,7 @@ class QuicksaveCheckpointManager(BaseCheckpointManager):
         self.enable = config.enable
         self._writer: AsyncWriter | None = None
         self._handles: dict[int, SaveHandle] = {}  # saves in flight, by step
-        self._lease: FolderLease | StoreLease | None = None
+        self._lease: WriterLease | None = None
         self._closed = False
         if not self.enable:
             return
@@ -365,7 +365,7 @@ class QuicksaveCheckpointManager(BaseCheckpointManager):
             if self._lease is not None:  # a writer moves a corrupt checkpoint aside
 
                 def on_corrupt(candidate: int, why: str) -> None:
-                    quarantine(self._folder.child(f"step-{candidate}"), why)
+                    quarantine(self._folder.child(f"step-{candidate}"), why, self._deleter())
 
             folder, rank = self.folder, self._rank()
             return (
@@ -434,7 +434,7 @@ class QuicksaveCheckpointManager(BaseCheckpointManager):
         if synchronous or self._writer is None:
             self._drain()  # a synchronous write never runs beside a save in flight
         if self._lease is not None:
-            replace_uncommitted(self._folder.child(f"step-{step}"))
+            replace_uncommitted(self._folder.child(f"step-{step}"), self._deleter())
         if kind == "full":
             state = self._full_state()
         else:
@@ -611,7 +611,17 @@ class QuicksaveCheckpointManager(BaseCheckpointManager):
             return
         in_flight = self._writer.in_flight_steps if self._writer is not None else set()
         keep = in_flight | protect | {self._last_good}
-        apply_retention(self._folder, self._retention, keep, allow_dcp=self.config.allow_dcp)
+        names = {f"step-{s}" for s in keep}
+        stale, deleter = self._qs.storage.stale_after_s, self._deleter()
+        # what a store lease's previous holder left, once the lease says it may go
+        clean_folder(self._lease, self._folder, stale, backend=deleter, keep=names, deferred=True)
+        apply_retention(
+            self._folder,
+            self._retention,
+            keep,
+            allow_dcp=self.config.allow_dcp,
+            backend=deleter,
+        )
 
     # ------------------------------------------------------------ ownership, ranks
 
@@ -626,28 +636,20 @@ class QuicksaveCheckpointManager(BaseCheckpointManager):
         create_folder(self._folder, rank)
         reason: str | None = None
         if (rank or 0) == 0:
-            lease = (
-                FolderLease(self._folder.key)
-                if self._folder.is_local
-                else StoreLease(self._folder.url)
-            )
-            try:
-                got = lease.try_acquire()
-            except CheckpointError as e:
-                reason = f"cannot take the folder's writer lease ({e.message}: {e.path})"
-            else:
-                if got:
-                    self._lease = lease
-                    clean_leftovers(self._folder)
-                else:
-                    reason = (
-                        f"another live process holds the folder's writer lease "
-                        f"({lease.holder()}); two jobs must not write one folder"
-                    )
+            hint = "use another folder, stop that job, or set checkpoint.load_only"
+            self._lease, reason = take_writer_lease(self._folder, hint)
+            if self._lease is not None:
+                stale = self._qs.storage.stale_after_s
+                clean_folder(self._lease, self._folder, stale, backend=self._deleter())
         if self._world_size() > 1:
             if agree_any_due(reason is not None, self._checkpoint_group()).wait():
                 reason = reason or "the coordinator could not take the folder's writer lease"
         return reason
+
+    def _deleter(self) -> Backend | None:
+        """What the lease holder deletes through on a store: the lease's backend, each
+        deletion preceded by the lease's re-check (None for a local folder)."""
+        return self._lease.guard(None) if self._lease is not None else None
 
     def _agree_on_failure(self, failure: CheckpointError | None) -> CheckpointError | None:
         """Several ranks: every rank's failure (or None) to every rank (one

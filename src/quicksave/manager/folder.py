@@ -6,7 +6,8 @@ Plain functions over a folder path (no manager state), used by the manager::
                                §8; or a stock DCP .metadata)
     <folder>/step-<N>.tmp-*/   being written, or left by a crash
     <folder>/step-<N>.corrupt-*/  failed its checks at load; moved aside, kept
-    <folder>/.quicksave-lock   the writer lease (lease.py)
+    <folder>/.quicksave-lock   the writer lease (lease.py; on a store
+                               .quicksave-lease.json, store_lease.py)
     <folder>/export-step-<N>/  model export
 
 Only committed directories count: ``committed_steps`` is what "latest", ``load()`` and
@@ -29,7 +30,7 @@ import logging
 import os
 import re
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from typing import Any
 
 from ..commit import (
@@ -164,63 +165,70 @@ def create_folder(folder: str | Location, rank: int | None) -> None:
         ) from e
 
 
-def clean_leftovers(folder: str | Location, stale_after_s: float = 3600.0) -> None:
+def clean_leftovers(
+    folder: str | Location,
+    stale_after_s: float = 3600.0,
+    *,
+    keep: Collection[str] = (),
+    backend: Backend | None = None,
+) -> None:
     """Remove the temporaries of crashed saves. Only the holder of the folder's writer
     lease calls this (then no live job saves here; see lease.py).
 
-    On an object store (no lease there) only what is older than ``stale_after_s`` goes,
-    so that a save still being written by another job is never hit: prefixes holding
-    quicksave objects but no manifest, objects of a committed checkpoint that its
-    manifest does not list (parts, a crashed earlier attempt's files), and incomplete
-    multipart uploads."""
+    On an object store only what is older than ``stale_after_s`` goes (the lease says
+    how old: ``lease.clean_folder``), so that a save still being written is never hit:
+    prefixes holding quicksave objects but no manifest, objects of a committed
+    checkpoint that its manifest does not list (parts, a crashed earlier attempt's
+    files), and incomplete multipart uploads; never the names in ``keep`` (saves in
+    flight). Deletions go through ``backend`` if given (the lease holder's guarded one)."""
     loc = parse_location(folder)
     if not loc.is_local:
-        _clean_store(loc, stale_after_s)
+        _clean_store(loc, stale_after_s, keep, backend)
         return
     folder = loc.key
     for name in clean_stale_temporaries(folder):
         logger.info("quicksave: removed stale temporary %s", os.path.join(folder, name))
 
 
-def _clean_store(folder: Location, stale_after_s: float) -> None:
-    b = folder.open()
-    try:
-        cutoff = time.time() - stale_after_s
-        base = folder.key + "/" if folder.key else ""
-        for name, objs in store_groups(folder, b).items():
-            top = {k for k in objs if "/" not in k}
-            if not top:
-                continue
-            kind = kind_of(name, top, _footer_probe(folder.child(name), b))
-            if kind in (CheckpointKind.QUICKSAVE, CheckpointKind.DCP):
-                if kind is CheckpointKind.DCP or QUARANTINE_MARK in name:
-                    continue  # nothing of ours to tell apart; quarantine is kept
-                listed = _listed_names(folder.child(name), b)
-                doomed = [k for k, o in objs.items() if k not in listed and o.mtime < cutoff]
-            elif kind is CheckpointKind.UNCOMMITTED and QUARANTINE_MARK not in name:
-                if max(o.mtime for o in objs.values()) >= cutoff:
-                    continue  # possibly a save still being written: not ours to judge yet
-                if b.stat(base + name + "/" + MANIFEST_NAME) is not None:
-                    continue  # committed meanwhile
-                doomed = list(objs)
-            else:
-                continue
-            if doomed:
-                b.delete(base + name + "/" + k for k in doomed)
+def _clean_store(
+    folder: Location, stale_after_s: float, keep: Collection[str], backend: Backend | None
+) -> None:
+    with opened(folder, backend) as b:
+        try:
+            cutoff = time.time() - stale_after_s
+            base = folder.key + "/" if folder.key else ""
+            for name, objs in store_groups(folder, b).items():
+                top = {k for k in objs if "/" not in k}
+                if not top or name in keep:
+                    continue
+                kind = kind_of(name, top, _footer_probe(folder.child(name), b))
+                if kind in (CheckpointKind.QUICKSAVE, CheckpointKind.DCP):
+                    if kind is CheckpointKind.DCP or QUARANTINE_MARK in name:
+                        continue  # nothing of ours to tell apart; quarantine is kept
+                    listed = _listed_names(folder.child(name), b)
+                    doomed = [k for k, o in objs.items() if k not in listed and o.mtime < cutoff]
+                elif kind is CheckpointKind.UNCOMMITTED and QUARANTINE_MARK not in name:
+                    if max(o.mtime for o in objs.values()) >= cutoff:
+                        continue  # possibly a save still being written: not ours to judge yet
+                    if b.stat(base + name + "/" + MANIFEST_NAME) is not None:
+                        continue  # committed meanwhile
+                    doomed = list(objs)
+                else:
+                    continue
+                if doomed:
+                    b.delete(base + name + "/" + k for k in doomed)
+                    logger.info(
+                        "quicksave: removed %d stale object(s) of crashed saves under %s",
+                        len(doomed),
+                        folder.child(name).url,
+                    )
+            aborted = b.abort_uploads(base, stale_after_s)
+            if aborted:
                 logger.info(
-                    "quicksave: removed %d stale object(s) of crashed saves under %s",
-                    len(doomed),
-                    folder.child(name).url,
+                    "quicksave: aborted %d stale multipart upload(s) under %s", aborted, folder.url
                 )
-        aborted = b.abort_uploads(base, stale_after_s)
-        if aborted:
-            logger.info(
-                "quicksave: aborted %d stale multipart upload(s) under %s", aborted, folder.url
-            )
-    except CheckpointError as e:
-        logger.warning("quicksave: clean-up of %s failed: %s", folder.url, e)
-    finally:
-        b.close()
+        except CheckpointError as e:
+            logger.warning("quicksave: clean-up of %s failed: %s", folder.url, e)
 
 
 def _listed_names(loc: Location, backend: Backend) -> set[str]:

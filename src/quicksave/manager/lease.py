@@ -16,6 +16,11 @@ warning and writes as before.
 
 The file also holds a line naming the holder (host, pid, start time), only to make the
 error of a refused writer useful; it is never trusted for anything else.
+
+Object stores have no locks: their lease is an object with a heartbeat and an expiry
+(:class:`~quicksave.manager.store_lease.StoreLease`), behind the same interface.
+:func:`take_writer_lease` and :func:`clean_folder` are the one way the manager and the
+torchtitan integration take a folder and clean it up.
 """
 
 from __future__ import annotations
@@ -23,12 +28,20 @@ from __future__ import annotations
 import errno
 import fcntl
 import json
+import logging
 import os
 import socket
 import time
 import weakref
+from collections.abc import Collection
 
 from ..errors import CheckpointError
+from ..storage import Location
+from ..storage.backend import Backend
+from .folder import clean_leftovers
+from .store_lease import StoreLease
+
+logger = logging.getLogger("quicksave")
 
 LEASE_NAME = ".quicksave-lock"
 _MAX_HOLDER_BYTES = 4096
@@ -50,12 +63,24 @@ class FolderLease:
         enforced: False when the filesystem has no locks (then every writer "holds" it).
     """
 
+    unenforced_why = "no working file locks here"
+
     def __init__(self, folder: str) -> None:
         self.folder = os.path.abspath(folder)
         self.path = os.path.join(self.folder, LEASE_NAME)
         self.enforced = True
         self._fd: int | None = None
         self._finalizer: weakref.finalize | None = None
+
+    # The kernel proves the previous holder gone: nothing to wait for, nothing to re-check.
+    def guard(self, backend: Backend | None) -> Backend | None:
+        return backend
+
+    def leftover_age_s(self, stale_after_s: float) -> float | None:
+        return 0.0
+
+    def cleanup_due(self, stale_after_s: float) -> float | None:
+        return None
 
     @property
     def held(self) -> bool:
@@ -156,23 +181,51 @@ class FolderLease:
             pass
 
 
-class StoreLease:
-    """The "lease" of a folder on an object store, which has no locks: every writer
-    holds it (``enforced`` is False), as on a filesystem without ``flock``. What a
-    lease protects is kept safe there by age instead: start-up clean-up removes only
-    leftovers older than ``StorageOptions.stale_after_s``, never a save in progress.
-    Same interface as :class:`FolderLease`."""
+WriterLease = FolderLease | StoreLease
 
-    enforced = False
 
-    def __init__(self, url: str) -> None:
-        self.folder = url
+def take_writer_lease(folder: Location, hint: str) -> tuple[WriterLease | None, str | None]:
+    """Take ``folder``'s writer lease (the coordinator of a writing manager, once).
 
-    def try_acquire(self) -> bool:
-        return True
+    Returns:
+        ``(lease, None)`` when held (a warning is logged where it is not enforced), or
+        ``(None, why)``: why this writer must be read-only (the live holder, named; or
+        the lease could not be taken). ``hint`` ends the first message (what to do).
+    """
+    lease: WriterLease = FolderLease(folder.key) if folder.is_local else StoreLease(folder)
+    try:
+        got = lease.try_acquire()
+    except CheckpointError as e:
+        return None, f"cannot take the folder's writer lease ({e.message}: {e.path})"
+    if not got:
+        return None, (
+            f"another live process holds the folder's writer lease ({lease.holder()}); "
+            f"two jobs must not write one folder: {hint}"
+        )
+    if not lease.enforced:
+        logger.warning(
+            "quicksave: %s: %s; one job per folder is not enforced here",
+            folder.url,
+            lease.unenforced_why,
+        )
+    return lease, None
 
-    def holder(self) -> str:
-        return "(object stores have no writer lease)"
 
-    def release(self) -> None:
-        pass
+def clean_folder(
+    lease: WriterLease,
+    folder: Location,
+    stale_after_s: float,
+    *,
+    backend: Backend | None = None,
+    keep: Collection[str] = (),
+    deferred: bool = False,
+) -> None:
+    """The lease holder's clean-up of what crashed saves left in ``folder``: at start-up
+    (``deferred=False``: what the lease allows now) and, called after each save with
+    ``deferred=True``, once more when the lease says that the previous holder's younger
+    leftovers may go too. ``keep``: names never touched (saves in flight). Deletions go
+    through ``backend``, which should be ``lease.guard``-ed."""
+    age = lease.cleanup_due(stale_after_s) if deferred else lease.leftover_age_s(stale_after_s)
+    if age is None:
+        return
+    clean_leftovers(folder, age, keep=keep, backend=backend)

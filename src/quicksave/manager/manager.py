@@ -25,7 +25,8 @@ Layout of ``folder``::
     export-step-<N>/    model weights only, in ``export_dtype``: at ``last_step``, or export()
     *.tmp-*/            being written, or left by a crash (deleted at start-up)
     step-<N>.corrupt-*/ failed its checks at load(): moved aside by the writer, kept
-    .quicksave-lock     the writer lease (lease.py)
+    .quicksave-lock     the writer lease (lease.py; on an object store
+                        .quicksave-lease.json, with a heartbeat: store_lease.py)
 
 Ownership: one job writes a folder. The coordinator of a writing manager holds the
 folder's writer lease (``lease.py``) from construction to ``close()``; only the lease
@@ -64,7 +65,6 @@ from .folder import (
     COMMITTED,
     apply_retention,
     check_step,
-    clean_leftovers,
     committed_steps,
     create_folder,
     load_newest,
@@ -74,7 +74,7 @@ from .folder import (
     stored_metadata,
 )
 from .interval import IntervalAgreement, agree_any_due, needs_agreement
-from .lease import FolderLease, StoreLease
+from .lease import WriterLease, clean_folder, take_writer_lease
 from .policies import EveryNSeconds, EveryNSteps, KeepLatestK, RetentionPolicy, SavePolicy
 from .records import SaveRecord, log_committed
 from .states import (
@@ -168,7 +168,7 @@ class CheckpointManager:
         self._closed = False
         self._group: dist.ProcessGroup | None = None  # see _checkpoint_group
         self._interval: IntervalAgreement | None = None
-        self._lease: FolderLease | StoreLease | None = None  # held by a writing coordinator
+        self._lease: WriterLease | None = None  # held by a writing coordinator
         self._store: Backend | None = None  # an object store's backend (see _backend)
         self.read_only_reason: str | None = None  # why save() is refused, if it is
         self._last_good: int | None = None  # newest step known to pass its checks
@@ -707,6 +707,14 @@ class CheckpointManager:
     def _retain(self, protect: set[int]) -> None:
         if self._lease is None:  # only the lease holder deletes
             return
+        clean_folder(  # what a store lease's previous holder left (once, when due)
+            self._lease,
+            self._folder,
+            self.config.storage.stale_after_s,
+            backend=self._backend(),
+            keep={f"step-{s}" for s in self._in_flight | protect},
+            deferred=True,
+        )
         if self._last_good is None:
             # No checkpoint is known to pass yet (nothing loaded, nothing of ours
             # committed): the newest one may be torn, and deleting the older ones could
@@ -741,28 +749,11 @@ class CheckpointManager:
         reason: str | None = None
         create_folder(self._folder, rank)
         if self._is_coordinator():
-            lease = FolderLease(self.folder) if self._folder.is_local else StoreLease(self.folder)
-            try:
-                got = lease.try_acquire()
-            except CheckpointError as e:
-                reason = f"cannot take the folder's writer lease ({e.message}: {e.path})"
-            else:
-                if got:
-                    self._lease = lease
-                    if not lease.enforced:
-                        logger.warning(
-                            "quicksave: %s has no working %s; one job per folder is not "
-                            "enforced here",
-                            self.folder,
-                            "file locks" if self._folder.is_local else "locks (object store)",
-                        )
-                    clean_leftovers(self._folder, self.config.storage.stale_after_s)
-                else:
-                    reason = (
-                        f"another live process holds the folder's writer lease "
-                        f"({lease.holder()}); two jobs must not write one folder: use "
-                        "another folder, stop that job, or pass read_only=True to only load"
-                    )
+            hint = "use another folder, stop that job, or pass read_only=True to only load"
+            self._lease, reason = take_writer_lease(self._folder, hint)
+            if self._lease is not None:
+                stale = self.config.storage.stale_after_s
+                clean_folder(self._lease, self._folder, stale, backend=self._backend())
         if self._world_size() > 1:
             # The same one-integer MAX vote as the interval agreement: "any rank is
             # read-only" (only the coordinator can be, for the lease).
@@ -787,6 +778,8 @@ class CheckpointManager:
         if self._store is None:
             bounded = self._folder.bounded(self.config.save_timeout_s)  # never a hang
             self._store = bounded.open(rank=self._rank() or 0)
+            if self._lease is not None:  # every deletion re-checks the lease first
+                self._store = self._lease.guard(self._store)
         return self._store
 
     def _where(self, path: str) -> Location:

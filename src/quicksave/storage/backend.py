@@ -85,11 +85,19 @@ class StorageOptions:
         stale_after_s: a manager's start-up clean-up removes leftovers of crashed saves
             (objects with no manifest, incomplete multipart uploads) only when older
             than this, so that a save still being written elsewhere is never hit.
+            Where the folder's writer lease proves who wrote last (manager/store_lease.py),
+            leftovers of that writer go once ``lease_expiry_s`` old (or this, if shorter).
+        lease_expiry_s: object stores: a writer lease not renewed for this long is
+            expired (its holder counts as dead) and may be taken over.
+        lease_renew_s: object stores: how often the holder renews its lease (in the
+            background); well below ``lease_expiry_s``.
     """
 
     s3: S3Options = field(default_factory=S3Options)
     msc_config: str | None = None
     stale_after_s: float = 3600.0
+    lease_expiry_s: float = 30.0
+    lease_renew_s: float = 5.0
 
 
 @runtime_checkable
@@ -150,6 +158,30 @@ class Backend(Protocol):
 
     def delete(self, keys: Iterable[str]) -> None:
         """Delete the objects ``keys`` (missing ones are no error)."""
+        ...
+
+    def put_if(self, key: str, data: bytes, *, if_match: str | None = None) -> str | None:
+        """Store the small object ``key`` only if a condition holds, checked by the store
+        atomically with the write: no object ``key`` exists (``if_match`` None; S3's
+        ``If-None-Match: *``), or the version tag of the one there is ``if_match`` (S3's
+        ``If-Match``). For a compare-and-swap such as the writer lease's.
+
+        Returns:
+            The version tag of the object written (compare it with :meth:`get_tagged`'s),
+            or None when the condition did not hold (another writer came first).
+
+        Raises:
+            NotImplementedError: the store (or this client of it) cannot be asked for
+                conditions; a store that silently ignores them is found by probing
+                (``manager/store_lease.py``).
+            CheckpointError: as ``put``.
+        """
+        ...
+
+    def get_tagged(self, key: str, max_bytes: int) -> tuple[bytes, str] | None:
+        """The whole small object ``key`` and its version tag (what :meth:`put_if`
+        compares), or None if there is none. Refuses one larger than ``max_bytes`` as
+        ``get`` does."""
         ...
 
     def abort_uploads(self, prefix: str, older_than_s: float) -> int:

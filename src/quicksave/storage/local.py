@@ -12,14 +12,25 @@ Torch-free: the worker process imports it.
 from __future__ import annotations
 
 import contextlib
+import errno
+import fcntl
 import os
+import secrets
 import stat
+import time
 from collections.abc import Iterable, Iterator, Sequence
 
+import xxhash
+
 from ..errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
+from ..format.manifest import hexdigest
 from ..persist import write_image
 from ..safeio import open_regular, read_regular
 from .backend import ObjectInfo, Range, byte_view
+
+# errnos of a filesystem without flock or hard links: no conditional writes there
+_UNSUPPORTED = {errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP, errno.EPERM, errno.EXDEV}
+_LOCK_WAIT_S = 5.0  # a replacer holds the lock for one check and one rename
 
 
 def preadv_full(fd: int, views: Sequence[memoryview], offset: int) -> int:
@@ -164,5 +175,93 @@ class LocalBackend:
     def abort_uploads(self, prefix: str, older_than_s: float) -> int:
         return 0  # files are written in place: there are no pending uploads
 
+    def get_tagged(self, key: str, max_bytes: int) -> tuple[bytes, str] | None:
+        """The file and its version tag: the xxh3-64 of its content (a file is only ever
+        replaced whole, by :meth:`put_if`'s rename)."""
+        try:
+            data = read_regular(key, max_bytes, rank=self.rank)
+        except FileNotFoundError:
+            return None
+        return data, _content_tag(data)
+
+    def put_if(self, key: str, data: bytes, *, if_match: str | None = None) -> str | None:
+        """The new content goes to a file of its own beside ``key`` (fsynced), which is
+        then hard-linked to ``key`` (create: ``link`` fails if ``key`` exists, as
+        ``O_EXCL`` does) or renamed over it (replace) under an exclusive ``flock`` of the
+        file it replaces, whose tag is checked under that lock: replacers of one version
+        take turns, and the later one finds another file there."""
+        body = bytes(byte_view(data))
+        directory, name = os.path.split(key)
+        spare = os.path.join(directory, f".{name}.put-{secrets.token_hex(8)}")
+        try:
+            fd = os.open(spare, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+            try:
+                view = memoryview(body)
+                while view:
+                    view = view[os.write(fd, view) :]
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            if if_match is None:
+                try:
+                    os.link(spare, key)
+                except FileExistsError:
+                    return None
+            elif not self._replace_if(key, spare, if_match):
+                return None
+            dfd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            try:
+                os.fsync(dfd)
+            finally:
+                os.close(dfd)
+        except OSError as e:
+            if e.errno in _UNSUPPORTED:
+                raise NotImplementedError(f"{key}: no hard links or locks here") from e
+            raise CheckpointError(
+                f"conditional write failed: {e.strerror}", path=key, rank=self.rank
+            ) from e
+        finally:
+            with contextlib.suppress(OSError):
+                os.unlink(spare)
+        return _content_tag(body)
+
+    def _replace_if(self, key: str, spare: str, tag: str) -> bool:
+        """Rename ``spare`` over ``key`` if the file there has ``tag``; False if not."""
+        try:
+            fd = os.open(key, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
+        except FileNotFoundError:
+            return False
+        try:
+            deadline = time.monotonic() + _LOCK_WAIT_S
+            while True:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    if time.monotonic() > deadline:
+                        raise CheckpointError(
+                            f"conditional write: the file stayed locked for {_LOCK_WAIT_S:g} s",
+                            path=key,
+                            rank=self.rank,
+                        ) from None
+                    time.sleep(0.01)
+            st = os.fstat(fd)
+            try:
+                now = os.lstat(key)
+            except FileNotFoundError:
+                return False
+            if (st.st_dev, st.st_ino) != (now.st_dev, now.st_ino):
+                return False  # replaced meanwhile: ours would overwrite a newer version
+            if _content_tag(os.pread(fd, st.st_size, 0)) != tag:
+                return False
+            os.rename(spare, key)
+            return True
+        finally:
+            os.close(fd)
+
     def close(self) -> None:
         pass
+
+
+def _content_tag(data: bytes) -> str:
+    return hexdigest(xxhash.xxh3_64_intdigest(data))

@@ -59,7 +59,10 @@ from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from typing import Any, NoReturn
 
+import xxhash
+
 from ..errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
+from ..format.manifest import hexdigest
 from .backend import ObjectInfo, Range, StorageOptions, byte_view, hash_ranges
 
 READ_PIECE = 32 << 20  # bytes per ranged GET of a large read_into
@@ -617,6 +620,74 @@ class MscBackend:
             pass
         except Exception as e:
             self._raise(e, "delete", todo[0] if len(todo) == 1 else os.path.commonprefix(todo))
+
+    def _provider(self) -> Any:
+        """The profile's storage provider, for what MSC's ``StorageClient`` does not
+        offer: conditional writes (its ``write`` takes no condition, though every
+        provider's ``put_object`` does) and reads that no cache answers. None where a
+        metadata provider or replicas sit between a key and the object the provider
+        writes, or this MSC has no such attribute: then there are no conditional writes."""
+        client = self._live()
+        single = getattr(client, "_delegate", client)
+        if getattr(single, "_metadata_provider", None) or getattr(
+            single, "_replica_manager", None
+        ):
+            return None
+        provider = getattr(single, "_storage_provider", None)
+        return provider if hasattr(provider, "put_object") else None
+
+    def put_if(self, key: str, data: bytes, *, if_match: str | None = None) -> str | None:
+        """Through the profile's provider (S3: ``If-None-Match: *`` / ``If-Match``).
+        Providers that take no condition (POSIX) write anyway: the writer lease finds
+        that out by probing and says it is best-effort there."""
+        provider = self._provider()
+        if provider is None:
+            raise NotImplementedError(f"{self.url(key)}: no conditional writes through MSC here")
+        body = bytes(byte_view(data))
+        condition = {"if_none_match": "*"} if if_match is None else {"if_match": if_match}
+        try:
+            provider.put_object(key, body, **condition)
+        except self._msc_types.PreconditionFailedError:
+            return None
+        except FileNotFoundError:  # If-Match on a missing object (AWS: 404)
+            return None
+        except NotImplementedError:
+            raise
+        except Exception as e:
+            self._raise(e, "conditional write", key)
+        got = self.get_tagged(key, len(body))
+        if got is None or got[0] != body:
+            return None  # replaced at once by another writer: its version, not ours
+        return got[1]
+
+    def get_tagged(self, key: str, max_bytes: int) -> tuple[bytes, str] | None:
+        """Read past any cache, the version tag being the provider's ETag (the
+        content's xxh3-64 where it has none); the object's metadata is read before and
+        after it, and again if they differ, so the tag is the content's."""
+        provider = self._provider()
+        if provider is None:
+            raise NotImplementedError(f"{self.url(key)}: no tagged reads through MSC here")
+        try:
+            for _ in range(5):
+                before = provider.get_object_metadata(key)
+                if int(before.content_length) > max_bytes:
+                    raise CorruptCheckpointError(
+                        f"object is {before.content_length} bytes, more than the "
+                        f"{max_bytes} allowed for it",
+                        path=self.url(key),
+                    )
+                body = bytes(provider.get_object(key))
+                after = provider.get_object_metadata(key)
+                if before.etag == after.etag and len(body) <= max_bytes:
+                    tag = after.etag or hexdigest(xxhash.xxh3_64_intdigest(body))
+                    return body, str(tag)
+        except FileNotFoundError:
+            return None
+        except CheckpointError:
+            raise
+        except Exception as e:
+            self._raise(e, "read", key)
+        raise CheckpointError("the object keeps changing while read", path=self.url(key))
 
     def abort_uploads(self, prefix: str, older_than_s: float) -> int:
         """Always 0: MSC's API has no listing of incomplete multipart uploads. A failed

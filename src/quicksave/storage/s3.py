@@ -817,22 +817,7 @@ class S3Backend:
 
         def attempt() -> bytes:
             answer = self._client.get_object(Bucket=self.bucket, Key=key)
-            body = answer["Body"]
-            size = answer.get("ContentLength")
-            if size is not None and size > max_bytes:
-                _close_body(body, reuse=False)
-                raise CorruptCheckpointError(
-                    f"object is {size} bytes, more than the {max_bytes} expected at most",
-                    path=url,
-                )
-            data = body.read()
-            _close_body(body, reuse=True)
-            if len(data) > max_bytes:
-                raise CorruptCheckpointError(
-                    f"object is {len(data)} bytes, more than the {max_bytes} expected at most",
-                    path=url,
-                )
-            return data
+            return _small_body(answer, max_bytes, url)
 
         return self._call(attempt, what="GET", url=url)
 
@@ -971,6 +956,59 @@ class S3Backend:
                 count += 1
         return count
 
+    # ----------------------------------------------------------------- conditional
+
+    def put_if(self, key: str, data: bytes, *, if_match: str | None = None) -> str | None:
+        view = byte_view(data)
+        url = self.url(key)
+        condition = {"IfNoneMatch": "*"} if if_match is None else {"IfMatch": if_match}
+        md5 = base64.b64encode(hashlib.md5(view).digest()).decode()
+
+        def attempt() -> tuple[str, str | None]:
+            conflicts = 0
+            while True:
+                try:
+                    answer = self._client.put_object(
+                        Bucket=self.bucket, Key=key, Body=bytes(view), ContentMD5=md5, **condition
+                    )
+                except Exception as exc:
+                    code, status = error_code(exc)
+                    if status == 412 or code == "PreconditionFailed":
+                        return "refused", None
+                    if status == 501 or code == "NotImplemented":
+                        return "unsupported", None
+                    if code == "ConditionalRequestConflict" and conflicts < 3:
+                        # two conditional writes of the key crossed: S3 asks for another
+                        # try, whose condition it evaluates afresh
+                        conflicts += 1
+                        self.policy.sleep(self.policy.backoff(conflicts))
+                        continue
+                    raise
+                return "written", answer.get("ETag")
+
+        outcome, tag = self._call(attempt, what="conditional PUT", url=url)
+        if outcome == "unsupported" or (outcome == "written" and not tag):
+            raise NotImplementedError(f"{url}: the store does not support conditional writes")
+        return tag
+
+    def get_tagged(self, key: str, max_bytes: int) -> tuple[bytes, str] | None:
+        url = self.url(key)
+
+        def attempt() -> tuple[bytes, str] | None:
+            try:
+                answer = self._client.get_object(Bucket=self.bucket, Key=key)
+            except Exception as exc:
+                code, status = error_code(exc)
+                if status == 404 or code in _NOT_FOUND_CODES:
+                    return None
+                raise
+            return _small_body(answer, max_bytes, url), str(answer.get("ETag") or "")
+
+        got = self._call(attempt, what="GET", url=url)
+        if got is None:
+            self._check_bucket(url)  # a typo in the bucket is no "no object"
+        return got
+
     def close(self) -> None:
         with self._lock:
             pool, self._pool = self._pool, None
@@ -1073,6 +1111,25 @@ class _Progress(Exception):
         super().__init__(got, cause)
         self.got = got
         self.cause = cause
+
+
+def _small_body(answer: dict, max_bytes: int, url: str) -> bytes:
+    """The body of a GET answer, refused (CorruptCheckpointError) beyond ``max_bytes``:
+    by its declared length before reading, or by what came."""
+    body = answer["Body"]
+    size = answer.get("ContentLength")
+    if size is not None and size > max_bytes:
+        _close_body(body, reuse=False)
+        raise CorruptCheckpointError(
+            f"object is {size} bytes, more than the {max_bytes} expected at most", path=url
+        )
+    data = body.read()
+    _close_body(body, reuse=True)
+    if len(data) > max_bytes:
+        raise CorruptCheckpointError(
+            f"object is {len(data)} bytes, more than the {max_bytes} expected at most", path=url
+        )
+    return data
 
 
 def _close_body(body: Any, *, reuse: bool) -> None:
