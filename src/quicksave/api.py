@@ -26,23 +26,25 @@ from torch.distributed.checkpoint.metadata import (
     Metadata,
     TensorStorageMetadata,
 )
-from torch.distributed.checkpoint.planner import LoadPlan
+from torch.distributed.checkpoint.planner import LoadPlan, SavePlan, WriteItemType
 
 from .collect import to_state_dict, validate_for_save
 from .commit import CheckpointKind, check_target, classify
 from .dcp_reader import DCPReader, RestrictedObjectsMixin
+from .dist import replicas
 from .errors import (
     CheckpointError,
     IncompatibleStateError,
     rank_of_this_process,
 )
+from .format import objects as objcodec
 from .format.dtypes import dtype_name
-from .format.keys import EMPTY_KEY
+from .format.keys import EMPTY_KEY, REPLICAS_KEY
 from .format.manifest import check_user_metadata
 from .keypaths import structure
 from .reader import StorageReader, require_committed
 from .storage import StorageOptions, parse_location
-from .writer import StorageWriter
+from .writer import StorageWriter, item_spec
 
 
 def _dist_on() -> bool:
@@ -80,7 +82,9 @@ def _unwrap(e: CheckpointException, path: str) -> CheckpointError:
         return CheckpointError(str(e), path=path)
     rank, first = failures[0]
     if isinstance(first, CheckpointError):
-        err = type(first)(first.message, path=first.path or path, fqn=first.fqn, rank=rank)
+        # The coordinator's checks name the rank at fault (e.g. a copy that differs).
+        at = first.rank if first.rank is not None else rank
+        err = type(first)(first.message, path=first.path or path, fqn=first.fqn, rank=at)
     else:
         err = CheckpointError(f"{type(first).__name__}: {first}", path=path, rank=rank)
     if len(failures) > 1:
@@ -187,7 +191,7 @@ def save(
             dcp.save(
                 sd,
                 storage_writer=writer,
-                planner=_SavePlanner(refused=refused),
+                planner=_SavePlanner(refused=refused, check_replicas=distributed),
                 process_group=None if no_dist else process_group,
                 no_dist=not distributed,
             )
@@ -216,12 +220,23 @@ class _SavePlanner(DefaultSavePlanner):
     """DCP's default save planner with its own dedup of replicated chunks: DCP sizes items
     with ``torch._utils._element_size``, which raises for bits*/int1..7/uint1..7.
 
-    ``refused``: this rank's input-check failure, raised from ``set_up_planner`` (inside
-    DCP's first collective step, whose failures every rank receives)."""
+    DCP deduplicates what several ranks save under one name without comparing the
+    copies. This planner compares them (``dist/replicas.py``): each rank's local plan
+    carries its copies' digests (``REPLICAS_KEY`` in ``planner_data``), and the
+    coordinator refuses copies that differ inside DCP's global planning step, whose
+    failure every rank raises. No extra collective.
 
-    def __init__(self, *, refused: IncompatibleStateError | None = None) -> None:
+    ``refused``: this rank's input-check failure, raised from ``set_up_planner`` (inside
+    DCP's first collective step, whose failures every rank receives).
+    ``check_replicas``: send the copies (False in a single process: nothing to compare).
+    """
+
+    def __init__(
+        self, *, refused: IncompatibleStateError | None = None, check_replicas: bool = True
+    ) -> None:
         super().__init__()
         self.refused = refused
+        self.check_replicas = check_replicas
 
     def set_up_planner(self, state_dict, storage_meta=None, is_coordinator: bool = False) -> None:
         if self.refused is not None:
@@ -233,7 +248,44 @@ class _SavePlanner(DefaultSavePlanner):
         if empty:
             self.mappings[EMPTY_KEY] = tuple(sorted(empty, key=repr))  # type: ignore[index]
 
+    def create_local_plan(self) -> SavePlan:
+        plan = super().create_local_plan()
+        if not self.check_replicas or not _dist_on():
+            return plan
+        copies: dict[str, replicas.Copy] = {}
+        for item in plan.items:
+            fqn = item.index.fqn
+            if item.type == WriteItemType.BYTE_IO:
+                encoded = objcodec.encode(self.lookup_object(item.index), fqn)
+                copies[replicas.value_key(fqn)] = replicas.value_copy(fqn, encoded)
+                continue
+            spec = item_spec(item)
+            if spec.nbytes <= replicas.CHECK_BYTES:
+                c = replicas.tensor_copy(fqn, self.lookup_object(item.index))
+                if c is not None:
+                    copies[replicas.tensor_key(spec.key)] = c
+        data = dict(plan.planner_data) if isinstance(plan.planner_data, dict) else {}
+        data[REPLICAS_KEY] = copies
+        return dataclasses.replace(plan, planner_data=data)
+
     def create_global_plan(self, all_plans):
+        # Compare the copies of what several ranks save, then drop them: only the
+        # coordinator needs them.
+        copies: list[dict[str, replicas.Copy]] = []
+        stripped = []
+        for plan in all_plans:
+            data = plan.planner_data
+            if isinstance(data, dict) and REPLICAS_KEY in data:
+                copies.append(data[REPLICAS_KEY])
+                data = {k: v for k, v in data.items() if k != REPLICAS_KEY}
+                plan = dataclasses.replace(plan, planner_data=data)
+            else:
+                copies.append({})
+            stripped.append(plan)
+        all_plans = stripped
+        differ = replicas.divergence(copies)
+        if differ is not None:
+            raise differ
         # DCP merges the ranks' mappings with a ChainMap (the first rank's entry wins):
         # the empty dicts are every rank's.
         empty: set[tuple] = set()

@@ -54,6 +54,7 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.utils import _DistWrapper
 
 from ..errors import AsyncCheckpointError, CheckpointError
+from ..format.keys import REPLICAS_KEY
 from ..writer import rank_plan_of
 from .filesystem_async import (
     FileSystemWriterAsync,
@@ -314,7 +315,8 @@ def _structure(plan: SavePlan) -> list[tuple[str, str]]:
     """The plan's state-dict paths, key types included (``repr``: a ``DictKey`` equals
     its string) and empty dicts: what the manifest records beside the items."""
     data = plan.planner_data if isinstance(plan.planner_data, dict) else {}
-    return sorted((repr(k), repr(tuple(v))) for k, v in data.items())
+    # REPLICAS_KEY: digests of values for the coordinator to compare, not structure
+    return sorted((repr(k), repr(tuple(v))) for k, v in data.items() if k != REPLICAS_KEY)
 
 
 def _without_storage(plan: SavePlan) -> SavePlan:

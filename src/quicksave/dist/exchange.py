@@ -3,10 +3,11 @@
 Call order (every rank of ``group``, once per save, same order everywhere):
 
 1. ``collect_local`` (pure, no communication: the plan, the local tensors, the values);
-2. ``agree_save`` — ONE ``all_reduce(MIN)`` of seven small integers: can every rank save,
+2. ``agree_save`` — ONE ``all_reduce(MIN)`` of nine small integers: can every rank save,
    is every rank ready now, did planning fail somewhere, does every rank hold a cached
-   plan with the same key, and a fresh random id for this save. In steady state this is
-   the only collective. A rank still busy (its previous save, a worker starting) votes
+   plan with the same key, are the copies of the entries several ranks hold equal
+   (``replicas``), and a fresh random id for this save. In steady state this is the
+   only collective. A rank still busy (its previous save, a worker starting) votes
    "not ready" after a bounded wait and every rank votes again, so that no rank waits
    in a collective for another's unbounded local work (a gloo timeout would break the
    group for good);
@@ -14,6 +15,10 @@ Call order (every rank of ``group``, once per save, same order everywhere):
    others send their plan's key) to the coordinator, which re-plans (``delta``) and
    ``scatter_object_list`` sends every rank its share. If the coordinator lacks a plan
    a rank thought it had (e.g. it restarted), one more gather/scatter round fetches it.
+   Every rank sends its copies of shared entries too, and the coordinator compares
+   them: copies that differ fail the save on every rank (``replicas.divergence``). A
+   cache hit whose fingerprints of shared copies differ takes this path too, so that
+   the coordinator can name what differs.
 
 Example::
 
@@ -37,6 +42,7 @@ from ..errors import CheckpointError
 from ..format.manifest import Manifest
 from ..plan import RankLayout
 from .planning import GlobalPlan, LocalPlan, LocalState, PlanCache, collect_local, global_plan
+from .replicas import NEUTRAL, Copy, divergence, fingerprint, local_copies, shared_keys
 
 __all__ = [
     "ExchangeResult",
@@ -88,6 +94,7 @@ class Agreement:
     ready: bool  # every rank is ready now (else every rank votes again)
     reuse: bool  # every rank holds a cached plan with the same key
     save_id: int  # fresh random number, the same on every rank
+    same_copies: bool = True  # every rank's fingerprint of its shared copies is equal
 
 
 @dataclass(frozen=True)
@@ -99,6 +106,7 @@ class ExchangeResult:
     key: str
     plan: GlobalPlan | None  # coordinator only
     collectives: int
+    shared: tuple[str, ...] = ()  # this rank's compared entries (``PlanCache.shared``)
 
 
 def _collective_error(e: Exception, rank: int, what: str) -> CheckpointError:
@@ -118,12 +126,16 @@ def agree_save(
     world_size: int,
     group: Any,
     ready: bool = True,
+    copies: int | None = None,
 ) -> Agreement:
-    """ONE ``all_reduce(MIN)`` of seven int64s that settles everything a save needs agreed.
+    """ONE ``all_reduce(MIN)`` of nine int64s that settles everything a save needs agreed.
 
     Entries: go (0/1); ready (0/1); failed rank (``rank`` if this rank's planning failed,
     else ``world_size``); hit (0/1); key fingerprint and its negation (MIN of both is the
-    min and the max: equal iff every rank reuses the same global plan); a random id.
+    min and the max: equal iff every rank reuses the same global plan); the fingerprint
+    of this rank's shared copies (``replicas.fingerprint``; None: it holds none) and its
+    negation, the same way (a rank without copies votes ``NEUTRAL`` twice, above any
+    fingerprint, so it does not count); a random id.
 
     Example::
 
@@ -138,12 +150,14 @@ def agree_save(
             1 if hit_key else 0,
             fp,
             -fp,
+            NEUTRAL if copies is None else copies,
+            NEUTRAL if copies is None else -copies,
             secrets.randbits(_RAND_BITS),
         ],
         dtype=torch.int64,
     )
     dist.all_reduce(values, op=dist.ReduceOp.MIN, group=group)
-    go_min, ready_min, failed_min, hit_min, fp_min, neg_fp_min, save_id = (
+    go_min, ready_min, failed_min, hit_min, fp_min, neg_fp_min, cp_min, neg_cp_min, save_id = (
         int(v) for v in values.tolist()
     )
     return Agreement(
@@ -152,6 +166,7 @@ def agree_save(
         ready=ready_min == 1,
         reuse=hit_min == 1 and fp_min == -neg_fp_min,
         save_id=save_id,
+        same_copies=cp_min == NEUTRAL or cp_min == -neg_cp_min,
     )
 
 
@@ -176,15 +191,19 @@ def exchange_plans(
     rank: int,
     world_size: int,
     thread_count: int,
+    copies: Mapping[str, Copy] | None = None,
 ) -> ExchangeResult:
     """Re-plan after a miss: changed plans go to the coordinator, shares come back.
 
     Ranks whose plan the coordinator already holds (from the last exchange or from the
     checkpoint the cache was seeded from) send only its key (a delta exchange).
+    ``copies`` (this rank's copies of entries other ranks may hold, ``replicas``) go
+    with it; the coordinator compares them.
 
     Raises:
-        CheckpointError: the coordinator's planning refused the plans (every rank raises
-            the same message, naming fqn and rank).
+        CheckpointError: the coordinator's planning refused the plans, or ranks hold
+            different copies of one entry (``IncompatibleStateError``); every rank raises
+            the same error, naming fqn and rank.
     """
     known = cache.local if cache.local is not None else None
     seeded = cache.seed[rank] if cache.seed is not None and rank < len(cache.seed) else None
@@ -192,10 +211,11 @@ def exchange_plans(
         seeded is not None and seeded.key == local.key
     )
     send: LocalPlan | str = local.key if coordinator_has else local
+    mine = dict(copies or {})
     collectives = 0
     previous = cache.plan
     for _round in range(2):
-        gathered = _gather(send, group, coordinator, rank, world_size)
+        gathered = _gather((send, mine), group, coordinator, rank, world_size)
         collectives += 1
         payloads = None
         if rank == coordinator:
@@ -209,11 +229,10 @@ def exchange_plans(
                 send = local
             continue
         if kind == "error":
-            _, message, fqn, bad_rank = reply
-            raise CheckpointError(message, fqn=fqn, rank=bad_rank)
-        _, layout, objects, key = reply
+            raise reply[1]  # a CheckpointError (it pickles with its fields)
+        _, layout, objects, key, shared = reply
         return ExchangeResult(
-            layout, objects, key, previous if rank == coordinator else None, collectives
+            layout, objects, key, previous if rank == coordinator else None, collectives, shared
         )
     raise CheckpointError("the coordinator still lacks some ranks' plans after a resend", rank=rank)
 
@@ -221,13 +240,14 @@ def exchange_plans(
 def _coordinate(
     gathered: list, cache: PlanCache, world_size: int, thread_count: int
 ) -> tuple[list, GlobalPlan | None]:
-    """Coordinator: merge sent plans with known ones and plan; one reply per rank."""
+    """Coordinator: merge sent plans with known ones, plan, compare the ranks' copies
+    of shared entries; one reply per rank."""
     base = cache.base_plans()
     if base is not None and len(base) != world_size:
         base = None
     merged: list[LocalPlan] = []
     missing: list[int] = []
-    for r, g in enumerate(gathered):
+    for r, (g, _copies) in enumerate(gathered):
         if isinstance(g, LocalPlan):
             merged.append(g)
         elif base is not None and base[r].key == g:
@@ -242,8 +262,12 @@ def _coordinate(
             previous = None
         gp = global_plan(merged, thread_count, previous=previous)
     except CheckpointError as e:
-        return [("error", e.message, e.fqn, e.rank)] * world_size, None
-    replies = [("ok", gp.layouts[r], gp.objects[r], gp.key) for r in range(world_size)]
+        return [("error", e)] * world_size, None
+    differ = divergence([c for _, c in gathered])
+    if differ is not None:
+        return [("error", differ)] * world_size, None
+    shared = shared_keys(merged)
+    replies = [("ok", gp.layouts[r], gp.objects[r], gp.key, shared[r]) for r in range(world_size)]
     return replies, gp
 
 
@@ -293,10 +317,19 @@ def plan_save(
     state: LocalState | None = None
     error: BaseException | None = None
     hit_key = None
+    shared: tuple[str, ...] = ()
+    copies: dict[str, Copy] = {}  # a hit: the shared entries' (digests only); a miss: all
+    vote: int | None = None  # a hit: the fingerprint of those copies
     if go:
         try:
             state = collect_local(state_dict, rank)
             hit_key = cache.hit_key(state.plan, rank, context)
+            if hit_key is not None:
+                shared = _shared_on_hit(cache, hit_key, rank)
+                copies = local_copies(state, shared, describe=False)
+                vote = fingerprint(copies)
+            else:
+                copies = local_copies(state)
         except Exception as e:  # noqa: BLE001 - reported to every rank by the vote below
             error = e
     votes = 0
@@ -311,6 +344,7 @@ def plan_save(
                 world_size=world_size,
                 group=group,
                 ready=ready_now,
+                copies=vote,
             )
         except (RuntimeError, ValueError) as e:
             cache.clear()
@@ -340,7 +374,7 @@ def plan_save(
             layout, objects, skeleton, token, key, n, state.tensors, values, state.sources
         )
 
-    if agreed.reuse:
+    if agreed.reuse and agreed.same_copies:
         cache.hits += 1
         if cache.key != hit_key:  # a seeded hit: lay out the restored plans, no exchange
             _adopt_seed(cache, rank, coordinator, thread_count)
@@ -348,6 +382,16 @@ def plan_save(
         assert cache.layout is not None and cache.key is not None
         skeleton = cache.plan.skeleton if rank == coordinator and cache.plan else None
         return planned(cache.layout, cache.objects, skeleton, cache.key, votes)
+    if hit_key is not None:
+        # This rank voted digests of its shared entries only. Either some rank's plan
+        # changed (send every entry that may be shared now), or the plans are unchanged
+        # but the shared copies differ somewhere (or the ranks hold different sets of
+        # them): the coordinator compares the copies and names what differs. Same
+        # digests as the vote's, plus the summaries for the message.
+        try:
+            copies = local_copies(state, shared if agreed.reuse else None)
+        except Exception:  # noqa: BLE001 - digests alone still name the ranks
+            pass
     cache.misses += 1
     try:
         result = exchange_plans(
@@ -358,6 +402,7 @@ def plan_save(
             rank=rank,
             world_size=world_size,
             thread_count=thread_count,
+            copies=copies,
         )
     except CheckpointError:
         cache.clear()
@@ -367,9 +412,17 @@ def plan_save(
         raise _collective_error(e, rank, "the save-planning exchange") from e
     cache.local, cache.layout, cache.objects = local, result.layout, result.objects
     cache.key, cache.context, cache.seed = result.key, context, None
-    cache.plan = result.plan
+    cache.plan, cache.shared = result.plan, result.shared
     skeleton = result.plan.skeleton if result.plan is not None else None
     return planned(result.layout, result.objects, skeleton, result.key, votes + result.collectives)
+
+
+def _shared_on_hit(cache: PlanCache, hit_key: str, rank: int) -> tuple[str, ...]:
+    """The entries this rank fingerprints on a hit: from the last exchange, or (a hit
+    on the plans seeded from a checkpoint) from those plans."""
+    if cache.key == hit_key or cache.seed is None:
+        return cache.shared
+    return shared_keys(cache.seed)[rank]
 
 
 def _adopt_seed(cache: PlanCache, rank: int, coordinator: int, thread_count: int) -> None:
@@ -379,4 +432,5 @@ def _adopt_seed(cache: PlanCache, rank: int, coordinator: int, thread_count: int
     gp = global_plan(cache.seed, thread_count)
     cache.layout, cache.objects, cache.key = gp.layouts[rank], gp.objects[rank], gp.key
     cache.plan = gp if rank == coordinator else None
+    cache.shared = shared_keys(cache.seed)[rank]
     cache.seed = None

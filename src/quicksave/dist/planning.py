@@ -499,12 +499,15 @@ class PlanCache:
         key: the last global plan's key; ``context``: (world size, coordinator,
             thread count) it was made for.
         seed: every rank's local plan restored from a loaded checkpoint (restart path).
+        shared: this rank's entries that other ranks hold too and whose copies are
+            compared (``replicas.shared_keys``): what it fingerprints on a hit.
         hits / misses: how many saves reused / re-planned (for logs and tests).
     """
 
     local: LocalPlan | None = None
     layout: RankLayout | None = None
     objects: tuple[str, ...] = ()
+    shared: tuple[str, ...] = ()
     plan: GlobalPlan | None = None
     key: str | None = None
     context: tuple[int, int, int] | None = None
@@ -526,7 +529,7 @@ class PlanCache:
     def clear(self) -> None:
         """Forget everything (after a failed exchange every rank re-sends its plan)."""
         self.local = self.layout = self.plan = self.key = self.context = self.seed = None
-        self.objects = ()
+        self.objects = self.shared = ()
 
     def hit_key(self, local: LocalPlan, rank: int, context: tuple[int, int, int]) -> str | None:
         """The global plan key this rank could reuse for ``local``, or None (a miss)."""

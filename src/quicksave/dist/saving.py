@@ -100,17 +100,22 @@ class DistSaving:
         from .exchange import plan_save
 
         ctx = self.ctx
-        planned = plan_save(
-            state_dict,
-            self.cache,
-            ctx.group,
-            ctx.coordinator,
-            ctx.rank,
-            ctx.world_size,
-            thread_count,
-            go,
-            ready,
-        )
+        try:
+            planned = plan_save(
+                state_dict,
+                self.cache,
+                ctx.group,
+                ctx.coordinator,
+                ctx.rank,
+                ctx.world_size,
+                thread_count,
+                go,
+                ready,
+            )
+        except CheckpointError as e:
+            if e.path is None:  # planning knows no path; this save's is worth naming
+                e.path = final
+            raise
         if planned is None:
             return None
         tensors: dict[str, torch.Tensor] = {}

@@ -23,6 +23,9 @@ from typing import Any
 # mappings (``planner_data``): a rank's in its local plan, every rank's in the global
 # metadata (``api._SavePlanner.create_global_plan``). A tuple is never an fqn.
 EMPTY_KEY = ("quicksave.empty_dicts",)
+# Where a rank's local save plan carries its copies of entries other ranks may hold too
+# (``dist/replicas.py``), for the coordinator to compare (``api._SavePlanner``).
+REPLICAS_KEY = ("quicksave.replicas",)
 
 # type name in the manifest -> the Python type it restores
 KEY_TYPES: dict[str, type] = {"int": int, "bool": bool, "none": type(None), "float": float}

@@ -5,7 +5,7 @@ from .config import CheckpointConfig
 from .manager import CheckpointManager
 from .policies import EveryNSeconds, EveryNSteps, KeepLatestK, RetentionPolicy, SavePolicy
 from .records import SaveRecord
-from .states import ModelState, OptimizerState, RNGState, StatefulList, TrainState
+from .states import ModelState, OptimizerState, PerRank, RNGState, StatefulList, TrainState
 
 __all__ = [
     "CheckpointConfig",
@@ -15,6 +15,7 @@ __all__ = [
     "KeepLatestK",
     "ModelState",
     "OptimizerState",
+    "PerRank",
     "RNGState",
     "RetentionPolicy",
     "SavePolicy",

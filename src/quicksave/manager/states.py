@@ -12,11 +12,15 @@ dicts) from ``state_dict()``, so a checkpoint is read back without unpickling an
 - :class:`RNGState`: torch (CPU and CUDA), Python ``random`` and NumPy global generators.
 - :class:`StatefulList`: several ``Stateful`` objects (e.g. one LR scheduler per part)
   under one name.
-- :class:`PerRankState` (a protocol, e.g. ``RNGState``): each rank saves its own entry;
-  :class:`PerRankLoad` restores only this rank's entry while keeping the load strict.
+- :class:`PerRank`: any ``Stateful`` whose state differs per rank (a stateful data
+  loader's position), saved and restored per rank.
+- :class:`PerRankState` (a protocol: ``PerRank``, ``RNGState``): each rank saves its own
+  entry; :class:`PerRankLoad` restores only this rank's entry while keeping the load
+  strict.
 
-Anything else with ``state_dict()`` and ``load_state_dict()`` (LR schedulers, stateful
-data loaders, user objects) is saved as it is.
+Anything else with ``state_dict()`` and ``load_state_dict()`` (LR schedulers, user
+objects) is saved as it is, under one name for all ranks: every rank must hold the same
+value there (a save whose ranks' values differ fails, ``dist/replicas.py``).
 """
 
 from __future__ import annotations
@@ -190,10 +194,87 @@ class TrainState:
         self.log_steps = [int(x) for x in state_dict["log_steps"]]
 
 
+def rank_entry() -> str:
+    """The name of this rank's entry in a per-rank state: ``rank_<r>`` (global rank)."""
+    return f"rank_{rank_of_this_process() or 0}"
+
+
+def _world_size() -> int:
+    import torch.distributed as dist
+
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+RESIZE_POLICIES = ("error", "keep")
+
+
+class PerRank:
+    """Any ``Stateful`` whose state differs between ranks, saved once per rank: each
+    rank saves its own entry and gets it back.
+
+    Use it for a stateful data loader (each rank reads its own shard, so each has its
+    own position), per-rank counters or generators. Under a plain name a checkpoint keeps
+    one copy for all ranks, so a save whose ranks hold different values there fails,
+    naming this wrapper. Stored as ``<name>.rank_<r>.<key>``, one entry per global rank.
+
+    Resuming on another number of ranks, the entries no longer match the ranks:
+
+    - ``on_resize="error"`` (default): the manager's ``load()`` raises
+      ``IncompatibleStateError`` on every rank before anything is read, naming the state
+      and how many ranks saved it;
+    - ``on_resize="keep"``: a rank with an entry of its own (the same rank number) loads
+      it; a rank without one keeps its current state and logs a warning (a data loader
+      then starts its shard over); entries of ranks that are gone are ignored.
+
+    ``quicksave.load`` (without the manager) loads each rank's own entry on the same
+    number of ranks; on another, a strict load names the missing or unexpected entries.
+
+    Args:
+        state: the per-rank ``Stateful`` (``state_dict()`` / ``load_state_dict()``).
+        on_resize: ``"error"`` or ``"keep"``, see above.
+
+    Raises:
+        IncompatibleStateError: ``state`` is not ``Stateful``; an unknown ``on_resize``.
+
+    Example::
+
+        states = {"model": ModelState(model), "dataloader": quicksave.PerRank(loader)}
+    """
+
+    def __init__(self, state: Any, *, on_resize: str = "error") -> None:
+        if not is_stateful(state):
+            raise IncompatibleStateError(
+                f"PerRank: {type(state).__module__}.{type(state).__qualname__} has no "
+                "state_dict()/load_state_dict()"
+            )
+        if on_resize not in RESIZE_POLICIES:
+            raise IncompatibleStateError(
+                f"PerRank: on_resize must be one of {RESIZE_POLICIES}, got {on_resize!r}"
+            )
+        self.state = state
+        self.on_resize = on_resize
+
+    def rank_key(self) -> str:
+        """The name of this rank's entry: ``rank_<r>``."""
+        return rank_entry()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {self.rank_key(): self.state.state_dict()}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.state.load_state_dict(state_dict[self.rank_key()])
+
+    def __repr__(self) -> str:
+        return f"PerRank({self.state!r}, on_resize={self.on_resize!r})"
+
+
 @runtime_checkable
 class PerRankState(Protocol):
     """A ``Stateful`` whose ``state_dict()`` is ``{rank_key(): this rank's state}``:
-    every rank saves its own entry (one shared name would keep only one rank's)."""
+    every rank saves its own entry (one shared name would keep only one rank's).
+
+    It may have an ``on_resize`` attribute (``PerRank``): ``"error"`` refuses a load
+    whose entries are not exactly one per rank of this job; without it, ``"keep"``."""
 
     def rank_key(self) -> str: ...
 
@@ -215,12 +296,22 @@ class PerRankLoad:
         name: the state's name in the manager's states.
         state: the per-rank state.
         stored: the checkpoint's fqns mapped to their DCP storage metadata.
+
+    Raises:
+        IncompatibleStateError: the state's ``on_resize`` is ``"error"`` and the
+            checkpoint's entries are not one per rank of this job. Every rank raises
+            it, before any read: all see the same checkpoint and world size.
     """
 
     def __init__(self, name: str, state: PerRankState, stored: Mapping[str, Any]) -> None:
         self.name = name
         self.state = state
         prefix, own = f"{name}.", f"{state.rank_key()}."
+        if getattr(state, "on_resize", "keep") == "error":
+            entries = {
+                fqn[len(prefix) :].split(".", 1)[0] for fqn in stored if fqn.startswith(prefix)
+            }
+            _check_entries(name, entries, _world_size())
         self.others = {
             fqn[len(prefix) :]: _placeholder(md)
             for fqn, md in stored.items()
@@ -248,6 +339,39 @@ class PerRankLoad:
             )
 
 
+def _check_entries(name: str, entries: set[str], world: int) -> None:
+    """Refuse per-rank entries that are not ``rank_0`` … ``rank_<world-1>`` (a
+    ``PerRank(on_resize="error")`` resumed on another number of ranks)."""
+    if not entries or entries == {f"rank_{r}" for r in range(world)}:
+        return  # no entry at all: the loader reports the state missing
+    saved = sorted(int(e[5:]) for e in entries if e.startswith("rank_") and e[5:].isdigit())
+    n = len(entries)
+    if world < n:
+        what = f"the entries of {_ranks(saved[world:])} would be lost"
+    elif world > n:
+        new = list(range(n, world))
+        what = f"{_ranks(new)} {'has no entry' if len(new) == 1 else 'have no entries'}"
+    else:
+        what = f"its entries ({', '.join(sorted(entries))}) are not one per rank"
+    raise IncompatibleStateError(
+        f"this per-rank state was saved by {n} ranks and this job has {world}: {what}. "
+        f"Resume on {n} ranks, or build it as quicksave.PerRank(obj, on_resize='keep') "
+        "to load the entries of ranks that have one and keep the current state on the "
+        "others (a data loader there starts its shard over); nothing was loaded",
+        fqn=name,
+        rank=rank_of_this_process(),
+    )
+
+
+def _ranks(ranks: list[int]) -> str:
+    """``rank 2``, ``ranks 2, 3``, ``ranks 2-7``."""
+    if len(ranks) == 1:
+        return f"rank {ranks[0]}"
+    if len(ranks) > 2 and ranks == list(range(ranks[0], ranks[-1] + 1)):
+        return f"ranks {ranks[0]}-{ranks[-1]}"
+    return "ranks " + ", ".join(str(r) for r in ranks)
+
+
 def _placeholder(md: Any) -> Any:
     if isinstance(md, TensorStorageMetadata):
         return torch.empty(tuple(md.size), dtype=md.properties.dtype)
@@ -269,7 +393,7 @@ class RNGState:
 
     def rank_key(self) -> str:
         """The name of this rank's entry: ``rank_<r>``."""
-        return f"rank_{rank_of_this_process() or 0}"
+        return rank_entry()
 
     def state_dict(self) -> dict[str, Any]:
         version, py_state, gauss_next = random.getstate()
