@@ -324,7 +324,16 @@ class AsyncSaver:
     def _new_persister(self) -> ProcessPersister | ThreadPersister:
         self._mapped = set()
         if self.config.mode == "process":
-            return ProcessPersister(self.config.worker, self.rank)
+            if self._dist is None:
+                return ProcessPersister(self.config.worker, self.rank)
+            # Several ranks: the worker connects to the ranks' store (imports torch) at
+            # start-up, in the background, not at the first save (issue 20).
+            return ProcessPersister(
+                self.config.worker,
+                self.rank,
+                store=self._dist.address,
+                store_timeout_s=self._dist.ctx.commit_timeout_s,
+            )
         return ThreadPersister()
 
     def _persister_for_submit(

@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import errno
+import json
 import mmap
 import multiprocessing
 import os
@@ -403,19 +404,13 @@ def _failure(job: PersistJob, e: BaseException) -> JobResult:
     )
 
 
-def _store_for(job: PersistJob, stores: dict[StoreAddress, Any]) -> Any:
+def _store_for(job: PersistJob, stores: records.StoreClients) -> Any:
     """The store client for a multi-rank job (one connection per address, kept by the
     persister that runs the jobs); None for a single-rank job or if it cannot connect
-    (the job then fails with that error)."""
+    (the job then fails: execute_job reports "needs the ranks' store")."""
     if job.dist is None:
         return None
-    addr = job.dist.store
-    if addr not in stores:
-        try:
-            stores[addr] = records.connect(addr, job.dist.timeout_s)
-        except Exception:  # noqa: BLE001 - execute_job reports "needs the ranks' store"
-            return None
-    return stores[addr]
+    return stores.get(job.dist.store, job.dist.timeout_s)
 
 
 def commit_files(
@@ -478,7 +473,7 @@ class ThreadPersister:
         self._results: list[JobResult | CallResult] = []
         self._lock = threading.Lock()
         self._threads: dict[int, threading.Thread] = {}
-        self._stores: dict[StoreAddress, Any] = {}  # multi-rank jobs' store clients
+        self._stores = records.StoreClients()  # multi-rank jobs' store clients
         self._backends: dict[tuple, Backend] = {}  # object stores' clients, job to job
         self.pid = os.getpid()
 
@@ -576,7 +571,17 @@ class ProcessPersister:
     ``WorkerFailedError``; after that, build a new one.
     """
 
-    def __init__(self, config: WorkerConfig = WorkerConfig(), rank: int = 0) -> None:
+    def __init__(
+        self,
+        config: WorkerConfig = WorkerConfig(),
+        rank: int = 0,
+        *,
+        store: StoreAddress | None = None,
+        store_timeout_s: float = 120.0,
+    ) -> None:
+        """Start the worker. ``store``: the ranks' store of a multi-rank saver, which the
+        worker connects to as soon as it runs, in the background (importing torch takes
+        seconds of CPU), so that it is ready for the first multi-rank job."""
         self.config = config
         self.rank = rank
         parent_sock, child_sock = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -598,6 +603,7 @@ class ProcessPersister:
             ",".join(str(c) for c in config.cpus or ()),
             "" if config.io_priority is None else str(config.io_priority),
             "1" if config.daemon else "0",
+            "" if store is None else _store_spec(store, store_timeout_s),
         ]
         try:
             self.process = subprocess.Popen(
@@ -627,6 +633,7 @@ class ProcessPersister:
         self.warming = False  # a warm_up() not answered yet (see poll)
         # A private socket pair: safe to hand over the key (see "auth" in _worker_main).
         self._conn.send(("auth", bytes(multiprocessing.current_process().authkey)))
+        self._status: dict[str, Any] | None = None  # the answer to status()
 
     def _heartbeat(self) -> float:
         return struct.unpack_from("d", self._beat, 0)[0]
@@ -678,6 +685,29 @@ class ProcessPersister:
         deadline = time.monotonic() + timeout_s
         while self.warming and time.monotonic() < deadline:
             self.poll(0.05)  # no job in flight: no result to lose
+
+    def status(self, timeout_s: float) -> dict[str, Any]:
+        """What the worker has ready (``records.StoreClients.status``: whether it imported
+        ``torch.distributed``, store clients connected or connecting), asked while no job
+        is in flight (its results would be lost here); for tests and monitoring.
+
+        Raises:
+            WorkerFailedError: the worker is gone.
+            CheckpointError: it did not answer within ``timeout_s``.
+        """
+        assert not self._in_flight, "status() while a job is in flight"
+        self._status = None
+        self._send(("status",), "status")
+        deadline = time.monotonic() + timeout_s
+        while self._status is None:
+            if time.monotonic() >= deadline:
+                raise CheckpointError(
+                    f"the checkpoint worker (pid {self.pid}) did not answer a status query "
+                    f"within {timeout_s:g} s",
+                    rank=self.rank,
+                )
+            self.poll(0.05)  # no job in flight: no result to lose
+        return self._status
 
     @property
     def age(self) -> float:
@@ -765,6 +795,8 @@ class ProcessPersister:
                         out.append(payload)
                     elif kind == "warm":
                         self.warming = False
+                    elif kind == "status":
+                        self._status = payload
                     wait = 0
             except (EOFError, OSError):
                 closed = True
@@ -830,6 +862,11 @@ class ProcessPersister:
             pass
 
 
+def _store_spec(store: StoreAddress, timeout_s: float) -> str:
+    """The worker's STORE argument (see ``main``)."""
+    return json.dumps({**dataclasses.asdict(store), "timeout_s": timeout_s})
+
+
 # ------------------------------------------------------------------ worker process
 
 
@@ -855,6 +892,7 @@ def _worker_main(
     cpus: tuple[int, ...] = (),
     io_class: int | None = None,
     daemon: bool = False,
+    connect: tuple[StoreAddress, float] | None = None,
 ) -> None:
     threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
     if daemon:  # as a daemonic multiprocessing process: no children of its own
@@ -864,11 +902,6 @@ def _worker_main(
     stopping = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stopping.set())  # finish the job in hand
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the trainer, which closes us
-    if nice:
-        try:
-            os.nice(nice)
-        except OSError:
-            pass
     if cpus:  # every thread started from here on inherits it
         try:
             os.sched_setaffinity(0, cpus)
@@ -878,9 +911,26 @@ def _worker_main(
                 f"running on {sorted(os.sched_getaffinity(0))}",
                 file=sys.stderr,
             )
+    stores = records.StoreClients()  # connected at start-up (``connect``) or by a job
+    if connect is None:
+        _lower_priority(nice)
+    else:
+        # A multi-rank saver's worker connects to the ranks' store now, in the background,
+        # and the whole worker runs at the trainer's priority until it is connected: the
+        # import of torch (~1.5 CPU s, once) is then done by the first save even beside a
+        # training loop that keeps every core busy (at nice 10 it took longer than the
+        # loop's first 3 s; and a nice-10 thread holding the GIL stalls it too).
+        def connect_then_lower(address: StoreAddress, timeout_s: float) -> None:
+            try:
+                stores.get(address, timeout_s)  # a failure: the first job reports it
+            finally:
+                _lower_priority(nice)
+
+        threading.Thread(
+            target=connect_then_lower, args=connect, name="quicksave-start", daemon=True
+        ).start()
     threading.Thread(target=_beat, args=(heartbeat, period), daemon=True).start()
     pools: dict[int, tuple[mmap.mmap, memoryview]] = {}
-    stores: dict[StoreAddress, Any] = {}  # connected at the first multi-rank job
     backends: dict[tuple, Backend] = {}  # object stores' clients, kept from job to job
     while not stopping.is_set():
         try:
@@ -907,15 +957,17 @@ def _worker_main(
                 conn.send(("result", result))
             except OSError:
                 break
-        elif kind == "warm":  # connect now: its first job then pays no torch import
+        elif kind == "warm":  # connected before answering: its first job pays no import
             _, address, timeout_s = msg
-            if address is not None and address not in stores:  # None: only answer
-                try:
-                    stores[address] = records.connect(address, timeout_s)
-                except Exception:  # noqa: BLE001 - the first job reports it (_store_for)
-                    pass
+            if address is not None:  # None: only answer
+                stores.get(address, timeout_s)  # a failure: the first job reports it
             try:
                 conn.send(("warm", None))
+            except OSError:
+                break
+        elif kind == "status":
+            try:
+                conn.send(("status", stores.status()))
             except OSError:
                 break
         elif kind == "call":
@@ -932,6 +984,24 @@ def _worker_main(
             break
     for mm, view in pools.values():
         _unmap(mm, view)
+
+
+def _lower_priority(nice: int) -> None:
+    """Add ``nice`` to the nice value of every thread of this process. On Linux the nice
+    value is per thread, and a new thread inherits its creator's: threads started later
+    by any of these run lowered too."""
+    if not nice:
+        return
+    try:
+        tids = [int(t) for t in os.listdir("/proc/self/task")]
+    except OSError:  # no /proc: the calling thread only
+        tids = [0]
+    for tid in tids:
+        try:
+            now = os.getpriority(os.PRIO_PROCESS, tid)
+            os.setpriority(os.PRIO_PROCESS, tid, min(19, now + nice))
+        except OSError:
+            pass  # a thread that just ended
 
 
 def _unmap(mm: mmap.mmap, view: memoryview) -> None:
@@ -1004,16 +1074,24 @@ def run_pickled_call(job_id: int, payload: bytes, sys_path: list[str]) -> CallRe
 
 def main(argv: list[str]) -> None:
     """Entry point of the worker process: ``SOCK_FD BEAT_FD PARENT_PID NICE PERIOD CPUS
-    IO_CLASS DAEMON`` (CPUS: comma-separated, empty for the trainer's; IO_CLASS empty for
-    the trainer's; DAEMON ``1`` or ``0``)."""
+    IO_CLASS DAEMON STORE`` (CPUS: comma-separated, empty for the trainer's; IO_CLASS empty
+    for the trainer's; DAEMON ``1`` or ``0``; STORE empty, or the JSON of the ranks'
+    ``StoreAddress`` plus ``timeout_s`` to connect to at start-up)."""
     sock_fd, beat_fd, parent_pid = int(argv[0]), int(argv[1]), int(argv[2])
     nice, period = int(argv[3]), float(argv[4])
     cpus = tuple(int(c) for c in argv[5].split(",") if c) if len(argv) > 5 else ()
     io_class = int(argv[6]) if len(argv) > 6 and argv[6] else None
     daemon = len(argv) > 7 and argv[7] == "1"
+    connect = None
+    if len(argv) > 8 and argv[8]:
+        spec = json.loads(argv[8])
+        timeout_s = float(spec.pop("timeout_s"))
+        connect = (StoreAddress(**spec), timeout_s)
     heartbeat = mmap.mmap(beat_fd, mmap.PAGESIZE)
     os.close(beat_fd)
-    _worker_main(Connection(sock_fd), heartbeat, parent_pid, nice, period, cpus, io_class, daemon)
+    _worker_main(
+        Connection(sock_fd), heartbeat, parent_pid, nice, period, cpus, io_class, daemon, connect
+    )
 
 
 def _set_io_class(io_class: int) -> None:

@@ -16,11 +16,14 @@ dies posts its error from the trainer (``post_rank``), so nobody waits for it.
 
 The writers run in the worker process, which has no ``ProcessGroup``: it reconnects to
 the same store from a :class:`StoreAddress` (TCPStore or FileStore). Torch is imported
-only when connecting, so the worker stays torch-free until its first multi-rank save.
+only when connecting, so the worker's modules stay torch-free; a worker started for a
+multi-rank saver connects at start-up, in the background (:class:`StoreClients`), so
+that its first save does not pay for the import.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -87,6 +90,68 @@ def connect(address: StoreAddress, timeout_s: float = 60.0) -> Any:
     if address.kind == "file":
         return dist.FileStore(address.path, -1)
     raise CheckpointError(f"unknown store kind {address.kind!r}")
+
+
+class StoreClients:
+    """One persister's clients of the ranks' stores, one per address: connected ahead of
+    time in a background thread (:meth:`connect_soon`) or when a job needs one (:meth:`get`).
+    Safe to use from several threads."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._clients: dict[StoreAddress, Any] = {}
+        self._connecting: dict[StoreAddress, threading.Thread] = {}
+        self.connects = 0  # connections made (each imports torch the first time)
+
+    def connect_soon(self, address: StoreAddress, timeout_s: float) -> None:
+        """Start connecting to ``address`` in a background thread, unless connected or
+        connecting already. A failure is left to :meth:`get` to meet again (and report)."""
+        with self._lock:
+            if address in self._clients or address in self._connecting:
+                return
+            t = threading.Thread(
+                target=self._connect,
+                args=(address, timeout_s),
+                name="quicksave-store-connect",
+                daemon=True,
+            )
+            self._connecting[address] = t
+        t.start()
+
+    def _connect(self, address: StoreAddress, timeout_s: float) -> None:
+        try:
+            client = connect(address, timeout_s)
+        except Exception:  # noqa: BLE001 - get() connects again and reports it
+            client = None
+        with self._lock:
+            self._connecting.pop(address, None)
+            if client is not None:
+                self._clients[address] = client
+                self.connects += 1
+
+    def get(self, address: StoreAddress, timeout_s: float) -> Any | None:
+        """The client for ``address``, once connected: a connect in progress is waited
+        for, else one is made now. None if it cannot connect."""
+        with self._lock:
+            if address in self._clients:
+                return self._clients[address]
+        self.connect_soon(address, timeout_s)
+        with self._lock:
+            pending = self._connecting.get(address)
+        if pending is not None:
+            pending.join()
+        with self._lock:
+            return self._clients.get(address)
+
+    def status(self) -> dict[str, Any]:
+        """What is ready now (for tests and monitoring): ``stores`` (clients connected),
+        ``connecting`` (in progress), ``connects`` (connections made so far)."""
+        with self._lock:
+            return {
+                "stores": len(self._clients),
+                "connecting": len(self._connecting),
+                "connects": self.connects,
+            }
 
 
 def _key(token: str, *parts: object) -> str:
