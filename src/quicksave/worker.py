@@ -687,8 +687,8 @@ class ProcessPersister:
             self.poll(0.05)  # no job in flight: no result to lose
 
     def status(self, timeout_s: float) -> dict[str, Any]:
-        """What the worker has ready (``records.StoreClients.status``: whether it imported
-        ``torch.distributed``, store clients connected or connecting), asked while no job
+        """What the worker has ready (``records.StoreClients.status``: the ranks' store
+        clients connected, connecting, and connections made so far), asked while no job
         is in flight (its results would be lost here); for tests and monitoring.
 
         Raises:
