@@ -3,8 +3,15 @@
 A small residual MLP is sharded with FSDP2 (``fully_shard`` on every block, then on the
 root) and trained with AdamW, a warm-up + cosine learning-rate schedule and gradient
 clipping. A :class:`quicksave.CheckpointManager` in its default asynchronous process mode
-saves model, optimizer, scheduler, step and RNG every ``--interval`` steps; ``save()``
-returns at once and a worker process per rank writes the checkpoint in the background.
+saves model, optimizer, scheduler, step, RNG and each rank's data loader every
+``--interval`` steps; ``save()`` returns at once and a worker process per rank writes the
+checkpoint in the background.
+
+The data loader's state differs per rank (each rank adds noise to its slice of the batch
+from a generator of its own, as a per-rank augmentation would), so it is registered as
+``quicksave.PerRank(loader)``: each rank saves and gets back its own entry. Under a plain
+name the save would fail, naming the name and the ranks' values. The step and the logged
+loss (averaged over the ranks) are the same on every rank: a plain name is right there.
 
 Every run starts by loading the newest committed checkpoint in ``--folder`` (if any), so
 re-running the same command after a crash resumes. At the end, rank 0 prints a SHA-256
@@ -23,7 +30,8 @@ Crash and resume, bit-exact (CPU, gloo)::
     torchrun --standalone --nproc-per-node 2 examples/fsdp2_quicksave.py --folder /tmp/qs-b
 
 Resume on another world size (the checkpoint is resharded on load; the digest printed
-after loading equals the one the 2-rank run printed for that step)::
+after loading equals the one the 2-rank run printed for that step; ranks 0 and 1 get
+their data loader entries back, rank 2 starts a fresh one: ``on_resize="keep"``)::
 
     torchrun --standalone --nproc-per-node 3 examples/fsdp2_quicksave.py --folder /tmp/qs-a \\
         --steps 10
@@ -58,6 +66,7 @@ from quicksave import (
     CheckpointManager,
     ModelState,
     OptimizerState,
+    PerRank,
     RNGState,
     TrainState,
 )
@@ -95,13 +104,35 @@ class Model(nn.Module):
         return self.head(x)
 
 
-def batch(
-    step: int, args: argparse.Namespace, rank: int, world: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """This rank's slice of the global batch of ``step`` (the same data whatever the
-    world size)."""
-    x, y = synthetic_batch(args.seed, step, args.global_batch, args.dim)
-    return x[rank::world], y[rank::world]
+class ShardLoader:
+    """This rank's data: its slice of each global batch (a pure function of the step, so
+    the same data whatever the world size) plus noise from a generator of its own.
+
+    ``Stateful``; its state (the generator) differs per rank: register it as
+    ``quicksave.PerRank(loader)``."""
+
+    def __init__(self, args: argparse.Namespace, rank: int, world: int) -> None:
+        self.args, self.rank, self.world = args, rank, world
+        self.noise = torch.Generator().manual_seed(args.seed * 7919 + rank)
+
+    def batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        a = self.args
+        x, y = synthetic_batch(a.seed, step, a.global_batch, a.dim)
+        x, y = x[self.rank :: self.world], y[self.rank :: self.world]
+        return x + 0.01 * torch.randn(x.shape, generator=self.noise), y
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {"noise": self.noise.get_state()}
+
+    def load_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
+        self.noise.set_state(state_dict["noise"])
+
+
+def mean_over_ranks(loss: torch.Tensor, world: int) -> float:
+    """The loss of the global batch: every rank logs the same number."""
+    total = loss.detach().clone()
+    dist.all_reduce(total)
+    return total.item() / world
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -118,6 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     optim = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
     scheduler = LambdaLR(optim, lr_lambda(args.warmup, args.steps))
     train_state = TrainState()
+    loader = ShardLoader(args, rank, world)
 
     manager = CheckpointManager(
         CheckpointConfig(
@@ -131,8 +163,12 @@ def main(argv: list[str] | None = None) -> int:
             "model": ModelState(model),
             "optim": OptimizerState(model, optim),
             "lr_scheduler": scheduler,
-            "train": train_state,
+            "train": train_state,  # step and logged loss: the same on every rank
             "rng": RNGState(),
+            # Each rank's own entry. On another world size a rank with an entry loads
+            # it and a new rank keeps its fresh generator ("keep"); the default,
+            # on_resize="error", refuses such a resume.
+            "dataloader": PerRank(loader, on_resize="keep"),
         },
     )
     resumed = manager.load()
@@ -142,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
 
     model.train()
     for step in range(train_state.step + 1, args.steps + 1):
-        x, y = batch(step, args, rank, world)
+        x, y = loader.batch(step)
         loss = F.mse_loss(model(x), y)
         optim.zero_grad(set_to_none=True)
         loss.backward()
@@ -150,10 +186,10 @@ def main(argv: list[str] | None = None) -> int:
         optim.step()  # waits, through the manager's hook, for the last save's copy
         scheduler.step()
         train_state.step = step
-        train_state.losses.append(loss.item())
+        train_state.losses.append(mean_over_ranks(loss, world))
         train_state.log_steps.append(step)
         manager.save(step)
-        print0(f"step {step} loss {loss.item():.6f}")
+        print0(f"step {step} loss {train_state.losses[-1]:.6f}")
         if step == args.kill_at:
             sigkill_once_committed(manager, step)  # every rank, once the save is committed
 
