@@ -165,6 +165,10 @@ class OptimizerState:
 class TrainState:
     """Training progress: the step and the loss history, as plain numbers.
 
+    Saved under one name for all ranks, so every rank must hold the same values: log
+    the loss of the global batch (averaged over the ranks), not each rank's own, or the
+    save fails naming ``losses`` and each rank's values.
+
     Attributes:
         step: the last completed training step.
         losses: the loss logged at each entry of ``log_steps``.
