@@ -629,9 +629,7 @@ class MscBackend:
         writes, or this MSC has no such attribute: then there are no conditional writes."""
         client = self._live()
         single = getattr(client, "_delegate", client)
-        if getattr(single, "_metadata_provider", None) or getattr(
-            single, "_replica_manager", None
-        ):
+        if getattr(single, "_metadata_provider", None) or getattr(single, "_replica_manager", None):
             return None
         provider = getattr(single, "_storage_provider", None)
         return provider if hasattr(provider, "put_object") else None
