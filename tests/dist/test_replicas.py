@@ -47,6 +47,8 @@ def test_small_cpu_tensors_are_compared_and_big_ones_are_not() -> None:
     assert c["t:scalar"].summary == "float32[] 3.5"
     assert c["t:small"].summary == "int64[8192] [0, 1, 2, 3, 4, 5]…"
     assert replicas.tensor_copy("big", big) is None
+    # off the CPU (an accelerator; "meta" stands in for one here): not compared
+    assert replicas.tensor_copy("gpu", torch.empty(3, device="meta")) is None
     changed = small.clone()
     changed[-1] += 1  # past the summary's preview: the digest still sees it
     assert _copies({"small": changed})["t:small"].digest != c["t:small"].digest
