@@ -31,13 +31,8 @@ from quicksave.errors import (  # noqa: E402
     CorruptCheckpointError,
 )
 from quicksave.storage.backend import S3Options  # noqa: E402
-from quicksave.storage.s3 import (  # noqa: E402
-    MIN_PART_SIZE,
-    RetryPolicy,
-    S3Backend,
-    call_with_retries,
-    is_retryable,
-)
+from quicksave.storage.retry import RetryPolicy, call_with_retries  # noqa: E402
+from quicksave.storage.s3 import MIN_PART_SIZE, S3Backend, is_retryable  # noqa: E402
 
 SECRET = "FAKEsecretKEY/do-not-print+0123456789abcdef"
 TOKEN = "FAKEsessionTOKEN-never-shown-9876543210"
@@ -166,7 +161,7 @@ def backend(client: FakeClient, clock: Clock | None = None, **opts) -> S3Backend
         access_key_id="AKIAFAKE",
         part_size=opts.pop("part_size", MIN_PART_SIZE),
         max_concurrency=opts.pop("max_concurrency", 3),
-        max_attempts=opts.pop("max_attempts", 5),
+        max_attempts=opts.pop("max_attempts", None),
         retry_deadline_s=opts.pop("retry_deadline_s", 60.0),
         **opts,
     )
@@ -245,9 +240,60 @@ def test_deadline_with_real_clock_is_bounded():
     policy = RetryPolicy(max_attempts=1000, deadline_s=0.3, base_s=0.01, cap_s=0.05)
     with pytest.raises(CheckpointError, match="last cause: ConnectionResetError"):
         call_with_retries(
-            fail, policy, what="op", url="s3://b/k", translate=lambda e: CheckpointError(str(e))
+            fail,
+            policy,
+            what="op",
+            url="s3://b/k",
+            retryable=is_retryable,
+            translate=lambda e: CheckpointError(str(e)),
         )
     assert 2 < len(attempts) < 1000
+
+
+def test_the_deadline_rules_connection_errors_not_a_count_of_tries():
+    # The store is down for 40 s (connections refused), then back. With the default
+    # policy (no max_attempts) a 60 s deadline rides it out, however many tries it takes;
+    # the old loop gave up after 6 tries in a couple of seconds.
+    clock = Clock()
+
+    def refused(**kw):
+        if clock.now < 40.0:
+            raise EndpointConnectionError(endpoint_url="http://fake-s3.invalid:9000/bkt/k")
+        return {"ETag": '"back"'}
+
+    client = FakeClient(put_object=[refused] * 1000)
+    b = backend(client, clock, retry_deadline_s=60.0)
+    b.put("k", memoryview(b"data"))
+    tries = len(client.ops("put_object"))
+    assert tries > 6  # more than the old cap of 6
+    assert 40.0 <= clock.now <= 60.0
+    assert all(0.0 <= pause <= 5.0 for pause in clock.sleeps)  # capped per pause
+
+
+def test_an_outage_longer_than_the_deadline_gives_up_at_the_deadline_not_before():
+    clock = Clock()
+    client = FakeClient(
+        head_object=[EndpointConnectionError(endpoint_url="http://fake-s3.invalid:9000")] * 1000
+    )
+    b = backend(client, clock, retry_deadline_s=60.0)
+    with pytest.raises(CheckpointError) as info:
+        b.stat("run/step-5/manifest.json")
+    # the last pause is cut to the time left: the last try starts at the deadline
+    assert clock.now == pytest.approx(60.0)
+    text = str(info.value)
+    assert "s3://bkt/run/step-5/manifest.json" in text
+    assert f"{len(client.ops('head_object'))} attempt(s) in 60.0 s" in text
+    assert "retry_deadline_s=60" in text and "max_attempts" not in text
+    assert "cannot reach endpoint http://fake-s3.invalid:9000" in text
+
+
+def test_max_attempts_still_caps_when_set():
+    clock = Clock()
+    client = FakeClient(head_object=[ConnectionResetError("reset")] * 10)
+    b = backend(client, clock, max_attempts=4, retry_deadline_s=600.0)
+    with pytest.raises(CheckpointError, match="max_attempts=4, retry_deadline_s=600"):
+        b.stat("k")
+    assert len(client.ops("head_object")) == 4
 
 
 @pytest.mark.parametrize(

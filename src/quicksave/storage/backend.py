@@ -53,8 +53,13 @@ class S3Options:
             endpoint is given, botocore's choice otherwise).
         part_size: bytes per multipart part (objects up to this size are one PUT).
         max_concurrency: parts (or ranged GETs) in flight at once per object stream.
-        max_attempts: tries per request (throttling, 5xx, connection resets).
-        retry_deadline_s: no retry starts after this long since a request's first try.
+        retry_deadline_s: a request that fails transiently (throttling, 5xx, a refused,
+            reset or timed-out connection) is tried again, with jittered exponential
+            backoff (at most 5 s per pause), until this long after its first try: a
+            store that is down for less than this is ridden out. Other failures
+            (access denied, no such bucket) raise at once.
+        max_attempts: also stop after this many tries per request; None (default): as
+            many as ``retry_deadline_s`` allows.
         connect_timeout_s, read_timeout_s: per-connection timeouts.
     """
 
@@ -67,7 +72,7 @@ class S3Options:
     addressing_style: str | None = None
     part_size: int = 32 << 20
     max_concurrency: int = 8
-    max_attempts: int = 6
+    max_attempts: int | None = None
     retry_deadline_s: float = 60.0
     connect_timeout_s: float = 5.0
     read_timeout_s: float = 30.0

@@ -6,10 +6,11 @@ straight into the caller's buffer (``read_into``: ranged GETs, parallel for larg
 the response body read into the destination slice with ``readinto``). No temporary
 files, no whole-buffer copies.
 
-Every request goes through one retry loop (:func:`call_with_retries`): throttling, 5xx
-and connection failures are retried with full-jitter exponential backoff, bounded by
-``S3Options.max_attempts`` and ``S3Options.retry_deadline_s``; botocore's own retries are
-switched off so that there is exactly one loop. Everything else (access denied, bad
+Every request goes through one retry loop (:func:`~quicksave.storage.retry.call_with_retries`):
+throttling, 5xx and connection failures (:func:`is_retryable`) are retried with
+full-jitter exponential backoff for as long as ``S3Options.retry_deadline_s`` allows
+(``S3Options.max_attempts``, unset by default, may also cap the tries); botocore's own
+retries are switched off so that there is exactly one loop. Everything else (access denied, bad
 credentials, a missing bucket) becomes a :class:`~quicksave.errors.CheckpointError` at
 once, naming the ``s3://`` URL. No message ever holds a secret key or session token.
 
@@ -29,11 +30,11 @@ import random
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from ..errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
 from .backend import ObjectInfo, Range, S3Options, byte_view, hash_ranges
+from .retry import Abandoned, RetryPolicy, call_with_retries
 
 T = TypeVar("T")
 
@@ -41,8 +42,6 @@ MIN_PART_SIZE = 5 << 20  # S3: every part but the last is at least 5 MiB
 MAX_PARTS = 10_000  # S3: at most 10,000 parts per upload
 DELETE_BATCH = 1000  # S3: at most 1,000 keys per DeleteObjects
 SMALL_BODY = 1 << 20  # bodies up to this are sent as bytes (see _body)
-BACKOFF_BASE_S = 0.1
-BACKOFF_CAP_S = 5.0
 
 _INSTALL_HINT = "pip install 'quicksave[s3]'"
 
@@ -96,26 +95,6 @@ _NOT_FOUND_CODES = frozenset({"NoSuchKey", "NotFound", "404"})
 
 
 # --------------------------------------------------------------------------- retries
-
-
-@dataclass
-class RetryPolicy:
-    """How :func:`call_with_retries` retries: at most ``max_attempts`` tries, no new try
-    once ``deadline_s`` has passed since the first, full-jitter exponential backoff
-    between tries (``uniform(0, min(cap_s, base_s * 2**n))`` seconds before try ``n+2``).
-    ``rng``, ``sleep`` and ``clock`` are injectable for tests."""
-
-    max_attempts: int = 6
-    deadline_s: float = 60.0
-    base_s: float = BACKOFF_BASE_S
-    cap_s: float = BACKOFF_CAP_S
-    rng: random.Random = field(default_factory=random.Random)
-    sleep: Callable[[float], None] = time.sleep
-    clock: Callable[[], float] = time.monotonic
-
-    def backoff(self, attempt: int) -> float:
-        """The pause after failed try number ``attempt`` (1-based)."""
-        return self.rng.uniform(0.0, min(self.cap_s, self.base_s * (2 ** (attempt - 1))))
 
 
 def _botocore_exceptions():
@@ -172,63 +151,6 @@ def is_retryable(exc: BaseException) -> bool:
         return True
     # builtin ConnectionError covers resets, refusals, broken pipes, RemoteDisconnected
     return isinstance(exc, (ConnectionError, TimeoutError, http.client.IncompleteRead))
-
-
-def call_with_retries(
-    fn: Callable[[], T],
-    policy: RetryPolicy,
-    *,
-    what: str,
-    url: str,
-    translate: Callable[[BaseException], CheckpointError],
-    describe: Callable[[BaseException], str] | None = None,
-    stop: threading.Event | None = None,
-) -> T:
-    """``fn()``, tried again after transient failures (:func:`is_retryable`).
-
-    A :class:`CheckpointError` raised by ``fn`` passes through untouched. A failure that
-    is not transient is ``translate``-d and raised at once. When tries or time run out
-    (or ``stop`` is set by a sibling that already failed), a CheckpointError names
-    ``what``, ``url``, the number of tries and the last cause (``describe(exc)``, by
-    default the exception's type and text).
-    """
-    if describe is None:
-        describe = _type_and_text
-    start = policy.clock()
-    attempt = 0
-    while True:
-        attempt += 1
-        try:
-            return fn()
-        except CheckpointError:
-            raise
-        except Exception as exc:
-            if not is_retryable(exc):
-                raise translate(exc) from exc
-            elapsed = policy.clock() - start
-            pause = policy.backoff(attempt)
-            if stop is not None and stop.is_set():
-                raise _Abandoned(
-                    f"{what} abandoned (another part of the same transfer failed); "
-                    f"last cause: {describe(exc)}",
-                    path=url,
-                ) from exc
-            if attempt >= policy.max_attempts or elapsed + pause > policy.deadline_s:
-                raise CheckpointError(
-                    f"{what} failed after {attempt} attempt(s) in {elapsed:.1f} s "
-                    f"(max_attempts={policy.max_attempts}, "
-                    f"retry_deadline_s={policy.deadline_s:g}); last cause: {describe(exc)}",
-                    path=url,
-                ) from exc
-            policy.sleep(pause)
-
-
-def _type_and_text(exc: BaseException) -> str:
-    return f"{type(exc).__name__}: {exc}"
-
-
-class _Abandoned(CheckpointError):
-    """A part of a parallel transfer that gave up because a sibling failed first."""
 
 
 # --------------------------------------------------------------------------- buffers
@@ -343,8 +265,9 @@ class S3Backend:
         self.options = options = options if options is not None else S3Options()
         self.part_size = max(int(options.part_size), MIN_PART_SIZE)
         self.max_concurrency = max(1, int(options.max_concurrency))
+        attempts = options.max_attempts
         self.policy = RetryPolicy(
-            max_attempts=max(1, int(options.max_attempts)),
+            max_attempts=None if attempts is None else max(1, int(attempts)),
             deadline_s=float(options.retry_deadline_s),
             rng=rng if rng is not None else random.Random(),
             sleep=sleep,
@@ -530,6 +453,7 @@ class S3Backend:
             self.policy,
             what=what,
             url=url,
+            retryable=is_retryable,
             translate=lambda exc: self._translate(exc, url, what),
             describe=self._describe,
             stop=stop,
@@ -554,7 +478,7 @@ class S3Backend:
 
         def run(task: Callable[[threading.Event], T]) -> T:
             if stop.is_set():
-                raise _Abandoned("not started: another part of the same transfer failed")
+                raise Abandoned("not started: another part of the same transfer failed")
             try:
                 return task(stop)
             except BaseException:
@@ -580,7 +504,7 @@ class S3Backend:
             concurrent.futures.wait(futures)
         errors = [f.exception() for f in futures if not f.cancelled() and f.exception()]
         if errors:  # the first real cause, not a sibling's "abandoned"
-            raise next((e for e in errors if not isinstance(e, _Abandoned)), errors[0])
+            raise next((e for e in errors if not isinstance(e, Abandoned)), errors[0])
         return [f.result() for f in futures]
 
     # ----------------------------------------------------------------- writing
@@ -703,14 +627,16 @@ class S3Backend:
         """Abort an upload, best effort and briefly (two tries at most: the store may be
         what failed; a leftover is found later by :meth:`abort_uploads`)."""
         url = self.url(key)
+        tries = min(2, self.policy.max_attempts or 2)
         try:
             call_with_retries(
                 lambda: self._client.abort_multipart_upload(
                     Bucket=self.bucket, Key=key, UploadId=upload_id
                 ),
-                dataclasses.replace(self.policy, max_attempts=min(2, self.policy.max_attempts)),
+                dataclasses.replace(self.policy, max_attempts=tries),
                 what="aborting a multipart upload",
                 url=url,
+                retryable=is_retryable,
                 translate=lambda exc: self._translate(exc, url, "aborting a multipart upload"),
             )
         except Exception:  # noqa: BLE001 - the original failure is what matters
