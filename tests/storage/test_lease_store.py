@@ -366,6 +366,46 @@ def test_a_lost_lease_stops_every_deletion(s3_env, s3_server, s3_bucket) -> None
     assert record == usurper  # close() did not release over the new holder
 
 
+def test_a_lease_object_of_another_format_is_respected_while_it_changes(
+    s3_server, s3_bucket
+) -> None:
+    key = f"odd/{LEASE_NAME}"
+    _put(s3_server, s3_bucket, key, b'{"lease": 2, "beat": 0}')  # a newer quicksave's?
+    stop = threading.Event()
+
+    def newer_holder() -> None:  # renews its lease in a format we cannot read
+        beat = 0
+        while not stop.wait(0.1):
+            beat += 1
+            _put(s3_server, s3_bucket, key, b'{"lease": 2, "beat": %d}' % beat)
+
+    beating = threading.Thread(target=newer_holder)
+    beating.start()
+    folder = parse_location(
+        f"s3://{s3_bucket}/odd", options=_options(s3_server, lease_expiry_s=10.0)
+    )
+    try:
+        lease = StoreLease(folder)
+        assert not lease.try_acquire()  # it changed while watched: someone renews it
+        assert "cannot read" in lease.holder()
+        lease.release()
+    finally:
+        stop.set()
+        beating.join()
+    quiet = parse_location(
+        f"s3://{s3_bucket}/odd",
+        options=_options(s3_server, lease_expiry_s=1.0, lease_renew_s=0.2),
+    )
+    lease = StoreLease(quiet)
+    begin = time.monotonic()
+    try:
+        assert lease.try_acquire()  # unchanged for one expiry period of watching
+        assert time.monotonic() - begin >= 1.0
+        assert lease.previous == "expired"
+    finally:
+        lease.release()
+
+
 # ---------------------------------------------------------------- torchtitan
 
 

@@ -196,8 +196,10 @@ def take_writer_lease(folder: Location, hint: str) -> tuple[WriterLease | None, 
     try:
         got = lease.try_acquire()
     except CheckpointError as e:
+        lease.release()
         return None, f"cannot take the folder's writer lease ({e.message}: {e.path})"
     if not got:
+        lease.release()  # holds nothing: closes its connections
         return None, (
             f"another live process holds the folder's writer lease ({lease.holder()}); "
             f"two jobs must not write one folder: {hint}"

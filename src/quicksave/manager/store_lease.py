@@ -19,7 +19,8 @@ Taking it (the coordinator of a writing manager, when the manager is built):
   otherwise watch it: a renewal seen means its holder lives → read-only; none seen
   during ``expiry_s`` of our own (monotonic) watching → expired, take it over. A live
   holder is recognised within one renewal whatever the clocks say; a dead one on another
-  machine costs at most one expiry period of waiting.
+  machine costs at most one expiry period of waiting. A lease object this version cannot
+  read (a newer format?) is watched the same way, on our own terms.
 
 Holding: a daemon thread renews it every ``renew_s``, conditionally on the version it
 wrote last (``If-Match``). A refused renewal means that another writer took it over: the
@@ -284,7 +285,7 @@ class StoreLease:
             if record is not None and record.token == self._token:
                 self._adopt(record, tag, self.previous or "none")  # our write's answer was lost
                 return True
-            if seen is not None and tag != seen[0] and record is not None and not record.released:
+            if seen is not None and tag != seen[0] and not (record and record.released):
                 self._other = record  # renewed (or taken) while we watched: it lives
                 return False
             verdict = self._judge(record, tag, seen)
@@ -292,17 +293,16 @@ class StoreLease:
                 self._other = record
                 return False
             if verdict == "watch":
+                renew_s, expiry_s = _terms(record, self)
                 if seen is None:
                     seen = (tag, self._monotonic())
-                    assert record is not None
                     logger.info(
                         "quicksave: %s is held by %s; watching it for up to %g s for a renewal",
                         self.folder,
-                        record.holder.describe(),
-                        record.expiry_s,
+                        _describe(record),
+                        expiry_s,
                     )
-                assert record is not None
-                self._sleep(min(max(record.renew_s / 2, 0.05), record.expiry_s))
+                self._sleep(min(max(renew_s / 2, 0.05), expiry_s))
                 continue
             if self._take(b, tag, verdict):
                 return True
@@ -313,8 +313,10 @@ class StoreLease:
     def _judge(self, record: LeaseRecord | None, tag: str, seen: tuple[str, float] | None) -> str:
         """``"live"``, ``"watch"``, or how the lease is free: ``"released"``,
         ``"gone"``, ``"expired"``."""
-        if record is None:
-            return "expired"  # not a lease we can read: nobody renews it
+        if record is None:  # not a lease this version reads (a newer one's?): watch it
+            if seen is not None and self._monotonic() - seen[1] >= self.expiry_s:
+                return "expired"
+            return "watch"
         if record.released:
             return "released"
         expired = self._clock() - record.renewed_at > record.expiry_s
@@ -587,9 +589,16 @@ def _heartbeat(ref: Callable[[], StoreLease | None], stop: threading.Event, ever
         del lease
 
 
+def _terms(record: LeaseRecord | None, mine: StoreLease) -> tuple[float, float]:
+    """(renew_s, expiry_s) of a lease: its own, or ours for one we cannot read."""
+    if record is None:
+        return mine.renew_s, mine.expiry_s
+    return record.renew_s, record.expiry_s
+
+
 def _describe(record: LeaseRecord | str | None) -> str:
     if record is None:
-        return "an unknown process"
+        return "an unknown process (a lease object this version cannot read)"
     if isinstance(record, str):
         return record
     since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(record.since))
