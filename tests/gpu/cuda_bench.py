@@ -74,6 +74,10 @@ def run(layers: int, dim: int, staging: str, folder: str, steps: int = 9) -> dic
             optim.zero_grad()
             model(x).square().mean().backward()
             optim.step()
+            if step % 3 == 0:
+                manager.wait()  # the last save durable: this one meets no backpressure
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
             manager.save(step)
             torch.cuda.synchronize()
             step_s.append(time.perf_counter() - t0)
@@ -90,7 +94,7 @@ def run(layers: int, dim: int, staging: str, folder: str, steps: int = 9) -> dic
         "staging_s": [round(r.staging_s or 0, 3) for r in records],
         "durable_s": [round(r.durable_s or 0, 3) for r in records],
         "step_s_median": round(statistics.median(step_s), 4),
-        "step_s_with_save": [round(step_s[i - 1], 4) for i in (3, 6, 9)],
+        "save_call_s": [round(step_s[i - 1], 4) for i in (3, 6, 9)],
         "floor_d2h_s": round(d2h, 3),
         "floor_write_fsync_s": round(write, 3),
     }

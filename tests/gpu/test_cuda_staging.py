@@ -94,6 +94,6 @@ def test_a_gpu_tensor_written_during_its_copy_fails_the_save(tmp_path: Path) -> 
                 with torch.no_grad():
                     for p in job.model.parameters():
                         p.mul_(0.5)
-        committed = manager.committed_steps()
+    committed = manager.committed_steps()  # after close(): step 6 is durable
     assert 3 not in committed and 6 in committed
     assert len(errors) == 1 and "step 3 was not committed" in str(errors[0])
