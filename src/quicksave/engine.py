@@ -1081,6 +1081,9 @@ class AsyncSaver:
         finally:
             self._closed = True
             self.wait_prepared()  # it sees _closed and frees what it built
+            if self._staging is not None:  # abort: a copy still writing into a pool
+                self._staging.join()
+                self._staging = None
             if self._persister is not None:
                 # saves still in flight here timed out (or abort): stop the writer now, so
                 # that no save is reported failed and then committed behind our back
