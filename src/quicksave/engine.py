@@ -39,7 +39,7 @@ import torch
 from . import commit
 from .collect import check_tensor, flatten, to_state_dict
 from .dist.saving import DistContext, DistSave, DistSaving
-from .errors import CheckpointError, CheckpointExistsError, IncompatibleStateError
+from .errors import CheckpointError, IncompatibleStateError
 from .format import objects as objcodec
 from .format.dtypes import dtype_name, element_size
 from .format.keys import names_itself
@@ -583,7 +583,9 @@ class AsyncSaver:
         if problem is None:
             try:
                 commit.check_target(loc, self.rank, self._backend_for(loc))
-            except CheckpointExistsError as e:
+            except CheckpointError as e:
+                # taken, or the store cannot be reached: raised after the vote, so that
+                # every rank skips this save together instead of waiting for this one
                 problem = e
         assert self._dist is not None
         wait = self.config.backpressure == "wait"

@@ -107,8 +107,10 @@ def test_ranks_save_in_the_background_with_one_collective_per_save(tmp_path, mod
         assert r["reloaded"], rank
         # Steps 1, 3, 5, 7 save nothing: no collective. The first save plans (agree +
         # gather + scatter); every later save with unchanged plans runs one all-reduce.
+        # Each save then settles its outcome with one all-reduce (manager/failures.py).
         assert r["per_save"][0::2] == [0, 0, 0, 0], rank
-        assert r["per_save"][1] == 3 and r["per_save"][3::2] == [1, 1, 1], (rank, r["per_save"])
+        assert r["per_save"][1] == 3 + 1, (rank, r["per_save"])
+        assert r["per_save"][3::2] == [1 + 1] * 3, (rank, r["per_save"])
     assert results[0]["digest"] == results[1]["digest"]
     # Both ranks wrote (the replicated tensors were spread over them), one manifest.
     step8 = tmp_path / "ckpt" / "step-8"

@@ -21,6 +21,8 @@ INTERVAL_TYPES = ("steps", "seconds")
 ASYNC_MODES = ("disabled", "thread", "process")
 STAGING_MODES = ("overlap", "blocking")
 BACKPRESSURE = ("wait", "skip")
+ON_SAVE_ERROR = ("raise", "log")
+LOG_LEVELS = ("debug", "info", "warning", "error")
 
 
 @dataclass(frozen=True)
@@ -90,6 +92,25 @@ class CheckpointConfig:
             (a VM's virtual disk shares the host with its CPUs); the time to durable grows
             to at least the bytes / (rate × threads). ``None`` (default): no limit. See
             docs/benchmarks.md (issue 12) for what it changed here.
+        on_save_error: what a failed save (its write, upload or commit; a storage
+            outage longer than ``storage.s3.retry_deadline_s``) does. ``"raise"``
+            (default): its ``CheckpointError`` is raised, on every rank at the same call
+            (the save's own ``save()`` call, or for a failure in the background the next
+            ``save()`` that is due, ``wait()``, ``load()`` or ``close()``). ``"log"``: it
+            is logged and counted (``failed_saves``), training goes on and the next
+            saves are made as usual (a failed save leaves nothing visible: its uploads
+            are aborted, its objects removed); after ``max_consecutive_failures``
+            failed saves with no commit between them, it raises on every rank. An
+            ``IncompatibleStateError`` (a state that cannot be saved) raises either way.
+        max_consecutive_failures: with ``on_save_error="log"``, the failed saves in a
+            row after which the next settling call raises (the job must not run on for
+            long without checkpoints).
+        log_level: ``None`` (default): quicksave leaves logging alone (warnings and
+            errors reach stderr through Python's last-resort handler). ``"info"`` (or
+            ``"debug"``, ``"warning"``, ``"error"``): the ``"quicksave"`` logger is set to
+            that level and, if no handler would show its records, given one that writes
+            to stderr (removed by ``close()``): the coordinator then logs one line per
+            resume (``resumed from <path> step N in X s``) and per commit.
 
     Raises:
         CheckpointError: on construction, for any invalid value (message names it).
@@ -123,6 +144,9 @@ class CheckpointConfig:
     storage: StorageOptions = field(default_factory=StorageOptions)
     worker_cpus: tuple[int, ...] | None = None
     write_rate_mbps: float | None = None
+    on_save_error: str = "raise"
+    max_consecutive_failures: int = 3
+    log_level: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.folder, os.PathLike):
@@ -165,12 +189,19 @@ class CheckpointConfig:
             ("async_mode", ASYNC_MODES),
             ("staging", STAGING_MODES),
             ("backpressure", BACKPRESSURE),
+            ("on_save_error", ON_SAVE_ERROR),
         ):
             value = getattr(self, name)
             if value not in allowed:
                 choices = ", ".join(repr(a) for a in allowed)
                 raise CheckpointError(f"{name} must be one of {choices}, got {value!r}")
         _check_int("max_in_flight", self.max_in_flight, minimum=1)
+        _check_int("max_consecutive_failures", self.max_consecutive_failures, minimum=1)
+        if self.log_level is not None and self.log_level not in LOG_LEVELS:
+            choices = ", ".join(repr(a) for a in LOG_LEVELS)
+            raise CheckpointError(
+                f"log_level must be None or one of {choices}, got {self.log_level!r}"
+            )
         _check_int("interval_check_steps", self.interval_check_steps, minimum=1)
         for name in ("worker_timeout_s", "save_timeout_s", "close_timeout_s", "commit_timeout_s"):
             value = getattr(self, name)

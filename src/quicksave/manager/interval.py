@@ -22,9 +22,10 @@ every rank), so they never wait for a vote; a vote still in flight when one happ
 ignored (the forced save restarted the interval). Step-based policies need none of this
 and cost zero collectives.
 
-The one collective lives in :func:`agree_any_due`; nothing else here talks to other
-ranks, and :class:`IntervalAgreement` itself is a pure state machine over an injected
-vote function (tests drive it with a fake one).
+The manager's collectives live here and nowhere else in ``manager/``:
+:func:`agree_any_due` (the vote) and :func:`agree_reports` (the outcome of saves, at a
+call every rank makes alike: see ``failures.py``). :class:`IntervalAgreement` itself is a
+pure state machine over an injected vote function (tests drive it with a fake one).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import CheckpointError
+from .failures import Report
 from .policies import EveryNSeconds
 
 
@@ -86,6 +88,43 @@ def agree_any_due(due: bool, group: dist.ProcessGroup | None) -> Vote:
     tensor = torch.tensor([int(bool(due))], dtype=torch.int32)
     work = dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group, async_op=True)
     return _AllReduceVote(work, tensor)
+
+
+def agree_reports(report: Report, group: dist.ProcessGroup | None, rank: int) -> list[Report]:
+    """Every rank's :class:`~quicksave.manager.failures.Report`, the same list (in rank
+    order) on every rank of ``group``.
+
+    One all-reduce (MAX) of two integers, "some rank has failures to tell"
+    and the newest step any rank saw committed; only when the first is set, one
+    ``all_gather_object`` of the reports. Every rank must call it at the same point of
+    its call sequence (a due ``save()``, ``wait()``, ``load()``, ``close()``).
+
+    Raises:
+        CheckpointError: the collective failed (a rank crashed, or stopped making the
+            same calls: see its log), naming ``rank``.
+
+    Example::
+
+        reports = agree_reports(ledger.report(), group, rank)
+        verdict = ledger.settle(reports)  # the same on every rank
+    """
+    flags = torch.tensor(
+        [1 if report.needs_exchange else 0, report.newest_committed], dtype=torch.int64
+    )
+    try:
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
+        if not int(flags[0]):
+            return [Report(newest_committed=int(flags[1]))]
+        reports: list[Report | None] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(reports, report, group=group)
+    except (RuntimeError, ValueError) as e:
+        cause = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise CheckpointError(
+            "the ranks could not agree on the outcome of their saves (did a rank crash, "
+            f"or stop calling save()/wait()/close() with the others? see its log): {cause}",
+            rank=rank,
+        ) from e
+    return [r for r in reports if r is not None]
 
 
 def needs_agreement(policy: object) -> bool:

@@ -7,12 +7,20 @@ from ``commit.py``.
 
 One ``save(step)`` goes through these states, in this order::
 
-    finalize (async: collect finished saves without waiting; a failure raises here)
-    → decide (SavePolicy, then ranks agree) → collect (state_dict() of every state)
+    poll (async: collect finished saves without waiting; no I/O, nothing raised)
+    → decide (SavePolicy, then ranks agree; not due: return, see below)
+    → settle (failures so far and the coordinator's look at the target, alike on
+    every rank: ``failures.py``) → collect (state_dict() of every state)
     → write (one hand-off: ``_write``; async modes return after staging, or at once in
-    overlap mode) → commit (in the writer: rename of ``step-<N>.tmp-*`` to ``step-<N>``)
-    → retain (RetentionPolicy over the committed steps, once a commit is seen; deletes
-    on the coordinator only, never a step in flight)
+    overlap mode) → settle (this call's own failures) → commit (in the writer: rename
+    of ``step-<N>.tmp-*`` to ``step-<N>``) → housekeep (after a commit was seen:
+    RetentionPolicy over the committed steps and failed saves' leftovers; on the
+    coordinator only, never a step in flight; never raises)
+
+A ``save()`` with nothing due only polls (and housekeeps after a commit): it talks to no
+other rank and raises nothing, except with one rank, where every call settles. Failures
+are acted on (``on_save_error``) only where every rank settles them alike: a due
+``save()``, ``export()``, ``wait()``, ``load()``, ``close()``.
 
 Seed (step 0) and export checkpoints are always written synchronously with
 ``quicksave.save``, after every save in flight has committed (so they never race with
@@ -39,7 +47,6 @@ that from the start (eval scripts).
 from __future__ import annotations
 
 import logging
-import os
 import time
 from collections.abc import Callable, Mapping
 from datetime import timedelta
@@ -49,11 +56,12 @@ import torch
 import torch.distributed as dist
 
 from .. import api
-from ..commit import classify, final_name, is_temp_name
+from ..commit import classify
 from ..dist.saving import DistContext
 from ..engine import SaveHandle
 from ..errors import (
     CheckpointError,
+    CheckpointExistsError,
     IncompatibleStateError,
 )
 from ..model_record import cast_floating, floating_dtype, model_record
@@ -61,6 +69,7 @@ from ..storage import Location, parse_location
 from ..storage.backend import Backend
 from .async_writer import AsyncWriter
 from .config import CheckpointConfig
+from .failures import FailureLedger, Key, log_verdict
 from .folder import (
     COMMITTED,
     apply_retention,
@@ -73,7 +82,7 @@ from .folder import (
     require_committed,
     stored_metadata,
 )
-from .interval import IntervalAgreement, agree_any_due, needs_agreement
+from .interval import IntervalAgreement, agree_any_due, agree_reports, needs_agreement
 from .lease import WriterLease, clean_folder, take_writer_lease
 from .policies import EveryNSeconds, EveryNSteps, KeepLatestK, RetentionPolicy, SavePolicy
 from .records import SaveRecord, log_committed
@@ -84,6 +93,7 @@ from .states import (
     check_states,
     payload_bytes,
 )
+from .verbosity import show_logs
 
 logger = logging.getLogger("quicksave")
 
@@ -172,6 +182,12 @@ class CheckpointManager:
         self._store: Backend | None = None  # an object store's backend (see _backend)
         self.read_only_reason: str | None = None  # why save() is refused, if it is
         self._last_good: int | None = None  # newest step known to pass its checks
+        self._ledger = FailureLedger(
+            config.on_save_error, config.max_consecutive_failures, self.folder
+        )
+        self._housekeeping_due = False  # a commit was seen: retention may delete now
+        self._leftovers: set[str] = set()  # failed saves' paths, for housekeeping
+        self._shown = show_logs(config.log_level)  # undone by close()
         if not config.enabled:
             return
         if self._world_size() > 1 and needs_agreement(self.save_policy):
@@ -191,7 +207,8 @@ class CheckpointManager:
                 dist_context=ctx,
             )
             self._writer.prepare_if_due(background=False)  # start-up: build it now
-        logger.info(
+        logger.log(
+            self._info(),
             "quicksave: checkpointing to %s (%s, %s, %s)",
             self.folder,
             self.save_policy,
@@ -249,12 +266,22 @@ class CheckpointManager:
         if not self.config.enabled:
             return None
         self._check_writable()
-        path = self.export_path(step)
-        if classify(self._where(path), self._backend()) in COMMITTED:
-            logger.info("quicksave: export of step %d already exists; skipped", step)
-        else:
-            self._save_one(step, path, "export", time.monotonic(), cast)
-        return path
+        self._export_one(step, cast)
+        self._settle()
+        self._housekeep(protect={step})
+        return self.export_path(step)
+
+    @property
+    def failed_saves(self) -> int:
+        """Saves (and exports) that failed since the manager was built, as every rank
+        settled them alike (``on_save_error="log"`` counts them and goes on)."""
+        return self._ledger.total
+
+    @property
+    def consecutive_failures(self) -> int:
+        """Failed saves settled since the newest commit; with ``on_save_error="log"``,
+        reaching ``max_consecutive_failures`` raises."""
+        return self._ledger.consecutive
 
     def committed_steps(self) -> list[int]:
         """Steps with a committed checkpoint in ``folder`` (quicksave, and stock DCP
@@ -280,10 +307,18 @@ class CheckpointManager:
         deletes old committed checkpoints.
 
         Async modes: call it after every step, saving or not: each call collects the
-        saves that finished (cheaply, without waiting) and raises the failure of an
-        earlier one. A full checkpoint returns after staging (in overlap mode, before
-        parameters and optimizer states are copied: the next ``optimizer.step()``
-        waits for that copy) and commits in the background.
+        saves that finished (cheaply, without waiting). A full checkpoint returns after
+        staging (in overlap mode, before parameters and optimizer states are copied:
+        the next ``optimizer.step()`` waits for that copy) and commits in the background.
+
+        A failed save (``config.on_save_error``): with ``"raise"`` (default) its
+        ``CheckpointError`` is raised on every rank at the same call: this one if it
+        failed here, else the next call that settles (with one rank the next call; with
+        several the next due ``save()``, ``export()``, ``wait()``, ``load()`` or
+        ``close()``); an earlier failure is raised before this call writes anything.
+        With ``"log"`` it is logged and counted (:attr:`failed_saves`) and saving goes
+        on, until ``max_consecutive_failures`` in a row raise. A call with nothing due
+        talks to no other rank and does no I/O that can raise.
 
         Args:
             step: the training step just completed (an int >= 0).
@@ -295,9 +330,8 @@ class CheckpointManager:
 
         Raises:
             CheckpointError: invalid step, manager closed or read-only (names why:
-                e.g. the process holding the folder's writer lease), the write failed
-                (nothing of this step became visible), or an earlier asynchronous save
-                failed (then this call saves nothing; the next call saves normally).
+                e.g. the process holding the folder's writer lease), or a save failed
+                (see above; nothing of a failed save becomes visible).
 
         Example::
 
@@ -309,41 +343,28 @@ class CheckpointManager:
         if not self.config.enabled:
             return False
         self._check_writable()
-        failures: list[CheckpointError] = []
         if self._writer is not None:
             self._writer.prepare_if_due()
-            if self._world_size() > 1:
-                # Several ranks: an earlier failure is raised after this call's save
-                # (whose planning is collective), so that no rank leaves the others
-                # waiting in it; every rank learns of a failure from its own writer.
-                finished, failures = self._writer.poll()
-                self._apply(finished)
-            else:
-                self._finalize()
+        self._poll()
+        if self._world_size() == 1:
+            self._settle()  # one rank: an earlier failure is raised before this call writes
         is_last = self.config.last_step is not None and step == self.config.last_step
         decision = self.save_policy.should_save(step, self._clock(), force or is_last)
         if not self._agree(step, decision, forced=force or is_last):
-            self._raise_first(failures)
+            self._housekeep()
             return False
-        wrote = False
+        kind = "seed" if step == 0 else "full"
         path = self.step_path(step)
-        if classify(self._where(path), self._backend()) in COMMITTED:
-            logger.info(
-                "quicksave: step %d already has a committed checkpoint at %s; skipped", step, path
-            )
-        elif step in self._in_flight:
+        wrote = False
+        if step in self._in_flight:
             logger.info("quicksave: step %d is being written already; skipped", step)
-        elif self._save_one(step, path, "seed" if step == 0 else "full", begin):
+        elif self._write_one((step, kind), path, lambda: self._save_one(step, path, kind, begin)):
             self.save_policy.saved(step, self._clock())
             wrote = True
         if is_last:
-            if classify(self._where(self.export_path(step)), self._backend()) in COMMITTED:
-                logger.info("quicksave: export of step %d already exists; skipped", step)
-            else:
-                self._save_one(step, self.export_path(step), "export", time.monotonic())
-                wrote = True
-        self._retain(protect={step})
-        self._raise_first(failures)
+            wrote = self._export_one(step, None) or wrote
+        self._settle()  # earlier failures and this call's, alike on every rank
+        self._housekeep(protect={step})
         return wrote
 
     @property
@@ -419,7 +440,11 @@ class CheckpointManager:
         self._check_open()
         if not self.config.enabled:
             return None
-        self._drain()
+        try:
+            self._drain()
+        finally:
+            if self.read_only_reason is None:
+                self._settle()
         if step != -1:
             check_step(step, self.folder)
             path = self.step_path(step)
@@ -470,14 +495,22 @@ class CheckpointManager:
         self._last_good = step
         if self._writer is not None:
             self._writer.prepare_if_due(background=False)  # optimizer states exist now
-        logger.info(
-            "quicksave: loaded step %d from %s in %.3f s", step, path, time.perf_counter() - begin
+        logger.log(
+            self._info(),
+            "quicksave: resumed from %s step %d in %.3f s",
+            path,
+            step,
+            time.perf_counter() - begin,
         )
 
     def close(self) -> None:
         """Finish: wait for saves in flight (up to ``close_timeout_s``), stop the
         worker, remove the optimizer hooks, and refuse further calls. Calling it again
         does nothing.
+
+        Several ranks: every rank calls it (a failure is settled alike on all of them,
+        as in ``save()``), except on the way out of an exception (``with`` block), when
+        each rank closes alone and a failure is logged.
 
         Raises:
             CheckpointError: a save failed, or was still in flight at the timeout (it
@@ -487,20 +520,28 @@ class CheckpointManager:
 
             manager.close()
         """
+        self._close(agree=True)
+
+    def _close(self, agree: bool) -> None:
         if self._closed:
             return
         self._closed = True
         try:
             if self._writer is not None:
                 finished, errors = self._writer.close(self.config.close_timeout_s)
-                self._apply(finished)
-                self._raise_first(errors)
+                self._apply(finished, errors)
+            self._housekeep()
+            if self.config.enabled and self.read_only_reason is None:
+                self._settle(agree=agree)
         finally:
             if self._lease is not None:
                 self._lease.release()
             if self._store is not None:
                 self._store.close()
                 self._store = None
+            if self._shown is not None:
+                self._shown.undo()
+                self._shown = None
         logger.debug("quicksave: manager for %s closed", self.folder)
 
     def __enter__(self) -> CheckpointManager:
@@ -511,7 +552,7 @@ class CheckpointManager:
             self.close()
             return
         try:  # an exception is on its way already: do not replace it with ours
-            self.close()
+            self._close(agree=False)  # the other ranks may not get here
         except CheckpointError as e:
             logger.error("quicksave: closing the manager after an error: %s", e)
 
@@ -529,7 +570,6 @@ class CheckpointManager:
         cpu0 = time.process_time()
         state_dict = self._collect(kind, dtype)
         nbytes = payload_bytes(state_dict)
-        self._replace_uncommitted(path)
         written = time.monotonic()
         handle = self._write(state_dict, path, step, kind, dtype)
         now = time.monotonic()
@@ -551,7 +591,10 @@ class CheckpointManager:
                 bytes_hashed=nbytes,
             )
             self.metrics.append(record)
-            log_committed(record)
+            log_committed(record, self._info())
+            self._housekeeping_due = True
+            if kind == "full":
+                self._ledger.committed(step)
             return True
         if handle is None:
             return False  # skipped by backpressure="skip" (the engine logged it)
@@ -615,28 +658,91 @@ class CheckpointManager:
         """Steps being written in the background (retention never touches them)."""
         return self._writer.in_flight_steps if self._writer is not None else set()
 
-    def _finalize(self) -> None:
-        """Collect finished background saves without waiting; raise the first failure."""
-        if self._writer is None:
-            return
-        finished, errors = self._writer.poll()
-        self._apply(finished)
-        self._raise_first(errors)
+    def _poll(self) -> None:
+        """Collect the background saves that finished, without waiting: records, commit
+        lines, the ledger. No I/O; raises nothing (failures are settled later)."""
+        if self._writer is not None:
+            finished, errors = self._writer.poll()
+            self._apply(finished, errors)
+
+    def _write_one(self, key: Key, path: str, write: Callable[[], bool]) -> bool:
+        """Run one write of this call (``write()``: False if skipped). The coordinator
+        first removes an uncommitted leftover at ``path``. A ``CheckpointError`` becomes
+        that save's failure in the ledger, settled by the call's next ``_settle`` alike
+        on every rank, instead of leaving this rank alone; a committed checkpoint found
+        at ``path`` is a skip (logged), not a failure."""
+        self._ledger.attempting(key)
+        try:
+            self._replace_uncommitted(path)
+        except CheckpointError as e:  # the write's own check decides, alike on every rank
+            logger.warning("quicksave: could not check %s before writing it: %s", path, e)
+        try:
+            return write()
+        except CheckpointExistsError as e:
+            if self._is_committed(path):
+                step, kind = key
+                logger.info(
+                    "quicksave: %s; skipped",
+                    f"export of step {step} already exists"
+                    if kind == "export"
+                    else f"step {step} already has a committed checkpoint at {path}",
+                )
+            else:
+                self._ledger.failed(key, e)
+        except CheckpointError as e:
+            self._ledger.failed(key, e)
+        return False
+
+    def _is_committed(self, path: str) -> bool:
+        try:
+            return classify(self._where(path), self._backend()) in COMMITTED
+        except CheckpointError:
+            return False
+
+    def _export_one(self, step: int, dtype: torch.dtype | None) -> bool:
+        path = self.export_path(step)
+        return self._write_one(
+            (step, "export"),
+            path,
+            lambda: self._save_one(step, path, "export", time.monotonic(), dtype),
+        )
+
+    def _settle(self, *, agree: bool = True) -> None:
+        """A settling point: every rank's failures so far combined alike on every rank
+        (several ranks: one collective, ``agree_reports``; ``agree=False``: this rank
+        alone), then acted on: logged, or raised (``on_save_error``)."""
+        report = self._ledger.report()
+        if agree and self._world_size() > 1:
+            reports = agree_reports(report, self._checkpoint_group(), self._rank() or 0)
+        else:
+            reports = [report]
+        verdict = self._ledger.settle(reports)
+        for failure in verdict.failures:
+            step, kind = failure.key
+            if step is not None and self._lease is not None:
+                self._leftovers.add(
+                    self.export_path(step) if kind == "export" else self.step_path(step)
+                )
+        log_verdict(verdict, self.config.on_save_error, self._is_coordinator())
+        if verdict.raise_error is not None:
+            raise verdict.raise_error
 
     def wait(self, timeout: float | None = None) -> None:
         """Block until every save in flight is committed (or has failed), without
         closing: before an evaluation, an export or a hand-off that must see the latest
         checkpoint on disk. Retention runs for what was committed. Each rank waits for
-        its own saves (no collective).
+        its own saves; then the failures are settled alike on every rank (as in
+        ``save()``: several ranks all call it).
 
         Args:
             timeout: seconds to wait at most; None: until the saves end (each is bounded
                 by the worker's own save timeout, so this cannot hang forever).
 
         Raises:
-            CheckpointError: a save failed (the first failure, naming its step), or saves
-                were still in flight at ``timeout`` (named; they go on in the
-                background and a later ``wait``, ``save`` or ``close`` collects them).
+            CheckpointError: a save failed (``on_save_error="raise"``; the first
+                failure, naming its step), or saves were still in flight at ``timeout``
+                (named; they go on in the background and a later ``wait``, ``save`` or
+                ``close`` collects them).
 
         Example::
 
@@ -645,11 +751,15 @@ class CheckpointManager:
             evaluate(manager.step_path(step))
         """
         self._check_open()
-        self._drain(timeout)
+        try:
+            self._drain(timeout)
+        finally:
+            self._settle()
+        self._housekeep()
 
     def _drain(self, timeout: float | None = None) -> None:
         """Wait for every save in flight (up to ``timeout``, default
-        ``close_timeout_s``), then finalize."""
+        ``close_timeout_s``), then poll. Raises only if saves are still in flight."""
         if self._writer is None:
             return
         pending = sorted(self._in_flight)
@@ -657,7 +767,7 @@ class CheckpointManager:
         if timeout is None and pending:
             limit = max(limit, float(self.config.save_timeout_s) + 60.0)
         done = self._writer.drain(limit)
-        self._finalize()
+        self._poll()
         if not done:
             left = sorted(self._in_flight)
             raise CheckpointError(
@@ -666,43 +776,48 @@ class CheckpointManager:
                 rank=self._rank(),
             )
 
-    def _apply(self, finished: list[tuple[int, SaveRecord]]) -> None:
-        committed = False
+    def _apply(self, finished: list[tuple[int, SaveRecord]], errors: list[CheckpointError]) -> None:
+        """Take in what a poll of the writer returned (records, commit lines, the
+        ledger); a commit makes housekeeping due."""
         for index, record in finished:
             self.metrics[index] = record
             if record.status == "committed":
-                log_committed(record)
-                committed = True
+                log_committed(record, self._info())
+                self._housekeeping_due = True
                 if record.kind == "full" and (self._last_good or -1) < record.step:
                     self._last_good = record.step
             else:
-                logger.error(
+                logger.warning(
                     "quicksave: the checkpoint of step %d was not committed (%s)",
                     record.step,
                     record.path,
                 )
-        if committed:
-            self._retain(protect=set())
-
-    def _raise_first(self, errors: list[CheckpointError]) -> None:
-        """Raise the failures collected at once as one error (the first one's type),
-        naming every failed save: none may reach the trainer as a log line only."""
-        if not errors:
-            return
-        if len(errors) == 1:
-            raise errors[0]
-        first = errors[0]
-        names = ", ".join(_checkpoint_name(e.path) for e in errors)
-        others = "; ".join(str(e) for e in errors[1:])
-        raise type(first)(
-            f"{len(errors)} checkpoints were not committed ({names}): {first.message} "
-            f"(also: {others})",
-            path=first.path,
-            fqn=first.fqn,
-            rank=first.rank,
-        ) from first
+        self._ledger.note(finished, errors)
 
     # ---------------------------------------------------------------- retention
+
+    def _housekeep(self, protect: set[int] | None = None) -> None:
+        """On the lease holder, once a commit was seen (the store answers): remove what
+        failed saves left, then apply retention. Never raises: a failure is logged, and
+        the work is tried again after the next commit (not at every call, which would
+        stall each step on a store that is down)."""
+        if self._lease is None or not self._housekeeping_due:
+            return
+        self._housekeeping_due = False
+        try:
+            busy = {self.step_path(s) for s in self._in_flight}
+            for path in sorted(self._leftovers - busy):
+                self._replace_uncommitted(path)
+                self._leftovers.discard(path)
+            self._retain(protect or set())
+        except (CheckpointError, OSError) as e:
+            logger.warning(
+                "quicksave: retention or clean-up in %s failed on rank %s (%s); nothing is "
+                "lost, it runs again after the next commit",
+                self.folder,
+                self._rank() or 0,
+                e,
+            )
 
     def _retain(self, protect: set[int]) -> None:
         if self._lease is None:  # only the lease holder deletes
@@ -776,7 +891,11 @@ class CheckpointManager:
         if self._folder.is_local:
             return None
         if self._store is None:
-            bounded = self._folder.bounded(self.config.save_timeout_s)  # never a hang
+            # Never a hang, and a call of the training thread (a pre-check, retention)
+            # ends well within the checkpoint group's timeout: the other ranks may be
+            # waiting for this one in the next settling collective.
+            budget = min(self.config.save_timeout_s, self.config.commit_timeout_s / 2)
+            bounded = self._folder.bounded(budget)
             self._store = bounded.open(rank=self._rank() or 0)
             if self._lease is not None:  # every deletion re-checks the lease first
                 self._store = self._lease.guard(self._store)
@@ -841,6 +960,11 @@ class CheckpointManager:
     def _is_coordinator(self) -> bool:
         return (self._rank() or 0) == 0
 
+    def _info(self) -> int:
+        """The level of the lines every rank would log alike (resume, commit): INFO on
+        the coordinator, DEBUG on the others (``log_level="info"`` shows one line)."""
+        return logging.INFO if self._is_coordinator() else logging.DEBUG
+
     def _checkpoint_group(self) -> dist.ProcessGroup | None:
         """The gloo group of this manager's checkpoint collectives (the interval
         agreement's votes, the saves' planning): its own group, over the ranks of
@@ -873,16 +997,6 @@ class CheckpointManager:
             coordinator=0,
             commit_timeout_s=self.config.commit_timeout_s,
         )
-
-
-def _checkpoint_name(path: str | None) -> str:
-    """``step-12`` for an error's path: the checkpoint, its temporary, or a file in it."""
-    if path is None:
-        return "?"
-    for part in reversed(os.path.normpath(path).split(os.sep)[-2:]):
-        if is_temp_name(part):
-            return final_name(part)
-    return os.path.basename(os.path.normpath(path))
 
 
 def _default_save_policy(config: CheckpointConfig) -> SavePolicy:

@@ -69,9 +69,11 @@ def _s(value: float | None) -> str:
     return "n/a" if value is None else f"{value:.3f} s"
 
 
-def log_committed(record: SaveRecord) -> None:
-    """The one log line of a committed checkpoint, with its costs."""
-    logger.info(
+def log_committed(record: SaveRecord, level: int = logging.INFO) -> None:
+    """The one log line of a committed checkpoint, with its costs (at ``level``: the
+    manager's coordinator logs it at INFO, the other ranks at DEBUG)."""
+    logger.log(
+        level,
         "quicksave: committed %s checkpoint of step %d to %s (%s): %d bytes, blocking %s, "
         "staging %s, durable %s (write %s, commit %s), CPU %s trainer + %s writer",
         record.kind,
