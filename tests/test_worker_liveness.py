@@ -199,6 +199,10 @@ def test_a_starved_worker_commits_its_save(root: Path) -> None:
                 stalest = max(stalest, time.monotonic() - persister._heartbeat())
                 time.sleep(0.02)
         result = h.wait(120)
+        print(
+            f"starved worker: heartbeat up to {stalest:.2f} s old, save durable after "
+            f"{result.durable_s:.2f} s (worker_timeout_s={TIMEOUT_S})"
+        )
         assert saver.worker_pid == pid  # the same worker, never declared hung
         # the precondition: a heartbeat-only rule would have failed this save
         assert stalest > TIMEOUT_S, f"the worker was not starved (heartbeat {stalest:.2f} s)"
