@@ -57,11 +57,13 @@ class CheckpointConfig:
         backpressure: when the previous save still holds the staging memory, ``"wait"``
             for it (default) or ``"skip"`` this save (logged).
         max_in_flight: saves that may be in flight at once (one staging pool each).
-        worker_timeout_s: a worker process whose heartbeat is older than this is hung
-            (stopped, or stuck outside its writes): the save fails with a
-            ``CheckpointError`` and the next save starts a new worker. The heartbeat
-            comes from a thread of its own, so a slow write is not a hang: that is
-            ``save_timeout_s``.
+        worker_timeout_s: a worker process whose heartbeat is older than this and that
+            is not progressing is hung — stopped (SIGSTOP, a debugger), or asleep with
+            no CPU time, no I/O and no thread runnable for half this long (read from
+            /proc): the save fails with a ``CheckpointError`` and the next save starts a
+            new worker. A worker starved of CPU on a busy node is slow, not hung. The
+            heartbeat comes from a thread of its own, so a slow write is not a hang:
+            that is ``save_timeout_s``.
         save_timeout_s: a save still being written after this long has failed.
         close_timeout_s: how long ``close()`` (and ``load()``, and a seed or export
             checkpoint) wait for saves in flight.
