@@ -34,6 +34,10 @@ start that fails raises :class:`SeaweedError` with the log's tail. ``stop`` send
 to the process group, then SIGKILL after ``stop_grace_s`` (``weed`` takes seconds to
 honour SIGTERM).
 
+An outage: :meth:`SeaweedServer.kill` stops the process but keeps its data, ports and
+identities (connections are refused meanwhile); :meth:`SeaweedServer.restart` serves the
+same store again on the same ports, with what was written before the outage.
+
 Start-up takes about 2.5-3 s, most of it fixed sleeps inside ``weed server`` (the filer
 starts 1 s in, the S3 gateway 2 s later); ``-master.peers=none`` spares the raft
 bootstrap wait (and a race that cost 5 s more one start in four). Readiness means a
@@ -263,6 +267,8 @@ class SeaweedServer:
         self._finalizer: weakref.finalize | None = None
         self._session: Any = None
         self._session_lock = threading.Lock()
+        self._started: tuple[Path, int, Path] | None = None  # weed, attempt, s3 config
+        self.restarts = 0
 
     # -- life cycle -----------------------------------------------------------------
 
@@ -313,6 +319,7 @@ class SeaweedServer:
                 error, exited = self._try_start(weed, tmpdir, attempt, ports, config)
                 if error is None:
                     self.startup_s = time.monotonic() - t0
+                    self._started = (weed, attempt, config)
                     return self
                 errors.append(error)
                 if not exited:
@@ -331,17 +338,50 @@ class SeaweedServer:
             self._finalizer()  # idempotent
         self._running = None
 
+    def kill(self) -> None:
+        """A store outage: stop the server's process (as ``stop`` does) but keep its
+        data, ports and identities, so that :meth:`restart` brings the same store back.
+        Until then every connection to ``endpoint_url`` is refused."""
+        if self._started is None or self._running is None:
+            raise SeaweedError("kill(): the SeaweedServer is not running")
+        running, self._running = self._running, None
+        self._holder[0] = None
+        running.stop()
+
+    def restart(self) -> SeaweedServer:
+        """Start a server stopped by :meth:`kill` again, on the same ports with the same
+        data (buckets and objects written before the outage are there again), and wait
+        until it serves S3 requests; returns ``self``.
+
+        Raises:
+            SeaweedError: it was not killed, or it did not come back (a port was taken
+                meanwhile; the log's tail is in the message).
+        """
+        if self._started is None or self.tmpdir is None:
+            raise SeaweedError("restart(): the SeaweedServer was never started")
+        if self._running is not None:
+            raise SeaweedError("restart(): the SeaweedServer is running; kill() it first")
+        weed, attempt, config = self._started
+        self.restarts += 1
+        t0 = time.monotonic()
+        error, _ = self._try_start(weed, self.tmpdir, attempt, self.ports, config)
+        if error is not None:
+            raise SeaweedError(f"SeaweedFS did not restart: {error}")
+        self.startup_s = time.monotonic() - t0
+        return self
+
     def _try_start(
         self, weed: Path, tmpdir: Path, attempt: int, ports: dict[str, int], config: Path
     ) -> tuple[str | None, bool]:
         """One start attempt: (None, False) when ready, else (what failed, whether weed
         exited by itself, e.g. because another process took one of its ports)."""
         data = tmpdir / f"data{attempt}"
-        data.mkdir()
+        data.mkdir(exist_ok=self.restarts > 0)  # a restart serves the same data again
         (tmpdir / "filer.toml").write_text(
             f'[leveldb2]\nenabled = true\ndir = "{data / "filerldb2"}"\n'
         )
-        log_path = tmpdir / f"weed{attempt}.log"
+        restarted = f"-restart{self.restarts}" if self.restarts else ""
+        log_path = tmpdir / f"weed{attempt}{restarted}.log"
         self.log_path = log_path
         grpc = {name: port + _GRPC_OFFSET for name, port in ports.items()}
         cmd = [
