@@ -13,10 +13,14 @@ train state, data loader, schedulers) is copied before ``save()`` returns. Write
 counters cannot see (through ``tensor.data``, fused optimizers the manager was not given)
 need ``manager.maybe_wait_for_staging()`` first (docs/RELIABILITY.md).
 
-No cold start: as soon as the state is complete — when the manager is built or a
-checkpoint is loaded if every optimizer already holds state, else after every optimizer's
-first step (a step post-hook) — the engine plans the full state and builds its staging
-pool in a background thread, so the first checkpoint finds warm memory.
+No cold start: as soon as the state is known — when the manager is built or a
+checkpoint is loaded if every optimizer already holds state, or if the state of every
+optimizer's first step is known (Adam, AdamW, SGD: ``optimizer_layout.py``), else after
+every optimizer's first step (a step post-hook) — the engine plans the full state and
+builds its staging pool (at start-up before returning, later in a background thread), so
+the first checkpoint finds warm memory. A pool planned from the first step's predicted
+state is checked once that step has run, and planned again in the background if the
+guess was wrong (the engine also rebuilds any pool whose plan is not the save's).
 
 Life of one save here: ``submit`` (engine ``save()``) → ``track`` (pending, by step) →
 ``poll`` (completed → committed or failed record) → retention by the manager.
@@ -38,6 +42,7 @@ from torch.utils.hooks import RemovableHandle
 from ..dist.saving import DistContext
 from ..engine import AsyncSaver, Deferred, EngineConfig, SaveHandle
 from ..errors import CheckpointError
+from .optimizer_layout import Predicted, matches, stand_ins
 from .overlap import WriterWatch
 from .records import SaveRecord
 from .states import OptimizerState
@@ -94,6 +99,8 @@ class AsyncWriter:
         self._stepped: set[int] = set()
         self._watch = WriterWatch(self._optimizers)
         self._prepared = False
+        # the optimizers' first-step state the pool was planned from, until checked
+        self._predicted: list[Predicted] | None = None
         # the worker starts now, not at save 1
         self.saver = AsyncSaver(config, rank=rank, dist_context=dist_context)
         self._pre_hooks: list[RemovableHandle] = [
@@ -116,10 +123,12 @@ class AsyncWriter:
 
     def _after_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         self._watch.after_step(optimizer)
-        if self._prepared:
+        if self._prepared and self._predicted is None:
             return
         self._stepped.add(id(optimizer))
         if len(self._stepped) == len(self._optimizers):
+            if self._predicted is not None:
+                self._check_prediction(background=True)
             self.prepare()
 
     def prepare(self, background: bool = True) -> None:
@@ -141,13 +150,34 @@ class AsyncWriter:
     def prepare_if_due(self, background: bool = True) -> None:
         """Prepare now if the state is complete: there are no optimizers, or every
         optimizer already holds state (it has stepped, or a checkpoint was loaded into
-        it). Otherwise the first step of every optimizer prepares, in the background.
+        it); or if the state every optimizer's first step creates is known
+        (``optimizer_layout.py``): the pool is then planned with stand-ins of that state.
+        Otherwise the first step of every optimizer prepares, in the background.
 
         Args:
             background: False at start-up (the manager's construction, ``load()``): the
                 pool is then built before this returns, when no training step waits.
         """
-        if all(o.state for o in self._optimizers):
+        complete = all(o.state for o in self._optimizers)
+        if complete and self._predicted is not None:
+            self._check_prediction(background)  # e.g. load() filled the state
+        if complete:
+            self.prepare(background)
+        elif not self._prepared and not self.saver.distributed:
+            # (several ranks: the first save plans, collectively)
+            with stand_ins(self._optimizers) as predicted:
+                if predicted is None:
+                    return  # not known: the first steps prepare
+                self.prepare(background)  # collects the stand-ins' names and shapes
+            self._predicted = predicted
+
+    def _check_prediction(self, background: bool) -> None:
+        """Every optimizer holds its real state now: if it is not the predicted one, the
+        pool planned from the prediction is planned again from the real state."""
+        predicted, self._predicted = self._predicted, None
+        if predicted is not None and not matches(self._optimizers, predicted):
+            logger.debug("quicksave: optimizer state unlike its prediction; planning again")
+            self._prepared = False
             self.prepare(background)
 
     # -------------------------------------------------------------------- save
