@@ -325,4 +325,3 @@ class AsyncWriter:
         self._pre_hooks, self._post_hooks = [], []
         self.saver.close(abort=not done)
         return finished, errors
-
