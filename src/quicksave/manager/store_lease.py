@@ -47,132 +47,32 @@ Clocks: expiry judged from timestamps assumes the hosts' clocks agree to within
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
-import os
 import secrets
-import socket
 import threading
 import time
 import weakref
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 from typing import Any
 
 from ..errors import CheckpointError, CheckpointNotFoundError
 from ..storage import Location
 from ..storage.backend import Backend, join
+from .lease_record import (
+    LEASE_NAME,
+    MAX_LEASE_BYTES,
+    Holder,
+    LeaseRecord,
+    describe_holder,
+    this_process,
+)
+
+__all__ = ["LEASE_NAME", "GuardedBackend", "Holder", "LeaseRecord", "StoreLease", "this_process"]
 
 logger = logging.getLogger("quicksave")
 
-LEASE_NAME = ".quicksave-lease.json"
-LEASE_FORMAT = 1
-MAX_LEASE_BYTES = 4096
 SETTLE_S = 1.0  # best-effort mode: how long a write must stay ours before it counts
 _MAX_CONTESTS = 20  # our conditional write lost to another writer this often: give up
-_MAX_EXPIRY_S = 86400.0  # a lease claiming a longer expiry is no lease (a watcher waits that long)
-
-
-@dataclass(frozen=True)
-class Holder:
-    """A process, as a lease names it. ``boot_id`` and ``pid_ns`` tell whether a pid
-    seen in a lease means a process that this machine can check (the same kernel boot
-    and pid namespace: not a container beside ours with the same host name)."""
-
-    host: str
-    pid: int
-    boot_id: str = ""
-    pid_ns: int = 0
-    proc_start: int = 0  # the process's start time, in clock ticks since boot
-
-    def same_machine(self, other: Holder) -> bool:
-        return bool(self.boot_id) and (self.host, self.boot_id, self.pid_ns) == (
-            other.host,
-            other.boot_id,
-            other.pid_ns,
-        )
-
-    def alive(self) -> bool:
-        """Whether this process still runs (call only for a :meth:`same_machine` one):
-        its pid exists and started when the lease says."""
-        start = _proc_start(self.pid)
-        return start is not None and (not self.proc_start or start == self.proc_start)
-
-    def describe(self) -> str:
-        return f"pid {self.pid} on host {self.host[:255]!r}"
-
-
-def this_process() -> Holder:
-    """The :class:`Holder` of the calling process."""
-    pid = os.getpid()
-    try:
-        with open("/proc/sys/kernel/random/boot_id", encoding="ascii") as f:
-            boot_id = f.read().strip()
-        pid_ns = os.stat("/proc/self/ns/pid").st_ino
-    except OSError:  # no /proc: no proof of death, only expiry
-        boot_id, pid_ns = "", 0
-    return Holder(socket.gethostname(), pid, boot_id, pid_ns, _proc_start(pid) or 0)
-
-
-def _proc_start(pid: int) -> int | None:
-    """Field 22 of ``/proc/<pid>/stat`` (start time), or None if there is no such pid."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            raw = f.read()
-    except OSError:
-        return None
-    try:
-        return int(raw[raw.rindex(b")") + 2 :].split()[19])
-    except (ValueError, IndexError):
-        return None
-
-
-@dataclass(frozen=True)
-class LeaseRecord:
-    """The content of the lease object (JSON, ``"lease": 1``)."""
-
-    token: str
-    holder: Holder
-    since: float  # POSIX seconds, holder's clock
-    renewed_at: float
-    renewals: int
-    expiry_s: float
-    renew_s: float
-    released: bool = False
-
-    def encode(self) -> bytes:
-        body = dataclasses.asdict(self)
-        return json.dumps({"lease": LEASE_FORMAT, **body}, sort_keys=True).encode()
-
-    @staticmethod
-    def decode(raw: bytes) -> LeaseRecord | None:
-        """The record, or None for anything that is not a lease of this format."""
-        try:
-            d = json.loads(raw.decode("utf-8"))
-            if d.get("lease") != LEASE_FORMAT:
-                return None
-            h = d["holder"]
-            record = LeaseRecord(
-                token=str(d["token"]),
-                holder=Holder(
-                    str(h["host"]),
-                    int(h["pid"]),
-                    str(h["boot_id"]),
-                    int(h["pid_ns"]),
-                    int(h["proc_start"]),
-                ),
-                since=float(d["since"]),
-                renewed_at=float(d["renewed_at"]),
-                renewals=int(d["renewals"]),
-                expiry_s=float(d["expiry_s"]),
-                renew_s=float(d["renew_s"]),
-                released=bool(d["released"]),
-            )
-        except (ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError):
-            return None
-        if not 0 < record.renew_s <= record.expiry_s <= _MAX_EXPIRY_S:
-            return None  # nobody renews on such terms: no lease to respect
-        return record
 
 
 class StoreLease:
@@ -299,7 +199,7 @@ class StoreLease:
                     logger.info(
                         "quicksave: %s is held by %s; watching it for up to %g s for a renewal",
                         self.folder,
-                        _describe(record),
+                        describe_holder(record),
                         expiry_s,
                     )
                 self._sleep(min(max(renew_s / 2, 0.05), expiry_s))
@@ -439,7 +339,7 @@ class StoreLease:
             "quicksave: lost the writer lease of %s to %s: another job writes this folder; "
             "this job deletes nothing there from now on (stop one of the two jobs)",
             self.folder,
-            _describe(to),
+            describe_holder(to),
         )
 
     def before_delete(self) -> None:
@@ -466,7 +366,7 @@ class StoreLease:
             self._sleep(left)
         if self._lost is not None:
             raise CheckpointError(
-                f"this job lost the folder's writer lease to {_describe(self._lost)}; it "
+                f"this job lost the folder's writer lease to {describe_holder(self._lost)}; it "
                 "deletes nothing",
                 path=self.path,
             )
@@ -525,7 +425,7 @@ class StoreLease:
 
     def holder(self) -> str:
         """Who holds the lease (for messages): the live writer that refused us."""
-        return _describe(self._other)
+        return describe_holder(self._other)
 
     def release(self) -> None:
         """Stop renewing and mark the lease released (conditionally: never over another
@@ -594,15 +494,6 @@ def _terms(record: LeaseRecord | None, mine: StoreLease) -> tuple[float, float]:
     if record is None:
         return mine.renew_s, mine.expiry_s
     return record.renew_s, record.expiry_s
-
-
-def _describe(record: LeaseRecord | str | None) -> str:
-    if record is None:
-        return "an unknown process (a lease object this version cannot read)"
-    if isinstance(record, str):
-        return record
-    since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(record.since))
-    return f"{record.holder.describe()} since {since} (lease renewed every {record.renew_s:g} s)"
 
 
 class GuardedBackend:
