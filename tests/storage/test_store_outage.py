@@ -135,11 +135,13 @@ def _await(ctl: str, name: str) -> None:
 
 
 class _Operator:
-    """The test process's side: kills and restarts the server when rank 0 asks."""
+    """The test process's side: kills and restarts the server when rank 0 asks (or,
+    with ``outage_s``, restarts it by itself that long after the kill)."""
 
-    def __init__(self, server: SeaweedServer, ctl: str) -> None:
-        self.server, self.ctl = server, ctl
+    def __init__(self, server: SeaweedServer, ctl: str, outage_s: float | None = None) -> None:
+        self.server, self.ctl, self.outage_s = server, ctl, outage_s
         self.done = threading.Event()
+        self.times: dict[str, float] = {}
         self.error: BaseException | None = None
         self.thread = threading.Thread(target=self._run, daemon=True)
         self.thread.start()
@@ -147,10 +149,16 @@ class _Operator:
     def _run(self) -> None:
         try:
             for ask, act, news in (("kill", self.server.kill, "down"), ("restart", None, "up")):
-                while not os.path.exists(os.path.join(self.ctl, ask)):
+                if ask == "restart" and self.outage_s is not None:
+                    if self.done.wait(self.outage_s):
+                        return
+                while ask != "restart" or self.outage_s is None:
+                    if os.path.exists(os.path.join(self.ctl, ask)):
+                        break
                     if self.done.wait(0.05):
                         return
                 (act or self.server.restart)()
+                self.times[news] = time.monotonic()
                 _mark(self.ctl, news)
         except BaseException as e:  # noqa: BLE001 - reported by stop()
             self.error = e
@@ -200,6 +208,8 @@ def _config(folder: str, policy: str) -> Any:
     from quicksave.manager import CheckpointConfig
     from quicksave.storage import StorageOptions
 
+    if policy == "defaults":  # retry_deadline_s=60, on_save_error="raise"
+        return CheckpointConfig(folder=folder, interval=2, keep_latest_k=2)
     s3 = S3Options(retry_deadline_s=DEADLINE_S, connect_timeout_s=1.0, read_timeout_s=10.0)
     return CheckpointConfig(
         folder=folder,
@@ -227,14 +237,18 @@ def _rank_outage(
     job = _Job()
     manager = CheckpointManager(_config(folder, policy), job.states())
     raised: list[tuple[int, str]] = []
+    longest = 0.0
     for step in range(1, STEPS + 1):
         job.step()
+        began = time.monotonic()
         try:
             manager.save(step)
         except CheckpointError as e:
             raised.append((step, f"{type(e).__name__}: {e}"))
             if policy == "raise":
                 break
+        finally:
+            longest = max(longest, time.monotonic() - began)
         if step == DOWN_AFTER:
             # Step 6 becomes durable but its commit is not seen yet: step 7, with
             # nothing due, collects it and runs retention while the server is down.
@@ -242,7 +256,7 @@ def _rank_outage(
             if rank == 0:
                 _mark(ctl, "kill")
             _await(ctl, "down")
-        if step == UP_AFTER:
+        if step == UP_AFTER and policy != "defaults":
             manager.wait()  # settles the outage's saves on every rank ("log": no raise)
             break
     during = {"failed_saves": manager.failed_saves, "steps": job.train_state.step}
@@ -261,6 +275,7 @@ def _rank_outage(
         "statuses": {r.step: r.status for r in manager.metrics},
         "committed": manager.committed_steps(),
         "digest": job.digest(),
+        "longest_save_s": longest,
         "retention_failed": any("retention or clean-up in" in w for w in warnings),
     }
 
@@ -284,12 +299,14 @@ def _objects(server: SeaweedServer, bucket: str, prefix: str) -> list[str]:
         client.close()
 
 
-def _run(server: SeaweedServer, bucket: str, tmp_path: Path, policy: str) -> list[dict]:
+def _run(
+    server: SeaweedServer, bucket: str, tmp_path: Path, policy: str, outage_s: float | None = None
+) -> list[dict]:
     ctl = tmp_path / f"ctl-{policy}"
     ctl.mkdir()
-    operator = _Operator(server, str(ctl))
+    operator = _Operator(server, str(ctl), outage_s)
     try:
-        return run_ranks(
+        results = run_ranks(
             _rank_outage,
             2,
             f"s3://{bucket}/run",
@@ -300,6 +317,10 @@ def _run(server: SeaweedServer, bucket: str, tmp_path: Path, policy: str) -> lis
         )
     finally:
         operator.stop()
+    down = operator.times["up"] - operator.times["down"]
+    longest = max(r["longest_save_s"] for r in results)
+    print(f"outage campaign ({policy}): server down {down:.1f} s; longest save() {longest:.1f} s")
+    return results
 
 
 def test_log_policy_two_ranks_ride_out_a_stopped_server(server, bucket, tmp_path):
@@ -346,3 +367,14 @@ def test_raise_policy_both_ranks_raise_the_same_error_at_the_same_save(server, b
     for r in results:  # the job carried on after the error: later saves committed
         assert r["committed"] == [18, 20], r
     assert results[0]["retention_failed"]  # at step 7, which raised nothing
+
+
+def test_with_the_defaults_a_short_outage_is_ridden_out_without_a_failure(server, bucket, tmp_path):
+    # The issue's outage (~15 s with the restart) against the default retry_deadline_s
+    # of 60 s: the saves made while the server is down wait for it and commit.
+    results = _run(server, bucket, tmp_path, "defaults", outage_s=12.0)
+    for rank, r in enumerate(results):
+        assert r["raised"] == [] and r["failed_saves"] == 0, (rank, r)
+        assert set(r["statuses"].values()) == {"committed"}, (rank, r["statuses"])
+        assert sorted(r["statuses"]) == list(range(2, STEPS + 1, 2))
+        assert r["committed"] == [18, 20], (rank, r)
