@@ -12,7 +12,7 @@ import gc
 import math
 import os
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -528,10 +528,35 @@ def load(
             require_committed(loc, backend=backend)
             reader = StorageReader(loc, thread_count=thread_count, backend=backend)
             reader.read_manifest()  # fail fast on a bad manifest, before DCP planning
-        _load_with(reader, state_dict, path, strict, process_group, allow_dcp_pickle)
+        undos = _prepare_destinations(state_dict, reader)
+        try:
+            _load_with(reader, state_dict, path, strict, process_group, allow_dcp_pickle)
+        except BaseException:
+            for undo in undos:  # e.g. uninitialised optimizer state: never trained with
+                undo()
+            raise
     finally:
         if backend is not None:
             backend.close()
+
+
+def _prepare_destinations(state_dict: Mapping[str, Any], reader: Any) -> list[Callable[[], None]]:
+    """Let each top-level value with a ``prepare_load(stored, prefix)`` method shape its
+    destinations from the checkpoint's metadata before DCP asks for its state dict (an
+    ``OptimizerState`` whose optimizer has no state yet allocates it, instead of
+    torch's zero-gradient step). Returns the functions that undo it, for a failed load."""
+    preparing = [
+        (k, v) for k, v in state_dict.items() if callable(getattr(v, "prepare_load", None))
+    ]
+    if not preparing:
+        return []
+    stored = reader.read_metadata().state_dict_metadata
+    undos = []
+    for key, value in preparing:
+        undo = value.prepare_load(stored, f"{key}.")
+        if undo is not None:
+            undos.append(undo)
+    return undos
 
 
 def _load_with(

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import logging
 import random
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
@@ -45,6 +45,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from ..collect import iter_leaves
 from ..errors import IncompatibleStateError, rank_of_this_process
+from .optim_restore import allocate_optimizer_state
 
 logger = logging.getLogger("quicksave")
 
@@ -156,9 +157,42 @@ class OptimizerState:
             "OptimizerState",
         )
 
+    def prepare_load(self, stored: Mapping[str, Any], prefix: str) -> Callable[[], None] | None:
+        """Before a load (the loader calls it): each optimizer without state gets the
+        state tensors the checkpoint holds for it, allocated from the checkpoint's
+        metadata, so that the load reads into them and no optimizer step is run to
+        create them (``optim_restore.py``).
+
+        Args:
+            stored: the checkpoint's fqns mapped to their DCP storage metadata.
+            prefix: this state's name in the checkpoint plus a dot.
+
+        Returns:
+            A function that takes the allocated state back (the load failed), or None
+            when nothing was allocated.
+        """
+        undos = [
+            undo
+            for part, optim in zip(self.parts, self.optimizers, strict=True)
+            if (undo := allocate_optimizer_state(part, optim, stored, prefix)) is not None
+        ]
+        if not undos:
+            return None
+
+        def undo_all() -> None:
+            for undo in undos:
+                undo()
+
+        return undo_all
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         for part, optim in zip(self.parts, self.optimizers, strict=True):
             set_optimizer_state_dict(part, optim, state_dict, options=_FLAT)
+            # DCP gives every parameter an entry, {} where the checkpoint holds none (a
+            # parameter that never had a gradient); a flattened checkpoint cannot hold
+            # an empty entry, so none is state: drop them, as the saved optimizer had.
+            for param in [p for p, entry in optim.state.items() if not entry]:
+                del optim.state[param]
 
 
 @dataclass
