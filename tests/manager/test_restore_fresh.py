@@ -214,3 +214,30 @@ def test_a_parameter_without_state_is_restored_without_state(tmp_path: Path) -> 
     _assert_exact(_everything(model, optim), saved)
     _step(model, optim, 3)
     _assert_exact(_everything(model, optim), later[0])
+
+
+def test_the_optimizer_holds_the_tensors_the_checkpoint_was_read_into(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No second copy: the tensors allocated before the read are the optimizer's state
+    after ``load_state_dict``."""
+    import quicksave.manager.states as states_module
+
+    folder = str(tmp_path / "ckpt")
+    _trained("adam-amsgrad", folder, steps=2, more=0)
+    allocated: dict[int, torch.Tensor] = {}
+    allocate = states_module.allocate_optimizer_state
+
+    def spy(model, optimizer, stored, prefix):  # type: ignore[no-untyped-def]
+        undo = allocate(model, optimizer, stored, prefix)
+        for entry in optimizer.state.values():
+            allocated.update({id(v): v for v in entry.values() if isinstance(v, torch.Tensor)})
+        return undo
+
+    monkeypatch.setattr(states_module, "allocate_optimizer_state", spy)
+    model, optim = _job("adam-amsgrad", seed=1)
+    quicksave.load(_states(model, optim), os.path.join(folder, "step-2"))
+    held = [v for entry in optim.state.values() for v in entry.values()]
+    # step, exp_avg, exp_avg_sq, max_exp_avg_sq of every parameter
+    assert len(held) == 4 * len(list(model.parameters()))
+    assert all(id(v) in allocated for v in held)
