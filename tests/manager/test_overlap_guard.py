@@ -137,6 +137,18 @@ def differing(expected: dict[str, Any], got: dict[str, Any]) -> list[str]:
     return out
 
 
+def loaded(folder: Path, kind: str, step: int) -> dict[str, Any]:
+    """The states of a fresh ``Loop(kind)`` after loading ``step`` from ``folder``."""
+    fresh = Loop(kind)
+    fresh_states = fresh.states()
+    if fresh.registered:  # optimizer state to load into
+        fresh.step()
+    config = CheckpointConfig(folder=str(folder), async_mode="disabled")
+    with CheckpointManager(config, fresh_states) as reader:
+        assert reader.load(step) == step
+    return snapshot(fresh_states)
+
+
 def run(tmp_path: Path, kind: str, mode: str, steps: int = SAVE_AT + 4) -> dict[str, Any]:
     """Train ``steps`` steps with a save every ``SAVE_AT``; the write under test comes
     right after ``save(SAVE_AT)`` returns. Returns what each save's step ended as."""
@@ -169,16 +181,7 @@ def run(tmp_path: Path, kind: str, mode: str, steps: int = SAVE_AT + 4) -> dict[
     for step in committed:
         if step not in expected:
             continue
-        fresh = Loop(kind)
-        fresh_states = fresh.states()
-        if fresh.registered:  # optimizer state to load into
-            fresh.step()
-        reader = CheckpointManager(
-            CheckpointConfig(folder=str(tmp_path / "ckpt"), async_mode="disabled"), fresh_states
-        )
-        with reader:
-            assert reader.load(step) == step
-        torn[step] = differing(expected[step], snapshot(fresh_states))
+        torn[step] = differing(expected[step], loaded(tmp_path / "ckpt", kind, step))
     return {"committed": committed, "torn": torn, "errors": errors, "expected": set(expected)}
 
 
@@ -236,14 +239,7 @@ def test_writes_through_data_are_not_seen_by_the_counters_so_wait_first(tmp_path
         manager.maybe_wait_for_staging()
         for q in loop.model.parameters():
             q.data.mul_(0.5)
-    fresh = Loop("data_write")
-    fresh_states = fresh.states()
-    fresh.step()
-    with CheckpointManager(
-        CheckpointConfig(folder=str(tmp_path / "ckpt"), async_mode="disabled"), fresh_states
-    ) as reader:
-        assert reader.load() == SAVE_AT
-    assert differing(expected, snapshot(fresh_states)) == []
+    assert differing(expected, loaded(tmp_path / "ckpt", "data_write", SAVE_AT)) == []
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -289,11 +285,4 @@ def test_a_tensor_written_between_the_step_and_save_is_copied_in_save(tmp_path: 
         expected = snapshot(states)
         loop.step()  # the next step waits for the background copy
     assert manager.committed_steps() == [SAVE_AT]
-    fresh = Loop("inplace_edit")
-    fresh_states = fresh.states()
-    fresh.step()
-    with CheckpointManager(
-        CheckpointConfig(folder=str(tmp_path / "ckpt"), async_mode="disabled"), fresh_states
-    ) as reader:
-        assert reader.load() == SAVE_AT
-    assert differing(expected, snapshot(fresh_states)) == []
+    assert differing(expected, loaded(tmp_path / "ckpt", "inplace_edit", SAVE_AT)) == []
