@@ -116,7 +116,7 @@ class StoreClients:
                 daemon=True,
             )
             self._connecting[address] = t
-        t.start()
+            t.start()  # under the lock: get() may join it as soon as it is listed
 
     def _connect(self, address: StoreAddress, timeout_s: float) -> None:
         try:
