@@ -410,7 +410,10 @@ def _store_for(job: PersistJob, stores: records.StoreClients) -> Any:
     (the job then fails: execute_job reports "needs the ranks' store")."""
     if job.dist is None:
         return None
-    return stores.get(job.dist.store, job.dist.timeout_s)
+    try:
+        return stores.get(job.dist.store, job.dist.timeout_s)
+    except Exception:  # noqa: BLE001 - never out of the worker's loop: the job fails
+        return None
 
 
 def commit_files(
