@@ -523,12 +523,12 @@ def load(
         kind = classify(loc, backend)
         if kind is CheckpointKind.DCP:
             reader: Any = DCPReader(loc, allow_pickle=allow_dcp_pickle, backend=backend)
-            reader.read_metadata()  # fail fast on a refused pickle, before DCP planning
         else:
             require_committed(loc, backend=backend)
             reader = StorageReader(loc, thread_count=thread_count, backend=backend)
-            reader.read_manifest()  # fail fast on a bad manifest, before DCP planning
-        undos = _prepare_destinations(state_dict, reader)
+        # fail fast on a refused pickle or a bad manifest, before DCP planning
+        metadata = reader.read_metadata()
+        undos = _prepare_destinations(state_dict, metadata)
         try:
             _load_with(reader, state_dict, path, strict, process_group, allow_dcp_pickle)
         except BaseException:
@@ -540,20 +540,18 @@ def load(
             backend.close()
 
 
-def _prepare_destinations(state_dict: Mapping[str, Any], reader: Any) -> list[Callable[[], None]]:
+def _prepare_destinations(
+    state_dict: Mapping[str, Any], metadata: Metadata
+) -> list[Callable[[], None]]:
     """Let each top-level value with a ``prepare_load(stored, prefix)`` method shape its
     destinations from the checkpoint's metadata before DCP asks for its state dict (an
     ``OptimizerState`` whose optimizer has no state yet allocates it, instead of
     torch's zero-gradient step). Returns the functions that undo it, for a failed load."""
-    preparing = [
-        (k, v) for k, v in state_dict.items() if callable(getattr(v, "prepare_load", None))
-    ]
-    if not preparing:
-        return []
-    stored = reader.read_metadata().state_dict_metadata
     undos = []
-    for key, value in preparing:
-        undo = value.prepare_load(stored, f"{key}.")
+    for key, value in state_dict.items():
+        if not callable(getattr(value, "prepare_load", None)):
+            continue
+        undo = value.prepare_load(metadata.state_dict_metadata, f"{key}.")
         if undo is not None:
             undos.append(undo)
     return undos

@@ -75,6 +75,16 @@ def _allocate(param: torch.Tensor, md: TensorStorageMetadata) -> torch.Tensor | 
     return torch.empty(shape, dtype=dtype, device=param.device)
 
 
+def _in_creation_order(entries: dict[str, Any]) -> dict[str, Any]:
+    """A parameter's state keys as torch's optimizers create them, as far as the
+    checkpoint tells: the stored order (a quicksave manifest sorts it, a DCP
+    ``.metadata`` keeps it) with ``step`` first. That is the optimizer's own order for
+    Adam, AdamW, SGD, RAdam, Adamax, Rprop, so the state, and the staging plan of the
+    next save, are laid out exactly as before the restart; elsewhere only the order of
+    the keys differs, never a value."""
+    return {k: entries[k] for k in sorted(entries, key=lambda k: k != "step")}
+
+
 def _nest(entries: dict[str, Any]) -> dict[str, Any]:
     """``{"a.b": v}`` → ``{"a": {"b": v}}``: the nested state some optimizers keep,
     flattened by DCP into dotted keys."""
@@ -85,6 +95,26 @@ def _nest(entries: dict[str, Any]) -> dict[str, Any]:
         for head in heads:
             node = node.setdefault(head, {})
         node[last] = value
+    return out
+
+
+def _stored_by_param(
+    stored: Mapping[str, Any], head: str, names: set[str]
+) -> dict[str, dict[str, Any]]:
+    """The stored entries under ``head`` (``<name>.state.``) grouped by parameter fqn:
+    ``{fqn: {key: metadata}}``. The fqn is the shortest dotted prefix that names a
+    parameter (a parameter's name never continues into another's: its owner would be
+    a parameter and a module at once)."""
+    out: dict[str, dict[str, Any]] = {}
+    for key, md in stored.items():
+        if not key.startswith(head):
+            continue
+        rest = key[len(head) :]
+        dot = rest.find(".")
+        while dot != -1 and rest[:dot] not in names:
+            dot = rest.find(".", dot + 1)
+        if dot != -1:
+            out.setdefault(rest[:dot], {})[rest[dot + 1 :]] = md
     return out
 
 
@@ -116,31 +146,29 @@ def allocate_optimizer_state(
     fqns = _param_fqns(model)
     if fqns is None:
         return None
+    held = _stored_by_param(stored, f"{prefix}{STATE}.", set(fqns.values()))
     state: dict[torch.Tensor, dict[str, Any]] = {}
     for group in optimizer.param_groups:
         for param in group["params"]:
             fqn = fqns.get(param)
-            if fqn is None:
-                continue
-            head = f"{prefix}{STATE}.{fqn}."
             entries: dict[str, Any] = {}
-            for key, md in stored.items():
-                if not key.startswith(head):
-                    continue
+            for key, md in held.get(fqn, {}).items() if fqn is not None else ():
                 if isinstance(md, TensorStorageMetadata):
                     value = _allocate(param.detach(), md)
                     if value is None:
                         logger.debug(
-                            "quicksave: %s has no known layout; the optimizer state is "
-                            "created by a zero-gradient step",
+                            "quicksave: %s%s.%s has no known layout; the optimizer state "
+                            "is created by a zero-gradient step",
+                            prefix,
+                            fqn,
                             key,
                         )
                         return None
-                    entries[key[len(head) :]] = value
+                    entries[key] = value
                 else:
-                    entries[key[len(head) :]] = 0  # a number or object: replaced whole
+                    entries[key] = 0  # a number or object: replaced whole by the load
             if entries:
-                state[param] = _nest(entries)
+                state[param] = _nest(_in_creation_order(entries))
     if not state:
         return None
     optimizer.state.update(state)
