@@ -123,10 +123,12 @@ class CheckpointManager:
     its worker started here; ``save()`` returns after staging (at once for parameters
     and optimizer states with ``staging="overlap"``), the checkpoint commits in the
     background, and errors surface as ``CheckpointError`` from a later ``save()``,
-    ``load()`` or ``close()``. ``metrics`` holds one :class:`SaveRecord` per checkpoint,
-    completed when it commits. The manager adds step hooks to the optimizers of its
-    :class:`OptimizerState` states (removed by ``close()``); a loop that changes
-    parameters otherwise must call :meth:`maybe_wait_for_staging` first.
+    ``wait()``, ``load()`` or ``close()``, on every rank at the same call (or are logged
+    and counted: ``on_save_error="log"``, :attr:`failed_saves`). ``metrics`` holds one
+    :class:`SaveRecord` per checkpoint, completed when it commits. The manager adds step
+    hooks to the optimizers of its :class:`OptimizerState` states (removed by
+    ``close()``); a loop that changes parameters otherwise must call
+    :meth:`maybe_wait_for_staging` first.
 
     Read-only managers (``config.read_only``, or another live process holds the
     folder's writer lease): ``load()`` and the listings work; nothing in the folder is
