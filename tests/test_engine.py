@@ -101,20 +101,14 @@ def test_overlap_staging_saves_values_at_save_time(
     """save(deferred=...) returns before the deferred copies; the checkpoint still holds
     the values at save() time, both for deferred and for immediately staged tensors."""
     release = threading.Event()
-    real_stage, real_hashed = stage.StagingPool.stage, stage.StagingPool.stage_hashed
+    real_stage_many = stage.StagingPool.stage_many  # every copy into a pool goes through it
 
-    def gated(self, dest, src, non_blocking=False):  # holds the background copies only
+    def gated(self, items, digests=None, *, non_blocking=False):  # the background copies only
         if threading.current_thread().name == "quicksave-stage":
             assert release.wait(30)
-        return real_stage(self, dest, src, non_blocking)
+        return real_stage_many(self, items, digests, non_blocking=non_blocking)
 
-    def gated_hashed(self, dest, src):  # the background thread copies and hashes
-        if threading.current_thread().name == "quicksave-stage":
-            assert release.wait(30)
-        return real_hashed(self, dest, src)
-
-    monkeypatch.setattr(stage.StagingPool, "stage", gated)
-    monkeypatch.setattr(stage.StagingPool, "stage_hashed", gated_hashed)
+    monkeypatch.setattr(stage.StagingPool, "stage_many", gated)
     sd = {f"p{i}": torch.full((4096,), float(i)) for i in range(4)}
     sd["bn_mean"] = torch.full((16,), 0.5)
     expect = {k: v.clone() for k, v in sd.items()}

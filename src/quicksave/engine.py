@@ -54,7 +54,7 @@ from .format.manifest import (
 from .guard import Snapshot, torn_copy_error
 from .keypaths import structure
 from .plan import ItemSpec, RankLayout, layout_rank
-from .stage import StagingPool, digest_of
+from .stage import StagingPool
 from .storage import Location, StorageOptions, parse_location
 from .storage.backend import Backend
 from .worker import (
@@ -317,6 +317,7 @@ class AsyncSaver:
         # every rank has their outcome at the latest (see _ready).
         self._lost: dict[str, float] = {}
         self._prepare_thread: threading.Thread | None = None  # see prepare()
+        self._span_cache: tuple[tuple, StagingPool, dict[str, tuple[int, int]]] | None = None
         self._persister = self._new_persister()  # started now: the first save pays no start-up
         atexit.register(self._atexit)
 
@@ -840,6 +841,7 @@ class AsyncSaver:
 
     def _pool_for(self, slot: _Slot, plan: _Plan) -> StagingPool:
         persister = self._persister_for_submit()
+        self._adopt(plan)
         if slot.pool is None or slot.plan_key != plan.key:
             if slot.pool is not None:
                 persister.unmap_pool(slot.pool_id)
@@ -854,6 +856,20 @@ class AsyncSaver:
             )
             self._mapped.add(slot.pool_id)
         return slot.pool
+
+    def _adopt(self, plan: _Plan) -> None:
+        """Free pools of another plan whose file images match ``plan``'s are kept for it
+        (``StagingPool.adopt``): a plan changes with the order of the state dict (e.g.
+        an optimizer state loaded from a checkpoint lists its keys in another order) or
+        with its non-tensor names, while the layout, sorted by name, stays the same."""
+        for slot in self._slots:
+            if (
+                slot.busy is None
+                and slot.pool is not None
+                and slot.plan_key != plan.key
+                and slot.pool.adopt(plan.layout)
+            ):
+                slot.plan_key = plan.key
 
     # ------------------------------------------------------------------ staging
     def _split(self, plan: _Plan, tensors: dict[str, torch.Tensor], deferred: Deferred | None):
@@ -880,34 +896,40 @@ class AsyncSaver:
         ready: torch.cuda.Event | None = None,
     ) -> int:
         """Copy ``fqns`` into the pool; return the bytes copied. With ``digests``, also
-        hash every copied chunk into it (chunk key -> xxh3-64 hex): CPU tensors in the
-        same pass as the copy (``stage_hashed``), CUDA ones from the pool once their
-        copies are done. CUDA copies run on a side stream that first waits for
-        ``ready`` (recorded on the training thread's stream at ``save()``: the kernels
-        that wrote the state, e.g. the optimizer step, may still be queued there)."""
-        cuda = any(tensors[f].is_cuda for f in fqns)
+        hash every copied chunk into it (chunk key -> xxh3-64 hex): CPU tensors right as
+        they are copied, CUDA ones from the pool once their copies are done
+        (``StagingPool.stage_many``: small tensors in batches, one torch call each).
+        CUDA copies run on a side stream that first waits for ``ready`` (recorded on the
+        training thread's stream at ``save()``: the kernels that wrote the state, e.g.
+        the optimizer step, may still be queued there)."""
+        spans = self._spans(plan, pool)
+        keys = plan.keys
+        items = [(keys.get(n, n), *spans[n], tensors[n]) for n in fqns]
+        cuda = any(it[3].is_cuda for it in items)
         stream = torch.cuda.Stream() if cuda else None
         if stream is not None and ready is not None:
             stream.wait_event(ready)
         ctx = torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
-        copied = 0
-        after: list[str] = []  # hashed once the side stream's copies are done
         with ctx:
-            for name in fqns:
-                file, offset, length = plan.places[name]
-                view = pool.view(file, offset, length)
-                copied += length
-                if digests is not None and not tensors[name].is_cuda:
-                    digests[plan.keys.get(name, name)] = pool.stage_hashed(view, tensors[name])
-                    continue
-                pool.stage(view, tensors[name], non_blocking=pool.pinned)
-                if digests is not None:
-                    after.append(name)
+            after = pool.stage_many(items, digests, non_blocking=pool.pinned)
         if stream is not None:
             stream.synchronize()
-        for name in after:
-            digests[plan.keys.get(name, name)] = digest_of(pool.view(*plan.places[name]))
-        return copied
+        for key, offset, length in after:
+            assert digests is not None
+            digests[key] = pool.digest(offset, length)
+        return sum(it[2] for it in items)
+
+    def _spans(self, plan: _Plan, pool: StagingPool) -> dict[str, tuple[int, int]]:
+        """Staged name -> (pool offset, length) of ``plan`` (kept for the latest plan)."""
+        cached = self._span_cache
+        if cached is not None and cached[0] == plan.key and cached[1] is pool:
+            return cached[2]
+        spans = {
+            name: (pool.pool.base_of(file) + offset, length)
+            for name, (file, offset, length) in plan.places.items()
+        }
+        self._span_cache = (plan.key, pool, spans)
+        return spans
 
     def _stage_in_background(
         self, pool, plan, tensors, fqns, handle: SaveHandle, ready: torch.cuda.Event | None
@@ -1200,6 +1222,7 @@ class AsyncSaver:
             except CheckpointError as e:
                 logger.debug("quicksave: nothing prepared: %s", e)
                 return None
+            self._adopt(plan)
             n = sum(s.plan_key != plan.key for s in self._slots)
             if n == 0:
                 return None

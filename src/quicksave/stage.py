@@ -34,7 +34,7 @@ import ctypes
 import mmap
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -50,6 +50,10 @@ from .plan import RankLayout
 # hashed right after its copy, large enough that the Python loop costs nothing (~6k
 # iterations per 1.6 GB).
 HASH_BLOCK = 256 << 10
+# Tensors up to HASH_BLOCK are staged in batches: one torch call copies a batch of up to
+# BATCH_BYTES (still in the cache when each tensor is hashed right after), instead of a
+# Python call per tensor (a language model holds ~1,000 such biases, norms and steps).
+BATCH_BYTES = 1 << 20
 _HEADROOM = 1 << 30  # memory a page shield always leaves available to everyone else
 
 
@@ -127,6 +131,21 @@ def digest_of(view: torch.Tensor) -> str:
     return hexdigest(xxhash.xxh3_64(view.numpy()).intdigest())
 
 
+# What to stage where: (key, pool offset, length, tensor); the key names the digest.
+Item = tuple[str, int, int, torch.Tensor]
+
+
+def _plain_cpu(src: torch.Tensor, nbytes: int) -> bool:
+    """A CPU tensor whose bytes are one piece, as they are (``memmove``-able)."""
+    return (
+        src.device.type == "cpu"
+        and src.is_contiguous()
+        and not src.is_conj()
+        and not src.is_neg()
+        and src.numel() * src.dtype.itemsize == nbytes
+    )
+
+
 def _align(n: int) -> int:
     return (n + ALIGNMENT - 1) // ALIGNMENT * ALIGNMENT
 
@@ -191,6 +210,8 @@ class StagingPool:
         self.nbytes = self.pool.nbytes
         self.fd = -1
         self._mm: mmap.mmap | None = None
+        self._bytes: memoryview | None = None
+        self._typed: dict[tuple, torch.Tensor] = {}
         self._registered = False
         shield = shield_free_pages(self.nbytes) if populate else contextlib.nullcontext()
         try:
@@ -210,6 +231,7 @@ class StagingPool:
                 f"memory: {e.strerror}; lower max_in_flight or free memory"
             ) from e
         self.buffer = torch.frombuffer(self._mm, dtype=torch.uint8)
+        self._bytes = memoryview(self._mm)  # for hashing slices without a tensor each
         self._write_headers()
         want_pin = torch.cuda.is_available() if pin is None else pin
         if want_pin:
@@ -231,6 +253,27 @@ class StagingPool:
                 self.buffer[pf.base + off : pf.base + off + len(fixed)].copy_(
                     torch.frombuffer(bytearray(fixed), dtype=torch.uint8)
                 )
+
+    def adopt(self, layout: RankLayout) -> bool:
+        """Take ``layout`` for this pool's memory if its file images lie at the same
+        places with the same sizes (the tensors' order in the state dict, names or
+        values that are not tensors may differ): the headers are rewritten and the gaps
+        between tensors cleared, nothing is allocated or faulted in. Returns False (and
+        changes nothing) if the images differ. Call only while no save uses the pool."""
+        if layout == self.layout:
+            return True
+        if pool_layout(layout) != self.pool:
+            return False
+        self.layout = layout
+        self._typed.clear()
+        for f, pf in zip(layout.files, self.pool.files, strict=True):
+            cur = f.data_start
+            for e in sorted(f.entries, key=lambda e: e.offset):
+                if e.offset > cur:
+                    self.buffer[pf.base + cur : pf.base + e.offset].zero_()
+                cur = max(cur, e.offset + e.length)
+        self._write_headers()  # after the gaps: the torch legacy prefixes lie in them
+        return True
 
     def touch(self) -> None:
         """Fault in every page of the pool (one write per page; the memory-map lock is
@@ -276,13 +319,7 @@ class StagingPool:
             return hexdigest(h.intdigest())
         src = src.detach()
         arr = dest.numpy()
-        if (
-            src.device.type == "cpu"
-            and src.is_contiguous()
-            and not src.is_conj()
-            and not src.is_neg()
-            and src.numel() * src.dtype.itemsize == n
-        ):
+        if _plain_cpu(src, n):
             s, d = src.data_ptr(), dest.data_ptr()
             for a in range(0, n, HASH_BLOCK):
                 b = min(n, a + HASH_BLOCK)
@@ -293,11 +330,90 @@ class StagingPool:
             return digest_of(dest)
         return hexdigest(h.intdigest())
 
+    def digest(self, offset: int, length: int) -> str:
+        """The xxh3-64 (hex) of the pool bytes ``[offset, offset + length)``."""
+        assert self._bytes is not None
+        return hexdigest(xxhash.xxh3_64_intdigest(self._bytes[offset : offset + length]))
+
+    def _target(self, offset: int, length: int, src: torch.Tensor) -> torch.Tensor:
+        """The pool bytes at ``offset`` as a tensor of ``src``'s dtype and shape (made
+        once per place and kept: later saves of the same plan copy into it at once)."""
+        key = (offset, src.dtype, src.shape)
+        target = self._typed.get(key)
+        if target is None:
+            target = self.buffer[offset : offset + length].view(src.dtype).view(src.shape)
+            self._typed[key] = target
+        return target
+
+    def stage_many(
+        self,
+        items: Sequence[Item],
+        digests: dict[str, str] | None = None,
+        *,
+        non_blocking: bool = False,
+    ) -> list[tuple[str, int, int]]:
+        """Copy every ``(key, offset, length, tensor)`` of ``items`` into the pool bytes
+        at ``offset``, like :meth:`stage`; with ``digests``, put each one's xxh3-64 (hex)
+        under its key, exactly as :meth:`stage_hashed` and :func:`digest_of` give it.
+
+        Tensors up to :data:`HASH_BLOCK` bytes and those on a GPU are copied in batches
+        (one ``torch._foreach_copy_`` per :data:`BATCH_BYTES`, CPU ones hashed right
+        after their batch); a larger CPU tensor is copied and hashed in one pass
+        (:meth:`stage_hashed`). A batch that torch cannot copy as typed tensors (dtypes
+        without copy kernels) is staged tensor by tensor.
+
+        Returns:
+            ``(key, offset, length)`` of the GPU tensors still to hash (with ``digests``)
+            once their copies, queued on the current stream, are done.
+        """
+        later: list[tuple[str, int, int]] = []
+        batch: list[Item] = []
+        size = 0
+
+        def flush() -> None:
+            self._copy_batch(batch, non_blocking)
+            if digests is not None:
+                for key, offset, length, src in batch:
+                    if src.is_cuda:
+                        later.append((key, offset, length))
+                    else:
+                        digests[key] = self.digest(offset, length)
+            batch.clear()
+
+        for item in items:
+            key, offset, length, src = item
+            if digests is not None and length > HASH_BLOCK and not src.is_cuda:
+                digests[key] = self.stage_hashed(self.buffer[offset : offset + length], src)
+                continue
+            if batch and (size + length > BATCH_BYTES or batch[-1][3].device != src.device):
+                flush()
+                size = 0
+            batch.append(item)
+            size += length
+        if batch:
+            flush()
+        return later
+
+    def _copy_batch(self, batch: Sequence[Item], non_blocking: bool) -> None:
+        items = [it for it in batch if it[2] > 0]
+        try:
+            targets = [self._target(off, n, src) for _, off, n, src in items]
+            with torch.no_grad():
+                torch._foreach_copy_(targets, [src for *_, src in items], non_blocking=non_blocking)
+        except (RuntimeError, TypeError):
+            # dtypes without typed views or copy kernels (bits*, sub-byte ints)
+            for _, off, n, src in items:
+                self.stage(self.buffer[off : off + n], src, non_blocking=non_blocking)
+
     def close(self) -> None:
         """Release the memory (the worker's mapping keeps it alive until it unmaps)."""
         if self._registered:
             torch.cuda.cudart().cudaHostUnregister(self.buffer.data_ptr())
             self._registered = False
+        self._typed = {}
+        if self._bytes is not None:
+            self._bytes.release()
+            self._bytes = None
         self.buffer = None  # type: ignore[assignment]
         if self._mm is not None:
             try:

@@ -229,3 +229,31 @@ def _flat(model: nn.Module, optim: torch.optim.Optimizer) -> dict[str, torch.Ten
         for key, v in st.items():
             out[f"optimizer.{names[p]}.{key}"] = v
     return out
+
+
+def test_a_resumed_job_keeps_the_pool_built_at_construction(
+    tmp_path: Path, pools: type[_Counting]
+) -> None:
+    model, optim, step = _job("adamw")
+    manager = _manager(tmp_path, model, optim)
+    try:
+        for i in range(1, 3):
+            step()
+            manager.save(i)
+    finally:
+        manager.close()
+    built = pools.built
+    # A resumed job: the pool is planned from the prediction at construction; the load
+    # fills the optimizer state with the predicted tensors
+    model2, optim2, step2 = _job("adamw")
+    resumed = _manager(tmp_path, model2, optim2)
+    try:
+        assert pools.built == built + 1
+        assert resumed.load() == 2
+        step2()
+        resumed.save(4, force=True)
+        resumed.wait(60)
+        assert pools.built == built + 1  # neither the load nor the first save built one
+        assert resumed.metrics[-1].status == "committed"
+    finally:
+        resumed.close()

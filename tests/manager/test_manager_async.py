@@ -128,27 +128,18 @@ class StageGate:
 @pytest.fixture
 def stage_gate(monkeypatch: pytest.MonkeyPatch) -> StageGate:
     gate = StageGate()
-    original, original_hashed = StagingPool.stage, StagingPool.stage_hashed
+    original = StagingPool.stage_many  # every copy into a pool goes through it
 
-    def stage(self: StagingPool, dest: torch.Tensor, src: torch.Tensor, non_blocking=False):
+    def stage_many(self: StagingPool, items, digests=None, *, non_blocking=False):  # noqa: ANN001
         name = threading.current_thread().name
         if name == "quicksave-stage":
             assert gate.opened.wait(GATE_TIMEOUT_S)
-        original(self, dest, src, non_blocking)
+        later = original(self, items, digests, non_blocking=non_blocking)
         with gate.lock:
-            gate.calls.append((name, src.data_ptr()))
+            gate.calls += [(name, src.data_ptr()) for *_, src in items]
+        return later
 
-    def stage_hashed(self: StagingPool, dest: torch.Tensor, src: torch.Tensor) -> str:
-        name = threading.current_thread().name
-        if name == "quicksave-stage":
-            assert gate.opened.wait(GATE_TIMEOUT_S)
-        digest = original_hashed(self, dest, src)
-        with gate.lock:
-            gate.calls.append((name, src.data_ptr()))
-        return digest
-
-    monkeypatch.setattr(StagingPool, "stage", stage)
-    monkeypatch.setattr(StagingPool, "stage_hashed", stage_hashed)
+    monkeypatch.setattr(StagingPool, "stage_many", stage_many)
     return gate
 
 

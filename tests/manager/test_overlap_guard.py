@@ -56,8 +56,7 @@ def held_copies(monkeypatch: pytest.MonkeyPatch) -> threading.Event:
         return copy_when_asked
 
     monkeypatch.setattr(AsyncSaver, "maybe_wait_for_staging", asking)
-    monkeypatch.setattr(StagingPool, "stage", held(StagingPool.stage))
-    monkeypatch.setattr(StagingPool, "stage_hashed", held(StagingPool.stage_hashed))
+    monkeypatch.setattr(StagingPool, "stage_many", held(StagingPool.stage_many))
     return asked
 
 

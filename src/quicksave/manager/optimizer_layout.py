@@ -134,20 +134,22 @@ def stand_ins(optimizers: Sequence[torch.optim.Optimizer]) -> Iterator[list[Pred
 
 
 def matches(optimizers: Sequence[torch.optim.Optimizer], predicted: list[Predicted]) -> bool:
-    """Whether the optimizers' real state (after their first step) has exactly the
-    predicted layout: the same parameters in the same order, each with the same keys,
-    shapes and dtypes in the same order. Reads no values."""
+    """Whether the optimizers' real state (after their first step, or a load) holds the
+    predicted tensors: the same parameters, each with the same keys, shapes and dtypes.
+    Reads no values. The order is not compared: the files' layout is sorted by name, so
+    a pool planned from another order fits (a load lists the keys alphabetically)."""
     for optimizer, entries in zip(optimizers, predicted, strict=True):
         state = optimizer.state
         if len(state) != len(entries):
             return False
-        for (p, specs), (q, values) in zip(entries, state.items(), strict=True):
-            if p is not q or len(values) != len(specs):
+        for p, specs in entries:
+            values = state.get(p)
+            if values is None or len(values) != len(specs):
                 return False
-            for spec, (key, v) in zip(specs, values.items(), strict=True):
+            for spec in specs:
+                v = values.get(spec.key)
                 if (
-                    key != spec.key
-                    or not isinstance(v, torch.Tensor)
+                    not isinstance(v, torch.Tensor)
                     or tuple(v.shape) != spec.shape
                     or v.dtype != spec.dtype
                 ):
