@@ -526,15 +526,16 @@ def load(
         else:
             require_committed(loc, backend=backend)
             reader = StorageReader(loc, thread_count=thread_count, backend=backend)
-        # fail fast on a refused pickle or a bad manifest, before DCP planning
-        metadata = reader.read_metadata()
-        undos = _prepare_destinations(state_dict, metadata)
-        try:
-            _load_with(reader, state_dict, path, strict, process_group, allow_dcp_pickle)
-        except BaseException:
-            for undo in undos:  # e.g. uninitialised optimizer state: never trained with
-                undo()
-            raise
+        with _engine_call():  # the manifest's thousands of objects too (see there)
+            # fail fast on a refused pickle or a bad manifest, before DCP planning
+            metadata = reader.read_metadata()
+            undos = _prepare_destinations(state_dict, metadata)
+            try:
+                _load_with(reader, state_dict, path, strict, process_group, allow_dcp_pickle)
+            except BaseException:
+                for undo in undos:  # e.g. uninitialised optimizer state: never trained with
+                    undo()
+                raise
     finally:
         if backend is not None:
             backend.close()
