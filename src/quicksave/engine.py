@@ -431,7 +431,15 @@ class AsyncSaver:
         t0 = time.monotonic()
         cpu0 = time.thread_time()
         # Outside the lock: the staging and prepare threads take it.
-        self.maybe_wait_for_staging()
+        try:
+            self.maybe_wait_for_staging()
+        except CheckpointError as e:
+            if self._dist is None:
+                raise
+            # Several ranks: the last save's copy failed (or its tensors moved) on this
+            # rank. Raised after this save's vote (see _plan_dist), which it turns into a
+            # skip on every rank: raising now would leave the others waiting in the vote.
+            self._unreported.append(e)
         self.wait_prepared()
         with self._lock:
             if self._closed:
