@@ -29,7 +29,12 @@ def _digests(model: nn.Module) -> dict[str, str]:
     }
 
 
-def _rank_edit_on_one_rank(rank: int, world_size: int, root: str, mode: str) -> dict[str, Any]:
+def _rank_edit_on_one_rank(
+    rank: int, world_size: int, root: str, mode: str, then: str
+) -> dict[str, Any]:
+    """``then``: what comes after the edit — ``"step"`` (an optimizer step: its pre-hook
+    finds the moved counters) or ``"save"`` (a forced save before any step: the check
+    runs inside ``save()``, before the ranks' vote)."""
     from quicksave.errors import CheckpointError
     from quicksave.manager import (
         CheckpointConfig,
@@ -47,12 +52,18 @@ def _rank_edit_on_one_rank(rank: int, world_size: int, root: str, mode: str) -> 
     errors: list[str] = []
     expected: dict[int, dict[str, str]] = {}
     with CheckpointManager(config, states) as manager:
+        if then == "save":
+            # As if the copy were still running whenever the manager polls: the check then
+            # runs inside the engine's save(), the path under test.
+            manager._writer.saver._confirm_if_staged = lambda: None
         for step in range(1, 10):
             optim.zero_grad()
             model(x).square().mean().backward()
-            optim.step()
+            forced = then == "save" and step == 4
+            if not forced:
+                optim.step()
             try:
-                if manager.save(step):
+                if manager.save(step, force=forced):
                     expected[step] = _digests(model)
             except CheckpointError as e:
                 errors.append(str(e))
@@ -87,10 +98,16 @@ def _rank_load(rank: int, world_size: int, root: str, step: int) -> dict[str, st
     return _digests(model)
 
 
-@pytest.mark.parametrize("mode", ["process", "thread"])
-def test_a_write_during_one_ranks_copy_fails_the_save_on_every_rank(tmp_path, mode) -> None:
+@pytest.mark.parametrize(
+    ("mode", "then"), [("process", "step"), ("thread", "step"), ("process", "save")]
+)
+def test_a_write_during_one_ranks_copy_fails_the_save_on_every_rank(
+    tmp_path, mode: str, then: str
+) -> None:
     root = str(tmp_path)
-    out = run_ranks(_rank_edit_on_one_rank, 2, root, mode, config=LAUNCH)
+    out = run_ranks(_rank_edit_on_one_rank, 2, root, mode, then, config=LAUNCH)
+    if then == "save":  # rank 1 found the moved tensors inside save(): skipped by both
+        assert all(4 not in o["committed"] for o in out)
     for rank, o in enumerate(out):
         # step 3 fails on both ranks alike; the save whose call reports it is skipped
         # on both (the manager's rule for a failure raised by save()); later ones commit
