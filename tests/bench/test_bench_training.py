@@ -20,13 +20,15 @@ from quicksave.bench.training import (
 def test_quick_run_reports_every_method(tmp_path, capsys) -> None:
     plot = tmp_path / "steps.png"
     work = tmp_path / "work"
-    argv = ["--training", "--quick", "--methods", "torch.save,quicksave-sync,quicksave-process"]
+    methods = "torch.save,torch_checkpointing,quicksave-sync,quicksave-process"
+    argv = ["--training", "--quick", "--methods", methods]
     argv += ["--shapes", "mlp,transformer"]
     rc = main([*argv, "--dir", str(work), "--json", "--plot", str(plot)])
     captured = capsys.readouterr()
     assert rc == 0, captured.err
     report = json.loads(captured.out)
     assert report["config"]["steps"] == 6 and report["config"]["interval"] == 2
+    assert report["config"]["build"] == "cold"  # the saver before the optimizer's first step
     assert set(report["shapes"]) == {"mlp", "transformer"}
     mlp, lm = report["shapes"]["mlp"], report["shapes"]["transformer"]
     assert mlp["state"]["params"] == 4 * (256 * 256 + 256)
@@ -34,17 +36,18 @@ def test_quick_run_reports_every_method(tmp_path, capsys) -> None:
     # the quick LM keeps the real one's layout: 24 layers of 16 parameters, ~4 per state
     assert lm["state"]["tensors"] >= 4 * (24 * 16 + 4) - 4
     for sh in (mlp, lm):
-        # baseline before and after the methods; raw baselines and the floor measured
-        assert len(sh["baseline"]["loop_s"]) == 2
+        # baseline before, in the middle of and after the 4 methods; raw and floor measured
+        assert len(sh["baseline"]["loop_s"]) == 3
         assert len(sh["baseline"]["step_s"]) == 6
         assert all(s > 0 for s in sh["baseline"]["loop_s"])
-        assert len(sh["baseline"]["paired_extra_s"]) == 2
+        assert len(sh["baseline"]["paired_extra_s"]) == 3
         for key in ("write_s", "read_s", "copy_warm_s", "copy_fresh_s", "floor_hash_cpu_s"):
             assert sh["raw"][key] and all(s > 0 for s in sh["raw"][key]), key
         assert sh["floor"]["cpu_s"] == pytest.approx(
             sh["floor"]["copy_cpu_s"] + sh["floor"]["hash_cpu_s"], abs=1e-3
         )
-        assert set(sh["methods"]) == {"torch.save", "quicksave-sync", "quicksave-process"}
+        assert set(sh["methods"]) == set(methods.split(","))
+        assert len(sh["baseline"]["step_by_index_s"]) == 6
         for name, m in sh["methods"].items():
             assert "failed" not in m and "unavailable" not in m, (name, m)
             assert m["checkpoints"] == 3, name
@@ -56,7 +59,15 @@ def test_quick_run_reports_every_method(tmp_path, capsys) -> None:
             assert m["paired_overhead_per_checkpoint_s"] is not None, name
             assert m["overhead_per_checkpoint_s"] is not None, name
             assert len(m["overhead_per_checkpoint_runs_s"]) == 1, name
-            assert m["first_step_vs_steady"] > 0, name
+            # cold: the first step is the optimizer's first, compared with the baseline's
+            assert m["first_step_vs_steady"] is None and m["first_step_vs_baseline"] > 0, name
+            # the first save (step 2) and a later one (step 4; step 6 has no next step)
+            assert len(m["first_save_extra_runs_s"]) == 1, name
+            assert m["later_save_extra_median_s"] is not None, name
+            assert m["first_save_excess_steps"] is not None, name
+            # restored into a fresh job too (a new model and optimizer), values checked
+            assert len(m["fresh_restore_s"]) == 1 and m["fresh_restore_median_s"] > 0, name
+            assert m["fresh_restore_vs_others"] > 0, name
             assert m["trainer_cpu_per_checkpoint_s"] is not None, name
             # checkpointing must not change training: same final loss as without it
             assert m["same_loss_as_baseline"] is True, name
@@ -69,6 +80,9 @@ def test_quick_run_reports_every_method(tmp_path, capsys) -> None:
         assert 0 < sync["later_durable_median_s"] <= sync["later_blocking_median_s"] + 1e-3
         assert sync["staging_bytes"] == 0 and sync["workers_cpu_per_checkpoint_s"] == 0
         proc = sh["methods"]["quicksave-process"]
+        # built before any optimizer step, the manager built its pool at construction
+        assert proc["staging_bytes"] >= sh["state"]["bytes"]
+        assert all(r["setup_s"] > 0 for r in proc["runs"])
         # the manager's own metrics came through, with CPU per save of both processes
         assert [r["step"] for r in proc["manager_records"]] == [2, 4, 6]
         assert all(r["trainer_cpu_s"] > 0 for r in proc["manager_records"])
@@ -85,7 +99,23 @@ def test_quick_run_reports_every_method(tmp_path, capsys) -> None:
     table = format_training_report(report)
     assert "| torch.save |" in table and "| quicksave-sync |" in table
     assert "| raw read |" in table and "### transformer" in table
-    assert "| mlp | first step after building the saver vs a steady step |" in table
+    assert "| mlp | first step after building the saver (the optimizer's first) vs" in table
+    assert "every save counted" in table and "restore into a fresh job" in table
+    assert "saver built before the optimizer's first step (cold)" in table
+
+
+def test_quick_run_with_the_saver_built_after_a_warm_up_step(tmp_path, capsys) -> None:
+    argv = ["--training", "--quick", "--build", "warm", "--methods", "quicksave-process"]
+    rc = main([*argv, "--shapes", "mlp", "--dir", str(tmp_path), "--json"])
+    captured = capsys.readouterr()
+    assert rc == 0, captured.err
+    report = json.loads(captured.out)
+    assert report["config"]["build"] == "warm"
+    m = report["shapes"]["mlp"]["methods"]["quicksave-process"]
+    assert m["first_step_vs_steady"] > 0 and m["fresh_restore_median_s"] > 0
+    rows = {r["target"]: r for r in report["acceptance"]}
+    assert "first step after building the saver vs a steady step" in rows
+    assert rows["restore into a fresh job vs the fastest other library's"]["value"] is None
 
 
 def test_schedule_interleaves_the_baseline_and_rotates_methods() -> None:
@@ -116,4 +146,6 @@ def test_bad_arguments(tmp_path, capsys) -> None:
     assert "interval must not exceed steps" in capsys.readouterr().err
     assert main(["--training", "--shapes", "mlp,cnn", "--dir", str(tmp_path)]) == 2
     assert "unknown shape(s) cnn; known: mlp, transformer, embedding" in capsys.readouterr().err
+    assert main(["--training", "--build", "hot", "--dir", str(tmp_path)]) == 2
+    assert "unknown build 'hot'; known: cold, warm" in capsys.readouterr().err
     assert os.listdir(tmp_path) == []

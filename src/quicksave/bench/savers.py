@@ -1,11 +1,13 @@
 """The checkpoint methods the training-loop benchmark compares (one class each), as the
 benchmark's child process uses them: ``save(step)`` returns once the loop may go on,
 ``finish()`` waits until every checkpoint is durable, ``restore(step)`` loads the
-checkpoint of ``step`` back into the live state.
+checkpoint of ``step`` back into the live state, ``restore_fresh(step, states)`` into
+the states of a fresh job (its optimizer without state), as a resumed job does.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import time
@@ -30,6 +32,7 @@ QUICKSAVE_MODES = {  # method -> CheckpointConfig arguments
     },
 }
 DCP_ASYNC = {"dcp.async_save-thread": "THREAD", "dcp.async_save-process": "PROCESS"}
+TORCH_CHECKPOINTING = "torch_checkpointing"  # its CheckpointManager, async (the default)
 
 
 class Unavailable(Exception):
@@ -65,8 +68,23 @@ class Saver:
     def finish(self) -> None:
         pass
 
-    def restore(self, step: int) -> None:
-        quicksave.load(self.states, self.path(step))
+    def step_guard(self) -> contextlib.AbstractContextManager[Any]:
+        """What ``optimizer.step()`` runs inside (a lock, for a method that needs one)."""
+        return contextlib.nullcontext()
+
+    def close(self) -> None:
+        """Free what is left once the restores are done (after ``finish``)."""
+
+    def restore(self, step: int, states: dict[str, Any] | None = None) -> None:
+        """Load the checkpoint of ``step`` into ``states`` (default: the loop's)."""
+        quicksave.load(self.states if states is None else states, self.path(step))
+
+    def restore_fresh(self, step: int, states: dict[str, Any]) -> dict[str, float]:
+        """Load the checkpoint of ``step`` into a fresh job's ``states`` as its users
+        resume; returns ``load_s`` (and ``setup_s``: building a loader, if any)."""
+        t0 = time.perf_counter()
+        self.restore(step, states)
+        return {"load_s": time.perf_counter() - t0}
 
     def records(self) -> list[dict[str, Any]] | None:
         """The saving library's own per-save metrics (None: it keeps none)."""
@@ -89,9 +107,9 @@ class _TorchSaver(Saver):
         self.durable[step] = time.perf_counter() - t0
         return 0.0
 
-    def restore(self, step: int) -> None:
+    def restore(self, step: int, states: dict[str, Any] | None = None) -> None:
         sd = torch.load(self.path(step), weights_only=True, mmap=False)
-        for name, state in self.states.items():
+        for name, state in (self.states if states is None else states).items():
             state.load_state_dict(sd[name])
 
 
@@ -102,8 +120,8 @@ class _DcpSaver(Saver):
         self.durable[step] = time.perf_counter() - t0
         return 0.0
 
-    def restore(self, step: int) -> None:
-        dcp.load(self.states, checkpoint_id=self.path(step))
+    def restore(self, step: int, states: dict[str, Any] | None = None) -> None:
+        dcp.load(self.states if states is None else states, checkpoint_id=self.path(step))
 
 
 class _DcpAsyncSaver(_DcpSaver):
@@ -160,6 +178,74 @@ class _DcpAsyncSaver(_DcpSaver):
         self._wait()
         if self.stager is not None:
             self.stager.close()
+
+
+class _TorchCheckpointingSaver(Saver):
+    """torch_checkpointing's ``CheckpointManager`` with its default asynchronous saver
+    (staging in a background thread into shared memory, a writer subprocess), as its
+    guide shows it: ``optimizer.step()`` inside ``manager.lock()``; the previous save is
+    waited for before the next one starts. Its files are written without ``O_DIRECT``
+    (its default opens them with ``O_DIRECT`` and then writes unaligned records, which
+    fails with EINVAL on ext4); it does not fsync them."""
+
+    def __init__(self, folder: str, states: dict[str, Any]) -> None:
+        super().__init__(folder, states)
+        self.manager = self._manager()
+        self.pending: Any = None
+
+    @staticmethod
+    def _manager() -> Any:
+        try:
+            from torch_checkpointing import CheckpointManager as TcManager
+            from torch_checkpointing.storage.filesystem import LocalFileSystemStorageConfig
+        except ImportError as e:
+            raise Unavailable(f"torch_checkpointing is not installed: {e}") from e
+        storage = LocalFileSystemStorageConfig(use_direct_io=False)
+        return TcManager(TcManager.Config(storage_config=storage))
+
+    def step_guard(self) -> contextlib.AbstractContextManager[Any]:
+        return self.manager.lock()
+
+    def _wait(self) -> None:
+        if self.pending is not None:
+            pending, self.pending = self.pending, None
+            pending.result()
+
+    def save(self, step: int) -> float:
+        t0 = time.perf_counter()
+        self._wait()
+        waited = time.perf_counter() - t0
+        self.started[step] = t0
+        future = self.manager.save(self.path(step), self.state_dict())
+        future.add_done_callback(
+            lambda _f, s=step: self.durable.__setitem__(s, time.perf_counter() - t0)
+        )
+        self.pending = future
+        return waited
+
+    def finish(self) -> None:
+        self._wait()
+
+    def restore(self, step: int, states: dict[str, Any] | None = None) -> None:
+        states = self.states if states is None else states
+        into = {name: s.state_dict() for name, s in states.items()}
+        loaded = self.manager.load(self.path(step), into=into)
+        for name, state in states.items():
+            state.load_state_dict(loaded[name])
+
+    def restore_fresh(self, step: int, states: dict[str, Any]) -> dict[str, float]:
+        t0 = time.perf_counter()
+        saver, self.manager = self.manager, self._manager()
+        setup = time.perf_counter() - t0
+        try:
+            times = super().restore_fresh(step, states)
+        finally:
+            self.manager.close()
+            self.manager = saver
+        return {**times, "setup_s": setup}
+
+    def close(self) -> None:
+        self.manager.close()
 
 
 class _CommitWatcher:
@@ -222,6 +308,21 @@ class _QuicksaveSaver(Saver):
             time.sleep(0.005)
         self.watcher.close()
 
+    def restore_fresh(self, step: int, states: dict[str, Any]) -> dict[str, float]:
+        """A resumed job: a new manager of the same configuration, then ``load()``."""
+        t0 = time.perf_counter()
+        manager = CheckpointManager(self.manager.config, states)
+        setup = time.perf_counter() - t0
+        try:
+            t0 = time.perf_counter()
+            loaded = manager.load(step)
+            load_s = time.perf_counter() - t0
+        finally:
+            manager.close()
+        if loaded != step:
+            raise RuntimeError(f"the fresh manager loaded step {loaded}, not {step}")
+        return {"load_s": load_s, "setup_s": setup}
+
     def staging_bytes(self) -> int:
         return self.manager.staging_bytes
 
@@ -258,4 +359,6 @@ def make_saver(method: str, folder: str, states: dict[str, Any], interval: int) 
         return _DcpAsyncSaver(folder, states, DCP_ASYNC[method])
     if method in QUICKSAVE_MODES:
         return _QuicksaveSaver(folder, states, interval, QUICKSAVE_MODES[method])
+    if method == TORCH_CHECKPOINTING:
+        return _TorchCheckpointingSaver(folder, states)
     raise ValueError(f"unknown method {method!r}")

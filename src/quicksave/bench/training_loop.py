@@ -2,12 +2,16 @@
 :mod:`quicksave.bench.training`).
 
 The child builds the same seeded model (one of :mod:`.shapes`) + AdamW as every other
-child of that shape, trains ``warmup``
-untimed steps (so the optimizer state exists) and ``calibration_steps`` timed steps
-without checkpoints (its own step time: the paired baseline), then times ``steps``
-steps, checkpointing every ``interval`` steps with one method (:mod:`.savers`), waits
-for the last checkpoint to be durable, and finally times restores of the last
-checkpoint (values checked). The method ``raw`` trains nothing:
+child of that shape. With ``build="cold"`` (what a job that starts training gets) the
+saver is built right away, before the optimizer's first step (its state does not exist
+yet), and the timed loop starts with the first step; ``calibration_steps`` timed steps
+without checkpoints (the paired baseline) follow the restores. With ``build="warm"``
+it trains ``warmup`` untimed steps (so the optimizer state exists) and the calibration
+steps first, then builds the saver. Either way it times ``steps`` steps, checkpointing
+every ``interval`` steps with one method (:mod:`.savers`), waits for the last checkpoint
+to be durable, times restores of the last checkpoint into the live state, and one
+restore into a fresh job (a new model and optimizer without state, as a resumed job
+has; values checked). The method ``raw`` trains nothing:
 it times a raw write+fsync, an ``O_DIRECT`` write, a raw read and in-memory copies of
 the same bytes, and the floor: the CPU seconds of one single-threaded ``memcpy`` of the
 state into warm memory plus one xxh3-64 pass over it. The result is one JSON file.
@@ -17,6 +21,7 @@ Entry point: ``python -c "...; child_main([spec_path])"`` (see ``training.py``).
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import gc
 import json
@@ -149,14 +154,23 @@ def _fingerprint(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
 
 
 # ------------------------------------------------------------------------ the loop
-def _train(spec: dict[str, Any]) -> tuple[nn.Module, torch.optim.Optimizer, Callable[[], float]]:
+Guard = Callable[[], contextlib.AbstractContextManager[Any]]
+
+
+def _train(
+    spec: dict[str, Any], seed: int | None = None
+) -> tuple[nn.Module, torch.optim.Optimizer, Callable[..., float]]:
     """The model, its AdamW and one training step: the shape ``spec["shape"]`` (see
-    :mod:`.shapes`), or an MLP of ``spec["hidden"]`` × ``spec["layers"]``."""
+    :mod:`.shapes`), or an MLP of ``spec["hidden"]`` × ``spec["layers"]``; ``seed``
+    (default ``spec["seed"]``) seeds the weights and the data. The step runs
+    ``optimizer.step()`` inside ``guard()`` (a saver that stages beside training may
+    need its lock there)."""
+    seed = spec["seed"] if seed is None else seed
     if spec.get("shape"):
-        model, batches, loss_fn = build(spec["shape"], spec["seed"], bool(spec.get("quick")))
+        model, batches, loss_fn = build(spec["shape"], seed, bool(spec.get("quick")))
     else:
-        model = mlp(spec["hidden"], spec["layers"], spec["seed"])
-        g = torch.Generator().manual_seed(spec["seed"] + 1)
+        model = mlp(spec["hidden"], spec["layers"], seed)
+        g = torch.Generator().manual_seed(seed + 1)
         batches = [
             (
                 torch.randn(spec["batch"], spec["hidden"], generator=g),
@@ -168,19 +182,20 @@ def _train(spec: dict[str, Any]) -> tuple[nn.Module, torch.optim.Optimizer, Call
     optim = torch.optim.AdamW(model.parameters(), lr=1e-4)
     counter = [0]
 
-    def step() -> float:
+    def step(guard: Guard = contextlib.nullcontext) -> float:
         x, y = batches[counter[0] % len(batches)]
         counter[0] += 1
         optim.zero_grad(set_to_none=True)
         loss = loss_fn(model(x), y)
         loss.backward()
-        optim.step()
+        with guard():
+            optim.step()
         return float(loss.detach())
 
     return model, optim, step
 
 
-def _run_loop(spec: dict[str, Any], saver: Saver, train_step: Callable[[], float]) -> dict:
+def _run_loop(spec: dict[str, Any], saver: Saver, train_step: Callable[..., float]) -> dict:
     steps, interval = spec["steps"], spec["interval"]
     step_s, save_s, events = [], [], []
     loss = 0.0
@@ -191,7 +206,7 @@ def _run_loop(spec: dict[str, Any], saver: Saver, train_step: Callable[[], float
         begin = time.perf_counter()
         for step in range(1, steps + 1):
             t0 = time.perf_counter()
-            loss = train_step()
+            loss = train_step(saver.step_guard)
             t1 = time.perf_counter()
             if spec["method"] != "none" and step % interval == 0:
                 waited = saver.save(step)
@@ -229,6 +244,12 @@ def _run_loop(spec: dict[str, Any], saver: Saver, train_step: Callable[[], float
     }
 
 
+def _same(expected: list[torch.Tensor], got: list[torch.Tensor]) -> bool:
+    return len(expected) == len(got) and all(
+        torch.equal(a, b) for a, b in zip(expected, got, strict=True)
+    )
+
+
 def _restore_times(
     saver: Saver, step: int, tensors: Callable[[], list[torch.Tensor]], repeats: int
 ) -> list[float]:
@@ -244,9 +265,24 @@ def _restore_times(
         t0 = time.perf_counter()
         saver.restore(step)
         times.append(time.perf_counter() - t0)
-        got = _fingerprint(tensors())
-        if not all(torch.equal(a, b) for a, b in zip(expected, got, strict=True)):
+        if not _same(expected, _fingerprint(tensors())):
             raise RuntimeError(f"restore of {saver.path(step)} gave different values")
+    return times
+
+
+def _fresh_restore(
+    spec: dict[str, Any], saver: Saver, step: int, expected: list[torch.Tensor]
+) -> dict[str, float]:
+    """Restore the checkpoint of ``step`` into a fresh job: a model of other weights and
+    an optimizer without state, as a resumed job has them (the optimizer's state must be
+    created by the load). Returns the seconds of the load (and of building the method's
+    loader, if it has one), after checking the values against ``expected``."""
+    model, optim, _ = _train(spec, seed=spec["seed"] + 1)
+    states = {"model": ModelState(model), "optimizer": OptimizerState(model, optim)}
+    gc.collect()
+    times = saver.restore_fresh(step, states)
+    if not _same(expected, _fingerprint(_state_tensors(model, optim))):
+        raise RuntimeError(f"restore of {saver.path(step)} into a fresh job gave other values")
     return times
 
 
@@ -313,51 +349,75 @@ def run_child(spec: dict[str, Any]) -> dict[str, Any]:
     dist.init_process_group("gloo", store=store, rank=0, world_size=1)
     try:
         model, optim, train_step = _train(spec)
-        for _ in range(spec["warmup"]):
-            train_step()  # allocates AdamW's state: not part of any method's time
+        cold = spec.get("build", "warm") == "cold" and spec["method"] != "raw"
+        if not cold:
+            for _ in range(spec["warmup"]):
+                train_step()  # allocates AdamW's state: not part of any method's time
         states = {"model": ModelState(model), "optimizer": OptimizerState(model, optim)}
-        tensors = _state_tensors(model, optim)
         result: dict[str, Any] = {
             "method": spec["method"],
+            "build": "cold" if cold else "warm",
             "params": sum(p.numel() for p in model.parameters()),
-            "bytes": sum(t.numel() * t.element_size() for t in tensors),
-            "tensors": len(tensors),
             "rss_before_mib": (_status_kib("VmRSS") or 0) / 1024,
         }
         if spec["method"] == "raw":
+            tensors = _state_tensors(model, optim)
+            result.update(bytes=_nbytes(tensors), tensors=len(tensors))
             result.update(_raw(spec, tensors, folder))
             return result
         # The process's own step time without checkpoints: a paired baseline that follows
-        # the machine's load better than the separate runs. Taken before the saver exists,
-        # so that anything the saver prepares at the next optimizer step (a staging pool)
-        # falls into the timed loop.
-        calibration = result["calibration_step_s"] = []
-        cpu0 = time.process_time()
-        for _ in range(spec["calibration_steps"]):
-            t0 = time.perf_counter()
-            train_step()
-            calibration.append(time.perf_counter() - t0)
-        calibration_cpu = time.process_time() - cpu0
+        # the machine's load better than the separate runs. Warm: taken before the saver
+        # exists, so that anything the saver prepares at the next optimizer step (a
+        # staging pool) falls into the timed loop. Cold: taken at the end (before it the
+        # optimizer has no state, and the loop must start with its first step).
+        if not cold:
+            _calibrate(spec, train_step, result)
         t0 = time.perf_counter()
         try:
             saver = make_saver(spec["method"], folder, states, spec["interval"])
         except Unavailable as e:
             return {**result, "unavailable": str(e)}
         result["setup_s"] = time.perf_counter() - t0
-        result["calibration_cpu_s"] = calibration_cpu
         result["staging_bytes"] = saver.staging_bytes()
-        result.update(_run_loop(spec, saver, train_step))
-        records = saver.records()
-        if records is not None:
-            result["manager_records"] = records
-        if result["events"]:
-            last = result["events"][-1]["step"]
-            result["restore_s"] = _restore_times(
-                saver, last, lambda: _state_tensors(model, optim), spec["restore_repeats"]
-            )
+        try:
+            result.update(_run_loop(spec, saver, train_step))
+            tensors = _state_tensors(model, optim)
+            result.update(bytes=_nbytes(tensors), tensors=len(tensors))
+            records = saver.records()
+            if records is not None:
+                result["manager_records"] = records
+            if result["events"]:
+                last = result["events"][-1]["step"]
+                expected = _fingerprint(tensors)
+                result["restore_s"] = _restore_times(
+                    saver, last, lambda: _state_tensors(model, optim), spec["restore_repeats"]
+                )
+                del tensors
+                fresh = _fresh_restore(spec, saver, last, expected)
+                result["fresh_restore_s"] = fresh["load_s"]
+                result["fresh_setup_s"] = fresh.get("setup_s", 0.0)
+        finally:
+            saver.close()
+        if cold:
+            _calibrate(spec, train_step, result)
         return result
     finally:
         dist.destroy_process_group()
+
+
+def _nbytes(tensors: list[torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def _calibrate(spec: dict[str, Any], train_step: Callable[..., float], result: dict) -> None:
+    """Time ``calibration_steps`` steps without checkpoints (the paired baseline)."""
+    calibration = result["calibration_step_s"] = []
+    cpu0 = time.process_time()
+    for _ in range(spec["calibration_steps"]):
+        t0 = time.perf_counter()
+        train_step()
+        calibration.append(time.perf_counter() - t0)
+    result["calibration_cpu_s"] = time.process_time() - cpu0
 
 
 def child_main(argv: list[str]) -> int:
