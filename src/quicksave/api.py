@@ -549,12 +549,17 @@ def _prepare_destinations(
     ``OptimizerState`` whose optimizer has no state yet allocates it, instead of
     torch's zero-gradient step). Returns the functions that undo it, for a failed load."""
     undos = []
-    for key, value in state_dict.items():
-        if not callable(getattr(value, "prepare_load", None)):
-            continue
-        undo = value.prepare_load(metadata.state_dict_metadata, f"{key}.")
-        if undo is not None:
-            undos.append(undo)
+    try:
+        for key, value in state_dict.items():
+            if not callable(getattr(value, "prepare_load", None)):
+                continue
+            undo = value.prepare_load(metadata.state_dict_metadata, f"{key}.")
+            if undo is not None:
+                undos.append(undo)
+    except BaseException:  # e.g. a per-rank state refusing the checkpoint
+        for undo in undos:
+            undo()
+        raise
     return undos
 
 

@@ -20,7 +20,7 @@ import torch.nn as nn
 from tests.helpers.compare import assert_same
 
 import quicksave
-from quicksave.errors import CorruptCheckpointError
+from quicksave.errors import CorruptCheckpointError, IncompatibleStateError
 from quicksave.manager import CheckpointConfig, CheckpointManager, ModelState, OptimizerState
 
 OPTIMIZERS: dict[str, Callable[[list[dict[str, Any]]], torch.optim.Optimizer]] = {
@@ -247,3 +247,63 @@ def test_the_optimizer_holds_the_tensors_the_checkpoint_was_read_into(
     # step, exp_avg, exp_avg_sq, max_exp_avg_sq of every parameter
     assert len(held) == 4 * len(list(model.parameters()))
     assert all(id(v) in allocated for v in held)
+
+
+def test_a_per_rank_state_refusing_the_checkpoint_takes_the_allocated_state_back(
+    tmp_path: Path,
+) -> None:
+    """The checkpoint's per-rank entries were saved by 2 ranks; a 1-rank job with
+    ``PerRank(on_resize="error")`` refuses it before any read, after the optimizer
+    (earlier in the states) was given state: that state is taken back."""
+
+    class Position:
+        def __init__(self) -> None:
+            self.batches = 0
+
+        def state_dict(self) -> dict[str, Any]:
+            return {"batches": self.batches}
+
+        def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+            self.batches = int(state_dict["batches"])
+
+    model, optim = _job("adamw", seed=0)
+    _step(model, optim, 1)
+    saved = {k: v.state_dict() for k, v in _states(model, optim).items()}
+    saved["dataloader"] = {"rank_0": {"batches": 3}, "rank_1": {"batches": 4}}
+    quicksave.save(saved, str(tmp_path / "ckpt" / "step-1"))
+
+    model, optim = _job("adamw", seed=1)
+    states = {**_states(model, optim), "dataloader": quicksave.PerRank(Position())}
+    config = CheckpointConfig(folder=str(tmp_path / "ckpt"), async_mode="disabled")
+    with CheckpointManager(config, states) as manager:
+        with pytest.raises(IncompatibleStateError, match="saved by 2 ranks"):
+            manager.load(1)
+    assert not optim.state
+
+
+def test_a_load_reads_the_manifest_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Per-rank states (the RNG) learn the checkpoint's entries from the metadata the
+    load reads anyway: one read and parse of the manifest per load (it was two)."""
+    import quicksave.reader as reader_module
+    from quicksave.manager import RNGState
+
+    folder = str(tmp_path / "ckpt")
+    model, optim = _job("adamw", seed=0)
+    _step(model, optim, 1)
+    config = CheckpointConfig(folder=folder, async_mode="disabled")
+    with CheckpointManager(config, {**_states(model, optim), "rng": RNGState()}) as manager:
+        manager.save(1, force=True)
+
+    reads = [0]
+    read = reader_module.read_manifest
+
+    def counting(*args: Any, **kwargs: Any) -> Any:
+        reads[0] += 1
+        return read(*args, **kwargs)
+
+    monkeypatch.setattr(reader_module, "read_manifest", counting)
+    model, optim = _job("adamw", seed=1)
+    with CheckpointManager(config, {**_states(model, optim), "rng": RNGState()}) as manager:
+        reads[0] = 0
+        assert manager.load() == 1
+    assert reads[0] == 1

@@ -479,11 +479,9 @@ class CheckpointManager:
         states = self._model_states() if step == 0 else self.states
         begin = time.perf_counter()
         if any(isinstance(v, PerRankState) for v in states.values()):
-            stored = stored_metadata(
-                self._where(path), allow_dcp_pickle=self.config.allow_dcp_pickle
-            )
+            # (each learns the checkpoint's entries from the metadata the load reads)
             states = {
-                k: PerRankLoad(k, v, stored) if isinstance(v, PerRankState) else v
+                k: PerRankLoad(k, v) if isinstance(v, PerRankState) else v
                 for k, v in states.items()
             }
         api.load(

@@ -333,7 +333,9 @@ class PerRankLoad:
     Args:
         name: the state's name in the manager's states.
         state: the per-rank state.
-        stored: the checkpoint's fqns mapped to their DCP storage metadata.
+        stored: the checkpoint's fqns mapped to their DCP storage metadata; without
+            it, ``quicksave.load`` gives them through :meth:`prepare_load` (from the
+            metadata it reads anyway: no second read of the manifest).
 
     Raises:
         IncompatibleStateError: the state's ``on_resize`` is ``"error"`` and the
@@ -341,15 +343,25 @@ class PerRankLoad:
             it, before any read: all see the same checkpoint and world size.
     """
 
-    def __init__(self, name: str, state: PerRankState, stored: Mapping[str, Any]) -> None:
+    def __init__(
+        self, name: str, state: PerRankState, stored: Mapping[str, Any] | None = None
+    ) -> None:
         self.name = name
         self.state = state
-        prefix, own = f"{name}.", f"{state.rank_key()}."
-        if getattr(state, "on_resize", "keep") == "error":
+        self.others: dict[str, Any] = {}
+        self.load_own = True
+        if stored is not None:
+            self.prepare_load(stored, f"{name}.")
+
+    def prepare_load(self, stored: Mapping[str, Any], prefix: str) -> None:
+        """Learn the checkpoint's entries of this state (the loader calls it before it
+        asks for the state dict); raises as the class says."""
+        own = f"{self.state.rank_key()}."
+        if getattr(self.state, "on_resize", "keep") == "error":
             entries = {
                 fqn[len(prefix) :].split(".", 1)[0] for fqn in stored if fqn.startswith(prefix)
             }
-            _check_entries(name, entries, _world_size())
+            _check_entries(self.name, entries, _world_size())
         self.others = {
             fqn[len(prefix) :]: _placeholder(md)
             for fqn, md in stored.items()
