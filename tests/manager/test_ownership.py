@@ -385,7 +385,7 @@ def test_default_worker_timeout_detects_a_stopped_worker_within_ten_seconds(tmp_
     try:
         began = time.monotonic()
         box.set(2)
-        with pytest.raises(WorkerFailedError, match=r"it is stopped \(SIGSTOP\?\)") as e:
+        with pytest.raises(WorkerFailedError, match=r"it is stopped \(state [Tt]: SIGSTOP") as e:
             m.save(2)
             m._writer.drain(60)
             m.save(3)
