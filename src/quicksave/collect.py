@@ -9,6 +9,7 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.stateful import Stateful
 
+from . import keypaths
 from .errors import IncompatibleStateError
 from .format import objects as objcodec
 from .format.dtypes import check_storable
@@ -85,8 +86,23 @@ def flatten(
     try:
         return flatten_state_dict(nested)
     except ValueError as e:  # "duplicated flatten key <fqn>"
-        fqn = str(e).removeprefix("duplicated flatten key ")
-        raise IncompatibleStateError(DUPLICATE_FQN, fqn=fqn, rank=rank) from None
+        raise _duplicate(e, rank) from None
+
+
+def flatten_with_paths(
+    nested: Mapping[str, Any], rank: int | None = None
+) -> tuple[dict[str, Any], dict[str, tuple], list[tuple]]:
+    """:func:`flatten` and ``keypaths.structure`` in one walk (``keypaths.
+    flatten_with_paths``): fqn -> leaf, fqn -> typed path, the empty dicts' paths."""
+    try:
+        return keypaths.flatten_with_paths(nested)
+    except ValueError as e:
+        raise _duplicate(e, rank) from None
+
+
+def _duplicate(e: ValueError, rank: int | None) -> IncompatibleStateError:
+    fqn = str(e).removeprefix("duplicated flatten key ")
+    return IncompatibleStateError(DUPLICATE_FQN, fqn=fqn, rank=rank)
 
 
 def validate_for_save(state_dict: Mapping[str, Any], rank: int | None = None) -> None:

@@ -37,7 +37,7 @@ from typing import Any, Literal
 import torch
 
 from . import commit
-from .collect import check_tensor, flatten, to_state_dict
+from .collect import check_tensor, flatten_with_paths, to_state_dict
 from .dist.saving import DistContext, DistSave, DistSaving
 from .errors import CheckpointError, IncompatibleStateError
 from .format import objects as objcodec
@@ -52,7 +52,6 @@ from .format.manifest import (
     check_user_metadata,
 )
 from .guard import Snapshot, torn_copy_error
-from .keypaths import structure
 from .plan import ItemSpec, RankLayout, layout_rank
 from .stage import StagingPool
 from .storage import Location, StorageOptions, parse_location
@@ -770,7 +769,7 @@ class AsyncSaver:
         track their writes, encoded values, key paths, empty dicts)."""
         try:
             nested = to_state_dict(state_dict)
-            flat, mappings = flatten(nested)
+            flat, all_paths, empty = flatten_with_paths(nested)
             tensors: dict[str, torch.Tensor] = {}
             sources: dict[str, torch.Tensor] = {}
             objects: dict[str, Any] = {}
@@ -784,8 +783,7 @@ class AsyncSaver:
                     objects[fqn] = objcodec.encode(v, fqn)
         except IncompatibleStateError as e:
             raise IncompatibleStateError(e.message, path=final, fqn=e.fqn, rank=self.rank) from None
-        typed, empty = structure(nested, mappings)
-        paths = {fqn: tuple(p) for fqn, p in typed.items() if not names_itself(p, fqn)}
+        paths = {fqn: p for fqn, p in all_paths.items() if not names_itself(p, fqn)}
         return tensors, sources, objects, paths, tuple(empty)
 
     def _tensor_entries(

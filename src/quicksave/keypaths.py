@@ -60,6 +60,52 @@ def structure(
     return {fqn: typed.get(fqn, path) for fqn, path in mappings.items()}, empty
 
 
+def flatten_with_paths(
+    nested: Mapping[str, Any],
+) -> tuple[dict[str, Any], dict[str, Path], list[Path]]:
+    """DCP's ``flatten_state_dict`` and :func:`structure` in one walk of ``nested``.
+
+    Returns:
+        ``(flat, paths, empty)``: fqn -> leaf, exactly as ``flatten_state_dict`` gives
+        them (same fqns, same order); fqn -> its path as :func:`structure` gives it
+        (typed where a key is not a ``str``, else DCP's own); the empty dicts' paths.
+
+    Raises:
+        ValueError: two leaves get one fqn (DCP's ``duplicated flatten key <fqn>``).
+    """
+    flat: dict[str, Any] = {}
+    paths: dict[str, Path] = {}
+    empty: list[Path] = []
+
+    def walk(names: tuple, path: Path, value: Any, has_typed: bool) -> None:
+        # ``names``: DCP's path (``str(key)`` per key, list indices); ``path``: the
+        # typed one, taken where it holds a DictKey (as structure() does)
+        if isinstance(value, Mapping):
+            if not value:
+                empty.append(path)
+            for k, v in value.items():
+                if type(k) is str:
+                    walk(names + (k,), path + (k,), v, has_typed)
+                else:
+                    element = _element(k)
+                    typed = has_typed or isinstance(element, DictKey)
+                    walk(names + (str(k),), path + (element,), v, typed)
+        elif isinstance(value, list) and not _terminal(value):
+            for i, v in enumerate(value):
+                walk(names + (i,), path + (i,), v, has_typed)
+        else:
+            fqn = ".".join(map(str, names))
+            if fqn in flat:
+                raise ValueError(f"duplicated flatten key {fqn}")
+            flat[fqn] = value
+            paths[fqn] = path if has_typed else names
+
+    for key, value in nested.items():
+        element = _element(key)
+        walk((str(key),), (element,), value, isinstance(element, DictKey))
+    return flat, paths, empty
+
+
 def _element(key: Any) -> Any:
     """A dict key as a path element: a ``str`` as it is, a kept type as its
     :class:`DictKey`, any other key as its ``str()`` (as DCP names it)."""
