@@ -218,6 +218,7 @@ def test_close_timeout_abandons_a_slow_save_cleanly(root: Path) -> None:
 
 
 def test_worker_keeps_no_fds_or_mappings_across_pool_rebuilds(root: Path) -> None:
+    others = pool_mappings()  # pools of savers earlier tests have not released yet
     saver = AsyncSaver(EngineConfig(mode="process", fsync=False))
     try:
         sd: dict[str, torch.Tensor] = {"w": torch.ones(1 << 16)}
@@ -225,18 +226,18 @@ def test_worker_keeps_no_fds_or_mappings_across_pool_rebuilds(root: Path) -> Non
         pid = saver.worker_pid
         base_fds, base_maps = open_fds(pid), pool_mappings(pid)
         my_fds, my_maps = open_fds(), pool_mappings()
-        assert base_maps == 1 and my_maps == 1
+        assert base_maps == 1 and my_maps == others + 1
         for i in range(1, 6):  # a new tensor each time: the plan changes, the pool rebuilds
             sd[f"extra{i}"] = torch.full((1000 * i,), float(i))
             saver.save(sd, root / f"s{i}", step=i).wait(60)
             assert pool_mappings(pid) == 1, "the worker kept an old pool mapped"
             assert open_fds(pid) == base_fds
-            assert pool_mappings() == 1 and open_fds() == my_fds
+            assert pool_mappings() == others + 1 and open_fds() == my_fds
         assert saver.worker_pid == pid
         _assert_loads(sd, root / "s5")
     finally:
         saver.close()
-    assert pool_mappings() == 0
+    assert pool_mappings() == others
 
 
 def test_worker_killed_while_idle_costs_no_save(root: Path) -> None:
