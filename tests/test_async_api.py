@@ -25,10 +25,10 @@ import pytest
 import torch
 
 import quicksave
-from quicksave.async_api import AsyncCallsQueue, AsyncRequest, TorchAsyncCheckpoint, async_save
-from quicksave.engine import AsyncSaver, EngineConfig
+from quicksave.compat.nvrx import AsyncCallsQueue, AsyncRequest, TorchAsyncCheckpoint, async_save
 from quicksave.errors import CheckpointError, IncompatibleStateError, WorkerFailedError
-from quicksave.worker import WorkerConfig
+from quicksave.save.engine import AsyncSaver, EngineConfig
+from quicksave.worker.process import WorkerConfig
 
 GATE_DEADLINE_S = 120.0
 

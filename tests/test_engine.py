@@ -32,9 +32,9 @@ from helpers_engine.engine_util import (
     tmpfs,
 )
 from quicksave import persist, stage
-from quicksave.engine import AsyncSaver, EngineConfig
 from quicksave.errors import CheckpointError
-from quicksave.verify import verify_checkpoint
+from quicksave.load.verify import verify_checkpoint
+from quicksave.save.engine import AsyncSaver, EngineConfig
 
 MODES = ["process", "thread"]
 

@@ -13,11 +13,11 @@ import torch
 import xxhash
 
 import quicksave
-import quicksave.engine as engine
-from quicksave.engine import AsyncSaver, EngineConfig
-from quicksave.format.manifest import hexdigest
-from quicksave.stage import BATCH_BYTES, HASH_BLOCK, StagingPool, digest_of
-from quicksave.verify import verify_checkpoint
+import quicksave.save.engine as engine
+from quicksave.checksum import hexdigest
+from quicksave.load.verify import verify_checkpoint
+from quicksave.save.engine import AsyncSaver, EngineConfig
+from quicksave.stage.pool import BATCH_BYTES, HASH_BLOCK, StagingPool, digest_of
 
 
 def _mixed_state() -> dict[str, torch.Tensor]:

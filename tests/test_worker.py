@@ -28,9 +28,9 @@ from helpers_engine.engine_util import (
     wait_partial_file,
 )
 from quicksave import commit
-from quicksave.engine import AsyncSaver, EngineConfig
 from quicksave.errors import CheckpointError, WorkerFailedError
-from quicksave.worker import WorkerConfig
+from quicksave.save.engine import AsyncSaver, EngineConfig
+from quicksave.worker.process import WorkerConfig
 
 BIG_MIB = 160  # big enough that the worker is still writing when the test strikes
 

@@ -4,7 +4,7 @@ CPU is slow, not dead; a stopped or deadlocked one is still an error within seco
 The starved worker is real: every thread of the worker process is put in ``SCHED_IDLE``
 and pinned to one CPU beside busy-looping processes, with a ``worker_timeout_s`` so small
 that a heartbeat-only rule declares it hung while the save is in flight (the test checks
-that its heartbeat did go that stale). The rule itself (``quicksave.worker_liveness``) is
+that its heartbeat did go that stale). The rule itself (``quicksave.worker.liveness``) is
 also tested on scripted /proc samples, without processes.
 """
 
@@ -24,10 +24,10 @@ from pathlib import Path
 import pytest
 
 from helpers_engine.engine_util import WORK_TMP, big_state, load_back, same_bytes, wait_dead
-from quicksave.engine import AsyncSaver, EngineConfig
 from quicksave.errors import CheckpointError, WorkerFailedError
-from quicksave.worker import ProcessPersister, WorkerConfig
-from quicksave.worker_liveness import Liveness, Progress, read_progress
+from quicksave.save.engine import AsyncSaver, EngineConfig
+from quicksave.worker.liveness import Liveness, Progress, read_progress
+from quicksave.worker.process import ProcessPersister, WorkerConfig
 
 TIMEOUT_S = 0.5  # worker_timeout_s of the process tests: a starved heartbeat exceeds it
 STARVE_S = 4.0  # how long the worker is starved

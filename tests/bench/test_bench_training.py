@@ -8,8 +8,8 @@ import os
 
 import pytest
 
-from quicksave.bench import main
-from quicksave.bench.training import (
+from quicksave_tools.bench import main
+from quicksave_tools.bench.training import (
     METHODS,
     TrainingBenchConfig,
     format_training_report,

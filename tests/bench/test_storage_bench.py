@@ -12,8 +12,8 @@ import pytest
 
 pytest.importorskip("boto3")
 
-from quicksave.bench import storage as sb  # noqa: E402
 from quicksave.cli.main import main as cli_main  # noqa: E402
+from quicksave_tools.bench import storage as sb  # noqa: E402
 
 TINY_TRAINING = {
     "train_steps": 4,
@@ -118,7 +118,7 @@ def test_storage_bench_bad_arguments(capsys) -> None:
 def test_own_server_is_stopped_on_interrupt(monkeypatch, capsys) -> None:
     """Ctrl-C in the middle of a run with the benchmark's own SeaweedFS: exit 130, and
     the server's process is gone (killed and reaped) with its files."""
-    import quicksave.testing.seaweed as seaweed
+    import quicksave_tools.testing.seaweed as seaweed
 
     started = []
 

@@ -143,8 +143,8 @@ def corruption(trials: int, rng: random.Random, work: Path) -> Result:
     draw at random."""
     import quicksave
     from quicksave.errors import CheckpointError
+    from quicksave.load.verify import verify_checkpoint
     from quicksave.manager import CheckpointConfig, CheckpointManager
-    from quicksave.verify import verify_checkpoint
 
     res = Result(
         "corruption",

@@ -19,8 +19,8 @@ import time
 
 import torch
 
-from quicksave.engine import AsyncSaver, EngineConfig
 from quicksave.errors import CheckpointError
+from quicksave.save.engine import AsyncSaver, EngineConfig
 
 
 def state(mib: int, value: float) -> dict[str, torch.Tensor]:

@@ -30,8 +30,8 @@ from torch import nn
 import quicksave
 from quicksave import commit
 from quicksave.commit import CheckpointKind, classify
-from quicksave.engine import EngineConfig
 from quicksave.errors import CheckpointError, CheckpointExistsError, IncompatibleStateError
+from quicksave.save.engine import EngineConfig
 
 L = pytest.importorskip("lightning")  # an optional dependency; pinned in requirements-dev
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint  # noqa: E402
@@ -490,14 +490,14 @@ def test_remove_waits_for_a_save_running_in_another_thread(tmp_path, monkeypatch
     io = QuicksaveCheckpointIO()
     p = tmp_path / "epoch=0-step=4.ckpt"
     entered, go = threading.Event(), threading.Event()
-    real_write = quicksave.persist.write_file
+    real_write = quicksave.worker.persist.write_file
 
     def held(*args, **kwargs):
         entered.set()
         assert go.wait(60)
         return real_write(*args, **kwargs)
 
-    monkeypatch.setattr(quicksave.persist, "write_file", held)
+    monkeypatch.setattr(quicksave.worker.persist, "write_file", held)
     saver = threading.Thread(target=io.save_checkpoint, args=({"w": torch.ones(4)}, p))
     saver.start()
     assert entered.wait(60)

@@ -42,10 +42,10 @@ from torchtitan.config import Configurable  # noqa: E402
 
 from helpers import titan  # noqa: E402
 from quicksave import StorageReader  # noqa: E402
-from quicksave.convert import convert  # noqa: E402
 from quicksave.errors import CheckpointError, CheckpointNotFoundError  # noqa: E402
 from quicksave.integrations.torchtitan import QuicksaveCheckpointManager  # noqa: E402
-from quicksave.verify import verify_checkpoint  # noqa: E402
+from quicksave.load.verify import verify_checkpoint  # noqa: E402
+from quicksave.tools.convert import convert  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "dist"))
 from launcher import LaunchConfig, run_ranks  # noqa: E402

@@ -12,10 +12,10 @@ import pytest
 import torch
 import torch.nn as nn
 
-import quicksave.engine as engine
+import quicksave.save.engine as engine
 from quicksave.manager import CheckpointConfig, CheckpointManager, ModelState, OptimizerState
 from quicksave.manager.optimizer_layout import first_step_state, matches, stand_ins
-from quicksave.stage import StagingPool
+from quicksave.stage.pool import StagingPool
 
 OPTIMIZERS: dict[str, Callable[[list[nn.Parameter]], torch.optim.Optimizer]] = {
     "adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-2),

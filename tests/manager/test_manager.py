@@ -25,6 +25,7 @@ from quicksave.errors import (
     IncompatibleStateError,
     NotCommittedError,
 )
+from quicksave.load.verify import verify_checkpoint
 from quicksave.manager import (
     CheckpointConfig,
     CheckpointManager,
@@ -33,7 +34,6 @@ from quicksave.manager import (
     RNGState,
     TrainState,
 )
-from quicksave.verify import verify_checkpoint
 
 
 class TinyLoader:

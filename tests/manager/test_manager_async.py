@@ -32,7 +32,7 @@ from quicksave.manager import (
     SaveRecord,
     TrainState,
 )
-from quicksave.stage import StagingPool
+from quicksave.stage.pool import StagingPool
 
 GATE_TIMEOUT_S = 60.0
 

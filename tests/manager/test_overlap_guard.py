@@ -24,10 +24,10 @@ import torch
 import torch.nn as nn
 
 from helpers.compare import snapshot
-from quicksave.engine import AsyncSaver, EngineConfig
 from quicksave.errors import CheckpointError
 from quicksave.manager import CheckpointConfig, CheckpointManager, ModelState, OptimizerState
-from quicksave.stage import StagingPool
+from quicksave.save.engine import AsyncSaver, EngineConfig
+from quicksave.stage.pool import StagingPool
 
 LAYERS = 8
 SAVE_AT = 4

@@ -28,10 +28,10 @@ from quicksave.errors import (
     WorkerFailedError,
 )
 from quicksave.format import MANIFEST_NAME
+from quicksave.load.verify import verify_checkpoint
 from quicksave.manager import CheckpointConfig, CheckpointManager
 from quicksave.manager import folder as folder_mod
 from quicksave.manager.lease import LEASE_NAME, FolderLease
-from quicksave.verify import verify_checkpoint
 
 
 class Box:
@@ -412,7 +412,7 @@ def test_bad_user_metadata_is_refused_before_any_write(tmp_path):
 
 
 def test_a_checkpoint_deleted_under_a_load_is_not_found_not_corrupt(tmp_path, monkeypatch):
-    from quicksave.reader import StorageReader
+    from quicksave.adapters.dcp_reader import StorageReader
 
     target = tmp_path / "step-1"
     quicksave.save({"t": torch.ones(4)}, target)

@@ -16,9 +16,9 @@ import pytest
 import torch
 import torch.nn as nn
 
-import quicksave.engine as engine
+import quicksave.save.engine as engine
 from quicksave.manager import CheckpointConfig, CheckpointManager, ModelState, OptimizerState
-from quicksave.stage import StagingPool
+from quicksave.stage.pool import StagingPool
 
 
 def _loop() -> tuple[nn.Module, torch.optim.Optimizer, callable]:

@@ -27,12 +27,12 @@ import torch
 
 import quicksave
 from quicksave.errors import CheckpointError
+from quicksave.load.verify import verify_checkpoint
 from quicksave.manager import CheckpointConfig, CheckpointManager, store_lease
 from quicksave.manager.store_lease import LEASE_NAME, Holder, LeaseRecord, StoreLease
 from quicksave.storage import StorageOptions, parse_location
 from quicksave.storage.local import LocalBackend
 from quicksave.storage.s3 import S3Backend
-from quicksave.verify import verify_checkpoint
 
 pytestmark = pytest.mark.slow
 

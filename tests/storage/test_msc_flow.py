@@ -39,15 +39,15 @@ from torch.distributed.checkpoint import (  # noqa: E402
 )
 
 import quicksave  # noqa: E402
-from quicksave.async_api.core import AsyncCallsQueue, AsyncRequest  # noqa: E402
-from quicksave.async_api.filesystem_async import FileSystemWriterAsync  # noqa: E402
-from quicksave.async_api.state_dict_saver import (  # noqa: E402
+from quicksave.compat.nvrx.core import AsyncCallsQueue, AsyncRequest  # noqa: E402
+from quicksave.compat.nvrx.filesystem_async import FileSystemWriterAsync  # noqa: E402
+from quicksave.compat.nvrx.state_dict_saver import (  # noqa: E402
     save_state_dict_async_finalize,
     save_state_dict_async_plan,
 )
 from quicksave.errors import CheckpointError, CheckpointExistsError  # noqa: E402
+from quicksave.load.verify import verify_checkpoint  # noqa: E402
 from quicksave.storage import StorageOptions  # noqa: E402
-from quicksave.verify import verify_checkpoint  # noqa: E402
 
 PROFILE = "model-checkpoints"
 

@@ -15,17 +15,17 @@ import torch
 from tests.helpers.state import assert_bit_equal, random_tensor, storable_dtypes
 
 import quicksave
-from quicksave.catalog import list_checkpoints
-from quicksave.convert import convert
 from quicksave.errors import (
     CheckpointError,
     CheckpointExistsError,
     CorruptCheckpointError,
 )
-from quicksave.inspect import inspect_checkpoint
+from quicksave.load.catalog import list_checkpoints
+from quicksave.load.verify import verify_checkpoint
 from quicksave.manager import CheckpointConfig, CheckpointManager, OptimizerState
 from quicksave.storage import S3Options, StorageOptions
-from quicksave.verify import verify_checkpoint
+from quicksave.tools.convert import convert
+from quicksave.tools.inspect_checkpoint import inspect_checkpoint
 
 
 @pytest.fixture
@@ -120,7 +120,7 @@ def test_save_load_round_trip_every_dtype_and_layout(s3_env, s3_server, s3_bucke
 
 
 def test_async_engine_saves_straight_from_the_pool(s3_env, s3_bucket) -> None:
-    from quicksave.engine import AsyncSaver, EngineConfig
+    from quicksave.save.engine import AsyncSaver, EngineConfig
 
     sd = _state(3)
     saver = AsyncSaver(EngineConfig(thread_count=2))

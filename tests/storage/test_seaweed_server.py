@@ -1,5 +1,5 @@
-"""The S3 test server (quicksave.testing.seaweed) and the fault proxy
-(quicksave.testing.faultproxy) do what the storage tests rely on: a real S3 round trip,
+"""The S3 test server (quicksave_tools.testing.seaweed) and the fault proxy
+(quicksave_tools.testing.faultproxy) do what the storage tests rely on: a real S3 round trip,
 authentication that is enforced, a restricted identity confined to its bucket, and each
 proxy mode producing the client-side failure it stands for."""
 
@@ -24,9 +24,9 @@ from botocore.exceptions import (
     ReadTimeoutError,
 )
 
-from quicksave.testing import seaweed
-from quicksave.testing.faultproxy import MODES, FaultProxy
-from quicksave.testing.seaweed import SeaweedError, SeaweedServer
+from quicksave_tools.testing import seaweed
+from quicksave_tools.testing.faultproxy import MODES, FaultProxy
+from quicksave_tools.testing.seaweed import SeaweedError, SeaweedServer
 
 # botocore: "max_attempts" counts retries (1 = one retry); "total_max_attempts" counts all.
 NO_RETRY = {"total_max_attempts": 1, "mode": "standard"}

@@ -41,8 +41,9 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import xxhash
 
-from ..errors import CheckpointError, CorruptCheckpointError, IncompatibleStateError
-from .manifest import MAX_MANIFEST_BYTES, ChunkEntry, FileEntry, hexdigest
+from quicksave.checksum import hexdigest
+from quicksave.errors import CheckpointError, CorruptCheckpointError, IncompatibleStateError
+from quicksave.format.manifest import MAX_MANIFEST_BYTES, ChunkEntry, FileEntry
 
 if TYPE_CHECKING:
     import torch
@@ -530,7 +531,7 @@ def write_dcp_file(stream: Any, items: Sequence[tuple[str, Any]], *, fsync: bool
 def _write_tensor(out: _Out, key: str, t: torch.Tensor, outside: xxhash.xxh3_64) -> DcpItemWritten:
     import torch
 
-    from ..persist import byte_view
+    from quicksave.checksum import tensor_view
 
     sink = _Sink(out)
     try:
@@ -542,5 +543,5 @@ def _write_tensor(out: _Out, key: str, t: torch.Tensor, outside: xxhash.xxh3_64)
     nbytes = t.numel() * t.element_size()
     raw = _data_record_start(sink, nbytes, key)
     sink.hash_outside(outside, raw, raw + nbytes, key)
-    digest = hexdigest(xxhash.xxh3_64_intdigest(byte_view(t)))
+    digest = hexdigest(xxhash.xxh3_64_intdigest(tensor_view(t)))
     return DcpItemWritten(key, sink.start, sink.length, sink.start + raw, nbytes, digest)

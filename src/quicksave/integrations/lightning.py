@@ -40,13 +40,13 @@ import torch
 
 import quicksave
 from quicksave.commit import CheckpointKind, classify, remove_tree
-from quicksave.engine import AsyncSaver, EngineConfig, SaveHandle
 from quicksave.errors import (
     CheckpointError,
     CheckpointExistsError,
     IncompatibleStateError,
     rank_of_this_process,
 )
+from quicksave.save.engine import AsyncSaver, EngineConfig, SaveHandle
 from quicksave.storage import StorageOptions, parse_location
 
 

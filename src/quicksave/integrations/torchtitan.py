@@ -66,17 +66,16 @@ except ImportError as e:  # pragma: no cover - depends on the environment
         "(pip install 'quicksave[torchtitan]')"
     ) from e
 
-from .. import api
-from ..commit import classify
-from ..dist.saving import DistContext
-from ..engine import SaveHandle
-from ..errors import (
+from quicksave import api
+from quicksave.commit import classify
+from quicksave.errors import (
     CheckpointError,
     CheckpointNotFoundError,
 )
-from ..manager.async_writer import AsyncWriter
-from ..manager.config import CheckpointConfig
-from ..manager.folder import (
+from quicksave.integrations import _torchtitan_layout as layout
+from quicksave.manager.async_writer import AsyncWriter
+from quicksave.manager.config import CheckpointConfig
+from quicksave.manager.folder import (
     COMMITTED,
     apply_retention,
     check_step,
@@ -87,14 +86,15 @@ from ..manager.folder import (
     replace_uncommitted,
     require_committed,
 )
-from ..manager.interval import agree_any_due
-from ..manager.lease import WriterLease, clean_folder, take_writer_lease
-from ..manager.policies import KeepLatestK
-from ..manager.records import SaveRecord, log_committed
-from ..manager.states import ModelState, payload_bytes
-from ..storage import Location, parse_location
-from ..storage.backend import Backend
-from . import _torchtitan_layout as layout
+from quicksave.manager.interval import agree_any_due
+from quicksave.manager.lease import WriterLease, clean_folder, take_writer_lease
+from quicksave.manager.policies import KeepLatestK
+from quicksave.manager.records import SaveRecord, log_committed
+from quicksave.manager.states import ModelState, payload_bytes
+from quicksave.ranks.saving import DistContext
+from quicksave.save.engine import SaveHandle
+from quicksave.storage import Location, parse_location
+from quicksave.storage.backend import Backend
 
 __all__ = ["QuicksaveCheckpointManager"]
 

@@ -37,9 +37,9 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
-from ..errors import CheckpointError
-from .failures import Report
-from .policies import EveryNSeconds
+from quicksave.errors import CheckpointError
+from quicksave.manager.failures import Report
+from quicksave.manager.policies import EveryNSeconds
 
 
 class Vote(Protocol):

@@ -55,22 +55,17 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .. import api
-from ..commit import classify
-from ..dist.saving import DistContext
-from ..engine import SaveHandle
-from ..errors import (
+from quicksave import api
+from quicksave.commit import classify
+from quicksave.errors import (
     CheckpointError,
     CheckpointExistsError,
     IncompatibleStateError,
 )
-from ..model_record import cast_floating, floating_dtype, model_record
-from ..storage import Location, parse_location
-from ..storage.backend import Backend
-from .async_writer import AsyncWriter
-from .config import CheckpointConfig
-from .failures import FailureLedger, Key, log_verdict
-from .folder import (
+from quicksave.manager.async_writer import AsyncWriter
+from quicksave.manager.config import CheckpointConfig
+from quicksave.manager.failures import FailureLedger, Key, log_verdict
+from quicksave.manager.folder import (
     COMMITTED,
     apply_retention,
     check_step,
@@ -82,18 +77,34 @@ from .folder import (
     require_committed,
     stored_metadata,
 )
-from .interval import IntervalAgreement, agree_any_due, agree_reports, needs_agreement
-from .lease import WriterLease, clean_folder, take_writer_lease
-from .policies import EveryNSeconds, EveryNSteps, KeepLatestK, RetentionPolicy, SavePolicy
-from .records import SaveRecord, log_committed
-from .states import (
+from quicksave.manager.interval import (
+    IntervalAgreement,
+    agree_any_due,
+    agree_reports,
+    needs_agreement,
+)
+from quicksave.manager.lease import WriterLease, clean_folder, take_writer_lease
+from quicksave.manager.policies import (
+    EveryNSeconds,
+    EveryNSteps,
+    KeepLatestK,
+    RetentionPolicy,
+    SavePolicy,
+)
+from quicksave.manager.records import SaveRecord, log_committed
+from quicksave.manager.states import (
     ModelState,
     PerRankLoad,
     PerRankState,
     check_states,
     payload_bytes,
 )
-from .verbosity import show_logs
+from quicksave.manager.verbosity import show_logs
+from quicksave.ranks.saving import DistContext
+from quicksave.save.engine import SaveHandle
+from quicksave.save.model_record import cast_floating, floating_dtype, model_record
+from quicksave.storage import Location, parse_location
+from quicksave.storage.backend import Backend
 
 logger = logging.getLogger("quicksave")
 

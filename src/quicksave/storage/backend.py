@@ -22,7 +22,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import xxhash
 
-from ..format.manifest import hexdigest
+from quicksave.checksum import hexdigest
 
 Range = tuple[str, int, int]  # (name, offset, length) of a byte range to hash on the way
 

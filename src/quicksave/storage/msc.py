@@ -61,9 +61,9 @@ from typing import Any, NoReturn
 
 import xxhash
 
-from ..errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
-from ..format.manifest import hexdigest
-from .backend import ObjectInfo, Range, StorageOptions, byte_view, hash_ranges
+from quicksave.checksum import hexdigest
+from quicksave.errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
+from quicksave.storage.backend import ObjectInfo, Range, StorageOptions, byte_view, hash_ranges
 
 READ_PIECE = 32 << 20  # bytes per ranged GET of a large read_into
 MAX_CONCURRENCY = 8  # ranged GETs in flight per read_into (and the pool's size)

@@ -32,9 +32,9 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, TypeVar
 
-from ..errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
-from .backend import ObjectInfo, Range, S3Options, byte_view, hash_ranges
-from .retry import Abandoned, RetryPolicy, call_with_retries
+from quicksave.errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
+from quicksave.storage.backend import ObjectInfo, Range, S3Options, byte_view, hash_ranges
+from quicksave.storage.retry import Abandoned, RetryPolicy, call_with_retries
 
 T = TypeVar("T")
 

@@ -1,0 +1,1 @@
+"""The checkpoint worker: persists staged bytes in the background (torch-free at start)."""
