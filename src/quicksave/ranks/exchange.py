@@ -36,10 +36,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from quicksave.errors import CheckpointError
 from quicksave.format.manifest import Manifest
+from quicksave.ranks import collectives as talk
 from quicksave.ranks.replicas import (
     NEUTRAL,
     Copy,
@@ -156,7 +156,7 @@ def agree_save(
         a = agree_save(go=True, failed=False, hit_key=k, rank=r, world_size=n, group=g)
     """
     fp = int(hit_key[: _FP_BITS // 4], 16) if hit_key else 0
-    values = torch.tensor(
+    values = talk.all_reduce_ints(
         [
             1 if go else 0,
             1 if ready else 0,
@@ -168,12 +168,10 @@ def agree_save(
             NEUTRAL if copies is None else -copies,
             secrets.randbits(_RAND_BITS),
         ],
-        dtype=torch.int64,
+        "min",
+        group,
     )
-    dist.all_reduce(values, op=dist.ReduceOp.MIN, group=group)
-    go_min, ready_min, failed_min, hit_min, fp_min, neg_fp_min, cp_min, neg_cp_min, save_id = (
-        int(v) for v in values.tolist()
-    )
+    go_min, ready_min, failed_min, hit_min, fp_min, neg_fp_min, cp_min, neg_cp_min, save_id = values
     return Agreement(
         failed_rank=failed_min if failed_min < world_size else None,
         go=go_min == 1,
@@ -182,18 +180,6 @@ def agree_save(
         save_id=save_id,
         same_copies=cp_min == NEUTRAL or cp_min == -neg_cp_min,
     )
-
-
-def _gather(obj: Any, group: Any, coordinator: int, rank: int, world_size: int) -> list | None:
-    out: list | None = [None] * world_size if rank == coordinator else None
-    dist.gather_object(obj, out, group=group, group_dst=coordinator)
-    return out
-
-
-def _scatter(payloads: list | None, group: Any, coordinator: int) -> Any:
-    out: list[Any] = [None]
-    dist.scatter_object_list(out, payloads, group=group, group_src=coordinator)
-    return out[0]
 
 
 def exchange_plans(
@@ -229,13 +215,13 @@ def exchange_plans(
     collectives = 0
     previous = cache.plan
     for _round in range(2):
-        gathered = _gather((send, mine), group, coordinator, rank, world_size)
+        gathered = talk.gather_object((send, mine), coordinator, group)
         collectives += 1
         payloads = None
         if rank == coordinator:
             assert gathered is not None
             payloads, previous = _coordinate(gathered, cache, world_size, thread_count)
-        reply = _scatter(payloads, group, coordinator)
+        reply = talk.scatter_object(payloads, coordinator, group)
         collectives += 1
         kind = reply[0]
         if kind == "resend":
