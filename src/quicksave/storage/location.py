@@ -87,9 +87,6 @@ class Location:
             self.scheme, self.container, head[0] if len(head) == 2 else "", self.options
         )
 
-    def with_key(self, key: str) -> Location:
-        return Location(self.scheme, self.container, key, self.options)
-
     def bounded(self, seconds: float) -> Location:
         """This location with its S3 timeouts capped so that one request, retries
         included, ends within about ``seconds`` (half for each attempt's read, half for
