@@ -83,6 +83,8 @@ def write_files(
 def fill_checksums(
     m: Manifest, digests: dict[str, str], keys: dict[str, tuple[str, int]]
 ) -> Manifest:
+    """``m`` with the chunk digests (safetensors key -> xxh3-64 hex) filled in; ``keys``
+    maps each key to its tensor and chunk index."""
     tensors = dict(m.tensors)
     chunks: dict[str, list] = {fqn: list(t.chunks) for fqn, t in m.tensors.items()}
     for key, digest in digests.items():

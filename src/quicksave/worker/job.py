@@ -33,6 +33,8 @@ from quicksave.storage.location import Location
 
 @dataclass(frozen=True)
 class FileJob:
+    """One data file of the rank: its staged image in the pool and its chunks."""
+
     name: str
     base: int  # pool offset of the file image
     size: int
@@ -89,6 +91,9 @@ class DistCommit:
 
 @dataclass(frozen=True)
 class JobResult:
+    """A job's outcome, sent back to the trainer: its cost, or its error (as fields that
+    pickle; ``error()`` rebuilds the exception)."""
+
     job_id: int
     step: int | None
     ok: bool
@@ -106,6 +111,7 @@ class JobResult:
     detail: str = ""
 
     def error(self) -> CheckpointError:
+        """The failure as the ``CheckpointError`` subclass the writer raised."""
         cls = getattr(errors, self.error_type, None)
         if not (isinstance(cls, type) and issubclass(cls, CheckpointError)):
             cls = CheckpointError
@@ -145,6 +151,8 @@ def done(
 
 
 def not_committed(job: PersistJob, reason: str, failed_rank: int | None) -> JobResult:
+    """A multi-rank save that was not committed, because of ``failed_rank`` (None: this
+    rank) for ``reason``."""
     return JobResult(
         job.job_id,
         job.step,
@@ -157,6 +165,8 @@ def not_committed(job: PersistJob, reason: str, failed_rank: int | None) -> JobR
 
 
 def failure(job: PersistJob, e: BaseException) -> JobResult:
+    """A job's failure from the exception ``e``: a ``CheckpointError`` as it is, an
+    ``OSError`` named by its errno, anything else with its traceback."""
     if isinstance(e, CheckpointError):
         return JobResult(
             job.job_id,
