@@ -28,7 +28,7 @@ class WorkerConfig:
 
     worker_timeout_s: float = 5.0
     save_timeout_s: float = 900.0  # a job running longer than this: failed
-    start_timeout_s: float = 120.0  # spawn + imports on a busy machine
+    start_timeout_s: float = 120.0  # process start + imports on a busy machine
     nice: int = 10  # CPU priority increment of the worker
     # CPUs the worker process runs on (None: the trainer's); e.g. keep it and the
     # uploads off the cores that feed the training loop
