@@ -28,7 +28,7 @@ import quicksave
 from quicksave.compat.nvrx import AsyncCallsQueue, AsyncRequest, TorchAsyncCheckpoint, async_save
 from quicksave.errors import CheckpointError, IncompatibleStateError, WorkerFailedError
 from quicksave.save.engine import AsyncSaver, EngineConfig
-from quicksave.worker.process import WorkerConfig
+from quicksave.worker.config import WorkerConfig
 
 GATE_DEADLINE_S = 120.0
 

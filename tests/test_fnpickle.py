@@ -23,8 +23,8 @@ import torch
 
 import quicksave.worker.fnpickle
 from quicksave.errors import CheckpointError
+from quicksave.worker.calls import pickle_call, run_pickled_call
 from quicksave.worker.fnpickle import dumps, loads
-from quicksave.worker.process import pickle_call, run_pickled_call
 
 SCRIPT_TIMEOUT_S = 120
 
@@ -330,7 +330,7 @@ E2E = """
 import os, sys
 import torch
 from quicksave.errors import CheckpointError
-from quicksave.worker.process import ProcessPersister
+from quicksave.worker.persisters import ProcessPersister
 
 OUT = sys.argv[1]
 state = {"w": torch.arange(4.0)}

@@ -74,7 +74,12 @@ def test_one_module_talks_to_other_ranks() -> None:
     assert talkers == {RANKS_TALK}
 
 
-@pytest.mark.parametrize("module", ["quicksave.worker.process", "quicksave.worker.persist"])
+# every module of the worker package (the process runs main; the others, torch-free too,
+# are imported by it or by the trainer beside the engine)
+WORKER_MODULES = sorted(n for n in LIB if n.startswith("quicksave.worker."))
+
+
+@pytest.mark.parametrize("module", WORKER_MODULES)
 def test_the_worker_imports_no_torch_at_start(module: str) -> None:
     code = f"import sys, {module}; print(sorted(m for m in sys.modules if m.startswith('torch')))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

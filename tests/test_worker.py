@@ -30,7 +30,7 @@ from helpers_engine.engine_util import (
 from quicksave import commit
 from quicksave.errors import CheckpointError, WorkerFailedError
 from quicksave.save.engine import AsyncSaver, EngineConfig
-from quicksave.worker.process import WorkerConfig
+from quicksave.worker.config import WorkerConfig
 
 BIG_MIB = 160  # big enough that the worker is still writing when the test strikes
 

@@ -26,8 +26,9 @@ import pytest
 from helpers_engine.engine_util import WORK_TMP, big_state, load_back, same_bytes, wait_dead
 from quicksave.errors import CheckpointError, WorkerFailedError
 from quicksave.save.engine import AsyncSaver, EngineConfig
+from quicksave.worker.config import WorkerConfig
 from quicksave.worker.liveness import Liveness, Progress, read_progress
-from quicksave.worker.process import ProcessPersister, WorkerConfig
+from quicksave.worker.persisters import ProcessPersister
 
 TIMEOUT_S = 0.5  # worker_timeout_s of the process tests: a starved heartbeat exceeds it
 STARVE_S = 4.0  # how long the worker is starved

@@ -6,7 +6,7 @@ Layers (docs/ARCHITECTURE.md): ``CheckpointManager`` (policy) → functions
 ``TorchAsyncCheckpoint``).
 
 Names are imported on first use: the checkpoint worker process imports
-``quicksave.worker.process`` only, and must not pay for torch.
+``quicksave.worker.main`` and its modules only, and must not pay for torch.
 """
 
 from __future__ import annotations

@@ -21,7 +21,6 @@ import torch
 import torch.nn as nn
 
 from helpers.compare import assert_same, snapshot
-from quicksave import worker
 from quicksave.errors import CheckpointError
 from quicksave.manager import (
     CheckpointConfig,
@@ -33,6 +32,8 @@ from quicksave.manager import (
     TrainState,
 )
 from quicksave.stage.pool import StagingPool
+from quicksave.worker import persisters
+from quicksave.worker.job import JobResult, PersistJob
 
 GATE_TIMEOUT_S = 60.0
 
@@ -147,13 +148,13 @@ def stage_gate(monkeypatch: pytest.MonkeyPatch) -> StageGate:
 def write_gates(monkeypatch: pytest.MonkeyPatch) -> dict[int, threading.Event]:
     """Thread mode: the writer of step N waits until ``write_gates[N]`` is set."""
     gates: dict[int, threading.Event] = defaultdict(threading.Event)
-    original = worker.execute_job
+    original = persisters.execute_job
 
-    def gated(job: worker.PersistJob, pool: memoryview, *rest: object) -> worker.JobResult:
+    def gated(job: PersistJob, pool: memoryview, *rest: object) -> JobResult:
         assert gates[job.step].wait(GATE_TIMEOUT_S)
         return original(job, pool, *rest)
 
-    monkeypatch.setattr(worker, "execute_job", gated)
+    monkeypatch.setattr(persisters, "execute_job", gated)
     return gates
 
 

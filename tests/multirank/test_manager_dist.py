@@ -24,7 +24,6 @@ from launcher import LaunchConfig, run_ranks
 
 import quicksave
 from helpers.collectives import CollectiveLog
-from quicksave import worker
 from quicksave.errors import CheckpointError
 from quicksave.load.manifest_reader import read_manifest
 from quicksave.manager import (
@@ -34,6 +33,8 @@ from quicksave.manager import (
     OptimizerState,
     TrainState,
 )
+from quicksave.worker import multirank
+from quicksave.worker.job import PersistJob
 
 pytestmark = pytest.mark.slow
 
@@ -124,7 +125,7 @@ def test_ranks_save_in_the_background_with_one_collective_per_save(tmp_path, mod
 
 
 def _fail_rank_1_at_step_4(
-    job: worker.PersistJob, pool: memoryview, backend: Any, usage: Any
+    job: PersistJob, pool: memoryview, backend: Any, usage: Any
 ) -> dict[str, str]:
     if job.rank == 1 and job.step == 4:
         raise OSError(errno.EACCES, "Permission denied", os.path.join(job.tmp_dir, "x"))
@@ -132,7 +133,7 @@ def _fail_rank_1_at_step_4(
 
 
 def _stall_rank_1_at_step_4(
-    job: worker.PersistJob, pool: memoryview, backend: Any, usage: Any
+    job: PersistJob, pool: memoryview, backend: Any, usage: Any
 ) -> dict[str, str]:
     if job.rank == 1 and job.step == 4:
         time.sleep(6.0)  # longer than commit_timeout_s: the coordinator gives up first
@@ -140,7 +141,7 @@ def _stall_rank_1_at_step_4(
 
 
 def _slow_rank_1_at_step_4(
-    job: worker.PersistJob, pool: memoryview, backend: Any, usage: Any
+    job: PersistJob, pool: memoryview, backend: Any, usage: Any
 ) -> dict[str, str]:
     if job.rank == 1 and job.step == 4:
         # Past twice commit_timeout_s: rank 0 is ready for step 6 long before rank 1's
@@ -149,18 +150,18 @@ def _slow_rank_1_at_step_4(
     return _ORIGINAL_WRITE(job, pool, backend, usage)
 
 
-_ORIGINAL_WRITE = worker._write_files
+_ORIGINAL_WRITE = multirank.write_files
 
 
 def _rank_one_rank_fails(rank: int, world_size: int, root: str, how: str) -> dict[str, Any]:
     mode = "process" if how == "kill" else "thread"
     job, manager = _manager(root, async_mode=mode, commit_timeout_s=3.0)
     if how == "eacces":
-        worker._write_files = _fail_rank_1_at_step_4
+        multirank.write_files = _fail_rank_1_at_step_4
     elif how == "stall":
-        worker._write_files = _stall_rank_1_at_step_4
+        multirank.write_files = _stall_rank_1_at_step_4
     elif how == "slow":
-        worker._write_files = _slow_rank_1_at_step_4
+        multirank.write_files = _slow_rank_1_at_step_4
     errors: list[str] = []
     began = time.monotonic()
     for step in range(1, 11):

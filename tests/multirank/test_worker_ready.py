@@ -19,7 +19,7 @@ from launcher import LaunchConfig, run_ranks
 from quicksave.format import MANIFEST_NAME
 from quicksave.ranks.saving import DistContext
 from quicksave.save.engine import AsyncSaver, EngineConfig
-from quicksave.worker.process import ProcessPersister
+from quicksave.worker.persisters import ProcessPersister
 
 pytestmark = pytest.mark.slow
 

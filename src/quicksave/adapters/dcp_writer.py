@@ -65,7 +65,7 @@ from quicksave.save.plan import ItemSpec, RankLayout, layout_rank
 from quicksave.storage import StorageOptions, parse_location
 from quicksave.storage.backend import Backend
 from quicksave.worker import persist
-from quicksave.worker.process import commit_files
+from quicksave.worker.files import commit_files
 
 
 @dataclass(frozen=True)

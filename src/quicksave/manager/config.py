@@ -15,7 +15,7 @@ import torch
 from quicksave.errors import CheckpointError
 from quicksave.save.engine import EngineConfig
 from quicksave.storage import StorageOptions, parse_location
-from quicksave.worker.process import WorkerConfig
+from quicksave.worker.config import WorkerConfig
 
 INTERVAL_TYPES = ("steps", "seconds")
 ASYNC_MODES = ("disabled", "thread", "process")

@@ -20,7 +20,7 @@ from quicksave.errors import CheckpointError
 from quicksave.format.manifest import Manifest
 from quicksave.ranks import records
 from quicksave.save.plan import RankLayout, chunk_key
-from quicksave.worker.process import DistCommit
+from quicksave.worker.job import DistCommit
 
 
 @dataclass(frozen=True)

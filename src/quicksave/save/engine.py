@@ -57,15 +57,10 @@ from quicksave.save.plan import ItemSpec, RankLayout, layout_rank
 from quicksave.stage.pool import StagingPool
 from quicksave.storage import Location, StorageOptions, parse_location
 from quicksave.storage.backend import Backend
-from quicksave.worker.process import (
-    CallResult,
-    FileJob,
-    JobResult,
-    PersistJob,
-    ProcessPersister,
-    ThreadPersister,
-    WorkerConfig,
-)
+from quicksave.worker.calls import CallResult
+from quicksave.worker.config import WorkerConfig
+from quicksave.worker.job import FileJob, JobResult, PersistJob
+from quicksave.worker.persisters import ProcessPersister, ThreadPersister
 
 logger = logging.getLogger("quicksave")
 

@@ -1,7 +1,7 @@
 """Pickle a call for the worker process, sending by value the functions it cannot import.
 
 The worker is a fresh interpreter that does not re-import the trainer's ``__main__``
-(see ``quicksave.worker.process``). Plain pickling sends a function by reference (module and
+(see ``quicksave.worker.main``). Plain pickling sends a function by reference (module and
 qualified name), so a function of the training script, a closure or a lambda fails there
 ("Can't get attribute 'write_file' on <module '__main__'>"). ``CallPickler`` is
 multiprocessing's ``ForkingPickler`` (CPU tensors still travel as shared-memory handles

@@ -16,8 +16,8 @@ question; the answer comes from what the process did meanwhile:
   deadlock is reported after about the timeout, as a heartbeat-only rule would).
 
 The trainer side reads ``/proc/<pid>`` of its own child; nothing here runs in the worker.
-Standard library only: ``quicksave.worker.process`` imports this module, and the worker process
-imports no torch at start.
+Standard library only; imported by ``quicksave.worker.persisters`` (the trainer side), and
+torch-free like every module of ``quicksave.worker``.
 """
 
 from __future__ import annotations

@@ -83,7 +83,9 @@ from quicksave.errors import (
     CheckpointError,
     WorkerFailedError,
 )
-from quicksave.worker.process import CallResult, ProcessPersister, ThreadPersister, WorkerConfig
+from quicksave.worker.calls import CallResult
+from quicksave.worker.config import WorkerConfig
+from quicksave.worker.persisters import ProcessPersister, ThreadPersister
 
 logger = logging.getLogger("quicksave")
 
@@ -698,7 +700,7 @@ class PersistentAsyncCaller(_QueueCaller):
 
     @staticmethod
     def async_process_target(*args: Any, **kwargs: Any) -> None:
-        """NVRx's worker entry point. quicksave's worker is ``quicksave.worker.process.main``,
+        """NVRx's worker entry point. quicksave's worker is ``quicksave.worker.main.main``,
         started by ``AsyncCallsQueue``; NVRx's loop has no counterpart to run.
 
         Raises:
@@ -727,7 +729,7 @@ class TemporalAsyncCaller(_QueueCaller):
 
 _NO_NVRX_LOOP = (
     "NVRx's worker loop has no counterpart in quicksave: the worker process is "
-    "quicksave.worker.process.main, started and fed by AsyncCallsQueue (use the queue, or "
+    "quicksave.worker.main.main, started and fed by AsyncCallsQueue (use the queue, or "
     "PersistentAsyncCaller().schedule_async_call)"
 )
 

@@ -31,7 +31,8 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from quicksave.worker.process import ProcessPersister, WorkerConfig
+    from quicksave.worker.config import WorkerConfig
+    from quicksave.worker.persisters import ProcessPersister
 
 
 class NvrxProcessState:

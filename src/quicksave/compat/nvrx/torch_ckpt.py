@@ -27,7 +27,7 @@ from quicksave.compat.nvrx.core import AsyncCallsQueue
 from quicksave.compat.nvrx.request import AsyncRequest
 from quicksave.errors import CheckpointError, IncompatibleStateError
 from quicksave.storage import local_path
-from quicksave.worker.process import WorkerConfig
+from quicksave.worker.config import WorkerConfig
 
 logger = logging.getLogger("quicksave")
 
