@@ -34,7 +34,8 @@ from helpers_engine.engine_util import (
 from quicksave import persist, stage
 from quicksave.errors import CheckpointError
 from quicksave.load.verify import verify_checkpoint
-from quicksave.save.engine import AsyncSaver, EngineConfig
+from quicksave.save.config import EngineConfig
+from quicksave.save.engine import AsyncSaver
 
 MODES = ["process", "thread"]
 
