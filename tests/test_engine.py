@@ -31,11 +31,12 @@ from helpers_engine.engine_util import (
     same_bytes,
     tmpfs,
 )
-from quicksave import persist, stage
 from quicksave.errors import CheckpointError
 from quicksave.load.verify import verify_checkpoint
 from quicksave.save.config import EngineConfig
 from quicksave.save.engine import AsyncSaver
+from quicksave.stage import pool as stage
+from quicksave.worker import persist
 
 MODES = ["process", "thread"]
 
