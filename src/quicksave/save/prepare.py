@@ -3,9 +3,9 @@ of a plan, put them into free slots and map them into the worker while it is idl
 that the first save of the same shapes pays no allocation and no first-touch page faults.
 
 Call order: ``AsyncSaver.prepare()`` plans on the training thread, then runs
-:meth:`PoolPreparer.build` in a low-priority ``quicksave-prepare`` thread (beside training) or
-on the training thread itself (at start-up). The pools are allocated outside the saver's
-lock, installed under it.
+:meth:`PoolPreparer.build` in a low-priority ``quicksave-prepare`` thread (beside
+training, ``start()``; ``wait()`` joins it) or on the training thread itself (at
+start-up). The pools are allocated outside the saver's lock, installed under it.
 """
 
 from __future__ import annotations
