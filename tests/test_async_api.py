@@ -27,7 +27,8 @@ import torch
 import quicksave
 from quicksave.compat.nvrx import AsyncCallsQueue, AsyncRequest, TorchAsyncCheckpoint, async_save
 from quicksave.errors import CheckpointError, IncompatibleStateError, WorkerFailedError
-from quicksave.save.engine import AsyncSaver, EngineConfig
+from quicksave.save.config import EngineConfig
+from quicksave.save.engine import AsyncSaver
 from quicksave.worker.config import WorkerConfig
 
 GATE_DEADLINE_S = 120.0

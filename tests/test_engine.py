@@ -33,8 +33,9 @@ from helpers_engine.engine_util import (
 )
 from quicksave.errors import CheckpointError
 from quicksave.load.verify import verify_checkpoint
-from quicksave.save.engine import AsyncSaver, EngineConfig
-from quicksave.stage.pool import StagingPool
+from quicksave.save.config import EngineConfig
+from quicksave.save.engine import AsyncSaver
+from quicksave.stage import pool as stage
 from quicksave.worker import persist
 
 MODES = ["process", "thread"]
@@ -102,14 +103,14 @@ def test_overlap_staging_saves_values_at_save_time(
     """save(deferred=...) returns before the deferred copies; the checkpoint still holds
     the values at save() time, both for deferred and for immediately staged tensors."""
     release = threading.Event()
-    real_stage_many = StagingPool.stage_many  # every copy into a pool goes through it
+    real_stage_many = stage.StagingPool.stage_many  # every copy into a pool goes through it
 
     def gated(self, items, digests=None, *, non_blocking=False):  # the background copies only
         if threading.current_thread().name == "quicksave-stage":
             assert release.wait(30)
         return real_stage_many(self, items, digests, non_blocking=non_blocking)
 
-    monkeypatch.setattr(StagingPool, "stage_many", gated)
+    monkeypatch.setattr(stage.StagingPool, "stage_many", gated)
     sd = {f"p{i}": torch.full((4096,), float(i)) for i in range(4)}
     sd["bn_mean"] = torch.full((16,), 0.5)
     expect = {k: v.clone() for k, v in sd.items()}

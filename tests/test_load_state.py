@@ -18,7 +18,8 @@ import quicksave
 from quicksave.errors import CorruptCheckpointError
 from quicksave.format.manifest import to_json_bytes
 from quicksave.load.manifest_reader import read_manifest
-from quicksave.save.engine import AsyncSaver, EngineConfig
+from quicksave.save.config import EngineConfig
+from quicksave.save.engine import AsyncSaver
 from quicksave.tools.convert import convert, load_full_state
 
 

@@ -162,7 +162,8 @@ def _entry_points() -> dict[str, Callable[[str], object]]:
     from quicksave.compat.nvrx import FileSystemWriterAsync, TorchAsyncCheckpoint
     from quicksave.load.catalog import list_checkpoints
     from quicksave.load.verify import verify_checkpoint
-    from quicksave.save.engine import AsyncSaver, EngineConfig
+    from quicksave.save.config import EngineConfig
+    from quicksave.save.engine import AsyncSaver
     from quicksave.tools.convert import convert
     from quicksave.tools.inspect_checkpoint import inspect_checkpoint
 

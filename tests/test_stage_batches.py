@@ -13,10 +13,11 @@ import torch
 import xxhash
 
 import quicksave
-import quicksave.save.engine as engine
+import quicksave.save.slots as slots
 from quicksave.checksum import hexdigest
 from quicksave.load.verify import verify_checkpoint
-from quicksave.save.engine import AsyncSaver, EngineConfig
+from quicksave.save.config import EngineConfig
+from quicksave.save.engine import AsyncSaver
 from quicksave.stage.pool import BATCH_BYTES, HASH_BLOCK, StagingPool, digest_of
 
 
@@ -172,7 +173,7 @@ def test_the_engine_keeps_its_pool_when_only_the_order_changes(
             built.append(1)
             super().__init__(*args, **kwargs)
 
-    monkeypatch.setattr(engine, "StagingPool", Counting)
+    monkeypatch.setattr(slots, "StagingPool", Counting)
     sd = {f"w{i}": torch.full((1000 + i,), float(i)) for i in range(8)}
     with AsyncSaver(EngineConfig(mode="thread")) as saver:
         saver.save(sd, tmp_path / "a", step=1).wait(60)

@@ -25,7 +25,8 @@ import pytest
 
 from helpers_engine.engine_util import WORK_TMP, big_state, load_back, same_bytes, wait_dead
 from quicksave.errors import CheckpointError, WorkerFailedError
-from quicksave.save.engine import AsyncSaver, EngineConfig
+from quicksave.save.config import EngineConfig
+from quicksave.save.engine import AsyncSaver
 from quicksave.worker.config import WorkerConfig
 from quicksave.worker.liveness import Liveness, Progress, read_progress
 from quicksave.worker.persisters import ProcessPersister
@@ -188,7 +189,7 @@ def test_a_starved_worker_commits_its_save(root: Path) -> None:
     try:
         saver.save(big_state(1, 1.0), root / "warm", step=1).wait(60)
         pid = saver.worker_pid
-        persister = saver._persister
+        persister = saver._worker.persister
         assert isinstance(persister, ProcessPersister)
         sd = big_state(16, 2.0)
         stalest = 0.0

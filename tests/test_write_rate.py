@@ -13,7 +13,8 @@ import quicksave.storage.posix_io as posix_io
 from quicksave.errors import CheckpointError
 from quicksave.load.verify import verify_checkpoint
 from quicksave.manager import CheckpointConfig
-from quicksave.save.engine import AsyncSaver, EngineConfig
+from quicksave.save.config import EngineConfig
+from quicksave.save.engine import AsyncSaver
 
 
 class FakeClock:

@@ -39,9 +39,9 @@ _LAZY: dict[str, str] = {
     "S3Options": "quicksave.storage",
     "verify_checkpoint": "quicksave.load.verify",
     "AsyncSaver": "quicksave.save.engine",
-    "EngineConfig": "quicksave.save.engine",
-    "SaveHandle": "quicksave.save.engine",
-    "SaveResult": "quicksave.save.engine",
+    "EngineConfig": "quicksave.save.config",
+    "SaveHandle": "quicksave.save.handle",
+    "SaveResult": "quicksave.save.handle",
     "async_save": "quicksave.save.async_save",
     **{
         name: "quicksave.compat.nvrx"
@@ -179,6 +179,8 @@ if TYPE_CHECKING:
         TrainState,
     )
     from quicksave.save.async_save import async_save
-    from quicksave.save.engine import AsyncSaver, EngineConfig, SaveHandle, SaveResult
+    from quicksave.save.config import EngineConfig
+    from quicksave.save.engine import AsyncSaver
+    from quicksave.save.handle import SaveHandle, SaveResult
     from quicksave.storage import S3Options, StorageOptions
     from quicksave.tools.hf_export import export_hf

@@ -20,7 +20,8 @@ import time
 import torch
 
 from quicksave.errors import CheckpointError
-from quicksave.save.engine import AsyncSaver, EngineConfig
+from quicksave.save.config import EngineConfig
+from quicksave.save.engine import AsyncSaver
 
 
 def state(mib: int, value: float) -> dict[str, torch.Tensor]:

@@ -350,7 +350,7 @@ def test_the_staging_pool_is_built_before_the_first_save(
     # prepares instead: tests/manager/test_first_save_pool.py)
     slot = saver._slots[0]
     pool = slot.pool
-    assert pool is not None and slot.pool_id in saver._mapped  # built, and in the worker
+    assert pool is not None and slot.pool_id in saver._worker.mapped  # built, and in the worker
     job.train_step()  # the first optimizer step: the real state is the predicted one
     saver.wait_prepared()
     assert slot.pool is pool
@@ -375,9 +375,9 @@ def test_a_complete_state_gets_its_pool_at_start_up(
     manager = make(tmp_path / "ckpt", job.states(), interval=2, async_mode=mode)
     closing.append(manager)
     saver = manager._writer.saver
-    assert saver._prepare_thread is None  # nothing left running in the background
+    assert saver._preparer.thread is None  # nothing left running in the background
     slot = saver._slots[0]
-    assert slot.pool is not None and slot.pool_id in saver._mapped
+    assert slot.pool is not None and slot.pool_id in saver._worker.mapped
     pool = slot.pool
     job.train_step()
     assert manager.save(2)

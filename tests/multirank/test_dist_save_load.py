@@ -33,7 +33,8 @@ from quicksave.commit import CheckpointKind, classify, is_temp_name
 from quicksave.errors import CheckpointError, CorruptCheckpointError, IncompatibleStateError
 from quicksave.load.manifest_reader import read_manifest
 from quicksave.ranks.saving import DistContext
-from quicksave.save.engine import AsyncSaver, EngineConfig
+from quicksave.save.config import EngineConfig
+from quicksave.save.engine import AsyncSaver
 
 pytestmark = pytest.mark.slow
 

@@ -71,7 +71,7 @@ def _rank_edit_on_one_rank(
                 # Both ranks make the same edit (their states stay equal), rank 0 after
                 # waiting for its copy as the docs say, rank 1 without: its counters
                 # show the write at the next step's pre-hook, after the copy has run.
-                staging = manager._writer.saver._staging
+                staging = manager._writer.saver._background.thread
                 assert staging is not None  # step 3 was overlapped
                 staging.join()
                 if rank == 0:

@@ -18,7 +18,8 @@ from launcher import LaunchConfig, run_ranks
 
 from quicksave.format import MANIFEST_NAME
 from quicksave.ranks.saving import DistContext
-from quicksave.save.engine import AsyncSaver, EngineConfig
+from quicksave.save.config import EngineConfig
+from quicksave.save.engine import AsyncSaver
 from quicksave.worker.persisters import ProcessPersister
 
 pytestmark = pytest.mark.slow
@@ -42,7 +43,7 @@ def _ready(p: ProcessPersister, within_s: float) -> dict[str, int]:
 def _rank_first_save(rank: int, world: int, root: str) -> dict[str, Any]:
     ctx = DistContext(None, dist.distributed_c10d._get_default_store(), rank, world)
     with AsyncSaver(EngineConfig(mode="process"), dist_context=ctx) as saver:
-        p = saver._persister
+        p = saver._worker.persister
         assert isinstance(p, ProcessPersister)
         before = _ready(p, 90.0)  # no save submitted yet
         torch_before = _maps_torch(p.pid)
@@ -71,7 +72,7 @@ def test_a_multi_rank_worker_is_connected_before_the_first_save(tmp_path) -> Non
 
 def test_a_single_rank_worker_stays_torch_free(tmp_path) -> None:
     with AsyncSaver(EngineConfig(mode="process")) as saver:
-        p = saver._persister
+        p = saver._worker.persister
         assert isinstance(p, ProcessPersister)
         saver.save({"w": torch.ones(4096)}, tmp_path / "s1", step=1).wait(60)
         assert p.status(30) == {"stores": 0, "connecting": 0, "connects": 0}

@@ -120,7 +120,8 @@ def test_save_load_round_trip_every_dtype_and_layout(s3_env, s3_server, s3_bucke
 
 
 def test_async_engine_saves_straight_from_the_pool(s3_env, s3_bucket) -> None:
-    from quicksave.save.engine import AsyncSaver, EngineConfig
+    from quicksave.save.config import EngineConfig
+    from quicksave.save.engine import AsyncSaver
 
     sd = _state(3)
     saver = AsyncSaver(EngineConfig(thread_count=2))

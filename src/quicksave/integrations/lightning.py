@@ -46,7 +46,9 @@ from quicksave.errors import (
     IncompatibleStateError,
     rank_of_this_process,
 )
-from quicksave.save.engine import AsyncSaver, EngineConfig, SaveHandle
+from quicksave.save.config import EngineConfig
+from quicksave.save.engine import AsyncSaver
+from quicksave.save.handle import SaveHandle
 from quicksave.storage import StorageOptions, parse_location
 
 

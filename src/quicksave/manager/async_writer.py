@@ -45,7 +45,10 @@ from quicksave.manager.overlap import WriterWatch
 from quicksave.manager.records import SaveRecord
 from quicksave.manager.states import OptimizerState
 from quicksave.ranks.saving import DistContext
-from quicksave.save.engine import AsyncSaver, Deferred, EngineConfig, SaveHandle
+from quicksave.save.config import EngineConfig
+from quicksave.save.engine import AsyncSaver
+from quicksave.save.handle import SaveHandle
+from quicksave.save.staging import Deferred
 
 logger = logging.getLogger("quicksave")
 

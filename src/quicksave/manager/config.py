@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from quicksave.errors import CheckpointError
-from quicksave.save.engine import EngineConfig
+from quicksave.save.config import EngineConfig
 from quicksave.storage import StorageOptions, parse_location
 from quicksave.worker.config import WorkerConfig
 

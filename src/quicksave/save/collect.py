@@ -1,9 +1,14 @@
 """Collect: turn what the user passes (dicts, ``Stateful`` objects) into a state dict,
-and check every leaf before any I/O happens."""
+and check every leaf before any I/O happens.
+
+The async engine's single-rank saves collect with :func:`collect_state` (training
+thread, first step of ``save()`` and of ``prepare()``): flatten, check each tensor, and
+encode every plain value now — its value at the call, not later."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -12,6 +17,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 from quicksave.errors import IncompatibleStateError
 from quicksave.format import objects as objcodec
 from quicksave.format.dtypes import check_storable
+from quicksave.format.keys import names_itself
 from quicksave.save import keypaths
 
 
@@ -119,3 +125,68 @@ def validate_for_save(state_dict: Mapping[str, Any], rank: int | None = None) ->
                 objcodec.encode(leaf, fqn)
             except IncompatibleStateError as e:
                 raise IncompatibleStateError(e.message, fqn=fqn, rank=rank) from None
+
+
+@dataclass(frozen=True)
+class CollectedState:
+    """A state dict flattened for a single-rank save."""
+
+    tensors: dict[str, torch.Tensor]  # fqn -> the plain tensor to stage
+    sources: dict[str, torch.Tensor]  # fqn -> the tensor whose version counter tracks it
+    objects: dict[str, Any]  # fqn -> encoded plain value
+    paths: dict[str, tuple]  # fqn -> key path, where the fqn does not name it alone
+    empty: tuple[tuple, ...]  # paths of the empty dicts
+
+
+def collect_state(state_dict: Mapping[str, Any], final: str, rank: int) -> CollectedState:
+    """Flatten ``state_dict`` for a single-rank save to ``final`` (named in errors).
+
+    Raises:
+        IncompatibleStateError: a value that cannot be saved (before any I/O).
+    """
+    try:
+        nested = to_state_dict(state_dict)
+        flat, all_paths, empty = flatten_with_paths(nested)
+        tensors: dict[str, torch.Tensor] = {}
+        sources: dict[str, torch.Tensor] = {}
+        objects: dict[str, Any] = {}
+        for fqn, v in flat.items():
+            if isinstance(v, torch.Tensor):
+                check_tensor(fqn, v, rank)
+                tensors[fqn] = whole_local(fqn, v)
+                sources[fqn] = v
+            else:
+                # Encoding is also the check; done once, with the value of this moment.
+                objects[fqn] = objcodec.encode(v, fqn)
+    except IncompatibleStateError as e:
+        raise IncompatibleStateError(e.message, path=final, fqn=e.fqn, rank=rank) from None
+    paths = {fqn: p for fqn, p in all_paths.items() if not names_itself(p, fqn)}
+    return CollectedState(tensors, sources, objects, paths, tuple(empty))
+
+
+def whole_local(fqn: str, v: torch.Tensor) -> torch.Tensor:
+    """The plain tensor a single-rank save stages for ``v``: ``v`` itself, or the local
+    tensor of a DTensor on a one-rank mesh (FSDP2 or TP code run on one rank), which holds
+    every element.
+
+    Raises:
+        IncompatibleStateError: a tensor split over several ranks (a multi-rank saver
+            saves it), or another tensor subclass.
+    """
+    if type(v) is torch.Tensor or isinstance(v, torch.nn.Parameter):
+        return v.detach()
+    if type(v).__name__ == "DTensor":
+        local = v.to_local()
+        if v.device_mesh.size() == 1 and tuple(local.shape) == tuple(v.shape):
+            return local.detach()
+        raise IncompatibleStateError(
+            f"this DTensor is split over {v.device_mesh.size()} ranks, and this saver saves "
+            "one rank; build the saver with a dist_context (CheckpointManager does when the "
+            "process group has several ranks) or save with quicksave.save",
+            fqn=fqn,
+        )
+    raise IncompatibleStateError(
+        f"{type(v).__name__} values are not saved by the single-rank engine; save them "
+        "with quicksave.save, or pass plain tensors",
+        fqn=fqn,
+    )
