@@ -276,7 +276,7 @@ def _check_root(root: Path, checked: set[str]) -> tuple[int, int]:
     uncommitted temporary that refuses to load. Returns (committed, temporaries)."""
     from crash_child import state_for
 
-    from quicksave.load.verify import verify_checkpoint
+    from quicksave.loading.verify import verify_checkpoint
 
     committed = temps = 0
     for entry in sorted(root.iterdir()):

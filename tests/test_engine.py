@@ -32,9 +32,9 @@ from helpers_engine.engine_util import (
     tmpfs,
 )
 from quicksave.errors import CheckpointError
-from quicksave.load.verify import verify_checkpoint
-from quicksave.save.config import EngineConfig
-from quicksave.save.engine import AsyncSaver
+from quicksave.loading.verify import verify_checkpoint
+from quicksave.saving.config import EngineConfig
+from quicksave.saving.engine import AsyncSaver
 from quicksave.stage import pool as stage
 from quicksave.worker import persist
 

@@ -160,10 +160,10 @@ def _entry_points() -> dict[str, Callable[[str], object]]:
     import torch.distributed.checkpoint as dcp
 
     from quicksave.compat.nvrx import FileSystemWriterAsync, TorchAsyncCheckpoint
-    from quicksave.load.catalog import list_checkpoints
-    from quicksave.load.verify import verify_checkpoint
-    from quicksave.save.config import EngineConfig
-    from quicksave.save.engine import AsyncSaver
+    from quicksave.loading.catalog import list_checkpoints
+    from quicksave.loading.verify import verify_checkpoint
+    from quicksave.saving.config import EngineConfig
+    from quicksave.saving.engine import AsyncSaver
     from quicksave.tools.convert import convert
     from quicksave.tools.inspect_checkpoint import inspect_checkpoint
 

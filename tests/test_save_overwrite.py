@@ -13,8 +13,8 @@ import torch
 import quicksave
 from quicksave import commit
 from quicksave.errors import CheckpointError, CheckpointExistsError, IncompatibleStateError
-from quicksave.save.config import EngineConfig
-from quicksave.save.engine import AsyncSaver
+from quicksave.saving.config import EngineConfig
+from quicksave.saving.engine import AsyncSaver
 
 
 def _state(v: float) -> dict:

@@ -18,8 +18,8 @@ import xxhash
 from helpers_engine.engine_util import pool_mappings, same_bytes
 from quicksave.checksum import hexdigest
 from quicksave.format.dtypes import element_size
-from quicksave.save.config import EngineConfig
-from quicksave.save.engine import AsyncSaver
+from quicksave.saving.config import EngineConfig
+from quicksave.saving.engine import AsyncSaver
 from quicksave.stage.pool import StagingPool, pool_cost, shield_free_pages
 
 

@@ -13,11 +13,11 @@ import torch
 import xxhash
 
 import quicksave
-import quicksave.save.slots as slots
+import quicksave.saving.slots as slots
 from quicksave.checksum import hexdigest
-from quicksave.load.verify import verify_checkpoint
-from quicksave.save.config import EngineConfig
-from quicksave.save.engine import AsyncSaver
+from quicksave.loading.verify import verify_checkpoint
+from quicksave.saving.config import EngineConfig
+from quicksave.saving.engine import AsyncSaver
 from quicksave.stage.pool import BATCH_BYTES, HASH_BLOCK, StagingPool, digest_of
 
 

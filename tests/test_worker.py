@@ -29,8 +29,8 @@ from helpers_engine.engine_util import (
 )
 from quicksave import commit
 from quicksave.errors import CheckpointError, WorkerFailedError
-from quicksave.save.config import EngineConfig
-from quicksave.save.engine import AsyncSaver
+from quicksave.saving.config import EngineConfig
+from quicksave.saving.engine import AsyncSaver
 from quicksave.worker.config import WorkerConfig
 
 BIG_MIB = 160  # big enough that the worker is still writing when the test strikes

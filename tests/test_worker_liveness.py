@@ -25,8 +25,8 @@ import pytest
 
 from helpers_engine.engine_util import WORK_TMP, big_state, load_back, same_bytes, wait_dead
 from quicksave.errors import CheckpointError, WorkerFailedError
-from quicksave.save.config import EngineConfig
-from quicksave.save.engine import AsyncSaver
+from quicksave.saving.config import EngineConfig
+from quicksave.saving.engine import AsyncSaver
 from quicksave.worker.config import WorkerConfig
 from quicksave.worker.liveness import Liveness, Progress, read_progress
 from quicksave.worker.persisters import ProcessPersister

@@ -11,10 +11,10 @@ import torch
 
 import quicksave.storage.posix_io as posix_io
 from quicksave.errors import CheckpointError
-from quicksave.load.verify import verify_checkpoint
+from quicksave.loading.verify import verify_checkpoint
 from quicksave.manager import CheckpointConfig
-from quicksave.save.config import EngineConfig
-from quicksave.save.engine import AsyncSaver
+from quicksave.saving.config import EngineConfig
+from quicksave.saving.engine import AsyncSaver
 
 
 class FakeClock:

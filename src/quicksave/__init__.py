@@ -37,12 +37,12 @@ _LAZY: dict[str, str] = {
     "StorageWriter": "quicksave.adapters.dcp_writer",
     "StorageOptions": "quicksave.storage",
     "S3Options": "quicksave.storage",
-    "verify_checkpoint": "quicksave.load.verify",
-    "AsyncSaver": "quicksave.save.engine",
-    "EngineConfig": "quicksave.save.config",
-    "SaveHandle": "quicksave.save.handle",
-    "SaveResult": "quicksave.save.handle",
-    "async_save": "quicksave.save.async_save",
+    "verify_checkpoint": "quicksave.loading.verify",
+    "AsyncSaver": "quicksave.saving.engine",
+    "EngineConfig": "quicksave.saving.config",
+    "SaveHandle": "quicksave.saving.handle",
+    "SaveResult": "quicksave.saving.handle",
+    "async_save": "quicksave.saving.async_save",
     **{
         name: "quicksave.compat.nvrx"
         for name in (
@@ -161,7 +161,7 @@ if TYPE_CHECKING:
         save_state_dict_async_plan,
         verify_global_md_reuse,
     )
-    from quicksave.load.verify import verify_checkpoint
+    from quicksave.loading.verify import verify_checkpoint
     from quicksave.manager import (
         CheckpointConfig,
         CheckpointManager,
@@ -178,9 +178,9 @@ if TYPE_CHECKING:
         StatefulList,
         TrainState,
     )
-    from quicksave.save.async_save import async_save
-    from quicksave.save.config import EngineConfig
-    from quicksave.save.engine import AsyncSaver
-    from quicksave.save.handle import SaveHandle, SaveResult
+    from quicksave.saving.async_save import async_save
+    from quicksave.saving.config import EngineConfig
+    from quicksave.saving.engine import AsyncSaver
+    from quicksave.saving.handle import SaveHandle, SaveResult
     from quicksave.storage import S3Options, StorageOptions
     from quicksave.tools.hf_export import export_hf

@@ -40,10 +40,10 @@ from quicksave.format import objects as objcodec
 from quicksave.format.dtypes import dtype_name
 from quicksave.format.keys import EMPTY_KEY, REPLICAS_KEY
 from quicksave.format.manifest import check_user_metadata
-from quicksave.load.dcp_stock import DCPReader, RestrictedObjectsMixin
+from quicksave.loading.dcp_stock import DCPReader, RestrictedObjectsMixin
 from quicksave.ranks import replicas
-from quicksave.save.collect import to_state_dict, validate_for_save
-from quicksave.save.keypaths import structure
+from quicksave.saving.collect import to_state_dict, validate_for_save
+from quicksave.saving.keypaths import structure
 from quicksave.storage import StorageOptions, parse_location
 
 

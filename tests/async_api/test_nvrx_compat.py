@@ -53,7 +53,7 @@ from quicksave.compat.nvrx import (
 from quicksave.compat.nvrx import state_dict_saver as saver
 from quicksave.compat.nvrx.core import abort_nvrx_checkpoint
 from quicksave.errors import CheckpointError, CheckpointExistsError
-from quicksave.load.verify import verify_checkpoint
+from quicksave.loading.verify import verify_checkpoint
 
 GATE_DEADLINE_S = 120.0
 SCRIPT_TIMEOUT_S = 180.0

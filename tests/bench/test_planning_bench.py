@@ -8,7 +8,7 @@ import math
 
 import pytest
 
-from quicksave.save.rank_plans import global_plan
+from quicksave.saving.rank_plans import global_plan
 from quicksave_tools.bench import main as bench_main
 from quicksave_tools.bench.planning import dcp_plans, simulated_plans
 

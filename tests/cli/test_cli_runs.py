@@ -13,7 +13,7 @@ import torch.distributed.checkpoint as dcp
 
 import quicksave
 from quicksave.cli.main import main
-from quicksave.load.catalog import list_checkpoints
+from quicksave.loading.catalog import list_checkpoints
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 

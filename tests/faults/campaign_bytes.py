@@ -143,7 +143,7 @@ def corruption(trials: int, rng: random.Random, work: Path) -> Result:
     draw at random."""
     import quicksave
     from quicksave.errors import CheckpointError
-    from quicksave.load.verify import verify_checkpoint
+    from quicksave.loading.verify import verify_checkpoint
     from quicksave.manager import CheckpointConfig, CheckpointManager
 
     res = Result(

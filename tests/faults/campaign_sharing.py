@@ -275,7 +275,7 @@ def readers_vs_retention(
     exists never fails verify (no torn checkpoint listed)."""
     import quicksave
     from quicksave.errors import CheckpointError
-    from quicksave.load.catalog import list_checkpoints
+    from quicksave.loading.catalog import list_checkpoints
     from quicksave.manager import CheckpointConfig, CheckpointManager
     from quicksave.manager.folder import committed_steps
 

@@ -31,7 +31,7 @@ Roles:
 
 - ``eval``: an evaluation script racing a writer: builds managers on the folder again
   and again (read-only, default and synchronous configs), ``committed_steps()``,
-  ``load()`` (checked bit-exactly), ``quicksave.load.catalog.list_checkpoints`` and, now and
+  ``load()`` (checked bit-exactly), ``quicksave.loading.catalog.list_checkpoints`` and, now and
   then, the ``quicksave ls`` command. Lines: ``load <step> ok|wrong``, ``load none``,
   ``loaderror <type> <message>``, ``ls ok|fail``, ``raw ...``, ``iterations <n>``.
 """
@@ -54,7 +54,7 @@ import faultkit  # noqa: E402
 import torch  # noqa: E402
 
 from quicksave.errors import CheckpointError  # noqa: E402
-from quicksave.load.catalog import list_checkpoints  # noqa: E402
+from quicksave.loading.catalog import list_checkpoints  # noqa: E402
 from quicksave.manager import CheckpointConfig, CheckpointManager  # noqa: E402
 
 

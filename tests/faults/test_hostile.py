@@ -130,8 +130,8 @@ def _probe(root: Path) -> None:
 
     warnings.simplefilter("ignore")
     import quicksave
-    from quicksave.load.catalog import list_checkpoints
-    from quicksave.load.verify import verify_checkpoint
+    from quicksave.loading.catalog import list_checkpoints
+    from quicksave.loading.verify import verify_checkpoint
     from quicksave.tools.convert import convert
     from quicksave.tools.inspect_checkpoint import inspect_checkpoint
 
@@ -378,7 +378,7 @@ def test_restricted_unpickler_reads_real_dcp_checkpoints(tmp_path: Path) -> None
     import torch
     import torch.distributed.checkpoint as dcp
 
-    from quicksave.load.dcp_stock import DCPReader, read_dcp_metadata
+    from quicksave.loading.dcp_stock import DCPReader, read_dcp_metadata
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.LayerNorm(3))
@@ -428,7 +428,7 @@ def test_restricted_unpickler_refusals(tmp_path: Path) -> None:
     from torch.distributed.checkpoint.metadata import MetadataIndex
 
     from quicksave.errors import CorruptCheckpointError
-    from quicksave.load.dcp_stock import read_dcp_metadata
+    from quicksave.loading.dcp_stock import read_dcp_metadata
 
     path = tmp_path / "d"
     dcp.save({"w": torch.ones(2)}, checkpoint_id=str(path), no_dist=True)

@@ -28,9 +28,9 @@ from quicksave.errors import (
 from quicksave.format import dcp_layout
 from quicksave.format.dcp_layout import FOOTER_SIZE, parse_footer
 from quicksave.format.manifest import LAYOUT_DCP, from_json_bytes, to_json_bytes
-from quicksave.load.catalog import list_checkpoints
-from quicksave.load.manifest_reader import read_manifest
-from quicksave.load.verify import verify_checkpoint
+from quicksave.loading.catalog import list_checkpoints
+from quicksave.loading.manifest_reader import read_manifest
+from quicksave.loading.verify import verify_checkpoint
 from quicksave.manager import folder
 from quicksave.tools.inspect_checkpoint import inspect_checkpoint
 

@@ -20,8 +20,8 @@ import time
 import torch
 
 from quicksave.errors import CheckpointError
-from quicksave.save.config import EngineConfig
-from quicksave.save.engine import AsyncSaver
+from quicksave.saving.config import EngineConfig
+from quicksave.saving.engine import AsyncSaver
 
 
 def state(mib: int, value: float) -> dict[str, torch.Tensor]:

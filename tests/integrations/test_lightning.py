@@ -31,7 +31,7 @@ import quicksave
 from quicksave import commit
 from quicksave.commit import CheckpointKind, classify
 from quicksave.errors import CheckpointError, CheckpointExistsError, IncompatibleStateError
-from quicksave.save.config import EngineConfig
+from quicksave.saving.config import EngineConfig
 
 L = pytest.importorskip("lightning")  # an optional dependency; pinned in requirements-dev
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint  # noqa: E402

@@ -44,7 +44,7 @@ from helpers import titan  # noqa: E402
 from quicksave import StorageReader  # noqa: E402
 from quicksave.errors import CheckpointError, CheckpointNotFoundError  # noqa: E402
 from quicksave.integrations.torchtitan import QuicksaveCheckpointManager  # noqa: E402
-from quicksave.load.verify import verify_checkpoint  # noqa: E402
+from quicksave.loading.verify import verify_checkpoint  # noqa: E402
 from quicksave.tools.convert import convert  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "dist"))

@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-import quicksave.save.slots as slots
+import quicksave.saving.slots as slots
 from quicksave.manager import CheckpointConfig, CheckpointManager, ModelState, OptimizerState
 from quicksave.manager.optimizer_layout import first_step_state, matches, stand_ins
 from quicksave.stage.pool import StagingPool

@@ -25,7 +25,7 @@ from quicksave.errors import (
     IncompatibleStateError,
     NotCommittedError,
 )
-from quicksave.load.verify import verify_checkpoint
+from quicksave.loading.verify import verify_checkpoint
 from quicksave.manager import (
     CheckpointConfig,
     CheckpointManager,

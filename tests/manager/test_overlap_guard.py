@@ -26,8 +26,8 @@ import torch.nn as nn
 from helpers.compare import snapshot
 from quicksave.errors import CheckpointError
 from quicksave.manager import CheckpointConfig, CheckpointManager, ModelState, OptimizerState
-from quicksave.save.config import EngineConfig
-from quicksave.save.engine import AsyncSaver
+from quicksave.saving.config import EngineConfig
+from quicksave.saving.engine import AsyncSaver
 from quicksave.stage.pool import StagingPool
 
 LAYERS = 8

@@ -28,7 +28,7 @@ from quicksave.errors import (
     WorkerFailedError,
 )
 from quicksave.format import MANIFEST_NAME
-from quicksave.load.verify import verify_checkpoint
+from quicksave.loading.verify import verify_checkpoint
 from quicksave.manager import CheckpointConfig, CheckpointManager
 from quicksave.manager import folder as folder_mod
 from quicksave.manager.lease import LEASE_NAME, FolderLease

@@ -31,10 +31,10 @@ from launcher import LaunchConfig, run_ranks
 import quicksave
 from quicksave.commit import CheckpointKind, classify, is_temp_name
 from quicksave.errors import CheckpointError, CorruptCheckpointError, IncompatibleStateError
-from quicksave.load.manifest_reader import read_manifest
+from quicksave.loading.manifest_reader import read_manifest
 from quicksave.ranks.saving import DistContext
-from quicksave.save.config import EngineConfig
-from quicksave.save.engine import AsyncSaver
+from quicksave.saving.config import EngineConfig
+from quicksave.saving.engine import AsyncSaver
 
 pytestmark = pytest.mark.slow
 

@@ -18,7 +18,7 @@ from tests.helpers.manifests import committed_json
 
 from helpers.collectives import CollectiveLog
 from quicksave.format.manifest import to_json_bytes
-from quicksave.save.rank_plans import global_plan, local_plan
+from quicksave.saving.rank_plans import global_plan, local_plan
 
 pytestmark = pytest.mark.slow
 
@@ -67,7 +67,7 @@ def _rank_plan_saves(rank: int, world_size: int, seed_manifest: bytes) -> dict[s
     from quicksave.errors import CheckpointError, IncompatibleStateError
     from quicksave.format.manifest import from_json_bytes
     from quicksave.ranks.exchange import plan_save
-    from quicksave.save.rank_plans import PlanCache
+    from quicksave.saving.rank_plans import PlanCache
 
     log = CollectiveLog().install()
     out: dict[str, Any] = {}
@@ -198,7 +198,7 @@ def _rank_dtensor_plans(rank: int, world_size: int) -> dict[str, Any]:
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
     from quicksave.ranks.exchange import plan_save
-    from quicksave.save.rank_plans import PlanCache, collect_local
+    from quicksave.saving.rank_plans import PlanCache, collect_local
 
     flat = init_device_mesh("cpu", (world_size,))
     grid = init_device_mesh("cpu", (2, world_size // 2))
@@ -241,8 +241,8 @@ def _rank_dtensor_plans(rank: int, world_size: int) -> dict[str, Any]:
 
 
 def test_dtensor_and_sharded_tensor_chunks_dedup_and_balance() -> None:
-    from quicksave.save.plan import ItemSpec
-    from quicksave.save.rank_plans import LocalPlan
+    from quicksave.saving.plan import ItemSpec
+    from quicksave.saving.rank_plans import LocalPlan
 
     got = run_ranks(_rank_dtensor_plans, DT_WORLD, config=DT_LAUNCH)
     plans = [

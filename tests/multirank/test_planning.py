@@ -11,8 +11,8 @@ from tests.helpers.manifests import committed_json
 
 from quicksave.errors import IncompatibleStateError
 from quicksave.format.manifest import from_json_bytes, to_json_bytes
-from quicksave.save.plan import ItemSpec
-from quicksave.save.rank_plans import (
+from quicksave.saving.plan import ItemSpec
+from quicksave.saving.rank_plans import (
     LocalPlan,
     PlanCache,
     collect_local,

@@ -18,7 +18,7 @@ from launcher import LaunchConfig, run_ranks
 from helpers.collectives import CollectiveLog
 from quicksave.errors import IncompatibleStateError
 from quicksave.ranks import replicas
-from quicksave.save.rank_plans import collect_local, global_plan, local_plan
+from quicksave.saving.rank_plans import collect_local, global_plan, local_plan
 
 LAUNCH = LaunchConfig(timeout_s=120.0, grace_s=10.0, collective_timeout_s=30.0)
 
@@ -110,7 +110,7 @@ def _state(rank: int, pos: int) -> dict[str, Any]:
 def _rank_vote(rank: int, world_size: int, seed_manifest: bytes) -> dict[str, Any]:
     from quicksave.format.manifest import from_json_bytes
     from quicksave.ranks.exchange import plan_save
-    from quicksave.save.rank_plans import PlanCache
+    from quicksave.saving.rank_plans import PlanCache
 
     log = CollectiveLog().install()
     out: dict[str, Any] = {}
@@ -163,7 +163,7 @@ def _uniform(rank: int, pos: int) -> dict[str, Any]:
 
 def _rank_uniform(rank: int, world_size: int) -> list[int]:
     from quicksave.ranks.exchange import plan_save
-    from quicksave.save.rank_plans import PlanCache
+    from quicksave.saving.rank_plans import PlanCache
 
     log = CollectiveLog().install()
     cache = PlanCache()

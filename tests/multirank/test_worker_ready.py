@@ -18,8 +18,8 @@ from launcher import LaunchConfig, run_ranks
 
 from quicksave.format import MANIFEST_NAME
 from quicksave.ranks.saving import DistContext
-from quicksave.save.config import EngineConfig
-from quicksave.save.engine import AsyncSaver
+from quicksave.saving.config import EngineConfig
+from quicksave.saving.engine import AsyncSaver
 from quicksave.worker.persisters import ProcessPersister
 
 pytestmark = pytest.mark.slow

@@ -27,7 +27,7 @@ import torch
 
 import quicksave
 from quicksave.errors import CheckpointError
-from quicksave.load.verify import verify_checkpoint
+from quicksave.loading.verify import verify_checkpoint
 from quicksave.manager import CheckpointConfig, CheckpointManager, store_lease
 from quicksave.manager.store_lease import LEASE_NAME, Holder, LeaseRecord, StoreLease
 from quicksave.storage import StorageOptions, parse_location

@@ -46,7 +46,7 @@ from quicksave.compat.nvrx.state_dict_saver import (  # noqa: E402
     save_state_dict_async_plan,
 )
 from quicksave.errors import CheckpointError, CheckpointExistsError  # noqa: E402
-from quicksave.load.verify import verify_checkpoint  # noqa: E402
+from quicksave.loading.verify import verify_checkpoint  # noqa: E402
 from quicksave.storage import StorageOptions  # noqa: E402
 
 PROFILE = "model-checkpoints"

@@ -20,8 +20,8 @@ from quicksave.errors import (
     CheckpointExistsError,
     CorruptCheckpointError,
 )
-from quicksave.load.catalog import list_checkpoints
-from quicksave.load.verify import verify_checkpoint
+from quicksave.loading.catalog import list_checkpoints
+from quicksave.loading.verify import verify_checkpoint
 from quicksave.manager import CheckpointConfig, CheckpointManager, OptimizerState
 from quicksave.storage import S3Options, StorageOptions
 from quicksave.tools.convert import convert
@@ -120,8 +120,8 @@ def test_save_load_round_trip_every_dtype_and_layout(s3_env, s3_server, s3_bucke
 
 
 def test_async_engine_saves_straight_from_the_pool(s3_env, s3_bucket) -> None:
-    from quicksave.save.config import EngineConfig
-    from quicksave.save.engine import AsyncSaver
+    from quicksave.saving.config import EngineConfig
+    from quicksave.saving.engine import AsyncSaver
 
     sd = _state(3)
     saver = AsyncSaver(EngineConfig(thread_count=2))

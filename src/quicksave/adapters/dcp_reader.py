@@ -59,7 +59,7 @@ from quicksave.format import objects as objcodec
 from quicksave.format.dtypes import dtype_from_name
 from quicksave.format.keys import EMPTY_KEY, dcp_planner_data
 from quicksave.format.manifest import ChunkEntry, Manifest, ObjectEntry, PlannedChunk, RankPlan
-from quicksave.load.manifest_reader import read_manifest
+from quicksave.loading.manifest_reader import read_manifest
 from quicksave.storage import Location, StorageOptions, parse_location
 from quicksave.storage.backend import Backend, join
 from quicksave.storage.checkpoint_dir import CheckpointDir, Member

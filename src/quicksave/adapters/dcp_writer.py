@@ -61,7 +61,7 @@ from quicksave.format.manifest import (
     TensorEntry,
 )
 from quicksave.format.torch_legacy import legacy_prefix_for, object_bytes
-from quicksave.save.plan import ItemSpec, RankLayout, layout_rank
+from quicksave.saving.plan import ItemSpec, RankLayout, layout_rank
 from quicksave.storage import StorageOptions, parse_location
 from quicksave.storage.backend import Backend
 from quicksave.worker import persist

@@ -12,7 +12,7 @@ import sys
 
 from quicksave.compat.nvrx import *  # noqa: F403
 from quicksave.compat.nvrx import __all__ as _nvrx_all
-from quicksave.save.async_save import async_save
+from quicksave.saving.async_save import async_save
 
 SUBMODULES = (
     "core",

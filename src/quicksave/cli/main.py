@@ -31,7 +31,7 @@ from quicksave.cli.text import print_json as _print_json
 from quicksave.cli.text import printable
 from quicksave.cli.text import say as _say
 from quicksave.errors import CheckpointError
-from quicksave.load.catalog import DEFAULT_DEPTH
+from quicksave.loading.catalog import DEFAULT_DEPTH
 
 PASS_THROUGH = {
     "demo": "run the end-to-end demo (arguments go to quicksave_tools.demo)",
@@ -64,7 +64,7 @@ def _table(rows: list[list[str]], out: TextIO, right: Sequence[int] = ()) -> Non
 
 # --------------------------------------------------------------------------- ls
 def cmd_ls(args: argparse.Namespace) -> int:
-    from quicksave.load.catalog import list_checkpoints
+    from quicksave.loading.catalog import list_checkpoints
 
     infos = list_checkpoints(args.root, depth=args.depth)
     out = sys.stdout

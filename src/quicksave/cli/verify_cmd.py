@@ -1,6 +1,7 @@
 """``quicksave verify``: one checkpoint, or each checkpoint of a folder.
 
-Given a checkpoint, it is checked byte for byte (:func:`quicksave.load.verify.verify_checkpoint`).
+Given a checkpoint, it is checked byte for byte
+(:func:`quicksave.loading.verify.verify_checkpoint`).
 Given a folder that is not one (a run folder, a parent of runs, a bucket), each
 checkpoint ``quicksave ls`` lists there is checked in turn and reported on its own
 line (:mod:`quicksave.tools.verify_folder`), then a summary. Exit status: 0 all verified
@@ -17,13 +18,13 @@ from quicksave.cli.text import print_json, say
 from quicksave.errors import CheckpointNotFoundError
 
 if TYPE_CHECKING:
-    from quicksave.load.catalog import CheckpointInfo
-    from quicksave.load.verify import VerifyReport
+    from quicksave.loading.catalog import CheckpointInfo
+    from quicksave.loading.verify import VerifyReport
     from quicksave.tools.verify_folder import Verdict
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    from quicksave.load.verify import verify_checkpoint
+    from quicksave.loading.verify import verify_checkpoint
     from quicksave.tools.verify_folder import folder_checkpoints
 
     progress = sys.stderr.isatty() if args.progress is None else args.progress

@@ -26,7 +26,7 @@ from torchtitan.components.checkpointer import DATALOADER, MODEL
 from quicksave.adapters.dcp_reader import StorageReader
 from quicksave.commit import CheckpointKind, classify
 from quicksave.errors import CheckpointError, IncompatibleStateError
-from quicksave.load.dcp_stock import DCPReader
+from quicksave.loading.dcp_stock import DCPReader
 from quicksave.manager.states import OptimizerState
 from quicksave.storage import Location, parse_location
 

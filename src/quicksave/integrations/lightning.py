@@ -46,9 +46,9 @@ from quicksave.errors import (
     IncompatibleStateError,
     rank_of_this_process,
 )
-from quicksave.save.config import EngineConfig
-from quicksave.save.engine import AsyncSaver
-from quicksave.save.handle import SaveHandle
+from quicksave.saving.config import EngineConfig
+from quicksave.saving.engine import AsyncSaver
+from quicksave.saving.handle import SaveHandle
 from quicksave.storage import StorageOptions, parse_location
 
 

@@ -92,7 +92,7 @@ from quicksave.manager.policies import KeepLatestK
 from quicksave.manager.records import SaveRecord, log_committed
 from quicksave.manager.states import ModelState, payload_bytes
 from quicksave.ranks.saving import DistContext
-from quicksave.save.handle import SaveHandle
+from quicksave.saving.handle import SaveHandle
 from quicksave.storage import Location, parse_location
 from quicksave.storage.backend import Backend
 

@@ -1,4 +1,4 @@
-"""The manager's asynchronous write path: one :class:`~quicksave.save.engine.AsyncSaver` per
+"""The manager's asynchronous write path: one :class:`~quicksave.saving.engine.AsyncSaver` per
 manager, and the hooks that keep overlapped staging correct.
 
 Which tensors are staged in the background (``staging="overlap"``): those that only the
@@ -45,10 +45,10 @@ from quicksave.manager.overlap import WriterWatch
 from quicksave.manager.records import SaveRecord
 from quicksave.manager.states import OptimizerState
 from quicksave.ranks.saving import DistContext
-from quicksave.save.config import EngineConfig
-from quicksave.save.engine import AsyncSaver
-from quicksave.save.handle import SaveHandle
-from quicksave.save.staging import Deferred
+from quicksave.saving.config import EngineConfig
+from quicksave.saving.engine import AsyncSaver
+from quicksave.saving.handle import SaveHandle
+from quicksave.saving.staging import Deferred
 
 logger = logging.getLogger("quicksave")
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from quicksave.errors import CheckpointError
-from quicksave.save.config import EngineConfig
+from quicksave.saving.config import EngineConfig
 from quicksave.storage import StorageOptions, parse_location
 from quicksave.worker.config import WorkerConfig
 
@@ -239,7 +239,7 @@ class CheckpointConfig:
         return getattr(torch, self.export_dtype)
 
     def engine_config(self) -> EngineConfig:
-        """The :class:`~quicksave.save.engine.EngineConfig` of the async modes, built from
+        """The :class:`~quicksave.saving.engine.EngineConfig` of the async modes, built from
         this config (the one source of truth for every knob).
 
         Raises:

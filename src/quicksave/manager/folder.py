@@ -52,8 +52,8 @@ from quicksave.errors import (
     NotCommittedError,
 )
 from quicksave.format import DCP_METADATA_NAME, MANIFEST_NAME
-from quicksave.load.dcp_stock import DCPReader
-from quicksave.load.manifest_reader import read_manifest
+from quicksave.loading.dcp_stock import DCPReader
+from quicksave.loading.manifest_reader import read_manifest
 from quicksave.manager.policies import RetentionPolicy
 from quicksave.storage import Location, parse_location
 from quicksave.storage.backend import Backend, join

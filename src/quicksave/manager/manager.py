@@ -101,8 +101,8 @@ from quicksave.manager.states import (
 )
 from quicksave.manager.verbosity import show_logs
 from quicksave.ranks.saving import DistContext
-from quicksave.save.handle import SaveHandle
-from quicksave.save.model_record import cast_floating, floating_dtype, model_record
+from quicksave.saving.handle import SaveHandle
+from quicksave.saving.model_record import cast_floating, floating_dtype, model_record
 from quicksave.storage import Location, parse_location
 from quicksave.storage.backend import Backend
 

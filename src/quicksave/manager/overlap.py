@@ -23,7 +23,7 @@ from collections.abc import Sequence
 
 import torch
 
-from quicksave.save.staging import Deferred
+from quicksave.saving.staging import Deferred
 
 
 def optimizer_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:

@@ -45,7 +45,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from quicksave.errors import IncompatibleStateError, rank_of_this_process
 from quicksave.manager.optim_restore import allocate_optimizer_state
-from quicksave.save.collect import iter_leaves
+from quicksave.saving.collect import iter_leaves
 
 logger = logging.getLogger("quicksave")
 

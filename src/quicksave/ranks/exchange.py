@@ -48,8 +48,8 @@ from quicksave.ranks.replicas import (
     local_copies,
     shared_keys,
 )
-from quicksave.save.plan import RankLayout
-from quicksave.save.rank_plans import (
+from quicksave.saving.plan import RankLayout
+from quicksave.saving.rank_plans import (
     GlobalPlan,
     LocalPlan,
     LocalState,

@@ -47,7 +47,7 @@ from quicksave.format.dtypes import dtype_name
 if TYPE_CHECKING:
     import torch
 
-    from quicksave.save.rank_plans import LocalPlan, LocalState
+    from quicksave.saving.rank_plans import LocalPlan, LocalState
 
 CHECK_BYTES = 64 * 1024  # replicated tensor chunks up to this size are compared
 SUMMARY_CHARS = 60

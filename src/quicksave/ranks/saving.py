@@ -19,7 +19,7 @@ import torch
 from quicksave.errors import CheckpointError
 from quicksave.format.manifest import Manifest
 from quicksave.ranks import records
-from quicksave.save.plan import RankLayout, chunk_key
+from quicksave.saving.plan import RankLayout, chunk_key
 from quicksave.worker.job import DistCommit
 
 
@@ -65,7 +65,7 @@ class DistSaving:
     """Plans multi-rank saves for one AsyncSaver; holds its plan cache."""
 
     def __init__(self, ctx: DistContext) -> None:
-        from quicksave.save.rank_plans import PlanCache
+        from quicksave.saving.rank_plans import PlanCache
 
         self.ctx = ctx
         self.cache = PlanCache()

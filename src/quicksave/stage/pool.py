@@ -43,7 +43,7 @@ import xxhash
 from quicksave.checksum import hexdigest, tensor_view
 from quicksave.errors import CheckpointError
 from quicksave.format import ALIGNMENT
-from quicksave.save.plan import RankLayout
+from quicksave.saving.plan import RankLayout
 from quicksave.worker.persist import as_writable_source
 
 # Copy-and-hash block: small enough that the block is still in the L2 cache when it is

@@ -169,7 +169,7 @@ def _load_dcp_state(loc: Location, allow_pickle: bool) -> dict[str, Any]:
     from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
-    from quicksave.load.dcp_stock import DCPReader, RestrictedObjectsMixin
+    from quicksave.loading.dcp_stock import DCPReader, RestrictedObjectsMixin
 
     class Planner(RestrictedObjectsMixin, _EmptyStateDictLoadPlanner):
         pass

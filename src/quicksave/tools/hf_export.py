@@ -9,7 +9,7 @@ The keys are the model's own (``transformer.wte.weight``): the state that holds 
 model is chosen (:func:`select_model`) and its name is not part of them; optimizer,
 RNG, data-loader and every other state are never read. Of keys that were one tensor
 when the checkpoint was saved (tied weights, recorded by the manager: see
-:mod:`quicksave.save.model_record`) only the first is written, as ``save_pretrained`` does;
+:mod:`quicksave.saving.model_record`) only the first is written, as ``save_pretrained`` does;
 ``from_pretrained`` ties the others to it again. A checkpoint without that record
 (written by ``quicksave.save``) keeps every key: ``from_pretrained`` loads the
 duplicates and ties them all the same.
@@ -48,7 +48,7 @@ from quicksave.format.hf_layout import (
 )
 from quicksave.format.keys import real_key
 from quicksave.format.manifest import Manifest
-from quicksave.save.model_record import (
+from quicksave.saving.model_record import (
     MODEL_STATES_KEY,
     TIED_WEIGHTS_KEY,
     cast_floating,

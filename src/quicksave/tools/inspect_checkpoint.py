@@ -4,7 +4,7 @@ A quicksave checkpoint is described from its manifest alone (``manifest.json``, 
 manifest inside a DCP-layout ``.metadata``, FORMAT.md §8); nothing is unpickled and no
 tensor data is read. A stock DCP directory keeps its metadata in a
 pickle (``.metadata``), which could run code when loaded: it is read by the restricted
-unpickler of :mod:`quicksave.load.dcp_stock` (DCP's metadata classes only), or fully only
+unpickler of :mod:`quicksave.loading.dcp_stock` (DCP's metadata classes only), or fully only
 when the caller explicitly allows it.
 """
 
@@ -19,7 +19,7 @@ from quicksave.commit import CheckpointKind
 from quicksave.errors import CheckpointError
 from quicksave.format import objects as objcodec
 from quicksave.format.dtypes import dtype_name, element_size
-from quicksave.load.manifest_reader import read_manifest
+from quicksave.loading.manifest_reader import read_manifest
 from quicksave.storage import Location, StorageOptions, parse_location
 
 _TAG_TYPES = {
@@ -156,8 +156,8 @@ def _quicksave_summary(loc: Location) -> CheckpointSummary:
 def _dcp_summary(loc: Location, allow_pickle: bool) -> CheckpointSummary:
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    from quicksave.load.catalog import _step_from_name
-    from quicksave.load.dcp_stock import read_dcp_metadata
+    from quicksave.loading.catalog import _step_from_name
+    from quicksave.loading.dcp_stock import read_dcp_metadata
     from quicksave.storage.checkpoint_dir import CheckpointDir
 
     md = read_dcp_metadata(loc, allow_pickle=allow_pickle)
@@ -204,7 +204,7 @@ def inspect_checkpoint(
         allow_pickle: unpickle a DCP directory's ``.metadata`` without restriction.
             Unpickling runs code named by the file: only for checkpoints you trust.
             Without it the pickle is read by a restricted unpickler that admits only
-            DCP's metadata classes (:mod:`quicksave.load.dcp_stock`). Never needed for
+            DCP's metadata classes (:mod:`quicksave.loading.dcp_stock`). Never needed for
             quicksave checkpoints.
 
     Returns:

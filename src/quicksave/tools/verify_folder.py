@@ -1,9 +1,9 @@
 """Verify every checkpoint in a folder: ``quicksave verify <run folder>`` (or a parent of
 run folders, or a bucket), one verdict per checkpoint as it is reached.
 
-The folder is listed by :func:`quicksave.load.catalog.list_checkpoints` (the same search as
+The folder is listed by :func:`quicksave.loading.catalog.list_checkpoints` (the same search as
 ``quicksave ls``); each committed quicksave checkpoint is then verified byte for byte by
-:func:`quicksave.load.verify.verify_checkpoint`. What cannot be verified is reported as
+:func:`quicksave.loading.verify.verify_checkpoint`. What cannot be verified is reported as
 skipped, with why: an uncommitted save (in progress, or left by a crash), a stock DCP
 checkpoint (it has no checksums), or a checkpoint deleted since it was listed (a live
 run's retention). Nothing is written or deleted.
@@ -17,8 +17,8 @@ from dataclasses import dataclass
 
 from quicksave.commit import CheckpointKind, classify
 from quicksave.errors import CheckpointError, CheckpointNotFoundError, NotCommittedError
-from quicksave.load.catalog import CheckpointInfo, list_checkpoints
-from quicksave.load.verify import VerifyReport, verify_checkpoint
+from quicksave.loading.catalog import CheckpointInfo, list_checkpoints
+from quicksave.loading.verify import VerifyReport, verify_checkpoint
 from quicksave.storage import Location, StorageOptions, parse_location
 
 

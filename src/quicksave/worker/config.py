@@ -1,6 +1,6 @@
 """The worker process's settings: how it runs and when the trainer gives up on it.
 
-Built by the saver's configuration (``quicksave.save.engine.EngineConfig.worker``, from
+Built by the saver's configuration (``quicksave.saving.engine.EngineConfig.worker``, from
 ``quicksave.manager.config``) or by the NVRx-compatible queue, on every rank; read by
 ``quicksave.worker.persisters.ProcessPersister`` (the timeouts, on the trainer's side) and
 passed to the worker process on its command line (``quicksave.worker.main``).

@@ -1,6 +1,6 @@
 """The job the trainer sends the persister for one save of one rank, and what comes back.
 
-The trainer builds a ``PersistJob`` at plan time (``quicksave.save.engine``, every rank
+The trainer builds a ``PersistJob`` at plan time (``quicksave.saving.engine``, every rank
 for its own files) and hands it to its persister (``quicksave.worker.persisters``); the
 writer runs it (``quicksave.worker.execute``) and answers with a ``JobResult``. A job is a
 small control message: pool offsets and sizes of the staged file images, the manifest

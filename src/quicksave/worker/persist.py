@@ -25,7 +25,7 @@ from quicksave.storage.posix_io import WRITE_PIECE, os_error
 if TYPE_CHECKING:  # the worker process imports this module: keep torch out of it
     import torch
 
-    from quicksave.save.plan import EntryLayout, FileLayout, RankLayout
+    from quicksave.saving.plan import EntryLayout, FileLayout, RankLayout
     from quicksave.storage.backend import Backend
 
 

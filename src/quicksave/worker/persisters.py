@@ -1,6 +1,6 @@
 """The trainer's handles on its writer: a thread, or a persistent worker process.
 
-A persister runs the ``PersistJob``s the saver (``quicksave.save.engine``) submits and the
+A persister runs the ``PersistJob``s the saver (``quicksave.saving.engine``) submits and the
 generic calls of the NVRx-compatible queue (``quicksave.compat.nvrx``), one persister per
 rank, used from the training thread only:
 

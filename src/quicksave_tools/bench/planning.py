@@ -33,8 +33,14 @@ from typing import Any
 
 import torch
 
-from quicksave.save.plan import ItemSpec
-from quicksave.save.rank_plans import GlobalPlan, LocalPlan, PlanCache, global_plan, make_local_plan
+from quicksave.saving.plan import ItemSpec
+from quicksave.saving.rank_plans import (
+    GlobalPlan,
+    LocalPlan,
+    PlanCache,
+    global_plan,
+    make_local_plan,
+)
 
 ROWS_PER_RANK = 64  # rows of a sharded tensor on each rank
 HIDDEN = 1024

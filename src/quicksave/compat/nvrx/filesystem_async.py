@@ -81,7 +81,7 @@ from quicksave.format import DCP_METADATA_NAME
 from quicksave.format import objects as objcodec
 from quicksave.format.keys import dcp_planner_data
 from quicksave.format.manifest import RankPlan, to_json_bytes
-from quicksave.save.plan import ItemSpec, RankLayout, layout_rank
+from quicksave.saving.plan import ItemSpec, RankLayout, layout_rank
 from quicksave.storage.backend import Backend, join
 from quicksave.storage.location import Location
 from quicksave.worker import persist

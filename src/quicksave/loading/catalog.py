@@ -23,7 +23,7 @@ from quicksave.commit import CheckpointKind, classify, kind_of, metadata_has_foo
 from quicksave.errors import CheckpointError, CheckpointNotFoundError
 from quicksave.format import DCP_METADATA_NAME, MANIFEST_NAME
 from quicksave.format.manifest import LAYOUT_DCP, LAYOUT_QUICKSAVE
-from quicksave.load.manifest_reader import read_manifest
+from quicksave.loading.manifest_reader import read_manifest
 from quicksave.storage import Location, ObjectInfo, StorageOptions, parse_location
 from quicksave.storage.backend import Backend
 from quicksave.storage.checkpoint_dir import CheckpointDir

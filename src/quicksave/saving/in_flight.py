@@ -22,8 +22,8 @@ from dataclasses import dataclass
 from quicksave import commit
 from quicksave.errors import CheckpointError
 from quicksave.ranks.saving import DistSaving
-from quicksave.save.handle import SaveHandle, SaveResult
-from quicksave.save.slots import Slot
+from quicksave.saving.handle import SaveHandle, SaveResult
+from quicksave.saving.slots import Slot
 from quicksave.storage import Location
 from quicksave.worker.calls import CallResult
 from quicksave.worker.job import JobResult

@@ -16,10 +16,10 @@ import threading
 from collections.abc import Callable
 
 from quicksave.errors import CheckpointError
-from quicksave.save.config import EngineConfig
-from quicksave.save.engine_plan import EnginePlan
-from quicksave.save.slots import StagingSlots
-from quicksave.save.worker_supervision import WorkerSupervisor
+from quicksave.saving.config import EngineConfig
+from quicksave.saving.engine_plan import EnginePlan
+from quicksave.saving.slots import StagingSlots
+from quicksave.saving.worker_supervision import WorkerSupervisor
 from quicksave.worker.persisters import ProcessPersister
 
 logger = logging.getLogger("quicksave")

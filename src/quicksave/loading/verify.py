@@ -56,8 +56,8 @@ from quicksave.format.safetensors_header import (
     parse_header,
 )
 from quicksave.format.torch_legacy import legacy_prefix_for
-from quicksave.load.manifest_reader import read_manifest
-from quicksave.save.plan import chunk_key
+from quicksave.loading.manifest_reader import read_manifest
+from quicksave.saving.plan import chunk_key
 from quicksave.storage import Location, StorageOptions, parse_location
 from quicksave.storage.backend import join
 from quicksave.storage.checkpoint_dir import CheckpointDir, Member

@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterable
 
 from quicksave.errors import CheckpointError
 from quicksave.ranks.saving import DistSaving
-from quicksave.save.config import EngineConfig
+from quicksave.saving.config import EngineConfig
 from quicksave.stage.pool import StagingPool
 from quicksave.worker.persisters import ProcessPersister, ThreadPersister
 

@@ -37,9 +37,9 @@ from quicksave.format.manifest import (
     RankPlan,
     TensorEntry,
 )
-from quicksave.save.collect import check_tensor, flatten, to_state_dict
-from quicksave.save.keypaths import structure
-from quicksave.save.plan import ItemSpec, RankLayout, item_spec_of, layout_rank, planned_chunk
+from quicksave.saving.collect import check_tensor, flatten, to_state_dict
+from quicksave.saving.keypaths import structure
+from quicksave.saving.plan import ItemSpec, RankLayout, item_spec_of, layout_rank, planned_chunk
 
 Path = tuple[Any, ...]  # nested state-dict path of a flattened fqn (str / int keys)
 

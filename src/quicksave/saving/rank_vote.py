@@ -19,10 +19,10 @@ from typing import Any
 from quicksave import commit
 from quicksave.errors import CheckpointError
 from quicksave.ranks.saving import DistSave, DistSaving
-from quicksave.save.config import EngineConfig
-from quicksave.save.in_flight import InFlightSaves
-from quicksave.save.slots import StagingSlots
-from quicksave.save.worker_supervision import WorkerSupervisor
+from quicksave.saving.config import EngineConfig
+from quicksave.saving.in_flight import InFlightSaves
+from quicksave.saving.slots import StagingSlots
+from quicksave.saving.worker_supervision import WorkerSupervisor
 from quicksave.storage import Location
 from quicksave.storage.backend import Backend
 

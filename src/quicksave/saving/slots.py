@@ -14,8 +14,8 @@ import itertools
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
-from quicksave.save.engine_plan import EnginePlan
-from quicksave.save.worker_supervision import WorkerSupervisor
+from quicksave.saving.engine_plan import EnginePlan
+from quicksave.saving.worker_supervision import WorkerSupervisor
 from quicksave.stage.pool import StagingPool
 
 

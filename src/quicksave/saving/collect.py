@@ -18,7 +18,7 @@ from quicksave.errors import IncompatibleStateError
 from quicksave.format import objects as objcodec
 from quicksave.format.dtypes import check_storable
 from quicksave.format.keys import names_itself
-from quicksave.save import keypaths
+from quicksave.saving import keypaths
 
 
 def to_state_dict(state: Mapping[str, Any]) -> dict[str, Any]:

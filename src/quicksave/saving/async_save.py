@@ -8,9 +8,9 @@ import threading
 from collections.abc import Mapping
 from typing import Any
 
-from quicksave.save.config import EngineConfig
-from quicksave.save.engine import AsyncSaver
-from quicksave.save.handle import SaveHandle
+from quicksave.saving.config import EngineConfig
+from quicksave.saving.engine import AsyncSaver
+from quicksave.saving.handle import SaveHandle
 from quicksave.storage import StorageOptions, parse_location
 
 logger = logging.getLogger("quicksave")

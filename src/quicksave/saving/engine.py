@@ -45,18 +45,18 @@ from quicksave import commit
 from quicksave.errors import CheckpointError
 from quicksave.format.manifest import check_user_metadata
 from quicksave.ranks.saving import DistContext, DistSaving
-from quicksave.save.background_copy import BackgroundCopy, Overlap
-from quicksave.save.collect import collect_state
-from quicksave.save.config import EngineConfig
-from quicksave.save.engine_plan import EnginePlan, EnginePlans, PlannedSave, fqns_of
-from quicksave.save.guard import Snapshot
-from quicksave.save.handle import SaveHandle, SaveResult
-from quicksave.save.in_flight import InFlight, InFlightSaves
-from quicksave.save.prepare import PoolPreparer
-from quicksave.save.rank_vote import RankVote
-from quicksave.save.slots import Slot, StagingSlots
-from quicksave.save.staging import Deferred, PoolCopier, cuda_ready, split
-from quicksave.save.worker_supervision import WorkerSupervisor
+from quicksave.saving.background_copy import BackgroundCopy, Overlap
+from quicksave.saving.collect import collect_state
+from quicksave.saving.config import EngineConfig
+from quicksave.saving.engine_plan import EnginePlan, EnginePlans, PlannedSave, fqns_of
+from quicksave.saving.guard import Snapshot
+from quicksave.saving.handle import SaveHandle, SaveResult
+from quicksave.saving.in_flight import InFlight, InFlightSaves
+from quicksave.saving.prepare import PoolPreparer
+from quicksave.saving.rank_vote import RankVote
+from quicksave.saving.slots import Slot, StagingSlots
+from quicksave.saving.staging import Deferred, PoolCopier, cuda_ready, split
+from quicksave.saving.worker_supervision import WorkerSupervisor
 from quicksave.stage.pool import StagingPool
 from quicksave.storage import Location, parse_location
 from quicksave.storage.backend import Backend

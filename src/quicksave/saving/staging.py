@@ -15,7 +15,7 @@ from collections.abc import Callable, Mapping
 
 import torch
 
-from quicksave.save.engine_plan import EnginePlan
+from quicksave.saving.engine_plan import EnginePlan
 from quicksave.stage.pool import StagingPool
 
 # ``deferred(fqn, tensor)``: whether ``save()`` may leave the tensor to the background copy

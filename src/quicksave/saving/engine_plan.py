@@ -23,9 +23,9 @@ from quicksave.adapters.dcp_writer import dcp_metadata_bytes
 from quicksave.format.dtypes import dtype_name, element_size
 from quicksave.format.manifest import ChunkEntry, FileEntry, Manifest, ObjectEntry, TensorEntry
 from quicksave.ranks.saving import DistSave
-from quicksave.save.collect import CollectedState
-from quicksave.save.config import EngineConfig
-from quicksave.save.plan import ItemSpec, RankLayout, layout_rank
+from quicksave.saving.collect import CollectedState
+from quicksave.saving.config import EngineConfig
+from quicksave.saving.plan import ItemSpec, RankLayout, layout_rank
 from quicksave.stage.pool import StagingPool
 from quicksave.storage import Location
 from quicksave.worker.job import DistCommit, FileJob, PersistJob

@@ -23,11 +23,11 @@ from dataclasses import dataclass
 import torch
 
 from quicksave.errors import CheckpointError
-from quicksave.save.engine_plan import EnginePlan
-from quicksave.save.guard import Snapshot, torn_copy_error
-from quicksave.save.handle import SaveHandle
-from quicksave.save.in_flight import InFlightSaves
-from quicksave.save.staging import PoolCopier
+from quicksave.saving.engine_plan import EnginePlan
+from quicksave.saving.guard import Snapshot, torn_copy_error
+from quicksave.saving.handle import SaveHandle
+from quicksave.saving.in_flight import InFlightSaves
+from quicksave.saving.staging import PoolCopier
 from quicksave.stage.pool import StagingPool
 from quicksave.worker.job import PersistJob
 
