@@ -102,3 +102,12 @@ def test_the_rules_see_a_violation(tmp_path) -> None:
     assert cycles(mods) == [["quicksave.a", "quicksave.b"]]
     assert [c for _, c in collective_calls(mods["quicksave.b"])] == ["dist.all_reduce"]
     assert "os" in mods["quicksave.format.x"].external
+
+
+def test_no_module_shadows_a_public_name() -> None:
+    # importing a submodule sets the package's attribute of that name: a module
+    # quicksave/load.py or package quicksave/load/ would replace quicksave.load()
+    import quicksave
+
+    top = {n.split(".")[1] for n in LIB if n.count(".") >= 1}
+    assert top & set(quicksave.__all__) == set()
