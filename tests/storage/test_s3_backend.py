@@ -24,7 +24,8 @@ from quicksave.errors import (  # noqa: E402
     CorruptCheckpointError,
 )
 from quicksave.storage.backend import Backend, ObjectInfo, S3Options  # noqa: E402
-from quicksave.storage.s3 import MIN_PART_SIZE, S3Backend  # noqa: E402
+from quicksave.storage.s3 import S3Backend  # noqa: E402
+from quicksave.storage.s3.upload import MIN_PART_SIZE  # noqa: E402
 
 PART = MIN_PART_SIZE  # 5 MiB: the smallest part S3 allows keeps these tests fast
 

@@ -1,114 +1,41 @@
-"""The Multi-Storage Client backend: one MSC profile (``msc://<profile>/<key>``).
+"""The Multi-Storage Client backend: :class:`MscBackend`, the
+:class:`~quicksave.storage.backend.Backend` of one MSC profile (``msc://<profile>/<key>``),
+driven through MSC's public ``StorageClient`` (and, for conditional writes and tagged
+reads, the profile's storage provider). How bytes move is in the package docstring
+(:mod:`quicksave.storage.msc`).
 
-NVIDIA's Multi-Storage Client (package ``multi-storage-client``, ``pip install
-'quicksave[msc]'``) reaches S3, GCS, Azure, OCI, AIStore, POSIX and more through named
-*profiles* in a YAML/JSON config file. This backend drives one profile through MSC's
-public :class:`~multistorageclient.StorageClient` API, so whatever the profile configures
-(its provider, credentials provider, retry policy, cache, replicas, the provider's
-``multipart_threshold`` / ``multipart_chunksize`` / ``max_concurrency``, the Rust client)
-applies to quicksave's I/O as it does to any other MSC user.
-
-Config lookup is MSC's own: ``StorageOptions.msc_config`` names the file; without it MSC
-searches ``$MSC_CONFIG``, then its default paths (``~/.msc_config.yaml``,
-``~/.config/msc/config.yaml``, ``/etc/msc_config.yaml``, ...), exactly as
-``msc.resolve_storage_client("msc://<profile>/...")`` does. An S3 profile for an
-S3-compatible server (SeaweedFS, MinIO) looks like::
-
-    profiles:
-      ckpt:
-        storage_provider:
-          type: s3
-          options:
-            base_path: my-bucket            # bucket[/prefix]
-            endpoint_url: http://127.0.0.1:8333
-            region_name: us-east-1
-            s3: {addressing_style: path}    # path-style URLs for a custom endpoint
-        credentials_provider:
-          type: S3Credentials
-          options: {access_key: ..., secret_key: ...}
-
-The backend is a *store* (``atomic_rename = False``) whatever the provider, POSIX
-included: a checkpoint is committed by writing its manifest last.
-
-How bytes move:
-
-- ``put`` hands MSC a read-only, seekable file object over the caller's memoryview
-  (``StorageClient.upload_file``). Objects up to the provider's ``multipart_threshold``
-  (S3: 64 MiB by default) become one PUT; MSC reads them with ``f.read()``, which is one
-  copy of the object (botocore takes ``bytes`` but not a memoryview). Larger ones are
-  uploaded by boto3's transfer manager in ``multipart_chunksize`` parts, several in
-  flight; it reads each part with ``f.read(part_size)``: one memcpy per byte, in
-  part-sized pieces, at most about ten parts (s3transfer's
-  ``max_in_memory_upload_chunks``) held at once, never a second whole-object buffer.
-  No public MSC call takes a memoryview without that copy. The ranges' xxh3-64 are
-  computed meanwhile on another thread (xxhash releases the GIL).
-- ``read_into`` issues ranged reads (``StorageClient.read(byte_range=...)``), several in
-  parallel on a thread pool owned by the backend for large ranges. MSC returns each range
-  as a new ``bytes``, which is copied into the destination: one extra memcpy per byte.
-
-Torch-free, and ``multistorageclient`` is imported only when a backend is created.
+Made by ``Location.open`` (any rank, and the worker process): it imports MSC, finds the
+config (:mod:`~quicksave.storage.msc.config`), makes the client, and translates every
+failure through :class:`~quicksave.storage.msc.errors.MscErrors`. Torch-free.
 """
 
 from __future__ import annotations
 
 import io
 import os
-import re
 import threading
 from collections.abc import Iterable, Iterator, Sequence
-from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
-from typing import Any, NoReturn
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
 
 import xxhash
 
 from quicksave.checksum import hexdigest
 from quicksave.errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
-from quicksave.storage.backend import ObjectInfo, Range, StorageOptions, byte_view, hash_ranges
+from quicksave.storage.backend import (
+    ObjectInfo,
+    Range,
+    StorageOptions,
+    byte_view,
+    check_ranges,
+    hash_ranges,
+)
+from quicksave.storage.msc.config import build_client, import_msc, locate_config
+from quicksave.storage.msc.errors import MscErrors, profile_url
+from quicksave.storage.transfer_pool import TransferPool
 
 READ_PIECE = 32 << 20  # bytes per ranged GET of a large read_into
 MAX_CONCURRENCY = 8  # ranged GETs in flight per read_into (and the pool's size)
-
-_INSTALL_HINT = "pip install 'quicksave[msc]'"
-
-# config keys whose values are never shown (credentials of any provider)
-_SECRET_KEY = re.compile(
-    r"secret|token|password|passwd|credential|sas|account_key|access_key", re.I
-)
-# the same in a file that does not parse: ``secret_key: value`` / ``"secret_key": "value"``
-_SECRET_LINE = re.compile(
-    r"""["']?[\w-]*(?:secret|token|password|passwd|passphrase|account_key|access_key)[\w-]*["']?"""
-    r"""\s*[:=]\s*["']?([^"'\s,}#]+)""",
-    re.I,
-)
-_SECRET_ENV = (
-    "AWS_SECRET_ACCESS_KEY",
-    "AWS_SESSION_TOKEN",
-    "AWS_SECURITY_TOKEN",
-    "AZURE_STORAGE_KEY",
-    "AZURE_STORAGE_CONNECTION_STRING",
-    "OCI_API_KEY",
-)
-_CONNECTION_ERRORS = (
-    "EndpointConnectionError",
-    "ConnectionClosedError",
-    "ConnectTimeoutError",
-    "ReadTimeoutError",
-    "ProxyConnectionError",
-    "NewConnectionError",
-    "MaxRetryError",
-    "ProtocolError",
-)
-
-
-def _import_msc() -> Any:
-    try:
-        import multistorageclient
-    except ImportError as e:
-        raise CheckpointError(
-            f"msc:// locations need the Multi-Storage Client; install it with {_INSTALL_HINT} "
-            f"({type(e).__name__}: {e})"
-        ) from None
-    return multistorageclient
 
 
 class _ViewReader(io.RawIOBase):
@@ -171,53 +98,6 @@ class _ViewReader(io.RawIOBase):
         return len(self._view)
 
 
-def _walk_secrets(value: Any, under_secret: bool, out: set[str]) -> None:
-    if isinstance(value, dict):
-        for k, v in value.items():
-            _walk_secrets(v, under_secret or bool(_SECRET_KEY.search(str(k))), out)
-    elif isinstance(value, (list, tuple)):
-        for v in value:
-            _walk_secrets(v, under_secret, out)
-    elif under_secret and isinstance(value, str):
-        out.add(value)
-        out.add(os.path.expandvars(value))  # ${VAR} is expanded by MSC when it loads
-
-
-def _file_secrets(path: str | None) -> set[str]:
-    """Every credential-like value in a config file, parsed or not (best effort)."""
-    out: set[str] = set()
-    if not path:
-        return out
-    try:
-        with open(path, encoding="utf-8", errors="replace") as f:
-            text = f.read()
-    except OSError:
-        return out
-    out.update(m.group(1) for m in _SECRET_LINE.finditer(text))
-    try:
-        if path.endswith(".json"):
-            import json
-
-            doc = json.loads(text)
-        else:
-            import yaml
-
-            doc = yaml.safe_load(text)
-        _walk_secrets(doc, False, out)
-    except Exception:  # malformed: the regex above is all there is
-        pass
-    return {os.path.expandvars(s) for s in out} | out
-
-
-def _exc_chain(e: BaseException) -> Iterator[BaseException]:
-    seen: set[int] = set()
-    cur: BaseException | None = e
-    while cur is not None and id(cur) not in seen:
-        seen.add(id(cur))
-        yield cur
-        cur = cur.__cause__ or cur.__context__
-
-
 class MscBackend:
     """One MSC profile as a quicksave storage backend (see the module docstring).
 
@@ -252,170 +132,14 @@ class MscBackend:
         self._max_concurrency = max(1, int(max_concurrency))
         self._lock = threading.Lock()
         self._closed = False
-        msc = _import_msc()
+        msc = import_msc()
         self._msc_types = msc.types
-        self.config_file, self._secrets = self._locate_config(msc)
-        self._client = self._build_client(msc)
-        self._pool = ThreadPoolExecutor(self._max_concurrency, thread_name_prefix="quicksave-msc")
+        self.config_file, secrets = locate_config(msc, profile, self._options, self.url(""))
+        retryable = getattr(msc.types, "RetryableError", None)
+        self._errors = MscErrors(profile, self.config_file, secrets, retryable)
+        self._client = build_client(msc, self._options, self._errors)
+        self._pool = TransferPool(self._max_concurrency, "quicksave-msc")
         self._hasher = ThreadPoolExecutor(2, thread_name_prefix="quicksave-msc-hash")
-
-    # -- setup -------------------------------------------------------------------------
-
-    def _locate_config(self, msc: Any) -> tuple[str | None, list[str]]:
-        """The config file MSC will use (None: none found) and the secrets to hide."""
-        explicit = self._options.msc_config
-        if explicit is not None:
-            path = os.path.abspath(os.fspath(explicit))
-            if not os.path.isfile(path):
-                raise CheckpointError(
-                    f"MSC config file {path} does not exist (StorageOptions.msc_config) "
-                    f"for profile {self.profile!r}",
-                    path=self.url(""),
-                )
-            found: str | None = path
-        else:
-            candidates: list[str] = []
-            env = os.getenv("MSC_CONFIG")
-            if env:
-                candidates.append(env)
-            search = getattr(msc.config, "_find_config_file_paths", None)
-            if search is not None:
-                candidates.extend(search())
-            found = next(
-                (os.path.abspath(p) for p in candidates if os.path.exists(os.path.abspath(p))),
-                None,
-            )
-        secrets = _file_secrets(found)
-        try:
-            from multistorageclient.rclone import read_rclone_config
-
-            rclone_dict, _ = read_rclone_config()
-            _walk_secrets(rclone_dict, False, secrets)
-        except Exception:
-            pass
-        for name in _SECRET_ENV:
-            if os.environ.get(name):
-                secrets.add(os.environ[name])
-        # longest first, so that a secret containing another is hidden whole
-        return found, sorted((s for s in secrets if len(s) >= 4), key=len, reverse=True)
-
-    def _config_name(self) -> str:
-        if self.config_file:
-            return f"MSC config file {self.config_file}"
-        return "MSC config (no file found: set MSC_CONFIG or StorageOptions.msc_config)"
-
-    def _build_client(self, msc: Any) -> Any:
-        files = [self.config_file] if self._options.msc_config is not None else None
-        where = self._config_name()
-        try:
-            config = msc.StorageClientConfig.from_file(
-                files, profile=self.profile, telemetry_provider=msc.get_telemetry_provider()
-            )
-        except ValueError as e:
-            text = str(e)
-            if (
-                f'Profile "{self.profile}" not found' in text
-                or f"Profile {self.profile} not found" in text
-            ):
-                raise CheckpointError(
-                    f"unknown MSC profile {self.profile!r}: it is not defined in {where}"
-                    f"{self._available_profiles()}",
-                    path=self.url(""),
-                ) from None
-            raise self._config_error(e, where) from None
-        except Exception as e:
-            raise self._config_error(e, where) from None
-        try:
-            return msc.StorageClient(config)
-        except Exception as e:
-            raise self._config_error(e, where) from None
-
-    def _available_profiles(self) -> str:
-        if not self.config_file:
-            return ""
-        try:
-            if self.config_file.endswith(".json"):
-                import json
-
-                with open(self.config_file, encoding="utf-8") as f:
-                    doc = json.load(f)
-            else:
-                import yaml
-
-                with open(self.config_file, encoding="utf-8") as f:
-                    doc = yaml.safe_load(f)
-            names = sorted(str(n) for n in (doc or {}).get("profiles", {}))
-        except Exception:
-            return ""
-        return f" (it defines: {', '.join(names) or 'no profiles'})"
-
-    def _config_error(self, e: BaseException, where: str) -> CheckpointError:
-        detail = self._describe(e)
-        for cause in _exc_chain(e):
-            mark = getattr(cause, "problem_mark", None)  # YAML: say where, not the text
-            if mark is not None:
-                detail = (
-                    f"not valid YAML at line {mark.line + 1}, column {mark.column + 1}"
-                    f" ({getattr(cause, 'problem', None) or type(cause).__name__})"
-                )
-                break
-            if type(cause).__name__ == "JSONDecodeError":
-                detail = (
-                    f"not valid JSON at line {cause.lineno}, column {cause.colno} ({cause.msg})"  # type: ignore[attr-defined]
-                )
-                break
-        return CheckpointError(
-            f"cannot use MSC profile {self.profile!r} from {where}: {detail}",
-            path=self.url(""),
-        )
-
-    # -- errors ------------------------------------------------------------------------
-
-    def _scrub(self, text: str) -> str:
-        for s in self._secrets:
-            if s in text:
-                text = text.replace(s, "***")
-        return text
-
-    def _describe(self, e: BaseException) -> str:
-        text = " ".join(str(e).split())
-        if len(text) > 600:
-            text = text[:600] + "..."
-        return self._scrub(f"{type(e).__name__}: {text}" if text else type(e).__name__)
-
-    def _error(self, e: BaseException, op: str, key: str) -> CheckpointError:
-        """A quicksave error for ``e`` (raised by MSC while doing ``op`` on ``key``)."""
-        url = self.url(key)
-        if isinstance(e, CheckpointError):
-            return e
-        if isinstance(e, FileNotFoundError):
-            return CheckpointNotFoundError(f"{op} failed: no such object", path=url)
-        detail = self._describe(e)
-        if isinstance(e, PermissionError):
-            msg = (
-                f"{op} failed: permission denied; check the credentials of MSC profile "
-                f"{self.profile!r} ({self._config_name()}): {detail}"
-            )
-        elif any(
-            isinstance(c, (ConnectionError, TimeoutError)) or type(c).__name__ in _CONNECTION_ERRORS
-            for c in _exc_chain(e)
-        ):
-            msg = (
-                f"{op} failed: cannot reach the storage of MSC profile {self.profile!r} "
-                f"(check its endpoint and the network): {detail}"
-            )
-        elif isinstance(e, self._msc_types.RetryableError):
-            msg = f"{op} failed after MSC's retries (transient storage error): {detail}"
-        else:
-            msg = f"{op} failed: {detail}"
-        return CheckpointError(msg, path=url)
-
-    def _raise(self, e: BaseException, op: str, key: str) -> NoReturn:
-        err = self._error(e, op, key)
-        if err is e:
-            raise err
-        leaks = any(s in str(c) for c in _exc_chain(e) for s in self._secrets)
-        raise err from (None if leaks else e)
 
     def _live(self) -> Any:
         client = self._client
@@ -426,7 +150,7 @@ class MscBackend:
     # -- the Backend protocol ----------------------------------------------------------
 
     def url(self, key: str) -> str:
-        return f"msc://{self.profile}/{key.lstrip('/')}"
+        return profile_url(self.profile, key)
 
     def put(self, key: str, data: memoryview, *, ranges: Sequence[Range] = ()) -> dict[str, str]:
         """Store ``data`` as ``key`` (whole or not at all) and return the xxh3-64 of every
@@ -440,9 +164,7 @@ class MscBackend:
         client = self._live()
         view = byte_view(data)
         n = len(view)
-        for name, off, length in ranges:
-            if off < 0 or length < 0 or off + length > n:
-                raise ValueError(f"range {name!r} [{off}, {off + length}) is outside 0..{n}")
+        check_ranges(ranges, n)
         hashed: Future[dict[str, str]] | None = (
             self._hasher.submit(hash_ranges, view, tuple(ranges)) if ranges else None
         )
@@ -452,7 +174,7 @@ class MscBackend:
             if hashed is not None:
                 hashed.cancel()
             if isinstance(e, Exception):
-                self._raise(e, "upload", key)
+                self._errors.raise_(e, "upload", key)
             raise
         return hashed.result() if hashed is not None else {}
 
@@ -475,24 +197,24 @@ class MscBackend:
             if len(pieces) == 1:
                 short = not self._read_piece_into(client, key, offset, out)
             else:
-                futures = [
-                    self._pool.submit(
-                        self._read_piece_into, client, key, offset + p, out[p : p + size]
-                    )
-                    for p, size in pieces
-                ]
-                wait(futures, return_when=FIRST_EXCEPTION)
-                for f in futures:
-                    f.cancel()
-                wait(futures)  # none still writes into dest once this returns or raises
-                short = not all([f.result() for f in futures if not f.cancelled()])
+                done = self._pool.run(
+                    [
+                        (
+                            lambda stop, p=p, size=size: self._read_piece_into(
+                                client, key, offset + p, out[p : p + size]
+                            )
+                        )
+                        for p, size in pieces
+                    ]
+                )  # none still writes into dest once this returns or raises
+                short = not all(done)
         except CheckpointNotFoundError:
             raise
         except Exception as e:
             info = self._stat_quiet(key)
             if info is not None and info.size < offset + n:
                 raise self._short(key, info.size, offset, n) from None
-            self._raise(e, "read", key)
+            self._errors.raise_(e, "read", key)
         if short:
             info = self._stat_quiet(key)
             raise self._short(key, info.size if info else None, offset, n)
@@ -503,7 +225,7 @@ class MscBackend:
             data = client.read(key, byte_range=self._msc_types.Range(offset, len(out)))
         except Exception as e:
             if isinstance(e, FileNotFoundError):
-                self._raise(e, "read", key)
+                self._errors.raise_(e, "read", key)
             raise
         got = memoryview(data).cast("B")
         if len(got) != len(out):
@@ -551,7 +273,7 @@ class MscBackend:
         try:
             data = client.read(key)
         except Exception as e:
-            self._raise(e, "read", key)
+            self._errors.raise_(e, "read", key)
         body = data if isinstance(data, bytes) else bytes(memoryview(data))
         if len(body) > max_bytes:
             raise CorruptCheckpointError(
@@ -568,7 +290,7 @@ class MscBackend:
         except FileNotFoundError:
             return None
         except Exception as e:
-            self._raise(e, "stat", key)
+            self._errors.raise_(e, "stat", key)
         if meta.type != "file":
             return None
         return ObjectInfo(key, int(meta.content_length), _mtime(meta))
@@ -587,7 +309,7 @@ class MscBackend:
         except FileNotFoundError:
             return
         except Exception as e:
-            self._raise(e, "list", prefix)
+            self._errors.raise_(e, "list", prefix)
 
     def children(self, prefix: str) -> list[str]:
         """The names directly under the directory ``prefix``, sorted."""
@@ -604,7 +326,7 @@ class MscBackend:
         except FileNotFoundError:
             return []
         except Exception as e:
-            self._raise(e, "list", directory)
+            self._errors.raise_(e, "list", directory)
         return sorted(names)
 
     def delete(self, keys: Iterable[str]) -> None:
@@ -619,7 +341,9 @@ class MscBackend:
         except FileNotFoundError:
             pass
         except Exception as e:
-            self._raise(e, "delete", todo[0] if len(todo) == 1 else os.path.commonprefix(todo))
+            self._errors.raise_(
+                e, "delete", todo[0] if len(todo) == 1 else os.path.commonprefix(todo)
+            )
 
     def _provider(self) -> Any:
         """The profile's storage provider, for what MSC's ``StorageClient`` does not
@@ -652,7 +376,7 @@ class MscBackend:
         except NotImplementedError:
             raise
         except Exception as e:
-            self._raise(e, "conditional write", key)
+            self._errors.raise_(e, "conditional write", key)
         got = self.get_tagged(key, len(body))
         if got is None or got[0] != body:
             return None  # replaced at once by another writer: its version, not ours
@@ -684,7 +408,7 @@ class MscBackend:
         except CheckpointError:
             raise
         except Exception as e:
-            self._raise(e, "read", key)
+            self._errors.raise_(e, "read", key)
         raise CheckpointError("the object keeps changing while read", path=self.url(key))
 
     def abort_uploads(self, prefix: str, older_than_s: float) -> int:
@@ -702,7 +426,7 @@ class MscBackend:
             if self._closed:
                 return
             self._closed = True
-        self._pool.shutdown(wait=True, cancel_futures=True)
+        self._pool.close()
         self._hasher.shutdown(wait=True, cancel_futures=True)
         self._client = None
 
