@@ -323,11 +323,11 @@ def test_a_footer_claiming_a_huge_manifest_is_refused_unread(ckpt: Path, monkeyp
         out.write(dcp_layout.FOOTER_MAGIC + struct.pack("<QQQ", f.pickle_length, len_m, 0))
         out.write(dcp_layout.FOOTER_MAGIC)
     reads = []
-    import quicksave.storage.checkpoint_dir as cd
+    import quicksave.loading.manifest_reader as mr
 
-    real = cd.read_range
+    real = mr.read_range
     monkeypatch.setattr(
-        cd, "read_range", lambda f, o, n, **k: reads.append(n) or real(f, o, n, **k)
+        mr, "read_range", lambda f, o, n, **k: reads.append(n) or real(f, o, n, **k)
     )
     with pytest.raises(CorruptCheckpointError, match="1 GiB limit") as info:
         read_manifest(ckpt)
