@@ -18,7 +18,7 @@ from quicksave.errors import CheckpointNotFoundError
 
 if TYPE_CHECKING:
     from quicksave.load.catalog import CheckpointInfo
-    from quicksave.load.verify import VerifyReport
+    from quicksave.load.verify_report import VerifyReport
     from quicksave.tools.verify_folder import Verdict
 
 

@@ -18,7 +18,8 @@ from dataclasses import dataclass
 from quicksave.commit import CheckpointKind, classify
 from quicksave.errors import CheckpointError, CheckpointNotFoundError, NotCommittedError
 from quicksave.load.catalog import CheckpointInfo, list_checkpoints
-from quicksave.load.verify import VerifyReport, verify_checkpoint
+from quicksave.load.verify import verify_checkpoint
+from quicksave.load.verify_report import VerifyReport
 from quicksave.storage import Location, StorageOptions, parse_location
 
 

@@ -173,7 +173,7 @@ def server_on(target: Target, cpus: list[int] | None) -> Iterator[None]:
 
 def weed_version(server: Any) -> str | None:
     try:
-        from quicksave_tools.testing.seaweed import find_weed
+        from quicksave_tools.testing.seaweed_process import find_weed
 
         out = subprocess.run(
             [str(find_weed()), "version"], capture_output=True, text=True, timeout=10
