@@ -186,7 +186,6 @@ class SeaweedServer:
             self.restricted_bucket,
         )
         config = write_config_files(tmpdir, ids, self.volumes_per_bucket)
-        (tmpdir / "security.toml").write_text("")
         rng = secrets.SystemRandom()
         t0 = time.monotonic()
         errors: list[str] = []

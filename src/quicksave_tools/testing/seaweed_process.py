@@ -105,8 +105,9 @@ def log_tail(path: Path) -> str:
 class RunningWeed:
     """One started ``weed`` process and what it leaves behind; stopped at most once.
 
-    Kept apart from :class:`SeaweedServer` so that a ``weakref.finalize`` can stop it at
-    interpreter exit without keeping the server object alive.
+    Kept apart from :class:`~quicksave_tools.testing.seaweed.SeaweedServer` so that a
+    ``weakref.finalize`` can stop it at interpreter exit without keeping the server
+    object alive.
     """
 
     def __init__(self, proc: subprocess.Popen[bytes], sockets: list[Path], grace_s: float) -> None:

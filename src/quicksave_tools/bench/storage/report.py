@@ -18,7 +18,8 @@ TARGETS = (  # (what, section, ratio key, at least)
 
 
 def acceptance(report: dict[str, Any]) -> list[dict[str, Any]]:
-    """The issue's targets, per shape, with the measured ratio and whether it is met."""
+    """The acceptance targets (:data:`TARGETS` per shape, and the training loop's), with
+    the measured ratio and whether it is met."""
     out = []
     for what, section, key, least in TARGETS:
         for shape, s in report["shapes"].items():
@@ -50,7 +51,6 @@ def acceptance(report: dict[str, Any]) -> list[dict[str, Any]]:
     return out
 
 
-# ------------------------------------------------------------------------ the report
 def _f(x: float | None, fmt: str = ".2f", none: str = "–") -> str:
     return none if x is None else format(x, fmt)
 
