@@ -22,8 +22,8 @@ import quicksave
 from helpers.checks import check_checkpoint
 from helpers.state import assert_bit_equal
 from quicksave import commit
-from quicksave.worker import persist
 from quicksave.commit import CheckpointKind, classify, clean_stale_temporaries, is_temp_name
+from quicksave.worker import persist
 
 HELPERS = Path(__file__).parent / "helpers"
 

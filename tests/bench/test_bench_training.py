@@ -9,12 +9,8 @@ import os
 import pytest
 
 from quicksave_tools.bench import main
-from quicksave_tools.bench.training import (
-    METHODS,
-    TrainingBenchConfig,
-    format_training_report,
-    schedule,
-)
+from quicksave_tools.bench.training import METHODS, TrainingBenchConfig, schedule
+from quicksave_tools.bench.training_report import format_training_report
 
 
 def test_quick_run_reports_every_method(tmp_path, capsys) -> None:

@@ -34,7 +34,8 @@ from quicksave.errors import CheckpointError
 from quicksave.storage.backend import S3Options
 from quicksave.storage.s3 import S3Backend
 from quicksave_tools.testing.faultproxy import FaultProxy
-from quicksave_tools.testing.seaweed import SeaweedError, SeaweedServer
+from quicksave_tools.testing.seaweed import SeaweedServer
+from quicksave_tools.testing.seaweed_process import SeaweedError
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "dist"))
 from launcher import LaunchConfig, run_ranks  # noqa: E402

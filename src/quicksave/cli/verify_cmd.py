@@ -19,7 +19,7 @@ from quicksave.errors import CheckpointNotFoundError
 
 if TYPE_CHECKING:
     from quicksave.loading.catalog import CheckpointInfo
-    from quicksave.loading.verify import VerifyReport
+    from quicksave.loading.verify_report import VerifyReport
     from quicksave.tools.verify_folder import Verdict
 
 

@@ -17,7 +17,7 @@ from quicksave.format import objects as objcodec
 from quicksave.format.dtypes import dtype_from_name, element_size
 from quicksave.format.manifest import Manifest
 from quicksave.loading.manifest_reader import read_manifest
-from quicksave.loading.verify import byte_progress
+from quicksave.loading.progress import byte_progress
 from quicksave.storage import Location
 from quicksave.storage.checkpoint_dir import CheckpointDir, Member
 

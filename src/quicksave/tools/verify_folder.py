@@ -18,7 +18,8 @@ from dataclasses import dataclass
 from quicksave.commit import CheckpointKind, classify
 from quicksave.errors import CheckpointError, CheckpointNotFoundError, NotCommittedError
 from quicksave.loading.catalog import CheckpointInfo, list_checkpoints
-from quicksave.loading.verify import VerifyReport, verify_checkpoint
+from quicksave.loading.verify import verify_checkpoint
+from quicksave.loading.verify_report import VerifyReport
 from quicksave.storage import Location, StorageOptions, parse_location
 
 

@@ -5,7 +5,10 @@
 ``quicksave bench --training ...`` measures what checkpointing costs a training loop
 (:mod:`.training`); ``quicksave bench --planning ...`` the coordinator's planning cost at
 scale, cached and uncached (:mod:`.planning`); ``quicksave bench --coordination ...`` the
-per-save coordination cost over real gloo ranks, vs stock DCP (:mod:`.coordination`).
+per-save coordination cost over real gloo ranks, vs stock DCP (:mod:`.coordination`);
+``quicksave bench --storage ...`` save/load throughput to S3 and what checkpointing to S3
+costs a training loop (the package :mod:`.storage`, whose ``main`` the command line
+calls directly).
 
 Example::
 

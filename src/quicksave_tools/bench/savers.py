@@ -16,7 +16,7 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 
-import quicksave
+import quicksave.api as quicksave_api
 from quicksave.manager import CheckpointConfig, CheckpointManager
 
 QUICKSAVE_MODES = {  # method -> CheckpointConfig arguments
@@ -77,7 +77,7 @@ class Saver:
 
     def restore(self, step: int, states: dict[str, Any] | None = None) -> None:
         """Load the checkpoint of ``step`` into ``states`` (default: the loop's)."""
-        quicksave.load(self.states if states is None else states, self.path(step))
+        quicksave_api.load(self.states if states is None else states, self.path(step))
 
     def restore_fresh(self, step: int, states: dict[str, Any]) -> dict[str, float]:
         """Load the checkpoint of ``step`` into a fresh job's ``states`` as its users

