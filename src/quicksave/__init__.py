@@ -2,7 +2,7 @@
 
 Layers (docs/ARCHITECTURE.md): ``CheckpointManager`` (policy) → functions
 (``save`` / ``load`` / ``async_save`` / ``StorageWriter`` / ``StorageReader``) → the engine
-(``AsyncSaver``, and the seeds' ``AsyncRequest`` / ``AsyncCallsQueue`` /
+(``AsyncSaver``, and NVRx's ``AsyncRequest`` / ``AsyncCallsQueue`` /
 ``TorchAsyncCheckpoint``).
 
 Names are imported on first use: the checkpoint worker process imports
