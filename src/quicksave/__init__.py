@@ -26,6 +26,12 @@ from quicksave.errors import (
 
 __version__ = "0.1.0"
 
+# The function ``quicksave.load`` shares its name with the package ``quicksave.load``.
+# Importing a package binds it on its parent: import the (empty) package now and unbind
+# it, so that no later ``import quicksave.load.<module>`` hides the function.
+importlib.import_module("quicksave.load")
+del globals()["load"]
+
 # public name -> the module that defines it
 _LAZY: dict[str, str] = {
     "save": "quicksave.api",
