@@ -25,8 +25,9 @@ import pytest
 import torch
 
 import quicksave
-from quicksave.compat.nvrx import AsyncCallsQueue, AsyncRequest, TorchAsyncCheckpoint, async_save
+from quicksave.compat.nvrx import AsyncCallsQueue, AsyncRequest, TorchAsyncCheckpoint
 from quicksave.errors import CheckpointError, IncompatibleStateError, WorkerFailedError
+from quicksave.save.async_save import async_save
 from quicksave.save.engine import AsyncSaver, EngineConfig
 from quicksave.worker.process import WorkerConfig
 

@@ -83,6 +83,7 @@ from quicksave.errors import (
     CheckpointError,
     WorkerFailedError,
 )
+from quicksave.ranks import collectives as talk
 from quicksave.worker.process import CallResult, ProcessPersister, ThreadPersister, WorkerConfig
 
 logger = logging.getLogger("quicksave")
@@ -117,15 +118,6 @@ class _Agreement:
 _NO_FAILURE = 2**62
 
 
-def _group_device(process_group: Any) -> torch.device:
-    import torch.distributed as dist
-
-    backend = str(dist.get_backend(process_group))
-    if "nccl" in backend and torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
 def _all_ranks_agree_on_call(
     call_id: int, done: bool, failed: bool, process_group: Any = None
 ) -> _Agreement:
@@ -136,16 +128,10 @@ def _all_ranks_agree_on_call(
         AsyncCheckpointError: ranks are at different calls (they scheduled different
             requests, or not all of them are finalizing).
     """
-    import torch.distributed as dist
-
-    me = dist.get_rank()
-    t = torch.tensor(
-        [int(done), me if failed else _NO_FAILURE, call_id, -call_id],
-        dtype=torch.int64,
-        device=_group_device(process_group),
+    me = torch.distributed.get_rank()
+    all_done, failed_rank, lo, hi = talk.all_reduce_ints(
+        [int(done), me if failed else _NO_FAILURE, call_id, -call_id], "min", process_group
     )
-    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=process_group)
-    all_done, failed_rank, lo, hi = (int(v) for v in t.tolist())
     if lo != -hi:
         raise AsyncCheckpointError(
             f"ranks are finalizing different async calls (ids {lo}..{-hi}): every rank must "
@@ -158,13 +144,10 @@ def _all_ranks_agree_on_call(
 def _failures_everywhere(call: _Call, process_group: Any) -> dict[int, tuple[str, str | None]]:
     """Collective (only once a failure is agreed): every rank's failure of this call,
     rank -> (message, path), so that each rank can name every failed rank and cause."""
-    import torch.distributed as dist
-
     mine = None
     if call.error is not None:
         mine = (call.error.message, call.error.path)
-    gathered: list[Any] = [None] * dist.get_world_size(process_group)
-    dist.all_gather_object(gathered, (dist.get_rank(), mine), group=process_group)
+    gathered = talk.all_gather_object((torch.distributed.get_rank(), mine), process_group)
     return {rank: what for rank, what in gathered if what is not None}
 
 
@@ -630,11 +613,7 @@ class AsyncCaller(ABC):
     def sync_all_async_calls(self, is_alive: int) -> bool:
         """Collective: True iff no rank passes a non-zero ``is_alive`` (one SUM
         all-reduce), i.e. every rank's call is done."""
-        import torch.distributed as dist
-
-        t = torch.tensor([int(is_alive)], dtype=torch.int64, device=_group_device(None))
-        dist.all_reduce(t)
-        return int(t.item()) == 0
+        return talk.all_reduce_ints([int(is_alive)], "sum")[0] == 0
 
     @abstractmethod
     def close(self, abort: bool = False) -> None:
