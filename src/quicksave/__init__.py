@@ -26,11 +26,14 @@ from quicksave.errors import (
 
 __version__ = "0.1.0"
 
-# The function ``quicksave.load`` shares its name with the package ``quicksave.load``.
-# Importing a package binds it on its parent: import the (empty) package now and unbind
-# it, so that no later ``import quicksave.load.<module>`` hides the function.
-importlib.import_module("quicksave.load")
-del globals()["load"]
+# The functions ``quicksave.save`` and ``quicksave.load`` share their names with the
+# packages ``quicksave.save`` and ``quicksave.load``. Importing a package binds it on its
+# parent: import the two (empty) packages now and unbind them, so that no later
+# ``import quicksave.save.<module>`` hides the function (``__getattr__`` gives it).
+for _package in ("save", "load"):
+    importlib.import_module(f"quicksave.{_package}")
+    del globals()[_package]
+del _package
 
 # public name -> the module that defines it
 _LAZY: dict[str, str] = {
