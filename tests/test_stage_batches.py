@@ -13,9 +13,9 @@ import torch
 import xxhash
 
 import quicksave
-import quicksave.save.engine as engine
 from quicksave.checksum import hexdigest
 from quicksave.load.verify import verify_checkpoint
+from quicksave.save import engine
 from quicksave.save.engine import AsyncSaver, EngineConfig
 from quicksave.stage.pool import BATCH_BYTES, HASH_BLOCK, StagingPool, digest_of
 

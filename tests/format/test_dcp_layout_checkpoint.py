@@ -323,7 +323,7 @@ def test_a_footer_claiming_a_huge_manifest_is_refused_unread(ckpt: Path, monkeyp
         out.write(dcp_layout.FOOTER_MAGIC + struct.pack("<QQQ", f.pickle_length, len_m, 0))
         out.write(dcp_layout.FOOTER_MAGIC)
     reads = []
-    import quicksave.storage.checkpoint_dir as cd
+    from quicksave.load import manifest_reader as cd
 
     real = cd.read_range
     monkeypatch.setattr(

@@ -12,9 +12,9 @@ import pytest
 import torch
 import torch.nn as nn
 
-import quicksave.save.engine as engine
 from quicksave.manager import CheckpointConfig, CheckpointManager, ModelState, OptimizerState
 from quicksave.manager.optimizer_layout import first_step_state, matches, stand_ins
+from quicksave.save import engine
 from quicksave.stage.pool import StagingPool
 
 OPTIMIZERS: dict[str, Callable[[list[nn.Parameter]], torch.optim.Optimizer]] = {

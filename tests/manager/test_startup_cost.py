@@ -16,8 +16,8 @@ import pytest
 import torch
 import torch.nn as nn
 
-import quicksave.save.engine as engine
 from quicksave.manager import CheckpointConfig, CheckpointManager, ModelState, OptimizerState
+from quicksave.save import engine
 from quicksave.stage.pool import StagingPool
 
 
