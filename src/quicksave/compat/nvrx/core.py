@@ -410,7 +410,7 @@ class AsyncCallsQueue(metaclass=ObjectTracker):
         if self._persister is None:
             self._persister = self._new_persister()
         try:
-            args = preloaded_args(req)  # in the trainer, like the seeds' forking caller
+            args = preloaded_args(req)  # in the trainer, like NVRx's forking caller
         except Exception as e:  # noqa: BLE001 - surfaces at finalization, on every rank
             call.done = True
             call.error = AsyncCheckpointError(

@@ -1,5 +1,5 @@
-"""The seeds' three-phase distributed save (plan → write in the background → finalize),
-writing quicksave checkpoints, with the seeds' metadata (plan) cache.
+"""NVRx's three-phase distributed save (plan → write in the background → finalize),
+writing quicksave checkpoints, with NVRx's metadata (plan) cache.
 
 One save, every rank (training thread unless said otherwise)::
 
@@ -23,7 +23,7 @@ One save, every rank (training thread unless said otherwise)::
         manifest, written last, is the commit (``filesystem_async``'s docstring).
 
 The only collectives are ``agree_plan_reuse``, ``verify_global_md_reuse`` and
-``exchange_plans`` (the seeds' names, or named for what they exchange); at most one runs
+``exchange_plans`` (NVRx's names, or named for what they exchange); at most one runs
 per save once plans are cached.
 
 **The default cache.** As in NVRx, ``enable_cache=True`` without ``metadata_cache`` uses
@@ -53,12 +53,9 @@ from torch.distributed.checkpoint.utils import _DistWrapper
 
 from quicksave.adapters.dcp_writer import rank_plan_of
 from quicksave.compat.nvrx.errors import AsyncCheckpointError
-from quicksave.compat.nvrx.filesystem_async import (
-    FileSystemWriterAsync,
-    RankWritesFailed,
-    SaveLayout,
-)
+from quicksave.compat.nvrx.filesystem_async import FileSystemWriterAsync
 from quicksave.compat.nvrx.process_state import PROCESS
+from quicksave.compat.nvrx.rank_write import RankWritesFailed, SaveLayout
 from quicksave.errors import CheckpointError
 from quicksave.format.keys import REPLICAS_KEY
 from quicksave.ranks import collectives as talk
@@ -67,7 +64,7 @@ logger = logging.getLogger("quicksave")
 
 
 class CheckpointMetadataCache:
-    """The seeds' plan cache: what the last save planned, reused while nothing changed.
+    """NVRx's plan cache: what the last save planned, reused while nothing changed.
 
     Attributes:
         cached_central_plan: this rank's central plan (the global planning's output).
