@@ -416,7 +416,7 @@ def test_async_save_with_a_held_saver(tmp_path: Path) -> None:
 
 # --------------------------------------------------------------------- two ranks
 def _launcher() -> Any:
-    sys.path.insert(0, str(Path(__file__).resolve().parent / "dist"))
+    sys.path.insert(0, str(Path(__file__).resolve().parent / "multirank"))
     import launcher
 
     return launcher

@@ -36,7 +36,7 @@ from quicksave.storage.s3 import S3Backend
 from quicksave_tools.testing.faultproxy import FaultProxy
 from quicksave_tools.testing.seaweed import SeaweedError, SeaweedServer
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "dist"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "multirank"))
 from launcher import LaunchConfig, run_ranks  # noqa: E402
 
 pytestmark = pytest.mark.slow
