@@ -106,7 +106,7 @@ def test_the_rules_see_a_violation(tmp_path) -> None:
 
 def test_no_module_shadows_a_public_name() -> None:
     # importing a submodule sets the package's attribute of that name: a module
-    # quicksave/load.py or a package quicksave/load/ would replace quicksave.load()
+    # a module or package named "load" in quicksave would replace quicksave.load()
     import quicksave
 
     top = {n.split(".")[1] for n in LIB if n.count(".") >= 1}

@@ -548,7 +548,7 @@ def queue() -> Iterator[AsyncCallsQueue]:
 
 # ==================================================================== 2-3, 6, 8: 2 ranks
 def _launcher() -> Any:
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "dist"))
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "multirank"))
     import launcher
 
     return launcher

@@ -24,9 +24,10 @@ from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import MetadataIndex
 
 from quicksave.adapters.dcp_reader import manifest_to_metadata
+from quicksave.compat.nvrx.dcp_write import write_dcp_file
 from quicksave.format import DCP_METADATA_NAME
 from quicksave.format import objects as objcodec
-from quicksave.format.dcp_layout import DcpFileWritten, encode_metadata, write_dcp_file
+from quicksave.format.dcp_layout import DcpFileWritten, encode_metadata
 from quicksave.format.dtypes import dtype_name
 from quicksave.format.manifest import (
     LAYOUT_DCP,

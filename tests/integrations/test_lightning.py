@@ -622,7 +622,7 @@ def _rank_saves_on_rank_zero_only(rank: int, world_size: int, root: str, async_s
 
 @pytest.mark.slow
 def test_rank_zero_saves_without_a_collective(tmp_path):
-    sys.path.insert(0, str(REPO / "tests" / "dist"))
+    sys.path.insert(0, str(REPO / "tests" / "multirank"))
     from launcher import LaunchConfig, run_ranks
 
     config = LaunchConfig(timeout_s=120.0, collective_timeout_s=30.0)

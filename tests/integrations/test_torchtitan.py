@@ -47,7 +47,7 @@ from quicksave.integrations.torchtitan import QuicksaveCheckpointManager  # noqa
 from quicksave.loading.verify import verify_checkpoint  # noqa: E402
 from quicksave.tools.convert import convert  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "dist"))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "multirank"))
 from launcher import LaunchConfig, run_ranks  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -554,7 +554,7 @@ def _rank_train_save_resume(rank: int, world_size: int, folder: str) -> dict[str
 def test_two_ranks_save_retain_and_resume(tmp_path: Path) -> None:
     # The one multi-rank helper lives in tests/dist and is imported as a top-level module
     # there (its child processes unpickle their spec under that name).
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "dist"))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "multirank"))
     from launcher import LaunchConfig, run_ranks
 
     folder = tmp_path / "ckpt"

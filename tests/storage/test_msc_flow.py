@@ -502,7 +502,7 @@ def _rank_guide_flow(rank: int, world_size: int, path: str) -> bool:
 
 @pytest.mark.slow
 def test_guide_flow_on_two_ranks(s3_server, bucket, msc_env: Path):
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "dist"))
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "multirank"))
     try:
         from launcher import LaunchConfig, run_ranks
     finally:

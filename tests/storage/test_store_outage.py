@@ -37,7 +37,7 @@ from quicksave_tools.testing.faultproxy import FaultProxy
 from quicksave_tools.testing.seaweed import SeaweedServer
 from quicksave_tools.testing.seaweed_process import SeaweedError
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "dist"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "multirank"))
 from launcher import LaunchConfig, run_ranks  # noqa: E402
 
 pytestmark = pytest.mark.slow

@@ -90,3 +90,11 @@ def scatter_object(payloads: list[Any] | None, src: int, group: Any = None) -> A
 def barrier(group: Any = None) -> None:
     """Wait until every rank of the group is here."""
     dist.barrier(group=group)
+
+
+def broadcast_object(obj: Any, src: int, group: Any = None) -> Any:
+    """The group rank ``src``'s ``obj`` on every rank (the other ranks pass anything,
+    e.g. None)."""
+    out: list[Any] = [obj]
+    dist.broadcast_object_list(out, group=group, group_src=src)
+    return out[0]

@@ -7,7 +7,7 @@ can switch by changing imports; the planning API of ``state_dict_saver`` with
 under the name NVRx users switch their imports to.
 """
 
-from quicksave.compat.nvrx.core import AsyncCallsQueue
+from quicksave.compat.nvrx.calls_queue import AsyncCallsQueue
 from quicksave.compat.nvrx.filesystem_async import FileSystemWriterAsync
 from quicksave.compat.nvrx.request import AsyncRequest
 from quicksave.compat.nvrx.state_dict_saver import (

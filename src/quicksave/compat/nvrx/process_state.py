@@ -108,3 +108,18 @@ class NvrxProcessState:
 
 PROCESS = NvrxProcessState()
 """This process's NVRx state (the only instance)."""
+
+
+class ObjectTracker(type):
+    """NVRx's metaclass that tracks the live instances of a class (``abort_nvrx_checkpoint``
+    reaches every ``AsyncCallsQueue`` through it). The instances are held weakly in
+    ``process_state.PROCESS``, not on the class."""
+
+    def __call__(cls, *args: Any, **kwargs: Any) -> Any:
+        instance = super().__call__(*args, **kwargs)
+        PROCESS.track(instance)
+        return instance
+
+    def get_instances(cls) -> list[Any]:
+        """The live instances of this class (and its subclasses) in this process."""
+        return PROCESS.instances(cls)

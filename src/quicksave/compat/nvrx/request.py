@@ -12,6 +12,7 @@ from typing import Any, NamedTuple
 import torch
 
 from quicksave.errors import CheckpointError, FrozenRequestError
+from quicksave.ranks import collectives as talk
 
 
 class AsyncRequest(NamedTuple):
@@ -64,7 +65,7 @@ class AsyncRequest(NamedTuple):
         if self.async_fn is not None:
             self.async_fn(*preloaded_args(self), **(self.async_fn_kwargs or {}))
         if torch.distributed.is_available() and torch.distributed.is_initialized():
-            torch.distributed.barrier()
+            talk.barrier()
         self.execute_finalize_fns(validate_matching_call_idx=False)
 
     def execute_finalize_fns(self, validate_matching_call_idx: bool = True) -> int:
@@ -82,14 +83,11 @@ class AsyncRequest(NamedTuple):
             fn()
         dist = torch.distributed
         if validate_matching_call_idx and dist.is_available() and dist.is_initialized():
-            backend = str(dist.get_backend())
-            device = "cuda" if "nccl" in backend and torch.cuda.is_available() else "cpu"
-            t = torch.tensor([self.call_idx], dtype=torch.int64, device=device)
-            dist.all_reduce(t, op=dist.ReduceOp.MAX)
-            if int(t.item()) != self.call_idx:
+            (highest,) = talk.all_reduce_ints([self.call_idx], "max")
+            if highest != self.call_idx:
                 raise CheckpointError(
                     f"ranks finalized different async calls ({self.call_idx} here, "
-                    f"{int(t.item())} elsewhere): not every rank takes part in finalization",
+                    f"{highest} elsewhere): not every rank takes part in finalization",
                     rank=dist.get_rank(),
                 )
         return self.call_idx

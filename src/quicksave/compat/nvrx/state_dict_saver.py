@@ -1,5 +1,5 @@
-"""The seeds' three-phase distributed save (plan → write in the background → finalize),
-writing quicksave checkpoints, with the seeds' metadata (plan) cache.
+"""NVRx's three-phase distributed save (plan → write in the background → finalize),
+writing quicksave checkpoints, with NVRx's metadata (plan) cache.
 
 One save, every rank (training thread unless said otherwise)::
 
@@ -23,7 +23,7 @@ One save, every rank (training thread unless said otherwise)::
         manifest, written last, is the commit (``filesystem_async``'s docstring).
 
 The only collectives are ``agree_plan_reuse``, ``verify_global_md_reuse`` and
-``exchange_plans`` (the seeds' names, or named for what they exchange); at most one runs
+``exchange_plans`` (NVRx's names, or named for what they exchange); at most one runs
 per save once plans are cached.
 
 **The default cache.** As in NVRx, ``enable_cache=True`` without ``metadata_cache`` uses
@@ -44,9 +44,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import shutil
-from typing import Any
 
-import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint import CheckpointException
 from torch.distributed.checkpoint.metadata import STATE_DICT_TYPE, Metadata
@@ -55,20 +53,18 @@ from torch.distributed.checkpoint.utils import _DistWrapper
 
 from quicksave.adapters.dcp_writer import rank_plan_of
 from quicksave.compat.nvrx.errors import AsyncCheckpointError
-from quicksave.compat.nvrx.filesystem_async import (
-    FileSystemWriterAsync,
-    RankWritesFailed,
-    SaveLayout,
-)
+from quicksave.compat.nvrx.filesystem_async import FileSystemWriterAsync
 from quicksave.compat.nvrx.process_state import PROCESS
+from quicksave.compat.nvrx.rank_write import RankWritesFailed, SaveLayout
 from quicksave.errors import CheckpointError
 from quicksave.format.keys import REPLICAS_KEY
+from quicksave.ranks import collectives as talk
 
 logger = logging.getLogger("quicksave")
 
 
 class CheckpointMetadataCache:
-    """The seeds' plan cache: what the last save planned, reused while nothing changed.
+    """NVRx's plan cache: what the last save planned, reused while nothing changed.
 
     Attributes:
         cached_central_plan: this rank's central plan (the global planning's output).
@@ -227,19 +223,10 @@ def get_metadata_caching_status(
 
 
 # ------------------------------------------------------------------ collectives
-def _group_device(group: Any) -> torch.device:
-    backend = str(dist.get_backend(group))
-    if "nccl" in backend and torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
 def _all_ranks_min(value: int, dist_wrapper: _DistWrapper) -> int:
     if not dist_wrapper.use_dist:
         return value
-    t = torch.tensor([value], dtype=torch.int, device=_group_device(dist_wrapper.group))
-    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=dist_wrapper.group)
-    return int(t.item())
+    return talk.all_reduce_ints([value], "min", dist_wrapper.group)[0]
 
 
 def agree_plan_reuse(unchanged: bool, dist_wrapper: _DistWrapper) -> bool:
@@ -485,7 +472,7 @@ def save_state_dict_async_finalize(
     """
     use_dist = dist_wrapper.use_dist
     if use_dist:
-        dist.barrier(group=dist_wrapper.group)
+        talk.barrier(dist_wrapper.group)
     outcome: tuple[str, dict[int, str], str | None] | None = None
     if dist_wrapper.is_coordinator:
         try:
@@ -495,7 +482,7 @@ def save_state_dict_async_finalize(
         except CheckpointError as e:
             outcome = (str(e), {}, e.path)
     if use_dist:
-        outcome = dist_wrapper.broadcast_object(outcome)
+        outcome = talk.broadcast_object(outcome, dist_wrapper.coordinator_rank, dist_wrapper.group)
     storage_writer.release_staging()  # every rank's write is over
     if outcome is None:
         return

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from quicksave import commit
-from quicksave.compat.nvrx.core import AsyncCallsQueue
+from quicksave.compat.nvrx.calls_queue import AsyncCallsQueue
 from quicksave.compat.nvrx.request import AsyncRequest
 from quicksave.errors import CheckpointError, IncompatibleStateError
 from quicksave.storage import local_path
