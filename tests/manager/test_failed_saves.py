@@ -184,7 +184,8 @@ def test_a_save_with_nothing_due_never_raises_for_retention(
     m = make(folder, job, interval=5, async_mode="thread", keep_latest_k=1)
     for _ in range(5):
         m.save(job.step())
-    assert m.session.writer is not None and m.session.writer.drain(60)  # step 5 is committed, unseen
+    writer = m.session.writer
+    assert writer is not None and writer.drain(60)  # step 5 is committed, unseen
     with caplog.at_level(logging.WARNING, logger="quicksave"):
         assert not m.save(job.step())  # step 6: sees the commit, retention fails
     assert flaky.calls == 1

@@ -21,7 +21,6 @@ import torch
 import torch.nn as nn
 
 from helpers.compare import assert_same, snapshot
-from quicksave import worker
 from quicksave.errors import CheckpointError
 from quicksave.manager import (
     CheckpointConfig,
@@ -33,6 +32,7 @@ from quicksave.manager import (
     TrainState,
 )
 from quicksave.stage.pool import StagingPool
+from quicksave.worker import process as worker
 
 GATE_TIMEOUT_S = 60.0
 
