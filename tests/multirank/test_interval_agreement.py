@@ -120,7 +120,7 @@ def _rank_step_policy_is_silent(rank: int, world_size: int, root: str) -> dict[s
     manager.close()
     return {
         "saved": saved,
-        "interval": manager._interval is None,
+        "interval": manager.schedule.agreement is None,
         "per_step": {step: log.at(step) for step in range(1, 8)},
     }
 

@@ -1,10 +1,11 @@
 """``CheckpointManager``: when, where and what to save, how many to keep, how to resume.
 
-Wiring only: the decisions come from policy objects (``policies.py``), the state from
-``Stateful`` wrappers (``states.py``), the folder (its lease, listing, failures, fallback
-load, retention) is a :class:`~quicksave.manager.session.CheckpointSession`, and the
-bytes go through ``step_io.py``: the async engine (``async_writer.py``) or
-``quicksave.save`` / ``quicksave.load``.
+Wiring only: the decisions come from policy objects (``policies.py``, asked alike on
+every rank by ``schedule.py``), the state from ``Stateful`` wrappers (``states.py``),
+the folder (its lease, listing, failures, fallback load, retention) is a
+:class:`~quicksave.manager.session.CheckpointSession`, and the bytes go through
+``step_io.py``: the async engine (``async_writer.py``) or ``quicksave.save`` /
+``quicksave.load``.
 
 One ``save(step)`` goes through these states, in this order::
 
@@ -42,14 +43,12 @@ from quicksave.errors import CheckpointError
 from quicksave.manager.async_writer import AsyncWriter
 from quicksave.manager.config import CheckpointConfig
 from quicksave.manager.folder import check_step
-from quicksave.manager.interval import IntervalAgreement, agree_any_due, needs_agreement
 from quicksave.manager.policies import (
-    EveryNSeconds,
-    EveryNSteps,
     RetentionPolicy,
     SavePolicy,
 )
 from quicksave.manager.records import SaveRecord
+from quicksave.manager.schedule import SaveSchedule
 from quicksave.manager.session import CheckpointSession
 from quicksave.manager.states import check_states
 from quicksave.manager.step_io import StepIO
@@ -131,20 +130,14 @@ class CheckpointManager:
         self.states = check_states(states)
         self.metrics: list[SaveRecord] = self.session.metrics
         self._io = StepIO(config, self.session, self.states)
-        self._clock = clock
-        self.save_policy: SavePolicy = save_policy or _default_save_policy(config)
+        self.schedule = SaveSchedule(config, save_policy, clock)
         self._closed = False
-        self._interval: IntervalAgreement | None = None
         self._shown = show_logs(config.log_level)  # undone by close()
         if not config.enabled:
             return
         session = self.session
-        if session.world_size() > 1 and needs_agreement(self.save_policy):
-            # Time-based answers differ between ranks: they vote (interval.py).
-            group = session.checkpoint_group()
-            self._interval = IntervalAgreement(
-                config.interval_check_steps, lambda due: agree_any_due(due, group)
-            )
+        if session.world_size() > 1:
+            self.schedule.agree_across(session.checkpoint_group)  # time-based: ranks vote
         session.take_folder(
             read_only="it was built with read_only=True" if config.read_only else None,
             hint="use another folder, stop that job, or pass read_only=True to only load",
@@ -171,6 +164,15 @@ class CheckpointManager:
             if session.writer is None
             else f"async_mode {config.async_mode}, staging {config.staging}",
         )
+
+    @property
+    def save_policy(self) -> SavePolicy:
+        """When to save (the schedule's policy)."""
+        return self.schedule.policy
+
+    @save_policy.setter
+    def save_policy(self, policy: SavePolicy) -> None:
+        self.schedule.policy = policy
 
     @property
     def retention(self) -> RetentionPolicy:
@@ -315,8 +317,7 @@ class CheckpointManager:
         if session.world_size() == 1:
             session.settle()  # one rank: an earlier failure is raised before this call writes
         is_last = self.config.last_step is not None and step == self.config.last_step
-        decision = self.save_policy.should_save(step, self._clock(), force or is_last)
-        if not self._agree(step, decision, forced=force or is_last):
+        if not self.schedule.due(step, forced=force or is_last):
             session.housekeep()
             return False
         kind = "seed" if step == 0 else "full"
@@ -324,7 +325,7 @@ class CheckpointManager:
         if step in session.in_flight:
             logger.info("quicksave: step %d is being written already; skipped", step)
         elif self._io.write_step(step, kind, begin):
-            self.save_policy.saved(step, self._clock())
+            self.schedule.saved(step)
             wrote = True
         if is_last:
             wrote = self._io.write_export(step, None) or wrote
@@ -500,17 +501,6 @@ class CheckpointManager:
             self.session.settle()
         self.session.housekeep()
 
-    def _agree(self, step: int, decision: bool, forced: bool) -> bool:
-        """Where all ranks agree on a save decision (they must, or the save's
-        collectives deadlock). One rank, or a step-based policy: every rank decides
-        alike, ``decision`` as is, no collective. A time-based policy with several
-        ranks: the ranks' votes are combined by :class:`IntervalAgreement` (one
-        asynchronous all-reduce every ``interval_check_steps`` steps); ``forced``
-        (``force`` or ``last_step``) saves are taken alike by every rank, without it."""
-        if self._interval is None:
-            return decision
-        return self._interval.decide(step, decision, forced)
-
     def _check_writable(self) -> None:
         if self.read_only_reason is not None:
             raise CheckpointError(
@@ -524,9 +514,3 @@ class CheckpointManager:
             raise CheckpointError(
                 "this CheckpointManager is closed", path=self.folder, rank=self.session.rank()
             )
-
-
-def _default_save_policy(config: CheckpointConfig) -> SavePolicy:
-    if config.interval_type == "seconds":
-        return EveryNSeconds(config.interval)
-    return EveryNSteps(int(config.interval))
