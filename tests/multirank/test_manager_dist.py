@@ -24,7 +24,6 @@ from launcher import LaunchConfig, run_ranks
 
 import quicksave
 from helpers.collectives import CollectiveLog
-from quicksave import worker
 from quicksave.errors import CheckpointError
 from quicksave.load.manifest_reader import read_manifest
 from quicksave.manager import (
@@ -34,6 +33,7 @@ from quicksave.manager import (
     OptimizerState,
     TrainState,
 )
+from quicksave.worker import process as worker
 
 pytestmark = pytest.mark.slow
 
