@@ -38,12 +38,12 @@ def test_the_writer_takes_the_folder_and_a_second_one_is_read_only(tmp_path: Pat
     folder = tmp_path / "ckpt"
     first = _session(folder)
     assert first.take_folder(read_only=None, hint="stop that job") is None
-    assert first.holds_lease and (folder / LEASE_NAME).exists()
+    assert first.lease is not None and (folder / LEASE_NAME).exists()
     second = _session(folder)
     try:
         reason = second.take_folder(read_only=None, hint="stop that job")
         assert reason is not None and f"pid {os.getpid()}" in reason and "stop that job" in reason
-        assert second.read_only_reason == reason and not second.holds_lease
+        assert second.read_only_reason == reason and second.lease is None
     finally:
         second.release()
         first.release()
@@ -57,7 +57,7 @@ def test_a_read_only_session_creates_nothing(tmp_path: Path) -> None:
     folder = tmp_path / "ckpt"
     session = _session(folder)
     assert session.take_folder(read_only="eval only", hint="") == "eval only"
-    assert session.read_only_reason == "eval only" and not session.holds_lease
+    assert session.read_only_reason == "eval only" and session.lease is None
     assert not folder.exists() and session.committed_steps() == []
     session.release()
 

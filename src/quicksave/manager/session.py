@@ -282,9 +282,10 @@ class CheckpointSession:
         return reason
 
     @property
-    def holds_lease(self) -> bool:
-        """Whether this rank holds the folder's writer lease (and so may delete)."""
-        return self._lease is not None
+    def lease(self) -> WriterLease | None:
+        """The folder's writer lease where this rank holds it (and so may delete), else
+        None (other ranks, read-only sessions, after :meth:`release`)."""
+        return self._lease
 
     # ---------------------------------------------------------------- tracking
 
