@@ -299,6 +299,30 @@ def test_torchtitan_config_system_builds_the_backend() -> None:
         _config(thread_count=0)
 
 
+def test_taking_a_folder_without_locks_warns_naming_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Where the filesystem has no working locks, the backend still writes, but says
+    that one job per folder is not enforced there (as CheckpointManager does)."""
+    import errno
+    import fcntl
+    import logging
+
+    def no_locks(fd: int, op: int) -> None:
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(fcntl, "flock", no_locks)
+    with caplog.at_level(logging.WARNING, logger="quicksave"):
+        job = titan.build(_config(folder="ckpt"), str(tmp_path))
+    try:
+        assert job.checkpointer.read_only_reason is None
+        warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+        folder = str(tmp_path / "ckpt")
+        assert any(folder in m and "not enforced" in m for m in warned), warned
+    finally:
+        job.checkpointer.close()
+
+
 # ------------------------------------------------------------------ the example
 
 

@@ -278,7 +278,7 @@ def test_a_tensor_written_between_the_step_and_save_is_copied_in_save(tmp_path: 
             if step == SAVE_AT:
                 with torch.no_grad():
                     loop.model[0].weight.add_(1.0)  # the swap, outside any step
-                deferred = manager._writer.deferred()
+                deferred = manager.session.writer.deferred()
                 assert not deferred("", loop.model[0].weight.detach())
                 assert deferred("", loop.model[1].weight.detach())
             manager.save(step)

@@ -58,11 +58,11 @@ class NotGlooDist:
 def _rank_skewed_clocks(
     rank: int, world_size: int, root: str, async_mode: str, not_gloo: bool
 ) -> dict[str, Any]:
-    from quicksave.manager import manager as manager_module
+    from quicksave.manager import session as session_module
 
     fake = NotGlooDist()
     if not_gloo:
-        manager_module.dist = fake  # type: ignore[assignment]
+        session_module.dist = fake  # type: ignore[assignment]
     log = CollectiveLog()
     log.install()
     # Rank 1's clock runs 10 s per step, the others' stand still: with a 25 s interval
@@ -86,7 +86,7 @@ def _rank_skewed_clocks(
     log.step = STEPS + 1
     manager.close()
     per_step = {step: log.at(step) for step in range(1, STEPS + 1)}
-    group = manager._checkpoint_group()
+    group = manager.session.checkpoint_group()
     # The interval's votes: the asynchronous all-reduces of the save() calls (not the
     # construction's read-only agreement, which may run the same kind of all-reduce).
     votes = [
@@ -120,7 +120,7 @@ def _rank_step_policy_is_silent(rank: int, world_size: int, root: str) -> dict[s
     manager.close()
     return {
         "saved": saved,
-        "interval": manager._interval is None,
+        "interval": manager.schedule.agreement is None,
         "per_step": {step: log.at(step) for step in range(1, 8)},
     }
 

@@ -167,9 +167,9 @@ def _rank_one_rank_fails(rank: int, world_size: int, root: str, how: str) -> dic
     for step in range(1, 11):
         job.step()
         if how == "kill" and step == 4 and rank == 1:
-            while manager._writer.saver.in_flight:  # step 2 is done: its worker is idle
-                manager._writer.saver.finalize(blocking=True)
-            pid = manager._writer.saver.worker_pid
+            while manager.session.writer.saver.in_flight:  # step 2 is done: its worker is idle
+                manager.session.writer.saver.finalize(blocking=True)
+            pid = manager.session.writer.saver.worker_pid
             os.kill(pid, signal.SIGSTOP)  # its job waits in the pipe, then it dies
         try:
             manager.save(step)
@@ -224,7 +224,7 @@ def _rank_beside_a_live_writer(rank: int, world_size: int, root: str) -> dict[st
         "reason": manager.read_only_reason,
         "refused": refused,
         "loaded": loaded,
-        "worker": manager._writer is not None,
+        "worker": manager.session.writer is not None,
     }
 
 

@@ -55,7 +55,7 @@ def _rank_edit_on_one_rank(
         if then == "save":
             # As if the copy were still running whenever the manager polls: the check then
             # runs inside the engine's save(), the path under test.
-            manager._writer.saver._confirm_if_staged = lambda: None
+            manager.session.writer.saver._confirm_if_staged = lambda: None
         for step in range(1, 10):
             optim.zero_grad()
             model(x).square().mean().backward()
@@ -71,7 +71,7 @@ def _rank_edit_on_one_rank(
                 # Both ranks make the same edit (their states stay equal), rank 0 after
                 # waiting for its copy as the docs say, rank 1 without: its counters
                 # show the write at the next step's pre-hook, after the copy has run.
-                staging = manager._writer.saver._background.thread
+                staging = manager.session.writer.saver._background.thread
                 assert staging is not None  # step 3 was overlapped
                 staging.join()
                 if rank == 0:

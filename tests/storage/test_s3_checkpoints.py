@@ -482,7 +482,7 @@ def test_sigkill_of_the_worker_mid_upload(s3_env, s3_server, s3_bucket, fault_pr
             model.weight.add_(1.0)
         m.save(2)
         time.sleep(1.0)  # the upload is crawling through the proxy
-        pid = m._writer.saver.worker_pid if m._writer is not None else None
+        pid = m.session.writer.saver.worker_pid if m.session.writer is not None else None
         assert pid is not None
         os.kill(pid, signal.SIGKILL)
         fault_proxy.set_mode("pass")

@@ -253,7 +253,7 @@ def _rank_outage(
         if step == DOWN_AFTER:
             # Step 6 becomes durable but its commit is not seen yet: step 7, with
             # nothing due, collects it and runs retention while the server is down.
-            assert manager._writer is not None and manager._writer.drain(120)
+            assert manager.session.writer is not None and manager.session.writer.drain(120)
             if rank == 0:
                 _mark(ctl, "kill")
             _await(ctl, "down")

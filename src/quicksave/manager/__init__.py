@@ -1,5 +1,6 @@
 """The manager layer: torchtitan-style ``CheckpointManager`` with its config, policies
-and ``Stateful`` wrappers."""
+and ``Stateful`` wrappers, over ``CheckpointSession`` (one job's use of one checkpoint
+folder, which the integrations share)."""
 
 from quicksave.manager.config import CheckpointConfig
 from quicksave.manager.manager import CheckpointManager
@@ -11,6 +12,7 @@ from quicksave.manager.policies import (
     SavePolicy,
 )
 from quicksave.manager.records import SaveRecord
+from quicksave.manager.session import CheckpointSession
 from quicksave.manager.states import (
     ModelState,
     OptimizerState,
@@ -23,6 +25,7 @@ from quicksave.manager.states import (
 __all__ = [
     "CheckpointConfig",
     "CheckpointManager",
+    "CheckpointSession",
     "EveryNSeconds",
     "EveryNSteps",
     "KeepLatestK",
