@@ -69,9 +69,9 @@ def oneline(e: BaseException) -> str:
 
 
 def worker_pid(manager: CheckpointManager) -> int | None:
-    writer = getattr(manager, "_writer", None)
-    saver = getattr(writer, "saver", None)
-    return getattr(saver, "worker_pid", None)
+    """The worker's pid (None: the manager writes synchronously, or has no writer yet)."""
+    writer = manager.session.writer
+    return None if writer is None else writer.saver.worker_pid
 
 
 def trainer(
