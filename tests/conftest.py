@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pytest
+
+# The multi-rank launcher (tests/multirank/launcher.py) is imported as a top-level module
+# by tests in several folders; put its folder on the path whatever is collected first.
+sys.path.insert(0, str(Path(__file__).parent / "multirank"))
 
 
 @pytest.fixture

@@ -10,13 +10,13 @@ import quicksave
 
 def test_gc_is_paused_during_the_call_and_restored_after(tmp_path, monkeypatch):
     seen = []
-    real_write = quicksave.persist.write_file
+    real_write = quicksave.worker.persist.write_file
 
     def spy(*args, **kwargs):
         seen.append(gc.isenabled())
         return real_write(*args, **kwargs)
 
-    monkeypatch.setattr(quicksave.persist, "write_file", spy)
+    monkeypatch.setattr(quicksave.worker.persist, "write_file", spy)
     assert gc.isenabled()
     quicksave.save({"w": torch.ones(4)}, tmp_path / "a")
     assert seen == [False]

@@ -25,10 +25,12 @@ import pytest
 import torch
 
 import quicksave
-from quicksave.async_api import AsyncCallsQueue, AsyncRequest, TorchAsyncCheckpoint, async_save
-from quicksave.engine import AsyncSaver, EngineConfig
+from quicksave.compat.nvrx import AsyncCallsQueue, AsyncRequest, TorchAsyncCheckpoint
 from quicksave.errors import CheckpointError, IncompatibleStateError, WorkerFailedError
-from quicksave.worker import WorkerConfig
+from quicksave.saving.async_save import async_save
+from quicksave.saving.config import EngineConfig
+from quicksave.saving.engine import AsyncSaver
+from quicksave.worker.config import WorkerConfig
 
 GATE_DEADLINE_S = 120.0
 

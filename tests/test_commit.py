@@ -21,8 +21,9 @@ from torch.distributed.checkpoint import CheckpointException
 import quicksave
 from helpers.checks import check_checkpoint
 from helpers.state import assert_bit_equal
-from quicksave import commit, persist
+from quicksave import commit
 from quicksave.commit import CheckpointKind, classify, clean_stale_temporaries, is_temp_name
+from quicksave.worker import persist
 
 HELPERS = Path(__file__).parent / "helpers"
 
@@ -276,7 +277,7 @@ def _check_root(root: Path, checked: set[str]) -> tuple[int, int]:
     uncommitted temporary that refuses to load. Returns (committed, temporaries)."""
     from crash_child import state_for
 
-    from quicksave.verify import verify_checkpoint
+    from quicksave.loading.verify import verify_checkpoint
 
     committed = temps = 0
     for entry in sorted(root.iterdir()):

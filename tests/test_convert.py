@@ -1,4 +1,4 @@
-"""quicksave.convert: the full state, bit-exact, in torch.save / stock DCP / safetensors."""
+"""quicksave.tools.convert: the full state, bit-exact, in torch.save / stock DCP / safetensors."""
 
 from __future__ import annotations
 
@@ -15,7 +15,6 @@ from safetensors.torch import load_file
 
 import quicksave
 from helpers.state import assert_bit_equal, assert_same_value, random_tensor
-from quicksave.convert import convert, load_full_state
 from quicksave.errors import CheckpointExistsError, CorruptCheckpointError, NotCommittedError
 from quicksave.format import MANIFEST_NAME
 from quicksave.format import objects as objcodec
@@ -27,9 +26,10 @@ from quicksave.format.manifest import (
     TensorEntry,
     to_json_bytes,
 )
-from quicksave.persist import write_rank_files
-from quicksave.plan import ItemSpec, layout_rank
-from quicksave.verify import verify_checkpoint
+from quicksave.loading.verify import verify_checkpoint
+from quicksave.saving.plan import ItemSpec, layout_rank
+from quicksave.tools.convert import convert, load_full_state
+from quicksave.worker.persist import write_rank_files
 
 # Stock DCP calls in one process warn that torch.distributed is off; that is intended here.
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")

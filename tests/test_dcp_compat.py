@@ -31,11 +31,11 @@ from torch.distributed.checkpoint.planner import (
 
 import quicksave
 from helpers.state import assert_bit_equal, random_tensor, storable_dtypes
-from quicksave.async_api.filesystem_async import FileSystemWriterAsync
+from quicksave.compat.nvrx.filesystem_async import FileSystemWriterAsync
 from quicksave.format.safetensors_header import parse_header
 from quicksave.format.torch_legacy import TORCH_LEGACY_PREFIX, legacy_prefix, storage_type_name
-from quicksave.plan import ItemSpec, layout_file
-from quicksave.verify import verify_checkpoint
+from quicksave.loading.verify import verify_checkpoint
+from quicksave.saving.plan import ItemSpec, layout_file
 
 
 def _dcp_dtypes() -> list[torch.dtype]:

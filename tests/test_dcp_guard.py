@@ -24,7 +24,7 @@ from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 import quicksave
 from quicksave.errors import CheckpointError
 from quicksave.format.dcp_guard import QuicksaveStorageData, stock_reader_message
-from quicksave.verify import verify_checkpoint
+from quicksave.loading.verify import verify_checkpoint
 
 MESSAGE = (
     "this is a quicksave checkpoint (format v1: its index is manifest.json, its data "

@@ -31,10 +31,12 @@ from helpers_engine.engine_util import (
     same_bytes,
     tmpfs,
 )
-from quicksave import persist, stage
-from quicksave.engine import AsyncSaver, EngineConfig
 from quicksave.errors import CheckpointError
-from quicksave.verify import verify_checkpoint
+from quicksave.loading.verify import verify_checkpoint
+from quicksave.saving.config import EngineConfig
+from quicksave.saving.engine import AsyncSaver
+from quicksave.stage import pool as stage
+from quicksave.worker import persist
 
 MODES = ["process", "thread"]
 

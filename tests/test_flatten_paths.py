@@ -14,10 +14,10 @@ import torch.nn as nn
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
-from quicksave.collect import flatten_with_paths
 from quicksave.errors import IncompatibleStateError
-from quicksave.keypaths import flatten_with_paths as walk
-from quicksave.keypaths import structure
+from quicksave.saving.collect import flatten_with_paths
+from quicksave.saving.keypaths import flatten_with_paths as walk
+from quicksave.saving.keypaths import structure
 
 
 def _optimizer_state(flat: bool) -> dict[str, Any]:

@@ -1,4 +1,4 @@
-"""quicksave.fnpickle: functions the worker cannot import travel by value.
+"""quicksave.worker.fnpickle: functions the worker cannot import travel by value.
 
 The training-script cases run for real: a script in a temporary folder (its own
 ``__main__``) pickles its functions with ``dumps`` and starts a fresh interpreter, in
@@ -21,10 +21,10 @@ from typing import Any
 import pytest
 import torch
 
-import quicksave.fnpickle
+import quicksave.worker.fnpickle
 from quicksave.errors import CheckpointError
-from quicksave.fnpickle import dumps, loads
-from quicksave.worker import pickle_call, run_pickled_call
+from quicksave.worker.calls import pickle_call, run_pickled_call
+from quicksave.worker.fnpickle import dumps, loads
 
 SCRIPT_TIMEOUT_S = 120
 
@@ -34,7 +34,7 @@ import functools, multiprocessing, os, subprocess, sys
 import torch
 import torch.multiprocessing  # CPU tensors pickle as shared memory, as in pickle_call
 from quicksave.errors import CheckpointError
-from quicksave.fnpickle import dumps
+from quicksave.worker.fnpickle import dumps
 
 OUT = sys.argv[1]
 SCALE = 10
@@ -315,7 +315,7 @@ def test_unpicklable_things_are_refused_naming_them() -> None:
 
 def test_another_interpreter_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(
-        quicksave.fnpickle, "_INTERPRETER", ("cpython-39", b"\x61\x0d\r\n", "3.9.0")
+        quicksave.worker.fnpickle, "_INTERPRETER", ("cpython-39", b"\x61\x0d\r\n", "3.9.0")
     )
     payload = dumps(lambda: 1)
     monkeypatch.undo()
@@ -330,7 +330,7 @@ E2E = """
 import os, sys
 import torch
 from quicksave.errors import CheckpointError
-from quicksave.worker import ProcessPersister
+from quicksave.worker.persisters import ProcessPersister
 
 OUT = sys.argv[1]
 state = {"w": torch.arange(4.0)}

@@ -23,12 +23,12 @@ from helpers.hf_models import (  # first: transformers is imported offline (HF_H
     train_and_save,
 )
 from quicksave.cli.main import main
-from quicksave.convert import convert
 from quicksave.errors import CheckpointError, CheckpointExistsError
 from quicksave.format.hf_layout import INDEX_NAME, WEIGHTS_NAME, parse_size, plan_shards
-from quicksave.hf_export import upload_dir, write_model_dir
 from quicksave.manager import CheckpointConfig, CheckpointManager, ModelState, TrainState
 from quicksave.storage import parse_location
+from quicksave.tools.convert import convert
+from quicksave.tools.hf_export import upload_dir, write_model_dir
 
 
 def stored(out: Path) -> dict[str, torch.Tensor]:

@@ -15,10 +15,12 @@ import torch
 from tests.helpers.state import Holder
 
 import quicksave
-from quicksave.convert import convert, load_full_state
-from quicksave.engine import AsyncSaver, EngineConfig
 from quicksave.errors import CorruptCheckpointError
-from quicksave.format.manifest import read_manifest, to_json_bytes
+from quicksave.format.manifest import to_json_bytes
+from quicksave.loading.manifest_reader import read_manifest
+from quicksave.saving.config import EngineConfig
+from quicksave.saving.engine import AsyncSaver
+from quicksave.tools.convert import convert, load_full_state
 
 
 def assert_exactly(actual: Any, expected: Any, where: str = "state") -> None:
@@ -277,7 +279,7 @@ def test_dcp_compatible_metadata_holds_dcp_classes_only(tmp_path: Path) -> None:
     import torch.distributed.checkpoint as dcp
 
     from quicksave.api import _SavePlanner
-    from quicksave.dcp_reader import read_dcp_metadata
+    from quicksave.loading.dcp_stock import read_dcp_metadata
 
     sd = {"optim": {"state": {0: {"m": torch.arange(3.0)}}, "loop": {}}, "step": 2}
     writer = quicksave.StorageWriter(tmp_path / "c", dcp_compat=True)

@@ -159,12 +159,13 @@ def _entry_points() -> dict[str, Callable[[str], object]]:
     """Each way a user hands quicksave a location, called with that location."""
     import torch.distributed.checkpoint as dcp
 
-    from quicksave.async_api import FileSystemWriterAsync, TorchAsyncCheckpoint
-    from quicksave.catalog import list_checkpoints
-    from quicksave.convert import convert
-    from quicksave.engine import AsyncSaver, EngineConfig
-    from quicksave.inspect import inspect_checkpoint
-    from quicksave.verify import verify_checkpoint
+    from quicksave.compat.nvrx import FileSystemWriterAsync, TorchAsyncCheckpoint
+    from quicksave.loading.catalog import list_checkpoints
+    from quicksave.loading.verify import verify_checkpoint
+    from quicksave.saving.config import EngineConfig
+    from quicksave.saving.engine import AsyncSaver
+    from quicksave.tools.convert import convert
+    from quicksave.tools.inspect_checkpoint import inspect_checkpoint
 
     def engine_save(url: str) -> None:
         saver = AsyncSaver(EngineConfig(mode="thread"))
@@ -252,7 +253,7 @@ def test_every_cli_command_refuses_and_suggests(tmp_path, monkeypatch, capsys, c
 
 
 def test_the_demo_folder_is_checked_too(tmp_path, monkeypatch) -> None:
-    from quicksave.demo.run import parse_args
+    from quicksave_tools.demo.run import parse_args
 
     monkeypatch.chdir(tmp_path)
     with pytest.raises(CheckpointError, match="did you mean 's3://bucket/demo'"):

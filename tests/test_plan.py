@@ -15,7 +15,7 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
 
 from quicksave.api import _SavePlanner
-from quicksave.plan import (
+from quicksave.saving.plan import (
     PAD_PREFIX,
     ItemSpec,
     chunk_key,

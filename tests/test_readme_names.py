@@ -154,4 +154,4 @@ def test_the_readme_names_of_issue_20_import() -> None:
     from quicksave import S3Options, StorageOptions, verify_checkpoint
 
     assert StorageOptions(s3=S3Options(region="us-east-1")).s3.region == "us-east-1"
-    assert verify_checkpoint.__module__ == "quicksave.verify"
+    assert verify_checkpoint.__module__ == "quicksave.loading.verify"

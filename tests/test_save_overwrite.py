@@ -12,8 +12,9 @@ import torch
 
 import quicksave
 from quicksave import commit
-from quicksave.engine import AsyncSaver, EngineConfig
 from quicksave.errors import CheckpointError, CheckpointExistsError, IncompatibleStateError
+from quicksave.saving.config import EngineConfig
+from quicksave.saving.engine import AsyncSaver
 
 
 def _state(v: float) -> dict:
@@ -84,7 +85,7 @@ def test_failed_overwrite_while_writing_keeps_the_old_checkpoint(ckpt, monkeypat
     def disk_full(*args, **kwargs):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(quicksave.persist, "write_file", disk_full)
+    monkeypatch.setattr(quicksave.worker.persist, "write_file", disk_full)
     with pytest.raises(CheckpointError, match="No space left"):
         quicksave.save(_state(2.0), ckpt, overwrite=True)
     monkeypatch.undo()
@@ -201,7 +202,7 @@ def test_the_refusal_names_overwrite_and_following_it_works(tmp_path):
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import CheckpointException
 
-    from quicksave.async_api import (
+    from quicksave.compat.nvrx import (
         AsyncCallsQueue,
         AsyncRequest,
         FileSystemWriterAsync,

@@ -13,11 +13,12 @@ import torch
 import xxhash
 
 import quicksave
-import quicksave.engine as engine
-from quicksave.engine import AsyncSaver, EngineConfig
-from quicksave.format.manifest import hexdigest
-from quicksave.stage import BATCH_BYTES, HASH_BLOCK, StagingPool, digest_of
-from quicksave.verify import verify_checkpoint
+import quicksave.saving.slots as slots
+from quicksave.checksum import hexdigest
+from quicksave.loading.verify import verify_checkpoint
+from quicksave.saving.config import EngineConfig
+from quicksave.saving.engine import AsyncSaver
+from quicksave.stage.pool import BATCH_BYTES, HASH_BLOCK, StagingPool, digest_of
 
 
 def _mixed_state() -> dict[str, torch.Tensor]:
@@ -172,7 +173,7 @@ def test_the_engine_keeps_its_pool_when_only_the_order_changes(
             built.append(1)
             super().__init__(*args, **kwargs)
 
-    monkeypatch.setattr(engine, "StagingPool", Counting)
+    monkeypatch.setattr(slots, "StagingPool", Counting)
     sd = {f"w{i}": torch.full((1000 + i,), float(i)) for i in range(8)}
     with AsyncSaver(EngineConfig(mode="thread")) as saver:
         saver.save(sd, tmp_path / "a", step=1).wait(60)

@@ -1,4 +1,4 @@
-"""quicksave.verify: every changed, missing or added byte of a checkpoint is reported."""
+"""quicksave.loading.verify: every changed, missing or added byte of a checkpoint is reported."""
 
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ import torch.distributed.checkpoint as dcp
 import quicksave
 from helpers.checks import manifest_doc, seal_manifest
 from quicksave.errors import CheckpointNotFoundError, NotCommittedError
-from quicksave.verify import Problem, VerifyReport, verify_checkpoint
+from quicksave.loading.verify import verify_checkpoint
+from quicksave.loading.verify_report import Problem, VerifyReport
 
 # Stock DCP calls in one process warn that torch.distributed is off; that is intended here.
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")

@@ -28,9 +28,10 @@ from helpers_engine.engine_util import (
     wait_partial_file,
 )
 from quicksave import commit
-from quicksave.engine import AsyncSaver, EngineConfig
 from quicksave.errors import CheckpointError, WorkerFailedError
-from quicksave.worker import WorkerConfig
+from quicksave.saving.config import EngineConfig
+from quicksave.saving.engine import AsyncSaver
+from quicksave.worker.config import WorkerConfig
 
 BIG_MIB = 160  # big enough that the worker is still writing when the test strikes
 
@@ -246,7 +247,7 @@ def test_worker_killed_while_idle_costs_no_save(root: Path) -> None:
         saver.save(big_state(1, 1.0), root / "a", step=1).wait(60)
         pid = saver.worker_pid
         os.kill(pid, signal.SIGKILL)
-        saver._persister.process.wait(5)  # dead and reaped before the next save
+        saver._worker.persister.process.wait(5)  # dead and reaped before the next save
         nxt = big_state(1, 2.0)
         saver.save(nxt, root / "b", step=2).wait(60)  # a new worker writes it
         assert saver.worker_pid not in (None, pid)

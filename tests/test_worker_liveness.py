@@ -4,7 +4,7 @@ CPU is slow, not dead; a stopped or deadlocked one is still an error within seco
 The starved worker is real: every thread of the worker process is put in ``SCHED_IDLE``
 and pinned to one CPU beside busy-looping processes, with a ``worker_timeout_s`` so small
 that a heartbeat-only rule declares it hung while the save is in flight (the test checks
-that its heartbeat did go that stale). The rule itself (``quicksave.worker_liveness``) is
+that its heartbeat did go that stale). The rule itself (``quicksave.worker.liveness``) is
 also tested on scripted /proc samples, without processes.
 """
 
@@ -24,10 +24,12 @@ from pathlib import Path
 import pytest
 
 from helpers_engine.engine_util import WORK_TMP, big_state, load_back, same_bytes, wait_dead
-from quicksave.engine import AsyncSaver, EngineConfig
 from quicksave.errors import CheckpointError, WorkerFailedError
-from quicksave.worker import ProcessPersister, WorkerConfig
-from quicksave.worker_liveness import Liveness, Progress, read_progress
+from quicksave.saving.config import EngineConfig
+from quicksave.saving.engine import AsyncSaver
+from quicksave.worker.config import WorkerConfig
+from quicksave.worker.liveness import Liveness, Progress, read_progress
+from quicksave.worker.persisters import ProcessPersister
 
 TIMEOUT_S = 0.5  # worker_timeout_s of the process tests: a starved heartbeat exceeds it
 STARVE_S = 4.0  # how long the worker is starved
@@ -187,7 +189,7 @@ def test_a_starved_worker_commits_its_save(root: Path) -> None:
     try:
         saver.save(big_state(1, 1.0), root / "warm", step=1).wait(60)
         pid = saver.worker_pid
-        persister = saver._persister
+        persister = saver._worker.persister
         assert isinstance(persister, ProcessPersister)
         sd = big_state(16, 2.0)
         stalest = 0.0

@@ -9,11 +9,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-import quicksave.persist as persist
-from quicksave.engine import AsyncSaver, EngineConfig
+import quicksave.storage.posix_io as posix_io
 from quicksave.errors import CheckpointError
+from quicksave.loading.verify import verify_checkpoint
 from quicksave.manager import CheckpointConfig
-from quicksave.verify import verify_checkpoint
+from quicksave.saving.config import EngineConfig
+from quicksave.saving.engine import AsyncSaver
 
 
 class FakeClock:
@@ -35,20 +36,20 @@ def test_a_paced_write_takes_its_bytes_over_the_rate(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     clock = FakeClock()
-    monkeypatch.setattr(persist, "WRITE_PIECE", 64 << 10)
-    # persist's own view of the time module only: other threads keep the real clock
+    monkeypatch.setattr(posix_io, "WRITE_PIECE", 64 << 10)
+    # posix_io's own view of the time module only: other threads keep the real clock
     monkeypatch.setattr(
-        persist, "time", SimpleNamespace(monotonic=clock.monotonic, sleep=clock.sleep)
+        posix_io, "time", SimpleNamespace(monotonic=clock.monotonic, sleep=clock.sleep)
     )
     image = memoryview(bytearray(range(256)) * 4096)  # 1 MiB: 16 pieces
     rate = 4 << 20  # bytes/s: the whole file is due after 0.25 s
-    persist.write_image(str(tmp_path / "f"), image, len(image), [], rank=0, rate=rate)
+    posix_io.write_image(str(tmp_path / "f"), image, len(image), [], rank=0, rate=rate)
     assert (tmp_path / "f").read_bytes() == bytes(image)
     # one sleep before each piece but the first, each bringing the clock to its due time
     assert len(clock.slept) == 15
     assert sum(clock.slept) == pytest.approx((len(image) - (64 << 10)) / rate)
     clock.slept.clear()
-    persist.write_image(str(tmp_path / "g"), image, len(image), [], rank=0)
+    posix_io.write_image(str(tmp_path / "g"), image, len(image), [], rank=0)
     assert clock.slept == []  # no rate: no pacing
 
 

@@ -2,11 +2,11 @@
 
 Layers (docs/ARCHITECTURE.md): ``CheckpointManager`` (policy) → functions
 (``save`` / ``load`` / ``async_save`` / ``StorageWriter`` / ``StorageReader``) → the engine
-(``AsyncSaver``, and the seeds' ``AsyncRequest`` / ``AsyncCallsQueue`` /
+(``AsyncSaver``, and NVRx's ``AsyncRequest`` / ``AsyncCallsQueue`` /
 ``TorchAsyncCheckpoint``).
 
 Names are imported on first use: the checkpoint worker process imports
-``quicksave.worker`` only, and must not pay for torch.
+``quicksave.worker.main`` and its modules only, and must not pay for torch.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from .errors import (
+from quicksave.errors import (
     CheckpointError,
     CheckpointExistsError,
     CheckpointNotFoundError,
@@ -28,29 +28,29 @@ __version__ = "0.1.0"
 
 # public name -> the module that defines it
 _LAZY: dict[str, str] = {
-    "save": "api",
-    "load": "api",
-    "load_state": "convert",
-    "export_hf": "hf_export",
-    "LoadPlanner": "api",
-    "StorageReader": "reader",
-    "StorageWriter": "writer",
-    "StorageOptions": "storage",
-    "S3Options": "storage",
-    "verify_checkpoint": "verify",
-    "AsyncSaver": "engine",
-    "EngineConfig": "engine",
-    "SaveHandle": "engine",
-    "SaveResult": "engine",
+    "save": "quicksave.api",
+    "load": "quicksave.api",
+    "load_state": "quicksave.tools.convert",
+    "export_hf": "quicksave.tools.hf_export",
+    "LoadPlanner": "quicksave.api",
+    "StorageReader": "quicksave.adapters.dcp_reader",
+    "StorageWriter": "quicksave.adapters.dcp_writer",
+    "StorageOptions": "quicksave.storage",
+    "S3Options": "quicksave.storage",
+    "verify_checkpoint": "quicksave.loading.verify",
+    "AsyncSaver": "quicksave.saving.engine",
+    "EngineConfig": "quicksave.saving.config",
+    "SaveHandle": "quicksave.saving.handle",
+    "SaveResult": "quicksave.saving.handle",
+    "async_save": "quicksave.saving.async_save",
     **{
-        name: "async_api"
+        name: "quicksave.compat.nvrx"
         for name in (
             "AsyncCallsQueue",
             "AsyncRequest",
             "CheckpointMetadataCache",
             "FileSystemWriterAsync",
             "TorchAsyncCheckpoint",
-            "async_save",
             "get_metadata_caching_status",
             "init_checkpoint_metadata_cache",
             "save_state_dict_async_finalize",
@@ -59,7 +59,7 @@ _LAZY: dict[str, str] = {
         )
     },
     **{
-        name: "manager"
+        name: "quicksave.manager"
         for name in (
             "CheckpointConfig",
             "CheckpointManager",
@@ -136,7 +136,7 @@ def __getattr__(name: str) -> Any:
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'quicksave' has no attribute {name!r}")
-    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    value = getattr(importlib.import_module(module), name)
     globals()[name] = value
     return value
 
@@ -146,23 +146,23 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:
-    from .api import LoadPlanner, load, save
-    from .async_api import (
+    from quicksave.adapters.dcp_reader import StorageReader
+    from quicksave.adapters.dcp_writer import StorageWriter
+    from quicksave.api import LoadPlanner, load, save
+    from quicksave.compat.nvrx import (
         AsyncCallsQueue,
         AsyncRequest,
         CheckpointMetadataCache,
         FileSystemWriterAsync,
         TorchAsyncCheckpoint,
-        async_save,
         get_metadata_caching_status,
         init_checkpoint_metadata_cache,
         save_state_dict_async_finalize,
         save_state_dict_async_plan,
         verify_global_md_reuse,
     )
-    from .engine import AsyncSaver, EngineConfig, SaveHandle, SaveResult
-    from .hf_export import export_hf
-    from .manager import (
+    from quicksave.loading.verify import verify_checkpoint
+    from quicksave.manager import (
         CheckpointConfig,
         CheckpointManager,
         EveryNSeconds,
@@ -178,7 +178,9 @@ if TYPE_CHECKING:
         StatefulList,
         TrainState,
     )
-    from .reader import StorageReader
-    from .storage import S3Options, StorageOptions
-    from .verify import verify_checkpoint
-    from .writer import StorageWriter
+    from quicksave.saving.async_save import async_save
+    from quicksave.saving.config import EngineConfig
+    from quicksave.saving.engine import AsyncSaver
+    from quicksave.saving.handle import SaveHandle, SaveResult
+    from quicksave.storage import S3Options, StorageOptions
+    from quicksave.tools.hf_export import export_hf

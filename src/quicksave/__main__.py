@@ -1,5 +1,5 @@
 """``python -m quicksave`` runs the command line."""
 
-from .cli.main import main
+from quicksave.cli.main import main
 
 raise SystemExit(main())

@@ -28,23 +28,23 @@ from torch.distributed.checkpoint.metadata import (
 )
 from torch.distributed.checkpoint.planner import LoadPlan, SavePlan, WriteItemType
 
-from .collect import to_state_dict, validate_for_save
-from .commit import CheckpointKind, check_target, classify
-from .dcp_reader import DCPReader, RestrictedObjectsMixin
-from .dist import replicas
-from .errors import (
+from quicksave.adapters.dcp_reader import StorageReader, require_committed
+from quicksave.adapters.dcp_writer import StorageWriter, item_spec
+from quicksave.commit import CheckpointKind, check_target, classify
+from quicksave.errors import (
     CheckpointError,
     IncompatibleStateError,
     rank_of_this_process,
 )
-from .format import objects as objcodec
-from .format.dtypes import dtype_name
-from .format.keys import EMPTY_KEY, REPLICAS_KEY
-from .format.manifest import check_user_metadata
-from .keypaths import structure
-from .reader import StorageReader, require_committed
-from .storage import StorageOptions, parse_location
-from .writer import StorageWriter, item_spec
+from quicksave.format import objects as objcodec
+from quicksave.format.dtypes import dtype_name
+from quicksave.format.keys import EMPTY_KEY, REPLICAS_KEY
+from quicksave.format.manifest import check_user_metadata
+from quicksave.loading.dcp_stock import DCPReader, RestrictedObjectsMixin
+from quicksave.ranks import replicas
+from quicksave.saving.collect import to_state_dict, validate_for_save
+from quicksave.saving.keypaths import structure
+from quicksave.storage import StorageOptions, parse_location
 
 
 def _dist_on() -> bool:
@@ -113,7 +113,6 @@ def save(
     *,
     step: int | None = None,
     process_group: dist.ProcessGroup | None = None,
-    coordinator_rank: int = 0,
     thread_count: int = 2,
     user_metadata: dict[str, Any] | None = None,
     storage: StorageOptions | None = None,
@@ -480,7 +479,6 @@ def load(
     *,
     strict: bool = True,
     process_group: dist.ProcessGroup | None = None,
-    coordinator_rank: int = 0,
     thread_count: int = 4,
     allow_dcp_pickle: bool = False,
     storage: StorageOptions | None = None,

@@ -25,12 +25,12 @@ import stat
 import uuid
 from collections.abc import Callable, Mapping
 
-from .errors import CheckpointError, CheckpointExistsError
-from .format import DCP_METADATA_NAME, MANIFEST_NAME
-from .format.dcp_layout import PROBE_SIZE, has_footer
-from .storage.backend import Backend
-from .storage.checkpoint_dir import CheckpointDir, read_range
-from .storage.location import Location, parse_location
+from quicksave.errors import CheckpointError, CheckpointExistsError
+from quicksave.format import DCP_METADATA_NAME, MANIFEST_NAME
+from quicksave.format.dcp_layout import PROBE_SIZE, has_footer
+from quicksave.storage.backend import Backend
+from quicksave.storage.checkpoint_dir import CheckpointDir, read_range
+from quicksave.storage.location import Location, parse_location
 
 logger = logging.getLogger(__name__)
 

@@ -94,14 +94,3 @@ def rank_of_this_process() -> int | None:
 class FrozenRequestError(CheckpointError, RuntimeError):
     """A finalize function was added to a frozen (scheduled) ``AsyncRequest``; a
     ``RuntimeError`` too, as NVRx raises."""
-
-
-def __getattr__(name: str) -> object:
-    # The asynchronous API's errors derive from torch's CheckpointException, so they are
-    # defined where importing torch is expected (``_async_errors``): ``quicksave.errors``
-    # itself stays importable without torch (the storage modules, the CLI's listing).
-    if name in ("AsyncCheckpointError", "AsyncWorkerFailedError", "as_async_error"):
-        from . import _async_errors
-
-        return getattr(_async_errors, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -23,12 +23,13 @@ from typing import Any
 
 import xxhash
 
-from . import commit
-from .errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
-from .format import strict_json
-from .format.manifest import MAX_MANIFEST_BYTES, Manifest, ObjectEntry, hexdigest
-from .safeio import read_regular
-from .storage.backend import Backend, join
+from quicksave import commit
+from quicksave.checksum import hexdigest
+from quicksave.errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
+from quicksave.format import strict_json
+from quicksave.format.manifest import MAX_MANIFEST_BYTES, Manifest, ObjectEntry
+from quicksave.storage.backend import Backend, join
+from quicksave.storage.safeio import read_regular
 
 PART_FORMAT = "quicksave-part"
 

@@ -1,4 +1,4 @@
-"""quicksave.async_api as a drop-in for NVRx 0.7's ``nvidia_resiliency_ext.checkpointing.
+"""quicksave.compat.nvrx as a drop-in for NVRx 0.7's ``nvidia_resiliency_ext.checkpointing.
 async_ckpt``: its names and signatures, collective finalize, failures reported on every
 rank, restart after close/abort, functions of a training script's ``__main__``, the DCP
 file layout, NVRx's setup checks and its process-wide metadata cache.
@@ -8,7 +8,7 @@ The expected signatures are written here from NVRx v0.7's sources (``core.py``,
 
 Functions whose name starts with ``_w_`` run in the checkpoint worker process (module
 level: the worker imports this module by name); those starting with ``_rank_`` run in
-the ranks of a 2-process gloo group (tests/dist/launcher.py), once for every two-rank
+the ranks of a 2-process gloo group (tests/multirank/launcher.py), once for every two-rank
 test (the ``two_ranks`` fixture). No test depends on timing: a "slow" write waits for a
 gate file that the other rank creates once it is inside finalize.
 """
@@ -39,7 +39,8 @@ from torch.distributed.checkpoint import CheckpointException, FileSystemReader, 
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
 import quicksave
-from quicksave.async_api import (
+from quicksave.cli.main import main as cli_main
+from quicksave.compat.nvrx import (
     AsyncCallsQueue,
     AsyncRequest,
     FileSystemWriterAsync,
@@ -49,11 +50,10 @@ from quicksave.async_api import (
     save_state_dict_async_finalize,
     save_state_dict_async_plan,
 )
-from quicksave.async_api import state_dict_saver as saver
-from quicksave.async_api.core import abort_nvrx_checkpoint
-from quicksave.cli.main import main as cli_main
+from quicksave.compat.nvrx import state_dict_saver as saver
+from quicksave.compat.nvrx.core import abort_nvrx_checkpoint
 from quicksave.errors import CheckpointError, CheckpointExistsError
-from quicksave.verify import verify_checkpoint
+from quicksave.loading.verify import verify_checkpoint
 
 GATE_DEADLINE_S = 120.0
 SCRIPT_TIMEOUT_S = 180.0
@@ -277,7 +277,7 @@ def _nvrx_signature(params: str) -> inspect.Signature:
 
 def _lookup(module: str, name: str) -> tuple[Any, str]:
     """The function behind ``module.name`` (a method's raw function) and how it is held."""
-    obj: Any = importlib.import_module(f"quicksave.async_api.{module}")
+    obj: Any = importlib.import_module(f"quicksave.compat.nvrx.{module}")
     *owners, last = name.split(".")
     for part in owners:
         obj = getattr(obj, part)
@@ -295,8 +295,8 @@ def _lookup(module: str, name: str) -> tuple[Any, str]:
 
 @pytest.mark.parametrize(("module", "name"), _with_gaps(NVRX_PUBLIC_NAMES, MISSING))
 def test_every_public_name_of_nvrx_exists(module: str, name: str) -> None:
-    mod = importlib.import_module(f"quicksave.async_api.{module}")
-    assert hasattr(mod, name), f"quicksave.async_api.{module} has no {name}"
+    mod = importlib.import_module(f"quicksave.compat.nvrx.{module}")
+    assert hasattr(mod, name), f"quicksave.compat.nvrx.{module} has no {name}"
 
 
 @pytest.mark.parametrize(
@@ -548,7 +548,7 @@ def queue() -> Iterator[AsyncCallsQueue]:
 
 # ==================================================================== 2-3, 6, 8: 2 ranks
 def _launcher() -> Any:
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "dist"))
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "multirank"))
     import launcher
 
     return launcher
@@ -935,7 +935,7 @@ SCRIPT = """
 import functools, json, os, sys
 import torch
 import torch.distributed as dist
-from quicksave.async_api import AsyncCallsQueue, AsyncRequest
+from quicksave.compat.nvrx import AsyncCallsQueue, AsyncRequest
 from quicksave.errors import CheckpointError
 
 OUT = sys.argv[1]
@@ -1151,7 +1151,7 @@ def test_nvrx_write_helpers_write_dcp_items_that_torch_loads(tmp_path: Path) -> 
     from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
     from torch.distributed.checkpoint.planner import WriteItemType
 
-    from quicksave.async_api.filesystem_async import FileSystemWriterAsync as W
+    from quicksave.compat.nvrx.filesystem_async import FileSystemWriterAsync as W
 
     sd = {"a": torch.arange(6.0).reshape(2, 3), "b": torch.ones(4, dtype=torch.bfloat16), "n": 7}
     planner = DefaultSavePlanner()

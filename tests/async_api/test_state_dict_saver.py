@@ -2,7 +2,7 @@
 / _finalize with AsyncRequest and AsyncCallsQueue, the metadata cache, commit from parts.
 
 Multi-rank behaviour (agreement collectives, failures on one rank) is in
-tests/dist/test_seed_planning_api.py.
+tests/multirank/test_seed_planning_api.py.
 """
 
 from __future__ import annotations
@@ -16,7 +16,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
 import quicksave
-from quicksave.async_api import (
+from quicksave.commit import CheckpointKind, classify
+from quicksave.compat.nvrx import (
     AsyncCallsQueue,
     AsyncRequest,
     CheckpointMetadataCache,
@@ -26,10 +27,9 @@ from quicksave.async_api import (
     save_state_dict_async_finalize,
     save_state_dict_async_plan,
 )
-from quicksave.async_api import state_dict_saver as saver
-from quicksave.commit import CheckpointKind, classify
+from quicksave.compat.nvrx import state_dict_saver as saver
 from quicksave.errors import CheckpointError
-from quicksave.format.manifest import read_manifest
+from quicksave.loading.manifest_reader import read_manifest
 
 
 def _state(seed: int = 0) -> dict:

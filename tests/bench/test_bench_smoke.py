@@ -7,9 +7,9 @@ import os
 
 import torch
 
-from quicksave.bench import format_report, main
-from quicksave.bench.methods import build_state_dict, direct_io_error, nbytes_of, tensor_specs
-from quicksave.bench.throughput import LOAD_METHODS, SAVE_METHODS
+from quicksave_tools.bench import format_report, main
+from quicksave_tools.bench.methods import build_state_dict, direct_io_error, nbytes_of, tensor_specs
+from quicksave_tools.bench.throughput import LOAD_METHODS, SAVE_METHODS
 
 
 def test_state_dict_is_deterministic_and_model_shaped() -> None:

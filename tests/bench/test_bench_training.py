@@ -8,13 +8,9 @@ import os
 
 import pytest
 
-from quicksave.bench import main
-from quicksave.bench.training import (
-    METHODS,
-    TrainingBenchConfig,
-    format_training_report,
-    schedule,
-)
+from quicksave_tools.bench import main
+from quicksave_tools.bench.training import METHODS, TrainingBenchConfig, schedule
+from quicksave_tools.bench.training_report import format_training_report
 
 
 def test_quick_run_reports_every_method(tmp_path, capsys) -> None:

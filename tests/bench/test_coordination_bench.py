@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from quicksave.bench import main as bench_main
-from quicksave.bench.coordination import format_coordination_report
+from quicksave_tools.bench import main as bench_main
+from quicksave_tools.bench.coordination import format_coordination_report
 
 pytestmark = pytest.mark.slow
 

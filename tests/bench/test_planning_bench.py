@@ -8,9 +8,9 @@ import math
 
 import pytest
 
-from quicksave.bench import main as bench_main
-from quicksave.bench.planning import dcp_plans, simulated_plans
-from quicksave.dist.planning import global_plan
+from quicksave.saving.rank_plans import global_plan
+from quicksave_tools.bench import main as bench_main
+from quicksave_tools.bench.planning import dcp_plans, simulated_plans
 
 
 def test_planning_report_structure(capsys: pytest.CaptureFixture[str]) -> None:

@@ -321,20 +321,21 @@ def test_convert_cli_usage_errors(checkpoint: Path, tmp_path: Path, capsys) -> N
 @pytest.mark.parametrize("name", ["demo", "bench"])
 def test_demo_and_bench_pass_arguments_through(name: str, monkeypatch, capsys) -> None:
     seen = []
-    fake = types.ModuleType(f"quicksave.{name}")
+    fake = types.ModuleType(f"quicksave_tools.{name}")
     fake.main = lambda argv: seen.append(argv) or 3
-    monkeypatch.setitem(sys.modules, f"quicksave.{name}", fake)
+    monkeypatch.setitem(sys.modules, f"quicksave_tools.{name}", fake)
     assert main([name, "--steps", "2", "extra", "--help"]) == 3
     assert seen == [["--steps", "2", "extra", "--help"]]
 
 
 def test_pass_through_without_main_is_a_clear_error(monkeypatch, capsys) -> None:
-    monkeypatch.setitem(sys.modules, "quicksave.demo", types.ModuleType("quicksave.demo"))
+    fake = types.ModuleType("quicksave_tools.demo")
+    monkeypatch.setitem(sys.modules, "quicksave_tools.demo", fake)
     rc, _, err = run(capsys, "demo")
     assert rc == 2
     assert err == (
         "quicksave: error: `quicksave demo` is not available in this installation "
-        "(quicksave.demo has no main())\n"
+        "(quicksave_tools.demo has no main())\n"
     )
 
 

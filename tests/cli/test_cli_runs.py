@@ -12,8 +12,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 import quicksave
-from quicksave.catalog import list_checkpoints
 from quicksave.cli.main import main
+from quicksave.loading.catalog import list_checkpoints
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 

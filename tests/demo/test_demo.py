@@ -11,12 +11,13 @@ import pytest
 import torch
 
 import quicksave
-from quicksave.demo import main
-from quicksave.demo.data import BatchSampler, CharTokenizer, load_corpus
-from quicksave.demo.model import ModelConfig, TinyLM
-from quicksave.demo.report import compare, summarize
-from quicksave.demo.run import DemoConfig, default_kill_at, parse_args, run_demo
-from quicksave.demo.train import tensor_digest
+from quicksave_tools.demo import main
+from quicksave_tools.demo.config import DemoConfig
+from quicksave_tools.demo.data import BatchSampler, CharTokenizer, load_corpus
+from quicksave_tools.demo.model import ModelConfig, TinyLM
+from quicksave_tools.demo.report import compare, summarize
+from quicksave_tools.demo.run import default_kill_at, parse_args, run_demo
+from quicksave_tools.demo.train import tensor_digest
 
 
 def _sampler(seed: int = 3, context: int = 16) -> BatchSampler:
@@ -98,7 +99,7 @@ def test_compare_flags_any_difference():
 
 
 def test_shipped_text_is_in_the_package():
-    folder = resources.files("quicksave.demo") / "data"
+    folder = resources.files("quicksave_tools.demo") / "data"
     names = sorted(p.name for p in folder.iterdir() if p.name.endswith(".txt"))
     assert len(names) >= 3
     text = load_corpus()

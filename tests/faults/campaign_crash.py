@@ -194,7 +194,7 @@ def hung_worker(trials: int, rng: random.Random, work: Path) -> Result:
         stopped: dict[str, Any] = {}
 
         def stop_worker(stopped: dict[str, Any] = stopped, m: CheckpointManager = m) -> None:
-            pid = m._writer.saver.worker_pid if m._writer else None  # noqa: SLF001
+            pid = m.session.writer.saver.worker_pid if m.session.writer else None  # noqa: SLF001
             if pid is not None:
                 os.kill(pid, signal.SIGSTOP)
                 stopped["pid"], stopped["at"] = pid, time.monotonic()

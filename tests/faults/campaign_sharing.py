@@ -274,8 +274,8 @@ def readers_vs_retention(
     Checked: only CheckpointError or a bit-exact load; a listed checkpoint that still
     exists never fails verify (no torn checkpoint listed)."""
     import quicksave
-    from quicksave.catalog import list_checkpoints
     from quicksave.errors import CheckpointError
+    from quicksave.loading.catalog import list_checkpoints
     from quicksave.manager import CheckpointConfig, CheckpointManager
     from quicksave.manager.folder import committed_steps
 

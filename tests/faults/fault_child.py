@@ -31,7 +31,7 @@ Roles:
 
 - ``eval``: an evaluation script racing a writer: builds managers on the folder again
   and again (read-only, default and synchronous configs), ``committed_steps()``,
-  ``load()`` (checked bit-exactly), ``quicksave.catalog.list_checkpoints`` and, now and
+  ``load()`` (checked bit-exactly), ``quicksave.loading.catalog.list_checkpoints`` and, now and
   then, the ``quicksave ls`` command. Lines: ``load <step> ok|wrong``, ``load none``,
   ``loaderror <type> <message>``, ``ls ok|fail``, ``raw ...``, ``iterations <n>``.
 """
@@ -53,8 +53,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import faultkit  # noqa: E402
 import torch  # noqa: E402
 
-from quicksave.catalog import list_checkpoints  # noqa: E402
 from quicksave.errors import CheckpointError  # noqa: E402
+from quicksave.loading.catalog import list_checkpoints  # noqa: E402
 from quicksave.manager import CheckpointConfig, CheckpointManager  # noqa: E402
 
 
@@ -69,9 +69,9 @@ def oneline(e: BaseException) -> str:
 
 
 def worker_pid(manager: CheckpointManager) -> int | None:
-    writer = getattr(manager, "_writer", None)
-    saver = getattr(writer, "saver", None)
-    return getattr(saver, "worker_pid", None)
+    """The worker's pid (None: the manager writes synchronously, or has no writer yet)."""
+    writer = manager.session.writer
+    return None if writer is None else writer.saver.worker_pid
 
 
 def trainer(

@@ -213,10 +213,10 @@ def committed_dirs(folder: str | os.PathLike[str]) -> list[str]:
 
 
 def verify_problems(path: str) -> list[str] | None:
-    """``quicksave.verify``'s problems with ``path`` (empty: intact), or None if the
+    """``quicksave.loading.verify``'s problems with ``path`` (empty: intact), or None if the
     directory vanished while being checked (deleted by retention)."""
     from quicksave.errors import CheckpointNotFoundError, NotCommittedError
-    from quicksave.verify import verify_checkpoint
+    from quicksave.loading.verify import verify_checkpoint
 
     try:
         report = verify_checkpoint(path)

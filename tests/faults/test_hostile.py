@@ -130,10 +130,10 @@ def _probe(root: Path) -> None:
 
     warnings.simplefilter("ignore")
     import quicksave
-    from quicksave.catalog import list_checkpoints
-    from quicksave.convert import convert
-    from quicksave.inspect import inspect_checkpoint
-    from quicksave.verify import verify_checkpoint
+    from quicksave.loading.catalog import list_checkpoints
+    from quicksave.loading.verify import verify_checkpoint
+    from quicksave.tools.convert import convert
+    from quicksave.tools.inspect_checkpoint import inspect_checkpoint
 
     signal.signal(signal.SIGALRM, _on_alarm)
     emit = sys.stdout.write
@@ -378,7 +378,7 @@ def test_restricted_unpickler_reads_real_dcp_checkpoints(tmp_path: Path) -> None
     import torch
     import torch.distributed.checkpoint as dcp
 
-    from quicksave.dcp_reader import DCPReader, read_dcp_metadata
+    from quicksave.loading.dcp_stock import DCPReader, read_dcp_metadata
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.LayerNorm(3))
@@ -427,8 +427,8 @@ def test_restricted_unpickler_refusals(tmp_path: Path) -> None:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import MetadataIndex
 
-    from quicksave.dcp_reader import read_dcp_metadata
     from quicksave.errors import CorruptCheckpointError
+    from quicksave.loading.dcp_stock import read_dcp_metadata
 
     path = tmp_path / "d"
     dcp.save({"w": torch.ones(2)}, checkpoint_id=str(path), no_dist=True)

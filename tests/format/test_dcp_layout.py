@@ -25,8 +25,9 @@ import xxhash
 from torch.distributed.checkpoint import FileSystemWriter
 
 from helpers.state import raw
+from quicksave.compat.nvrx import dcp_write
+from quicksave.compat.nvrx.dcp_write import write_dcp_file
 from quicksave.errors import CheckpointError, CorruptCheckpointError, IncompatibleStateError
-from quicksave.format import dcp_layout
 from quicksave.format.dcp_layout import (
     FOOTER_MAGIC,
     FOOTER_SIZE,
@@ -35,7 +36,6 @@ from quicksave.format.dcp_layout import (
     encode_metadata,
     has_footer,
     parse_footer,
-    write_dcp_file,
 )
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
@@ -251,7 +251,7 @@ def test_a_stream_error_inside_torch_save_comes_out_as_itself() -> None:
 
 def test_fsync_uses_fileno_and_skips_streams_without_one(tmp_path: Path, monkeypatch) -> None:
     synced = []
-    monkeypatch.setattr(dcp_layout.os, "fsync", synced.append)
+    monkeypatch.setattr(dcp_write.os, "fsync", synced.append)
     with open(tmp_path / "f", "wb") as f:
         written = write_dcp_file(f, [("t", torch.ones(2))], fsync=True)
         assert synced == [f.fileno()]
@@ -294,8 +294,8 @@ def test_duplicate_keys_are_refused() -> None:
 # --------------------------------------------------------------------------- zip parsing
 
 
-def sink_holding(archive: bytes) -> dcp_layout._Sink:
-    sink = dcp_layout._Sink(dcp_layout._Out(io.BytesIO()))
+def sink_holding(archive: bytes) -> dcp_write._Sink:
+    sink = dcp_write._Sink(dcp_write._Out(io.BytesIO()))
     sink.write(archive)
     return sink
 
@@ -311,7 +311,7 @@ def zip_with(name: str, payload: bytes, method: int = zipfile.ZIP_STORED) -> byt
 
 def test_the_record_is_found_in_any_plain_zip() -> None:
     archive = zip_with("archive/data/0", b"PAYLOAD!")
-    start = dcp_layout._data_record_start(sink_holding(archive), 8, "k")
+    start = dcp_write._data_record_start(sink_holding(archive), 8, "k")
     assert archive[start : start + 8] == b"PAYLOAD!"
 
 
@@ -327,7 +327,7 @@ def test_the_record_is_found_in_any_plain_zip() -> None:
 )
 def test_an_unexpected_archive_is_refused_clearly(archive: bytes, nbytes: int, why: str) -> None:
     with pytest.raises(CheckpointError, match=why) as info:
-        dcp_layout._data_record_start(sink_holding(archive), nbytes, "model.w")
+        dcp_write._data_record_start(sink_holding(archive), nbytes, "model.w")
     assert info.value.fqn == "model.w"
     assert "unexpected torch serialization format" in info.value.message
 

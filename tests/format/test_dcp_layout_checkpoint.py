@@ -18,7 +18,6 @@ import quicksave
 from helpers.checks import seal_manifest, validate_against_schema
 from helpers.dcp_layout import DATA_FILE, write_dcp_layout_checkpoint
 from helpers.state import raw
-from quicksave.catalog import list_checkpoints
 from quicksave.cli.main import main as cli_main
 from quicksave.commit import CheckpointKind, classify, kind_of
 from quicksave.errors import (
@@ -28,10 +27,12 @@ from quicksave.errors import (
 )
 from quicksave.format import dcp_layout
 from quicksave.format.dcp_layout import FOOTER_SIZE, parse_footer
-from quicksave.format.manifest import LAYOUT_DCP, from_json_bytes, read_manifest, to_json_bytes
-from quicksave.inspect import inspect_checkpoint
+from quicksave.format.manifest import LAYOUT_DCP, from_json_bytes, to_json_bytes
+from quicksave.loading.catalog import list_checkpoints
+from quicksave.loading.manifest_reader import read_manifest
+from quicksave.loading.verify import verify_checkpoint
 from quicksave.manager import folder
-from quicksave.verify import verify_checkpoint
+from quicksave.tools.inspect_checkpoint import inspect_checkpoint
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 
@@ -237,7 +238,7 @@ def test_on_a_store_the_commit_is_deleted_first() -> None:
 
 
 def test_convert_reads_it(ckpt: Path, tmp_path: Path) -> None:
-    from quicksave.convert import convert
+    from quicksave.tools.convert import convert
 
     out = convert(ckpt, tmp_path / "copy", "quicksave")
     dest = zeros_like_state()
@@ -322,11 +323,11 @@ def test_a_footer_claiming_a_huge_manifest_is_refused_unread(ckpt: Path, monkeyp
         out.write(dcp_layout.FOOTER_MAGIC + struct.pack("<QQQ", f.pickle_length, len_m, 0))
         out.write(dcp_layout.FOOTER_MAGIC)
     reads = []
-    import quicksave.storage.checkpoint_dir as cd
+    import quicksave.loading.manifest_reader as mr
 
-    real = cd.read_range
+    real = mr.read_range
     monkeypatch.setattr(
-        cd, "read_range", lambda f, o, n, **k: reads.append(n) or real(f, o, n, **k)
+        mr, "read_range", lambda f, o, n, **k: reads.append(n) or real(f, o, n, **k)
     )
     with pytest.raises(CorruptCheckpointError, match="1 GiB limit") as info:
         read_manifest(ckpt)

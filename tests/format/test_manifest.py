@@ -40,9 +40,9 @@ from quicksave.format.manifest import (
     ObjectEntry,
     TensorEntry,
     from_json_bytes,
-    read_manifest,
     to_json_bytes,
 )
+from quicksave.loading.manifest_reader import read_manifest
 
 FIXTURE = Path(__file__).parent / "fixtures" / "manifest_v1.json"
 

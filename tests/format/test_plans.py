@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from helpers.checks import seal_manifest, validate_against_schema
+from quicksave.adapters.dcp_reader import manifest_rank_plans, save_plan_of
 from quicksave.errors import CorruptCheckpointError
 from quicksave.format.manifest import (
     PlannedChunk,
@@ -17,7 +18,6 @@ from quicksave.format.manifest import (
     from_json_bytes,
     to_json_bytes,
 )
-from quicksave.reader import manifest_rank_plans, save_plan_of
 
 FIXTURE = Path(__file__).parent / "fixtures" / "manifest_v1.json"
 

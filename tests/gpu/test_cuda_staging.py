@@ -63,7 +63,7 @@ def test_overlapped_gpu_staging_saves_the_state_of_the_moment_of_save(
             job.step()
         assert manager.save(3)  # the step's kernels are still queued: the copy waits
         expected = cpu_state(states)  # the default stream: after those kernels
-        saver = manager._writer.saver
+        saver = manager.session.writer.saver
         assert any(s.pool is not None and s.pool.pinned for s in saver._slots)
         for step in range(4, 6):
             job.step()  # pre-hook: waits for the background copy

@@ -8,7 +8,7 @@ collective implemented with another one (``all_gather_object`` runs ``all_gather
 counts once. Each record carries the collective's name, its ``async_op`` flag, its
 ``group`` argument and the log's current ``step`` label, which the test sets.
 
-Install it inside a rank (``tests/dist/launcher.py`` forks the ranks with the test's
+Install it inside a rank (``tests/multirank/launcher.py`` forks the ranks with the test's
 ``sys.path``, so ``from helpers.collectives import CollectiveLog`` works there as in the
 test module). Code that imported a collective by name (``from torch.distributed import
 all_reduce``) before :meth:`CollectiveLog.install` keeps the original and is not seen.

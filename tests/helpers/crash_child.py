@@ -23,7 +23,8 @@ import sys
 import torch
 
 import quicksave
-from quicksave import commit, writer
+from quicksave import commit
+from quicksave.adapters import dcp_writer as writer
 
 NUMEL = 256 * 1024  # 1 MiB per float32 tensor
 

@@ -19,8 +19,9 @@ import time
 
 import torch
 
-from quicksave.engine import AsyncSaver, EngineConfig
 from quicksave.errors import CheckpointError
+from quicksave.saving.config import EngineConfig
+from quicksave.saving.engine import AsyncSaver
 
 
 def state(mib: int, value: float) -> dict[str, torch.Tensor]:

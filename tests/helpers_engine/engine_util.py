@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 import quicksave
-from quicksave.verify import verify_checkpoint
+from quicksave.loading.verify import verify_checkpoint
 
 REPO = Path(__file__).resolve().parents[2]
 CHILD = Path(__file__).resolve().parent / "engine_child.py"

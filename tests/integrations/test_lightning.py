@@ -30,8 +30,8 @@ from torch import nn
 import quicksave
 from quicksave import commit
 from quicksave.commit import CheckpointKind, classify
-from quicksave.engine import EngineConfig
 from quicksave.errors import CheckpointError, CheckpointExistsError, IncompatibleStateError
+from quicksave.saving.config import EngineConfig
 
 L = pytest.importorskip("lightning")  # an optional dependency; pinned in requirements-dev
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint  # noqa: E402
@@ -490,14 +490,14 @@ def test_remove_waits_for_a_save_running_in_another_thread(tmp_path, monkeypatch
     io = QuicksaveCheckpointIO()
     p = tmp_path / "epoch=0-step=4.ckpt"
     entered, go = threading.Event(), threading.Event()
-    real_write = quicksave.persist.write_file
+    real_write = quicksave.worker.persist.write_file
 
     def held(*args, **kwargs):
         entered.set()
         assert go.wait(60)
         return real_write(*args, **kwargs)
 
-    monkeypatch.setattr(quicksave.persist, "write_file", held)
+    monkeypatch.setattr(quicksave.worker.persist, "write_file", held)
     saver = threading.Thread(target=io.save_checkpoint, args=({"w": torch.ones(4)}, p))
     saver.start()
     assert entered.wait(60)
@@ -622,7 +622,7 @@ def _rank_saves_on_rank_zero_only(rank: int, world_size: int, root: str, async_s
 
 @pytest.mark.slow
 def test_rank_zero_saves_without_a_collective(tmp_path):
-    sys.path.insert(0, str(REPO / "tests" / "dist"))
+    sys.path.insert(0, str(REPO / "tests" / "multirank"))
     from launcher import LaunchConfig, run_ranks
 
     config = LaunchConfig(timeout_s=120.0, collective_timeout_s=30.0)

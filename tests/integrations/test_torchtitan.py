@@ -42,12 +42,12 @@ from torchtitan.config import Configurable  # noqa: E402
 
 from helpers import titan  # noqa: E402
 from quicksave import StorageReader  # noqa: E402
-from quicksave.convert import convert  # noqa: E402
 from quicksave.errors import CheckpointError, CheckpointNotFoundError  # noqa: E402
 from quicksave.integrations.torchtitan import QuicksaveCheckpointManager  # noqa: E402
-from quicksave.verify import verify_checkpoint  # noqa: E402
+from quicksave.loading.verify import verify_checkpoint  # noqa: E402
+from quicksave.tools.convert import convert  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "dist"))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "multirank"))
 from launcher import LaunchConfig, run_ranks  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -297,6 +297,30 @@ def test_torchtitan_config_system_builds_the_backend() -> None:
         _config(last_save_in_hf=True)
     with pytest.raises(CheckpointError, match="thread_count"):
         _config(thread_count=0)
+
+
+def test_taking_a_folder_without_locks_warns_naming_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Where the filesystem has no working locks, the backend still writes, but says
+    that one job per folder is not enforced there (as CheckpointManager does)."""
+    import errno
+    import fcntl
+    import logging
+
+    def no_locks(fd: int, op: int) -> None:
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(fcntl, "flock", no_locks)
+    with caplog.at_level(logging.WARNING, logger="quicksave"):
+        job = titan.build(_config(folder="ckpt"), str(tmp_path))
+    try:
+        assert job.checkpointer.read_only_reason is None
+        warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+        folder = str(tmp_path / "ckpt")
+        assert any(folder in m and "not enforced" in m for m in warned), warned
+    finally:
+        job.checkpointer.close()
 
 
 # ------------------------------------------------------------------ the example

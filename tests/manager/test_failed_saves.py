@@ -27,7 +27,7 @@ from quicksave.manager import (
     OptimizerState,
     TrainState,
 )
-from quicksave.manager import manager as manager_module
+from quicksave.manager import session as session_module
 
 
 class Job:
@@ -162,7 +162,7 @@ class FlakyRetention:
     def __init__(self, n: int) -> None:
         self.left = n
         self.calls = 0
-        self.real = manager_module.apply_retention
+        self.real = session_module.apply_retention
 
     def __call__(self, *args: Any, **kwargs: Any) -> None:
         self.calls += 1
@@ -178,13 +178,14 @@ def test_a_save_with_nothing_due_never_raises_for_retention(
     # issue 20: save(11), nothing due, raised because retention's LIST after step 5's
     # commit failed. Retention now logs, and runs again after the next commit.
     flaky = FlakyRetention(1)
-    monkeypatch.setattr(manager_module, "apply_retention", flaky)
+    monkeypatch.setattr(session_module, "apply_retention", flaky)
     folder = tmp_path / "ckpt"
     job = Job()
     m = make(folder, job, interval=5, async_mode="thread", keep_latest_k=1)
     for _ in range(5):
         m.save(job.step())
-    assert m._writer is not None and m._writer.drain(60)  # step 5 is committed, unseen
+    writer = m.session.writer
+    assert writer is not None and writer.drain(60)  # step 5 is committed, unseen
     with caplog.at_level(logging.WARNING, logger="quicksave"):
         assert not m.save(job.step())  # step 6: sees the commit, retention fails
     assert flaky.calls == 1

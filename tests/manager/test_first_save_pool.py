@@ -12,10 +12,10 @@ import pytest
 import torch
 import torch.nn as nn
 
-import quicksave.engine as engine
+import quicksave.saving.slots as slots
 from quicksave.manager import CheckpointConfig, CheckpointManager, ModelState, OptimizerState
 from quicksave.manager.optimizer_layout import first_step_state, matches, stand_ins
-from quicksave.stage import StagingPool
+from quicksave.stage.pool import StagingPool
 
 OPTIMIZERS: dict[str, Callable[[list[nn.Parameter]], torch.optim.Optimizer]] = {
     "adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-2),
@@ -64,7 +64,7 @@ class _Counting(StagingPool):
 @pytest.fixture
 def pools(monkeypatch: pytest.MonkeyPatch) -> type[_Counting]:
     counting = type("Counting", (_Counting,), {"built": 0})
-    monkeypatch.setattr(engine, "StagingPool", counting)
+    monkeypatch.setattr(slots, "StagingPool", counting)
     return counting
 
 
@@ -136,7 +136,7 @@ def test_the_first_save_uses_the_pool_built_at_construction(
     try:
         assert pools.built == 1  # at construction, before any optimizer step
         assert not optim.state  # the stand-ins are gone
-        pool = manager._writer.saver._slots[0].pool
+        pool = manager.session.writer.saver._slots[0].pool
         for i in range(1, 7):
             step()
             manager.save(i)
@@ -144,7 +144,7 @@ def test_the_first_save_uses_the_pool_built_at_construction(
                 expected = {k: v.clone() for k, v in _flat(model, optim).items()}
         manager.wait(60)
         assert pools.built == 1  # no save built another one
-        assert manager._writer.saver._slots[0].pool is pool
+        assert manager.session.writer.saver._slots[0].pool is pool
         assert [r.status for r in manager.metrics] == ["committed"] * 3
     finally:
         manager.close()
@@ -171,7 +171,7 @@ def test_a_wrong_guess_is_planned_again_after_the_first_step(
     try:
         assert pools.built == 1
         step()  # the spare layer has no state: planned again, in the background
-        manager._writer.saver.wait_prepared()
+        manager.session.writer.saver.wait_prepared()
         assert pools.built == 2
         step()
         manager.save(2)
@@ -193,7 +193,7 @@ def test_an_unknown_optimizer_prepares_after_its_first_step(
         assert pools.built == 0
         model(torch.randn(4, 32)).sum().backward()
         optim.step()
-        manager._writer.saver.wait_prepared()
+        manager.session.writer.saver.wait_prepared()
         assert pools.built == 1
         manager.save(2)
         manager.wait(60)

@@ -196,7 +196,7 @@ def test_one_rank_decides_alone_without_any_collective(tmp_path: Path, monkeypat
     with CheckpointManager(
         config, {"model": ModelState(nn.Linear(2, 2))}, clock=lambda: now[0]
     ) as manager:
-        assert manager._interval is None
+        assert manager.schedule.agreement is None
         saved = []
         for step in range(1, 8):
             now[0] = step * 4.0  # due at step 4 (16 s, 12 s after step 1)

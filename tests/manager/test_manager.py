@@ -25,6 +25,7 @@ from quicksave.errors import (
     IncompatibleStateError,
     NotCommittedError,
 )
+from quicksave.loading.verify import verify_checkpoint
 from quicksave.manager import (
     CheckpointConfig,
     CheckpointManager,
@@ -33,7 +34,6 @@ from quicksave.manager import (
     RNGState,
     TrainState,
 )
-from quicksave.verify import verify_checkpoint
 
 
 class TinyLoader:
@@ -554,7 +554,7 @@ def _rank_train_save_resume(rank: int, world_size: int, folder: str) -> dict[str
 def test_two_ranks_save_retain_and_resume(tmp_path: Path) -> None:
     # The one multi-rank helper lives in tests/dist and is imported as a top-level module
     # there (its child processes unpickle their spec under that name).
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "dist"))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "multirank"))
     from launcher import LaunchConfig, run_ranks
 
     folder = tmp_path / "ckpt"
@@ -570,12 +570,12 @@ def test_two_ranks_save_retain_and_resume(tmp_path: Path) -> None:
 
 
 def test_per_rank_state_without_an_entry_for_this_rank_is_left_alone(tmp_path: Path, caplog):
-    from quicksave.manager.manager import _stored_metadata
+    from quicksave.manager.folder import stored_metadata
     from quicksave.manager.states import PerRankLoad
 
     manager = make(tmp_path / "ckpt", {"rng": RNGState()}, interval=1)
     manager.save(1)
-    stored = _stored_metadata(manager.step_path(1))
+    stored = stored_metadata(manager.step_path(1))
     # As if saved by rank 1 only (a job that ran on more ranks than this one).
     as_rank_1 = {k.replace("rng.rank_0.", "rng.rank_1."): v for k, v in stored.items()}
     loader = PerRankLoad("rng", RNGState(), as_rank_1)
@@ -614,7 +614,7 @@ def test_wait_commits_saves_in_flight_without_closing(tmp_path: Path, mode: str)
         # Committed now, while the manager stays open: loadable, listed, verifiable.
         assert (tmp_path / "step-1" / "manifest.json").is_file()
         assert verify_checkpoint(str(tmp_path / "step-1")).ok
-        assert 1 not in m._in_flight and m.metrics[-1].status == "committed"
+        assert 1 not in m.session.in_flight and m.metrics[-1].status == "committed"
         job.train_step()
         m.save(2)  # the manager goes on after wait()
         m.wait(timeout=120.0)

@@ -21,7 +21,6 @@ import torch
 import torch.nn as nn
 
 from helpers.compare import assert_same, snapshot
-from quicksave import worker
 from quicksave.errors import CheckpointError
 from quicksave.manager import (
     CheckpointConfig,
@@ -32,7 +31,9 @@ from quicksave.manager import (
     SaveRecord,
     TrainState,
 )
-from quicksave.stage import StagingPool
+from quicksave.stage.pool import StagingPool
+from quicksave.worker import persisters
+from quicksave.worker.job import JobResult, PersistJob
 
 GATE_TIMEOUT_S = 60.0
 
@@ -147,13 +148,13 @@ def stage_gate(monkeypatch: pytest.MonkeyPatch) -> StageGate:
 def write_gates(monkeypatch: pytest.MonkeyPatch) -> dict[int, threading.Event]:
     """Thread mode: the writer of step N waits until ``write_gates[N]`` is set."""
     gates: dict[int, threading.Event] = defaultdict(threading.Event)
-    original = worker.execute_job
+    original = persisters.execute_job
 
-    def gated(job: worker.PersistJob, pool: memoryview, *rest: object) -> worker.JobResult:
+    def gated(job: PersistJob, pool: memoryview, *rest: object) -> JobResult:
         assert gates[job.step].wait(GATE_TIMEOUT_S)
         return original(job, pool, *rest)
 
-    monkeypatch.setattr(worker, "execute_job", gated)
+    monkeypatch.setattr(persisters, "execute_job", gated)
     return gates
 
 
@@ -225,7 +226,7 @@ def test_the_optimizer_pre_hook_waits_for_the_background_copy(
         job.train_step()
     deferred = deferred_ptrs(job)
     manager.save(2)
-    saver = manager._writer.saver
+    saver = manager.session.writer.saver
     waiting = threading.Event()
     wait_for_staging = saver.maybe_wait_for_staging
 
@@ -309,7 +310,7 @@ def test_each_save_reports_its_costs(
     job = Job(seed=0)
     manager = make(tmp_path / "ckpt", job.states(), interval=2, async_mode=mode)
     closing.append(manager)
-    saver = manager._writer.saver
+    saver = manager.session.writer.saver
     if mode == "process":
         assert saver.worker_pid is not None and saver.worker_pid != os.getpid()
     with caplog.at_level(logging.INFO, logger="quicksave"):
@@ -343,13 +344,13 @@ def test_the_staging_pool_is_built_before_the_first_save(
     job = Job(seed=0)
     manager = make(tmp_path / "ckpt", job.states(), interval=3, async_mode=mode)
     closing.append(manager)
-    saver = manager._writer.saver
+    saver = manager.session.writer.saver
     # AdamW's state does not exist yet, but its first step's layout is known: the pool
     # is built at construction from it (an unknown optimizer's first step post-hook
     # prepares instead: tests/manager/test_first_save_pool.py)
     slot = saver._slots[0]
     pool = slot.pool
-    assert pool is not None and slot.pool_id in saver._mapped  # built, and in the worker
+    assert pool is not None and slot.pool_id in saver._worker.mapped  # built, and in the worker
     job.train_step()  # the first optimizer step: the real state is the predicted one
     saver.wait_prepared()
     assert slot.pool is pool
@@ -373,10 +374,10 @@ def test_a_complete_state_gets_its_pool_at_start_up(
     job.train_step()
     manager = make(tmp_path / "ckpt", job.states(), interval=2, async_mode=mode)
     closing.append(manager)
-    saver = manager._writer.saver
-    assert saver._prepare_thread is None  # nothing left running in the background
+    saver = manager.session.writer.saver
+    assert saver._preparer.thread is None  # nothing left running in the background
     slot = saver._slots[0]
-    assert slot.pool is not None and slot.pool_id in saver._mapped
+    assert slot.pool is not None and slot.pool_id in saver._worker.mapped
     pool = slot.pool
     job.train_step()
     assert manager.save(2)
@@ -387,17 +388,17 @@ def test_a_complete_state_gets_its_pool_at_start_up(
     job2 = Job(seed=1)
     resumed = make(tmp_path / "ckpt", job2.states(), interval=2, async_mode=mode)
     closing.append(resumed)
-    built = resumed._writer.saver._slots[0].pool
+    built = resumed.session.writer.saver._slots[0].pool
     assert built is not None
     assert resumed.load() == 2
-    assert resumed._writer.saver._slots[0].pool is built
+    assert resumed.session.writer.saver._slots[0].pool is built
 
 
 def test_without_optimizers_the_pool_is_built_at_start_up(tmp_path: Path, closing: list) -> None:
     model = nn.Linear(8, 8)
     manager = make(tmp_path / "ckpt", {"model": ModelState(model)}, interval=2)
     closing.append(manager)
-    saver = manager._writer.saver
+    saver = manager.session.writer.saver
     pool = saver._slots[0].pool
     assert pool is not None
     assert not manager.save(1)
@@ -420,17 +421,17 @@ def test_retention_never_deletes_a_save_in_flight(
     for step in (1, 2):
         job.train_step()
         assert manager.save(step, force=True)
-    assert manager._in_flight == {1, 2}
+    assert manager.session.in_flight == {1, 2}
     assert [r.status for r in manager.metrics] == ["in_flight", "in_flight"]
     assert manager.committed_steps() == [] and manager.latest_step() is None
 
     write_gates[1].set()
-    while 1 in manager._in_flight:  # each save() call finalizes without waiting
+    while 1 in manager.session.in_flight:  # each save() call finalizes without waiting
         manager.save(3)
-    assert manager.committed_steps() == [1] and manager._in_flight == {2}
+    assert manager.committed_steps() == [1] and manager.session.in_flight == {2}
 
     write_gates[2].set()
-    while manager._in_flight:  # each save() call finalizes without waiting
+    while manager.session.in_flight:  # each save() call finalizes without waiting
         manager.save(4)
     assert manager.committed_steps() == [2]  # the newer commit let retention drop step 1
     assert [r.status for r in manager.metrics] == ["committed", "committed"]
@@ -454,15 +455,15 @@ def test_a_published_step_not_yet_finalized_counts_as_in_flight(
     job.train_step()
     write_gates[10].set()
     manager.save(10, force=True)
-    while manager._in_flight:
+    while manager.session.in_flight:
         manager.save(11)
     manager.save(2, force=True)  # held
     write_gates[1].set()
     manager.save(1, force=True)  # written and published, but not finalized yet
     while not (folder / "step-1").exists():
         threading.Event().wait(0.01)
-    assert manager._in_flight == {1, 2}
-    manager._retain(protect=set())  # the policy asks for everything; in flight stays
+    assert manager.session.in_flight == {1, 2}
+    manager.session.retain(protect=set())  # the policy asks for everything; in flight stays
     assert sorted(os.listdir(folder)) == [".quicksave-lock", "step-1", "step-10"]
     write_gates[2].set()
     manager.close()  # both commit; now the policy may have steps 1 and 2, never the newest
@@ -553,7 +554,7 @@ def test_backpressure_skip_skips_while_the_previous_save_is_in_flight(
     write_gates[1].set()
     write_gates[3].set()
     job.train_step()
-    while manager._in_flight:  # each save() call finalizes without waiting
+    while manager.session.in_flight:  # each save() call finalizes without waiting
         manager.save(50)
     assert manager.save(3, force=True)
     manager.close()

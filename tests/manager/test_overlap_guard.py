@@ -24,10 +24,11 @@ import torch
 import torch.nn as nn
 
 from helpers.compare import snapshot
-from quicksave.engine import AsyncSaver, EngineConfig
 from quicksave.errors import CheckpointError
 from quicksave.manager import CheckpointConfig, CheckpointManager, ModelState, OptimizerState
-from quicksave.stage import StagingPool
+from quicksave.saving.config import EngineConfig
+from quicksave.saving.engine import AsyncSaver
+from quicksave.stage.pool import StagingPool
 
 LAYERS = 8
 SAVE_AT = 4
@@ -277,7 +278,7 @@ def test_a_tensor_written_between_the_step_and_save_is_copied_in_save(tmp_path: 
             if step == SAVE_AT:
                 with torch.no_grad():
                     loop.model[0].weight.add_(1.0)  # the swap, outside any step
-                deferred = manager._writer.deferred()
+                deferred = manager.session.writer.deferred()
                 assert not deferred("", loop.model[0].weight.detach())
                 assert deferred("", loop.model[1].weight.detach())
             manager.save(step)

@@ -28,10 +28,10 @@ from quicksave.errors import (
     WorkerFailedError,
 )
 from quicksave.format import MANIFEST_NAME
+from quicksave.loading.verify import verify_checkpoint
 from quicksave.manager import CheckpointConfig, CheckpointManager
 from quicksave.manager import folder as folder_mod
 from quicksave.manager.lease import LEASE_NAME, FolderLease
-from quicksave.verify import verify_checkpoint
 
 
 class Box:
@@ -136,7 +136,7 @@ def test_read_only_manager_creates_and_deletes_nothing(tmp_path):
     folder = tmp_path / "never-created"
     m = manager(folder, Box(), read_only=True, async_mode="process")
     assert m.load() is None
-    assert m._writer is None  # no worker process, no staging pool
+    assert m.session.writer is None  # no worker process, no staging pool
     assert not folder.exists()
     with pytest.raises(CheckpointError, match="read_only=True"):
         m.save(1, force=True)
@@ -309,10 +309,10 @@ def test_retention_keeps_the_last_checkpoint_that_passed(tmp_path, monkeypatch):
     save_steps(tmp_path, [1, 2, 3])
     flip_last_byte(data_file(tmp_path / "step-3"))
     monkeypatch.setattr(folder_mod, "quarantine", lambda path, why, *_: None)  # cannot move
-    monkeypatch.setattr("quicksave.manager.manager.quarantine", lambda path, why, *_: None)
+    monkeypatch.setattr("quicksave.manager.session.quarantine", lambda path, why, *_: None)
     m = manager(tmp_path, Box(), keep_latest_k=1)
     assert m.load() == 2
-    m._retain(set())
+    m.session.retain(set())
     assert m.committed_steps() == [2, 3]  # 3 is the newest, 2 the last good one
     m.close()
 
@@ -378,8 +378,8 @@ def test_default_worker_timeout_detects_a_stopped_worker_within_ten_seconds(tmp_
     assert m.config.worker_timeout_s <= 10
     box.set(1)
     m.save(1)
-    assert m._writer is not None and m._writer.drain(60)
-    pid = m._writer.saver.worker_pid
+    assert m.session.writer is not None and m.session.writer.drain(60)
+    pid = m.session.writer.saver.worker_pid
     assert pid is not None
     os.kill(pid, signal.SIGSTOP)
     try:
@@ -387,7 +387,7 @@ def test_default_worker_timeout_detects_a_stopped_worker_within_ten_seconds(tmp_
         box.set(2)
         with pytest.raises(WorkerFailedError, match=r"it is stopped \(state [Tt]: SIGSTOP") as e:
             m.save(2)
-            m._writer.drain(60)
+            m.session.writer.drain(60)
             m.save(3)
         assert time.monotonic() - began < 10
         assert e.value.rank == 0
@@ -412,7 +412,7 @@ def test_bad_user_metadata_is_refused_before_any_write(tmp_path):
 
 
 def test_a_checkpoint_deleted_under_a_load_is_not_found_not_corrupt(tmp_path, monkeypatch):
-    from quicksave.reader import StorageReader
+    from quicksave.adapters.dcp_reader import StorageReader
 
     target = tmp_path / "step-1"
     quicksave.save({"t": torch.ones(4)}, target)

@@ -1,6 +1,6 @@
 """``quicksave.PerRank`` in one process: its entries, its checks, and what a load on
 another number of ranks does (``on_resize``). The multi-rank behaviour is in
-tests/dist/test_per_rank_state.py."""
+tests/multirank/test_per_rank_state.py."""
 
 from __future__ import annotations
 

@@ -3,7 +3,7 @@ creates the optimizer's state from the checkpoint, without an optimizer step: ev
 tensor, param group and type comes back exactly, the optimizer's ``step`` is never
 called, and training continues bit-exactly like the uninterrupted run.
 
-(The FSDP2 / DTensor cases on 1 and 2 ranks: tests/dist/test_restore_fresh_dist.py.)
+(The FSDP2 / DTensor cases on 1 and 2 ranks: tests/multirank/test_restore_fresh_dist.py.)
 """
 
 from __future__ import annotations
@@ -284,7 +284,7 @@ def test_a_per_rank_state_refusing_the_checkpoint_takes_the_allocated_state_back
 def test_a_load_reads_the_manifest_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Per-rank states (the RNG) learn the checkpoint's entries from the metadata the
     load reads anyway: one read and parse of the manifest per load (it was two)."""
-    import quicksave.reader as reader_module
+    import quicksave.adapters.dcp_reader as reader_module
     from quicksave.manager import RNGState
 
     folder = str(tmp_path / "ckpt")

@@ -16,9 +16,8 @@ import pytest
 import torch
 import torch.nn as nn
 
-import quicksave.engine as engine
 from quicksave.manager import CheckpointConfig, CheckpointManager, ModelState, OptimizerState
-from quicksave.stage import StagingPool
+from quicksave.stage.pool import StagingPool
 
 
 def _loop() -> tuple[nn.Module, torch.optim.Optimizer, callable]:
@@ -88,7 +87,7 @@ def build_pools_lazily() -> None:
         real(self, layout, pin=pin, populate=False)
 
     StagingPool.__init__ = lazy
-    engine.StagingPool.touch = lambda self: None
+    StagingPool.touch = lambda self: None
 
 
 def _measure(folder: Path, how: str) -> tuple[list[int], list[dict]]:

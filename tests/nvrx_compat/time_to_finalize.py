@@ -1,12 +1,12 @@
 #!/usr/bin/env python3
-"""Time until finalized: NVRx's async_ckpt vs quicksave.async_api, side by side.
+"""Time until finalized: NVRx's async_ckpt vs quicksave.compat.nvrx, side by side.
 
 A measuring tool, not a test (pytest does not collect ``nvrx_compat``). The same user
 script (``ttf_user_script.py``: NVRx's documented ``FileSystemWriterAsync`` +
 ``save_state_dict_async_plan`` + ``AsyncRequest`` + persistent ``AsyncCallsQueue`` flow) runs
 twice with only its import switched: as it is against NVRx's source tree
 (``nvidia_resiliency_ext.checkpointing.async_ckpt``; on a machine without CUDA with the CPU
-shim, ``cpu_shim/sitecustomize.py``), and rewritten to ``quicksave.async_api``. For each
+shim, ``cpu_shim/sitecustomize.py``), and rewritten to ``quicksave.compat.nvrx``. For each
 world size and state-dict shape it starts the ranks (torchrun's environment, gloo) once per
 implementation and round, alternating (NVRx, quicksave, NVRx, quicksave, ...) so that both
 see the same machine; each start makes a first save (which starts the worker) and then
@@ -463,7 +463,7 @@ def _interrupt(signum, frame):
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
-        description="Time until finalized, NVRx's async_ckpt vs quicksave.async_api: the same "
+        description="Time until finalized, NVRx's async_ckpt vs quicksave.compat.nvrx: the same "
         "user script with only the import switched, alternating, on 1 and 2 gloo ranks.",
     )
     p.add_argument("nvrx_root", nargs="?", help="an NVRx checkout or extract (not modified)")

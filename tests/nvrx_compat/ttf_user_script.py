@@ -3,7 +3,7 @@
 ``time_to_finalize.py`` runs this file on every rank (torchrun's environment: ``RANK``,
 ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``; gloo) twice: as it is, importing NVIDIA
 Resiliency Extension's ``nvidia_resiliency_ext.checkpointing.async_ckpt``, and as a copy
-whose only change is that import rewritten to ``quicksave.async_api``. It is not meant to be
+whose only change is that import rewritten to ``quicksave.compat.nvrx``. It is not meant to be
 run by hand.
 
 Per save, as in NVRx's ``examples/checkpointing/async_writer.py``: a

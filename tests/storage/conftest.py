@@ -13,8 +13,9 @@ from collections.abc import Iterator
 
 import pytest
 
-from quicksave.testing.faultproxy import FaultProxy
-from quicksave.testing.seaweed import SeaweedError, SeaweedServer
+from quicksave_tools.testing.faultproxy import FaultProxy
+from quicksave_tools.testing.seaweed import SeaweedServer
+from quicksave_tools.testing.seaweed_process import SeaweedError
 
 
 @pytest.fixture(scope="session")

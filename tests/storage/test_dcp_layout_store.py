@@ -12,12 +12,12 @@ import torch
 import quicksave
 from helpers.dcp_layout import DATA_FILE, write_dcp_layout_checkpoint
 from helpers.state import raw
-from quicksave.catalog import list_checkpoints
 from quicksave.commit import CheckpointKind, classify
 from quicksave.errors import CorruptCheckpointError
-from quicksave.inspect import inspect_checkpoint
+from quicksave.loading.catalog import list_checkpoints
+from quicksave.loading.verify import verify_checkpoint
 from quicksave.manager import folder
-from quicksave.verify import verify_checkpoint
+from quicksave.tools.inspect_checkpoint import inspect_checkpoint
 
 
 @pytest.fixture

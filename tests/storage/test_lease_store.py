@@ -27,12 +27,12 @@ import torch
 
 import quicksave
 from quicksave.errors import CheckpointError
+from quicksave.loading.verify import verify_checkpoint
 from quicksave.manager import CheckpointConfig, CheckpointManager, store_lease
 from quicksave.manager.store_lease import LEASE_NAME, Holder, LeaseRecord, StoreLease
 from quicksave.storage import StorageOptions, parse_location
 from quicksave.storage.local import LocalBackend
 from quicksave.storage.s3 import S3Backend
-from quicksave.verify import verify_checkpoint
 
 pytestmark = pytest.mark.slow
 
@@ -194,7 +194,7 @@ def test_a_store_that_ignores_conditions_gets_a_best_effort_lease(
     try:
         assert first.read_only_reason is None
         assert "best-effort" in caplog.text and f"s3://{s3_bucket}/be" in caplog.text
-        assert first._lease is not None and not first._lease.enforced
+        assert first.session.lease is not None and not first.session.lease.enforced
         # still seen by a second writer (read back after the settle pause)
         second = CheckpointManager(config, {"model": torch.nn.Linear(2, 2)})
         assert second.read_only_reason is not None
@@ -242,7 +242,7 @@ def test_second_writer_is_read_only_and_deletes_nothing_while_a_save_is_in_fligh
                 second.save(3, force=True)  # never replaces the in-flight step-2, or step-1
             assert f"pid {os.getpid()}" in str(info.value)
             assert second.latest_step() is None
-        assert 2 in first._in_flight  # all of this happened while the save was in flight
+        assert 2 in first.session.in_flight  # all of this happened while the save was in flight
         after = _keys(s3_server, s3_bucket, "two/")
         assert set(before) <= set(after)  # the second writers deleted nothing
         for second in seconds:
@@ -273,9 +273,9 @@ def test_renewals_keep_a_long_saves_lease_alive(
         fault_proxy.set_mode("delay", delay_s=0.1)
         assert first.save(1, force=True)
         time.sleep(expiry * 1.5)  # longer than the lease lives without a renewal
-        assert 1 in first._in_flight, "the save ended too soon to test anything"
+        assert 1 in first.session.in_flight, "the save ended too soon to test anything"
         record = _lease_record(s3_server, s3_bucket, "long")
-        assert record is not None and record.token == first._lease._token
+        assert record is not None and record.token == first.session.lease._token
         assert record.renewed_at - record.since > expiry  # renewed past one expiry period
         config = CheckpointConfig(
             folder=folder, storage=_options(s3_server, lease_expiry_s=expiry, lease_renew_s=0.2)
@@ -288,7 +288,7 @@ def test_renewals_keep_a_long_saves_lease_alive(
         fault_proxy.set_mode("pass")
         first.wait()
         assert first.committed_steps() == [1]
-        assert first._lease.held and first._lease.renewals >= 5
+        assert first.session.lease.held and first.session.lease.renewals >= 5
     finally:
         fault_proxy.set_mode("pass")
         first.close()
@@ -313,7 +313,7 @@ def test_holder_killed_on_this_machine_is_taken_over_at_once(s3_env, s3_server, 
     # the lease is 30 s from expiring, but its holder is provably gone
     with CheckpointManager(config, {"model": torch.nn.Linear(4, 4)}) as m:
         assert m.read_only_reason is None
-        assert m._lease.previous == "gone"
+        assert m.session.lease.previous == "gone"
         assert not any(k.startswith("kill/step-7/") for k in _keys(s3_server, s3_bucket, "kill/"))
         m.save(7, force=True)
         assert m.committed_steps() == [7]
@@ -334,10 +334,10 @@ def test_expired_holder_of_another_machine_is_taken_over_and_cleaned_up_after_ex
     config = CheckpointConfig(folder=folder, async_mode="disabled", storage=storage)
     with CheckpointManager(config, {"model": torch.nn.Linear(4, 4)}) as m:
         assert m.read_only_reason is None  # no renewal came: expired, taken over
-        assert m._lease.previous == "expired"
+        assert m.session.lease.previous == "expired"
         assert leftover in _keys(s3_server, s3_bucket, "away/")  # not yet: no evidence yet
         record = _lease_record(s3_server, s3_bucket, "away")
-        assert record is not None and record.token == m._lease._token
+        assert record is not None and record.token == m.session.lease._token
         time.sleep(expiry)  # held for one expiry period: the old holder had time to notice
         m.save(1, force=True)  # its commit runs the clean-up that was due
         assert m.committed_steps() == [1]
@@ -349,7 +349,7 @@ def test_a_lost_lease_stops_every_deletion(s3_env, s3_server, s3_bucket) -> None
     storage = StorageOptions(lease_expiry_s=30.0, lease_renew_s=0.2)
     config = CheckpointConfig(folder=folder, async_mode="disabled", storage=storage)
     with CheckpointManager(config, {"model": torch.nn.Linear(4, 4)}) as m:
-        lease = m._lease
+        lease = m.session.lease
         assert lease is not None and lease.held
         _put(s3_server, s3_bucket, "lost/step-9/rank-00000-00.safetensors")
         usurper = LeaseRecord("f" * 32, ELSEWHERE, time.time(), time.time(), 0, 30.0, 5.0)

@@ -39,15 +39,15 @@ from torch.distributed.checkpoint import (  # noqa: E402
 )
 
 import quicksave  # noqa: E402
-from quicksave.async_api.core import AsyncCallsQueue, AsyncRequest  # noqa: E402
-from quicksave.async_api.filesystem_async import FileSystemWriterAsync  # noqa: E402
-from quicksave.async_api.state_dict_saver import (  # noqa: E402
+from quicksave.compat.nvrx.core import AsyncCallsQueue, AsyncRequest  # noqa: E402
+from quicksave.compat.nvrx.filesystem_async import FileSystemWriterAsync  # noqa: E402
+from quicksave.compat.nvrx.state_dict_saver import (  # noqa: E402
     save_state_dict_async_finalize,
     save_state_dict_async_plan,
 )
 from quicksave.errors import CheckpointError, CheckpointExistsError  # noqa: E402
+from quicksave.loading.verify import verify_checkpoint  # noqa: E402
 from quicksave.storage import StorageOptions  # noqa: E402
-from quicksave.verify import verify_checkpoint  # noqa: E402
 
 PROFILE = "model-checkpoints"
 
@@ -502,7 +502,7 @@ def _rank_guide_flow(rank: int, world_size: int, path: str) -> bool:
 
 @pytest.mark.slow
 def test_guide_flow_on_two_ranks(s3_server, bucket, msc_env: Path):
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "dist"))
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "multirank"))
     try:
         from launcher import LaunchConfig, run_ranks
     finally:

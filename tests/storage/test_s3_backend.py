@@ -17,14 +17,15 @@ pytest.importorskip("boto3")
 
 import xxhash  # noqa: E402
 
+from quicksave.checksum import hexdigest  # noqa: E402
 from quicksave.errors import (  # noqa: E402
     CheckpointError,
     CheckpointNotFoundError,
     CorruptCheckpointError,
 )
-from quicksave.format.manifest import hexdigest  # noqa: E402
 from quicksave.storage.backend import Backend, ObjectInfo, S3Options  # noqa: E402
-from quicksave.storage.s3 import MIN_PART_SIZE, S3Backend  # noqa: E402
+from quicksave.storage.s3 import S3Backend  # noqa: E402
+from quicksave.storage.s3.upload import MIN_PART_SIZE  # noqa: E402
 
 PART = MIN_PART_SIZE  # 5 MiB: the smallest part S3 allows keeps these tests fast
 

@@ -15,17 +15,17 @@ import torch
 from tests.helpers.state import assert_bit_equal, random_tensor, storable_dtypes
 
 import quicksave
-from quicksave.catalog import list_checkpoints
-from quicksave.convert import convert
 from quicksave.errors import (
     CheckpointError,
     CheckpointExistsError,
     CorruptCheckpointError,
 )
-from quicksave.inspect import inspect_checkpoint
+from quicksave.loading.catalog import list_checkpoints
+from quicksave.loading.verify import verify_checkpoint
 from quicksave.manager import CheckpointConfig, CheckpointManager, OptimizerState
 from quicksave.storage import S3Options, StorageOptions
-from quicksave.verify import verify_checkpoint
+from quicksave.tools.convert import convert
+from quicksave.tools.inspect_checkpoint import inspect_checkpoint
 
 
 @pytest.fixture
@@ -120,7 +120,8 @@ def test_save_load_round_trip_every_dtype_and_layout(s3_env, s3_server, s3_bucke
 
 
 def test_async_engine_saves_straight_from_the_pool(s3_env, s3_bucket) -> None:
-    from quicksave.engine import AsyncSaver, EngineConfig
+    from quicksave.saving.config import EngineConfig
+    from quicksave.saving.engine import AsyncSaver
 
     sd = _state(3)
     saver = AsyncSaver(EngineConfig(thread_count=2))
@@ -481,7 +482,7 @@ def test_sigkill_of_the_worker_mid_upload(s3_env, s3_server, s3_bucket, fault_pr
             model.weight.add_(1.0)
         m.save(2)
         time.sleep(1.0)  # the upload is crawling through the proxy
-        pid = m._writer.saver.worker_pid if m._writer is not None else None
+        pid = m.session.writer.saver.worker_pid if m.session.writer is not None else None
         assert pid is not None
         os.kill(pid, signal.SIGKILL)
         fault_proxy.set_mode("pass")

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "dist"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "multirank"))
 from launcher import LaunchConfig, run_ranks  # noqa: E402
 
 LAUNCH = LaunchConfig(

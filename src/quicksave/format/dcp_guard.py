@@ -19,7 +19,7 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-from ..errors import CheckpointError, rank_of_this_process
+from quicksave.errors import CheckpointError, rank_of_this_process
 
 _FRAMES = 8  # how far up the stack a reader holding the checkpoint's path is looked for
 

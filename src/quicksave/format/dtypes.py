@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from ..errors import IncompatibleStateError
-from .dtype_names import ELEMENT_SIZES
+from quicksave.errors import IncompatibleStateError
+from quicksave.format.dtype_names import ELEMENT_SIZES
 
 
 def _table() -> dict[str, torch.dtype]:

@@ -20,11 +20,12 @@ from typing import Any, NoReturn
 
 import xxhash
 
-from ..errors import CorruptCheckpointError, IncompatibleStateError
-from ..safeio import bad_member_name
-from . import ALIGNMENT, FORMAT_NAME, FORMAT_VERSION, strict_json
-from .dtype_names import element_size_of_name
-from .keys import DictKey, key_types_of, typed_path
+from quicksave.checksum import hexdigest
+from quicksave.errors import CorruptCheckpointError, IncompatibleStateError
+from quicksave.format import ALIGNMENT, FORMAT_NAME, FORMAT_VERSION, strict_json
+from quicksave.format.dtype_names import element_size_of_name
+from quicksave.format.keys import DictKey, key_types_of, typed_path
+from quicksave.format.naming import bad_member_name
 
 _CHECKSUM_KEY = '"manifest_xxh3_64":"'
 _ZERO_DIGEST = "0" * 16
@@ -35,10 +36,6 @@ _DTYPE_NAME = re.compile(r"[a-z0-9_]{1,64}\Z")
 LAYOUT_QUICKSAVE = "quicksave"  # safetensors data files, manifest.json (FORMAT.md §1-§3)
 LAYOUT_DCP = "dcp"  # DCP's .distcp files, the manifest inside .metadata (FORMAT.md §8)
 LAYOUTS = (LAYOUT_QUICKSAVE, LAYOUT_DCP)
-
-
-def hexdigest(value: int) -> str:
-    return f"{value:016x}"
 
 
 @dataclass(frozen=True)
@@ -389,7 +386,7 @@ def _plans(doc: dict, world_size: int, path: str) -> tuple[RankPlan, ...] | None
 
 
 def _files(doc: dict, world_size: int, layout: str, path: str) -> dict[str, FileEntry]:
-    from . import DCP_METADATA_NAME, MANIFEST_NAME
+    from quicksave.format import DCP_METADATA_NAME, MANIFEST_NAME
 
     files: dict[str, FileEntry] = {}
     for name, f in _req(doc, "files", dict, "manifest", path).items():
@@ -579,70 +576,3 @@ def from_json_bytes(
         layout=got,
         empty_dicts=_empty_dicts(doc, path),
     )
-
-
-def read_manifest(checkpoint: Any) -> Manifest:
-    """Read and validate the manifest of a checkpoint: ``<checkpoint>/manifest.json``
-    (layout ``quicksave``) or, when there is none and ``.metadata`` ends with the DCP
-    layout's footer, the manifest inside ``.metadata`` (layout ``dcp``, FORMAT.md §8:
-    the footer is read first, then only the manifest's bytes; the pickle before them is
-    never read). A regular file inside the directory (not a symbolic link, FIFO or
-    device) or an object under the checkpoint's prefix; at most 1 GiB of manifest, read
-    up to its recorded size.
-
-    Args:
-        checkpoint: a path, URL, Location or an open ``CheckpointDir``.
-
-    Raises:
-        CorruptCheckpointError: missing, not a regular file, too large, unreadable, or
-            invalid; names the manifest's path or URL (``<checkpoint>/.metadata`` for
-            layout ``dcp``).
-    """
-    from ..storage.checkpoint_dir import CheckpointDir
-    from . import MANIFEST_NAME
-
-    d = checkpoint if isinstance(checkpoint, CheckpointDir) else CheckpointDir(checkpoint)
-    try:
-        path = d.member_url(MANIFEST_NAME)
-        try:
-            data = d.read(
-                MANIFEST_NAME,
-                MAX_MANIFEST_BYTES,
-                what="manifest",
-                too_large="manifest larger than 1 GiB",
-            )
-        except FileNotFoundError:
-            found = _read_dcp_layout_manifest(d)
-            if found is None:
-                raise CorruptCheckpointError("manifest.json is missing", path=path) from None
-            return found
-        return from_json_bytes(data, path, layout=LAYOUT_QUICKSAVE)
-    finally:
-        if d is not checkpoint:
-            d.close()
-
-
-def _read_dcp_layout_manifest(d: Any) -> Manifest | None:
-    """The manifest ``M`` of ``.metadata`` in a DCP-layout checkpoint, or None when
-    there is no ``.metadata`` or it does not claim the layout (a stock DCP checkpoint)."""
-    from ..storage.checkpoint_dir import read_range
-    from . import DCP_METADATA_NAME
-    from .dcp_layout import FOOTER_SIZE, PROBE_SIZE, has_footer, parse_footer
-
-    path = d.member_url(DCP_METADATA_NAME)
-    try:
-        f = d.open(DCP_METADATA_NAME, what="DCP metadata")
-    except FileNotFoundError:
-        return None
-    try:
-        n = min(PROBE_SIZE, f.size)
-        tail = read_range(f, f.size - n, n, path=path, what="DCP metadata")
-        if not has_footer(tail):
-            return None
-        footer = parse_footer(tail[-FOOTER_SIZE:], f.size, path)
-        data = read_range(
-            f, footer.pickle_length, footer.manifest_length, path=path, what="manifest"
-        )
-    finally:
-        f.close()
-    return from_json_bytes(data, path, layout=LAYOUT_DCP)

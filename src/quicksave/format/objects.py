@@ -18,10 +18,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..errors import CheckpointError, CorruptCheckpointError, IncompatibleStateError
-from .dtypes import dtype_from_name, dtype_name, element_size
-from .manifest import INT_LIMIT
-from .strict_json import MAX_DEPTH, MAX_INT_DIGITS
+from quicksave.errors import CheckpointError, CorruptCheckpointError, IncompatibleStateError
+from quicksave.format.dtypes import dtype_from_name, dtype_name, element_size
+from quicksave.format.manifest import INT_LIMIT
+from quicksave.format.strict_json import MAX_DEPTH, MAX_INT_DIGITS
 
 JSONValue = Any
 MAX_INT = 10**MAX_INT_DIGITS  # |integers| stay below it, so their literal fits the limit

@@ -20,10 +20,10 @@ import struct
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import CorruptCheckpointError
-from . import strict_json
-from .dtype_names import SAFETENSORS_CODE_SIZES
-from .torch_legacy import TORCH_LEGACY_PREFIX
+from quicksave.errors import CorruptCheckpointError
+from quicksave.format import strict_json
+from quicksave.format.dtype_names import SAFETENSORS_CODE_SIZES
+from quicksave.format.torch_legacy import TORCH_LEGACY_PREFIX
 
 MAX_HEADER_BYTES = 100 << 20  # safetensors' own limit
 PAD_PREFIX = "__quicksave_pad_"

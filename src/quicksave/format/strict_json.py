@@ -22,7 +22,7 @@ import math
 import re
 from typing import Any
 
-from ..errors import CorruptCheckpointError
+from quicksave.errors import CorruptCheckpointError
 
 MAX_DEPTH = 100
 MAX_INT_DIGITS = 256

@@ -114,7 +114,7 @@ def legacy_prefix(dtype: Any, sizes: tuple[int, ...]) -> bytes | None:
 
 def legacy_prefix_for(dtype_name: str, sizes: tuple[int, ...]) -> bytes | None:
     """:func:`legacy_prefix` for a manifest dtype name (None if this torch lacks it)."""
-    from .dtypes import known_dtype
+    from quicksave.format.dtypes import known_dtype
 
     dtype = known_dtype(dtype_name)
     return None if dtype is None else legacy_prefix(dtype, tuple(sizes))

@@ -23,12 +23,12 @@ import torch.nn as nn
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torchtitan.components.checkpointer import DATALOADER, MODEL
 
-from ..commit import CheckpointKind, classify
-from ..dcp_reader import DCPReader
-from ..errors import CheckpointError, IncompatibleStateError
-from ..manager.states import OptimizerState
-from ..reader import StorageReader
-from ..storage import Location, parse_location
+from quicksave.adapters.dcp_reader import StorageReader
+from quicksave.commit import CheckpointKind, classify
+from quicksave.errors import CheckpointError, IncompatibleStateError
+from quicksave.loading.dcp_stock import DCPReader
+from quicksave.manager.states import OptimizerState
+from quicksave.storage import Location, parse_location
 
 logger = logging.getLogger("quicksave")
 

@@ -40,13 +40,15 @@ import torch
 
 import quicksave
 from quicksave.commit import CheckpointKind, classify, remove_tree
-from quicksave.engine import AsyncSaver, EngineConfig, SaveHandle
 from quicksave.errors import (
     CheckpointError,
     CheckpointExistsError,
     IncompatibleStateError,
     rank_of_this_process,
 )
+from quicksave.saving.config import EngineConfig
+from quicksave.saving.engine import AsyncSaver
+from quicksave.saving.handle import SaveHandle
 from quicksave.storage import StorageOptions, parse_location
 
 

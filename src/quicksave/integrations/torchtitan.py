@@ -26,6 +26,12 @@ asynchronous engine (``async_mode``: ``"disabled"``, ``"async"``, or
 ``"async_with_pinned_mem"`` for overlapped staging). Hugging Face import/export is
 refused. Details: docs/integrations/torchtitan.md.
 
+The folder itself (writer lease, clean-up of leftovers, listing, saves in flight,
+fallback load, retention, failure agreement) is a
+:class:`~quicksave.manager.session.CheckpointSession`, as for ``CheckpointManager``;
+this module is torchtitan's contract and rules on top of it, its options are
+:mod:`._torchtitan_config`.
+
 Order of calls (torchtitan's trainer, every rank alike): build (the coordinator takes
 the folder's writer lease) → ``load(step)`` → per step ``maybe_wait_for_staging()``
 before ``optimizers.step()``, then ``save(step, last_step)`` → ``close()``.
@@ -43,13 +49,12 @@ from __future__ import annotations
 import logging
 import sys
 import time
-from dataclasses import dataclass
-from datetime import timedelta
-from typing import Any, Literal
+from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
+
+from quicksave.integrations._torchtitan_config import TitanCheckpointConfig
 
 try:
     from torchtitan.components.checkpointer import (
@@ -66,35 +71,16 @@ except ImportError as e:  # pragma: no cover - depends on the environment
         "(pip install 'quicksave[torchtitan]')"
     ) from e
 
-from .. import api
-from ..commit import classify
-from ..dist.saving import DistContext
-from ..engine import SaveHandle
-from ..errors import (
-    CheckpointError,
-    CheckpointNotFoundError,
-)
-from ..manager.async_writer import AsyncWriter
-from ..manager.config import CheckpointConfig
-from ..manager.folder import (
-    COMMITTED,
-    apply_retention,
-    check_step,
-    committed_steps,
-    create_folder,
-    load_newest,
-    quarantine,
-    replace_uncommitted,
-    require_committed,
-)
-from ..manager.interval import agree_any_due
-from ..manager.lease import WriterLease, clean_folder, take_writer_lease
-from ..manager.policies import KeepLatestK
-from ..manager.records import SaveRecord, log_committed
-from ..manager.states import ModelState, payload_bytes
-from ..storage import Location, parse_location
-from ..storage.backend import Backend
-from . import _torchtitan_layout as layout
+from quicksave import api
+from quicksave.errors import CheckpointError, CheckpointNotFoundError
+from quicksave.integrations import _torchtitan_layout as layout
+from quicksave.manager.async_writer import AsyncWriter
+from quicksave.manager.folder import check_step
+from quicksave.manager.records import SaveRecord
+from quicksave.manager.session import CheckpointSession
+from quicksave.manager.states import ModelState, payload_bytes
+from quicksave.saving.handle import SaveHandle
+from quicksave.storage import Location, parse_location
 
 __all__ = ["QuicksaveCheckpointManager"]
 
@@ -125,6 +111,8 @@ class QuicksaveCheckpointManager(BaseCheckpointManager):
 
     Attributes:
         folder: the checkpoint folder (absolute path or URL).
+        session: the folder's :class:`~quicksave.manager.session.CheckpointSession`
+            (its lease, listing, saves in flight, fallback load and retention).
         metrics: one :class:`~quicksave.SaveRecord` per checkpoint written.
         read_only_reason: why ``save()`` raises (``load_only``, or another live job
             holds the folder's writer lease), or None.
@@ -144,78 +132,11 @@ class QuicksaveCheckpointManager(BaseCheckpointManager):
         checkpointer.load()
     """
 
-    @dataclass(kw_only=True, slots=True)
-    class Config(BaseCheckpointManager.Config):
-        """torchtitan's checkpoint options (``BaseCheckpointManager.Config``) and
-        quicksave's. Every field is a torchtitan CLI flag (``--checkpoint.<field>``)."""
-
-        async_mode: Literal["disabled", "async", "async_with_pinned_mem"] = "disabled"
-        """``disabled``: save() returns once committed. ``async``: once staged; written
-        in the background. ``async_with_pinned_mem``: parameters and optimizer states
-        are staged during the next forward/backward too."""
-
-        async_worker: Literal["process", "thread"] = "process"
-        """Who writes in the async modes: a worker process per rank, or a thread."""
-
-        thread_count: int = 2
-        """Data files (and writer threads) per rank."""
-
-        allow_dcp: bool = False
-        """Also list and load stock DCP ``step-<N>`` folders (e.g. written by stock
-        torchtitan): their ``.metadata`` pickle is read by a restricted unpickler."""
-
-        allow_dcp_pickle: bool = False
-        """Unpickle stock DCP metadata without restriction (trusted folders only)."""
-
-        save_timeout_s: float = 900.0
-        """A save still being written after this long has failed."""
-
-        commit_timeout_s: float = 120.0
-        """Several ranks: how long the commit waits for every rank's files."""
-
-        close_timeout_s: float = 300.0
-        """How long ``close()`` (and a load, a last-step save) waits for saves."""
-
-        def __post_init__(self) -> None:
-            BaseCheckpointManager.Config.__post_init__(self)
-            for name in ("last_save_in_hf", "initial_load_in_hf"):
-                if getattr(self, name):
-                    raise CheckpointError(
-                        f"checkpoint.{name} is not supported by QuicksaveCheckpointManager: "
-                        "Hugging Face safetensors are not quicksave checkpoints. Use "
-                        "torchtitan's stock CheckpointManager for Hugging Face import/export, "
-                        "or export a quicksave checkpoint with "
-                        "`quicksave convert --to safetensors CKPT OUT`"
-                    )
-            self.async_mode = self.async_mode.lower()  # type: ignore[assignment]
-            self.quicksave_config()  # validates the quicksave options now
-
-        def quicksave_config(self, folder: str | None = None) -> CheckpointConfig:
-            """The equivalent :class:`~quicksave.CheckpointConfig` (engine, timeouts,
-            retention), for ``folder`` (default: ``self.folder``)."""
-            if self.async_mode not in ("disabled", "async", "async_with_pinned_mem"):
-                raise CheckpointError(
-                    "checkpoint.async_mode must be 'disabled', 'async' or "
-                    f"'async_with_pinned_mem', got {self.async_mode!r}"
-                )
-            return CheckpointConfig(
-                folder=folder or self.folder,
-                keep_latest_k=self.keep_latest_k,
-                export_dtype=self.export_dtype,
-                thread_count=self.thread_count,
-                async_mode="disabled" if self.async_mode == "disabled" else self.async_worker,
-                staging="overlap" if self.async_mode == "async_with_pinned_mem" else "blocking",
-                save_timeout_s=self.save_timeout_s,
-                commit_timeout_s=self.commit_timeout_s,
-                close_timeout_s=self.close_timeout_s,
-                read_only=self.load_only,
-                allow_dcp=self.allow_dcp,
-                allow_dcp_pickle=self.allow_dcp_pickle,
-            )
+    Config = TitanCheckpointConfig
 
     def __init__(
         self,
-        config: Config,
+        config: TitanCheckpointConfig,
         *,
         dataloader: Any,
         model_parts: list[nn.Module],
@@ -226,16 +147,14 @@ class QuicksaveCheckpointManager(BaseCheckpointManager):
         base_folder: str = "",
     ) -> None:
         self.enable = config.enable
-        self._writer: AsyncWriter | None = None
         self._handles: dict[int, SaveHandle] = {}  # saves in flight, by step
-        self._lease: WriterLease | None = None
         self._closed = False
         if not self.enable:
             return
         self.config = config
         self._qs = config.quicksave_config(layout.join_folder(base_folder, config.folder))
-        self._folder: Location = parse_location(self._qs.folder, what="checkpoint folder")
-        self.folder = self._folder.url
+        session = self.session = CheckpointSession(self._qs)  # (only when enabled)
+        self.folder = session.folder
         self.interval = config.interval
         self.states = states
         self.states.update(
@@ -246,26 +165,26 @@ class QuicksaveCheckpointManager(BaseCheckpointManager):
                 LR_SCHEDULER: lr_schedulers,
             }
         )
-        self.metrics: list[SaveRecord] = []
-        self._group: dist.ProcessGroup | None = None  # the checkpoint group (_checkpoint_group)
-        self._last_good: int | None = None  # newest step known to pass its checks
-        self._retention = KeepLatestK(config.keep_latest_k)
-        if self._world_size() > 1:
-            self._checkpoint_group()  # now, on every rank alike (creating it is collective)
-        self.read_only_reason = self._take_folder()
+        self.metrics: list[SaveRecord] = session.metrics
+        if session.world_size() > 1:
+            session.checkpoint_group()  # now, on every rank alike (creating it is collective)
+        self.read_only_reason = session.take_folder(
+            read_only="checkpoint.load_only is set" if config.load_only else None,
+            hint="use another folder, stop that job, or set checkpoint.load_only",
+        )
         if self.read_only_reason is None and self._qs.async_mode != "disabled":
             torch_optimizers = layout.torch_optimizers(optimizers)
             hooks: dict[str, Any] = {MODEL: ModelState(model_parts)}
             if torch_optimizers:
                 hooks[OPTIMIZER] = layout.OptimizerHooks(model_parts, torch_optimizers)
-            self._writer = AsyncWriter(
+            session.writer = AsyncWriter(
                 self._qs.engine_config(),
                 hooks,
                 lambda: self._full_state(),
-                rank=self._rank() or 0,
-                dist_context=self._dist_context() if self._world_size() > 1 else None,
+                rank=session.rank() or 0,
+                dist_context=session.dist_context() if session.world_size() > 1 else None,
             )
-            self._writer.prepare_if_due(background=False)
+            session.writer.prepare_if_due(background=False)
         logger.info(
             "quicksave: torchtitan checkpoints in %s (interval %d, keep_latest_k %d, %s)",
             self.folder,
@@ -298,22 +217,23 @@ class QuicksaveCheckpointManager(BaseCheckpointManager):
                 background save failed, or this manager does not write (names why).
         """
         self._check_open()
+        session = self.session
         check_step(curr_step, self.folder)
         begin = time.monotonic()
         failures = self._collect_finished()
-        if self._world_size() == 1:
-            self._raise_first(failures)
+        if session.world_size() == 1:
+            _raise_first(failures)
             failures = []
         # Several ranks: an earlier failure is raised after this step's save, whose
         # planning is collective, so that no rank leaves the others waiting in it.
         if not self._should_save(curr_step, last_step):
-            self._raise_first(failures)
+            _raise_first(failures)
             return False
         if self.read_only_reason is not None:
             raise CheckpointError(
                 f"this checkpointer does not write checkpoints: {self.read_only_reason}",
                 path=self.folder,
-                rank=self._rank(),
+                rank=session.rank(),
             )
         kind = "full"
         if last_step and self.config.last_save_model_only:
@@ -321,8 +241,8 @@ class QuicksaveCheckpointManager(BaseCheckpointManager):
         with torch.no_grad():
             # The last step's checkpoint is written synchronously, as torchtitan does.
             wrote = self._save_step(curr_step, kind, begin, synchronous=last_step)
-        self._retain(protect={curr_step})
-        self._raise_first(failures)
+        session.housekeep(protect={curr_step})
+        _raise_first(failures)
         return wrote
 
     def _load(self, step: int = -1) -> bool:
@@ -343,39 +263,23 @@ class QuicksaveCheckpointManager(BaseCheckpointManager):
             CheckpointError: it is a model-only checkpoint, or a save in flight failed.
         """
         self._check_open()
+        session = self.session
         self._drain()
         with torch.no_grad():
             if step != -1:
                 check_step(step, self.folder)
                 self._refuse_stock_dcp(step)
-                require_committed(
-                    self._folder,
-                    self._folder.child(f"step-{step}"),
-                    step,
-                    self._rank(),
-                    allow_dcp=self.config.allow_dcp,
-                )
+                session.require_committed(step)
                 self._load_step(step)
                 return True
-            candidates = list(reversed(self.committed_steps()))
-            if not candidates:
+            if not self.committed_steps():
                 self._refuse_stock_dcp(None)
                 return self._initial_load()
-            on_corrupt = None
-            if self._lease is not None:  # a writer moves a corrupt checkpoint aside
-
-                def on_corrupt(candidate: int, why: str) -> None:
-                    quarantine(self._folder.child(f"step-{candidate}"), why, self._deleter())
-
-            folder, rank = self.folder, self._rank()
-            return (
-                load_newest(self.committed_steps, self._load_step, on_corrupt, folder, rank)
-                is not None
-            )
+            return session.load_newest(self._load_step) is not None
 
     def _maybe_wait_for_staging(self) -> None:
-        if self._writer is not None:
-            self._writer.maybe_wait_for_staging()
+        if self.session.writer is not None:
+            self.session.writer.maybe_wait_for_staging()
 
     def _wait_for_saving(self) -> None:
         self._drain()
@@ -384,33 +288,32 @@ class QuicksaveCheckpointManager(BaseCheckpointManager):
         """Wait for the saves in flight (up to ``close_timeout_s``), stop the worker,
         release the folder. A failed save raises here, unless an exception is already
         being handled (torchtitan closes the trainer on its way out): then it is logged."""
-        if self._closed:
+        if self._closed or not self.enable:
             return
         self._closed = True
+        session = self.session
         try:
-            if self._writer is not None:
-                finished, errors = self._writer.close(self.config.close_timeout_s)
-                self._apply(finished)
-                if sys.exc_info()[1] is not None:
-                    for e in errors:
-                        logger.error("quicksave: closing the checkpointer after an error: %s", e)
-                else:
-                    self._raise_first(errors)
+            errors = session.close_writer(self.config.close_timeout_s)
+            self._handles.clear()
+            session.housekeep()
+            if sys.exc_info()[1] is not None:
+                for e in errors:
+                    logger.error("quicksave: closing the checkpointer after an error: %s", e)
+            else:
+                _raise_first(errors)
         finally:
-            if self._lease is not None:
-                self._lease.release()
-                self._lease = None
+            session.release()
 
     # ------------------------------------------------------------ queries
 
     def step_path(self, step: int) -> str:
         """The directory (or URL) of the checkpoint of ``step``: ``<folder>/step-<step>``."""
-        return self._folder.child(f"step-{step}").url
+        return self.session.step_path(step)
 
     def committed_steps(self) -> list[int]:
         """Steps with a committed checkpoint in the folder, ascending (stock DCP ones
         only with ``allow_dcp``); temporaries and quarantined ones are not listed."""
-        return committed_steps(self._folder, allow_dcp=self.config.allow_dcp)
+        return self.session.committed_steps()
 
     # ------------------------------------------------------------ save path
 
@@ -424,17 +327,18 @@ class QuicksaveCheckpointManager(BaseCheckpointManager):
     def _save_step(self, step: int, kind: str, begin: float, *, synchronous: bool) -> bool:
         """Write the ``kind`` checkpoint of ``step`` to ``step-<step>``; False if it
         exists already, is in flight, or backpressure skipped it."""
-        path = self.step_path(step)
-        if classify(self._folder.child(f"step-{step}")) in COMMITTED:
+        session = self.session
+        path = session.step_path(step)
+        if session.is_committed(path):
             logger.info("quicksave: step %d already has a committed checkpoint; skipped", step)
             return False
-        if self._writer is not None and step in self._writer.in_flight_steps:
+        if step in session.in_flight:
             logger.info("quicksave: step %d is being written already; skipped", step)
             return False
-        if synchronous or self._writer is None:
+        writer = session.writer
+        if synchronous or writer is None:
             self._drain()  # a synchronous write never runs beside a save in flight
-        if self._lease is not None:
-            replace_uncommitted(self._folder.child(f"step-{step}"), self._deleter())
+        session.replace_uncommitted(path)
         if kind == "full":
             state = self._full_state()
         else:
@@ -443,7 +347,7 @@ class QuicksaveCheckpointManager(BaseCheckpointManager):
         metadata: dict[str, Any] = {layout.KIND_KEY: kind, "trainer": "torchtitan"}
         if kind != "full":
             metadata["export_dtype"] = self.config.export_dtype
-        if synchronous or self._writer is None:
+        if synchronous or writer is None:
             written = time.monotonic()
             api.save(
                 state,
@@ -453,15 +357,13 @@ class QuicksaveCheckpointManager(BaseCheckpointManager):
                 user_metadata=metadata,
             )
             now = time.monotonic()
-            if kind == "full" and (self._last_good or -1) < step:
-                self._last_good = step
-            record = SaveRecord(
-                step, kind, path, nbytes, now - begin, now - begin, now - begin, now - written
+            session.committed(
+                SaveRecord(
+                    step, kind, path, nbytes, now - begin, now - begin, now - begin, now - written
+                )
             )
-            self.metrics.append(record)
-            log_committed(record)
             return True
-        handle = self._writer.submit(state, path, step, metadata)
+        handle = writer.submit(state, path, step, metadata)
         if handle is None:
             return False  # backpressure="skip" (logged by the engine)
         record = SaveRecord(
@@ -473,14 +375,13 @@ class QuicksaveCheckpointManager(BaseCheckpointManager):
             status="in_flight",
             mode=self._qs.async_mode,
         )
-        self._writer.track(len(self.metrics), record, handle, begin)
+        session.track(record, handle, begin)
         self._handles[step] = handle
-        self.metrics.append(record)
         return True
 
     def _full_state(self) -> dict[str, Any]:
         """torchtitan's layout (``_torchtitan_layout.full_state``)."""
-        return layout.full_state(self.states, self.folder, self._rank())
+        return layout.full_state(self.states, self.folder, self.session.rank())
 
     # ------------------------------------------------------------ load path
 
@@ -498,8 +399,9 @@ class QuicksaveCheckpointManager(BaseCheckpointManager):
         afresh beside them (or report "not found"), say what to do."""
         if self.config.allow_dcp:
             return
-        ours = set(self.committed_steps())
-        stock = [s for s in committed_steps(self._folder, allow_dcp=True) if s not in ours]
+        session = self.session
+        ours = set(session.committed_steps())
+        stock = [s for s in session.committed_steps(allow_dcp=True) if s not in ours]
         if step is not None:
             stock = [s for s in stock if s == step]
         if stock:
@@ -510,16 +412,15 @@ class QuicksaveCheckpointManager(BaseCheckpointManager):
                 "read by a restricted unpickler), or convert them first "
                 "(docs/integrations/torchtitan.md)",
                 path=self.folder,
-                rank=self._rank(),
+                rank=session.rank(),
             )
 
     def _load_step(self, step: int) -> None:
-        loc = self._folder.child(f"step-{step}")
+        session = self.session
+        loc = session.where(session.step_path(step))
         begin = time.perf_counter()
         self._load_path(loc, model_only=step == 0)
-        self._last_good = step
-        if self._writer is not None:
-            self._writer.prepare_if_due(background=False)  # optimizer states exist now
+        session.loaded(step)  # the writer plans now: optimizer states exist
         seconds = time.perf_counter() - begin
         logger.info("quicksave: loaded step %d from %s in %.3f s", step, loc.url, seconds)
 
@@ -530,6 +431,7 @@ class QuicksaveCheckpointManager(BaseCheckpointManager):
         Every rank checks the checkpoint against its states first, and the ranks agree
         on the outcome (one all-gather) before the load's collectives: a check that
         fails on one rank only (its own data loader entry is missing) fails them all."""
+        session = self.session
         dest: dict[str, Any] = {}
         failure: CheckpointError | None = None
         try:
@@ -541,13 +443,13 @@ class QuicksaveCheckpointManager(BaseCheckpointManager):
                 model_only=model_only,
                 excluded=self.config.exclude_from_loading,
                 path=loc.url,
-                rank=self._rank(),
+                rank=session.rank(),
             )
         except CheckpointError as e:
             failure = e
         except Exception as e:  # noqa: BLE001 - reported on every rank, raised below
-            failure = CheckpointError(f"{type(e).__name__}: {e}", path=loc.url, rank=self._rank())
-        failure = self._agree_on_failure(failure)
+            failure = CheckpointError(f"{type(e).__name__}: {e}", path=loc.url, rank=session.rank())
+        failure = session.agree_failure(failure)
         if failure is not None:
             raise failure
         # The key sets are checked; strict=False lets the checkpoint hold more (other
@@ -558,138 +460,35 @@ class QuicksaveCheckpointManager(BaseCheckpointManager):
     # ------------------------------------------------------------ background saves
 
     def _collect_finished(self) -> list[CheckpointError]:
-        """Records of the saves finished in the background (without waiting); returns
-        their failures."""
-        if self._writer is None:
-            return []
-        finished, errors = self._writer.poll()
-        self._apply(finished)
+        """Records of the saves finished in the background (without waiting), then
+        retention if one committed; returns their failures."""
+        session = self.session
+        errors = session.poll()
+        self._forget_finished()
+        session.housekeep()
         return errors
 
     def _drain(self) -> None:
         """Wait for every save in flight, then raise the first failure."""
-        if self._writer is None:
-            return
-        limit = max(self.config.close_timeout_s, self.config.save_timeout_s + 60.0)
-        done = self._writer.drain(limit)
-        self._raise_first(self._collect_finished())
-        if not done:
-            raise CheckpointError(
-                f"saves of steps {sorted(self._writer.in_flight_steps)} still in flight "
-                f"after {limit:g} s",
-                path=self.folder,
-                rank=self._rank(),
-            )
+        session = self.session
+        errors = session.drain()
+        self._forget_finished()
+        session.housekeep()
+        _raise_first(errors)
 
-    def _apply(self, finished: list[tuple[int, SaveRecord]]) -> None:
-        committed = False
-        for index, record in finished:
-            self.metrics[index] = record
-            self._handles.pop(record.step, None)
-            if record.status == "committed":
-                log_committed(record)
-                committed = True
-                if (self._last_good or -1) < record.step:
-                    self._last_good = record.step
-            else:
-                logger.error("quicksave: the checkpoint of step %d was not committed", record.step)
-        if committed:
-            self._retain(protect=set())
-
-    def _raise_first(self, errors: list[CheckpointError]) -> None:
-        if not errors:
-            return
-        if len(errors) > 1:
-            for e in errors[1:]:
-                logger.error("quicksave: also failed: %s", e)
-        raise errors[0]
-
-    def _retain(self, protect: set[int]) -> None:
-        """keep_latest_k: delete the oldest committed checkpoints (lease holder only,
-        and only once a checkpoint is known to load or was committed by us)."""
-        if self._lease is None or self._last_good is None:
-            return
-        in_flight = self._writer.in_flight_steps if self._writer is not None else set()
-        keep = in_flight | protect | {self._last_good}
-        names = {f"step-{s}" for s in keep}
-        stale, deleter = self._qs.storage.stale_after_s, self._deleter()
-        # what a store lease's previous holder left, once the lease says it may go
-        clean_folder(self._lease, self._folder, stale, backend=deleter, keep=names, deferred=True)
-        apply_retention(
-            self._folder,
-            self._retention,
-            keep,
-            allow_dcp=self.config.allow_dcp,
-            backend=deleter,
-        )
-
-    # ------------------------------------------------------------ ownership, ranks
-
-    def _take_folder(self) -> str | None:
-        """Create the folder; on the coordinator take its writer lease and remove what
-        crashed saves left. Returns why this checkpointer is read-only, or None. Several
-        ranks agree on it (one all-reduce), so that none waits for the others in a save
-        they refuse."""
-        if self.config.load_only:
-            return "checkpoint.load_only is set"
-        rank = self._rank()
-        create_folder(self._folder, rank)
-        reason: str | None = None
-        if (rank or 0) == 0:
-            hint = "use another folder, stop that job, or set checkpoint.load_only"
-            self._lease, reason = take_writer_lease(self._folder, hint)
-            if self._lease is not None:
-                stale = self._qs.storage.stale_after_s
-                clean_folder(self._lease, self._folder, stale, backend=self._deleter())
-        if self._world_size() > 1:
-            if agree_any_due(reason is not None, self._checkpoint_group()).wait():
-                reason = reason or "the coordinator could not take the folder's writer lease"
-        return reason
-
-    def _deleter(self) -> Backend | None:
-        """What the lease holder deletes through on a store: the lease's backend, each
-        deletion preceded by the lease's re-check (None for a local folder)."""
-        return self._lease.guard(None) if self._lease is not None else None
-
-    def _agree_on_failure(self, failure: CheckpointError | None) -> CheckpointError | None:
-        """Several ranks: every rank's failure (or None) to every rank (one
-        all-gather on the checkpoint group); returns the lowest failing rank's failure
-        (it names its rank) on every rank alike, so that all ranks take the same branch
-        (raise, or try the next checkpoint) and none waits in a collective the others
-        left. One rank: ``failure``."""
-        if self._world_size() == 1:
-            return failure
-        gathered: list[CheckpointError | None] = [None] * self._world_size()
-        dist.all_gather_object(gathered, failure, group=self._checkpoint_group())
-        return next((f for f in gathered if f is not None), None)
+    def _forget_finished(self) -> None:
+        in_flight = self.session.in_flight
+        self._handles = {s: h for s, h in self._handles.items() if s in in_flight}
 
     def _check_open(self) -> None:
         if self._closed:
             raise CheckpointError("this checkpointer is closed", path=self.folder)
 
-    def _rank(self) -> int | None:
-        return dist.get_rank() if dist.is_available() and dist.is_initialized() else None
 
-    def _world_size(self) -> int:
-        return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-
-    def _checkpoint_group(self) -> dist.ProcessGroup:
-        """A gloo group of its own for checkpoint collectives, with ``commit_timeout_s``
-        as its timeout (a rank that never arrives fails the others instead of hanging
-        them). Created once, at construction, by every rank alike."""
-        if self._group is None:
-            self._group = dist.new_group(
-                backend="gloo", timeout=timedelta(seconds=self.config.commit_timeout_s)
-            )
-        return self._group
-
-    def _dist_context(self) -> DistContext:
-        group = self._checkpoint_group()
-        return DistContext(
-            group=group,
-            store=dist.distributed_c10d._get_default_store(),
-            rank=dist.get_rank(group),
-            world_size=dist.get_world_size(group),
-            coordinator=0,
-            commit_timeout_s=self.config.commit_timeout_s,
-        )
+def _raise_first(errors: list[CheckpointError]) -> None:
+    if not errors:
+        return
+    if len(errors) > 1:
+        for e in errors[1:]:
+            logger.error("quicksave: also failed: %s", e)
+    raise errors[0]

@@ -1,4 +1,4 @@
-"""The manager's asynchronous write path: one :class:`~quicksave.engine.AsyncSaver` per
+"""The manager's asynchronous write path: one :class:`~quicksave.saving.engine.AsyncSaver` per
 manager, and the hooks that keep overlapped staging correct.
 
 Which tensors are staged in the background (``staging="overlap"``): those that only the
@@ -39,13 +39,16 @@ from typing import Any
 import torch
 from torch.utils.hooks import RemovableHandle
 
-from ..dist.saving import DistContext
-from ..engine import AsyncSaver, Deferred, EngineConfig, SaveHandle
-from ..errors import CheckpointError
-from .optimizer_layout import Predicted, matches, stand_ins
-from .overlap import WriterWatch
-from .records import SaveRecord
-from .states import OptimizerState
+from quicksave.errors import CheckpointError
+from quicksave.manager.optimizer_layout import Predicted, matches, stand_ins
+from quicksave.manager.overlap import WriterWatch
+from quicksave.manager.records import SaveRecord
+from quicksave.manager.states import OptimizerState
+from quicksave.ranks.saving import DistContext
+from quicksave.saving.config import EngineConfig
+from quicksave.saving.engine import AsyncSaver
+from quicksave.saving.handle import SaveHandle
+from quicksave.saving.staging import Deferred
 
 logger = logging.getLogger("quicksave")
 

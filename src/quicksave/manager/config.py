@@ -12,10 +12,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..engine import EngineConfig
-from ..errors import CheckpointError
-from ..storage import StorageOptions, parse_location
-from ..worker import WorkerConfig
+from quicksave.errors import CheckpointError
+from quicksave.saving.config import EngineConfig
+from quicksave.storage import StorageOptions, parse_location
+from quicksave.worker.config import WorkerConfig
 
 INTERVAL_TYPES = ("steps", "seconds")
 ASYNC_MODES = ("disabled", "thread", "process")
@@ -239,7 +239,7 @@ class CheckpointConfig:
         return getattr(torch, self.export_dtype)
 
     def engine_config(self) -> EngineConfig:
-        """The :class:`~quicksave.engine.EngineConfig` of the async modes, built from
+        """The :class:`~quicksave.saving.engine.EngineConfig` of the async modes, built from
         this config (the one source of truth for every knob).
 
         Raises:

@@ -37,9 +37,9 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from ..commit import final_name, is_temp_name
-from ..errors import CheckpointError, IncompatibleStateError
-from .records import SaveRecord
+from quicksave.commit import final_name, is_temp_name
+from quicksave.errors import CheckpointError, IncompatibleStateError
+from quicksave.manager.records import SaveRecord
 
 logger = logging.getLogger("quicksave")
 

@@ -33,7 +33,8 @@ import time
 from collections.abc import Callable, Collection, Iterator
 from typing import Any
 
-from ..commit import (
+from quicksave.adapters.dcp_reader import StorageReader
+from quicksave.commit import (
     QUARANTINE_MARK,
     CheckpointKind,
     classify,
@@ -44,20 +45,19 @@ from ..commit import (
     quarantine_path,
     remove_tree,
 )
-from ..dcp_reader import DCPReader
-from ..errors import (
+from quicksave.errors import (
     CheckpointError,
     CheckpointNotFoundError,
     CorruptCheckpointError,
     NotCommittedError,
 )
-from ..format import DCP_METADATA_NAME, MANIFEST_NAME
-from ..format.manifest import read_manifest
-from ..reader import StorageReader
-from ..storage import Location, parse_location
-from ..storage.backend import Backend, join
-from ..storage.checkpoint_dir import CheckpointDir
-from .policies import RetentionPolicy
+from quicksave.format import DCP_METADATA_NAME, MANIFEST_NAME
+from quicksave.loading.dcp_stock import DCPReader
+from quicksave.loading.manifest_reader import read_manifest
+from quicksave.manager.policies import RetentionPolicy
+from quicksave.storage import Location, parse_location
+from quicksave.storage.backend import Backend, join
+from quicksave.storage.checkpoint_dir import CheckpointDir
 
 logger = logging.getLogger("quicksave")
 

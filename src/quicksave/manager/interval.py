@@ -22,24 +22,30 @@ every rank), so they never wait for a vote; a vote still in flight when one happ
 ignored (the forced save restarted the interval). Step-based policies need none of this
 and cost zero collectives.
 
-The manager's collectives live here and nowhere else in ``manager/``:
-:func:`agree_any_due` (the vote) and :func:`agree_reports` (the outcome of saves, at a
-call every rank makes alike: see ``failures.py``). :class:`IntervalAgreement` itself is a
-pure state machine over an injected vote function (tests drive it with a fake one).
+The manager's agreements live here: :func:`agree_any_due` (the vote) and
+:func:`agree_reports` (the outcome of saves, at a call every rank makes alike: see
+``failures.py``); both talk through ``quicksave.ranks.collectives``.
+:class:`IntervalAgreement` itself is a pure state machine over an injected vote function
+(tests drive it with a fake one).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Protocol
 
-import torch
 import torch.distributed as dist
 
-from ..errors import CheckpointError
-from .failures import Report
-from .policies import EveryNSeconds
+from quicksave.errors import CheckpointError
+from quicksave.manager.failures import Report
+from quicksave.manager.policies import EveryNSeconds
+from quicksave.ranks.collectives import (
+    PendingInts,
+    all_gather_object,
+    all_reduce_ints,
+    all_reduce_ints_async,
+)
 
 
 class Vote(Protocol):
@@ -55,14 +61,12 @@ VoteFn = Callable[[bool], Vote]
 
 @dataclass
 class _AllReduceVote:
-    """An all-reduce in flight; holds its tensor so the result outlives the call."""
+    """An all-reduce in flight (``collectives.all_reduce_ints_async``)."""
 
-    work: Any  # torch.distributed.Work
-    tensor: torch.Tensor
+    pending: PendingInts
 
     def wait(self) -> bool:
-        self.work.wait()
-        return bool(int(self.tensor.item()))
+        return bool(self.pending.wait()[0])
 
 
 def agree_any_due(due: bool, group: dist.ProcessGroup | None) -> Vote:
@@ -85,9 +89,7 @@ def agree_any_due(due: bool, group: dist.ProcessGroup | None) -> Vote:
         if vote.wait():
             save()
     """
-    tensor = torch.tensor([int(bool(due))], dtype=torch.int32)
-    work = dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group, async_op=True)
-    return _AllReduceVote(work, tensor)
+    return _AllReduceVote(all_reduce_ints_async([int(bool(due))], "max", group))
 
 
 def agree_reports(report: Report, group: dist.ProcessGroup | None, rank: int) -> list[Report]:
@@ -108,15 +110,12 @@ def agree_reports(report: Report, group: dist.ProcessGroup | None, rank: int) ->
         reports = agree_reports(ledger.report(), group, rank)
         verdict = ledger.settle(reports)  # the same on every rank
     """
-    flags = torch.tensor(
-        [1 if report.needs_exchange else 0, report.newest_committed], dtype=torch.int64
-    )
+    flags = [1 if report.needs_exchange else 0, report.newest_committed]
     try:
-        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
-        if not int(flags[0]):
-            return [Report(newest_committed=int(flags[1]))]
-        reports: list[Report | None] = [None] * dist.get_world_size(group)
-        dist.all_gather_object(reports, report, group=group)
+        any_failures, newest = all_reduce_ints(flags, "max", group)
+        if not any_failures:
+            return [Report(newest_committed=newest)]
+        reports: list[Report | None] = all_gather_object(report, group)
     except (RuntimeError, ValueError) as e:
         cause = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise CheckpointError(

@@ -35,11 +35,11 @@ import time
 import weakref
 from collections.abc import Collection
 
-from ..errors import CheckpointError
-from ..storage import Location
-from ..storage.backend import Backend
-from .folder import clean_leftovers
-from .store_lease import StoreLease
+from quicksave.errors import CheckpointError
+from quicksave.manager.folder import clean_leftovers
+from quicksave.manager.store_lease import StoreLease
+from quicksave.storage import Location
+from quicksave.storage.backend import Backend
 
 logger = logging.getLogger("quicksave")
 

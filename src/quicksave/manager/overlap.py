@@ -23,7 +23,7 @@ from collections.abc import Sequence
 
 import torch
 
-from ..engine import Deferred
+from quicksave.saving.staging import Deferred
 
 
 def optimizer_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Protocol, runtime_checkable
 
-from ..errors import CheckpointError
+from quicksave.errors import CheckpointError
 
 
 @runtime_checkable

@@ -43,9 +43,9 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from ..collect import iter_leaves
-from ..errors import IncompatibleStateError, rank_of_this_process
-from .optim_restore import allocate_optimizer_state
+from quicksave.errors import IncompatibleStateError, rank_of_this_process
+from quicksave.manager.optim_restore import allocate_optimizer_state
+from quicksave.saving.collect import iter_leaves
 
 logger = logging.getLogger("quicksave")
 

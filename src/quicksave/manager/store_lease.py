@@ -55,10 +55,8 @@ import weakref
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from ..errors import CheckpointError, CheckpointNotFoundError
-from ..storage import Location
-from ..storage.backend import Backend, join
-from .lease_record import (
+from quicksave.errors import CheckpointError, CheckpointNotFoundError
+from quicksave.manager.lease_record import (
     LEASE_NAME,
     MAX_LEASE_BYTES,
     Holder,
@@ -66,6 +64,8 @@ from .lease_record import (
     describe_holder,
     this_process,
 )
+from quicksave.storage import Location
+from quicksave.storage.backend import Backend, join
 
 __all__ = ["LEASE_NAME", "GuardedBackend", "Holder", "LeaseRecord", "StoreLease", "this_process"]
 

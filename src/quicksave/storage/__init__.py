@@ -1,8 +1,8 @@
 """Where checkpoints live: locations (paths and URLs) and the storage backends behind
 them (``local``, ``s3``, ``msc``), all through one small protocol (:mod:`.backend`)."""
 
-from .backend import Backend, ObjectInfo, S3Options, StorageOptions
-from .location import Location, local_path, parse_location
+from quicksave.storage.backend import Backend, ObjectInfo, S3Options, StorageOptions
+from quicksave.storage.location import Location, local_path, parse_location
 
 __all__ = [
     "Backend",

@@ -22,7 +22,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import xxhash
 
-from ..format.manifest import hexdigest
+from quicksave.checksum import hexdigest
 
 Range = tuple[str, int, int]  # (name, offset, length) of a byte range to hash on the way
 
@@ -225,3 +225,10 @@ def hash_ranges(view: memoryview, ranges: Sequence[Range]) -> dict[str, str]:
         name: hexdigest(xxhash.xxh3_64_intdigest(view[off : off + length]))
         for name, off, length in sorted(ranges, key=lambda r: r[1])
     }
+
+
+def check_ranges(ranges: Sequence[Range], size: int) -> None:
+    """Raise ValueError unless every ``(name, offset, length)`` lies within ``size`` bytes."""
+    for name, off, length in ranges:
+        if off < 0 or length < 0 or off + length > size:
+            raise ValueError(f"range {name!r} [{off}, {off + length}) is outside the {size} bytes")

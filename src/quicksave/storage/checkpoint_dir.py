@@ -3,7 +3,7 @@
 Everything that reads a checkpoint (load, verify, inspect, ls, convert) goes through
 :class:`CheckpointDir`: the names it holds, a small member read whole (the manifest,
 ``.metadata``, a part), and data files opened for ranged reads. On the local filesystem
-members are opened through :mod:`quicksave.safeio` (regular files only, never followed
+members are opened through :mod:`quicksave.storage.safeio` (regular files only, never followed
 out of the directory); on object stores a member is an object under the checkpoint's
 prefix, and a name from a checkpoint is still checked to be a plain name.
 
@@ -15,11 +15,11 @@ from __future__ import annotations
 import os
 from typing import Protocol
 
-from ..errors import CheckpointNotFoundError, CorruptCheckpointError
-from ..safeio import member_path, open_regular, read_regular
-from .backend import Backend
-from .local import preadv_full
-from .location import Location, parse_location
+from quicksave.errors import CheckpointNotFoundError, CorruptCheckpointError
+from quicksave.storage.backend import Backend
+from quicksave.storage.local import dir_files, preadv_full
+from quicksave.storage.location import Location, parse_location
+from quicksave.storage.safeio import member_path, open_regular, read_regular
 
 
 class Member(Protocol):
@@ -248,8 +248,6 @@ class CheckpointDir:
     def sizes(self) -> dict[str, int]:
         """Every object under the directory (recursive: ``sub/name``) and its size."""
         if self.is_local:
-            from ..catalog import dir_files
-
             return dir_files(self.location.key)
         prefix = self.location.key + "/" if self.location.key else ""
         return {o.key[len(prefix) :]: o.size for o in self.backend.list(prefix)}

@@ -1,8 +1,8 @@
 """The local filesystem behind the backend protocol.
 
-Keys are absolute paths. Writes go through :func:`quicksave.persist.write_image`
+Keys are absolute paths. Writes go through :func:`quicksave.storage.posix_io.write_image`
 (``O_DIRECT`` where the filesystem takes it, chunk checksums on the way, ``fsync``);
-reads through :mod:`quicksave.safeio` (regular files only: no symbolic links, FIFOs or
+reads through :mod:`quicksave.storage.safeio` (regular files only: no symbolic links, FIFOs or
 devices, bounded by the file's size). A directory renames atomically, so local
 checkpoints commit by renaming their temporary directory (:mod:`quicksave.commit`).
 
@@ -22,11 +22,11 @@ from collections.abc import Iterable, Iterator, Sequence
 
 import xxhash
 
-from ..errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
-from ..format.manifest import hexdigest
-from ..persist import write_image
-from ..safeio import open_regular, read_regular
-from .backend import ObjectInfo, Range, byte_view
+from quicksave.checksum import hexdigest
+from quicksave.errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
+from quicksave.storage.backend import ObjectInfo, Range, byte_view
+from quicksave.storage.posix_io import write_image
+from quicksave.storage.safeio import open_regular, read_regular
 
 # errnos of a filesystem without flock or hard links: no conditional writes there
 _UNSUPPORTED = {errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP, errno.EPERM, errno.EXDEV}
@@ -265,3 +265,28 @@ class LocalBackend:
 
 def _content_tag(data: bytes) -> str:
     return hexdigest(xxhash.xxh3_64_intdigest(data))
+
+
+def dir_files(path: str) -> dict[str, int]:
+    """Every file under ``path`` (relative name -> ``lstat`` size), without following
+    symbolic links and without recursion (a hostile tree may nest deeply); entries that
+    vanish or cannot be read while listing are skipped."""
+    found: dict[str, int] = {}
+    stack = [path]
+    while stack:
+        top = stack.pop()
+        try:
+            entries = list(os.scandir(top))
+        except OSError:  # vanished (a stale temp being cleaned) or unreadable
+            continue
+        for entry in entries:
+            try:
+                if entry.is_dir(follow_symlinks=False):
+                    stack.append(entry.path)
+                else:
+                    found[os.path.relpath(entry.path, path)] = entry.stat(
+                        follow_symlinks=False
+                    ).st_size
+            except OSError:
+                pass
+    return found

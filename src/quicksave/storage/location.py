@@ -32,8 +32,8 @@ import re
 from dataclasses import dataclass, field
 from urllib.parse import unquote, urlsplit
 
-from ..errors import CheckpointError
-from .backend import Backend, StorageOptions, join
+from quicksave.errors import CheckpointError
+from quicksave.storage.backend import Backend, StorageOptions, join
 
 _SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
 _SCHEME_LIKE = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*):")
@@ -87,9 +87,6 @@ class Location:
             self.scheme, self.container, head[0] if len(head) == 2 else "", self.options
         )
 
-    def with_key(self, key: str) -> Location:
-        return Location(self.scheme, self.container, key, self.options)
-
     def bounded(self, seconds: float) -> Location:
         """This location with its S3 timeouts capped so that one request, retries
         included, ends within about ``seconds`` (half for each attempt's read, half for
@@ -119,14 +116,14 @@ class Location:
             CheckpointError: the extra for the scheme is not installed (named).
         """
         if self.scheme == "file":
-            from .local import LocalBackend
+            from quicksave.storage.local import LocalBackend
 
             return LocalBackend(fsync=fsync, o_direct=o_direct, rank=rank)
         if self.scheme == "s3":
-            from .s3 import S3Backend
+            from quicksave.storage.s3 import S3Backend
 
             return S3Backend(self.container, self.options.s3)
-        from .msc import MscBackend
+        from quicksave.storage.msc import MscBackend
 
         try:
             return MscBackend(self.container, self.options)

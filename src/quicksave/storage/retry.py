@@ -23,7 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TypeVar
 
-from ..errors import CheckpointError
+from quicksave.errors import CheckpointError
 
 T = TypeVar("T")
 

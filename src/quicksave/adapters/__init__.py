@@ -1,0 +1,1 @@
+"""Adapters over quicksave's pipeline for other APIs (DCP's StorageWriter / StorageReader)."""

@@ -1,0 +1,461 @@
+"""``quicksave.StorageWriter``: the quicksave format behind ``torch.distributed.checkpoint.save``.
+
+Call order (DCP drives it; "all" = every rank, "coord" = the coordinator rank only):
+
+1. (all)   ``reset(checkpoint_id)``, ``set_up_storage_writer(is_coordinator, rank=...)``
+2. (all)   ``prepare_local_plan(plan)`` — attaches the rank's ``RankPlan`` (what it holds,
+   before deduplication) as ``storage_data``, so the coordinator can record every plan
+3. (coord) ``prepare_global_plan(plans)`` — records every rank's plan (the manifest's
+   ``plans``), creates ``<path>.tmp-<token>/`` and fixes every rank's file layout (names,
+   headers, byte offsets) so the manifest is known at plan time
+4. (all)   ``write_data(plan, planner)`` — writes this rank's files, fsyncs, returns checksums
+5. (coord) ``finish(metadata, results)`` — writes ``.metadata`` and ``manifest.json``,
+   fsyncs, renames the directory into place (the commit)
+
+Example::
+
+    import torch.distributed.checkpoint as dcp
+    dcp.save(state_dict, storage_writer=quicksave.StorageWriter("ckpt/step-100", step=100))
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import pickle
+import shutil
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItemType
+from torch.distributed.checkpoint.storage import StorageWriter as _DCPStorageWriter
+from torch.distributed.checkpoint.storage import WriteResult
+from torch.futures import Future
+
+from quicksave import commit
+from quicksave.adapters.dcp_reader import manifest_to_metadata
+from quicksave.errors import CheckpointError, IncompatibleStateError
+from quicksave.format import DCP_METADATA_NAME, MANIFEST_NAME
+from quicksave.format import objects as objcodec
+from quicksave.format.dcp_guard import QuicksaveStorageData
+from quicksave.format.dtypes import check_storable, dtype_name
+from quicksave.format.keys import EMPTY_KEY, names_itself
+from quicksave.format.manifest import (
+    ChunkEntry,
+    FileEntry,
+    Manifest,
+    ObjectEntry,
+    PlannedChunk,
+    RankPlan,
+    TensorEntry,
+)
+from quicksave.format.torch_legacy import legacy_prefix_for, object_bytes
+from quicksave.saving.plan import ItemSpec, RankLayout, layout_rank
+from quicksave.storage import StorageOptions, parse_location
+from quicksave.storage.backend import Backend
+from quicksave.worker import persist
+from quicksave.worker.files import commit_files
+
+
+@dataclass(frozen=True)
+class _RankWritePlan:
+    """What the coordinator tells each rank (travels in ``SavePlan.storage_data``)."""
+
+    tmp_dir: str
+    layout: RankLayout
+
+
+@dataclass(frozen=True)
+class _ChunkWritten:
+    file: str
+    offset: int
+    length: int
+    xxh3_64: str
+    file_size: int
+    header_xxh3_64: str
+    data_start: int
+    rank: int
+
+
+@dataclass(frozen=True)
+class _ObjectWritten:
+    value: Any  # typed JSON
+
+
+def item_spec(item) -> ItemSpec:
+    """ItemSpec of a DCP tensor WriteItem."""
+    td = item.tensor_data
+    dtype = td.properties.dtype
+    check_storable(dtype, item.index.fqn)
+    sizes = tuple(td.chunk.sizes)
+    numel = 1
+    for s in sizes:
+        numel *= s
+    return ItemSpec(
+        fqn=item.index.fqn,
+        offsets=tuple(td.chunk.offsets),
+        sizes=sizes,
+        global_shape=tuple(td.size),
+        dtype=dtype_name(dtype),
+        nbytes=numel * dtype.itemsize,
+    )
+
+
+def rank_plan_of(plan: SavePlan) -> RankPlan:
+    """What ``plan`` holds, as the manifest records it: the ``RankPlan`` that
+    ``StorageWriter.prepare_local_plan`` attached (which survives deduplication), else one
+    built from the plan's items."""
+    if isinstance(plan.storage_data, RankPlan):
+        return plan.storage_data
+    data = plan.planner_data if isinstance(plan.planner_data, dict) else {}
+    tensors = []
+    objects = []
+    for item in plan.items:
+        if item.type == WriteItemType.BYTE_IO:
+            objects.append(item.index.fqn)
+            continue
+        td = item.tensor_data
+        tensors.append(
+            PlannedChunk(
+                item.index.fqn,
+                tuple(td.chunk.offsets),
+                tuple(td.chunk.sizes),
+                tuple(td.size),
+                dtype_name(td.properties.dtype),
+            )
+        )
+    return RankPlan(tuple(tensors), tuple(objects), tuple(data.get(EMPTY_KEY, ())))
+
+
+class StorageWriter(_DCPStorageWriter):
+    """Writes a quicksave-format checkpoint from ``torch.distributed.checkpoint.save``.
+
+    Args:
+        path: the final checkpoint directory; it must not hold a committed checkpoint.
+        step: training step recorded in the manifest (optional).
+        thread_count: data files (and writer threads) per rank.
+        fsync: fsync files and directories (turn off only for throwaway tests).
+        user_metadata: JSON-serializable dict stored in the manifest.
+        dcp_compat: make the checkpoint loadable by DCP's stock ``FileSystemReader`` (and
+            readers built on it, such as MSC's ``MultiStorageFileSystemReader``) too: each
+            chunk is preceded by its torch legacy-serialization prefix and ``.metadata``
+            carries the objects as ``torch.save`` bytes (docs/FORMAT.md §3, §5). Costs a
+            few hundred bytes, and up to one 4 KiB page, per chunk.
+        overwrite: a committed checkpoint at ``path`` is replaced atomically at the
+            commit (``commit.publish(..., replace=True)``: the two directories are
+            exchanged); until then, and if the save fails, the old one stays whole.
+            Local paths only: on an object store it raises ``CheckpointError``.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        step: int | None = None,
+        thread_count: int = 2,
+        fsync: bool = True,
+        user_metadata: dict[str, Any] | None = None,
+        storage: StorageOptions | None = None,
+        dcp_compat: bool = False,
+        overwrite: bool = False,
+    ) -> None:
+        # Not super(): a subclass may also derive from DCP's FileSystemWriter, whose
+        # __init__ (next in its MRO) takes a path and sets up DCP's own writing.
+        _DCPStorageWriter.__init__(self)
+        self.dcp_compat = dcp_compat
+        self._storage = storage
+        self.location = parse_location(path, options=storage)
+        self.path = self.location.url
+        if overwrite and not self.location.is_local:  # before any I/O
+            commit.check_target(self.location, replace=True)  # raises, naming the URL
+        # Private: FileSystemWriterAsync (a subclass) has its own public ``overwrite``.
+        self._overwrite = overwrite
+        self._backend: Backend | None = None
+        self.step = step
+        self.thread_count = max(1, thread_count)
+        self.fsync = fsync
+        self.user_metadata = dict(user_metadata or {})
+        self.rank = 0
+        self.is_coordinator = True
+        self.tmp_dir: str | None = None
+        self.save_id = uuid.uuid4().hex
+        self.plans: tuple[RankPlan, ...] | None = None  # every rank's, set on the coordinator
+
+    # 1 ------------------------------------------------------------------ set-up
+    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+        if checkpoint_id:
+            self.location = parse_location(checkpoint_id, options=self._storage)
+            self.path = self.location.url
+        self.tmp_dir = None
+        self.save_id = uuid.uuid4().hex
+        self.plans = None
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        self.is_coordinator = is_coordinator
+        self.rank = kwargs.get("rank", 0) or 0
+
+    def storage_meta(self) -> StorageMeta | None:
+        return StorageMeta(checkpoint_id=self.path, save_id=self.save_id)
+
+    @property
+    def checkpoint_id(self) -> str:
+        return self.path
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+        return isinstance(checkpoint_id, (str, os.PathLike))
+
+    # 2, 3 ------------------------------------------------------------- planning
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        # Travels to the coordinator with the plan; DCP's deduplication replaces items but
+        # keeps storage_data, so the coordinator still sees what each rank held.
+        return dataclasses.replace(plan, storage_data=rank_plan_of(plan))
+
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        self.plans = tuple(rank_plan_of(p) for p in plans)
+        if self.location.is_local:
+            self.tmp_dir = commit.make_temp_dir(
+                self.path, commit.new_token(), replace=self._overwrite
+            )
+        else:  # objects go straight under the prefix; the manifest, last, commits them
+            commit.check_target(self.location, self.rank, self.backend())
+            self.tmp_dir = self.location.key
+        out = []
+        for rank, plan in enumerate(plans):
+            items = [item_spec(i) for i in plan.items if i.type != WriteItemType.BYTE_IO]
+            layout = layout_rank(rank, items, self.thread_count, dcp_compat=self.dcp_compat)
+            out.append(dataclasses.replace(plan, storage_data=_RankWritePlan(self.tmp_dir, layout)))
+        return out
+
+    # 4 ------------------------------------------------------------------ writing
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        rank_plan: _RankWritePlan = plan.storage_data
+        self.tmp_dir = rank_plan.tmp_dir
+        by_key = {}
+        results: list[WriteResult] = []
+        for item in plan.items:
+            if item.type == WriteItemType.BYTE_IO:
+                value = _original_object(planner, item, self.rank)
+                encoded = objcodec.encode(value, item.index.fqn)
+                results.append(WriteResult(item.index, 0, _ObjectWritten(encoded)))
+            else:
+                by_key[item_spec(item).key] = item
+
+        def source(key: str) -> torch.Tensor:
+            return planner.resolve_data(by_key[key])
+
+        if self.location.is_local:
+            written = persist.write_rank_files(
+                rank_plan.tmp_dir, rank_plan.layout, source, self.fsync
+            )
+        else:
+            written = persist.write_rank_objects(
+                self.backend(), rank_plan.tmp_dir, rank_plan.layout, source
+            )
+        for f_layout, f_written in zip(rank_plan.layout.files, written, strict=True):
+            for entry in f_layout.entries:
+                key = entry.item.key
+                results.append(
+                    WriteResult(
+                        by_key[key].index,
+                        entry.length,
+                        _ChunkWritten(
+                            file=f_layout.name,
+                            offset=entry.offset,
+                            length=entry.length,
+                            xxh3_64=f_written.chunk_xxh3_64[key],
+                            file_size=f_written.size,
+                            header_xxh3_64=f_written.header_xxh3_64,
+                            data_start=f_layout.data_start,
+                            rank=rank_plan.layout.rank,
+                        ),
+                    )
+                )
+        fut: Future[list[WriteResult]] = Future()
+        fut.set_result(results)
+        return fut
+
+    # 5 ------------------------------------------------------------------- commit
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        if self.tmp_dir is None:
+            raise CheckpointError("finish() called before prepare_global_plan()", path=self.path)
+        # One rank's plan is the manifest itself (FORMAT.md §2, plans): omit it.
+        plans = self.plans if self.plans is not None and len(self.plans) > 1 else None
+        manifest = build_manifest(metadata, results, self.step, self.user_metadata, plans=plans)
+        backend = None if self.location.is_local else self.backend()
+        metadata_bytes = dcp_metadata_bytes(manifest, dcp_compat=self.dcp_compat)
+        commit_files(
+            self.tmp_dir, self.path, manifest, metadata_bytes, backend, replace=self._overwrite
+        )
+        self.tmp_dir = None
+        self.close()
+
+    def backend(self) -> Backend:
+        """This writer's object-store backend (opened once; closed by :meth:`close`)."""
+        if self._backend is None:
+            self._backend = self.location.open(fsync=self.fsync, rank=self.rank)
+        return self._backend
+
+    def close(self) -> None:
+        if self._backend is not None:
+            self._backend.close()
+            self._backend = None
+
+    def discard(self) -> None:
+        """Remove what a failed save wrote (the coordinator calls it): the temporary
+        directory, or on an object store this save's objects (best effort)."""
+        if self.tmp_dir is None:
+            return
+        if self.location.is_local:
+            shutil.rmtree(self.tmp_dir, ignore_errors=True)
+        else:
+            with contextlib.suppress(Exception):
+                b = self.backend()
+                prefix = self.tmp_dir.rstrip("/") + "/"
+                if b.stat(prefix + MANIFEST_NAME) is None:  # never another save's commit
+                    b.delete([o.key for o in b.list(prefix)])
+        self.close()
+
+
+def dcp_metadata_bytes(manifest: Manifest, *, dcp_compat: bool = False) -> bytes:
+    """The ``.metadata`` of a checkpoint: DCP's ``Metadata`` for ``manifest``, pickled.
+
+    Built from the manifest alone (no absolute path, no random id), so the same state
+    gives the same bytes (docs/FORMAT.md §2, §5).
+
+    Without ``dcp_compat`` stock DCP readers cannot load the checkpoint (raw tensor
+    bytes, objects in the manifest only): ``storage_data`` is an empty
+    :class:`.format.dcp_guard.QuicksaveStorageData`, whose lookups raise a
+    ``CheckpointError`` naming the format and what to do, rather than a ``KeyError`` or
+    a ``torch.load`` of raw bytes.
+
+    ``dcp_compat`` (the data files were laid out with ``dcp_compat``): a chunk whose
+    dtype has a torch legacy prefix points at prefix plus bytes, a ``torch.save`` item
+    (one without a prefix at its raw bytes, ``_StorageInfo(file, offset, length)``);
+    and the objects, ``torch.save`` bytes each (:func:`.format.torch_legacy.object_bytes`),
+    follow the pickle in this same file, each ``BYTE_IO`` item pointing at its bytes
+    (``pickle.load`` stops at the pickle's end, so DCP's readers never see them).
+    """
+    md = manifest_to_metadata(manifest)
+    md.storage_meta = None
+    if not dcp_compat:
+        md.storage_data = QuicksaveStorageData()
+        return pickle.dumps(md, protocol=pickle.HIGHEST_PROTOCOL)
+    storage: dict[MetadataIndex, _StorageInfo] = {}
+    for fqn, t in manifest.tensors.items():
+        for c in t.chunks:
+            prefix = legacy_prefix_for(t.dtype, tuple(c.sizes))
+            n = len(prefix) if prefix is not None else 0
+            storage[MetadataIndex(fqn, torch.Size(c.offsets))] = _StorageInfo(
+                c.file, c.offset - n, c.length + n
+            )
+    blobs: list[tuple[str, bytes]] = []
+    for fqn in sorted(manifest.objects):
+        blob = object_bytes(objcodec.decode(manifest.objects[fqn].value, fqn=fqn))
+        if blob is not None:
+            blobs.append((fqn, blob))
+    if not blobs:
+        md.storage_data = storage
+        return pickle.dumps(md, protocol=pickle.HIGHEST_PROTOCOL)
+
+    def pickled(base: int) -> bytes:
+        at = base
+        objects = {}
+        for fqn, blob in blobs:
+            objects[MetadataIndex(fqn)] = _StorageInfo(DCP_METADATA_NAME, at, len(blob))
+            at += len(blob)
+        md.storage_data = {**storage, **objects}
+        return pickle.dumps(md, protocol=pickle.HIGHEST_PROTOCOL)
+
+    # The objects' offsets are inside the pickle whose length places them: grow the
+    # guess until the pickle fits before it (the lengths grow with the offsets), then
+    # fill the rest with zeros.
+    base = len(pickled(0))
+    while True:
+        head = pickled(base)
+        if len(head) <= base:
+            break
+        base = len(head)
+    return head + bytes(base - len(head)) + b"".join(blob for _, blob in blobs)
+
+
+def _original_object(planner: SavePlanner, item, rank: int) -> Any:
+    lookup = getattr(planner, "lookup_object", None)
+    if lookup is None:
+        raise IncompatibleStateError(
+            "the save planner does not expose lookup_object(); quicksave stores non-tensor "
+            "values as JSON and needs the original value (use DefaultSavePlanner)",
+            fqn=item.index.fqn,
+            rank=rank,
+        )
+    return lookup(item.index)
+
+
+def build_manifest(
+    metadata: Metadata,
+    results: list[list[WriteResult]],
+    step: int | None,
+    user_metadata: dict[str, Any],
+    plans: tuple[RankPlan, ...] | None = None,
+) -> Manifest:
+    """Assemble the manifest from DCP's global metadata and every rank's write results
+    (and, optionally, every rank's plan: the manifest's ``plans``)."""
+    by_index: dict[MetadataIndex, Any] = {}
+    files: dict[str, FileEntry] = {}
+    for rank_results in results:
+        for r in rank_results:
+            sd = r.storage_data
+            by_index[r.index] = sd
+            if isinstance(sd, _ChunkWritten):
+                files[sd.file] = FileEntry(sd.file_size, sd.header_xxh3_64, sd.rank, sd.data_start)
+    mappings = metadata.planner_data if isinstance(metadata.planner_data, dict) else {}
+    empty = mappings.get(EMPTY_KEY, ())
+    tensors: dict[str, TensorEntry] = {}
+    objs: dict[str, ObjectEntry] = {}
+    for fqn, md in metadata.state_dict_metadata.items():
+        p = mappings.get(fqn)
+        path = tuple(p) if p is not None and not names_itself(p, fqn) else None
+        if isinstance(md, TensorStorageMetadata):
+            chunks = []
+            for c in md.chunks:
+                w = by_index.get(MetadataIndex(fqn, c.offsets))
+                if not isinstance(w, _ChunkWritten):
+                    raise CheckpointError(
+                        f"no rank reported writing chunk at {list(c.offsets)}", fqn=fqn
+                    )
+                chunks.append(
+                    ChunkEntry(
+                        tuple(c.offsets), tuple(c.sizes), w.file, w.offset, w.length, w.xxh3_64
+                    )
+                )
+            chunks.sort(key=lambda c: c.offsets)
+            tensors[fqn] = TensorEntry(
+                dtype_name(md.properties.dtype), tuple(md.size), tuple(chunks), path
+            )
+        elif isinstance(md, BytesStorageMetadata):
+            w = by_index.get(MetadataIndex(fqn))
+            if not isinstance(w, _ObjectWritten):
+                raise CheckpointError("no rank reported writing this value", fqn=fqn)
+            objs[fqn] = ObjectEntry(w.value, path)
+    manifest = Manifest(
+        step=step,
+        world_size=len(results),
+        tensors=tensors,
+        objects=objs,
+        files=files,
+        user_metadata=user_metadata,
+        plans=plans,
+        empty_dicts=tuple(empty),
+    )
+    return manifest

@@ -1,0 +1,1 @@
+"""APIs compatible with other checkpointing libraries."""

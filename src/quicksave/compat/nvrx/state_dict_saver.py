@@ -1,0 +1,550 @@
+"""NVRx's three-phase distributed save (plan → write in the background → finalize),
+writing quicksave checkpoints, with NVRx's metadata (plan) cache.
+
+One save, every rank (training thread unless said otherwise)::
+
+    save_state_dict_async_plan(state_dict, FileSystemWriterAsync(path), ...)
+        local plan (always: it is local and cheap, and the only proof nothing changed)
+        cached central plan and every rank's local plan unchanged?
+            ── agree_plan_reuse: ONE all-reduce MIN of one integer ──
+            yes → reuse the central plan (and, on the coordinator, the global metadata)
+        else, after a restart, the loaded checkpoint's plans match every rank's?
+            ── verify_global_md_reuse: ONE all-reduce MIN of one integer ──
+            yes → every rank replays the global planning on the loaded plans, locally
+        else ── exchange_plans: gather the local plans, plan centrally, scatter ──
+        stage this rank's tensors to CPU (prepare_write_data)
+    AsyncRequest(save_fn, save_args, [finalize_fn], preload_fn=preload_fn) → queue
+        save_fn (worker): data files, then the rank's part file = its "done" record
+    maybe_finalize_async_calls(blocking=True, no_dist=False)  (every rank agrees it is done)
+        finalize_fn → save_state_dict_async_finalize: the coordinator reads every rank's
+        part from the temporary directory (no gather of write results), writes the
+        manifest and renames (the commit); the other ranks return. On an object store
+        (msc://, s3://) the parts are objects under the checkpoint's prefix and the
+        manifest, written last, is the commit (``filesystem_async``'s docstring).
+
+The only collectives are ``agree_plan_reuse``, ``verify_global_md_reuse`` and
+``exchange_plans`` (NVRx's names, or named for what they exchange); at most one runs
+per save once plans are cached.
+
+**The default cache.** As in NVRx, ``enable_cache=True`` without ``metadata_cache`` uses
+the process's default cache, which ``init_checkpoint_metadata_cache(md)`` fills after a
+restart and ``get_metadata_caching_status()`` reports on. It is one of the three pieces
+of process-wide state NVRx's API defines, all kept in ``process_state.PROCESS``; pass a
+``metadata_cache`` you hold to avoid it.
+
+**Finalize is collective**, as NVRx documents: every rank's
+``save_state_dict_async_finalize`` returns only once the checkpoint is committed, or
+raises ``AsyncCheckpointError`` (torch's ``CheckpointException`` too) naming every rank
+whose write failed and why. One barrier (every rank's write is done, even under
+``no_dist=True``), the coordinator's commit, one broadcast of its outcome.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import shutil
+
+import torch.distributed as dist
+from torch.distributed.checkpoint import CheckpointException
+from torch.distributed.checkpoint.metadata import STATE_DICT_TYPE, Metadata
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
+from torch.distributed.checkpoint.utils import _DistWrapper
+
+from quicksave.adapters.dcp_writer import rank_plan_of
+from quicksave.compat.nvrx.errors import AsyncCheckpointError
+from quicksave.compat.nvrx.filesystem_async import FileSystemWriterAsync
+from quicksave.compat.nvrx.process_state import PROCESS
+from quicksave.compat.nvrx.rank_write import RankWritesFailed, SaveLayout
+from quicksave.errors import CheckpointError
+from quicksave.format.keys import REPLICAS_KEY
+from quicksave.ranks import collectives as talk
+
+logger = logging.getLogger("quicksave")
+
+
+class CheckpointMetadataCache:
+    """NVRx's plan cache: what the last save planned, reused while nothing changed.
+
+    Attributes:
+        cached_central_plan: this rank's central plan (the global planning's output).
+        cached_local_plan: this rank's local plan at that planning.
+        cached_global_metadata: the global metadata (the coordinator's; with quicksave's
+            file layout of every rank in ``storage_data``).
+        validated_cache_reuse: the last save reused the cached central plan (or planned
+            the same one again).
+        validated_loaded_metadata_reuse: the last save reused the plans of the loaded
+            checkpoint (``init_checkpoint_metadata_cache``), skipping the exchange.
+        loaded_all_plans: every rank's plan from the loaded checkpoint (its metadata's
+            ``all_local_plans``), or None.
+        save_count: saves planned through this cache (names temporary directories).
+
+    Example::
+
+        cache = CheckpointMetadataCache()
+        ret = save_state_dict_async_plan(sd, writer, enable_cache=True, metadata_cache=cache)
+    """
+
+    def __init__(self) -> None:
+        self.cached_central_plan: SavePlan | None = None
+        self.cached_local_plan: SavePlan | None = None
+        self.cached_global_metadata: Metadata | None = None
+        self.validated_cache_reuse: bool = False
+        self.validated_loaded_metadata_reuse: bool = False
+        self.loaded_all_plans: list[SavePlan] | None = None
+        self.save_count: int = 0
+
+    def set_cached_global_metadata(self, cached_global_metadata: Metadata) -> None:
+        """Adopt the metadata of a loaded checkpoint (``quicksave.StorageReader(path)
+        .read_metadata()``), whose ``all_local_plans`` let the next save skip planning.
+
+        Args:
+            cached_global_metadata: DCP metadata; without ``all_local_plans`` no reuse is
+                possible (logged).
+        """
+        self.cached_global_metadata = cached_global_metadata
+        self.loaded_all_plans = getattr(cached_global_metadata, "all_local_plans", None)
+        if self.loaded_all_plans is None:
+            logger.debug("quicksave: loaded metadata has no all_local_plans; no reuse")
+
+    def set_cache_metadata(
+        self, central_plan: SavePlan, local_plan: SavePlan, global_md_verify_reuse: bool
+    ) -> None:
+        """Record the plans of the save just planned.
+
+        Args:
+            central_plan: this rank's central plan.
+            local_plan: this rank's local plan.
+            global_md_verify_reuse: the loaded checkpoint's plans were reused.
+        """
+        self.validated_loaded_metadata_reuse = global_md_verify_reuse
+        self.validated_cache_reuse = self.cached_central_plan is not None and _same_items(
+            central_plan, self.cached_central_plan
+        )
+        self.cached_central_plan = central_plan
+        self.cached_local_plan = local_plan
+
+    def prepare_save_state_dict_ret(
+        self,
+        rank: int,
+        coordinator: int,
+        save_state_dict_ret: tuple[FileSystemWriterAsync, Metadata | None, _DistWrapper],
+    ) -> tuple[FileSystemWriterAsync, Metadata | None, _DistWrapper]:
+        """Fill in the global metadata the coordinator needs when planning was skipped,
+        and cache freshly planned metadata.
+
+        Args:
+            rank: this rank. coordinator: the coordinator rank.
+            save_state_dict_ret: ``(writer, global_metadata or None, dist_wrapper)``.
+
+        Returns:
+            The same triple, with the cached global metadata on the coordinator when the
+            plan was reused.
+        """
+        writer, metadata, wrapper = save_state_dict_ret
+        if metadata is not None:
+            self.cached_global_metadata = metadata
+        elif rank == coordinator and (
+            self.validated_cache_reuse or self.validated_loaded_metadata_reuse
+        ):
+            metadata = self.cached_global_metadata
+        return writer, metadata, wrapper
+
+    def get_cache_metadata(
+        self,
+    ) -> tuple[SavePlan | None, SavePlan | None, bool, list[SavePlan] | None]:
+        """``(cached_central_plan, cached_local_plan, validated_cache_reuse,
+        loaded_all_plans)``."""
+        return (
+            self.cached_central_plan,
+            self.cached_local_plan,
+            self.validated_cache_reuse,
+            self.loaded_all_plans,
+        )
+
+    def get_metadata_caching_status(self) -> tuple[bool, bool]:
+        """``(validated_cache_reuse, validated_loaded_metadata_reuse)``."""
+        return self.validated_cache_reuse, self.validated_loaded_metadata_reuse
+
+
+def init_checkpoint_metadata_cache(
+    cached_global_metadata: Metadata | None = None,
+    *,
+    metadata_cache: CheckpointMetadataCache | None = None,
+) -> CheckpointMetadataCache:
+    """Fill a cache from a loaded checkpoint's metadata, so the first save after a restart
+    can skip global planning.
+
+    As in NVRx, without ``metadata_cache`` this fills the process's default cache (the
+    one ``save_state_dict_async_plan(..., enable_cache=True)`` uses when no
+    ``metadata_cache`` is passed; see ``process_state``).
+
+    Args:
+        cached_global_metadata: ``quicksave.StorageReader(path).read_metadata()`` (or
+            DCP's); None: the cache is created (or kept) with nothing loaded.
+        metadata_cache: the cache to fill; the process default if None.
+
+    Returns:
+        The cache it filled.
+
+    Example::
+
+        init_checkpoint_metadata_cache(quicksave.StorageReader(last).read_metadata())
+        save_state_dict_async_plan(sd, FileSystemWriterAsync(path), enable_cache=True)
+    """
+    cache = (
+        metadata_cache
+        if metadata_cache is not None
+        else PROCESS.default_metadata_cache(CheckpointMetadataCache)
+    )
+    if cached_global_metadata is not None:
+        cache.set_cached_global_metadata(cached_global_metadata)
+    return cache
+
+
+def get_metadata_caching_status(
+    *,
+    metadata_cache: CheckpointMetadataCache | None = None,
+) -> tuple[bool, bool] | None:
+    """A cache's ``(validated_cache_reuse, validated_loaded_metadata_reuse)``.
+
+    Args:
+        metadata_cache: the cache passed to the saves; the process default if None.
+
+    Returns:
+        Its status, or None when there is no such cache (no default was ever used).
+
+    Example::
+
+        reused_plan, reused_loaded = get_metadata_caching_status()
+    """
+    cache = metadata_cache if metadata_cache is not None else PROCESS.metadata_cache
+    return cache.get_metadata_caching_status() if cache is not None else None
+
+
+# ------------------------------------------------------------------ collectives
+def _all_ranks_min(value: int, dist_wrapper: _DistWrapper) -> int:
+    if not dist_wrapper.use_dist:
+        return value
+    return talk.all_reduce_ints([value], "min", dist_wrapper.group)[0]
+
+
+def agree_plan_reuse(unchanged: bool, dist_wrapper: _DistWrapper) -> bool:
+    """Collective: True on every rank iff every rank's local plan is unchanged (one
+    all-reduce MIN of one integer)."""
+    return _all_ranks_min(int(unchanged), dist_wrapper) == 1
+
+
+def verify_global_md_reuse(
+    loaded_all_plans: list[SavePlan] | None,
+    local_plan: SavePlan | None,
+    rank: int,
+    dist_wrapper: _DistWrapper,
+) -> bool:
+    """Collective (when plans were loaded for this world size): may every rank reuse the
+    loaded checkpoint's plans? One all-reduce MIN of one integer on the planning group
+    (CPU tensor for gloo, the current CUDA device for NCCL).
+
+    Args:
+        loaded_all_plans: every rank's plan from the loaded checkpoint.
+        local_plan: this rank's plan now (None: it failed, never a match).
+        rank: this rank (in the planning group).
+        dist_wrapper: the planning wrapper.
+
+    Returns:
+        True on every rank iff every rank's plan equals its loaded one (items compared as
+        the manifest records them; order and storage data do not matter).
+    """
+    if not loaded_all_plans or len(loaded_all_plans) != dist_wrapper.get_world_size():
+        return False  # the same on every rank: no collective needed to agree
+    same = _same_items(local_plan, loaded_all_plans[rank])
+    if not same:
+        logger.debug("quicksave: rank %d's plan differs from the loaded one", rank)
+    return _all_ranks_min(int(same), dist_wrapper) == 1
+
+
+def exchange_plans(
+    local_plan: SavePlan | BaseException,
+    planner: SavePlanner,
+    writer: FileSystemWriterAsync,
+    dist_wrapper: _DistWrapper,
+) -> tuple[SavePlan, Metadata | None]:
+    """Collective: gather every local plan on the coordinator, plan globally there,
+    scatter each rank its central plan (DCP's reduce-scatter). A local failure is raised
+    on every rank.
+
+    Returns:
+        ``(central plan, global metadata on the coordinator, else None)``.
+    """
+    global_metadata: Metadata | None = None
+
+    def local_step() -> SavePlan:
+        if isinstance(local_plan, BaseException):
+            raise local_plan
+        return local_plan
+
+    def global_step(all_local_plans: list[SavePlan]) -> list[SavePlan]:
+        nonlocal global_metadata
+        all_plans, global_metadata = planner.create_global_plan(all_local_plans)
+        all_plans = writer.prepare_global_plan(all_plans)
+        global_metadata.storage_data = writer.save_layout()
+        return all_plans
+
+    central = dist_wrapper.reduce_scatter("plan", local_step, global_step)
+    return central, global_metadata
+
+
+# ------------------------------------------------------------------ plan
+def _same_items(a: SavePlan | None, b: SavePlan | None) -> bool:
+    if a is None or b is None:
+        return False
+    return rank_plan_of(_without_storage(a)).normalized() == rank_plan_of(
+        _without_storage(b)
+    ).normalized() and _structure(a) == _structure(b)
+
+
+def _structure(plan: SavePlan) -> list[tuple[str, str]]:
+    """The plan's state-dict paths, key types included (``repr``: a ``DictKey`` equals
+    its string) and empty dicts: what the manifest records beside the items."""
+    data = plan.planner_data if isinstance(plan.planner_data, dict) else {}
+    # REPLICAS_KEY: digests of values for the coordinator to compare, not structure
+    return sorted((repr(k), repr(tuple(v))) for k, v in data.items() if k != REPLICAS_KEY)
+
+
+def _without_storage(plan: SavePlan) -> SavePlan:
+    # Compare what the plan holds (its items), not what a writer attached to it.
+    return dataclasses.replace(plan, storage_data=None)
+
+
+def _resolve_cache(
+    enable_cache: bool, metadata_cache: CheckpointMetadataCache | None
+) -> CheckpointMetadataCache | None:
+    if not enable_cache:
+        return None
+    return (
+        metadata_cache
+        if metadata_cache is not None
+        else PROCESS.default_metadata_cache(CheckpointMetadataCache)
+    )
+
+
+def _default_planner() -> SavePlanner:
+    from quicksave.api import _SavePlanner
+
+    return _SavePlanner()
+
+
+def _as_checkpoint_error(e: CheckpointException, path: str) -> CheckpointError:
+    from quicksave.api import _unwrap
+
+    return _unwrap(e, path)
+
+
+def save_state_dict_async_plan(
+    state_dict: STATE_DICT_TYPE,
+    storage_writer: FileSystemWriterAsync,
+    process_group: dist.ProcessGroup | None = None,
+    coordinator_rank: int = 0,
+    planner: SavePlanner | None = None,
+    enable_cache: bool = False,
+    metadata_cache: CheckpointMetadataCache | None = None,
+) -> tuple[FileSystemWriterAsync, Metadata | None, _DistWrapper]:
+    """Phase 1 of an asynchronous save (every rank): plan, then stage this rank's tensors.
+
+    Args:
+        state_dict: what to save (flattened by the planner; DTensor/ShardedTensor work).
+        storage_writer: a ``FileSystemWriterAsync`` for the checkpoint path.
+        process_group: the planning group (default group if None).
+        coordinator_rank: the rank (in that group) that commits.
+        planner: a DCP ``SavePlanner`` (default: quicksave's, which deduplicates
+            replicated tensors across ranks); ``DefaultSavePlanner()`` works too.
+        enable_cache: reuse the cached plans while unchanged (see the module docstring).
+        metadata_cache: the cache (with ``enable_cache=True``; the process default, as
+            in NVRx, if None).
+
+    Returns:
+        ``(storage_writer, global_metadata or None, dist_wrapper)``; pass it to
+        ``save_state_dict_async_finalize``. Only the coordinator gets the metadata.
+
+    Raises:
+        CheckpointError: on every rank when any rank's planning failed (names the rank),
+            or when ``storage_writer`` is not a ``FileSystemWriterAsync``.
+
+    Example::
+
+        ret = save_state_dict_async_plan(sd, FileSystemWriterAsync(path), None, 0)
+        save_fn, preload_fn, save_args = ret[0].get_save_function_and_args()
+    """
+    if not isinstance(storage_writer, FileSystemWriterAsync):
+        raise CheckpointError(
+            f"storage_writer must be a FileSystemWriterAsync, not {type(storage_writer).__name__}"
+        )
+    use_dist = dist.is_available() and dist.is_initialized()
+    dist_wrapper = _DistWrapper(process_group, use_dist, coordinator_rank)
+    rank = dist_wrapper.get_rank()
+    planner = planner if planner is not None else _default_planner()
+    cache = _resolve_cache(enable_cache, metadata_cache)
+
+    local_plan: SavePlan | BaseException
+    try:
+        planner.set_up_planner(state_dict, is_coordinator=dist_wrapper.is_coordinator)
+        storage_writer.set_up_storage_writer(dist_wrapper.is_coordinator, rank=rank)
+        local_plan = storage_writer.prepare_local_plan(planner.create_local_plan())
+    except Exception as e:  # noqa: BLE001 - raised on every rank by exchange_plans
+        local_plan = e
+    planned = isinstance(local_plan, SavePlan)
+
+    central_plan: SavePlan | None = None
+    global_metadata: Metadata | None = None
+    md_reuse = False
+    if cache is not None and cache.cached_central_plan is not None:
+        unchanged = planned and _same_items(local_plan, cache.cached_local_plan)
+        if agree_plan_reuse(unchanged, dist_wrapper):
+            central_plan = cache.cached_central_plan
+    elif cache is not None and cache.loaded_all_plans:
+        md_reuse = verify_global_md_reuse(
+            cache.loaded_all_plans, local_plan if planned else None, rank, dist_wrapper
+        )
+        if md_reuse:
+            # Every rank replays the coordinator's global planning on the loaded plans:
+            # deterministic, so all get the same layout without exchanging anything.
+            storage_writer.plan_id = "loaded:" + _loaded_id(cache.cached_global_metadata)
+            all_plans, md = planner.create_global_plan(list(cache.loaded_all_plans))
+            all_plans = storage_writer.prepare_global_plan(all_plans)
+            md.storage_data = storage_writer.save_layout()
+            central_plan = all_plans[rank]
+            global_metadata = md if dist_wrapper.is_coordinator else None
+    if central_plan is None:
+        try:
+            central_plan, global_metadata = exchange_plans(
+                local_plan, planner, storage_writer, dist_wrapper
+            )
+        except CheckpointException as e:
+            raise _as_checkpoint_error(e, storage_writer.path) from None
+    assert isinstance(local_plan, SavePlan)
+    central_plan = planner.finish_plan(central_plan)
+
+    if cache is not None:
+        storage_writer.save_index = cache.save_count
+        cache.save_count += 1
+    storage_writer.prepare_write_data(central_plan, planner)
+    ret = (storage_writer, global_metadata, dist_wrapper)
+    if cache is not None:
+        cache.set_cache_metadata(central_plan, local_plan, md_reuse)
+        ret = cache.prepare_save_state_dict_ret(rank, coordinator_rank, ret)
+    return ret
+
+
+def _loaded_id(metadata: Metadata | None) -> str:
+    meta = getattr(metadata, "storage_meta", None)
+    return str(getattr(meta, "checkpoint_id", "") or "")
+
+
+# ------------------------------------------------------------------ finalize
+def save_state_dict_async_finalize(
+    storage_writer: FileSystemWriterAsync,
+    global_metadata: Metadata | None,
+    dist_wrapper: _DistWrapper,
+) -> None:
+    """Phase 3 (every rank, once its ``save_fn`` is done): commit, collectively.
+
+    Every rank waits at one barrier (so every rank's write is done, whatever
+    ``no_dist`` the queue used); the coordinator then reads each rank's part (no write
+    result travels between ranks), writes ``.metadata`` and renames the temporary
+    directory into place (the commit; on an object store ``.metadata``, written last,
+    is the commit); one broadcast gives every rank the outcome. So every rank returns
+    only once the checkpoint is committed, or raises.
+
+    Args:
+        storage_writer, global_metadata, dist_wrapper: ``save_state_dict_async_plan``'s
+            return value.
+
+    Raises:
+        AsyncCheckpointError: (every rank; torch's ``CheckpointException`` too) a rank's
+            write failed or left no part, naming each such rank and its cause (on the
+            coordinator as "Worker failure: ...", as NVRx reports it), or the commit
+            failed; nothing is committed and this save's temporary directory (an object
+            store: its objects) is removed.
+
+    Example::
+
+        save_state_dict_async_finalize(*save_state_dict_ret)
+    """
+    use_dist = dist_wrapper.use_dist
+    if use_dist:
+        talk.barrier(dist_wrapper.group)
+    outcome: tuple[str, dict[int, str], str | None] | None = None
+    if dist_wrapper.is_coordinator:
+        try:
+            _commit(storage_writer, global_metadata, dist_wrapper)
+        except RankWritesFailed as e:
+            outcome = (str(e), dict(e.causes), e.path)
+        except CheckpointError as e:
+            outcome = (str(e), {}, e.path)
+    if use_dist:
+        outcome = talk.broadcast_object(outcome, dist_wrapper.coordinator_rank, dist_wrapper.group)
+    storage_writer.release_staging()  # every rank's write is over
+    if outcome is None:
+        return
+    message, causes, path = outcome
+    rank = dist_wrapper.get_rank()
+    failures = {r: (CheckpointError(c, path=path, rank=r), None) for r, c in causes.items()}
+    if not dist_wrapper.is_coordinator:
+        coordinator = dist_wrapper.coordinator_rank
+        if causes:
+            named = "; ".join(f"rank {r} could not write its data ({c})" for r, c in causes.items())
+            message = f"the checkpoint was not committed: {named}"
+        else:
+            message = f"the checkpoint was not committed: rank {coordinator} failed: {message}"
+            failures = {coordinator: (CheckpointError(message, path=path), None)}
+    raise AsyncCheckpointError(message, path=path, rank=rank, failures=failures)
+
+
+def _commit(
+    storage_writer: FileSystemWriterAsync,
+    global_metadata: Metadata | None,
+    dist_wrapper: _DistWrapper,
+) -> None:
+    """The coordinator's part of finalize: check every rank's part, then commit.
+
+    Raises:
+        RankWritesFailed: ranks failed to write (every one of them named).
+        CheckpointError: anything else; this save's temporary data is removed.
+    """
+    tmp_dir = storage_writer.tmp_dir
+    layout = getattr(global_metadata, "storage_data", None)
+    if tmp_dir is None or not isinstance(layout, SaveLayout):
+        raise CheckpointError(
+            "save_state_dict_async_finalize needs the coordinator's global metadata from "
+            "save_state_dict_async_plan (with FileSystemWriterAsync)",
+            path=storage_writer.path,
+            rank=dist_wrapper.get_rank(),
+        )
+    local = storage_writer.location.is_local
+    try:
+        if len(layout.layouts) != dist_wrapper.get_world_size():
+            raise CheckpointError(
+                f"the plan is for {len(layout.layouts)} ranks, the group has "
+                f"{dist_wrapper.get_world_size()}",
+                path=tmp_dir if local else storage_writer.path,
+                rank=dist_wrapper.get_rank(),
+            )
+        storage_writer.commit_parts(global_metadata, layout)
+    except CheckpointError:
+        if local:
+            shutil.rmtree(tmp_dir, ignore_errors=True)
+        else:  # this save's objects, unless a commit is there
+            storage_writer.discard()
+        raise
+
+
+__all__ = [
+    "CheckpointMetadataCache",
+    "agree_plan_reuse",
+    "exchange_plans",
+    "get_metadata_caching_status",
+    "init_checkpoint_metadata_cache",
+    "save_state_dict_async_finalize",
+    "save_state_dict_async_plan",
+    "verify_global_md_reuse",
+]

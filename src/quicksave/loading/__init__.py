@@ -1,0 +1,1 @@
+"""Load: discover checkpoints, read and verify their bytes."""

@@ -1,0 +1,100 @@
+"""Every call by which quicksave talks to other ranks through ``torch.distributed``.
+
+No other module calls a collective (``tests/test_layering.py`` holds the package to
+that): a function elsewhere whose name does not say it talks to other ranks cannot, and
+each cross-rank step of a save or a load is one named call here, made by orchestration
+code (the engine, the manager, the NVRx-compatible queue, the integrations).
+
+Every function is a collective of ``group`` (None: the default group): **every rank of
+the group must call it, in the same order**, or the job deadlocks. Integers travel as
+one small int64 tensor on the group's device (CUDA for NCCL groups, else CPU); Python
+objects are pickled by ``torch.distributed`` and must be small.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+
+Op = Literal["min", "max", "sum"]
+_OPS = {"min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX, "sum": dist.ReduceOp.SUM}
+
+
+def group_device(group: Any = None) -> torch.device:
+    """Where the group's collectives take tensors: the current CUDA device for NCCL."""
+    if "nccl" in str(dist.get_backend(group)) and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _ints(values: Sequence[int], group: Any) -> torch.Tensor:
+    return torch.tensor(list(values), dtype=torch.int64, device=group_device(group))
+
+
+def all_reduce_ints(values: Sequence[int], op: Op, group: Any = None) -> list[int]:
+    """Element-wise ``op`` of every rank's ``values`` (the same length on every rank)."""
+    t = _ints(values, group)
+    dist.all_reduce(t, op=_OPS[op], group=group)
+    return [int(v) for v in t.tolist()]
+
+
+class PendingInts:
+    """An all-reduce started by :func:`all_reduce_ints_async`; :meth:`wait` gives its
+    result (once the slowest rank has contributed)."""
+
+    def __init__(self, work: Any, tensor: torch.Tensor) -> None:
+        self._work = work
+        self._tensor = tensor
+
+    def done(self) -> bool:
+        """Whether the result is there (never blocks)."""
+        return bool(self._work.is_completed())
+
+    def wait(self) -> list[int]:
+        self._work.wait()
+        return [int(v) for v in self._tensor.tolist()]
+
+
+def all_reduce_ints_async(values: Sequence[int], op: Op, group: Any = None) -> PendingInts:
+    """:func:`all_reduce_ints` started without waiting for the other ranks."""
+    t = _ints(values, group)
+    return PendingInts(dist.all_reduce(t, op=_OPS[op], group=group, async_op=True), t)
+
+
+def all_gather_object(obj: Any, group: Any = None) -> list[Any]:
+    """Every rank's ``obj``, indexed by rank in the group."""
+    out: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, obj, group=group)
+    return out
+
+
+def gather_object(obj: Any, dst: int, group: Any = None) -> list[Any] | None:
+    """Every rank's ``obj`` on the group rank ``dst`` (indexed by rank), None elsewhere."""
+    me = dist.get_rank(group)
+    out: list[Any] | None = [None] * dist.get_world_size(group) if me == dst else None
+    dist.gather_object(obj, out, group=group, group_dst=dst)
+    return out
+
+
+def scatter_object(payloads: list[Any] | None, src: int, group: Any = None) -> Any:
+    """This rank's element of ``payloads``, which the group rank ``src`` passes (one per
+    rank, indexed by rank; None on the other ranks)."""
+    out: list[Any] = [None]
+    dist.scatter_object_list(out, payloads, group=group, group_src=src)
+    return out[0]
+
+
+def barrier(group: Any = None) -> None:
+    """Wait until every rank of the group is here."""
+    dist.barrier(group=group)
+
+
+def broadcast_object(obj: Any, src: int, group: Any = None) -> Any:
+    """The group rank ``src``'s ``obj`` on every rank (the other ranks pass anything,
+    e.g. None)."""
+    out: list[Any] = [obj]
+    dist.broadcast_object_list(out, group=group, group_src=src)
+    return out[0]

@@ -1,0 +1,1 @@
+"""Save: collect → plan → stage → hand off to the worker; the engine orchestrates."""

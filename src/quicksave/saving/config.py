@@ -1,0 +1,69 @@
+"""The engine's configuration: :class:`EngineConfig`, how an ``AsyncSaver`` works (worker
+mode, staging mode, writer threads, backpressure, pools in flight, durability, limits).
+
+Built once by the caller (or by the manager from its own config) and passed to
+``AsyncSaver``; validated at construction, read-only afterwards.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from quicksave.errors import CheckpointError
+from quicksave.storage import StorageOptions
+from quicksave.worker.config import WorkerConfig
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """How an AsyncSaver works.
+
+    Attributes:
+        mode: ``"process"`` (a persistent worker process per rank writes the files) or
+            ``"thread"`` (a background thread of this process does).
+        staging: ``"blocking"`` (``save()`` returns once every tensor is copied) or
+            ``"overlap"`` (tensors selected by ``save(deferred=...)`` are copied in the
+            background; call ``maybe_wait_for_staging()`` before mutating them).
+        thread_count: data files (and writer threads) per rank.
+        backpressure: ``"wait"`` for a free pool, or ``"skip"`` the save (logged).
+        max_in_flight: staging pools, i.e. saves that may be in flight at once.
+        o_direct: write files with O_DIRECT where the filesystem allows.
+        fsync: fsync files and directories (off only for throwaway tests).
+        worker: heartbeat and timeouts of the worker process.
+        close_timeout_s: how long ``close()`` waits for saves in flight.
+        pin_memory: page-lock pools for CUDA copies (default: when CUDA is available).
+        storage: how to reach object stores (``s3://``, ``msc://`` paths).
+        write_rate_mbps: MB/s (10^6 bytes) each writer thread writes to local files at
+            most: spreads a save's disk traffic over more time, for machines where it
+            slows training (the time to durable grows accordingly). None: no limit.
+    """
+
+    mode: Literal["process", "thread"] = "process"
+    staging: Literal["overlap", "blocking"] = "blocking"
+    thread_count: int = 2
+    backpressure: Literal["wait", "skip"] = "wait"
+    max_in_flight: int = 1
+    o_direct: bool = True
+    fsync: bool = True
+    worker: WorkerConfig = field(default_factory=WorkerConfig)
+    close_timeout_s: float = 300.0
+    pin_memory: bool | None = None
+    storage: StorageOptions = field(default_factory=StorageOptions)
+    write_rate_mbps: float | None = None
+
+    def __post_init__(self) -> None:
+        rate = self.write_rate_mbps
+        if rate is not None and not rate > 0:
+            raise CheckpointError(f"EngineConfig.write_rate_mbps must be > 0 or None: {rate!r}")
+        for name, value, allowed in (
+            ("mode", self.mode, ("process", "thread")),
+            ("staging", self.staging, ("overlap", "blocking")),
+            ("backpressure", self.backpressure, ("wait", "skip")),
+        ):
+            if value not in allowed:
+                raise CheckpointError(
+                    f"EngineConfig.{name} must be one of {allowed}, got {value!r}"
+                )
+        if self.thread_count < 1 or self.max_in_flight < 1:
+            raise CheckpointError("EngineConfig.thread_count and max_in_flight must be >= 1")

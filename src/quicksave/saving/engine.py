@@ -1,0 +1,508 @@
+"""The async engine: ``AsyncSaver`` — plan, stage, hand off, finalize — one per rank.
+
+One ``save()``, in the training thread::
+
+    finalize finished saves (FIFO; a failed one raises here)
+    → backpressure: a free staging pool (wait, or skip by policy)
+    → collect: flatten, snapshot plain values as JSON (now, not later)
+    → plan: layout of the rank's files (cached while the state's shapes are unchanged)
+    → stage: copy tensors into the pool (blocking mode: all now; overlap mode: the small
+      and forward-mutable ones now, the deferred ones — parameters, optimizer states — in a
+      background thread while the next forward/backward runs)
+    → submit: a small PersistJob to the persister (worker process or thread)
+    → return a SaveHandle
+
+The persister writes the files from the pool, checksums them, fsyncs and commits (single
+rank). ``finalize()`` collects outcomes; a worker that died or hung becomes a
+``WorkerFailedError`` there (or in ``save()``), and the next save starts a new worker.
+
+A pool the worker still reads is never written: each pool is "busy" from its submit to
+its result (``max_in_flight`` pools allow that many saves in flight).
+
+This module wires the stages together; each lives in its own module of ``save/``:
+``config`` (EngineConfig), ``handle`` (SaveHandle, SaveResult), ``collect``
+(``collect_state``), ``engine_plan`` (the single-rank plan and its cache), ``rank_vote``
+(several ranks: the vote before each save), ``slots`` (the staging pools),
+``staging`` (the copies into a pool), ``background_copy`` (overlap mode: the copy
+beside training and its confirmation, ``guard``), ``in_flight`` (saves in flight and
+their outcomes), ``worker_supervision`` (the persister), ``prepare`` (pools built ahead).
+"""
+
+from __future__ import annotations
+
+import atexit
+import itertools
+import logging
+import os
+import threading
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from quicksave import commit
+from quicksave.errors import CheckpointError
+from quicksave.format.manifest import check_user_metadata
+from quicksave.ranks.saving import DistContext, DistSaving
+from quicksave.saving.background_copy import BackgroundCopy, Overlap
+from quicksave.saving.collect import collect_state
+from quicksave.saving.config import EngineConfig
+from quicksave.saving.engine_plan import EnginePlan, EnginePlans, PlannedSave, fqns_of
+from quicksave.saving.guard import Snapshot
+from quicksave.saving.handle import SaveHandle, SaveResult
+from quicksave.saving.in_flight import InFlight, InFlightSaves
+from quicksave.saving.prepare import PoolPreparer
+from quicksave.saving.rank_vote import RankVote
+from quicksave.saving.slots import Slot, StagingSlots
+from quicksave.saving.staging import Deferred, PoolCopier, cuda_ready, split
+from quicksave.saving.worker_supervision import WorkerSupervisor
+from quicksave.stage.pool import StagingPool
+from quicksave.storage import Location, parse_location
+from quicksave.storage.backend import Backend
+from quicksave.worker.job import PersistJob
+
+logger = logging.getLogger("quicksave")
+
+
+class AsyncSaver:
+    """Saves checkpoints of one rank in the background.
+
+    Call order (training thread): ``save()`` per checkpoint (returns after staging, or at
+    once in overlap mode) → optionally ``maybe_wait_for_staging()`` before mutating
+    deferred tensors → ``finalize()`` now and then (surfaces errors) → ``close()``.
+
+    Args:
+        config: :class:`EngineConfig`.
+        rank: this process's rank (named in errors).
+        dist_context: several ranks: where their saves coordinate (each ``save()`` is
+            then collective).
+
+    Example::
+
+        saver = AsyncSaver(EngineConfig(mode="process"))
+        handle = saver.save(model.state_dict(), "ckpt/step-10", step=10)
+        ...  # training goes on
+        handle.wait()
+        saver.close()
+    """
+
+    def __init__(
+        self,
+        config: EngineConfig | None = None,
+        *,
+        rank: int = 0,
+        dist_context: DistContext | None = None,
+    ) -> None:
+        self.config = config or EngineConfig()
+        self.rank = dist_context.rank if dist_context is not None else rank
+        # Multi-rank: plans through the plan cache, commits through parts and records.
+        self._dist = DistSaving(dist_context) if dist_context is not None else None
+        self._lock = threading.RLock()
+        self._ids = itertools.count()  # pool and job ids
+        self._slots = StagingSlots(self.config.max_in_flight, self._ids, self.config.pin_memory)
+        self._plans = EnginePlans(self.rank, self.config.thread_count)
+        self._flights = InFlightSaves(self.rank, self._dist)
+        self._worker = WorkerSupervisor(self.config, self.rank, self._dist)
+        self._copier = PoolCopier()
+        self._background = BackgroundCopy(
+            self._copier, self._flights, self._lock, self._submit, self.rank
+        )
+        self._vote = (
+            None
+            if self._dist is None
+            else RankVote(
+                self._dist,
+                self.config,
+                self.rank,
+                self._lock,
+                self._slots,
+                self._worker,
+                self._flights,
+                self._collect,
+                self._backend_for,
+                lambda: self._closed,
+            )
+        )
+        self._backends: dict[tuple, Backend] = {}  # object stores (trainer-side checks)
+        self._closed = False
+        self._preparer = PoolPreparer(
+            self.config,
+            self._lock,
+            self._slots,
+            self._worker,
+            lambda: self._closed,
+            self._worker_failed,
+        )
+        self._worker.start()  # started now: the first save pays no start-up
+        atexit.register(self._atexit)
+
+    @property
+    def staging_bytes(self) -> int:
+        """Bytes of host memory held by this saver's staging pools now."""
+        return self._slots.nbytes
+
+    @property
+    def distributed(self) -> bool:
+        """True if this saver's saves are multi-rank (each ``save()`` is collective)."""
+        return self._dist is not None
+
+    @property
+    def worker_pid(self) -> int | None:
+        """PID of the worker process (process mode), for monitoring and tests."""
+        return self._worker.pid
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._flights)
+
+    # --------------------------------------------------------------------- save
+    def save(
+        self,
+        state_dict: Mapping[str, Any],
+        path: str | os.PathLike[str],
+        *,
+        step: int | None = None,
+        deferred: Deferred | None = None,
+        user_metadata: dict[str, Any] | None = None,
+        overwrite: bool = False,
+    ) -> SaveHandle | None:
+        """Start saving ``state_dict`` to the checkpoint directory ``path``.
+
+        Args:
+            state_dict: names to tensors, ``Stateful`` objects, nested dicts/lists, values.
+            path: the checkpoint directory to create (must not hold a committed one,
+                unless ``overwrite``).
+            step: recorded in the manifest.
+            deferred: in overlap mode, ``deferred(fqn, tensor)`` says which tensors may be
+                copied after ``save()`` returns (their values are still those at the call,
+                as long as nothing mutates them before ``maybe_wait_for_staging()``).
+            user_metadata: JSON-serializable dict stored in the manifest.
+            overwrite: a committed checkpoint at ``path`` is replaced atomically at the
+                commit (the two directories are exchanged, ``commit.publish``): until
+                then, and if the save fails, the old one stays whole. Single-rank saves
+                to local paths only.
+
+        Returns:
+            a SaveHandle, or None if skipped by ``backpressure="skip"``.
+
+        Raises:
+            CheckpointError: a previous save failed (reported once), bad input (checked
+                before any I/O), the target exists, ``overwrite`` on an object store or
+                in a multi-rank saver, or the worker failed.
+        """
+        t0 = time.monotonic()
+        cpu0 = time.thread_time()
+        self._settle_last_copy()  # outside the lock: the staging and prepare threads take it
+        self.wait_prepared()
+        with self._lock:
+            if self._closed:
+                raise CheckpointError("the saver is closed", path=os.fspath(path), rank=self.rank)
+            loc = parse_location(path, options=self.config.storage)
+            check_user_metadata(dict(user_metadata or {}), loc.url, self.rank)
+            if overwrite and self._dist is not None:
+                raise CheckpointError(
+                    "overwrite=True is supported for single-rank saves only",
+                    path=loc.url,
+                    rank=self.rank,
+                )
+            planned = self._collect_and_plan(state_dict, loc, step, user_metadata, overwrite)
+            if planned is None:
+                return None
+            slot = self._free_slot()
+            if slot is None:
+                logger.warning(
+                    "quicksave: skipped the save of step %s: the previous save is still in flight",
+                    step,
+                )
+                return None
+            handle = SaveHandle(step, loc.url, t0)
+            handle._saver = self
+            job, pool = self._new_job(slot, planned, handle, loc, step, overwrite)
+            self._stage(job, handle, pool, planned, deferred)
+            handle.blocking_s = time.monotonic() - t0
+            handle.trainer_cpu_s += time.thread_time() - cpu0
+            return handle
+
+    def _settle_last_copy(self) -> None:
+        """Confirm the last save's background copy before this save."""
+        try:
+            self.maybe_wait_for_staging()
+        except CheckpointError as e:
+            if self._dist is None:
+                raise
+            # Several ranks: the last save's copy failed (or its tensors moved) on this
+            # rank. Raised after this save's vote (see RankVote.plan), which it turns into
+            # a skip on every rank: raising now would leave the others waiting in the vote.
+            self._flights.unreported.append(e)
+
+    def _collect_and_plan(
+        self,
+        state_dict: Mapping[str, Any],
+        loc: Location,
+        step: int | None,
+        user_metadata: dict[str, Any] | None,
+        overwrite: bool,
+    ) -> PlannedSave | None:
+        """Collect and plan (several ranks: through their vote; None: skipped)."""
+        if self._vote is not None:
+            ds = self._vote.plan(state_dict, loc, step, user_metadata)
+            return None if ds is None else PlannedSave.of_dist(ds)
+        self.finalize(blocking=False)  # raises an earlier failure, once
+        store = None if loc.is_local else loc
+        commit.check_target(loc, self.rank, self._backend_for(store), replace=overwrite)
+        state = collect_state(state_dict, loc.url, self.rank)
+        plan = self._plan(state.tensors, state.objects)
+        manifest = self._plans.manifest(plan, state, step, user_metadata)
+        return PlannedSave(plan, state.tensors, state.sources, manifest, commit.new_token())
+
+    def _plan(self, tensors: dict[str, torch.Tensor], objects: dict[str, Any]) -> EnginePlan:
+        """The single-rank plan of these tensors and values (cached)."""
+        return self._plans.get(tensors, objects)
+
+    def _free_slot(self) -> Slot | None:
+        """A free slot: waits for one (``backpressure="wait"``), or None (``"skip"``)."""
+        while True:
+            slot = self._slots.free()
+            if slot is not None:
+                return slot
+            if self.config.backpressure == "skip":
+                return None
+            self._collect(0.1)  # wait: a buffer the worker still reads is never overwritten
+
+    def _new_job(
+        self,
+        slot: Slot,
+        planned: PlannedSave,
+        handle: SaveHandle,
+        loc: Location,
+        step: int | None,
+        overwrite: bool,
+    ) -> tuple[PersistJob, StagingPool]:
+        """The slot's pool for the plan, and the save's job for the worker (registered
+        in flight: the slot is busy from now on)."""
+        self._worker.for_submit(idle=self._flights.held_only(None))
+        plan = planned.plan
+        pool = self._slots.pool_for(slot, plan, self._worker)
+        store = None if loc.is_local else loc
+        job = planned.job(
+            next(self._ids), slot.pool_id, pool, loc, step, self.rank, self.config, overwrite
+        )
+        fl = InFlight(
+            handle,
+            slot,
+            sum(f.size for f in plan.layout.files),
+            job.tmp_dir if store is None else "",  # never a store's key: not a path
+            planned.token if planned.dist is not None else "",
+            loc,
+            overwrite,
+        )
+        self._flights.add(job.job_id, fl)
+        return job, pool
+
+    def _stage(
+        self,
+        job: PersistJob,
+        handle: SaveHandle,
+        pool: StagingPool,
+        planned: PlannedSave,
+        deferred: Deferred | None,
+    ) -> None:
+        """Copy what ``save()`` copies, then hand the save to the worker — or, with
+        deferred tensors, start their background copy (the save is handed over once it
+        is confirmed)."""
+        plan, tensors = planned.plan, planned.tensors
+        now, later = split(self.config.staging, tensors, deferred, self._background.unguarded)
+        ready = cuda_ready(tensors)
+        try:
+            handle.bytes_copied = self._copier.stage(pool, plan, tensors, now, ready=ready)
+        except BaseException:
+            self._flights.drop(job.job_id)
+            raise
+        if later:
+            fqn_of = {} if self._dist is None else fqns_of(plan.layout)
+            snapshot = Snapshot.take(planned.sources, later)
+            self._background.start(
+                Overlap(job, handle, snapshot, tensors, fqn_of), pool, plan, later, ready
+            )
+        else:
+            handle.staging_s = time.monotonic() - handle.started
+            self._submit(job, handle)
+
+    def _submit(self, job: PersistJob, handle: SaveHandle) -> None:
+        """Hand a staged save to the worker (a failed worker fails it)."""
+        try:
+            self._worker.for_submit(idle=self._flights.held_only(job.job_id)).submit(job)
+        except CheckpointError as e:
+            self._worker_failed(e)
+
+    def _backend_for(self, loc: Location | None) -> Backend | None:
+        """The trainer side's backend for an object store (checks before a save), kept
+        until :meth:`close`; None for the local filesystem."""
+        if loc is None or loc.is_local:
+            return None
+        key = loc.backend_id()
+        if key not in self._backends:  # its calls run on the training thread: bounded
+            bounded = loc.bounded(self.config.worker.save_timeout_s)
+            self._backends[key] = bounded.open(rank=self.rank)
+        return self._backends[key]
+
+    # ------------------------------------------------------------ overlap staging
+    def maybe_wait_for_staging(self) -> None:
+        """Block until background staging is done, then hand that save to the writer —
+        or fail it, if a deferred tensor was written since ``save()`` (``guard.py``).
+
+        Call from the training thread before writing deferred tensors, between training
+        operations (the manager's optimizer pre-hooks do, and so do ``save()``,
+        ``finalize()``, ``close()`` and ``SaveHandle.wait()``).
+
+        Raises:
+            CheckpointError: the background copy failed, or a deferred tensor was
+                written during it (the save is not committed; on every rank).
+        """
+        self._background.wait_and_confirm()
+
+    def _confirm_if_staged(self) -> None:
+        """``maybe_wait_for_staging`` if the background copy is already done (no wait)."""
+        if self._background.finished():
+            self.maybe_wait_for_staging()
+
+    def _awaits_confirmation(self, handle: SaveHandle) -> bool:
+        """Whether ``handle``'s background copy awaits the training thread's check."""
+        return self._background.awaits(handle)
+
+    # ----------------------------------------------------------------- finalize
+    def _collect(self, timeout: float) -> None:
+        """Take results from the persister and complete their handles (never raises)."""
+        with self._lock:
+            persister = self._worker.persister
+            if persister is None or not self._flights.jobs:
+                if timeout:
+                    time.sleep(min(timeout, 0.01))
+                return
+            try:
+                results = persister.poll(timeout)
+            except CheckpointError as e:
+                self._worker_failed(e)
+                return
+            for r in results:
+                self._flights.complete(r)
+
+    def _worker_failed(self, err: BaseException) -> None:
+        """The persister is gone: fail every save in flight, free the pools."""
+        self._worker.kill()
+        self._flights.fail_all(err)
+
+    def _reported(self, err: BaseException) -> None:
+        self._flights.reported(err)
+
+    def finalize(self, blocking: bool = False) -> list[SaveResult]:
+        """Collect finished saves (all in flight if ``blocking``), oldest first.
+
+        Raises:
+            CheckpointError: the first failed save not reported before (each failure is
+                raised once, here or by ``save()``).
+        """
+        done: list[SaveHandle] = [fl.handle for fl in self._flights.jobs.values()]
+        if blocking:
+            self.maybe_wait_for_staging()
+            while self._flights.jobs:
+                self._collect(0.1)
+        else:
+            self._confirm_if_staged()
+            self._collect(0.0)
+        if self._flights.unreported:
+            raise self._flights.unreported.pop(0)
+        return [h._result for h in done if h._done.is_set() and h._result is not None]
+
+    # ------------------------------------------------------------------- close
+    def close(self, abort: bool = False) -> None:
+        """Wait for saves in flight (unless ``abort``), stop the worker, free the pools."""
+        if self._closed:
+            return
+        try:
+            if not abort:
+                deadline = time.monotonic() + self.config.close_timeout_s
+                try:
+                    self.maybe_wait_for_staging()
+                except CheckpointError:
+                    pass
+                while self._flights.jobs and time.monotonic() < deadline:
+                    self._collect(0.1)
+        finally:
+            self._closed = True
+            self.wait_prepared()  # it sees _closed and frees what it built
+            self._background.join()  # abort: a copy still writing into a pool
+            # saves still in flight here timed out (or abort): the writer stops now
+            self._worker.stop(now=abort or bool(self._flights.jobs), unmap=self._slots.close)
+            self._flights.abandon(self.config.close_timeout_s)
+            self._slots.close()
+            atexit.unregister(self._atexit)
+            for b in self._backends.values():
+                b.close()
+            self._backends.clear()
+
+    def _atexit(self) -> None:
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - interpreter exit: best effort
+            logger.exception("quicksave: closing the saver at exit failed")
+
+    def __enter__(self) -> AsyncSaver:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ prepare
+    def prepare(
+        self, state_dict: Mapping[str, Any], *, background: bool = True
+    ) -> threading.Thread | None:
+        """Plan ``state_dict`` and build, populate and hand to the worker its staging
+        pools now, so that the first ``save()`` of the same shapes pays no allocation
+        (~1 s/GiB) and no first-touch page faults.
+
+        Call from the training thread once the state is complete (optimizer states
+        exist only after the first optimizer step, or after a checkpoint was loaded into
+        them); values are not read, only names, dtypes and shapes. ``save()`` waits for a
+        build still running. Never raises: a state that cannot be saved is reported by
+        ``save()``, a pool that cannot be allocated is logged and built by ``save()``.
+
+        Args:
+            state_dict: the state that later saves will pass (same shapes).
+            background: build in a low-priority thread while training goes on (the page
+                clearing then happens in the worker process). False: build here, before
+                returning — for start-up, when nothing else competes for the CPU.
+
+        Returns:
+            the thread building the pools, or None if there was nothing to build or it
+            was built before returning.
+
+        Example::
+
+            saver.prepare(state_dict)  # after step 1; save(state_dict, ...) at step 100
+        """
+        self.wait_prepared()
+        if self._dist is not None:
+            return None  # planning is collective: the first save builds the pool
+        with self._lock:
+            if self._closed:
+                return None
+            try:
+                state = collect_state(state_dict, "", self.rank)
+                plan = self._plan(state.tensors, state.objects)
+            except CheckpointError as e:
+                logger.debug("quicksave: nothing prepared: %s", e)
+                return None
+            self._slots.adopt(plan)
+            n = self._slots.missing(plan)
+            if n == 0:
+                return None
+            if background:
+                return self._preparer.start(plan, n)
+        self._preparer.build(plan, n, False)
+        return None
+
+    def wait_prepared(self) -> None:
+        """Block until a :meth:`prepare` build is finished (call outside the lock)."""
+        self._preparer.wait()

@@ -1,0 +1,222 @@
+"""The engine's plan of one save: where every staged tensor goes in the rank's files, and
+the manifest entries, chunk keys and DCP ``.metadata`` the worker writes with them.
+
+A single-rank saver plans here (:func:`plan_one_rank`, cached by :class:`EnginePlans`
+while the state's names, dtypes and shapes are unchanged); a multi-rank saver's plan
+comes from the ranks' collective planning (``ranks/saving.py``) and is wrapped with
+:meth:`EnginePlan.of_dist`. Either way the engine stages into the pool at ``places`` and
+hands the rest to the worker. Called by the training thread (and by ``prepare()``),
+under the saver's lock.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from quicksave import commit
+from quicksave.adapters.dcp_writer import dcp_metadata_bytes
+from quicksave.format.dtypes import dtype_name, element_size
+from quicksave.format.manifest import ChunkEntry, FileEntry, Manifest, ObjectEntry, TensorEntry
+from quicksave.ranks.saving import DistSave
+from quicksave.saving.collect import CollectedState
+from quicksave.saving.config import EngineConfig
+from quicksave.saving.plan import ItemSpec, RankLayout, layout_rank
+from quicksave.stage.pool import StagingPool
+from quicksave.storage import Location
+from quicksave.worker.job import DistCommit, FileJob, PersistJob
+
+
+@dataclass(frozen=True)
+class EnginePlan:
+    """One rank's layout of a save and what the worker needs besides the bytes."""
+
+    key: tuple
+    layout: RankLayout
+    chunk_keys: dict[str, tuple[str, int]]
+    dcp_metadata: bytes
+    tensors: dict[str, TensorEntry]  # checksums empty
+    files: dict[str, FileEntry]
+    places: dict[str, tuple[str, int, int]]  # staged name -> (file, offset, length)
+    keys: dict[str, str] = field(default_factory=dict)  # staged name -> chunk key, if not same
+
+    @classmethod
+    def of_dist(cls, ds: DistSave) -> EnginePlan:
+        """The plan of a multi-rank save (staged by chunk key: no manifest entries here,
+        the coordinator's manifest skeleton comes with ``ds``)."""
+        return cls(ds.key, ds.layout, ds.chunk_keys, ds.dcp_metadata, {}, {}, ds.places)
+
+
+@dataclass(frozen=True)
+class PlannedSave:
+    """One save, collected and planned: what ``save()`` stages and hands to the worker."""
+
+    plan: EnginePlan
+    tensors: dict[str, torch.Tensor]  # staged name -> the tensor to copy
+    sources: dict[str, torch.Tensor]  # staged name -> its writes' version counter
+    manifest: Manifest | None  # None: a multi-rank save's non-coordinator rank
+    token: str  # names the save's temporary directory (and its commit records)
+    dist: DistCommit | None = None  # several ranks: how this rank's part commits
+
+    @classmethod
+    def of_dist(cls, ds: DistSave) -> PlannedSave:
+        plan = EnginePlan.of_dist(ds)
+        return cls(plan, ds.tensors, ds.sources, ds.manifest, ds.dist.token, ds.dist)
+
+    def job(
+        self,
+        job_id: int,
+        pool_id: int,
+        pool: StagingPool,
+        loc: Location,
+        step: int | None,
+        rank: int,
+        config: EngineConfig,
+        replace: bool,
+    ) -> PersistJob:
+        """The worker's job for this save, staged in ``pool`` (``pool_id`` in the worker)
+        and committed at ``loc``."""
+        store = None if loc.is_local else loc
+        final = loc.url
+        plan = self.plan
+        return PersistJob(
+            job_id=job_id,
+            pool_id=pool_id,
+            step=step,
+            rank=rank,
+            final_path=final,
+            tmp_dir=commit.temp_path_for(final, self.token) if store is None else loc.key,
+            files=tuple(
+                FileJob(
+                    f.name,
+                    pf.base,
+                    f.size,
+                    tuple((e.item.key, e.offset, e.length) for e in f.entries),
+                )
+                for f, pf in zip(plan.layout.files, pool.pool.files, strict=True)
+            ),
+            manifest=self.manifest,
+            chunk_keys=plan.chunk_keys,
+            dcp_metadata=plan.dcp_metadata,
+            fsync=config.fsync,
+            o_direct=config.o_direct,
+            thread_count=config.thread_count,
+            dist=self.dist,
+            location=store,
+            replace=replace,
+            write_rate=None if (mbps := config.write_rate_mbps) is None else mbps * 1e6,
+        )
+
+
+def plan_key(tensors: Mapping[str, torch.Tensor], objects: Mapping[str, Any], threads: int):
+    """What a single-rank plan depends on: names, dtypes and shapes, non-tensor names, the
+    number of files."""
+    return (
+        tuple((fqn, t.dtype, tuple(t.shape)) for fqn, t in tensors.items()),
+        tuple(objects),
+        threads,
+    )
+
+
+def plan_one_rank(
+    rank: int,
+    tensors: Mapping[str, torch.Tensor],
+    objects: Mapping[str, Any],
+    thread_count: int,
+    key: tuple,
+) -> EnginePlan:
+    """Lay out every tensor of a single-rank save (whole, one chunk each) over
+    ``thread_count`` files, with the manifest entries and ``.metadata`` to match."""
+    items = []
+    for fqn, t in tensors.items():
+        shape = tuple(t.shape)
+        items.append(
+            ItemSpec(
+                fqn,
+                (0,) * len(shape),
+                shape,
+                shape,
+                dtype_name(t.dtype),
+                t.numel() * element_size(t.dtype),
+            )
+        )
+    layout = layout_rank(rank, items, thread_count)
+    entries: dict[str, TensorEntry] = {}
+    chunk_keys: dict[str, tuple[str, int]] = {}
+    files: dict[str, FileEntry] = {}
+    places: dict[str, tuple[str, int, int]] = {}
+    for f in layout.files:
+        files[f.name] = FileEntry(f.size, f.header_xxh3_64, rank, f.data_start)
+        for e in f.entries:
+            it = e.item
+            entries[it.fqn] = TensorEntry(
+                it.dtype,
+                it.global_shape,
+                (ChunkEntry(it.offsets, it.sizes, f.name, e.offset, e.length, ""),),
+            )
+            chunk_keys[it.key] = (it.fqn, 0)
+            places[it.fqn] = (f.name, e.offset, e.length)
+    skeleton = Manifest(None, 1, entries, {fqn: ObjectEntry(None) for fqn in objects}, files)
+    keys = {fqn: key for key, (fqn, _) in chunk_keys.items()}
+    return EnginePlan(
+        key, layout, chunk_keys, dcp_metadata_bytes(skeleton), entries, files, places, keys
+    )
+
+
+def fqns_of(layout: RankLayout) -> dict[str, str]:
+    """Chunk key -> fqn of every chunk in ``layout`` (several ranks stage by chunk key)."""
+    return {e.item.key: e.item.fqn for f in layout.files for e in f.entries}
+
+
+class EnginePlans:
+    """A single-rank saver's plans: the latest plan, and its manifest tensor entries
+    with the latest key paths (plans change rarely; both are reused while unchanged)."""
+
+    def __init__(self, rank: int, thread_count: int) -> None:
+        self.rank = rank
+        self.thread_count = thread_count
+        self._plans: dict[tuple, EnginePlan] = {}
+        self._entries: tuple[EnginePlan, dict, dict[str, TensorEntry]] | None = None
+
+    def get(self, tensors: Mapping[str, torch.Tensor], objects: Mapping[str, Any]) -> EnginePlan:
+        key = plan_key(tensors, objects, self.thread_count)
+        plan = self._plans.get(key)
+        if plan is None:
+            plan = plan_one_rank(self.rank, tensors, objects, self.thread_count, key)
+            self._plans = {key: plan}  # keep the latest only: plans change rarely
+        return plan
+
+    def manifest(
+        self,
+        plan: EnginePlan,
+        state: CollectedState,
+        step: int | None,
+        user_metadata: dict[str, Any] | None,
+    ) -> Manifest:
+        """The manifest of a single-rank save of ``state`` (tensor checksums empty: the
+        writer fills them)."""
+        return Manifest(
+            step=step,
+            world_size=1,
+            tensors=self.tensor_entries(plan, state.paths),
+            objects={fqn: ObjectEntry(v, state.paths.get(fqn)) for fqn, v in state.objects.items()},
+            files=plan.files,
+            user_metadata=dict(user_metadata or {}),
+            empty_dicts=state.empty,
+        )
+
+    def tensor_entries(self, plan: EnginePlan, paths: dict[str, tuple]) -> dict[str, TensorEntry]:
+        """The manifest's tensor entries of ``plan`` with their key paths (made once
+        per plan and paths: ~1,500 entries cost a save ~10 ms to make)."""
+        cached = self._entries
+        if cached is not None and cached[0] is plan and cached[1] == paths:
+            return cached[2]
+        entries = {
+            fqn: dataclasses.replace(t, path=paths.get(fqn)) for fqn, t in plan.tensors.items()
+        }
+        self._entries = (plan, paths, entries)
+        return entries

@@ -1,0 +1,548 @@
+"""Pure multi-rank save planning: local plans, the deduplicated global plan, delta
+re-planning and the plan cache. No I/O and no process group in here (``exchange`` holds
+the collectives), so 256 ranks can be planned in one process.
+
+Flow of one save (every rank): ``local_plan(state_dict, rank)`` → (exchange) →
+coordinator: ``global_plan(local_plans)`` or ``delta(previous, changed)`` → each rank
+gets ``GlobalPlan.layouts[rank]`` and writes exactly those chunks.
+
+Example::
+
+    plans = [local_plan(sd_of_rank[r], r) for r in range(4)]
+    gp = global_plan(plans, thread_count=2)
+    gp.layouts[1]          # what rank 1 writes (replicated chunks appear once overall)
+    gp.skeleton.files      # every data file of the checkpoint, checksums still empty
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import xxhash
+
+from quicksave.errors import IncompatibleStateError
+from quicksave.format import ALIGNMENT
+from quicksave.format import objects as objcodec
+from quicksave.format.dtypes import dtype_name, element_size
+from quicksave.format.keys import names_itself
+from quicksave.format.manifest import (
+    ChunkEntry,
+    FileEntry,
+    Manifest,
+    ObjectEntry,
+    RankPlan,
+    TensorEntry,
+)
+from quicksave.saving.collect import check_tensor, flatten, to_state_dict
+from quicksave.saving.keypaths import structure
+from quicksave.saving.plan import ItemSpec, RankLayout, item_spec_of, layout_rank, planned_chunk
+
+Path = tuple[Any, ...]  # nested state-dict path of a flattened fqn (str / int keys)
+
+
+@dataclass(frozen=True)
+class LocalPlan:
+    """What one rank holds: every tensor chunk (sorted by fqn, offsets), the fqns of its
+    non-tensor values, and nested paths of fqns that came from nested dicts/lists.
+
+    ``key`` hashes everything except the values, so an unchanged structure gives the
+    same key save after save (that is what the plan cache compares).
+    """
+
+    rank: int
+    items: tuple[ItemSpec, ...]
+    objects: tuple[str, ...]
+    paths: tuple[tuple[str, Path], ...] = ()
+    key: str = ""
+    empty_dicts: tuple[Path, ...] = ()  # paths of empty dicts (keypaths.empty_dicts)
+
+
+@dataclass(frozen=True)
+class GlobalPlan:
+    """The coordinator's plan for every rank of one save.
+
+    Attributes:
+        local_plans: the inputs, index = rank.
+        assigned: per rank, the chunks it writes (each chunk of the checkpoint once).
+        layouts: per rank, where those chunks go (``plan.layout_rank``).
+        objects: per rank, the fqns of the non-tensor values it writes (lowest holder).
+        skeleton: the manifest with every chunk and file placed and checksums empty.
+        thread_count: data files per rank the layouts were made for.
+        key: hash of the local plan keys and the layout parameters.
+    """
+
+    local_plans: tuple[LocalPlan, ...]
+    assigned: tuple[tuple[ItemSpec, ...], ...]
+    layouts: tuple[RankLayout, ...]
+    objects: tuple[tuple[str, ...], ...]
+    skeleton: Manifest
+    thread_count: int
+    alignment: int
+    key: str
+
+
+# ------------------------------------------------------------------- local side
+
+
+def _hash(value: object) -> str:
+    # repr() of tuples of str/int/dataclasses is deterministic across processes.
+    return xxhash.xxh3_128_hexdigest(repr(value).encode("utf-8", "surrogatepass"))
+
+
+def _chunks(
+    fqn: str, leaf: torch.Tensor, rank: int | None
+) -> Iterator[tuple[ItemSpec, torch.Tensor]]:
+    """(chunk spec, local tensor holding it) for every chunk of ``leaf`` on this rank."""
+    check_tensor(fqn, leaf, rank)
+    name = type(leaf).__name__
+    if name == "ShardedTensor":
+        global_shape = tuple(int(s) for s in leaf.metadata().size)
+        for shard in leaf.local_shards():
+            md = shard.metadata
+            yield (
+                _spec(fqn, md.shard_offsets, md.shard_sizes, global_shape, shard.tensor),
+                (shard.tensor.detach()),
+            )
+    elif name == "DTensor":
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+        sizes, offsets = compute_local_shape_and_global_offset(
+            leaf.shape, leaf.device_mesh, leaf.placements
+        )
+        local = leaf.to_local().detach()
+        yield _spec(fqn, offsets, sizes, tuple(leaf.shape), local), local
+    else:
+        shape = tuple(leaf.shape)
+        yield _spec(fqn, (0,) * len(shape), shape, shape, leaf), leaf.detach()
+
+
+def _spec(fqn: str, offsets, sizes, global_shape, local: torch.Tensor) -> ItemSpec:
+    sizes = tuple(int(s) for s in sizes)
+    return ItemSpec(
+        fqn=fqn,
+        offsets=tuple(int(o) for o in offsets),
+        sizes=sizes,
+        global_shape=tuple(int(s) for s in global_shape),
+        dtype=dtype_name(local.dtype),
+        nbytes=math.prod(sizes) * element_size(local.dtype),
+    )
+
+
+@dataclass(frozen=True)
+class LocalState:
+    """One pass over this rank's state dict at ``save()``: its plan, and what that save
+    writes from (kept out of ``LocalPlan``, which is cached and sent to the coordinator).
+
+    Attributes:
+        plan: the rank's ``LocalPlan``.
+        tensors: chunk key (``ItemSpec.key``) -> the local tensor holding it.
+        values: fqn -> typed-JSON encoding of every non-tensor value (taken now).
+        sources: chunk key -> the state dict's tensor holding it, whose version counter
+            counts writes to it (a DTensor's local tensor has a counter of its own that
+            in-place ops on the DTensor leave alone; see guard.py).
+    """
+
+    plan: LocalPlan
+    tensors: dict[str, torch.Tensor]
+    values: dict[str, Any]
+    sources: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+def collect_local(state_dict: Mapping[str, Any], rank: int) -> LocalState:
+    """Flatten ``state_dict`` once: this rank's plan, the local tensor of every chunk
+    (``DTensor.to_local()``, a ShardedTensor's local shard tensors, plain tensors; all
+    detached) and every value encoded (the encoding is also the check).
+
+    Args:
+        state_dict: nested dicts/lists of tensors (plain, DTensor, ShardedTensor),
+            ``Stateful`` objects at the top level, and JSON-encodable values.
+        rank: this rank (recorded in the plan and in error messages).
+
+    Raises:
+        IncompatibleStateError: a value quicksave cannot store (names fqn and rank).
+
+    Example::
+
+        state = collect_local({"model": model.state_dict(), "step": 3}, rank=0)
+        state.plan.key, state.tensors, state.values["step"]
+    """
+    nested = to_state_dict(state_dict)
+    flat, mappings = flatten(nested, rank)  # names as quicksave.save names them
+    mappings, empty = structure(nested, mappings)
+    items: list[ItemSpec] = []
+    tensors: dict[str, torch.Tensor] = {}
+    sources: dict[str, torch.Tensor] = {}
+    values: dict[str, Any] = {}
+    paths: list[tuple[str, Path]] = []
+    for fqn, leaf in flat.items():
+        if isinstance(leaf, torch.Tensor):
+            for spec, local in _chunks(fqn, leaf, rank):
+                items.append(spec)
+                tensors[spec.key] = local
+                sources[spec.key] = leaf if type(leaf).__name__ == "DTensor" else local
+        else:
+            try:
+                values[fqn] = objcodec.encode(leaf, fqn)  # refused before any rank writes
+            except IncompatibleStateError as e:
+                raise IncompatibleStateError(e.message, fqn=fqn, rank=rank) from None
+        path = tuple(mappings.get(fqn, (fqn,)))
+        if not names_itself(path, fqn):
+            paths.append((fqn, path))
+    plan = make_local_plan(rank, items, list(values), paths, empty)
+    return LocalState(plan, tensors, values, sources)
+
+
+def local_plan(state_dict: Mapping[str, Any], rank: int) -> LocalPlan:
+    """This rank's local plan (``collect_local(...).plan``): every chunk it holds and the
+    fqns of its values; its ``key`` changes only when the structure changes.
+
+    Example::
+
+        lp = local_plan({"model": model.state_dict(), "step": 3}, rank=0)
+    """
+    return collect_local(state_dict, rank).plan
+
+
+def make_local_plan(
+    rank: int,
+    items: Sequence[ItemSpec],
+    objects: Sequence[str] = (),
+    paths: Sequence[tuple[str, Path]] | Mapping[str, Path] = (),
+    empty: Sequence[Path] = (),
+) -> LocalPlan:
+    """A ``LocalPlan`` in canonical order with its key (for plans built without a state
+    dict: restored from a manifest, or simulated).
+
+    Example::
+
+        make_local_plan(0, [ItemSpec("w", (0,), (4,), (4,), "float32", 16)], ["step"])
+    """
+    pairs = paths.items() if isinstance(paths, Mapping) else paths
+    body = (
+        tuple(sorted(items, key=lambda it: (it.fqn, it.offsets))),
+        tuple(sorted(objects)),
+        tuple(sorted(pairs, key=lambda p: p[0])),
+        tuple(sorted(empty, key=repr)),
+    )
+    # Hash plain tuples: repr() of 500 dataclasses is the slow part of a cache hit.
+    flat = tuple((i.fqn, i.offsets, i.sizes, i.global_shape, i.dtype, i.nbytes) for i in body[0])
+    key = _hash((flat, body[1], body[2], body[3]) if body[3] else (flat, body[1], body[2]))
+    return LocalPlan(rank, body[0], body[1], body[2], key, body[3])
+
+
+# ------------------------------------------------------------------ global side
+
+
+def plan_key(local_keys: Sequence[str], thread_count: int, alignment: int = ALIGNMENT) -> str:
+    """The key of the global plan made from local plans with these keys."""
+    return _hash((int(thread_count), int(alignment), tuple(local_keys)))
+
+
+def _assign(
+    local_plans: Sequence[LocalPlan],
+) -> tuple[list[list[ItemSpec]], dict[str, tuple[str, tuple[int, ...]]]]:
+    """Dedup: every distinct chunk to exactly one holder, balanced by bytes.
+
+    Chunks only one rank holds are forced; shared chunks go, biggest first, to the
+    holder with the fewest bytes so far (lowest rank on ties): deterministic.
+    """
+    holders: dict[tuple, list[int]] = {}
+    first: dict[tuple, ItemSpec] = {}
+    meta: dict[str, tuple[str, tuple[int, ...], int]] = {}
+    for lp in local_plans:
+        r = lp.rank
+        for it in lp.items:
+            m = meta.get(it.fqn)
+            if m is None:
+                meta[it.fqn] = (it.dtype, it.global_shape, r)
+            elif m[0] != it.dtype or m[1] != it.global_shape:
+                raise IncompatibleStateError(
+                    f"ranks disagree on this tensor: rank {m[2]} has {m[0]} "
+                    f"{list(m[1])}, rank {r} has {it.dtype} {list(it.global_shape)}",
+                    fqn=it.fqn,
+                    rank=r,
+                )
+            idx = (it.fqn, it.offsets, it.sizes)
+            h = holders.get(idx)
+            if h is None:
+                holders[idx] = [r]
+                first[idx] = it
+            elif h[-1] != r:
+                h.append(r)
+    loads = [0] * len(local_plans)
+    assigned: list[list[ItemSpec]] = [[] for _ in local_plans]
+    shared = []
+    for idx, h in holders.items():
+        if len(h) == 1:
+            it = first[idx]
+            loads[h[0]] += it.nbytes
+            assigned[h[0]].append(it)
+        else:
+            shared.append(idx)
+    shared.sort(key=lambda idx: (-first[idx].nbytes, idx))
+    for idx in shared:
+        it = first[idx]
+        chosen = min(holders[idx], key=loads.__getitem__)  # holders ascend: ties -> lowest
+        loads[chosen] += it.nbytes
+        assigned[chosen].append(it)
+    for a in assigned:
+        a.sort(key=lambda it: (it.fqn, it.offsets))
+    return assigned, {fqn: (m[0], m[1]) for fqn, m in meta.items()}
+
+
+def _check_coverage(
+    fqn: str, shape: tuple[int, ...], chunks: list[ChunkEntry], holders: dict[str, int]
+) -> None:
+    covered = sum(math.prod(c.sizes) for c in chunks)
+    if covered != math.prod(shape):
+        raise IncompatibleStateError(
+            f"the ranks' chunks cover {covered} of {math.prod(shape)} elements of this "
+            f"{list(shape)} tensor (missing or overlapping shards; every element must be "
+            "held by some rank, and shards must not overlap)",
+            fqn=fqn,
+            rank=holders.get(fqn),
+        )
+
+
+def global_plan(
+    local_plans: Sequence[LocalPlan],
+    thread_count: int = 1,
+    alignment: int = ALIGNMENT,
+    *,
+    previous: GlobalPlan | None = None,
+) -> GlobalPlan:
+    """Deduplicate and lay out every rank's chunks; build the manifest skeleton.
+
+    Args:
+        local_plans: one per rank, ``local_plans[r].rank == r``.
+        thread_count: data files (writer threads) per rank.
+        alignment: byte alignment of chunks in data files.
+        previous: an earlier plan; layouts of ranks whose assigned chunks did not change
+            are reused from it (the result is identical either way).
+
+    Returns:
+        The ``GlobalPlan``.
+
+    Raises:
+        IncompatibleStateError: ranks disagree on a tensor's dtype or shape, a name is a
+            tensor on one rank and a value on another, or shards miss/overlap elements.
+
+    Example::
+
+        gp = global_plan([local_plan(sd0, 0), local_plan(sd1, 1)], thread_count=2)
+    """
+    for r, lp in enumerate(local_plans):
+        if lp.rank != r:
+            raise ValueError(f"local_plans[{r}] is rank {lp.rank}'s plan")
+    assigned, meta = _assign(local_plans)
+    reuse = (
+        previous is not None
+        and previous.thread_count == thread_count
+        and previous.alignment == alignment
+        and len(previous.assigned) == len(assigned)
+    )
+    layouts = []
+    for r, items in enumerate(assigned):
+        if reuse and previous.assigned[r] == tuple(items):  # type: ignore[union-attr]
+            layouts.append(previous.layouts[r])  # type: ignore[union-attr]
+        else:
+            layouts.append(layout_rank(r, items, thread_count, alignment))
+    owners: dict[str, int] = {}
+    paths: dict[str, Path] = {}
+    for lp in local_plans:
+        for fqn in lp.objects:
+            if fqn in meta:
+                raise IncompatibleStateError(
+                    f"this name is a tensor on some rank and a non-tensor value on rank {lp.rank}",
+                    fqn=fqn,
+                    rank=lp.rank,
+                )
+            owners.setdefault(fqn, lp.rank)
+        for fqn, p in lp.paths:
+            paths.setdefault(fqn, p)
+    per_rank_objects: list[list[str]] = [[] for _ in local_plans]
+    for fqn, r in owners.items():
+        per_rank_objects[r].append(fqn)
+    skeleton = _skeleton(layouts, meta, owners, paths, local_plans)
+    key = plan_key([lp.key for lp in local_plans], thread_count, alignment)
+    return GlobalPlan(
+        local_plans=tuple(local_plans),
+        assigned=tuple(tuple(a) for a in assigned),
+        layouts=tuple(layouts),
+        objects=tuple(tuple(sorted(o)) for o in per_rank_objects),
+        skeleton=skeleton,
+        thread_count=thread_count,
+        alignment=alignment,
+        key=key,
+    )
+
+
+def _skeleton(
+    layouts: Sequence[RankLayout],
+    meta: dict[str, tuple[str, tuple[int, ...]]],
+    owners: dict[str, int],
+    paths: dict[str, Path],
+    local_plans: Sequence[LocalPlan],
+) -> Manifest:
+    chunks: dict[str, list[ChunkEntry]] = {fqn: [] for fqn in meta}
+    writer_of: dict[str, int] = {}
+    files: dict[str, FileEntry] = {}
+    for layout in layouts:
+        for f in layout.files:
+            files[f.name] = FileEntry(f.size, f.header_xxh3_64, layout.rank, f.data_start)
+            for e in f.entries:
+                it = e.item
+                chunks[it.fqn].append(
+                    ChunkEntry(it.offsets, it.sizes, f.name, e.offset, e.length, "")
+                )
+                writer_of.setdefault(it.fqn, layout.rank)
+    tensors: dict[str, TensorEntry] = {}
+    for fqn, (dtype, shape) in meta.items():
+        cs = chunks[fqn]
+        _check_coverage(fqn, shape, cs, writer_of)
+        cs.sort(key=lambda c: c.offsets)
+        tensors[fqn] = TensorEntry(dtype, shape, tuple(cs), paths.get(fqn))
+    objects = {fqn: ObjectEntry(None, paths.get(fqn)) for fqn in owners}
+    return Manifest(
+        step=None,
+        world_size=len(local_plans),
+        tensors=tensors,
+        objects=objects,
+        files=files,
+        plans=manifest_plans(local_plans),
+        empty_dicts=tuple(sorted({e for lp in local_plans for e in lp.empty_dicts}, key=repr)),
+    )
+
+
+# ---------------------------------------------------------------------- delta
+
+
+def delta(
+    previous: GlobalPlan,
+    changed: Mapping[int, LocalPlan],
+    thread_count: int | None = None,
+    alignment: int | None = None,
+) -> GlobalPlan:
+    """The global plan after the ranks in ``changed`` replaced their local plans; the
+    other ranks' plans come from ``previous``. Identical to ``global_plan`` of the merged
+    plans; layouts of ranks whose share did not change are reused.
+
+    Example::
+
+        gp2 = delta(gp, {3: local_plan(new_sd_of_rank3, 3)})
+    """
+    tc = previous.thread_count if thread_count is None else thread_count
+    al = previous.alignment if alignment is None else alignment
+    merged = list(previous.local_plans)
+    for r, lp in changed.items():
+        if not 0 <= r < len(merged) or lp.rank != r:
+            raise ValueError(f"changed plan for rank {r} does not fit a {len(merged)}-rank plan")
+        merged[r] = lp
+    if (
+        tc == previous.thread_count
+        and al == previous.alignment
+        and all(merged[r].key == previous.local_plans[r].key for r in changed)
+    ):
+        return previous
+    return global_plan(merged, tc, al, previous=previous)
+
+
+# ------------------------------------------------------------------ plan cache
+
+
+def _plans_from_manifest(manifest: Manifest) -> tuple[LocalPlan, ...] | None:
+    """Every rank's local plan as stored in ``manifest.plans`` (None if absent)."""
+    stored = manifest.plans
+    if not stored or len(stored) != manifest.world_size:
+        return None
+    out = []
+    for r, rp in enumerate(stored):
+        items = []
+        paths: dict[str, Path] = {}
+        for c in rp.tensors:
+            items.append(item_spec_of(c))
+            t = manifest.tensors.get(c.fqn)
+            if t is not None and t.path is not None:
+                paths[c.fqn] = tuple(t.path)
+        for fqn in rp.objects:
+            o = manifest.objects.get(fqn)
+            if o is not None and o.path is not None:
+                paths[fqn] = tuple(o.path)
+        out.append(make_local_plan(r, items, rp.objects, paths, rp.empty_dicts))
+    return tuple(out)
+
+
+def manifest_plans(local_plans: Sequence[LocalPlan]) -> tuple[RankPlan, ...]:
+    """``local_plans`` as the manifest's ``plans`` entries (what a restart seeds from)."""
+    return tuple(
+        RankPlan(
+            tensors=tuple(planned_chunk(it) for it in lp.items),
+            objects=tuple(lp.objects),
+            empty_dicts=lp.empty_dicts,
+        )
+        for lp in local_plans
+    )
+
+
+@dataclass
+class PlanCache:
+    """A rank's plan cache; the saver owns one and passes it to every ``plan_save``.
+
+    Attributes:
+        local: this rank's local plan as of the last agreed plan.
+        layout: what this rank wrote then; ``objects``: the values it wrote then.
+        plan: the last global plan (coordinator; also any rank seeded from a manifest).
+        key: the last global plan's key; ``context``: (world size, coordinator,
+            thread count) it was made for.
+        seed: every rank's local plan restored from a loaded checkpoint (restart path).
+        shared: this rank's entries that other ranks hold too and whose copies are
+            compared (``replicas.shared_keys``): what it fingerprints on a hit.
+        hits / misses: how many saves reused / re-planned (for logs and tests).
+    """
+
+    local: LocalPlan | None = None
+    layout: RankLayout | None = None
+    objects: tuple[str, ...] = ()
+    shared: tuple[str, ...] = ()
+    plan: GlobalPlan | None = None
+    key: str | None = None
+    context: tuple[int, int, int] | None = None
+    seed: tuple[LocalPlan, ...] | None = None
+    hits: int = 0
+    misses: int = 0
+
+    @classmethod
+    def from_manifest(cls, manifest: Manifest) -> PlanCache:
+        """A cache seeded with the per-rank plans stored in a loaded checkpoint, so the
+        first save after a restart needs no plan exchange when no rank's plan changed.
+
+        Example::
+
+            cache = PlanCache.from_manifest(read_manifest("ckpt/step-100"))
+        """
+        return cls(seed=_plans_from_manifest(manifest))
+
+    def clear(self) -> None:
+        """Forget everything (after a failed exchange every rank re-sends its plan)."""
+        self.local = self.layout = self.plan = self.key = self.context = self.seed = None
+        self.objects = self.shared = ()
+
+    def hit_key(self, local: LocalPlan, rank: int, context: tuple[int, int, int]) -> str | None:
+        """The global plan key this rank could reuse for ``local``, or None (a miss)."""
+        if self.key is not None and self.context == context and self.local is not None:
+            if self.local.key == local.key:
+                return self.key
+        seed = self.seed
+        if seed is not None and len(seed) == context[0] and seed[rank].key == local.key:
+            return plan_key([lp.key for lp in seed], context[2])
+        return None
+
+    def base_plans(self) -> tuple[LocalPlan, ...] | None:
+        """Every rank's last known local plan (coordinator side of a delta exchange)."""
+        if self.plan is not None:
+            return self.plan.local_plans
+        return self.seed

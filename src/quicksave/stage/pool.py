@@ -1,0 +1,426 @@
+"""Stage: copy tensors into a reusable pool of host memory laid out as the file images.
+
+The pool is one anonymous shared-memory region (``memfd``): no path, so nothing can leak
+when processes die; its file descriptor is handed to the worker process, which maps the
+same pages and writes files straight from them. Bytes never travel through a pipe.
+
+The pool holds every data file of a rank back to back, each at a 4 KiB-aligned base,
+exactly as the file will be on disk (header included), so persisting is a few large
+sequential writes — and O_DIRECT works, since bases and lengths are page-aligned.
+
+Memory is allocated and touched once (``fallocate``, then every page faulted in: a fresh
+page costs ~25x a warm one to write), reused by every save with the same plan, and rebuilt
+only when the plan changes. Who touches the pages matters on a busy machine: a pool built
+ahead of the first save (``populate=False``) is allocated here but its pages are cleared
+and mapped by the worker process (its ``MAP_POPULATE``, at the worker's lower CPU priority,
+in another address space), so that training threads neither pay for the page clearing nor
+wait on their own process's memory-map lock while it runs; the trainer's mapping then
+takes only cheap minor faults at the first copy. In thread mode :meth:`StagingPool.touch`
+does the clearing from a background thread. At start-up, when nothing competes, the pool
+is populated where it is built, behind :func:`shield_free_pages` so that it takes fresh
+pages rather than those the training loop recycles (see that function). On a CUDA
+machine the pool is also page-locked (``cudaHostRegister``) so device-to-host copies run
+asynchronously on a side stream.
+
+Pool states: EMPTY → (build) → READY → (stage) → STAGED → (worker writing) → IN_USE
+→ (worker done) → READY. A pool in IN_USE is never written: backpressure lives in the
+engine, which owns the pools.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import mmap
+import os
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+import xxhash
+
+from quicksave.checksum import hexdigest, tensor_view
+from quicksave.errors import CheckpointError
+from quicksave.format import ALIGNMENT
+from quicksave.saving.plan import RankLayout
+from quicksave.worker.persist import as_writable_source
+
+# Copy-and-hash block: small enough that the block is still in the L2 cache when it is
+# hashed right after its copy, large enough that the Python loop costs nothing (~6k
+# iterations per 1.6 GB).
+HASH_BLOCK = 256 << 10
+# Tensors up to HASH_BLOCK are staged in batches: one torch call copies a batch of up to
+# BATCH_BYTES (still in the cache when each tensor is hashed right after), instead of a
+# Python call per tensor (a language model holds ~1,000 such biases, norms and steps).
+BATCH_BYTES = 1 << 20
+_HEADROOM = 1 << 30  # memory a page shield always leaves available to everyone else
+
+
+def _available_bytes() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0
+
+
+_SHIELD_CHUNK = 64 << 20  # pages held per step of a shield
+_PROBE = 16 << 20  # bytes faulted in to time recently freed pages
+
+
+def _fault_in(view: torch.Tensor, start: int, stop: int) -> float:
+    """Write one byte per page of ``view[start:stop]``; return the seconds it took."""
+    t0 = time.perf_counter()
+    view[start : stop : mmap.PAGESIZE].fill_(1)
+    return time.perf_counter() - t0
+
+
+@contextlib.contextmanager
+def shield_free_pages(nbytes: int) -> Iterator[int]:
+    """Hold the system's recently freed pages (up to ``nbytes``) while a pool is
+    allocated, then give them back; yields the bytes held.
+
+    The kernel hands out the most recently freed pages first, and those are the pages a
+    training loop frees and takes again at every step (gradients, activations). A pool
+    allocated without this shield takes them, and the next training steps get pages
+    that have sat free long enough to be cold: on a VM with free-page reporting
+    (virtio-balloon) the host has taken them back, and every first touch of such a page
+    costs a host fault. Measured on the 2-CPU VM of docs/benchmarks.md: the first step
+    after building a 1.6 GB pool took 2.1–2.9 s instead of 0.77 s, with the same number
+    of (guest) page faults. Held by this shield, the recycled pages stay out of the
+    pool's reach, the pool takes (and pays for) fresh pages, and once the shield is
+    released the recycled pages are the first ones handed out again.
+
+    The shield takes pages 64 MiB at a time and stops at the first step whose pages
+    fault in 3× slower than recently freed ones (timed first, on 16 MiB): from there on
+    it would only hold cold pages, which training does not use, and pay their faults.
+    It never takes memory that would leave less than 1 GiB available.
+    """
+    limit = min(nbytes, max(0, _available_bytes() - nbytes - _HEADROOM))
+    limit -= limit % mmap.PAGESIZE
+    if limit < 2 * _SHIELD_CHUNK:
+        yield 0
+        return
+    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
+    held = mmap.mmap(-1, limit, flags=flags)
+    pages = torch.frombuffer(held, dtype=torch.uint8)
+    size = 0
+    try:
+        probe = mmap.mmap(-1, _PROBE, flags=flags | getattr(mmap, "MAP_POPULATE", 0))
+        probe.close()  # freed just now: the next fault-in of that size takes these pages
+        hot = _fault_in(pages, 0, _PROBE) * (_SHIELD_CHUNK / _PROBE)
+        size = _PROBE
+        while size < limit:
+            stop = min(limit, size + _SHIELD_CHUNK)
+            took = _fault_in(pages, size, stop) * _SHIELD_CHUNK / (stop - size)
+            size = stop
+            if took > 3 * hot:
+                break  # cold pages from here on: every recycled page is held
+        yield size
+    finally:
+        del pages
+        held.close()
+
+
+def digest_of(view: torch.Tensor) -> str:
+    """The xxh3-64 (hex) of the pool bytes ``view`` (a uint8 tensor)."""
+    return hexdigest(xxhash.xxh3_64(view.numpy()).intdigest())
+
+
+# What to stage where: (key, pool offset, length, tensor); the key names the digest.
+Item = tuple[str, int, int, torch.Tensor]
+
+
+def _plain_cpu(src: torch.Tensor, nbytes: int) -> bool:
+    """A CPU tensor whose bytes are one piece, as they are (``memmove``-able)."""
+    return (
+        src.device.type == "cpu"
+        and src.is_contiguous()
+        and not src.is_conj()
+        and not src.is_neg()
+        and src.numel() * src.dtype.itemsize == nbytes
+    )
+
+
+def _align(n: int) -> int:
+    return (n + ALIGNMENT - 1) // ALIGNMENT * ALIGNMENT
+
+
+@dataclass(frozen=True)
+class PoolFile:
+    """Where one data file's image lies in the pool."""
+
+    name: str
+    base: int  # pool offset of the file's byte 0
+    size: int  # the file's exact size
+
+
+@dataclass(frozen=True)
+class PoolLayout:
+    files: tuple[PoolFile, ...]
+    nbytes: int  # total pool size (page-aligned)
+
+    def base_of(self, name: str) -> int:
+        for f in self.files:
+            if f.name == name:
+                return f.base
+        raise KeyError(name)
+
+
+def pool_layout(layout: RankLayout) -> PoolLayout:
+    """Place a rank's file images back to back at aligned bases. Pure."""
+    files = []
+    cur = 0
+    for f in layout.files:
+        files.append(PoolFile(f.name, cur, f.size))
+        cur = _align(cur + f.size)
+    return PoolLayout(tuple(files), max(cur, ALIGNMENT))
+
+
+def pool_cost(layout: RankLayout) -> int:
+    """Bytes of host memory a pool for ``layout`` takes (declared before allocating)."""
+    return pool_layout(layout).nbytes
+
+
+class StagingPool:
+    """Shared host memory holding the file images of one rank's checkpoint.
+
+    Args:
+        layout: the rank's file layout (plan.py); the headers are written at build time.
+        pin: page-lock for CUDA copies (default: when CUDA is available).
+        populate: fault every page into this process now (``MAP_POPULATE``), behind a
+            :func:`shield_free_pages` so that the pool does not take the pages training
+            recycles. False: the pages are allocated (``fallocate``: running out of
+            memory is an error here, never a ``SIGBUS`` later) but left for another
+            process or :meth:`touch`.
+
+    Raises:
+        CheckpointError: the memory cannot be allocated (names the size).
+    """
+
+    def __init__(
+        self, layout: RankLayout, *, pin: bool | None = None, populate: bool = True
+    ) -> None:
+        self.layout = layout
+        self.pool = pool_layout(layout)
+        self.nbytes = self.pool.nbytes
+        self.fd = -1
+        self._mm: mmap.mmap | None = None
+        self._bytes: memoryview | None = None
+        self._typed: dict[tuple, torch.Tensor] = {}
+        self._registered = False
+        shield = shield_free_pages(self.nbytes) if populate else contextlib.nullcontext()
+        try:
+            with shield:
+                self.fd = os.memfd_create(f"quicksave-pool-{os.getpid()}", os.MFD_CLOEXEC)
+                os.ftruncate(self.fd, self.nbytes)
+                os.posix_fallocate(self.fd, 0, self.nbytes)  # allocate now, not at first write
+                self._mm = mmap.mmap(
+                    self.fd,
+                    self.nbytes,
+                    flags=mmap.MAP_SHARED | (getattr(mmap, "MAP_POPULATE", 0) if populate else 0),
+                )
+        except OSError as e:
+            self.close()
+            raise CheckpointError(
+                f"cannot allocate a {self.nbytes / 2**20:.1f} MiB staging pool in shared "
+                f"memory: {e.strerror}; lower max_in_flight or free memory"
+            ) from e
+        self.buffer = torch.frombuffer(self._mm, dtype=torch.uint8)
+        self._bytes = memoryview(self._mm)  # for hashing slices without a tensor each
+        self._write_headers()
+        want_pin = torch.cuda.is_available() if pin is None else pin
+        if want_pin:
+            self._pin()
+
+    def _pin(self) -> None:
+        cudart = torch.cuda.cudart()
+        err = cudart.cudaHostRegister(self.buffer.data_ptr(), self.nbytes, 0)
+        if int(err) != 0:
+            raise CheckpointError(f"cudaHostRegister of the staging pool failed (error {int(err)})")
+        self._registered = True
+
+    def _write_headers(self) -> None:
+        for f, pf in zip(self.layout.files, self.pool.files, strict=True):
+            self.buffer[pf.base : pf.base + len(f.header)].copy_(
+                torch.frombuffer(bytearray(f.header), dtype=torch.uint8)
+            )
+            for off, fixed in f.fixed:  # torch legacy prefixes (dcp_compat layouts)
+                self.buffer[pf.base + off : pf.base + off + len(fixed)].copy_(
+                    torch.frombuffer(bytearray(fixed), dtype=torch.uint8)
+                )
+
+    def adopt(self, layout: RankLayout) -> bool:
+        """Take ``layout`` for this pool's memory if its file images lie at the same
+        places with the same sizes (the tensors' order in the state dict, names or
+        values that are not tensors may differ): the headers are rewritten and the gaps
+        between tensors cleared, nothing is allocated or faulted in. Returns False (and
+        changes nothing) if the images differ. Call only while no save uses the pool."""
+        if layout == self.layout:
+            return True
+        if pool_layout(layout) != self.pool:
+            return False
+        self.layout = layout
+        self._typed.clear()
+        for f, pf in zip(layout.files, self.pool.files, strict=True):
+            cur = f.data_start
+            for e in sorted(f.entries, key=lambda e: e.offset):
+                if e.offset > cur:
+                    self.buffer[pf.base + cur : pf.base + e.offset].zero_()
+                cur = max(cur, e.offset + e.length)
+        self._write_headers()  # after the gaps: the torch legacy prefixes lie in them
+        return True
+
+    def touch(self) -> None:
+        """Fault in every page of the pool (one write per page; the memory-map lock is
+        taken per fault, not for the whole pool as ``MAP_POPULATE`` takes it). Call
+        before the pool is handed out: it rewrites the headers."""
+        self.buffer[:: mmap.PAGESIZE].zero_()
+        self._write_headers()
+
+    @property
+    def pinned(self) -> bool:
+        return self._registered
+
+    def view(self, file: str, offset: int, length: int) -> torch.Tensor:
+        """The pool bytes of ``file[offset:offset+length]`` as a uint8 tensor."""
+        base = self.pool.base_of(file)
+        return self.buffer[base + offset : base + offset + length]
+
+    def stage(self, dest: torch.Tensor, src: torch.Tensor, non_blocking: bool = False) -> None:
+        """Copy ``src`` (any device, any strides) into the pool bytes ``dest``."""
+        if dest.numel() == 0:
+            return
+        src = src.detach()
+        try:
+            typed = dest.view(src.dtype)
+            target = typed.view(src.shape) if src.dim() else typed[0]
+            target.copy_(src, non_blocking=non_blocking)
+        except (RuntimeError, TypeError):
+            # dtypes without copy kernels (bits*, sub-byte ints): move the raw bytes
+            raw = as_writable_source(src)
+            dest.copy_(torch.frombuffer(tensor_view(raw), dtype=torch.uint8))
+
+    def stage_hashed(self, dest: torch.Tensor, src: torch.Tensor) -> str:
+        """Copy ``src`` into the pool bytes ``dest`` like :meth:`stage` and return the
+        xxh3-64 (hex) of those bytes, computed in the same pass over memory: each
+        :data:`HASH_BLOCK` is hashed right after it is copied, while it is still in the
+        cache, so the writer need not read the pool again to hash it. The copy is
+        ``memmove`` on one thread with the GIL released (a CPU tensor in one piece);
+        anything else (CUDA, strided, conjugated) is staged by :meth:`stage` and then
+        hashed from the pool."""
+        n = dest.numel()
+        h = xxhash.xxh3_64()
+        if n == 0:
+            return hexdigest(h.intdigest())
+        src = src.detach()
+        arr = dest.numpy()
+        if _plain_cpu(src, n):
+            s, d = src.data_ptr(), dest.data_ptr()
+            for a in range(0, n, HASH_BLOCK):
+                b = min(n, a + HASH_BLOCK)
+                ctypes.memmove(d + a, s + a, b - a)
+                h.update(arr[a:b])
+        else:
+            self.stage(dest, src, non_blocking=False)
+            return digest_of(dest)
+        return hexdigest(h.intdigest())
+
+    def digest(self, offset: int, length: int) -> str:
+        """The xxh3-64 (hex) of the pool bytes ``[offset, offset + length)``."""
+        assert self._bytes is not None
+        return hexdigest(xxhash.xxh3_64_intdigest(self._bytes[offset : offset + length]))
+
+    def _target(self, offset: int, length: int, src: torch.Tensor) -> torch.Tensor:
+        """The pool bytes at ``offset`` as a tensor of ``src``'s dtype and shape (made
+        once per place and kept: later saves of the same plan copy into it at once)."""
+        key = (offset, src.dtype, src.shape)
+        target = self._typed.get(key)
+        if target is None:
+            target = self.buffer[offset : offset + length].view(src.dtype).view(src.shape)
+            self._typed[key] = target
+        return target
+
+    def stage_many(
+        self,
+        items: Sequence[Item],
+        digests: dict[str, str] | None = None,
+        *,
+        non_blocking: bool = False,
+    ) -> list[tuple[str, int, int]]:
+        """Copy every ``(key, offset, length, tensor)`` of ``items`` into the pool bytes
+        at ``offset``, like :meth:`stage`; with ``digests``, put each one's xxh3-64 (hex)
+        under its key, exactly as :meth:`stage_hashed` and :func:`digest_of` give it.
+
+        Tensors up to :data:`HASH_BLOCK` bytes and those on a GPU are copied in batches
+        (one ``torch._foreach_copy_`` per :data:`BATCH_BYTES`, CPU ones hashed right
+        after their batch); a larger CPU tensor is copied and hashed in one pass
+        (:meth:`stage_hashed`). A batch that torch cannot copy as typed tensors (dtypes
+        without copy kernels) is staged tensor by tensor.
+
+        Returns:
+            ``(key, offset, length)`` of the GPU tensors still to hash (with ``digests``)
+            once their copies, queued on the current stream, are done.
+        """
+        later: list[tuple[str, int, int]] = []
+        batch: list[Item] = []
+        size = 0
+
+        def flush() -> None:
+            self._copy_batch(batch, non_blocking)
+            if digests is not None:
+                for key, offset, length, src in batch:
+                    if src.is_cuda:
+                        later.append((key, offset, length))
+                    else:
+                        digests[key] = self.digest(offset, length)
+            batch.clear()
+
+        for item in items:
+            key, offset, length, src = item
+            if digests is not None and length > HASH_BLOCK and not src.is_cuda:
+                digests[key] = self.stage_hashed(self.buffer[offset : offset + length], src)
+                continue
+            if batch and (size + length > BATCH_BYTES or batch[-1][3].device != src.device):
+                flush()
+                size = 0
+            batch.append(item)
+            size += length
+        if batch:
+            flush()
+        return later
+
+    def _copy_batch(self, batch: Sequence[Item], non_blocking: bool) -> None:
+        items = [it for it in batch if it[2] > 0]
+        try:
+            targets = [self._target(off, n, src) for _, off, n, src in items]
+            with torch.no_grad():
+                torch._foreach_copy_(targets, [src for *_, src in items], non_blocking=non_blocking)
+        except (RuntimeError, TypeError):
+            # dtypes without typed views or copy kernels (bits*, sub-byte ints)
+            for _, off, n, src in items:
+                self.stage(self.buffer[off : off + n], src, non_blocking=non_blocking)
+
+    def close(self) -> None:
+        """Release the memory (the worker's mapping keeps it alive until it unmaps)."""
+        if self._registered:
+            torch.cuda.cudart().cudaHostUnregister(self.buffer.data_ptr())
+            self._registered = False
+        self._typed = {}
+        if self._bytes is not None:
+            self._bytes.release()
+            self._bytes = None
+        self.buffer = None  # type: ignore[assignment]
+        if self._mm is not None:
+            try:
+                self._mm.close()
+            except BufferError:
+                pass  # a view is still alive somewhere; the mapping goes with it
+            self._mm = None
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1

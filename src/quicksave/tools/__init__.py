@@ -1,0 +1,1 @@
+"""Tools over checkpoints: inspect, convert, export, verify folders (used by the CLI)."""

@@ -1,0 +1,138 @@
+"""Reading a committed checkpoint whole into host memory: every tensor at its global
+shape (each stored chunk read straight into its box, its xxh3-64 checked), every object
+decoded from typed JSON. What ``convert`` and the Hugging Face export start from."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Collection
+from typing import Any
+
+import torch
+
+from quicksave.adapters.dcp_reader import check_chunk_within, read_chunk_into, require_committed
+from quicksave.checksum import tensor_view
+from quicksave.errors import CorruptCheckpointError
+from quicksave.format import objects as objcodec
+from quicksave.format.dtypes import dtype_from_name, element_size
+from quicksave.format.manifest import Manifest
+from quicksave.loading.manifest_reader import read_manifest
+from quicksave.loading.progress import byte_progress
+from quicksave.storage import Location
+from quicksave.storage.checkpoint_dir import CheckpointDir, Member
+
+Flat = dict[str, tuple[tuple[Any, ...], Any]]  # fqn -> (nested path, value)
+
+
+def _open_data_files(d: CheckpointDir, m: Manifest) -> dict[str, Member]:
+    """Open every data file the tensors use (regular files inside the checkpoint only)
+    and check, before anything is allocated or read, that each holds its chunks and that
+    the unsharded tensors fit in the bytes the files hold. Returns name -> member."""
+    path = d.url
+    fds: dict[str, Member] = {}
+    sizes: dict[str, int] = {}
+    try:
+        for fqn, t in sorted(m.tensors.items()):
+            for c in t.chunks:
+                fpath = d.member_url(c.file)
+                rank = m.files[c.file].rank
+                if c.file not in fds:
+                    try:
+                        f = d.open(c.file, what="data file", fqn=fqn, rank=rank)
+                    except FileNotFoundError:
+                        raise CorruptCheckpointError(
+                            "data file is missing", path=fpath, fqn=fqn, rank=rank
+                        ) from None
+                    fds[c.file], sizes[c.file] = f, f.size
+                check_chunk_within(c, sizes[c.file], fpath, fqn, rank)
+        need = sum(
+            volume(t.shape) * element_size(dtype_from_name(t.dtype, path=path, fqn=fqn))
+            for fqn, t in m.tensors.items()
+        )
+        held = sum(sizes.values())
+        if need > held:
+            raise CorruptCheckpointError(
+                f"the manifest's tensors need {need} bytes unsharded but the data files "
+                f"hold {held}; refusing to allocate them",
+                path=path,
+            )
+    except BaseException:
+        for fd in fds.values():
+            fd.close()
+        raise
+    return fds
+
+
+Select = Callable[[Manifest], Collection[str]]  # the manifest -> the fqns to read
+
+
+def read_flat(loc: Location, progress: bool, select: Select | None = None) -> tuple[Flat, Manifest]:
+    with CheckpointDir(loc) as d:
+        return read_flat_from(d, progress, select)
+
+
+def read_flat_from(
+    d: CheckpointDir, progress: bool, select: Select | None = None
+) -> tuple[Flat, Manifest]:
+    """The entries of the committed checkpoint in ``d``: all of them, or those that
+    ``select`` picks once the manifest is read (the returned manifest then lists only
+    those; nothing else is opened, allocated or read)."""
+    path = d.url
+    require_committed(d.location, backend=d.backend)
+    m = read_manifest(d)
+    if select is not None:
+        keep = set(select(m))
+        m = dataclasses.replace(
+            m,
+            tensors={k: t for k, t in m.tensors.items() if k in keep},
+            objects={k: o for k, o in m.objects.items() if k in keep},
+        )
+    flat: Flat = {}
+    fds = _open_data_files(d, m)
+    try:
+        with byte_progress(m.total_tensor_bytes(), "read", progress) as bar:
+            for fqn, t in sorted(m.tensors.items()):
+                dtype = dtype_from_name(t.dtype, path=path, fqn=fqn)
+                covered = sum(volume(c.sizes) for c in t.chunks)
+                # Zero only what no chunk will fill (FORMAT.md: chunks SHOULD cover).
+                full = (
+                    torch.empty(t.shape, dtype=dtype)
+                    if covered == volume(t.shape)
+                    else torch.zeros(t.shape, dtype=dtype)
+                )
+                for c in t.chunks:
+                    fpath = d.member_url(c.file)
+                    whole = tuple(c.sizes) == tuple(t.shape)
+                    buf = full if whole else torch.empty(c.sizes, dtype=dtype)
+                    view = tensor_view(buf)
+                    if len(view) != c.length:
+                        raise CorruptCheckpointError(
+                            f"chunk length {c.length} does not match its sizes {list(c.sizes)} "
+                            f"of {t.dtype} ({len(view)} bytes)",
+                            path=fpath,
+                            fqn=fqn,
+                            rank=m.files[c.file].rank,
+                        )
+                    read_chunk_into(
+                        fds[c.file], view, c, path=fpath, fqn=fqn, rank=m.files[c.file].rank
+                    )
+                    if not whole:
+                        box = full
+                        for dim, (o, s) in enumerate(zip(c.offsets, c.sizes, strict=True)):
+                            box = box.narrow(dim, o, s)
+                        box.copy_(buf)
+                    bar.update(c.length)
+                flat[fqn] = (t.path or (fqn,), full)
+    finally:
+        for fd in fds.values():
+            fd.close()
+    for fqn, o in sorted(m.objects.items()):
+        flat[fqn] = (o.path or (fqn,), objcodec.decode(o.value, fqn=fqn, path=path))
+    return flat, m
+
+
+def volume(sizes: tuple[int, ...]) -> int:
+    n = 1
+    for s in sizes:
+        n *= s
+    return n

@@ -1,0 +1,73 @@
+"""Run one job: write the rank's files from the staging pool, commit, report.
+
+``execute_job`` is what a persister runs for each ``PersistJob`` (in the worker process's
+loop, ``quicksave.worker.main``, or in a thread of the trainer,
+``quicksave.worker.persisters.ThreadPersister``), on every rank for its own files. A
+single-rank job writes its files and commits them (``quicksave.worker.files``); a
+multi-rank one goes through ``quicksave.worker.multirank``. It never raises: the outcome,
+success or error, is the ``JobResult`` sent back to the trainer.
+
+Torch-free: the worker process imports it.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from quicksave.ranks import records
+from quicksave.storage.backend import Backend
+from quicksave.worker.files import backend_for, commit_files, discard, fill_checksums, write_files
+from quicksave.worker.job import JobResult, PersistJob, Usage, done, failure
+from quicksave.worker.multirank import execute_multirank_job
+
+
+def execute_job(
+    job: PersistJob,
+    pool: memoryview,
+    store: Any = None,
+    backends: dict[tuple, Backend] | None = None,
+) -> JobResult:
+    """Write the job's files from ``pool`` (the staged images), then commit. Never raises:
+    failures come back in the JobResult, and what was written is removed.
+
+    A multi-rank job (``job.dist``) needs ``store``, a client of the ranks' store; its
+    result is the outcome of the whole checkpoint, not only of this rank's files.
+    ``backends`` keeps object-store backends (their clients) from job to job.
+    """
+    try:
+        backend = backend_for(job, backends if backends is not None else {})
+    except BaseException as e:  # noqa: BLE001 - e.g. the extra is not installed
+        return failure(job, e)
+    if job.dist is not None:
+        return execute_multirank_job(job, pool, store, backend)
+    t0 = time.monotonic()
+    usage = Usage(time.thread_time())
+    try:
+        digests = write_files(job, pool, backend, usage)
+        t1 = time.monotonic()
+        commit_files(
+            job.tmp_dir,
+            job.final_path,
+            fill_checksums(job.manifest, digests, job.chunk_keys),
+            job.dcp_metadata,
+            backend,
+            replace=job.replace,
+        )
+        t2 = time.monotonic()
+        return done(job, t0, t1, t2, usage)
+    except BaseException as e:  # noqa: BLE001 - every failure must reach the trainer
+        discard(job, backend)
+        return failure(job, e)
+
+
+def store_for(job: PersistJob, stores: records.StoreClients) -> Any:
+    """The store client for a multi-rank job (one connection per address, kept by the
+    persister that runs the jobs); None for a single-rank job or if it cannot connect
+    (the job then fails: execute_job reports "needs the ranks' store")."""
+    if job.dist is None:
+        return None
+    try:
+        return stores.get(job.dist.store, job.dist.timeout_s)
+    except Exception:  # noqa: BLE001 - never out of the worker's loop: the job fails
+        return None

@@ -1,0 +1,201 @@
+"""The job the trainer sends the persister for one save of one rank, and what comes back.
+
+The trainer builds a ``PersistJob`` at plan time (``quicksave.saving.engine``, every rank
+for its own files) and hands it to its persister (``quicksave.worker.persisters``); the
+writer runs it (``quicksave.worker.execute``) and answers with a ``JobResult``. A job is a
+small control message: pool offsets and sizes of the staged file images, the manifest
+skeleton, the pickled ``.metadata``; tensor bytes never travel in it (the worker reads
+them from the staging pool it mapped). The messages only go trainer → writer, and the
+result back: the writer never asks the trainer anything.
+
+``Usage``, ``done``, ``failure`` and ``not_committed`` are the writer's side: they build
+the result of a job (its cost, or its error in a form that pickles and is raised again in
+the trainer by ``JobResult.error``).
+
+Torch-free: the worker process imports it.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import time
+import traceback
+from dataclasses import dataclass, field
+from typing import Any
+
+from quicksave import errors
+from quicksave.errors import CheckpointError
+from quicksave.format.manifest import Manifest
+from quicksave.ranks.records import StoreAddress
+from quicksave.storage.location import Location
+
+
+@dataclass(frozen=True)
+class FileJob:
+    """One data file of the rank: its staged image in the pool and its chunks."""
+
+    name: str
+    base: int  # pool offset of the file image
+    size: int
+    entries: tuple[tuple[str, int, int], ...]  # (safetensors key, file offset, length)
+
+
+@dataclass(frozen=True)
+class PersistJob:
+    """Everything the worker needs for one save of one rank (no tensor bytes)."""
+
+    job_id: int
+    pool_id: int
+    step: int | None
+    rank: int
+    final_path: str
+    tmp_dir: str
+    files: tuple[FileJob, ...]
+    manifest: Manifest | None  # checksums still empty; multi-rank: the coordinator's only
+    chunk_keys: dict[str, tuple[str, int]]  # safetensors key -> (fqn, chunk index)
+    dcp_metadata: bytes  # the pickled .metadata (built by the trainer at plan time)
+    fsync: bool = True
+    o_direct: bool = True
+    thread_count: int = 2
+    dist: DistCommit | None = None  # multi-rank: commit through parts and store records
+    # An object store's checkpoint location (None: the local filesystem). Its objects are
+    # written straight under ``final_path``'s prefix (``tmp_dir`` is that prefix too),
+    # and the manifest, written last, commits them.
+    location: Location | None = None
+    # Replace a committed checkpoint at ``final_path`` atomically (local, single rank).
+    replace: bool = False
+    # Chunk digests the trainer computed while staging (chunk key -> xxh3-64 hex): the
+    # writer hashes only the chunks missing here.
+    digests: dict[str, str] = field(default_factory=dict)
+    # Bytes per second each writer thread writes at most (local files; None: no limit).
+    write_rate: float | None = None
+
+
+@dataclass(frozen=True)
+class DistCommit:
+    """The multi-rank half of a PersistJob (protocol: ``quicksave.ranks.records``).
+
+    Every rank writes its files and its part, then posts its rank record; the
+    coordinator's writer waits for all records and commits (its job's ``manifest`` is the
+    skeleton and ``chunk_keys`` cover every rank); the others wait for the commit record.
+    """
+
+    token: str  # names this save's records; agreed by all ranks at plan time
+    world_size: int
+    coordinator: int
+    store: StoreAddress
+    objects: dict[str, Any]  # typed JSON values of the objects this rank owns
+    timeout_s: float  # the coordinator's wait for every rank; others wait a bit longer
+
+
+@dataclass(frozen=True)
+class JobResult:
+    """A job's outcome, sent back to the trainer: its cost, or its error (as fields that
+    pickle; ``error()`` rebuilds the exception)."""
+
+    job_id: int
+    step: int | None
+    ok: bool
+    bytes_written: int = 0
+    write_s: float = 0.0
+    commit_s: float = 0.0
+    finished_at: float = 0.0  # time.monotonic() when durable (comparable across processes)
+    cpu_s: float = 0.0  # CPU seconds of the job's thread and its writer threads
+    bytes_hashed: int = 0  # chunk bytes the writer hashed (not given by the trainer)
+    error_type: str = ""
+    error_message: str = ""
+    error_path: str | None = None
+    error_fqn: str | None = None
+    error_rank: int | None = None
+    detail: str = ""
+
+    def error(self) -> CheckpointError:
+        """The failure as the ``CheckpointError`` subclass the writer raised."""
+        cls = getattr(errors, self.error_type, None)
+        if not (isinstance(cls, type) and issubclass(cls, CheckpointError)):
+            cls = CheckpointError
+        return cls(
+            self.error_message, path=self.error_path, fqn=self.error_fqn, rank=self.error_rank
+        )
+
+
+@dataclass
+class Usage:
+    """What one job cost the persister: CPU seconds of its thread (from ``cpu0``, its
+    ``time.thread_time()`` at the start) and of its writer threads, chunk bytes hashed."""
+
+    cpu0: float
+    helpers_cpu_s: float = 0.0
+    bytes_hashed: int = 0
+
+    def cpu_s(self) -> float:
+        return time.thread_time() - self.cpu0 + self.helpers_cpu_s
+
+
+def done(
+    job: PersistJob, began: float, written: float, committed: float, usage: Usage
+) -> JobResult:
+    """A job's success: its files written at ``written``, committed at ``committed``."""
+    return JobResult(
+        job.job_id,
+        job.step,
+        True,
+        bytes_written=sum(f.size for f in job.files),
+        write_s=written - began,
+        commit_s=committed - written,
+        finished_at=committed,
+        cpu_s=usage.cpu_s(),
+        bytes_hashed=usage.bytes_hashed,
+    )
+
+
+def not_committed(job: PersistJob, reason: str, failed_rank: int | None) -> JobResult:
+    """A multi-rank save that was not committed, because of ``failed_rank`` (None: this
+    rank) for ``reason``."""
+    return JobResult(
+        job.job_id,
+        job.step,
+        False,
+        error_type="CheckpointError",
+        error_message=f"the checkpoint was not committed: {reason}",
+        error_path=job.final_path,
+        error_rank=failed_rank if failed_rank is not None else job.rank,
+    )
+
+
+def failure(job: PersistJob, e: BaseException) -> JobResult:
+    """A job's failure from the exception ``e``: a ``CheckpointError`` as it is, an
+    ``OSError`` named by its errno, anything else with its traceback."""
+    if isinstance(e, CheckpointError):
+        return JobResult(
+            job.job_id,
+            job.step,
+            False,
+            error_type=type(e).__name__,
+            error_message=e.message,
+            error_path=e.path or job.final_path,
+            error_fqn=e.fqn,
+            error_rank=job.rank,
+        )
+    if isinstance(e, OSError):  # e.g. creating the temporary directory
+        name = errno.errorcode.get(e.errno or 0, type(e).__name__)
+        return JobResult(
+            job.job_id,
+            job.step,
+            False,
+            error_type="CheckpointError",
+            error_message=f"writing the checkpoint failed: {name} ({e.strerror})",
+            error_path=os.fspath(e.filename) if e.filename else job.final_path,
+            error_rank=job.rank,
+        )
+    return JobResult(
+        job.job_id,
+        job.step,
+        False,
+        error_type="CheckpointError",
+        error_message=f"{type(e).__name__}: {e}",
+        error_path=job.final_path,
+        error_rank=job.rank,
+        detail=traceback.format_exc(),
+    )

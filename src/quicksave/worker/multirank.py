@@ -1,0 +1,100 @@
+"""One rank's share of a multi-rank save, run by that rank's writer.
+
+Protocol (``quicksave.ranks.records``, commit through parts): every rank writes its files
+and its part (its chunk digests and the objects it owns), then posts its rank record.
+The coordinator's writer waits for every rank's record, merges the parts into the
+manifest (``quicksave.parts.manifest_from_parts``; its job's ``manifest`` is the
+skeleton and its ``chunk_keys`` cover every rank), removes the parts and commits
+(``quicksave.worker.files.commit_files``), then posts the commit record; the other ranks'
+writers wait for that record. A failure anywhere is posted instead, so every rank's
+result is the outcome of the whole checkpoint and nothing is committed.
+
+Called by ``quicksave.worker.execute.execute_job`` for a job with ``dist`` set, on every
+rank. No torch.distributed here: the writers talk through the ranks' store only.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+from quicksave.errors import CheckpointError
+from quicksave.parts import (
+    RankPart,
+    manifest_from_parts,
+    part_name,
+    read_part,
+    write_part,
+    write_part_object,
+)
+from quicksave.ranks import records
+from quicksave.storage.backend import Backend, join
+from quicksave.worker.files import commit_files, discard, write_files
+from quicksave.worker.job import JobResult, PersistJob, Usage, done, failure, not_committed
+
+
+def execute_multirank_job(
+    job: PersistJob, pool: memoryview, store: Any, backend: Backend
+) -> JobResult:
+    """One rank's share of a multi-rank save: files, part, rank record; then commit (the
+    coordinator) or wait for the commit record (the others)."""
+    d = job.dist
+    assert d is not None
+    t0 = time.monotonic()
+    usage = Usage(time.thread_time())
+    coordinator = job.rank == d.coordinator
+    try:
+        if store is None:
+            raise CheckpointError("a multi-rank save needs the ranks' store", rank=job.rank)
+        try:
+            digests = write_files(job, pool, backend, usage)
+            part = RankPart(job.rank, digests, d.objects)
+            if backend.atomic_rename:
+                write_part(job.tmp_dir, part, job.fsync)
+            else:
+                write_part_object(backend, job.tmp_dir, part)
+        except BaseException as e:  # noqa: BLE001 - told to the others, then reported here
+            result = failure(job, e)
+            records.post_rank(store, d.token, job.rank, result.error_message)
+            if coordinator:
+                problem = f"rank {job.rank}: {result.error_message}"
+                records.post_commit(store, d.token, problem)
+                discard(job, backend, parts=True)
+            return result
+        records.post_rank(store, d.token, job.rank)
+        t1 = time.monotonic()
+        if coordinator:
+            problems = records.wait_ranks(store, d.token, d.world_size, d.timeout_s)
+            if not problems:
+                try:
+                    via = None if backend.atomic_rename else backend
+                    parts = [read_part(job.tmp_dir, r, via) for r in range(d.world_size)]
+                    assert job.manifest is not None
+                    manifest = manifest_from_parts(job.manifest, job.chunk_keys, parts, job.tmp_dir)
+                    # merged: the checkpoint holds no parts
+                    if backend.atomic_rename:
+                        for r in range(d.world_size):
+                            os.unlink(os.path.join(job.tmp_dir, part_name(r)))
+                    else:
+                        backend.delete(join(job.tmp_dir, part_name(r)) for r in range(d.world_size))
+                    commit_files(job.tmp_dir, job.final_path, manifest, job.dcp_metadata, backend)
+                except BaseException as e:  # noqa: BLE001 - an abort like any other
+                    problems = {job.rank: f"{type(e).__name__}: {e}"}
+            if problems:
+                r, why = min(problems.items())
+                reason = f"rank {r}: {why}"
+                records.post_commit(store, d.token, reason)
+                discard(job, backend, parts=True)
+                return not_committed(job, reason, r)
+            records.post_commit(store, d.token)
+        else:
+            reason = records.wait_commit(
+                store, d.token, records.commit_wait_s(d.timeout_s), coordinator=d.coordinator
+            )
+            if reason is not None:
+                return not_committed(job, reason, None)
+        t2 = time.monotonic()
+        return done(job, t0, t1, t2, usage)
+    except BaseException as e:  # noqa: BLE001 - e.g. the store went away
+        return failure(job, e)

@@ -1,0 +1,409 @@
+"""The trainer's handles on its writer: a thread, or a persistent worker process.
+
+A persister runs the ``PersistJob``s the saver (``quicksave.saving.engine``) submits and the
+generic calls of the NVRx-compatible queue (``quicksave.compat.nvrx``), one persister per
+rank, used from the training thread only:
+
+- ``ThreadPersister`` (``async_mode="thread"``): each job in a thread of the training
+  process (``quicksave.worker.execute.execute_job``);
+- ``ProcessPersister`` (``async_mode="process"``): one persistent worker process per rank
+  (``quicksave.worker.main``), started when the persister is built, so the first save
+  pays no start-up. What crosses to it is small control messages, one way (trainer →
+  worker; results come back): a staging pool is handed over once as a file descriptor
+  and mapped there, so tensor bytes never go through the socket.
+
+Call order: ``map_pool`` once per staging pool → ``submit`` (or ``submit_call``) → ``poll``
+until each result arrives → ``close``.
+
+Trainer-side failure detection (``ProcessPersister.poll``): a dead process, a hung one
+(a heartbeat older than ``worker_timeout_s`` and no progress: see ``WorkerConfig`` and
+``quicksave.worker.liveness``), or a job running longer than ``save_timeout_s`` each
+raise ``WorkerFailedError`` naming the step and the cause; the worker is then killed and
+a new one is started for the next save.
+"""
+
+from __future__ import annotations
+
+import mmap
+import multiprocessing
+import os
+import socket
+import struct
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from multiprocessing.reduction import send_handle
+from typing import Any
+
+from quicksave.errors import CheckpointError, WorkerFailedError
+from quicksave.ranks import records
+from quicksave.ranks.records import StoreAddress
+from quicksave.storage.backend import Backend
+from quicksave.worker.calls import CallResult, pickle_call, run_call
+from quicksave.worker.config import WorkerConfig
+from quicksave.worker.execute import execute_job, store_for
+from quicksave.worker.job import JobResult, PersistJob, failure
+from quicksave.worker.liveness import Liveness
+from quicksave.worker.main import command, environment
+
+
+@dataclass
+class _Pending:
+    job_id: int
+    step: int | None
+    final_path: str | None
+    submitted_at: float
+
+
+class ThreadPersister:
+    """Runs jobs in one background thread of the training process (``async_mode="thread"``)."""
+
+    def __init__(self) -> None:
+        self._pools: dict[int, memoryview] = {}
+        self._results: list[JobResult | CallResult] = []
+        self._lock = threading.Lock()
+        self._threads: dict[int, threading.Thread] = {}
+        self._stores = records.StoreClients()  # multi-rank jobs' store clients
+        self._backends: dict[tuple, Backend] = {}  # object stores' clients, job to job
+        self.pid = os.getpid()
+
+    def map_pool(self, pool_id: int, fd: int, nbytes: int, buffer: memoryview) -> None:
+        self._pools[pool_id] = buffer
+
+    def unmap_pool(self, pool_id: int) -> None:
+        self._pools.pop(pool_id, None)
+
+    def submit(self, job: PersistJob) -> None:
+        def run() -> None:
+            try:
+                r = execute_job(
+                    job, self._pools[job.pool_id], store_for(job, self._stores), self._backends
+                )
+            except BaseException as e:  # noqa: BLE001 - a lost result would hang the trainer
+                r = failure(job, e)
+            with self._lock:
+                self._results.append(r)
+
+        t = threading.Thread(target=run, name=f"quicksave-persist-{job.job_id}", daemon=True)
+        self._threads[job.job_id] = t
+        t.start()
+
+    def submit_call(self, job_id: int, fn: Callable[..., Any], args: tuple, kwargs: dict) -> None:
+        def run() -> None:
+            r = run_call(job_id, fn, args, kwargs)
+            with self._lock:
+                self._results.append(r)
+
+        t = threading.Thread(target=run, name=f"quicksave-call-{job_id}", daemon=True)
+        self._threads[job_id] = t
+        t.start()
+
+    def poll(self, timeout: float = 0.0) -> list[JobResult | CallResult]:
+        deadline = time.monotonic() + timeout
+        while True:
+            with self._lock:
+                out, self._results = self._results, []
+            if out or time.monotonic() >= deadline:
+                for r in out:
+                    self._threads.pop(r.job_id, None)
+                return out
+            time.sleep(0.002)
+
+    def close(self, timeout: float) -> None:
+        for t in list(self._threads.values()):
+            t.join(timeout)
+
+    def kill(self) -> None:  # threads cannot be killed; they finish on their own
+        pass
+
+
+class ProcessPersister:
+    """One persistent worker process (``async_mode="process"``).
+
+    The worker is a fresh interpreter started with ``subprocess.Popen`` when this is
+    built, running ``quicksave.worker.main.main`` (see there: not ``multiprocessing``, so
+    the trainer's ``__main__`` is not imported again). It talks over a Unix socket pair;
+    its heartbeat is a double in a shared page.
+
+    Call order (training thread only): ``map_pool`` once per pool → ``submit`` per save →
+    ``poll`` until each job's result arrives → ``close``. Any method may raise
+    ``WorkerFailedError``; after that, build a new one.
+    """
+
+    def __init__(
+        self,
+        config: WorkerConfig = WorkerConfig(),  # noqa: B008 - frozen: never shared mutably
+        rank: int = 0,
+        *,
+        store: StoreAddress | None = None,
+        store_timeout_s: float = 120.0,
+    ) -> None:
+        """Start the worker. ``store``: the ranks' store of a multi-rank saver, which the
+        worker connects to as soon as it runs, in the background (importing torch takes
+        seconds of CPU), so that it is ready for the first multi-rank job."""
+        self.config = config
+        self.rank = rank
+        parent_sock, child_sock = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._beat_fd = os.memfd_create("quicksave-heartbeat", os.MFD_CLOEXEC)
+        os.ftruncate(self._beat_fd, mmap.PAGESIZE)
+        self._beat = mmap.mmap(self._beat_fd, mmap.PAGESIZE)
+        cmd = command(child_sock.fileno(), self._beat_fd, config, store, store_timeout_s)
+        try:
+            self.process = subprocess.Popen(
+                cmd,
+                pass_fds=(child_sock.fileno(), self._beat_fd),
+                env=environment(),
+                stdin=subprocess.DEVNULL,
+            )
+        except OSError as e:  # e.g. the interpreter is not executable here, out of pids
+            parent_sock.close()
+            child_sock.close()
+            self._beat.close()
+            os.close(self._beat_fd)
+            raise WorkerFailedError(
+                f"cannot start the checkpoint worker process ({sys.executable}): "
+                f"{e.strerror or e}; use async_mode='thread' if processes cannot be started here",
+                path=os.fspath(e.filename) if e.filename else None,
+                rank=rank,
+            ) from e
+        child_sock.close()
+        self._conn = Connection(parent_sock.detach())
+        self.pid = self.process.pid
+        self._started = time.monotonic()
+        self._liveness = Liveness(self.pid, config.worker_timeout_s)
+        self._in_flight: dict[int, _Pending] = {}
+        self._failed: WorkerFailedError | None = None
+        self.warming = False  # a warm_up() not answered yet (see poll)
+        # A private socket pair: safe to hand over the key (see "auth" in quicksave.worker.main).
+        self._conn.send(("auth", bytes(multiprocessing.current_process().authkey)))
+        self._status: dict[str, Any] | None = None  # the answer to status()
+
+    def _heartbeat(self) -> float:
+        return struct.unpack_from("d", self._beat, 0)[0]
+
+    # messages ----------------------------------------------------------------
+    def _send(self, msg: tuple, what: str) -> None:
+        self._check()
+        try:
+            self._conn.send(msg)
+        except (OSError, EOFError, BrokenPipeError) as e:
+            raise self._fail(f"cannot reach the worker process ({what}): {e}") from e
+
+    def map_pool(
+        self, pool_id: int, fd: int, nbytes: int, buffer: memoryview | None = None
+    ) -> None:
+        self._send(("map", pool_id, nbytes), "map pool")
+        try:
+            send_handle(self._conn, fd, self.pid)
+        except OSError as e:
+            raise self._fail(f"cannot pass the staging pool to the worker: {e}") from e
+
+    def unmap_pool(self, pool_id: int) -> None:
+        if self._failed is None and self.process.poll() is None:
+            try:
+                self._conn.send(("unmap", pool_id))
+            except OSError:
+                pass
+
+    def warm_up(self, store: StoreAddress, timeout_s: float) -> None:
+        """Have the worker connect to the ranks' store now, which imports torch (seconds
+        of CPU), instead of at its first multi-rank job; ``warming`` stays True until it
+        answers (``poll`` reads the answer). Sent after ``map_pool``: the answer also
+        means that the pools mapped before are populated.
+
+        Raises:
+            WorkerFailedError: the worker is gone.
+        """
+        self._send(("warm", store, timeout_s), "warm up")
+        self.warming = True
+
+    def sync(self, timeout_s: float) -> None:
+        """Wait until the worker has handled every message sent so far (its start-up
+        and the populate of the pools mapped before), at most ``timeout_s`` seconds.
+
+        Raises:
+            WorkerFailedError: the worker is gone.
+        """
+        self.warm_up(None, timeout_s)  # type: ignore[arg-type]  # None: answer only
+        deadline = time.monotonic() + timeout_s
+        while self.warming and time.monotonic() < deadline:
+            self.poll(0.05)  # no job in flight: no result to lose
+
+    def status(self, timeout_s: float) -> dict[str, Any]:
+        """What the worker has ready (``records.StoreClients.status``: the ranks' store
+        clients connected, connecting, and connections made so far), asked while no job
+        is in flight (its results would be lost here); for tests and monitoring.
+
+        Raises:
+            WorkerFailedError: the worker is gone.
+            CheckpointError: it did not answer within ``timeout_s``.
+        """
+        assert not self._in_flight, "status() while a job is in flight"
+        self._status = None
+        self._send(("status",), "status")
+        deadline = time.monotonic() + timeout_s
+        while self._status is None:
+            if time.monotonic() >= deadline:
+                raise CheckpointError(
+                    f"the checkpoint worker (pid {self.pid}) did not answer a status query "
+                    f"within {timeout_s:g} s",
+                    rank=self.rank,
+                )
+            self.poll(0.05)  # no job in flight: no result to lose
+        return self._status
+
+    @property
+    def age(self) -> float:
+        """Seconds since this worker was started."""
+        return time.monotonic() - self._started
+
+    def submit(self, job: PersistJob) -> None:
+        # Pending first: a worker found dead while sending fails naming this job's
+        # step and path (it died while idle; this save is the one it costs).
+        self._in_flight[job.job_id] = _Pending(
+            job.job_id, job.step, job.final_path, time.monotonic()
+        )
+        self._send(("job", job), f"step {job.step}")
+
+    def submit_call(self, job_id: int, fn: Callable[..., Any], args: tuple, kwargs: dict) -> None:
+        """Run ``fn(*args, **kwargs)`` in the worker (pickled: fn must be importable from
+        this process's ``sys.path``, which the worker adopts). CPU tensors in args travel
+        through shared memory, not the pipe (see ``pickle_call``).
+
+        Raises:
+            CheckpointError: fn or args do not pickle (nothing was sent).
+            WorkerFailedError: the worker is gone.
+        """
+        payload = pickle_call(job_id, fn, args, kwargs)
+        self._send(("call", job_id, payload, list(sys.path)), f"call {job_id}")
+        self._in_flight[job_id] = _Pending(job_id, None, None, time.monotonic())
+
+    # health ------------------------------------------------------------------
+    def _steps(self) -> str:
+        steps = [str(p.step) for p in self._in_flight.values() if p.step is not None]
+        return f" while writing step {', '.join(steps)}" if steps else ""
+
+    def _fail(self, cause: str) -> WorkerFailedError:
+        if self._failed is None:
+            self._failed = WorkerFailedError(
+                f"checkpoint worker process (pid {self.pid}) failed{self._steps()}: "
+                f"{cause}; the checkpoint was not committed and the previous one is intact",
+                path=next((p.final_path for p in self._in_flight.values() if p.final_path), None),
+                rank=self.rank,
+            )
+            self.kill()
+        return self._failed
+
+    def _check(self) -> None:
+        if self._failed is not None:
+            raise self._failed
+        now = time.monotonic()
+        code = self.process.poll()
+        if code is not None:
+            how = (
+                f"killed by signal {-code}"
+                if code is not None and code < 0
+                else f"exit code {code}"
+            )
+            raise self._fail(f"it died ({how})")
+        beat = self._heartbeat()
+        if beat == 0.0:
+            if now - self._started > self.config.start_timeout_s:
+                raise self._fail(f"it did not start within {self.config.start_timeout_s:.0f} s")
+        else:
+            hung = self._liveness.check(now, beat)  # a stale heartbeat: is it progressing?
+            if hung is not None:
+                raise self._fail(hung)
+        for p in self._in_flight.values():
+            if now - p.submitted_at > self.config.save_timeout_s:
+                raise self._fail(
+                    f"job {p.job_id} took longer than save_timeout_s="
+                    f"{self.config.save_timeout_s:.0f} s"
+                )
+
+    def poll(self, timeout: float = 0.0) -> list[JobResult | CallResult]:
+        """Results that arrived within ``timeout`` seconds (checks health while waiting)."""
+        deadline = time.monotonic() + timeout
+        out: list[JobResult | CallResult] = []
+        while True:
+            if self._failed is not None:
+                raise self._failed
+            wait = min(0.1, max(0.0, deadline - time.monotonic()))
+            closed = False
+            try:
+                while self._conn.poll(wait if not out else 0):
+                    kind, payload = self._conn.recv()
+                    if kind == "result":
+                        self._in_flight.pop(payload.job_id, None)
+                        out.append(payload)
+                    elif kind == "warm":
+                        self.warming = False
+                    elif kind == "status":
+                        self._status = payload
+                    wait = 0
+            except (EOFError, OSError):
+                closed = True
+            # Results already sent count even if the worker exited right after (SIGTERM
+            # finishes the job in hand, then exits): drain first, judge health after.
+            if out:
+                return out
+            if closed:  # it is exiting: give the kernel a moment to report how
+                try:
+                    self.process.wait(1.0)
+                except subprocess.TimeoutExpired:
+                    pass
+            self._check()
+            if closed:
+                raise self._fail("its pipe closed")
+            if time.monotonic() >= deadline:
+                return out
+
+    def close(self, timeout: float, wait: bool = True) -> None:
+        """Ask the worker to finish and exit; kill it after ``timeout`` seconds. Idempotent.
+
+        ``wait=False`` (the worker is idle: every job is done) returns once the request is
+        sent; a daemon thread waits for the exit (and kills after ``timeout``). The
+        worker's exit, and the freeing of the pool pages it maps last, then cost the
+        caller nothing (~0.1 s per 1.6 GB pool, most of it the pages).
+        """
+        if self._beat_fd < 0:
+            return
+        if self.process.poll() is None and self._failed is None:
+            try:
+                self._conn.send(("stop",))
+            except OSError:
+                pass
+            if not wait:
+                threading.Thread(
+                    target=self._reap, args=(timeout,), name="quicksave-reap", daemon=True
+                ).start()
+            else:
+                try:
+                    self.process.wait(timeout)
+                except subprocess.TimeoutExpired:
+                    pass
+                self.kill()
+        else:
+            self.kill()
+        self._conn.close()
+        self._beat.close()
+        os.close(self._beat_fd)
+        self._beat_fd = -1
+
+    def _reap(self, timeout: float) -> None:
+        try:
+            self.process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+
+    def kill(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+        try:
+            self.process.wait(5)
+        except subprocess.TimeoutExpired:
+            pass

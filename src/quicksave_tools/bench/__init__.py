@@ -1,0 +1,106 @@
+"""``quicksave bench``: benchmarks kept with the code; the numbers they gave are in
+``docs/benchmarks.md``.
+
+``quicksave bench`` measures save/load throughput (:mod:`.throughput`);
+``quicksave bench --training ...`` measures what checkpointing costs a training loop
+(:mod:`.training`); ``quicksave bench --planning ...`` the coordinator's planning cost at
+scale, cached and uncached (:mod:`.planning`); ``quicksave bench --coordination ...`` the
+per-save coordination cost over real gloo ranks, vs stock DCP (:mod:`.coordination`);
+``quicksave bench --storage ...`` save/load throughput to S3 and what checkpointing to S3
+costs a training loop (the package :mod:`.storage`, whose ``main`` the command line
+calls directly).
+
+Example::
+
+    python -c "import quicksave_tools.bench as b; b.main(['--size-mib', '64', '--repeats', '1'])"
+    python -c "import quicksave_tools.bench as b; b.main(['--training', '--quick'])"
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from quicksave_tools.bench.throughput import BenchConfig, format_report, run_benchmark
+
+__all__ = ["BenchConfig", "build_parser", "format_report", "main", "run_benchmark"]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="quicksave bench",
+        description="Save/load throughput of quicksave vs a raw write, torch.save and DCP, "
+        "measured side by side in one run.",
+    )
+    p.add_argument("--size-mib", type=int, default=1024, help="state dict size (default 1024)")
+    p.add_argument("--repeats", type=int, default=3, help="runs of every method (default 3)")
+    p.add_argument(
+        "--dir",
+        default=None,
+        help="folder to write in (default: the current directory; never /dev/shm unless asked)",
+    )
+    p.add_argument(
+        "--cold",
+        action="store_true",
+        help="drop the page cache before every load (root only; slows the whole machine)",
+    )
+    p.add_argument("--seed", type=int, default=0, help="seed of the tensor values")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.add_argument(
+        "--training",
+        action="store_true",
+        help="run the training-loop benchmark instead (its options: --training --help)",
+    )
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``quicksave bench``.
+
+    Args:
+        argv: command-line arguments (default: ``sys.argv[1:]``).
+
+    Returns:
+        0 on success, 2 on bad arguments or an unusable folder, 1 if a method loaded
+        wrong values.
+
+    Example::
+
+        quicksave bench --size-mib 1024 --repeats 3
+        quicksave bench --training --plot steps.png
+    """
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--coordination" in argv:
+        from quicksave_tools.bench.coordination import (
+            main as coordination_main,  # imported only when asked for
+        )
+
+        argv.remove("--coordination")
+        return coordination_main(argv)
+    if "--planning" in argv:
+        from quicksave_tools.bench.planning import (
+            main as planning_main,  # imported only when asked for
+        )
+
+        argv.remove("--planning")
+        return planning_main(argv)
+    if "--training" in argv:
+        from quicksave_tools.bench.training import (
+            main as training_main,  # imported only when asked for
+        )
+
+        argv.remove("--training")
+        return training_main(argv)
+    args = build_parser().parse_args(argv)
+    config = BenchConfig(args.size_mib, args.repeats, args.dir, args.cold, args.seed)
+    try:
+        report = run_benchmark(config)
+    except ValueError as e:
+        print(f"quicksave bench: {e}", file=sys.stderr)
+        return 2
+    except RuntimeError as e:
+        print(f"quicksave bench: {e}", file=sys.stderr)
+        return 1
+    print(json.dumps(report, indent=2) if args.json else format_report(report))
+    return 0

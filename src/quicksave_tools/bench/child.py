@@ -1,0 +1,39 @@
+"""One measurement of a benchmark in a fresh interpreter (:func:`run_in_fresh_process`):
+the parent writes the run's spec as JSON, ``python -c CHILD spec_path`` runs it and
+writes its result JSON, the parent reads it back. Used by ``quicksave bench --training``
+and the training part of ``quicksave bench --storage``, so that memory, threads and
+worker processes do not leak from one run into the next."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from typing import Any
+
+
+def run_in_fresh_process(
+    child: str, spec: dict[str, Any], spec_path: str, timeout_s: float
+) -> dict[str, Any]:
+    """Run one measurement in a fresh interpreter: ``python -c child spec_path``, where
+    ``spec`` (written to ``spec_path``) names the JSON file the child writes its result
+    to (``spec["result"]``). Returns that result, or ``{"failed": why}`` with the tail of
+    the child's stderr when it wrote none (crashed, or ran past ``timeout_s``)."""
+    with open(spec_path, "w") as f:
+        json.dump(spec, f)
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-c", child, spec_path],
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+        )
+        tail = (proc.stderr or "")[-2000:]
+    except subprocess.TimeoutExpired:
+        proc, tail = None, f"timed out after {timeout_s:.0f} s"
+    try:
+        with open(spec["result"]) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        code = "" if proc is None else f" (exit code {proc.returncode})"
+        return {"failed": f"no result{code}: {tail.strip()}"}

@@ -1,0 +1,204 @@
+"""The package's structure, measured from the source: the import graph (imports inside
+functions included), module sizes, and who talks to other ranks.
+
+``tests/test_layering.py`` holds the rules; ``python tests/helpers/structure.py`` prints the
+numbers (cycles, modules over the size limit, line counts, collective call sites).
+Nothing here imports the package: everything is read with :mod:`ast`.
+"""
+
+from __future__ import annotations
+
+import ast
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+SRC = Path(__file__).resolve().parents[2] / "src"
+LIBRARY = "quicksave"
+TOOLS = "quicksave_tools"  # benchmarks, demo, test servers: shipped beside the library
+MAX_LINES = 600
+
+# torch.distributed functions that talk to other ranks
+COLLECTIVES = frozenset(
+    {
+        "all_reduce",
+        "all_gather",
+        "all_gather_object",
+        "all_gather_into_tensor",
+        "all_to_all",
+        "barrier",
+        "monitored_barrier",
+        "broadcast",
+        "broadcast_object_list",
+        "gather",
+        "gather_object",
+        "reduce",
+        "reduce_scatter",
+        "scatter",
+        "scatter_object_list",
+        "send",
+        "recv",
+        "isend",
+        "irecv",
+    }
+)
+DIST_NAMES = frozenset({"dist", "torch.distributed", "c10d"})
+
+
+@dataclass
+class Module:
+    name: str
+    path: Path
+    is_package: bool
+    lines: int
+    tree: ast.Module
+    imports: set[str] = field(default_factory=set)  # modules of the package it imports
+    external: set[str] = field(default_factory=set)  # top-level names of other imports
+    top_level_external: set[str] = field(default_factory=set)  # ... at module level only
+
+
+def _dotted(node: ast.AST) -> str:
+    if isinstance(node, ast.Name):
+        return node.id
+    if isinstance(node, ast.Attribute):
+        return f"{_dotted(node.value)}.{node.attr}"
+    return ""
+
+
+def load(src: Path = SRC, packages: tuple[str, ...] = (LIBRARY, TOOLS)) -> dict[str, Module]:
+    """Every module of ``packages`` under ``src``, with the package modules it imports."""
+    mods: dict[str, Module] = {}
+    for pkg in packages:
+        for path in sorted((src / pkg).rglob("*.py")):
+            parts = list(path.relative_to(src).with_suffix("").parts)
+            is_package = parts[-1] == "__init__"
+            if is_package:
+                parts = parts[:-1]
+            text = path.read_text()
+            mods[".".join(parts)] = Module(
+                ".".join(parts), path, is_package, text.count("\n"), ast.parse(text)
+            )
+    for m in mods.values():
+        _resolve_imports(m, mods)
+    return mods
+
+
+def _module_of(name: str, mods: dict[str, Module]) -> str | None:
+    parts = name.split(".")
+    for i in range(len(parts), 0, -1):
+        if ".".join(parts[:i]) in mods:
+            return ".".join(parts[:i])
+    return None
+
+
+def _resolve_imports(m: Module, mods: dict[str, Module]) -> None:
+    top_level = {id(n) for n in m.tree.body}
+    for node in ast.walk(m.tree):
+        targets: list[str] = []
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = m.name.split(".")
+                if not m.is_package:
+                    base = base[:-1]
+                base = base[: len(base) - (node.level - 1)]
+                mod = ".".join(base + ([node.module] if node.module else []))
+            else:
+                mod = node.module or ""
+            # `from a import b` imports the module a.b when there is one, else a
+            targets = [f"{mod}.{a.name}" for a in node.names]
+        else:
+            continue
+        for t in targets:
+            found = _module_of(t, mods)
+            if found is None:
+                root = t.split(".")[0]
+                m.external.add(root)
+                if id(node) in top_level:
+                    m.top_level_external.add(root)
+            elif found != m.name and not m.name.startswith(found + "."):
+                # importing a parent package is implied by importing any module
+                m.imports.add(found)
+
+
+def cycles(mods: dict[str, Module]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    out: list[list[str]] = []
+    counter = 0
+
+    def visit(v: str) -> None:
+        nonlocal counter
+        index[v] = low[v] = counter
+        counter += 1
+        stack.append(v)
+        on.add(v)
+        for w in sorted(mods[v].imports):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    old = sys.getrecursionlimit()
+    sys.setrecursionlimit(max(old, 10_000))
+    try:
+        for v in sorted(mods):
+            if v not in index:
+                visit(v)
+    finally:
+        sys.setrecursionlimit(old)
+    return out
+
+
+def collective_calls(m: Module) -> list[tuple[int, str]]:
+    """``(line, call)`` of every torch.distributed collective that ``m`` calls."""
+    found = []
+    for node in ast.walk(m.tree):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+            if node.func.attr in COLLECTIVES and _dotted(node.func.value) in DIST_NAMES:
+                found.append((node.lineno, f"{_dotted(node.func.value)}.{node.func.attr}"))
+    return found
+
+
+def in_layer(name: str, layer: str) -> bool:
+    return name == layer or name.startswith(layer + ".")
+
+
+def report() -> None:
+    mods = load()
+    lib = {n: m for n, m in mods.items() if in_layer(n, LIBRARY)}
+    print(f"library: {len(lib)} modules, {sum(m.lines for m in lib.values())} lines")
+    tools = {n: m for n, m in mods.items() if in_layer(n, TOOLS)}
+    print(f"tools: {len(tools)} modules, {sum(m.lines for m in tools.values())} lines")
+    cyc = cycles(mods)
+    print(f"import cycles: {len(cyc)}")
+    for c in cyc:
+        print("  ", " ".join(c))
+    big = sorted(((m.lines, n) for n, m in mods.items() if m.lines > MAX_LINES), reverse=True)
+    print(f"modules over {MAX_LINES} lines: {len(big)}")
+    for lines, n in big:
+        print(f"   {lines:5d} {n}")
+    talkers = {n: collective_calls(m) for n, m in lib.items()}
+    talkers = {n: c for n, c in talkers.items() if c}
+    print(f"modules calling collectives: {len(talkers)}")
+    for n, calls in sorted(talkers.items()):
+        print(f"   {n}: {', '.join(sorted({c for _, c in calls}))}")
+
+
+if __name__ == "__main__":
+    report()

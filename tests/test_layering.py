@@ -1,0 +1,113 @@
+"""The layering rules of docs/ARCHITECTURE.md, checked on the source (tests/structure.py
+reads it with ast; imports inside functions count like any other)."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+
+import pytest
+
+from helpers.structure import LIBRARY, MAX_LINES, TOOLS, collective_calls, cycles, in_layer, load
+
+MODS = load()
+LIB = {n: m for n, m in MODS.items() if in_layer(n, LIBRARY)}
+
+# the only module that calls torch.distributed's collectives
+RANKS_TALK = "quicksave.ranks.collectives"
+# what a layer may import from the package, besides itself
+BELOW_FORMAT = ("quicksave.errors", "quicksave.checksum")
+BELOW_STORAGE = (*BELOW_FORMAT, "quicksave.format")
+# the standard modules that do I/O: none of them in format/
+IO_MODULES = {"os", "shutil", "socket", "mmap", "tempfile", "subprocess", "pathlib", "glob"}
+
+
+def _outside(name: str, allowed: tuple[str, ...]) -> bool:
+    return not any(in_layer(name, a) for a in allowed)
+
+
+def test_the_graph_is_read_from_the_whole_package() -> None:
+    # a broken walk (wrong root, a renamed package) would make every rule below pass
+    assert len(LIB) > 80 and any(in_layer(n, TOOLS) for n in MODS)
+    assert "quicksave.saving.handle" in MODS["quicksave.manager.session"].imports
+
+
+def test_no_import_cycles() -> None:
+    assert cycles(MODS) == []
+
+
+def test_no_module_over_the_size_limit() -> None:
+    big = {n: m.lines for n, m in MODS.items() if m.lines > MAX_LINES}
+    assert big == {}
+
+
+def test_format_does_no_io() -> None:
+    for name, m in LIB.items():
+        if not in_layer(name, "quicksave.format"):
+            continue
+        assert {i for i in m.imports if _outside(i, (*BELOW_FORMAT, "quicksave.format"))} == set()
+        assert m.external & IO_MODULES == set(), name
+        opens = [
+            n.lineno
+            for n in ast.walk(m.tree)
+            if isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id == "open"
+        ]
+        assert opens == [], f"{name} calls open() at lines {opens}"
+
+
+def test_storage_imports_nothing_above_it() -> None:
+    for name, m in LIB.items():
+        if in_layer(name, "quicksave.storage"):
+            above = {i for i in m.imports if _outside(i, (*BELOW_STORAGE, "quicksave.storage"))}
+            assert above == set(), name
+
+
+def test_the_library_never_imports_the_tools() -> None:
+    # (the command line runs `quicksave demo` / `bench` by name, on demand: no import)
+    for name, m in LIB.items():
+        assert {i for i in m.imports if in_layer(i, TOOLS)} == set(), name
+
+
+def test_one_module_talks_to_other_ranks() -> None:
+    talkers = {n for n, m in LIB.items() if collective_calls(m)}
+    assert talkers == {RANKS_TALK}
+
+
+# every module of the worker package (the process runs main; the others, torch-free too,
+# are imported by it or by the trainer beside the engine)
+WORKER_MODULES = sorted(n for n in LIB if n.startswith("quicksave.worker."))
+
+
+@pytest.mark.parametrize("module", WORKER_MODULES)
+def test_the_worker_imports_no_torch_at_start(module: str) -> None:
+    code = f"import sys, {module}; print(sorted(m for m in sys.modules if m.startswith('torch')))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+def test_the_rules_see_a_violation(tmp_path) -> None:
+    # the checks themselves: a cycle and a collective in a throwaway package are found
+    pkg = tmp_path / "quicksave"
+    (pkg / "format").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "format" / "__init__.py").write_text("")
+    (pkg / "a.py").write_text("def f():\n    from quicksave import b\n")
+    (pkg / "b.py").write_text(
+        "import torch.distributed as dist\nfrom quicksave import a\n"
+        "def g():\n    dist.all_reduce(1)\n"
+    )
+    (pkg / "format" / "x.py").write_text("import os\n")
+    mods = load(tmp_path, ("quicksave",))
+    assert cycles(mods) == [["quicksave.a", "quicksave.b"]]
+    assert [c for _, c in collective_calls(mods["quicksave.b"])] == ["dist.all_reduce"]
+    assert "os" in mods["quicksave.format.x"].external
+
+
+def test_no_module_shadows_a_public_name() -> None:
+    # importing a submodule sets the package's attribute of that name: a module
+    # a module or package named "load" in quicksave would replace quicksave.load()
+    import quicksave
+
+    top = {n.split(".")[1] for n in LIB if n.count(".") >= 1}
+    assert top & set(quicksave.__all__) == set()
