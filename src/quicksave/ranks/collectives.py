@@ -49,10 +49,6 @@ class PendingInts:
         self._work = work
         self._tensor = tensor
 
-    def done(self) -> bool:
-        """Whether the result is there (never blocks)."""
-        return bool(self._work.is_completed())
-
     def wait(self) -> list[int]:
         self._work.wait()
         return [int(v) for v in self._tensor.tolist()]
