@@ -17,7 +17,7 @@ from tests.helpers.state import Holder
 import quicksave
 from quicksave.errors import CorruptCheckpointError
 from quicksave.format.manifest import to_json_bytes
-from quicksave.loading.manifest_reader import read_manifest
+from quicksave.commit.manifest_reader import read_manifest
 from quicksave.saving.config import EngineConfig
 from quicksave.saving.engine import AsyncSaver
 from quicksave.tools.convert import convert, load_full_state

@@ -30,7 +30,7 @@ from torch.distributed.checkpoint.planner import LoadPlan, SavePlan, WriteItemTy
 
 from quicksave.adapters.dcp_reader import StorageReader, require_committed
 from quicksave.adapters.dcp_writer import StorageWriter, item_spec
-from quicksave.commit import CheckpointKind, check_target, classify
+from quicksave.commit import CheckpointKind, classify
 from quicksave.errors import (
     CheckpointError,
     IncompatibleStateError,
@@ -181,7 +181,7 @@ def save(
     if not distributed:
         try:
             check_user_metadata(dict(user_metadata or {}), path, rank)
-            check_target(loc, rank, None if loc.is_local else writer.backend(), replace=overwrite)
+            writer.strategy().check_target(loc, rank, replace=overwrite)
         except BaseException:
             writer.close()
             raise
@@ -516,7 +516,7 @@ def load(
     """
     loc = parse_location(path, options=storage)
     path = loc.url
-    backend = None if loc.is_local else loc.open()  # one client for the whole load
+    backend = loc.open()  # one client for the whole load
     try:
         kind = classify(loc, backend)
         if kind is CheckpointKind.DCP:
@@ -535,8 +535,7 @@ def load(
                     undo()
                 raise
     finally:
-        if backend is not None:
-            backend.close()
+        backend.close()
 
 
 def _prepare_destinations(

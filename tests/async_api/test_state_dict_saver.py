@@ -29,7 +29,7 @@ from quicksave.compat.nvrx import (
 )
 from quicksave.compat.nvrx import state_dict_saver as saver
 from quicksave.errors import CheckpointError
-from quicksave.loading.manifest_reader import read_manifest
+from quicksave.commit.manifest_reader import read_manifest
 
 
 def _state(seed: int = 0) -> dict:

@@ -29,7 +29,7 @@ from quicksave.format import dcp_layout
 from quicksave.format.dcp_layout import FOOTER_SIZE, parse_footer
 from quicksave.format.manifest import LAYOUT_DCP, from_json_bytes, to_json_bytes
 from quicksave.loading.catalog import list_checkpoints
-from quicksave.loading.manifest_reader import read_manifest
+from quicksave.commit.manifest_reader import read_manifest
 from quicksave.loading.verify import verify_checkpoint
 from quicksave.manager import folder
 from quicksave.tools.inspect_checkpoint import inspect_checkpoint
@@ -323,7 +323,7 @@ def test_a_footer_claiming_a_huge_manifest_is_refused_unread(ckpt: Path, monkeyp
         out.write(dcp_layout.FOOTER_MAGIC + struct.pack("<QQQ", f.pickle_length, len_m, 0))
         out.write(dcp_layout.FOOTER_MAGIC)
     reads = []
-    import quicksave.loading.manifest_reader as mr
+    import quicksave.commit.manifest_reader as mr
 
     real = mr.read_range
     monkeypatch.setattr(

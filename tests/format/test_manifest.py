@@ -42,7 +42,7 @@ from quicksave.format.manifest import (
     from_json_bytes,
     to_json_bytes,
 )
-from quicksave.loading.manifest_reader import read_manifest
+from quicksave.commit.manifest_reader import read_manifest
 
 FIXTURE = Path(__file__).parent / "fixtures" / "manifest_v1.json"
 

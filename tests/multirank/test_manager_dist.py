@@ -25,7 +25,7 @@ from launcher import LaunchConfig, run_ranks
 import quicksave
 from helpers.collectives import CollectiveLog
 from quicksave.errors import CheckpointError
-from quicksave.loading.manifest_reader import read_manifest
+from quicksave.commit.manifest_reader import read_manifest
 from quicksave.manager import (
     CheckpointConfig,
     CheckpointManager,

@@ -19,7 +19,7 @@ from launcher import LaunchConfig, run_ranks
 import quicksave
 from helpers.collectives import CollectiveLog
 from quicksave.commit import CheckpointKind, classify
-from quicksave.loading.manifest_reader import read_manifest
+from quicksave.commit.manifest_reader import read_manifest
 
 pytestmark = pytest.mark.slow
 

@@ -54,12 +54,12 @@ from torch.futures import Future
 
 from quicksave.checksum import hexdigest, tensor_view
 from quicksave.commit import CheckpointKind, classify
+from quicksave.commit.manifest_reader import read_manifest
 from quicksave.errors import CheckpointNotFoundError, CorruptCheckpointError, NotCommittedError
 from quicksave.format import objects as objcodec
 from quicksave.format.dtypes import dtype_from_name
 from quicksave.format.keys import EMPTY_KEY, dcp_planner_data
 from quicksave.format.manifest import ChunkEntry, Manifest, ObjectEntry, PlannedChunk, RankPlan
-from quicksave.loading.manifest_reader import read_manifest
 from quicksave.storage import Location, StorageOptions, parse_location
 from quicksave.storage.backend import Backend, join
 from quicksave.storage.checkpoint_dir import CheckpointDir, Member
@@ -426,11 +426,11 @@ class StorageReader(_DCPStorageReader):
                     check_chunk_within(c.entry, f.size, d.member_url(name), c.fqn, self.rank)
             work = sorted(chunks.values(), key=lambda c: (c.entry.file, c.entry.offset))
             tasks: list[tuple[Callable[..., None], tuple]] = (
-                [(self._read_chunk, (fds[c.entry.file], c)) for c in work]
-                if d.is_local
-                else [(self._read_run, (fds[r[0].entry.file], r)) for r in _runs(work)]
+                [(self._read_run, (fds[r[0].entry.file], r)) for r in _runs(work)]
+                if d.reads_in_runs
+                else [(self._read_chunk, (fds[c.entry.file], c)) for c in work]
             )
-            threads = self.thread_count if d.is_local else max(self.thread_count, 8)
+            threads = d.read_threads(self.thread_count)
             if threads == 1 or len(tasks) <= 1:
                 for fn, args in tasks:
                     fn(*args)

@@ -20,11 +20,9 @@ Example::
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import os
 import pickle
-import shutil
 import uuid
 from dataclasses import dataclass
 from typing import Any
@@ -43,10 +41,10 @@ from torch.distributed.checkpoint.storage import StorageWriter as _DCPStorageWri
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
-from quicksave import commit
 from quicksave.adapters.dcp_reader import manifest_to_metadata
+from quicksave.commit import CommitStrategy, new_token, strategy_for
 from quicksave.errors import CheckpointError, IncompatibleStateError
-from quicksave.format import DCP_METADATA_NAME, MANIFEST_NAME
+from quicksave.format import DCP_METADATA_NAME
 from quicksave.format import objects as objcodec
 from quicksave.format.dcp_guard import QuicksaveStorageData
 from quicksave.format.dtypes import check_storable, dtype_name
@@ -153,9 +151,9 @@ class StorageWriter(_DCPStorageWriter):
             carries the objects as ``torch.save`` bytes (docs/FORMAT.md §3, §5). Costs a
             few hundred bytes, and up to one 4 KiB page, per chunk.
         overwrite: a committed checkpoint at ``path`` is replaced atomically at the
-            commit (``commit.publish(..., replace=True)``: the two directories are
-            exchanged); until then, and if the save fails, the old one stays whole.
-            Local paths only: on an object store it raises ``CheckpointError``.
+            commit (a filesystem's rename commit exchanges the two directories); until
+            then, and if the save fails, the old one stays whole. Where the location has
+            no atomic replace (an object store) it raises ``CheckpointError``.
     """
 
     def __init__(
@@ -177,24 +175,26 @@ class StorageWriter(_DCPStorageWriter):
         self._storage = storage
         self.location = parse_location(path, options=storage)
         self.path = self.location.url
-        if overwrite and not self.location.is_local:  # before any I/O
-            commit.check_target(self.location, replace=True)  # raises, naming the URL
         # Private: FileSystemWriterAsync (a subclass) has its own public ``overwrite``.
         self._overwrite = overwrite
-        self._backend: Backend | None = None
+        self._strategy: CommitStrategy | None = None
+        self.fsync = fsync
+        self.rank = 0
+        if overwrite and not self.strategy().atomic_replace:  # refused before any I/O
+            self.strategy().check_target(self.location, replace=True)  # raises, naming it
         self.step = step
         self.thread_count = max(1, thread_count)
-        self.fsync = fsync
         self.user_metadata = dict(user_metadata or {})
-        self.rank = 0
         self.is_coordinator = True
         self.tmp_dir: str | None = None
         self.save_id = uuid.uuid4().hex
         self.plans: tuple[RankPlan, ...] | None = None  # every rank's, set on the coordinator
+        self._written: list[str] = []  # every rank's data files (the coordinator's discard)
 
     # 1 ------------------------------------------------------------------ set-up
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         if checkpoint_id:
+            self.close()  # its strategy served the old location
             self.location = parse_location(checkpoint_id, options=self._storage)
             self.path = self.location.url
         self.tmp_dir = None
@@ -224,17 +224,13 @@ class StorageWriter(_DCPStorageWriter):
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         self.plans = tuple(rank_plan_of(p) for p in plans)
-        if self.location.is_local:
-            self.tmp_dir = commit.make_temp_dir(
-                self.path, commit.new_token(), replace=self._overwrite
-            )
-        else:  # objects go straight under the prefix; the manifest, last, commits them
-            commit.check_target(self.location, self.rank, self.backend())
-            self.tmp_dir = self.location.key
+        self._written = []
+        self.tmp_dir = self.strategy().begin(self.location, new_token(), replace=self._overwrite)
         out = []
         for rank, plan in enumerate(plans):
             items = [item_spec(i) for i in plan.items if i.type != WriteItemType.BYTE_IO]
             layout = layout_rank(rank, items, self.thread_count, dcp_compat=self.dcp_compat)
+            self._written.extend(f.name for f in layout.files)
             out.append(dataclasses.replace(plan, storage_data=_RankWritePlan(self.tmp_dir, layout)))
         return out
 
@@ -255,14 +251,9 @@ class StorageWriter(_DCPStorageWriter):
         def source(key: str) -> torch.Tensor:
             return planner.resolve_data(by_key[key])
 
-        if self.location.is_local:
-            written = persist.write_rank_files(
-                rank_plan.tmp_dir, rank_plan.layout, source, self.fsync
-            )
-        else:
-            written = persist.write_rank_objects(
-                self.backend(), rank_plan.tmp_dir, rank_plan.layout, source
-            )
+        written = persist.write_rank(
+            self.strategy().backend, rank_plan.tmp_dir, rank_plan.layout, source
+        )
         for f_layout, f_written in zip(rank_plan.layout.files, written, strict=True):
             for entry in f_layout.entries:
                 key = entry.item.key
@@ -293,38 +284,42 @@ class StorageWriter(_DCPStorageWriter):
         # One rank's plan is the manifest itself (FORMAT.md §2, plans): omit it.
         plans = self.plans if self.plans is not None and len(self.plans) > 1 else None
         manifest = build_manifest(metadata, results, self.step, self.user_metadata, plans=plans)
-        backend = None if self.location.is_local else self.backend()
         metadata_bytes = dcp_metadata_bytes(manifest, dcp_compat=self.dcp_compat)
         commit_files(
-            self.tmp_dir, self.path, manifest, metadata_bytes, backend, replace=self._overwrite
+            self.strategy(),
+            self.tmp_dir,
+            self.location,
+            manifest,
+            metadata_bytes,
+            replace=self._overwrite,
         )
         self.tmp_dir = None
         self.close()
 
+    def strategy(self) -> CommitStrategy:
+        """The commit strategy of this writer's location, over a backend opened once
+        (closed by :meth:`close`)."""
+        if self._strategy is None:
+            backend = self.location.open(fsync=self.fsync, rank=self.rank)
+            self._strategy = strategy_for(backend, owned=True)
+        return self._strategy
+
     def backend(self) -> Backend:
-        """This writer's object-store backend (opened once; closed by :meth:`close`)."""
-        if self._backend is None:
-            self._backend = self.location.open(fsync=self.fsync, rank=self.rank)
-        return self._backend
+        """This writer's backend (the strategy's; closed by :meth:`close`)."""
+        return self.strategy().backend
 
     def close(self) -> None:
-        if self._backend is not None:
-            self._backend.close()
-            self._backend = None
+        if self._strategy is not None:
+            self._strategy.close()
+            self._strategy = None
 
     def discard(self) -> None:
-        """Remove what a failed save wrote (the coordinator calls it): the temporary
-        directory, or on an object store this save's objects (best effort)."""
+        """Remove what a failed save wrote (the coordinator calls it; best effort): every
+        rank's data files as the plans laid them out, and nothing else (never another
+        save's commit)."""
         if self.tmp_dir is None:
             return
-        if self.location.is_local:
-            shutil.rmtree(self.tmp_dir, ignore_errors=True)
-        else:
-            with contextlib.suppress(Exception):
-                b = self.backend()
-                prefix = self.tmp_dir.rstrip("/") + "/"
-                if b.stat(prefix + MANIFEST_NAME) is None:  # never another save's commit
-                    b.delete([o.key for o in b.list(prefix)])
+        self.strategy().discard(self.tmp_dir, self._written)
         self.close()
 
 

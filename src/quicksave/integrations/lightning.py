@@ -39,7 +39,7 @@ from typing import Any
 import torch
 
 import quicksave
-from quicksave.commit import CheckpointKind, classify, remove_tree
+from quicksave.commit import CheckpointKind, open_strategy, strategy_class
 from quicksave.errors import (
     CheckpointError,
     CheckpointExistsError,
@@ -49,7 +49,7 @@ from quicksave.errors import (
 from quicksave.saving.config import EngineConfig
 from quicksave.saving.engine import AsyncSaver
 from quicksave.saving.handle import SaveHandle
-from quicksave.storage import StorageOptions, parse_location
+from quicksave.storage import Location, StorageOptions, parse_location
 
 
 def _checkpoint_io_bases() -> tuple[type, ...]:
@@ -215,7 +215,7 @@ class QuicksaveCheckpointIO(*_checkpoint_io_bases()):  # type: ignore[misc]
         except IncompatibleStateError as e:
             raise _explained(e, target) from None
         except CheckpointExistsError as e:
-            if not loc.is_local and e.path == target:
+            if not strategy_class(loc).atomic_replace and e.path == target:
                 e.message += (
                     "; an object store has no atomic replace, and ModelCheckpoint("
                     "save_last=True) saves last.ckpt again every epoch: checkpoint to a "
@@ -263,28 +263,21 @@ class QuicksaveCheckpointIO(*_checkpoint_io_bases()):  # type: ignore[misc]
         target = loc.url
         self._settle(target)
         rank = rank_of_this_process()
-        if loc.is_local and os.path.islink(loc.key):
-            os.unlink(loc.key)
-            return
-        kind = classify(loc)
-        if kind is CheckpointKind.MISSING:
-            return
-        if kind is not CheckpointKind.QUICKSAVE:
-            raise CheckpointError(
-                f"refusing to delete: this is not a quicksave checkpoint ({kind.value}); "
-                "remove it yourself if it should go",
-                path=target,
-                rank=rank,
-            )
-        if loc.is_local:
-            removed = remove_tree(loc.key)
-        else:
-            from quicksave.manager.folder import delete_checkpoint
-
-            delete_checkpoint(loc)
-            removed = True
-        if not removed or classify(loc) is CheckpointKind.QUICKSAVE:
-            raise CheckpointError("could not remove the checkpoint", path=target, rank=rank)
+        with open_strategy(loc) as s:
+            if s.unlink(loc):  # ModelCheckpoint(save_last="link"): the link alone
+                return
+            kind = s.classify(loc)
+            if kind is CheckpointKind.MISSING:
+                return
+            if kind is not CheckpointKind.QUICKSAVE:
+                raise CheckpointError(
+                    f"refusing to delete: this is not a quicksave checkpoint ({kind.value}); "
+                    "remove it yourself if it should go",
+                    path=target,
+                    rank=rank,
+                )
+            if not s.remove(loc) or s.classify(loc) is CheckpointKind.QUICKSAVE:
+                raise CheckpointError("could not remove the checkpoint", path=target, rank=rank)
 
     def teardown(self) -> None:
         """Wait for every save in flight, stop the async worker, and raise the first
@@ -330,7 +323,7 @@ class QuicksaveCheckpointIO(*_checkpoint_io_bases()):  # type: ignore[misc]
                 step=_step_of(checkpoint),
                 thread_count=self.thread_count,
                 storage=storage,
-                overwrite=loc.is_local,  # object stores: no atomic replace, refused
+                overwrite=strategy_class(loc).atomic_replace,  # refused where there is none
                 no_dist=True,  # Lightning saves from rank 0 alone
             )
         finally:
@@ -343,7 +336,7 @@ class QuicksaveCheckpointIO(*_checkpoint_io_bases()):  # type: ignore[misc]
         if self._saver is None:
             self._saver = AsyncSaver(self.engine, rank=rank_of_this_process() or 0)
         handle = self._saver.save(
-            checkpoint, loc, step=_step_of(checkpoint), overwrite=loc.is_local
+            checkpoint, loc, step=_step_of(checkpoint), overwrite=strategy_class(loc).atomic_replace
         )
         if handle is not None:  # None: skipped by EngineConfig(backpressure="skip")
             self._in_flight[target] = handle
@@ -399,7 +392,7 @@ def read_checkpoint(
     try:
         state = quicksave.load_state(loc, storage=storage)
     except CheckpointError as e:
-        if loc.is_local and os.path.isfile(loc.key):
+        if _is_one_file(loc):
             e.message += (
                 "; a Lightning checkpoint *file* was written by another CheckpointIO "
                 "(TorchCheckpointIO: torch.save); load it with that one"
@@ -407,6 +400,20 @@ def read_checkpoint(
             e.args = (e.message,)
         raise
     return _relocate(state, map_location)
+
+
+def _is_one_file(loc: Location) -> bool:
+    """Whether a single file (an object) is at ``loc``, not a checkpoint's folder."""
+    try:
+        backend = loc.open()
+    except CheckpointError:
+        return False
+    try:
+        return backend.stat(loc.key) is not None
+    except CheckpointError:
+        return False
+    finally:
+        backend.close()
 
 
 def _relocate(value: Any, map_location: Any | None) -> Any:

@@ -20,10 +20,10 @@ import re
 from dataclasses import dataclass, field
 
 from quicksave.commit import CheckpointKind, classify, kind_of, metadata_has_footer
+from quicksave.commit.manifest_reader import read_manifest
 from quicksave.errors import CheckpointError, CheckpointNotFoundError
 from quicksave.format import DCP_METADATA_NAME, MANIFEST_NAME
 from quicksave.format.manifest import LAYOUT_DCP, LAYOUT_QUICKSAVE
-from quicksave.loading.manifest_reader import read_manifest
 from quicksave.storage import Location, ObjectInfo, StorageOptions, parse_location
 from quicksave.storage.backend import Backend
 from quicksave.storage.checkpoint_dir import CheckpointDir

@@ -31,7 +31,7 @@ import io
 import os
 import pathlib
 import pickle
-from collections.abc import Generator, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -39,7 +39,6 @@ import torch
 from torch.distributed.checkpoint import metadata as _md
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.filesystem import (
-    FileSystem,
     FileSystemBase,
     FileSystemReader,
     _StorageInfo,
@@ -56,7 +55,6 @@ from quicksave.format.naming import bad_member_name
 from quicksave.storage import Location, parse_location
 from quicksave.storage.backend import Backend, join
 from quicksave.storage.checkpoint_dir import CheckpointDir
-from quicksave.storage.safeio import open_regular
 
 MAX_METADATA_BYTES = MAX_MANIFEST_BYTES
 _MANIFEST_START = b'{"format":"quicksave",'  # how a manifest written by quicksave begins
@@ -399,26 +397,6 @@ def read_dcp_metadata(
     return md
 
 
-class _SafeFileSystem(FileSystem):
-    """DCP's local filesystem, except that reads open regular files only
-    (:func:`quicksave.storage.safeio.open_regular`: no FIFOs, devices or symbolic links)."""
-
-    @contextmanager
-    def create_stream(
-        self, path: str | os.PathLike[str], mode: str
-    ) -> Generator[io.IOBase, None, None]:
-        if set(mode) - {"r", "b"}:
-            with super().create_stream(path, mode) as stream:
-                yield stream
-            return
-        try:
-            f = open_regular(os.fspath(path), what="DCP data file")
-        except FileNotFoundError:
-            raise CorruptCheckpointError("DCP data file is missing", path=os.fspath(path)) from None
-        with os.fdopen(f.fd, "rb") as stream:
-            yield stream
-
-
 class DCPReader(FileSystemReader):
     """DCP's ``FileSystemReader`` whose ``.metadata`` is unpickled by the restricted
     unpickler of :func:`read_dcp_metadata`, and whose reads open regular files inside
@@ -448,13 +426,10 @@ class DCPReader(FileSystemReader):
         self.location = parse_location(path)
         super().__init__(self.location.key)
         self.allow_pickle = allow_pickle
-        self._backend: Backend | None = None
-        if self.location.is_local:
-            self.fs = _SafeFileSystem()
-        else:  # a caller's backend, or one of its own for the reader's lifetime
-            self._backend = backend if backend is not None else self.location.open()
-            self.fs = _StoreFileSystem(self._backend)
-            self.path = self.location.key
+        # a caller's backend, or one of its own for the reader's lifetime
+        self._backend: Backend = backend if backend is not None else self.location.open()
+        self.fs = _BackendFileSystem(self._backend)
+        self.path = self.location.key
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> _md.Metadata:
         md = read_dcp_metadata(
@@ -482,21 +457,20 @@ class DCPReader(FileSystemReader):
         return super().read_data(plan, planner)
 
     def _slice_file(self, file: Any, sinfo: Any) -> Any:
-        if isinstance(file, _StoreObject):  # one ranged read per item, not one per read()
-            buf = bytearray(sinfo.length)
-            file.backend.read_into(file.key, sinfo.offset, memoryview(buf))
-            return io.BytesIO(buf)
-        return super()._slice_file(file, sinfo)
+        buf = bytearray(sinfo.length)  # one ranged read per item, not one per read()
+        file.backend.read_into(file.key, sinfo.offset, memoryview(buf))
+        return io.BytesIO(buf)
 
 
-class _StoreObject:
+class _Member:
     def __init__(self, backend: Backend, key: str) -> None:
         self.backend, self.key = backend, key
 
 
-class _StoreFileSystem(FileSystemBase):
-    """DCP's file system interface over an object store: just enough for reading (the
-    reader asks for one ranged read per item, see ``DCPReader._slice_file``)."""
+class _BackendFileSystem(FileSystemBase):
+    """DCP's file system interface over a backend: just enough for reading (the reader
+    asks for one ranged read per item, see ``DCPReader._slice_file``; a file is read as
+    a regular file only, :func:`quicksave.storage.safeio.open_regular`)."""
 
     def __init__(self, backend: Backend) -> None:
         self.backend = backend
@@ -505,7 +479,7 @@ class _StoreFileSystem(FileSystemBase):
     def create_stream(self, path: Any, mode: str) -> Iterator[Any]:
         if mode != "rb":
             raise CheckpointError("quicksave reads stock DCP checkpoints only", path=str(path))
-        yield _StoreObject(self.backend, str(path))
+        yield _Member(self.backend, str(path))
 
     def concat_path(self, path: Any, suffix: str) -> str:
         return join(str(path), suffix)

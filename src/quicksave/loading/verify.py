@@ -40,21 +40,19 @@ any rank or process that has the checkpoint; it talks to no other rank.
 from __future__ import annotations
 
 import os
-import stat
 
 from quicksave.adapters.dcp_reader import require_committed
 from quicksave.checksum import hexdigest
+from quicksave.commit.manifest_reader import read_manifest
 from quicksave.errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
 from quicksave.format import DCP_METADATA_NAME, MANIFEST_NAME
 from quicksave.format.dcp_layout import FOOTER_SIZE, parse_footer
 from quicksave.format.manifest import LAYOUT_DCP
-from quicksave.loading.manifest_reader import read_manifest
 from quicksave.loading.progress import byte_progress
 from quicksave.loading.verify_regions import Region, check_file, regions_for
 from quicksave.loading.verify_report import Problem, VerifyReport
 from quicksave.loading.verify_structure import header_problems, manifest_problems, read_at
 from quicksave.storage import Location, StorageOptions, parse_location
-from quicksave.storage.backend import join
 from quicksave.storage.checkpoint_dir import CheckpointDir, Member
 
 READ_BLOCK = 16 << 20  # one reused buffer; large reads keep syscalls few on big files
@@ -120,13 +118,10 @@ def _verify(d: CheckpointDir, progress: bool) -> VerifyReport:
             path=path,
         ) from None
     for extra in sorted(present - set(m.files) - {commit}):
-        try:
-            is_dir = d.is_local and stat.S_ISDIR(os.lstat(os.path.join(path, extra)).st_mode)
-        except OSError:
-            is_dir = False
-        kind = "directory" if is_dir else ("file" if d.is_local else "object")
         problems.append(
-            Problem(extra, None, "unexpected-file", f"{kind} not listed in the manifest")
+            Problem(
+                extra, None, "unexpected-file", f"{d.describe(extra)} not listed in the manifest"
+            )
         )
 
     plan: list[tuple[str, Member, list[Region], int]] = []
@@ -188,14 +183,9 @@ def _commit_file(d: CheckpointDir) -> tuple[str, int]:
     """The file holding the manifest and its size: ``manifest.json``, or in the DCP
     layout (no ``manifest.json``) ``.metadata``; size 0 if it cannot be seen."""
     for name in (MANIFEST_NAME, DCP_METADATA_NAME):
-        if d.is_local:
-            try:
-                return name, os.lstat(os.path.join(d.url, name)).st_size
-            except OSError:
-                continue
-        info = d.backend.stat(join(d.location.key, name))
-        if info is not None:
-            return name, info.size
+        size = d.size_of(name)
+        if size is not None:
+            return name, size
     return MANIFEST_NAME, 0
 
 

@@ -121,7 +121,7 @@ class CheckpointSession:
         )
         self.writer: AsyncWriter | None = None
         self._lease: WriterLease | None = None  # held by a writing coordinator
-        self._store: Backend | None = None  # an object store's backend (see backend())
+        self._store: Backend | None = None  # the folder's backend (see backend())
         self._group: dist.ProcessGroup | None = None  # see checkpoint_group()
         self._housekeeping_due = False  # a commit was seen: retention may delete now
         self._leftovers: set[str] = set()  # failed saves' paths, for housekeeping
@@ -198,11 +198,10 @@ class CheckpointSession:
         return parse_location(path, options=self.config.storage)
 
     def backend(self) -> Backend | None:
-        """The session's backend for an object-store folder, opened once (a new S3
-        client costs ~0.3 s: not per save) and closed by :meth:`release`; None locally.
-        Once the lease is held, every deletion through it re-checks the lease first."""
-        if self.location.is_local:
-            return None
+        """The session's backend of the folder, opened once (a new S3 client costs
+        ~0.3 s: not per save) and closed by :meth:`release`. Once the lease is held, every
+        deletion through it re-checks the lease first (on an object store, where the
+        lease is an object with an expiry)."""
         if self._store is None:
             # Never a hang, and a call of the training thread (a pre-check, retention)
             # ends well within the checkpoint group's timeout: the other ranks may be

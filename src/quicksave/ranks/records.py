@@ -8,7 +8,7 @@ identified by its ``token`` (agreed by all ranks at plan time, without a collect
     quicksave/<token>/commit     "ok", or "error: <message>"   set by the coordinator
 
 Life of one save: every rank's writer writes its data files and its part
-(``quicksave.parts``), then posts its rank record → the coordinator's writer waits for all
+(``quicksave.commit.parts``), then posts its rank record → the coordinator's writer waits for all
 rank records (``wait_ranks``, bounded) and commits, or aborts on the first error or at
 the timeout → it posts the commit record → every other rank's writer waits for that
 record (``wait_commit``, bounded) and reports it as its own outcome. A rank whose writer

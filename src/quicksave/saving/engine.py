@@ -41,7 +41,7 @@ from typing import Any
 
 import torch
 
-from quicksave import commit
+from quicksave.commit import CommitStrategy, new_token, strategy_for
 from quicksave.errors import CheckpointError
 from quicksave.format.manifest import check_user_metadata
 from quicksave.ranks.saving import DistContext, DistSaving
@@ -59,7 +59,6 @@ from quicksave.saving.staging import Deferred, PoolCopier, cuda_ready, split
 from quicksave.saving.worker_supervision import WorkerSupervisor
 from quicksave.stage.pool import StagingPool
 from quicksave.storage import Location, parse_location
-from quicksave.storage.backend import Backend
 from quicksave.worker.job import PersistJob
 
 logger = logging.getLogger("quicksave")
@@ -120,11 +119,12 @@ class AsyncSaver:
                 self._worker,
                 self._flights,
                 self._collect,
-                self._backend_for,
+                self._strategy_for,
                 lambda: self._closed,
             )
         )
-        self._backends: dict[tuple, Backend] = {}  # object stores (trainer-side checks)
+        # the trainer side's commit strategies (checks before a save), by container
+        self._strategies: dict[tuple, CommitStrategy] = {}
         self._closed = False
         self._preparer = PoolPreparer(
             self.config,
@@ -179,7 +179,7 @@ class AsyncSaver:
                 as long as nothing mutates them before ``maybe_wait_for_staging()``).
             user_metadata: JSON-serializable dict stored in the manifest.
             overwrite: a committed checkpoint at ``path`` is replaced atomically at the
-                commit (the two directories are exchanged, ``commit.publish``): until
+                commit (the rename commit exchanges the two directories): until
                 then, and if the save fails, the old one stays whole. Single-rank saves
                 to local paths only.
 
@@ -249,12 +249,11 @@ class AsyncSaver:
             ds = self._vote.plan(state_dict, loc, step, user_metadata)
             return None if ds is None else PlannedSave.of_dist(ds)
         self.finalize(blocking=False)  # raises an earlier failure, once
-        store = None if loc.is_local else loc
-        commit.check_target(loc, self.rank, self._backend_for(store), replace=overwrite)
+        self._strategy_for(loc).check_target(loc, self.rank, replace=overwrite)
         state = collect_state(state_dict, loc.url, self.rank)
         plan = self._plan(state.tensors, state.objects)
         manifest = self._plans.manifest(plan, state, step, user_metadata)
-        return PlannedSave(plan, state.tensors, state.sources, manifest, commit.new_token())
+        return PlannedSave(plan, state.tensors, state.sources, manifest, new_token())
 
     def _plan(self, tensors: dict[str, torch.Tensor], objects: dict[str, Any]) -> EnginePlan:
         """The single-rank plan of these tensors and values (cached)."""
@@ -284,15 +283,26 @@ class AsyncSaver:
         self._worker.for_submit(idle=self._flights.held_only(None))
         plan = planned.plan
         pool = self._slots.pool_for(slot, plan, self._worker)
-        store = None if loc.is_local else loc
+        strategy = self._strategy_for(loc)
+        staging = strategy.staging(loc, planned.token)
         job = planned.job(
-            next(self._ids), slot.pool_id, pool, loc, step, self.rank, self.config, overwrite
+            next(self._ids),
+            slot.pool_id,
+            pool,
+            loc,
+            staging,
+            step,
+            self.rank,
+            self.config,
+            overwrite,
         )
         fl = InFlight(
             handle,
             slot,
             sum(f.size for f in plan.layout.files),
-            job.tmp_dir if store is None else "",  # never a store's key: not a path
+            strategy,
+            staging,
+            tuple(f.name for f in job.files),
             planned.token if planned.dist is not None else "",
             loc,
             overwrite,
@@ -336,16 +346,15 @@ class AsyncSaver:
         except CheckpointError as e:
             self._worker_failed(e)
 
-    def _backend_for(self, loc: Location | None) -> Backend | None:
-        """The trainer side's backend for an object store (checks before a save), kept
-        until :meth:`close`; None for the local filesystem."""
-        if loc is None or loc.is_local:
-            return None
+    def _strategy_for(self, loc: Location) -> CommitStrategy:
+        """The trainer side's commit strategy of ``loc`` (checks before a save, clean-up
+        of a save the writer never finished), kept until :meth:`close`. Its calls run on
+        the training thread: a store's are bounded by ``save_timeout_s``."""
         key = loc.backend_id()
-        if key not in self._backends:  # its calls run on the training thread: bounded
+        if key not in self._strategies:
             bounded = loc.bounded(self.config.worker.save_timeout_s)
-            self._backends[key] = bounded.open(rank=self.rank)
-        return self._backends[key]
+            self._strategies[key] = strategy_for(bounded.open(rank=self.rank), owned=True)
+        return self._strategies[key]
 
     # ------------------------------------------------------------ overlap staging
     def maybe_wait_for_staging(self) -> None:
@@ -438,9 +447,9 @@ class AsyncSaver:
             self._flights.abandon(self.config.close_timeout_s)
             self._slots.close()
             atexit.unregister(self._atexit)
-            for b in self._backends.values():
-                b.close()
-            self._backends.clear()
+            for strategy in self._strategies.values():
+                strategy.close()
+            self._strategies.clear()
 
     def _atexit(self) -> None:
         try:

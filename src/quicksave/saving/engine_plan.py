@@ -18,7 +18,6 @@ from typing import Any
 
 import torch
 
-from quicksave import commit
 from quicksave.adapters.dcp_writer import dcp_metadata_bytes
 from quicksave.format.dtypes import dtype_name, element_size
 from quicksave.format.manifest import ChunkEntry, FileEntry, Manifest, ObjectEntry, TensorEntry
@@ -73,23 +72,22 @@ class PlannedSave:
         pool_id: int,
         pool: StagingPool,
         loc: Location,
+        staging: str,
         step: int | None,
         rank: int,
         config: EngineConfig,
         replace: bool,
     ) -> PersistJob:
-        """The worker's job for this save, staged in ``pool`` (``pool_id`` in the worker)
-        and committed at ``loc``."""
-        store = None if loc.is_local else loc
-        final = loc.url
+        """The worker's job for this save, staged in ``pool`` (``pool_id`` in the worker),
+        written under ``staging`` (its commit strategy's) and committed at ``loc``."""
         plan = self.plan
         return PersistJob(
             job_id=job_id,
             pool_id=pool_id,
             step=step,
             rank=rank,
-            final_path=final,
-            tmp_dir=commit.temp_path_for(final, self.token) if store is None else loc.key,
+            final_path=loc.url,
+            tmp_dir=staging,
             files=tuple(
                 FileJob(
                     f.name,
@@ -106,7 +104,7 @@ class PlannedSave:
             o_direct=config.o_direct,
             thread_count=config.thread_count,
             dist=self.dist,
-            location=store,
+            location=loc,
             replace=replace,
             write_rate=None if (mbps := config.write_rate_mbps) is None else mbps * 1e6,
         )

@@ -15,16 +15,15 @@ its outcome (the next vote waits for that).
 from __future__ import annotations
 
 import logging
-import shutil
 import time
 from dataclasses import dataclass
 
-from quicksave import commit
+from quicksave.commit import CheckpointKind, CommitStrategy
 from quicksave.errors import CheckpointError
 from quicksave.ranks.saving import DistSaving
 from quicksave.saving.handle import SaveHandle, SaveResult
 from quicksave.saving.slots import Slot
-from quicksave.storage import Location
+from quicksave.storage import Location, parse_location
 from quicksave.worker.calls import CallResult
 from quicksave.worker.job import JobResult
 
@@ -38,7 +37,9 @@ class InFlight:
     handle: SaveHandle
     slot: Slot
     bytes: int
-    tmp_dir: str = ""  # removed by the trainer when the persister died mid-save (local)
+    strategy: CommitStrategy  # of its location: removes what a dead writer left
+    staging: str  # where its files are written (the strategy's staging key)
+    names: tuple[str, ...]  # the files this rank writes
     token: str = ""  # multi-rank: the save's commit records (see ranks/records.py)
     location: Location | None = None  # where it commits
     replace: bool = False  # overwrite: a committed checkpoint was there before the save
@@ -95,8 +96,8 @@ class InFlightSaves:
             why = err.message if isinstance(err, CheckpointError) else str(err)
             self.dist.worker_failed(fl.token, why)  # the others stop waiting for us
             self.lost[fl.token] = fl.handle.started + self.dist.outcome_wait_s
-        elif fl.tmp_dir:  # the dead writer's partial files: nobody else will remove them
-            shutil.rmtree(fl.tmp_dir, ignore_errors=True)
+        else:  # the dead writer's partial files: nobody else will remove them
+            fl.strategy.discard(fl.staging, fl.names)
 
     def fail_all(self, err: BaseException) -> None:
         """The worker is gone: fail every save in flight; ``err`` is reported once."""
@@ -149,9 +150,9 @@ class InFlightSaves:
         for job_id, fl in list(self.jobs.items()):
             del self.jobs[job_id]
             fl.slot.busy = None
-            where = fl.location if fl.location is not None else fl.handle.path
+            where = fl.location if fl.location is not None else parse_location(fl.handle.path)
             # With overwrite a checkpoint was there before: its presence proves nothing.
-            if not fl.replace and commit.classify(where) is commit.CheckpointKind.QUICKSAVE:
+            if not fl.replace and fl.strategy.classify(where) is CheckpointKind.QUICKSAVE:
                 h = fl.handle  # committed just before the writer stopped
                 durable = time.monotonic() - h.started
                 h._finish(
@@ -161,8 +162,7 @@ class InFlightSaves:
                     None,
                 )
                 continue
-            if fl.tmp_dir:
-                shutil.rmtree(fl.tmp_dir, ignore_errors=True)
+            fl.strategy.discard(fl.staging, fl.names)
             fl.handle._finish(
                 None,
                 CheckpointError(

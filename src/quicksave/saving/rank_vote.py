@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from quicksave import commit
+from quicksave.commit import CommitStrategy
 from quicksave.errors import CheckpointError
 from quicksave.ranks.saving import DistSave, DistSaving
 from quicksave.saving.config import EngineConfig
@@ -24,7 +24,6 @@ from quicksave.saving.in_flight import InFlightSaves
 from quicksave.saving.slots import StagingSlots
 from quicksave.saving.worker_supervision import WorkerSupervisor
 from quicksave.storage import Location
-from quicksave.storage.backend import Backend
 
 logger = logging.getLogger("quicksave")
 
@@ -38,7 +37,7 @@ class RankVote:
         lock: the saver's lock.
         slots, worker, flights: the saver's pools, worker and saves in flight.
         collect: takes the worker's results (``AsyncSaver._collect``).
-        backend_for: the trainer side's backend of a location (None: local).
+        strategy_for: the trainer side's commit strategy of a location.
         closed: whether the saver is closed.
     """
 
@@ -52,7 +51,7 @@ class RankVote:
         worker: WorkerSupervisor,
         flights: InFlightSaves,
         collect: Callable[[float], None],
-        backend_for: Callable[[Location | None], Backend | None],
+        strategy_for: Callable[[Location], CommitStrategy],
         closed: Callable[[], bool],
     ) -> None:
         self.dist = dist
@@ -63,7 +62,7 @@ class RankVote:
         self.worker = worker
         self.flights = flights
         self.collect = collect
-        self.backend_for = backend_for
+        self.strategy_for = strategy_for
         self.closed = closed
 
     def plan(
@@ -91,7 +90,7 @@ class RankVote:
         problem: CheckpointError | None = unreported[0] if unreported else None
         if problem is None:
             try:
-                commit.check_target(loc, self.rank, self.backend_for(loc))
+                self.strategy_for(loc).check_target(loc, self.rank)
             except CheckpointError as e:
                 # taken, or the store cannot be reached: raised after the vote, so that
                 # every rank skips this save together instead of waiting for this one

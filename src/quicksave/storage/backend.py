@@ -105,6 +105,10 @@ class StorageOptions:
     lease_renew_s: float = 5.0
 
 
+# The alignment of O_DIRECT writes: a staging pool's file images extend to a multiple.
+PAGE = 4096
+
+
 @runtime_checkable
 class Backend(Protocol):
     """One storage backend (a local filesystem, one S3 bucket, one MSC profile).
@@ -129,6 +133,24 @@ class Backend(Protocol):
         parts that are slices of ``data`` (no copy), several in flight. Returns the
         xxh3-64 (16 hex digits) of every ``(name, offset, length)`` of ``ranges``,
         computed from ``data`` on the way."""
+        ...
+
+    def put_padded(
+        self, key: str, image: memoryview, size: int, ranges: Sequence[Range]
+    ) -> dict[str, str]:
+        """``put`` of ``image[:size]``, where ``image`` extends past ``size`` to a
+        multiple of :data:`PAGE` (a staging pool's file image): a filesystem writes whole
+        pages with ``O_DIRECT``, a store sends ``size`` bytes."""
+        ...
+
+    def put_pieces(
+        self, key: str, size: int, pieces: Iterable[tuple[str | None, int, memoryview]]
+    ) -> dict[str, str]:
+        """Store an object of ``size`` bytes made of ``(name, offset, bytes)`` pieces
+        (zeros between them), whole or not at all; return the xxh3-64 of every named
+        piece. A filesystem writes each piece where it goes, straight from the caller's
+        memory; a store assembles the object first (see :func:`assemble`). ``pieces`` may
+        produce each piece only when asked for it."""
         ...
 
     def read_into(self, key: str, offset: int, dest: memoryview) -> None:
@@ -232,3 +254,17 @@ def check_ranges(ranges: Sequence[Range], size: int) -> None:
     for name, off, length in ranges:
         if off < 0 or length < 0 or off + length > size:
             raise ValueError(f"range {name!r} [{off}, {off + length}) is outside the {size} bytes")
+
+
+def assemble(
+    size: int, pieces: Iterable[tuple[str | None, int, memoryview]]
+) -> tuple[memoryview, list[Range]]:
+    """An object's image of ``size`` bytes from ``put_pieces``' pieces (zeros between
+    them), and the ranges of the named ones: what a store's ``put_pieces`` uploads."""
+    image = memoryview(bytearray(size))
+    ranges: list[Range] = []
+    for name, offset, view in pieces:
+        image[offset : offset + len(view)] = view
+        if name is not None:
+            ranges.append((name, offset, len(view)))
+    return image, ranges

@@ -13,6 +13,7 @@ Torch-free: the worker process imports it.
 from __future__ import annotations
 
 import os
+import stat
 from typing import Protocol
 
 from quicksave.errors import CheckpointNotFoundError, CorruptCheckpointError
@@ -162,6 +163,33 @@ class CheckpointDir:
     @property
     def is_local(self) -> bool:
         return self.location.is_local
+
+    @property
+    def reads_in_runs(self) -> bool:
+        """Whether adjacent chunks are best read in one request each run (an object
+        store: every request is a round trip), not one by one (a file)."""
+        return not self.is_local
+
+    def read_threads(self, wanted: int) -> int:
+        """Threads to read members with: ``wanted`` from files; at least 8 from a store,
+        whose requests mostly wait on the network."""
+        return wanted if self.is_local else max(wanted, 8)
+
+    def size_of(self, name: str) -> int | None:
+        """The size of the member ``name`` if it is a regular file (an object), else
+        None."""
+        info = self.backend.stat(self._key(name, None))
+        return None if info is None else info.size
+
+    def describe(self, name: str) -> str:
+        """What the member ``name`` is, for a report: "directory", "file" or "object"."""
+        if not self.is_local:
+            return "object"
+        try:
+            is_dir = stat.S_ISDIR(os.lstat(self._key(name, None)).st_mode)
+        except OSError:
+            is_dir = False
+        return "directory" if is_dir else "file"
 
     def __enter__(self) -> CheckpointDir:
         return self

@@ -25,7 +25,7 @@ import xxhash
 from quicksave.checksum import hexdigest
 from quicksave.errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
 from quicksave.storage.backend import ObjectInfo, Range, byte_view
-from quicksave.storage.posix_io import write_image
+from quicksave.storage.posix_io import write_image, write_pieces
 from quicksave.storage.safeio import open_regular, read_regular
 
 # errnos of a filesystem without flock or hard links: no conditional writes there
@@ -78,7 +78,7 @@ class LocalBackend:
     def url(self, key: str) -> str:
         return key
 
-    def put(self, key: str, data: memoryview, *, ranges: Sequence[Range] = ()) -> dict[str, str]:
+    def _make_parent(self, key: str) -> None:
         parent = os.path.dirname(key)
         try:
             os.makedirs(parent, exist_ok=True)
@@ -86,6 +86,9 @@ class LocalBackend:
             raise CheckpointError(
                 f"cannot create the directory: {e.strerror}", path=parent, rank=self.rank
             ) from e
+
+    def put(self, key: str, data: memoryview, *, ranges: Sequence[Range] = ()) -> dict[str, str]:
+        self._make_parent(key)
         return write_image(
             key,
             data,
@@ -102,6 +105,7 @@ class LocalBackend:
     ) -> dict[str, str]:
         """``put`` of ``image[:size]`` where ``image`` extends to a page boundary past
         ``size`` (a staging pool's file image), so that ``O_DIRECT`` writes whole pages."""
+        self._make_parent(key)
         return write_image(
             key,
             image,
@@ -112,6 +116,12 @@ class LocalBackend:
             o_direct=self.o_direct,
             rate=self.write_rate,
         )
+
+    def put_pieces(
+        self, key: str, size: int, pieces: Iterable[tuple[str | None, int, memoryview]]
+    ) -> dict[str, str]:
+        self._make_parent(key)
+        return write_pieces(key, size, pieces, rank=self.rank, fsync=self.fsync)
 
     def read_into(self, key: str, offset: int, dest: memoryview) -> None:
         self.read_scatter(key, offset, [dest])

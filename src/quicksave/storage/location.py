@@ -76,6 +76,13 @@ class Location:
         """The last component (``step-10``)."""
         return self.key.rstrip("/").rsplit("/", 1)[-1]
 
+    def local_file(self) -> str | None:
+        """The path of the regular file at this location if it is one on the local
+        filesystem (a single-file output: ``convert --to safetensors``); else None."""
+        if self.is_local and os.path.isfile(self.key):
+            return self.key
+        return None
+
     def child(self, name: str) -> Location:
         return Location(self.scheme, self.container, join(self.key, name), self.options)
 
@@ -109,8 +116,17 @@ class Location:
         """Equal for locations one backend serves (used to share a backend)."""
         return (self.scheme, self.container, self.options)
 
-    def open(self, *, fsync: bool = True, o_direct: bool = True, rank: int = 0) -> Backend:
-        """A new backend for this location's container; the caller closes it.
+    def open(
+        self,
+        *,
+        fsync: bool = True,
+        o_direct: bool = True,
+        rank: int = 0,
+        write_rate: float | None = None,
+    ) -> Backend:
+        """A new backend for this location's container; the caller closes it. ``fsync``,
+        ``o_direct`` and ``write_rate`` (bytes per second per write, a test's throttle)
+        are the local filesystem's; a store's writes are durable when acknowledged.
 
         Raises:
             CheckpointError: the extra for the scheme is not installed (named).
@@ -118,7 +134,7 @@ class Location:
         if self.scheme == "file":
             from quicksave.storage.local import LocalBackend
 
-            return LocalBackend(fsync=fsync, o_direct=o_direct, rank=rank)
+            return LocalBackend(fsync=fsync, o_direct=o_direct, rank=rank, write_rate=write_rate)
         if self.scheme == "s3":
             from quicksave.storage.s3 import S3Backend
 

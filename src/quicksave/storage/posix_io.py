@@ -6,6 +6,7 @@ from __future__ import annotations
 import errno
 import os
 import time
+from collections.abc import Iterable
 
 import xxhash
 
@@ -91,4 +92,48 @@ def write_image(
         os.close(fd)
     for key, _, _ in todo:
         digests[key] = hexdigest(hashers[key].intdigest())
+    return digests
+
+
+def write_pieces(
+    path: str,
+    size: int,
+    pieces: Iterable[tuple[str | None, int, memoryview]],
+    *,
+    rank: int,
+    fsync: bool = True,
+) -> dict[str, str]:
+    """Create the file ``path`` of ``size`` bytes from ``(name, offset, bytes)`` pieces
+    written where they go with large ``pwrite`` calls, straight from the caller's memory
+    (the gaps stay holes, read back as zeros); return the xxh3-64 of every named piece,
+    hashed on the same pass. The iterable may produce each piece only when asked (a
+    tensor's bytes, kept alive until the next piece is asked for)."""
+    digests: dict[str, str] = {}
+    try:
+        fd = os.open(
+            path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644
+        )
+    except OSError as e:
+        raise os_error(e, path, rank) from e
+    try:
+        for name, offset, view in pieces:
+            h = xxhash.xxh3_64() if name is not None else None
+            pos = 0
+            while pos < len(view):
+                piece = view[pos : pos + WRITE_PIECE]
+                if h is not None:
+                    h.update(piece)
+                written = 0
+                while written < len(piece):
+                    written += os.pwrite(fd, piece[written:], offset + pos + written)
+                pos += len(piece)
+            if h is not None:
+                digests[name] = hexdigest(h.intdigest())
+        os.ftruncate(fd, size)
+        if fsync:
+            os.fsync(fd)
+    except OSError as e:
+        raise os_error(e, path, rank) from e
+    finally:
+        os.close(fd)
     return digests

@@ -31,22 +31,21 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import warnings
 from collections.abc import Sequence
 from typing import Any, Literal
 
 import torch
 
-from quicksave.commit import CheckpointKind, classify, fsync_path, new_token, temp_path_for
-from quicksave.errors import CheckpointError, CheckpointExistsError, CorruptCheckpointError
-from quicksave.format import FORMAT_VERSION
+from quicksave.commit import CheckpointKind, classify, open_strategy
+from quicksave.commit.files import fsync_path
+from quicksave.errors import CheckpointError, CorruptCheckpointError
+from quicksave.format import DCP_METADATA_NAME, FORMAT_VERSION
 from quicksave.format import objects as objcodec
 from quicksave.format.dtypes import dtype_from_name, safetensors_code
 from quicksave.format.keys import key_types_of, real_key, typed_path
 from quicksave.format.manifest import Manifest
 from quicksave.storage import Location, StorageOptions, parse_location
-from quicksave.tools.publish import publish_output, upload_file
 from quicksave.tools.read_full import Flat, read_flat
 
 Target = Literal["torch", "dcp", "safetensors", "quicksave", "hf"]
@@ -155,8 +154,9 @@ def load_state(
         optimizer.load_state_dict(state["optimizer"])  # "state" keyed by int ids
     """
     loc = parse_location(path, options=storage)
-    if loc.is_local and os.path.isfile(loc.key):
-        return _load_safetensors_state(loc.key)
+    single = loc.local_file()
+    if single is not None:
+        return _load_safetensors_state(single)
     kind = classify(loc)
     if kind is CheckpointKind.DCP:
         return _load_dcp_state(loc, allow_dcp_pickle)
@@ -356,53 +356,19 @@ def convert(
             storage=storage,
         )
         return dst.url
-    if not dst.is_local:
-        return _convert_to_store(src, dst, to, progress)
-    out = dst.key
-    if os.path.lexists(out):
-        raise CheckpointExistsError(
-            "output already exists; quicksave convert never overwrites (choose another path "
-            "or delete it first)",
-            path=out,
-        )
-    flat, m = read_flat(src, progress)
-    tmp = temp_path_for(out, new_token())
-    try:
-        os.makedirs(os.path.dirname(out), exist_ok=True)
-        _WRITERS[to](flat, m, tmp)
-        publish_output(tmp, out)
-    except OSError as e:
-        raise CheckpointError(f"cannot write the converted checkpoint: {e}", path=out) from e
-    finally:
-        if os.path.isdir(tmp):
-            shutil.rmtree(tmp, ignore_errors=True)
-        elif os.path.lexists(tmp):
-            os.unlink(tmp)
-    return out
-
-
-def _convert_to_store(src: Location, dst: Location, to: str, progress: bool) -> str:
-    """``torch`` / ``safetensors`` output to an object store: written to a local
-    temporary file, then uploaded as one object (it appears whole or not at all)."""
-    import tempfile
-
-    if to == "dcp":
-        raise CheckpointError(
-            "a dcp output must be a local directory (or convert --to quicksave, which "
-            "stock DCP readers such as MSC's also load)",
-            path=dst.url,
-        )
-    backend = dst.open()
-    try:
-        if backend.stat(dst.key) is not None or backend.children(dst.key):
-            raise CheckpointExistsError(
-                "output already exists; quicksave convert never overwrites", path=dst.url
-            )
+    with open_strategy(dst) as out:
+        out.check_free(dst)  # before reading anything
         flat, m = read_flat(src, progress)
-        with tempfile.TemporaryDirectory(prefix="quicksave-convert-") as tmpdir:
-            tmp = os.path.join(tmpdir, "out")
-            _WRITERS[to](flat, m, tmp)
-            upload_file(backend, dst.key, tmp)
-    finally:
-        backend.close()
+
+        def build(path: str) -> list[str] | None:
+            _WRITERS[to](flat, m, path)
+            return _upload_order(path) if os.path.isdir(path) else None
+
+        out.write_output(dst, build, "the converted checkpoint")
     return dst.url
+
+
+def _upload_order(directory: str) -> list[str]:
+    """The files of a directory output, the one that commits it last (DCP's
+    ``.metadata``, which readers look for first)."""
+    return sorted(sorted(os.listdir(directory)), key=lambda n: n == DCP_METADATA_NAME)

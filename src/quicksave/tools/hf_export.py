@@ -26,16 +26,15 @@ from __future__ import annotations
 import json
 import logging
 import os
-import shutil
-import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from quicksave.commit import fsync_path, new_token, temp_path_for
-from quicksave.errors import CheckpointError, CheckpointExistsError
+from quicksave.commit import open_strategy
+from quicksave.commit.files import fsync_path
+from quicksave.errors import CheckpointError
 from quicksave.format.dtypes import safetensors_code
 from quicksave.format.hf_layout import (
     CONFIG_NAME,
@@ -55,7 +54,6 @@ from quicksave.saving.model_record import (
     floating_dtype,
 )
 from quicksave.storage import Location, StorageOptions, parse_location
-from quicksave.tools.publish import publish_output, upload_file
 from quicksave.tools.read_full import Flat, read_flat
 
 logger = logging.getLogger("quicksave")
@@ -134,9 +132,8 @@ def export_hf(
     src = parse_location(checkpoint, options=storage)
     dst = parse_location(out_dir, options=storage)
     conf = _config_dict(config)
-    backend = None if dst.is_local else dst.open()
-    try:
-        _refuse_existing(dst, backend)
+    with open_strategy(dst) as out:
+        out.check_free(dst)  # before reading anything
         chosen: list[ModelSelection] = []
 
         def select(m: Manifest) -> list[str]:
@@ -145,22 +142,9 @@ def export_hf(
 
         flat, m = read_flat(src, progress, select)
         tensors = model_tensors(flat, m, chosen[0], cast, src.url)
-        with tempfile.TemporaryDirectory(prefix="quicksave-hf-") as scratch:
-            tmp = temp_path_for(dst.key, new_token()) if backend is None else scratch
-            try:
-                names = write_model_dir(tensors, tmp, max_shard_bytes, conf)
-                if backend is None:
-                    publish_output(tmp, dst.key)
-                else:
-                    upload_dir(backend, dst, tmp, names)
-            except OSError as e:
-                raise CheckpointError(f"cannot write the export: {e}", path=dst.url) from e
-            finally:
-                if backend is None and os.path.lexists(tmp):
-                    shutil.rmtree(tmp, ignore_errors=True)
-    finally:
-        if backend is not None:
-            backend.close()
+        out.write_output(
+            dst, lambda path: write_model_dir(tensors, path, max_shard_bytes, conf), "the export"
+        )
     logger.info("quicksave: exported %d tensors of %s to %s", len(tensors), src.url, dst.url)
     if conf is None:
         logger.warning(
@@ -356,36 +340,3 @@ def _write_json(path: str, doc: Any) -> None:
         f.write(json.dumps(doc, indent=2, sort_keys=True) + "\n")
         f.flush()
         os.fsync(f.fileno())
-
-
-def _refuse_existing(dst: Location, backend: Any) -> None:
-    exists = (
-        os.path.lexists(dst.key)
-        if backend is None
-        else backend.stat(dst.key) is not None or bool(backend.children(dst.key))
-    )
-    if exists:
-        raise CheckpointExistsError(
-            "output already exists; quicksave never overwrites an export (choose another "
-            "path or delete it first)",
-            path=dst.url,
-        )
-
-
-def upload_dir(backend: Any, dst: Location, local: str, names: list[str]) -> None:
-    """Upload the files ``names`` of the directory ``local`` under ``dst`` in order (the
-    last one publishes the export); on a failure, delete what was uploaded."""
-    from quicksave.storage.backend import join
-
-    done: list[str] = []
-    try:
-        for name in names:
-            key = join(dst.key, name)
-            upload_file(backend, key, os.path.join(local, name))
-            done.append(key)
-    except BaseException:
-        try:
-            backend.delete(done)
-        except Exception as e:  # the upload's error matters more; say what is left
-            logger.error("quicksave: could not delete a partial export at %s: %s", dst.url, e)
-        raise

@@ -16,10 +16,10 @@ from typing import Any
 
 from quicksave.adapters.dcp_reader import require_committed
 from quicksave.commit import CheckpointKind
+from quicksave.commit.manifest_reader import read_manifest
 from quicksave.errors import CheckpointError
 from quicksave.format import objects as objcodec
 from quicksave.format.dtypes import dtype_name, element_size
-from quicksave.loading.manifest_reader import read_manifest
 from quicksave.storage import Location, StorageOptions, parse_location
 
 _TAG_TYPES = {

@@ -12,11 +12,11 @@ import torch
 
 from quicksave.adapters.dcp_reader import check_chunk_within, read_chunk_into, require_committed
 from quicksave.checksum import tensor_view
+from quicksave.commit.manifest_reader import read_manifest
 from quicksave.errors import CorruptCheckpointError
 from quicksave.format import objects as objcodec
 from quicksave.format.dtypes import dtype_from_name, element_size
 from quicksave.format.manifest import Manifest
-from quicksave.loading.manifest_reader import read_manifest
 from quicksave.loading.progress import byte_progress
 from quicksave.storage import Location
 from quicksave.storage.checkpoint_dir import CheckpointDir, Member

@@ -15,6 +15,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from quicksave.commit import strategy_for
 from quicksave.ranks import records
 from quicksave.storage.backend import Backend
 from quicksave.worker.files import backend_for, commit_files, discard, fill_checksums, write_files
@@ -47,11 +48,11 @@ def execute_job(
         digests = write_files(job, pool, backend, usage)
         t1 = time.monotonic()
         commit_files(
+            strategy_for(backend),
             job.tmp_dir,
-            job.final_path,
+            job.location,
             fill_checksums(job.manifest, digests, job.chunk_keys),
             job.dcp_metadata,
-            backend,
             replace=job.replace,
         )
         t2 = time.monotonic()

@@ -4,7 +4,8 @@ Order of calls in a job (``quicksave.worker.execute``, ``quicksave.worker.multir
 ``backend_for`` (the job's backend) → ``write_files`` (every file image of the rank from
 the staging pool, the missing chunk digests computed on the way) → ``fill_checksums``
 (the digests into the manifest) → ``commit_files`` (``.metadata``, the manifest, then the
-checkpoint made visible); ``discard`` removes what a failed job wrote. Every rank writes
+checkpoint made visible by the location's commit strategy); ``discard`` removes what a
+failed job wrote. Every rank writes
 its own files; ``commit_files`` runs once per checkpoint (a single rank, or the
 coordinator of a multi-rank save). ``commit_files`` is also the commit of the DCP
 storage writer (``quicksave.adapters.dcp_writer``).
@@ -14,34 +15,30 @@ Torch-free: the worker process imports it.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import os
-import shutil
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from quicksave import commit
 from quicksave.checksum import hexdigest
-from quicksave.errors import CheckpointError
+from quicksave.commit import CommitStrategy, strategy_for
+from quicksave.commit.parts import part_name
 from quicksave.format import DCP_METADATA_NAME, MANIFEST_NAME
 from quicksave.format.manifest import FileEntry, Manifest, to_json_bytes
-from quicksave.parts import part_name
-from quicksave.storage.backend import Backend, join
-from quicksave.storage.local import LocalBackend
+from quicksave.storage.backend import PAGE, Backend, join
+from quicksave.storage.location import Location
 from quicksave.worker.job import FileJob, PersistJob, Usage
 
 
 def backend_for(job: PersistJob, backends: dict[tuple, Backend]) -> Backend:
-    """The backend a job writes through: a fresh local one (it holds only settings), or
-    the object store's, kept in ``backends`` from job to job."""
-    if job.location is None:
-        return LocalBackend(
+    """The backend a job writes through, kept in ``backends`` from job to job (one per
+    container and write settings: a store's client is costly, a local one holds only
+    settings)."""
+    loc = job.location
+    key = (loc.backend_id(), job.fsync, job.o_direct, job.write_rate, job.rank)
+    if key not in backends:
+        backends[key] = loc.open(
             fsync=job.fsync, o_direct=job.o_direct, rank=job.rank, write_rate=job.write_rate
         )
-    key = job.location.backend_id()
-    if key not in backends:
-        backends[key] = job.location.open(rank=job.rank)
     return backends[key]
 
 
@@ -52,20 +49,14 @@ def write_files(
     under the checkpoint's prefix); return the xxh3-64 of every chunk (safetensors key ->
     hex): those the trainer hashed while staging (``job.digests``), the others computed
     while writing. Adds the writer threads' CPU and the bytes hashed to ``usage``."""
-    local = isinstance(backend, LocalBackend)
-    if local:
-        os.makedirs(job.tmp_dir, exist_ok=True)
 
     def one(f: FileJob) -> tuple[dict[str, str], float]:
         cpu0 = time.thread_time()
         key = join(job.tmp_dir, f.name)
         todo = tuple(e for e in f.entries if e[0] not in job.digests)
-        if local:  # whole pages past the end, for O_DIRECT
-            image = pool[f.base : f.base + f.size + (-f.size % 4096)]
-            digests = backend.put_padded(key, image, f.size, todo)
-        else:
-            digests = backend.put(key, pool[f.base : f.base + f.size], ranges=todo)
-        return digests, time.thread_time() - cpu0
+        # the pool lays every image out to whole pages past its end (for O_DIRECT)
+        image = pool[f.base : f.base + f.size + (-f.size % PAGE)]
+        return backend.put_padded(key, image, f.size, todo), time.thread_time() - cpu0
 
     digests: dict[str, str] = dict(job.digests)
     usage.bytes_hashed += sum(e[2] for f in job.files for e in f.entries if e[0] not in digests)
@@ -97,55 +88,34 @@ def fill_checksums(
 
 def discard(job: PersistJob, backend: Backend, parts: bool = False) -> None:
     """Remove what a failed job of this rank wrote (best effort; on object stores
-    objects without a manifest are invisible anyway, and start-up clean-up takes them)."""
-    if backend.atomic_rename:
-        shutil.rmtree(job.tmp_dir, ignore_errors=True)
-        return
-    keys = [join(job.tmp_dir, f.name) for f in job.files]
-    if parts and job.dist is not None:
-        keys += [join(job.tmp_dir, part_name(r)) for r in range(job.dist.world_size)]
-    elif job.dist is not None:
-        keys.append(join(job.tmp_dir, part_name(job.rank)))
-    with contextlib.suppress(Exception):
-        backend.delete(keys)
+    objects without a manifest are invisible anyway, and start-up clean-up takes them):
+    its files, and its part (``parts``: every rank's, the coordinator's clean-up)."""
+    names = [f.name for f in job.files]
+    if job.dist is not None:
+        ranks = range(job.dist.world_size) if parts else (job.rank,)
+        names += [part_name(r) for r in ranks]
+    strategy_for(backend).discard(job.tmp_dir, names)
 
 
 def commit_files(
-    tmp_dir: str,
-    final_path: str,
+    strategy: CommitStrategy,
+    staging: str,
+    loc: Location,
     manifest: Manifest,
     dcp_metadata: bytes,
-    backend: Backend | None = None,
     *,
     replace: bool = False,
 ) -> None:
-    """Write ``.metadata`` then the manifest, and make the checkpoint visible: locally
-    into ``tmp_dir``, fsynced, then published by renaming it (``replace``: exchanged
-    with a committed checkpoint at ``final_path``, :func:`.commit.publish`); on an
-    object store under the checkpoint's prefix (``tmp_dir``), the manifest last, its
-    presence the commit."""
+    """Add ``.metadata`` to the manifest's files and commit the save written under
+    ``staging`` at ``loc`` (:meth:`CommitStrategy.commit`): ``.metadata``, then the
+    manifest, last (``replace``: exchanged with a committed checkpoint at ``loc``)."""
     import xxhash
 
+    expected = {name: entry.size for name, entry in manifest.files.items()}
     files = dict(manifest.files)
     files[DCP_METADATA_NAME] = FileEntry(
         len(dcp_metadata), hexdigest(xxhash.xxh3_64_intdigest(dcp_metadata))
     )
-    manifest = dataclasses.replace(manifest, files=files)
-    manifest_bytes = to_json_bytes(manifest)
-    expected = {name: entry.size for name, entry in files.items()}
-    if backend is not None and not backend.atomic_rename:
-        if replace:
-            raise CheckpointError(
-                "cannot replace a checkpoint on an object store (no atomic replace)",
-                path=final_path,
-            )
-        backend.put(join(tmp_dir, DCP_METADATA_NAME), memoryview(dcp_metadata))
-        commit.commit_on_store(backend, tmp_dir, final_path, expected, manifest_bytes)
-        return
-    commit.write_durable(os.path.join(tmp_dir, DCP_METADATA_NAME), dcp_metadata)
-    commit.write_durable(os.path.join(tmp_dir, MANIFEST_NAME), manifest_bytes)
-    expected[MANIFEST_NAME] = len(manifest_bytes)
-    if replace:
-        commit.publish(tmp_dir, final_path, expected, replace=True)
-    else:
-        commit.publish(tmp_dir, final_path, expected)
+    manifest_bytes = to_json_bytes(dataclasses.replace(manifest, files=files))
+    members = {DCP_METADATA_NAME: dcp_metadata, MANIFEST_NAME: manifest_bytes}
+    strategy.commit(staging, loc, members, expected, replace=replace)

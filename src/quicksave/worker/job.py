@@ -59,9 +59,9 @@ class PersistJob:
     o_direct: bool = True
     thread_count: int = 2
     dist: DistCommit | None = None  # multi-rank: commit through parts and store records
-    # An object store's checkpoint location (None: the local filesystem). Its objects are
-    # written straight under ``final_path``'s prefix (``tmp_dir`` is that prefix too),
-    # and the manifest, written last, commits them.
+    # The checkpoint's location (``final_path`` is its URL); its commit strategy says
+    # what ``tmp_dir`` is: a temporary directory renamed at commit, or (an object store)
+    # the checkpoint's own prefix, committed by the manifest written last.
     location: Location | None = None
     # Replace a committed checkpoint at ``final_path`` atomically (local, single rank).
     replace: bool = False

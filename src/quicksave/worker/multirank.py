@@ -3,7 +3,7 @@
 Protocol (``quicksave.ranks.records``, commit through parts): every rank writes its files
 and its part (its chunk digests and the objects it owns), then posts its rank record.
 The coordinator's writer waits for every rank's record, merges the parts into the
-manifest (``quicksave.parts.manifest_from_parts``; its job's ``manifest`` is the
+manifest (``quicksave.commit.parts.manifest_from_parts``; its job's ``manifest`` is the
 skeleton and its ``chunk_keys`` cover every rank), removes the parts and commits
 (``quicksave.worker.files.commit_files``), then posts the commit record; the other ranks'
 writers wait for that record. A failure anywhere is posted instead, so every rank's
@@ -15,21 +15,14 @@ rank. No torch.distributed here: the writers talk through the ranks' store only.
 
 from __future__ import annotations
 
-import os
 import time
 from typing import Any
 
+from quicksave.commit import strategy_for
+from quicksave.commit.parts import RankPart, manifest_from_parts, part_name, read_part, write_part
 from quicksave.errors import CheckpointError
-from quicksave.parts import (
-    RankPart,
-    manifest_from_parts,
-    part_name,
-    read_part,
-    write_part,
-    write_part_object,
-)
 from quicksave.ranks import records
-from quicksave.storage.backend import Backend, join
+from quicksave.storage.backend import Backend
 from quicksave.worker.files import commit_files, discard, write_files
 from quicksave.worker.job import JobResult, PersistJob, Usage, done, failure, not_committed
 
@@ -44,16 +37,13 @@ def execute_multirank_job(
     t0 = time.monotonic()
     usage = Usage(time.thread_time())
     coordinator = job.rank == d.coordinator
+    strategy = strategy_for(backend)
     try:
         if store is None:
             raise CheckpointError("a multi-rank save needs the ranks' store", rank=job.rank)
         try:
             digests = write_files(job, pool, backend, usage)
-            part = RankPart(job.rank, digests, d.objects)
-            if backend.atomic_rename:
-                write_part(job.tmp_dir, part, job.fsync)
-            else:
-                write_part_object(backend, job.tmp_dir, part)
+            write_part(strategy, job.tmp_dir, RankPart(job.rank, digests, d.objects), job.fsync)
         except BaseException as e:  # noqa: BLE001 - told to the others, then reported here
             result = failure(job, e)
             records.post_rank(store, d.token, job.rank, result.error_message)
@@ -68,17 +58,13 @@ def execute_multirank_job(
             problems = records.wait_ranks(store, d.token, d.world_size, d.timeout_s)
             if not problems:
                 try:
-                    via = None if backend.atomic_rename else backend
-                    parts = [read_part(job.tmp_dir, r, via) for r in range(d.world_size)]
+                    ranks = range(d.world_size)
+                    parts = [read_part(strategy, job.tmp_dir, r) for r in ranks]
                     assert job.manifest is not None
                     manifest = manifest_from_parts(job.manifest, job.chunk_keys, parts, job.tmp_dir)
                     # merged: the checkpoint holds no parts
-                    if backend.atomic_rename:
-                        for r in range(d.world_size):
-                            os.unlink(os.path.join(job.tmp_dir, part_name(r)))
-                    else:
-                        backend.delete(join(job.tmp_dir, part_name(r)) for r in range(d.world_size))
-                    commit_files(job.tmp_dir, job.final_path, manifest, job.dcp_metadata, backend)
+                    strategy.delete_members(job.tmp_dir, [part_name(r) for r in ranks])
+                    commit_files(strategy, job.tmp_dir, job.location, manifest, job.dcp_metadata)
                 except BaseException as e:  # noqa: BLE001 - an abort like any other
                     problems = {job.rank: f"{type(e).__name__}: {e}"}
             if problems:

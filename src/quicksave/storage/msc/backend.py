@@ -26,6 +26,7 @@ from quicksave.storage.backend import (
     ObjectInfo,
     Range,
     StorageOptions,
+    assemble,
     byte_view,
     check_ranges,
     hash_ranges,
@@ -151,6 +152,17 @@ class MscBackend:
 
     def url(self, key: str) -> str:
         return profile_url(self.profile, key)
+
+    def put_padded(
+        self, key: str, image: memoryview, size: int, ranges: Sequence[Range]
+    ) -> dict[str, str]:
+        return self.put(key, image[:size], ranges=ranges)
+
+    def put_pieces(
+        self, key: str, size: int, pieces: Iterable[tuple[str | None, int, memoryview]]
+    ) -> dict[str, str]:
+        image, ranges = assemble(size, pieces)
+        return self.put(key, image, ranges=ranges)
 
     def put(self, key: str, data: memoryview, *, ranges: Sequence[Range] = ()) -> dict[str, str]:
         """Store ``data`` as ``key`` (whole or not at all) and return the xxh3-64 of every

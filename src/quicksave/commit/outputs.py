@@ -1,13 +1,19 @@
-"""Publishing a converted output: renamed into place without ever replacing an existing
-one, or uploaded to an object store as one object."""
+"""Outputs that are no checkpoint (a converted file, a Hugging Face export): built in
+a local directory, then published without ever replacing what is there — renamed (or
+hard-linked) into place on a filesystem, uploaded to an object store file by file (the
+last one publishes; a failure deletes what was uploaded). The strategies'
+:meth:`~quicksave.commit.strategy.CommitStrategy.write_output` calls these."""
 
 from __future__ import annotations
 
+import logging
 import os
 
-from quicksave.commit import fsync_path
+from quicksave.commit.files import fsync_path
 from quicksave.errors import CheckpointExistsError
-from quicksave.storage.backend import Backend
+from quicksave.storage.backend import Backend, join
+
+logger = logging.getLogger("quicksave")
 
 
 def publish_output(tmp: str, out: str) -> None:
@@ -52,3 +58,20 @@ def upload_file(backend: Backend, key: str, local: str) -> None:
                 backend.put(key, view)
             finally:
                 view.release()
+
+
+def upload_dir(backend: Backend, prefix: str, url: str, local: str, names: list[str]) -> None:
+    """Upload the files ``names`` of the directory ``local`` under ``prefix`` in order
+    (the last one publishes the output); on a failure, delete what was uploaded."""
+    done: list[str] = []
+    try:
+        for name in names:
+            key = join(prefix, name)
+            upload_file(backend, key, os.path.join(local, name))
+            done.append(key)
+    except BaseException:
+        try:
+            backend.delete(done)
+        except Exception as e:  # the upload's error matters more; say what is left
+            logger.error("quicksave: could not delete a partial output at %s: %s", url, e)
+        raise

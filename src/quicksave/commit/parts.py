@@ -1,35 +1,32 @@
 """Per-rank manifest parts: how a multi-rank checkpoint commits without gathering.
 
 Every rank's writer, after its data files are durable, writes ``part-rank-RRRRR.json``
-into the checkpoint's temporary directory: the checksums of the chunks it wrote and the
-values of the objects it owns. The coordinator's writer reads all parts and fills the
-manifest skeleton fixed at plan time (every file, offset and length is known before any
-byte is written; only checksums and object values come from the writers). No write
-result travels through a collective.
+under the save's staging key (:meth:`CommitStrategy.write_member`): the checksums of
+the chunks it wrote and the values of the objects it owns. The coordinator's writer
+reads all parts and fills the manifest skeleton fixed at plan time (every file, offset
+and length is known before any byte is written; only checksums and object values come
+from the writers). No write result travels through a collective.
 
-A part is written whole or not at all (temporary name, fsync, rename) and carries its
-own checksum, so a torn or foreign file is refused, never merged. Torch-free: the worker
-process imports this module.
+A part is written whole or not at all (a file: temporary name, fsync, rename; an
+object appears whole) and carries its own checksum, so a torn or foreign file is
+refused, never merged. Torch-free: the worker process imports this module.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import xxhash
 
-from quicksave import commit
 from quicksave.checksum import hexdigest
+from quicksave.commit.strategy import CommitStrategy
 from quicksave.errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
 from quicksave.format import strict_json
 from quicksave.format.manifest import MAX_MANIFEST_BYTES, Manifest, ObjectEntry
-from quicksave.storage.backend import Backend, join
-from quicksave.storage.safeio import read_regular
 
 PART_FORMAT = "quicksave-part"
 
@@ -62,46 +59,29 @@ def _encode(part: RankPart) -> bytes:
     )
 
 
-def write_sealed(tmp_dir: str, name: str, data: bytes, fsync: bool = True) -> str:
-    """Write ``data`` (``seal``'s) durably as ``tmp_dir/name``: a temporary name, fsync,
-    rename, fsync of the directory. Returns its path."""
-    path = os.path.join(tmp_dir, name)
-    staging = path + ".writing"
-    if fsync:
-        commit.write_durable(staging, data)
-    else:
-        with open(staging, "wb") as f:
-            f.write(data)
-    os.replace(staging, path)
-    if fsync:
-        commit.fsync_path(tmp_dir)
-    return path
+def write_sealed(
+    strategy: CommitStrategy, staging: str, name: str, data: bytes, fsync: bool = True
+) -> str:
+    """Write ``data`` (``seal``'s) whole or not at all, durably, as ``name`` under
+    ``staging`` (:meth:`CommitStrategy.write_member`). Returns its path or URL."""
+    return strategy.write_member(staging, name, data, fsync=fsync)
 
 
-def write_part(tmp_dir: str, part: RankPart, fsync: bool = True) -> str:
-    """Write ``part`` durably into ``tmp_dir`` (temporary name, fsync, rename, fsync of
-    the directory). Returns its path."""
-    return write_sealed(tmp_dir, part_name(part.rank), _encode(part), fsync)
+def write_part(strategy: CommitStrategy, staging: str, part: RankPart, fsync: bool = True) -> str:
+    """Write ``part`` whole or not at all, durably, under ``staging``. Returns its path
+    or URL."""
+    return write_sealed(strategy, staging, part_name(part.rank), _encode(part), fsync)
 
 
-def write_part_object(backend: Backend, prefix: str, part: RankPart) -> str:
-    """Store ``part`` as the object ``<prefix>/part-rank-RRRRR.json`` on an object store
-    (an object appears whole or not at all). Returns its URL."""
-    key = join(prefix, part_name(part.rank))
-    backend.put(key, memoryview(_encode(part)))
-    return backend.url(key)
-
-
-def read_part(tmp_dir: str, rank: int, backend: Backend | None = None) -> RankPart:
-    """Read and check ``rank``'s part from the directory ``tmp_dir`` (or, with an object
-    store's ``backend``, from the prefix ``tmp_dir``).
+def read_part(strategy: CommitStrategy, staging: str, rank: int) -> RankPart:
+    """Read and check ``rank``'s part from under ``staging``.
 
     Raises:
         CheckpointError: the part is missing (names the rank).
         CorruptCheckpointError: it does not parse, fails its checksum, or is another
             rank's.
     """
-    body, path = read_sealed(tmp_dir, rank, PART_FORMAT, backend)
+    body, path = read_sealed(strategy, staging, rank, PART_FORMAT)
     chunks, objects = body.get("chunks"), body.get("objects")
     if (
         not isinstance(chunks, dict)
@@ -115,39 +95,27 @@ def read_part(tmp_dir: str, rank: int, backend: Backend | None = None) -> RankPa
 
 
 def read_sealed(
-    tmp_dir: str, rank: int, fmt: str, backend: Backend | None = None
+    strategy: CommitStrategy, staging: str, rank: int, fmt: str
 ) -> tuple[dict[str, Any], str]:
-    """``rank``'s sealed part of format ``fmt`` (``part-rank-RRRRR.json``) from the
-    directory ``tmp_dir`` (or, with ``backend``, the prefix), checked: bounded read of a
-    regular file, strict JSON, its checksum, its format and rank. Returns ``(body without
-    the checksum, its path or URL)``.
+    """``rank``'s sealed part of format ``fmt`` (``part-rank-RRRRR.json``) from under
+    ``staging``, checked: bounded read of a regular file or object, strict JSON, its
+    checksum, its format and rank. Returns ``(body without the checksum, its path or
+    URL)``.
 
     Raises:
         CheckpointError: the part is missing (names the rank).
         CorruptCheckpointError: it does not parse, fails its checksum, or is another
             rank's or another format's.
     """
-    missing = CheckpointError(
-        "this rank's writer left no part (its write did not finish)",
-        path=backend.url(join(tmp_dir, part_name(rank))) if backend else tmp_dir,
-        rank=rank,
-    )
-    if backend is not None:
-        key = join(tmp_dir, part_name(rank))
-        path = backend.url(key)
-        try:  # one request: get refuses an object over the limit before reading it
-            data = backend.get(key, MAX_MANIFEST_BYTES)
-        except CheckpointNotFoundError:
-            raise missing from None
-        except CorruptCheckpointError:  # the protocol's one refusal of get: too large
-            raise CorruptCheckpointError("the part is too large", path=path, rank=rank) from None
-    else:
-        path = os.path.join(tmp_dir, part_name(rank))
-        try:
-            data = read_regular(path, MAX_MANIFEST_BYTES, what="part", rank=rank)
-        except FileNotFoundError:
-            missing.path = path
-            raise missing from None
+    path = strategy.member_url(staging, part_name(rank))
+    try:
+        data = strategy.read_member(staging, part_name(rank), MAX_MANIFEST_BYTES)
+    except CheckpointNotFoundError:
+        raise CheckpointError(
+            "this rank's writer left no part (its write did not finish)", path=path, rank=rank
+        ) from None
+    except CorruptCheckpointError as e:  # not a regular file, or too large
+        raise CorruptCheckpointError(f"the part: {e.message}", path=path, rank=rank) from None
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as e:

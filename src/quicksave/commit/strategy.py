@@ -1,0 +1,288 @@
+"""The commit strategy: how checkpoints at one kind of location become visible, and how
+they leave it.
+
+A checkpoint is visible all at once or not at all. How that is done depends on the
+location, and only here: on a filesystem the checkpoint is written under a temporary
+directory that one rename makes visible (:class:`~quicksave.commit.rename.RenameCommit`);
+on an object store, which has no rename, its objects go straight under their prefix and
+the manifest, written last, is the commit (:class:`~quicksave.commit.manifest_last.
+ManifestLastCommit`). The strategy is chosen once, where a location is opened
+(:func:`quicksave.commit.strategy_for`); callers never ask which backend they have.
+
+What a caller does with one, in order, for a save::
+
+    s.check_target(loc, rank, replace=...)   # before any byte is written
+    staging = s.begin(loc, token)            # where the data files go (every rank)
+    s.write_member(staging, name, data)      # small whole-or-nothing files (parts)
+    s.read_member(staging, name, max_bytes)
+    s.commit(staging, loc, members, expected)   # the coordinator, once
+    s.discard(staging, names)                # a failed save: what it wrote
+
+and for a folder of checkpoints: :meth:`committed` (what retention, ``latest`` and
+``load`` see), :meth:`remove` (retention), :meth:`quarantine` (a checkpoint that failed
+its checks), :meth:`clean_leftovers` (crashed saves, by the lease holder only).
+
+A tier (local disk, object store; later memory and peers) is a location with its
+strategy and its retention; the strategies keep no state beyond their backend, so
+several tiers compose by holding one each.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Callable, Collection, Iterable, Mapping
+from typing import ClassVar
+
+from quicksave.commit.kinds import COMMITTED, CheckpointKind
+from quicksave.errors import CheckpointError, CheckpointExistsError
+from quicksave.format import DCP_METADATA_NAME
+from quicksave.format.dcp_layout import PROBE_SIZE, has_footer
+from quicksave.storage.backend import Backend
+from quicksave.storage.checkpoint_dir import CheckpointDir, read_range
+from quicksave.storage.location import Location
+
+# What a save onto a committed checkpoint is told: the way to replace one, where there is
+# one (the entry points that take ``overwrite``), else the alternatives.
+EXISTS_REPLACEABLE = (
+    "a committed checkpoint already exists here; quicksave never overwrites one unless "
+    "asked: pass overwrite=True (quicksave.save, StorageWriter, AsyncSaver.save on one "
+    "rank) to replace it atomically, or choose another path or delete it first"
+)
+EXISTS_NOT_REPLACEABLE = (
+    "a committed checkpoint already exists under this prefix; quicksave never overwrites "
+    "one, and an object store has no atomic replace for overwrite=True: choose another "
+    "prefix or delete it first"
+)
+
+
+def metadata_has_footer(path: str | Location, backend: Backend | None = None) -> bool:
+    """Whether the ``.metadata`` of the directory ``path`` claims the DCP layout
+    (:func:`~quicksave.format.dcp_layout.has_footer` on its last bytes; one small ranged
+    read). False when it is missing, not a regular file or unreadable: then it is
+    whatever the names say (a stock DCP checkpoint), and its readers report the rest.
+    """
+    try:
+        with CheckpointDir(path, backend) as d:
+            f = d.open(DCP_METADATA_NAME, what="DCP metadata")
+            try:
+                n = min(PROBE_SIZE, f.size)
+                tail = read_range(f, f.size - n, n, path=d.member_url(DCP_METADATA_NAME))
+            finally:
+                f.close()
+    except (OSError, CheckpointError):
+        return False
+    return has_footer(tail)
+
+
+class CommitStrategy(abc.ABC):
+    """How checkpoints commit at the locations one backend serves.
+
+    Args:
+        backend: the location's backend, used for every I/O of the strategy.
+        owned: close ``backend`` with the strategy (it was opened for it).
+    """
+
+    # The strategy's name in logs and docs ("rename", "manifest-last").
+    name: ClassVar[str]
+    # Whether a committed checkpoint can be replaced atomically (``overwrite=True``).
+    atomic_replace: ClassVar[bool]
+    # Whether data files are written straight under the checkpoint's own name (no
+    # staging name to rename): then a checkpoint's name can hold a crashed save's
+    # objects, and a save checks its target for them.
+    writes_in_place: ClassVar[bool]
+
+    def __init__(self, backend: Backend, *, owned: bool = False) -> None:
+        self.backend = backend
+        self._owned = owned
+
+    def close(self) -> None:
+        """Close the backend if the strategy opened it."""
+        if self._owned:
+            self._owned = False
+            self.backend.close()
+
+    def __enter__(self) -> CommitStrategy:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- what is there -------------------------------------------------------------
+
+    @abc.abstractmethod
+    def classify(self, loc: Location) -> CheckpointKind:
+        """What ``loc`` is (:class:`CheckpointKind`), from the names under it."""
+
+    @abc.abstractmethod
+    def committed(self, folder: Location) -> dict[str, CheckpointKind]:
+        """The committed checkpoints directly under ``folder``: name -> kind (quicksave
+        or stock DCP). What vanishes while listed is simply not listed."""
+
+    def url(self, loc: Location) -> str:
+        return loc.url
+
+    # -- one save ------------------------------------------------------------------
+
+    def check_target(
+        self, loc: Location, rank: int | None = None, *, replace: bool = False
+    ) -> None:
+        """Raise unless a checkpoint can be committed at ``loc``: nothing there, or an
+        empty directory, or with ``replace`` also a committed checkpoint (where
+        :attr:`atomic_replace`). Checked before any byte is written, so that a save onto
+        a file or a full directory fails at once instead of after writing everything.
+
+        Raises:
+            CheckpointError: ``replace`` where there is no atomic replace.
+            CheckpointExistsError: a committed checkpoint (unless ``replace``), a file,
+                a non-empty directory or a prefix holding objects is at ``loc``.
+        """
+        if replace and not self.atomic_replace:
+            raise CheckpointError(
+                "overwrite=True is not supported on an object store: it has no atomic "
+                "replace (the new objects would land beside the old checkpoint's, under "
+                "its manifest); save to a new prefix instead",
+                path=loc.url,
+                rank=rank,
+            )
+        kind = self.classify(loc)
+        if kind is CheckpointKind.MISSING or (replace and kind in COMMITTED):
+            return
+        if kind in COMMITTED:
+            raise CheckpointExistsError(
+                EXISTS_REPLACEABLE if self.atomic_replace else EXISTS_NOT_REPLACEABLE,
+                path=loc.url,
+                rank=rank,
+            )
+        self._check_in_the_way(loc, rank)
+
+    @abc.abstractmethod
+    def _check_in_the_way(self, loc: Location, rank: int | None) -> None:
+        """Raise unless what is at ``loc``, neither missing nor committed, may be
+        written over (an empty directory may)."""
+
+    @abc.abstractmethod
+    def staging(self, loc: Location, token: str) -> str:
+        """The key the data files of the save ``token`` at ``loc`` are written under
+        (nothing is created)."""
+
+    def begin(self, loc: Location, token: str, *, replace: bool = False) -> str:
+        """Check the target and prepare :meth:`staging` for writing; return its key."""
+        self.check_target(loc, replace=replace)
+        return self.staging(loc, token)
+
+    @abc.abstractmethod
+    def write_member(self, staging: str, name: str, data: bytes, *, fsync: bool = True) -> str:
+        """Write a small file (a rank's part, a marker) whole or not at all, durably;
+        return its path or URL."""
+
+    def read_member(self, staging: str, name: str, max_bytes: int) -> bytes:
+        """Read a file :meth:`write_member` wrote (hardened: a regular file or object,
+        at most ``max_bytes``).
+
+        Raises:
+            CheckpointNotFoundError: it is not there.
+            CorruptCheckpointError: it is larger than ``max_bytes``.
+        """
+        return self.backend.get(self.member_key(staging, name), max_bytes)
+
+    @abc.abstractmethod
+    def member_key(self, staging: str, name: str) -> str:
+        """The key of ``name`` under ``staging``."""
+
+    def member_url(self, staging: str, name: str) -> str:
+        return self.backend.url(self.member_key(staging, name))
+
+    def delete_members(self, staging: str, names: Iterable[str]) -> None:
+        """Delete files written under ``staging`` that the checkpoint must not hold
+        (merged parts); a missing one is no error."""
+        self.backend.delete([self.member_key(staging, n) for n in names])
+
+    @abc.abstractmethod
+    def commit(
+        self,
+        staging: str,
+        loc: Location,
+        members: Mapping[str, bytes],
+        expected: Mapping[str, int],
+        *,
+        replace: bool = False,
+    ) -> None:
+        """Make the save visible at ``loc``: write ``members`` in their order (the last
+        one commits: the manifest), after checking that every data file of
+        ``expected`` (name -> size) is under ``staging`` whole.
+
+        Raises:
+            CheckpointError: a file is missing or of another size; nothing is committed.
+            CheckpointExistsError: a checkpoint was committed at ``loc`` meanwhile.
+        """
+
+    @abc.abstractmethod
+    def discard(self, staging: str, names: Iterable[str]) -> None:
+        """Remove what a failed save wrote under ``staging`` (its data files ``names``,
+        parts included). Best effort, never raises."""
+
+    # -- outputs that are no checkpoint -------------------------------------------
+
+    def check_free(self, loc: Location) -> None:
+        """Raise ``CheckpointExistsError`` if anything is at ``loc`` (an output is never
+        written over anything)."""
+        if self._exists(loc):
+            raise CheckpointExistsError(
+                "output already exists; quicksave never overwrites it (choose another path "
+                "or delete it first)",
+                path=loc.url,
+            )
+
+    @abc.abstractmethod
+    def _exists(self, loc: Location) -> bool: ...
+
+    @abc.abstractmethod
+    def write_output(
+        self, loc: Location, build: Callable[[str], list[str] | None], what: str
+    ) -> None:
+        """Write an output that is no checkpoint (a converted file, a model export) at
+        ``loc``, never over anything there: ``build(path)`` writes one file, or a
+        directory of files, at the local ``path`` and returns the directory's file names
+        in the order they may appear (the last one completes it), or None for a file.
+
+        Raises:
+            CheckpointExistsError: something is at ``loc``.
+            CheckpointError: writing failed (``what`` names the output); nothing is
+                left at ``loc``.
+        """
+
+    # -- a folder of checkpoints ---------------------------------------------------
+
+    @abc.abstractmethod
+    def create_folder(self, folder: Location, rank: int | None) -> None:
+        """Make ``folder`` ready to hold checkpoints; fail here, not at the first save,
+        if it cannot (a file in the way, a missing bucket, bad credentials).
+
+        Raises:
+            CheckpointError: naming the folder.
+        """
+
+    @abc.abstractmethod
+    def remove(self, loc: Location) -> bool:
+        """Delete the checkpoint at ``loc`` so that it never looks committed while half
+        deleted. False if nothing was deleted (gone, or it could not be moved)."""
+
+    def unlink(self, loc: Location) -> bool:
+        """If ``loc`` is a link to a checkpoint (a filesystem's symbolic link), remove
+        the link alone, its target kept, and return True; else False (stores have no
+        links)."""
+        return False
+
+    @abc.abstractmethod
+    def quarantine(self, loc: Location, why: str) -> str | None:
+        """Move the committed checkpoint at ``loc``, which failed its checks, out of
+        sight under ``<name>.corrupt-<token>`` (kept for a person, never deleted);
+        return where, or None if it could not be moved (the caller logs)."""
+
+    @abc.abstractmethod
+    def clean_leftovers(
+        self, folder: Location, stale_after_s: float, keep: Collection[str] = ()
+    ) -> list[str]:
+        """Remove what crashed saves left under ``folder`` (never the names in
+        ``keep``: saves in flight); return what was removed. Only the holder of the
+        folder's writer lease calls this."""
