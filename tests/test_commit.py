@@ -21,8 +21,10 @@ from torch.distributed.checkpoint import CheckpointException
 import quicksave
 from helpers.checks import check_checkpoint
 from helpers.state import assert_bit_equal
-from quicksave import commit
-from quicksave.commit import CheckpointKind, classify, clean_stale_temporaries, is_temp_name
+from quicksave.commit import CheckpointKind, classify, is_temp_name
+from quicksave.commit import files as commit
+from quicksave.commit.files import clean_stale_temporaries
+from quicksave.commit.strategy import EXISTS_REPLACEABLE
 from quicksave.worker import persist
 
 HELPERS = Path(__file__).parent / "helpers"
@@ -43,25 +45,25 @@ def _snapshot(root: Path) -> dict[str, bytes]:
 
 def test_only_a_temporary_exists_while_saving(ckpt: Path, monkeypatch):
     seen: dict[str, object] = {}
-    real_write = persist.write_rank_files
+    real_write = persist.write_rank
     real_publish = commit.publish
 
-    def write_rank_files(directory, *args, **kwargs):
+    def write_rank(backend, directory, *args, **kwargs):
         seen["during_write"] = sorted(os.listdir(ckpt.parent))
         seen["kind_target"] = classify(str(ckpt))
         seen["kind_tmp"] = classify(directory)
-        return real_write(directory, *args, **kwargs)
+        return real_write(backend, directory, *args, **kwargs)
 
-    def publish(tmp, final, expected):
+    def publish(tmp, final, expected, **kwargs):
         seen["before_rename"] = sorted(os.listdir(tmp))
         seen["kind_before_rename"] = classify(tmp)
         with pytest.raises(quicksave.NotCommittedError):
             quicksave.load(_state(), tmp)
         with pytest.raises(quicksave.CheckpointNotFoundError):
             quicksave.load(_state(), final)
-        real_publish(tmp, final, expected)
+        real_publish(tmp, final, expected, **kwargs)
 
-    monkeypatch.setattr(persist, "write_rank_files", write_rank_files)
+    monkeypatch.setattr(persist, "write_rank", write_rank)
     monkeypatch.setattr(commit, "publish", publish)
     quicksave.save(_state(), ckpt)
 
@@ -113,7 +115,7 @@ def test_storage_writer_refuses_existing_checkpoint(ckpt: Path):
     (failure,) = info.value.failures.values()
     failure = failure[0] if isinstance(failure, tuple) else failure  # (exception, traceback)
     assert isinstance(failure, quicksave.CheckpointExistsError)
-    assert failure.message == commit.EXISTS_LOCAL
+    assert failure.message == EXISTS_REPLACEABLE
     assert _snapshot(ckpt.parent) == before
 
 
@@ -144,7 +146,7 @@ def test_failure_while_writing_data_leaves_nothing(ckpt: Path, monkeypatch):
     def boom(*args, **kwargs):
         raise RuntimeError("disk on fire")
 
-    monkeypatch.setattr(persist, "write_rank_files", boom)
+    monkeypatch.setattr(persist, "write_rank", boom)
     with pytest.raises(quicksave.CheckpointError) as info:
         quicksave.save(_state(), ckpt)
     assert info.value.message == "RuntimeError: disk on fire"

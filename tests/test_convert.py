@@ -28,8 +28,9 @@ from quicksave.format.manifest import (
 )
 from quicksave.loading.verify import verify_checkpoint
 from quicksave.saving.plan import ItemSpec, layout_rank
+from quicksave.storage.local import LocalBackend
 from quicksave.tools.convert import convert, load_full_state
-from quicksave.worker.persist import write_rank_files
+from quicksave.worker.persist import write_rank
 
 # Stock DCP calls in one process warn that torch.distributed is off; that is intended here.
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
@@ -209,7 +210,7 @@ def write_sharded_checkpoint(
     for rank, rank_items in enumerate(items):
         layout = layout_rank(rank, [spec for spec, _ in rank_items], n_files=1)
         by_key = {spec.key: piece for spec, piece in rank_items}
-        (written,) = write_rank_files(str(path), layout, by_key, fsync=False)
+        (written,) = write_rank(LocalBackend(fsync=False), str(path), layout, by_key)
         (flayout,) = layout.files
         files[flayout.name] = FileEntry(
             written.size, written.header_xxh3_64, rank, flayout.data_start

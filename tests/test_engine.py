@@ -36,7 +36,6 @@ from quicksave.loading.verify import verify_checkpoint
 from quicksave.saving.config import EngineConfig
 from quicksave.saving.engine import AsyncSaver
 from quicksave.stage import pool as stage
-from quicksave.worker import persist
 
 MODES = ["process", "thread"]
 
@@ -318,7 +317,7 @@ def test_eio_is_reported(root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
             raise OSError(errno.EIO, os.strerror(errno.EIO))
         return real(fd, data, offset)
 
-    monkeypatch.setattr(persist.os, "pwrite", pwrite)
+    monkeypatch.setattr(os, "pwrite", pwrite)
     with AsyncSaver(EngineConfig(mode="thread")) as saver:
         e = _disk_error_case(saver, root, 2)
     assert "EIO (Input/output error)" in str(e)

@@ -23,12 +23,13 @@ from helpers.hf_models import (  # first: transformers is imported offline (HF_H
     train_and_save,
 )
 from quicksave.cli.main import main
+from quicksave.commit.outputs import upload_dir
 from quicksave.errors import CheckpointError, CheckpointExistsError
 from quicksave.format.hf_layout import INDEX_NAME, WEIGHTS_NAME, parse_size, plan_shards
 from quicksave.manager import CheckpointConfig, CheckpointManager, ModelState, TrainState
 from quicksave.storage import parse_location
 from quicksave.tools.convert import convert
-from quicksave.tools.hf_export import upload_dir, write_model_dir
+from quicksave.tools.hf_export import write_model_dir
 
 
 def stored(out: Path) -> dict[str, torch.Tensor]:
@@ -352,10 +353,10 @@ def test_a_store_upload_publishes_the_index_last_and_removes_a_partial_one(
     assert names == ["config.json", *shards, INDEX_NAME]
     dst = parse_location("s3://bucket/out")
     ok = _Store()
-    upload_dir(ok, dst, str(tmp_path / "d"), names)
+    upload_dir(ok, dst.key, dst.url, str(tmp_path / "d"), names)
     assert ok.puts == [f"out/{n}" for n in names] and ok.deleted == []
 
     failing = _Store(fail=INDEX_NAME)
     with pytest.raises(CheckpointError, match="the store refused it"):
-        upload_dir(failing, dst, str(tmp_path / "d"), names)
+        upload_dir(failing, dst.key, dst.url, str(tmp_path / "d"), names)
     assert failing.deleted == failing.puts == [f"out/{n}" for n in names[:-1]]

@@ -9,7 +9,17 @@ import sys
 
 import pytest
 
-from helpers.structure import LIBRARY, MAX_LINES, TOOLS, collective_calls, cycles, in_layer, load
+from helpers.structure import (
+    BACKEND_LAYERS,
+    LIBRARY,
+    MAX_LINES,
+    TOOLS,
+    backend_branches,
+    collective_calls,
+    cycles,
+    in_layer,
+    load,
+)
 
 MODS = load()
 LIB = {n: m for n, m in MODS.items() if in_layer(n, LIBRARY)}
@@ -67,6 +77,23 @@ def test_the_library_never_imports_the_tools() -> None:
     # (the command line runs `quicksave demo` / `bench` by name, on demand: no import)
     for name, m in LIB.items():
         assert {i for i in m.imports if in_layer(i, TOOLS)} == set(), name
+
+
+# The two places that still ask which backend they have, and why: listing a local tree
+# walks directories (links, depth) where a store's listing is one request; a folder's
+# writer lease is a process-lifetime flock locally and an object with an expiry on a
+# store. Everything else asks the location's commit strategy (quicksave.commit).
+BACKEND_BRANCHES_ALLOWED = {"quicksave.loading.catalog": 1, "quicksave.manager.lease": 1}
+
+
+def test_only_the_commit_strategy_knows_the_backend() -> None:
+    found = {
+        n: len(backend_branches(m))
+        for n, m in LIB.items()
+        if not any(in_layer(n, layer) for layer in BACKEND_LAYERS) and backend_branches(m)
+    }
+    assert found == BACKEND_BRANCHES_ALLOWED
+    assert sum(found.values()) <= 2
 
 
 def test_one_module_talks_to_other_ranks() -> None:

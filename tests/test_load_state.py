@@ -15,9 +15,9 @@ import torch
 from tests.helpers.state import Holder
 
 import quicksave
+from quicksave.commit.manifest_reader import read_manifest
 from quicksave.errors import CorruptCheckpointError
 from quicksave.format.manifest import to_json_bytes
-from quicksave.commit.manifest_reader import read_manifest
 from quicksave.saving.config import EngineConfig
 from quicksave.saving.engine import AsyncSaver
 from quicksave.tools.convert import convert, load_full_state

@@ -11,7 +11,9 @@ import pytest
 import torch
 
 import quicksave
-from quicksave import commit
+from quicksave.commit import CheckpointKind, classify
+from quicksave.commit import files as commit
+from quicksave.commit.strategy import EXISTS_REPLACEABLE
 from quicksave.errors import CheckpointError, CheckpointExistsError, IncompatibleStateError
 from quicksave.saving.config import EngineConfig
 from quicksave.saving.engine import AsyncSaver
@@ -190,7 +192,7 @@ def test_overwrite_without_an_atomic_exchange_never_loses_the_old_checkpoint(
     assert not os.path.exists(ckpt)  # the window: nothing at the name
     (aside,) = [n for n in _siblings(ckpt) if commit.REPLACED_MARK in n]
     parked = os.path.join(os.path.dirname(os.fspath(ckpt)), aside)
-    assert commit.classify(parked) is commit.CheckpointKind.UNCOMMITTED  # never listed
+    assert classify(parked) is CheckpointKind.UNCOMMITTED  # never listed
     monkeypatch.setattr(commit.os, "rename", real_rename)
     os.rename(parked, os.fspath(ckpt) + "-restored")
     assert torch.equal(_loaded(os.fspath(ckpt) + "-restored")["w"], torch.full((64,), 2.0))
@@ -253,7 +255,7 @@ def test_the_refusal_names_overwrite_and_following_it_works(tmp_path):
         quicksave.save(_state(1.0), path)
         with pytest.raises(CheckpointExistsError) as e:
             call(path, False)
-        assert e.value.message == commit.EXISTS_LOCAL, name
+        assert e.value.message == EXISTS_REPLACEABLE, name
         assert "quicksave never overwrites one unless asked: pass overwrite=True" in str(e.value)
         assert e.value.path == str(path)
         assert torch.equal(_loaded(path)["w"], torch.full((64,), 1.0)), name

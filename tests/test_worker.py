@@ -27,7 +27,7 @@ from helpers_engine.engine_util import (
     wait_dead,
     wait_partial_file,
 )
-from quicksave import commit
+from quicksave.commit import CheckpointKind, classify
 from quicksave.errors import CheckpointError, WorkerFailedError
 from quicksave.saving.config import EngineConfig
 from quicksave.saving.engine import AsyncSaver
@@ -62,7 +62,7 @@ def test_sigkill_worker_mid_save(root: Path) -> None:
         partial = wait_partial_file(root / "big")
         os.kill(pid, signal.SIGSTOP)  # freeze it mid-write to look at the partial state
         assert os.path.getsize(partial) < BIG_MIB * 2**20 // 2  # 2 files: half each
-        assert commit.classify(str(root / "big")) is commit.CheckpointKind.MISSING
+        assert classify(str(root / "big")) is CheckpointKind.MISSING
         t0 = time.monotonic()
         os.kill(pid, signal.SIGKILL)
         with pytest.raises(WorkerFailedError) as ei:
@@ -170,9 +170,9 @@ def test_sigkill_trainer_leaves_no_worker(root: Path) -> None:
         print(f"worker gone {gone_s} s after its trainer was SIGKILLed")
         assert gone_s is not None, f"worker {wpid} survived its trainer by 5 s"
         # whatever is visible is complete: never a half-written checkpoint
-        kind = commit.classify(str(root / "ckpt"))
-        assert kind in (commit.CheckpointKind.MISSING, commit.CheckpointKind.QUICKSAVE)
-        if kind is commit.CheckpointKind.QUICKSAVE:
+        kind = classify(str(root / "ckpt"))
+        assert kind in (CheckpointKind.MISSING, CheckpointKind.QUICKSAVE)
+        if kind is CheckpointKind.QUICKSAVE:
             _assert_loads(big_state(BIG_MIB, 1.0), root / "ckpt")
     finally:
         if child.poll() is None:

@@ -20,6 +20,7 @@ from helpers.dcp_layout import DATA_FILE, write_dcp_layout_checkpoint
 from helpers.state import raw
 from quicksave.cli.main import main as cli_main
 from quicksave.commit import CheckpointKind, classify, kind_of
+from quicksave.commit.manifest_reader import read_manifest
 from quicksave.errors import (
     CheckpointError,
     CheckpointExistsError,
@@ -29,7 +30,6 @@ from quicksave.format import dcp_layout
 from quicksave.format.dcp_layout import FOOTER_SIZE, parse_footer
 from quicksave.format.manifest import LAYOUT_DCP, from_json_bytes, to_json_bytes
 from quicksave.loading.catalog import list_checkpoints
-from quicksave.commit.manifest_reader import read_manifest
 from quicksave.loading.verify import verify_checkpoint
 from quicksave.manager import folder
 from quicksave.tools.inspect_checkpoint import inspect_checkpoint

@@ -32,6 +32,7 @@ from helpers.checks import (
     seal_manifest,
     validate_against_schema,
 )
+from quicksave.commit.manifest_reader import read_manifest
 from quicksave.errors import CorruptCheckpointError
 from quicksave.format.manifest import (
     ChunkEntry,
@@ -42,7 +43,6 @@ from quicksave.format.manifest import (
     from_json_bytes,
     to_json_bytes,
 )
-from quicksave.commit.manifest_reader import read_manifest
 
 FIXTURE = Path(__file__).parent / "fixtures" / "manifest_v1.json"
 

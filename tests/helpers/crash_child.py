@@ -23,8 +23,8 @@ import sys
 import torch
 
 import quicksave
-from quicksave import commit
-from quicksave.adapters import dcp_writer as writer
+from quicksave.commit import files as commit
+from quicksave.commit import rename
 
 NUMEL = 256 * 1024  # 1 MiB per float32 tensor
 
@@ -62,12 +62,12 @@ def _arm(crash_point: str) -> None:
     elif crash_point == "after-rename":
         real_publish = commit.publish
 
-        def publish(tmp: str, final: str, expected: dict[str, int]) -> None:
-            real_publish(tmp, final, expected)
+        def publish(tmp: str, final: str, expected: dict[str, int], **kwargs) -> None:
+            real_publish(tmp, final, expected, **kwargs)
             _die()
 
         commit.publish = publish
-    assert writer.commit is commit  # the writer looks these up at call time
+    assert rename.files is commit  # the rename commit looks these up at call time
 
 
 def _saver(root: str, first: int, crash_point: str) -> None:

@@ -175,6 +175,30 @@ def collective_calls(m: Module) -> list[tuple[int, str]]:
     return found
 
 
+# What asks which backend it has: a location's ``is_local`` / ``scheme``, a backend's
+# ``atomic_rename``, ``isinstance(..., LocalBackend)``. Outside the storage and commit
+# layers each one is a branch on the backend that the commit strategy should answer.
+BACKEND_QUESTIONS = frozenset({"is_local", "atomic_rename", "scheme"})
+# The layers where the answer lives.
+BACKEND_LAYERS = ("quicksave.storage", "quicksave.commit")
+
+
+def backend_branches(m: Module) -> list[tuple[int, str]]:
+    """``(line, what)`` of every place ``m`` asks which backend it has."""
+    found = []
+    for node in ast.walk(m.tree):
+        if isinstance(node, ast.Attribute) and node.attr in BACKEND_QUESTIONS:
+            found.append((node.lineno, f".{node.attr}"))
+        elif (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Name)
+            and node.func.id == "isinstance"
+            and any("LocalBackend" in ast.unparse(a) for a in node.args[1:])
+        ):
+            found.append((node.lineno, "isinstance(..., LocalBackend)"))
+    return found
+
+
 def in_layer(name: str, layer: str) -> bool:
     return name == layer or name.startswith(layer + ".")
 
@@ -193,6 +217,15 @@ def report() -> None:
     print(f"modules over {MAX_LINES} lines: {len(big)}")
     for lines, n in big:
         print(f"   {lines:5d} {n}")
+    branches = {
+        n: backend_branches(m)
+        for n, m in lib.items()
+        if not any(in_layer(n, layer) for layer in BACKEND_LAYERS)
+    }
+    branches = {n: b for n, b in branches.items() if b}
+    print(f"backend branches outside storage/ and commit/: {sum(map(len, branches.values()))}")
+    for n, found in sorted(branches.items()):
+        print(f"   {n}: " + ", ".join(f"{what} (line {line})" for line, what in found))
     talkers = {n: collective_calls(m) for n, m in lib.items()}
     talkers = {n: c for n, c in talkers.items() if c}
     print(f"modules calling collectives: {len(talkers)}")

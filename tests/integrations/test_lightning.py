@@ -28,8 +28,8 @@ import torch
 from torch import nn
 
 import quicksave
-from quicksave import commit
 from quicksave.commit import CheckpointKind, classify
+from quicksave.commit import files as commit
 from quicksave.errors import CheckpointError, CheckpointExistsError, IncompatibleStateError
 from quicksave.saving.config import EngineConfig
 

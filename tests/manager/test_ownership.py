@@ -19,7 +19,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 import quicksave
-from quicksave import commit
+from quicksave.commit import files as commit
 from quicksave.errors import (
     CheckpointError,
     CheckpointExistsError,
@@ -203,9 +203,9 @@ def test_commit_refuses_a_temporary_that_lost_a_file(tmp_path, monkeypatch):
     loudly and nothing is committed."""
     real = commit.publish
 
-    def sabotaged(tmp, final, expected):
+    def sabotaged(tmp, final, expected, **kwargs):
         os.unlink(next(Path(tmp).glob("rank-*.safetensors")))
-        return real(tmp, final, expected)
+        return real(tmp, final, expected, **kwargs)
 
     monkeypatch.setattr(commit, "publish", sabotaged)
     with pytest.raises(CheckpointError, match="gone from the temporary directory"):

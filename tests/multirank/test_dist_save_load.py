@@ -30,8 +30,8 @@ from launcher import LaunchConfig, run_ranks
 
 import quicksave
 from quicksave.commit import CheckpointKind, classify, is_temp_name
-from quicksave.errors import CheckpointError, CorruptCheckpointError, IncompatibleStateError
 from quicksave.commit.manifest_reader import read_manifest
+from quicksave.errors import CheckpointError, CorruptCheckpointError, IncompatibleStateError
 from quicksave.ranks.saving import DistContext
 from quicksave.saving.config import EngineConfig
 from quicksave.saving.engine import AsyncSaver

@@ -24,8 +24,8 @@ from launcher import LaunchConfig, run_ranks
 
 import quicksave
 from helpers.collectives import CollectiveLog
-from quicksave.errors import CheckpointError
 from quicksave.commit.manifest_reader import read_manifest
+from quicksave.errors import CheckpointError
 from quicksave.manager import (
     CheckpointConfig,
     CheckpointManager,

@@ -42,7 +42,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
 from quicksave.adapters.dcp_reader import manifest_to_metadata
-from quicksave.commit import CommitStrategy, new_token, strategy_for
+from quicksave.commit import CommitStrategy, new_token, strategy_class, strategy_for
 from quicksave.errors import CheckpointError, IncompatibleStateError
 from quicksave.format import DCP_METADATA_NAME
 from quicksave.format import objects as objcodec
@@ -180,8 +180,8 @@ class StorageWriter(_DCPStorageWriter):
         self._strategy: CommitStrategy | None = None
         self.fsync = fsync
         self.rank = 0
-        if overwrite and not self.strategy().atomic_replace:  # refused before any I/O
-            self.strategy().check_target(self.location, replace=True)  # raises, naming it
+        if overwrite:  # refused before any I/O where there is no atomic replace
+            strategy_class(self.location).check_replace(self.location)
         self.step = step
         self.thread_count = max(1, thread_count)
         self.user_metadata = dict(user_metadata or {})

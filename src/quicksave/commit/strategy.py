@@ -136,14 +136,8 @@ class CommitStrategy(abc.ABC):
             CheckpointExistsError: a committed checkpoint (unless ``replace``), a file,
                 a non-empty directory or a prefix holding objects is at ``loc``.
         """
-        if replace and not self.atomic_replace:
-            raise CheckpointError(
-                "overwrite=True is not supported on an object store: it has no atomic "
-                "replace (the new objects would land beside the old checkpoint's, under "
-                "its manifest); save to a new prefix instead",
-                path=loc.url,
-                rank=rank,
-            )
+        if replace:
+            self.check_replace(loc, rank)
         kind = self.classify(loc)
         if kind is CheckpointKind.MISSING or (replace and kind in COMMITTED):
             return
@@ -154,6 +148,24 @@ class CommitStrategy(abc.ABC):
                 rank=rank,
             )
         self._check_in_the_way(loc, rank)
+
+    @classmethod
+    def check_replace(cls, loc: Location, rank: int | None = None) -> None:
+        """Raise unless a committed checkpoint can be replaced atomically here (no I/O:
+        ``strategy_class(loc).check_replace(loc)`` refuses ``overwrite=True`` before
+        anything is opened).
+
+        Raises:
+            CheckpointError: there is no atomic replace (an object store).
+        """
+        if not cls.atomic_replace:
+            raise CheckpointError(
+                "overwrite=True is not supported on an object store: it has no atomic "
+                "replace (the new objects would land beside the old checkpoint's, under "
+                "its manifest); save to a new prefix instead",
+                path=loc.url,
+                rank=rank,
+            )
 
     @abc.abstractmethod
     def _check_in_the_way(self, loc: Location, rank: int | None) -> None:

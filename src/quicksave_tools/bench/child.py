@@ -13,12 +13,17 @@ from typing import Any
 
 
 def run_in_fresh_process(
-    child: str, spec: dict[str, Any], spec_path: str, timeout_s: float
+    child: str,
+    spec: dict[str, Any],
+    spec_path: str,
+    timeout_s: float,
+    env: dict[str, str] | None = None,
 ) -> dict[str, Any]:
     """Run one measurement in a fresh interpreter: ``python -c child spec_path``, where
     ``spec`` (written to ``spec_path``) names the JSON file the child writes its result
     to (``spec["result"]``). Returns that result, or ``{"failed": why}`` with the tail of
-    the child's stderr when it wrote none (crashed, or ran past ``timeout_s``)."""
+    the child's stderr when it wrote none (crashed, or ran past ``timeout_s``). ``env``:
+    the child's environment (default: this process's)."""
     with open(spec_path, "w") as f:
         json.dump(spec, f)
     try:
@@ -27,6 +32,7 @@ def run_in_fresh_process(
             capture_output=True,
             text=True,
             timeout=timeout_s,
+            env=env,
         )
         tail = (proc.stderr or "")[-2000:]
     except subprocess.TimeoutExpired:

@@ -116,6 +116,9 @@ class TrainingBenchConfig:
         raw_repeats: timed raw writes, reads and copies.
         seed: seed of the model and the data.
         timeout_s: a run that takes longer is stopped and reported as failed.
+        baseline: a folder holding another version of the ``quicksave`` package (e.g. an
+            earlier commit's ``src``): every quicksave method also runs with it, as
+            ``<method>@baseline``, side by side in the same schedule.
     """
 
     steps: int = 30
@@ -133,6 +136,7 @@ class TrainingBenchConfig:
     raw_repeats: int = 3
     seed: int = 0
     timeout_s: float = 1800.0
+    baseline: str | None = None
 
 
 QUICK = {
@@ -145,13 +149,40 @@ QUICK = {
 }
 
 
+BASELINE = "@baseline"  # suffix of a method run with the baseline's package
+
+
+def all_methods(config: TrainingBenchConfig) -> tuple[str, ...]:
+    """The methods run: ``config.methods``, and with a baseline each quicksave method
+    again with the baseline's package."""
+    if config.baseline is None:
+        return tuple(config.methods)
+    twins = [m + BASELINE for m in config.methods if m.startswith("quicksave")]
+    return (*config.methods, *twins)
+
+
+def _baseline_env(config: TrainingBenchConfig, base: str) -> dict[str, str]:
+    """The environment of a ``@baseline`` run: a folder holding only a link to the
+    baseline's ``quicksave`` package first on ``PYTHONPATH``, so the library comes
+    from there and the benchmark's own code from this installation."""
+    assert config.baseline is not None
+    shim = os.path.join(base, "baseline-path")
+    link = os.path.join(shim, "quicksave")
+    if not os.path.lexists(link):
+        os.makedirs(shim, exist_ok=True)
+        os.symlink(os.path.join(os.path.abspath(config.baseline), "quicksave"), link)
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (shim, env.get("PYTHONPATH")) if p)
+    return env
+
+
 def schedule(config: TrainingBenchConfig) -> list[tuple[str, str]]:
     """The order of the runs, as (shape, method): ``raw`` of every shape first; then per
     repeat and shape the methods rotated by the repeat's index, with the baseline
     ``none`` first and (from four methods on) in the middle; one more baseline per shape
     at the end."""
     runs = [(shape, "raw") for shape in config.shapes]
-    methods = list(config.methods)
+    methods = list(all_methods(config))
     for r in range(config.repeats):
         shift = r % len(methods) if methods else 0
         order = methods[shift:] + methods[:shift]
@@ -172,6 +203,10 @@ def _check(config: TrainingBenchConfig, parent: str) -> None:
         raise ValueError(
             f"unknown shape(s) {', '.join(bad) or '(none)'}; known: {', '.join(SHAPES)}"
         )
+    if config.baseline is not None and not os.path.isfile(
+        os.path.join(config.baseline, "quicksave", "__init__.py")
+    ):
+        raise ValueError(f"{config.baseline} holds no quicksave package (quicksave/__init__.py)")
     if config.build not in BUILDS:
         raise ValueError(f"unknown build {config.build!r}; known: {', '.join(BUILDS)}")
     for name in ("steps", "interval", "repeats", "threads"):
@@ -190,15 +225,17 @@ def _run_one(
     shape: str, method: str, config: TrainingBenchConfig, base: str, index: int
 ) -> dict[str, Any]:
     folder = os.path.join(base, f"{index:02d}-{method}")
-    spec = {**asdict(config), "methods": None, "shapes": None, "method": method}
+    plain = method.removesuffix(BASELINE)
+    env = _baseline_env(config, base) if plain != method else None
+    spec = {**asdict(config), "methods": None, "shapes": None, "method": plain}
     spec.update(shape=shape, folder=folder)
     spec["result"] = os.path.join(base, f"{index:02d}-result.json")
     t0 = time.perf_counter()
     try:
         result = run_in_fresh_process(
-            _CHILD, spec, os.path.join(base, f"{index:02d}-spec.json"), config.timeout_s
+            _CHILD, spec, os.path.join(base, f"{index:02d}-spec.json"), config.timeout_s, env
         )
-        result.setdefault("method", method)
+        result["method"] = method
     finally:
         shutil.rmtree(folder, ignore_errors=True)  # one method's checkpoints at a time
     result["wall_s"] = time.perf_counter() - t0
@@ -267,14 +304,15 @@ def run_training_benchmark(config: TrainingBenchConfig, log: Any = None) -> dict
     finally:
         shutil.rmtree(base, ignore_errors=True)
     shapes = {
-        shape: shape_report(shape, config.methods, config.build, results) for shape in config.shapes
+        shape: shape_report(shape, all_methods(config), config.build, results)
+        for shape in config.shapes
     }
     return _round(
         {
             "config": {
                 **asdict(config),
                 "directory": parent,
-                "methods": list(config.methods),
+                "methods": list(all_methods(config)),
                 "shapes": list(config.shapes),
             },
             "machine": {
@@ -329,6 +367,12 @@ def build_parser() -> argparse.ArgumentParser:
         "a warm-up step (warm)",
     )
     p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument(
+        "--baseline",
+        metavar="SRC",
+        help="a folder holding another quicksave package (an earlier commit's src): "
+        "each quicksave method also runs with it, as <method>@baseline",
+    )
     p.add_argument("--quick", action="store_true", help="a tiny model and loop (tests)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.add_argument("--plot", metavar="FILE", help="draw step times and checkpoints (PNG/SVG)")
@@ -359,6 +403,7 @@ def main(argv: list[str] | None = None) -> int:
         threads=args.threads,
         build=args.build,
         seed=args.seed,
+        baseline=args.baseline,
     )
     if args.quick:
         config = replace(config, restore_repeats=1, raw_repeats=1, **QUICK)

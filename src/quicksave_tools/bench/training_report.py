@@ -130,12 +130,53 @@ def _format_shape(name: str, sh: dict[str, Any], build: str) -> list[str]:
                 f"{_fmt(s.get('fresh_restore_median_s'), '.3f')} "
                 f"({_fmt(s.get('fresh_restore_vs_others'), '.2f', '×')}) |"
             )
+    lines += _baseline_rows(sh["methods"])
     diverged = [n for n, s in sh["methods"].items() if s.get("same_loss_as_baseline") is False]
     if diverged:
         lines += [
             "",
             f"WARNING: final loss differs from every baseline run's: {', '.join(diverged)}",
         ]
+    return lines
+
+
+def _baseline_rows(methods: dict[str, dict[str, Any]]) -> list[str]:
+    """This version against the ``--baseline`` package, method by method (empty without
+    one): each figure as this / baseline, with both runs' spreads."""
+    pairs = [
+        (name, s, methods[name + "@baseline"])
+        for name, s in methods.items()
+        if name + "@baseline" in methods
+        and "loop_median_s" in s
+        and "loop_median_s" in methods[name + "@baseline"]
+    ]
+    if not pairs:
+        return []
+    lines = [
+        "",
+        "| against the baseline | extra s / ckpt: this (spread) / baseline (spread) | ratio "
+        "| save→durable s: this / baseline | ratio | restore into a fresh job s: this / "
+        "baseline | trainer CPU s / ckpt: this / baseline |",
+        "|---|---|---:|---|---:|---|---|",
+    ]
+
+    def ratio(a: float | None, b: float | None) -> str:
+        return _fmt(a / b, ".2f", "×") if a is not None and b else "–"
+
+    for name, s, b in pairs:
+        lines.append(
+            f"| {name} | {_fmt(s['overhead_per_checkpoint_s'])} "
+            f"({_spread(s['overhead_per_checkpoint_runs_s'])}) / "
+            f"{_fmt(b['overhead_per_checkpoint_s'])} "
+            f"({_spread(b['overhead_per_checkpoint_runs_s'])}) | "
+            f"{ratio(s['overhead_per_checkpoint_s'], b['overhead_per_checkpoint_s'])} | "
+            f"{_fmt(s['later_durable_median_s'])} / {_fmt(b['later_durable_median_s'])} | "
+            f"{ratio(s['later_durable_median_s'], b['later_durable_median_s'])} | "
+            f"{_fmt(s.get('fresh_restore_median_s'), '.3f')} / "
+            f"{_fmt(b.get('fresh_restore_median_s'), '.3f')} | "
+            f"{_fmt(s['trainer_cpu_per_checkpoint_s'])} / "
+            f"{_fmt(b['trainer_cpu_per_checkpoint_s'])} |"
+        )
     return lines
 
 
