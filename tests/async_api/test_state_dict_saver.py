@@ -17,6 +17,7 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
 import quicksave
 from quicksave.commit import CheckpointKind, classify
+from quicksave.commit.manifest_reader import read_manifest
 from quicksave.compat.nvrx import (
     AsyncCallsQueue,
     AsyncRequest,
@@ -29,7 +30,6 @@ from quicksave.compat.nvrx import (
 )
 from quicksave.compat.nvrx import state_dict_saver as saver
 from quicksave.errors import CheckpointError
-from quicksave.commit.manifest_reader import read_manifest
 
 
 def _state(seed: int = 0) -> dict:
