@@ -80,7 +80,7 @@ from quicksave.compat.nvrx.rank_write import (
     SaveLayout,
     clear_for_commit,
     expected_files,
-    rank_member_names,
+    failed_save_names,
     rank_write_results,
     temp_dir_for,
     write_rank_data,
@@ -515,14 +515,14 @@ class FileSystemWriterAsync(NvrxDataPath, StorageWriter, FileSystemWriter):
 
     def discard(self, layout: SaveLayout | None = None) -> None:
         """Remove what this failed save wrote (the coordinator calls it; best effort):
-        its temporary directory, or on an object store every rank's data objects of
-        ``layout`` (default: this writer's own planning) and every rank's part and
-        error part, nothing else (never another save's commit)."""
+        its temporary directory, or on an object store the objects of ``layout``
+        (default: this writer's own planning) that it wrote
+        (:func:`~quicksave.compat.nvrx.rank_write.failed_save_names`), nothing else."""
         if self.tmp_dir is None:
             return
-        layouts = layout.layouts if layout is not None else (self.layouts or ())
-        names = sorted(expected_files(tuple(layouts))) + rank_member_names(len(layouts))
-        self.strategy().discard(self.tmp_dir, names)
+        layouts = tuple(layout.layouts if layout is not None else (self.layouts or ()))
+        s = self.strategy()
+        s.discard(self.tmp_dir, failed_save_names(s, self.location, layouts))
         self.close()
 
 
