@@ -18,6 +18,9 @@ What a caller does with one, in order, for a save::
     s.commit(staging, loc, members, expected)   # the coordinator, once
     s.discard(staging, names)                # a failed save: what it wrote
 
+(a writer whose every rank names the staging itself, the NVRx-compatible API, checks
+the target on its coordinator, calls :meth:`prepare_staging` on each rank instead of
+:meth:`begin`, and :meth:`prune_staging` before the commit);
 and for a folder of checkpoints: :meth:`committed` (what retention, ``latest`` and
 ``load`` see), :meth:`remove` (retention), :meth:`quarantine` (a checkpoint that failed
 its checks), :meth:`clean_leftovers` (crashed saves, by the lease holder only).
