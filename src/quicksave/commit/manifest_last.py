@@ -44,6 +44,7 @@ class ManifestLastCommit(CommitStrategy):
     name = "manifest-last"
     atomic_replace = False
     writes_in_place = True
+    can_write_dcp_layout = False
 
     def classify(self, loc: Location) -> CheckpointKind:
         names = set(self.backend.children(loc.key))

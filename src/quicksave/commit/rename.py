@@ -27,6 +27,7 @@ class RenameCommit(CommitStrategy):
     name = "rename"
     atomic_replace = True
     writes_in_place = False
+    can_write_dcp_layout = True
 
     def classify(self, loc: Location) -> CheckpointKind:
         path = loc.key
@@ -86,6 +87,42 @@ class RenameCommit(CommitStrategy):
                 f"cannot create checkpoint directory: {e.strerror}", path=loc.key
             ) from e
         return tmp
+
+    def prepare_staging(self, staging: str) -> None:
+        try:
+            os.makedirs(staging, exist_ok=True)
+        except OSError as e:
+            raise CheckpointError(
+                f"cannot create the temporary directory: {e.strerror}", path=staging
+            ) from e
+
+    def prune_staging(self, staging: str, keep: Collection[str]) -> None:
+        """Everything in the temporary directory but ``keep``: merged parts, partial
+        members, and what a crashed earlier attempt at the same name left."""
+        try:
+            names = os.listdir(staging)
+        except FileNotFoundError:
+            return
+        except OSError as e:
+            raise CheckpointError(
+                f"cannot list the temporary directory: {e.strerror}", path=staging
+            ) from e
+        for name in names:
+            if name in keep:
+                continue
+            path = os.path.join(staging, name)
+            try:
+                if os.path.isdir(path) and not os.path.islink(path):
+                    shutil.rmtree(path)
+                else:
+                    os.unlink(path)
+            except FileNotFoundError:
+                pass
+            except OSError as e:
+                raise CheckpointError(
+                    f"cannot remove {name} from the temporary directory: {e.strerror}",
+                    path=staging,
+                ) from e
 
     def member_key(self, staging: str, name: str) -> str:
         return os.path.join(staging, name)

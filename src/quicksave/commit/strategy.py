@@ -18,6 +18,9 @@ What a caller does with one, in order, for a save::
     s.commit(staging, loc, members, expected)   # the coordinator, once
     s.discard(staging, names)                # a failed save: what it wrote
 
+(a writer whose every rank names the staging itself, the NVRx-compatible API, checks
+the target on its coordinator, calls :meth:`prepare_staging` on each rank instead of
+:meth:`begin`, and :meth:`prune_staging` before the commit);
 and for a folder of checkpoints: :meth:`committed` (what retention, ``latest`` and
 ``load`` see), :meth:`remove` (retention), :meth:`quarantine` (a checkpoint that failed
 its checks), :meth:`clean_leftovers` (crashed saves, by the lease holder only).
@@ -90,6 +93,13 @@ class CommitStrategy(abc.ABC):
     # staging name to rename): then a checkpoint's name can hold a crashed save's
     # objects, and a save checks its target for them.
     writes_in_place: ClassVar[bool]
+    # Whether a save may be written in the DCP layout (docs/FORMAT.md §8: DCP's own
+    # ``__{rank}_{i}.distcp`` files, quicksave's manifest inside ``.metadata``), as the
+    # NVRx-compatible writer does where it can. Only where the commit is a rename: the
+    # layout's data files are written as local files at :meth:`member_key` (through
+    # NVRx's ``open_file`` hook), and its ``.metadata`` is its commit, which must not be
+    # visible before every rank's part has been read and every file checked.
+    can_write_dcp_layout: ClassVar[bool]
 
     def __init__(self, backend: Backend, *, owned: bool = False) -> None:
         self.backend = backend
@@ -181,6 +191,32 @@ class CommitStrategy(abc.ABC):
         """Check the target and prepare :meth:`staging` for writing; return its key."""
         self.check_target(loc, replace=replace)
         return self.staging(loc, token)
+
+    def prepare_staging(self, staging: str) -> None:
+        """Make ``staging`` ready for writing without :meth:`begin`, for writers that
+        name it themselves: every rank of the NVRx-compatible API derives the save's
+        staging key from what all ranks know, and no rank creates it for the others. A
+        filesystem creates the directory; a store needs nothing. Nothing is checked (the
+        coordinator checked the target while planning).
+
+        Raises:
+            CheckpointError: it cannot be created.
+        """
+        return  # a store: objects need no directory
+
+    def prune_staging(self, staging: str, keep: Collection[str]) -> None:
+        """Before the commit of a save whose staging key may have been used before (the
+        NVRx-compatible API derives it from the plan and a save counter, so a save after
+        a restart can meet what a crashed attempt at the same key left): delete
+        everything under ``staging`` but the names in ``keep``, where the staging
+        belongs to this save alone (a temporary directory). Where it is the checkpoint's
+        own key (:attr:`writes_in_place`) nothing is deleted: the target was checked
+        empty before the save, so anything else there now is another writer's.
+
+        Raises:
+            CheckpointError: something could not be deleted.
+        """
+        return  # the default: staging is the checkpoint's own key
 
     @abc.abstractmethod
     def write_member(self, staging: str, name: str, data: bytes, *, fsync: bool = True) -> str:

@@ -17,10 +17,8 @@ No collective: the parts on disk are how the ranks' results reach the coordinato
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import dataclasses
-import os
 import pickle
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -33,15 +31,16 @@ from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, Stora
 from torch.distributed.checkpoint.planner import WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 
-from quicksave import commit, parts
 from quicksave.adapters.dcp_writer import _ChunkWritten, _ObjectWritten, build_manifest, item_spec
+from quicksave.commit import CommitStrategy, parts
 from quicksave.compat.nvrx.dcp_write import write_dcp_file
 from quicksave.compat.nvrx.rank_write import (
     RankWritesFailed,
     SaveLayout,
-    error_part_name,
+    clear_for_commit,
+    rank_members,
     read_error_part,
-    remove_unexpected,
+    worker_strategy,
     write_error_part,
 )
 from quicksave.compat.nvrx.staging import tensors_of
@@ -51,6 +50,7 @@ from quicksave.format.dcp_layout import encode_metadata
 from quicksave.format.keys import dcp_planner_data
 from quicksave.format.manifest import to_json_bytes
 from quicksave.saving.plan import ItemSpec
+from quicksave.storage.location import Location
 
 DCP_SUFFIX = ".distcp"
 INVALID_SETUP = (
@@ -129,10 +129,14 @@ def dcp_rank_layout(
 
 @dataclass(frozen=True)
 class DcpWriteJob:
-    """The picklable description of one rank's background write in the DCP layout."""
+    """The picklable description of one rank's background write in the DCP layout.
+
+    ``tmp_dir`` is the save's staging under the commit strategy of ``location`` (the
+    checkpoint's; one that can write the DCP layout, so a temporary directory)."""
 
     rank: int
     tmp_dir: str
+    location: Location
     layout: DcpRankLayout
     byte_items: dict[str, bytes]  # key -> DCP's bytes of the object (torch.save)
     objects: dict[str, Any]  # fqn -> typed JSON, for the manifest
@@ -143,7 +147,8 @@ class DcpWriteJob:
 
 def write_dcp_rank_data(job: DcpWriteJob, staged: Any) -> None:
     """``save_fn`` in the DCP layout: this rank's data files (one thread each), then its
-    part (item offsets and digests), the rank's "done" record.
+    part (item offsets and digests), the rank's "done" record, through the commit
+    strategy of the checkpoint's location (opened here, in the worker).
 
     A failure is recorded in an error part, which the coordinator reports at finalize on
     every rank (NVRx reports writer failures at finalize too); this function then returns
@@ -154,54 +159,57 @@ def write_dcp_rank_data(job: DcpWriteJob, staged: Any) -> None:
     """
     pool = staged  # keeps the pool's memory alive while its tensors are written
     staged = tensors_of(pool)
-    try:
-        if job.multiproc_io:
-            import multiprocessing
-
-            if multiprocessing.current_process().daemon:
-                raise CheckpointError(INVALID_SETUP, path=job.tmp_dir, rank=job.rank)
-        os.makedirs(job.tmp_dir, exist_ok=True)
-        for name in [f.name for f in job.layout.files] + [
-            parts.part_name(job.rank),
-            error_part_name(job.rank),
-        ]:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(os.path.join(job.tmp_dir, name))
-
-        def write_one(f: DcpFile) -> dict[str, Any]:
-            items: list[tuple[str, Any]] = []
-            for it in f.items:
-                items.append(
-                    (it.key, job.byte_items[it.key] if it.spec is None else staged[it.key])
-                )
-            with job.open_file(os.path.join(job.tmp_dir, f.name), "wb") as stream:
-                w = write_dcp_file(stream, items, fsync=job.fsync)
-            return _file_record(w)
-
-        files = job.layout.files
-        if len(files) <= 1:
-            records = [write_one(f) for f in files]
-        else:
-            with ThreadPoolExecutor(len(files), thread_name_prefix="quicksave-dcp") as pool:
-                records = list(pool.map(write_one, files))
-        body = {
-            "format": DCP_PART_FORMAT,
-            "rank": job.rank,
-            "files": {f.name: r for f, r in zip(files, records, strict=True)},
-            "objects": job.objects,
-        }
-        parts.write_sealed(job.tmp_dir, parts.part_name(job.rank), parts.seal(body), job.fsync)
-    except Exception as e:  # noqa: BLE001 - recorded for the coordinator
-        cause = e.message if isinstance(e, CheckpointError) else f"{type(e).__name__}: {e}"
+    with worker_strategy(job.location, job.fsync, job.rank) as strategy:
         try:
-            os.makedirs(job.tmp_dir, exist_ok=True)
-            write_error_part(job.tmp_dir, job.rank, cause)
-        except OSError:
-            raise CheckpointError(
-                f"rank {job.rank} failed to write its checkpoint data: {cause}",
-                path=job.tmp_dir,
-                rank=job.rank,
-            ) from e
+            _write_dcp_rank_files(job, staged, strategy)
+        except Exception as e:  # noqa: BLE001 - recorded for the coordinator
+            cause = e.message if isinstance(e, CheckpointError) else f"{type(e).__name__}: {e}"
+            try:
+                strategy.prepare_staging(job.tmp_dir)
+                write_error_part(strategy, job.tmp_dir, job.rank, cause)
+            except (OSError, CheckpointError):
+                raise CheckpointError(
+                    f"rank {job.rank} failed to write its checkpoint data: {cause}",
+                    path=job.tmp_dir,
+                    rank=job.rank,
+                ) from e
+
+
+def _write_dcp_rank_files(job: DcpWriteJob, staged: Any, strategy: CommitStrategy) -> None:
+    """The body of :func:`write_dcp_rank_data`: what this rank left in the staging by an
+    earlier attempt removed, its data files written, its part last."""
+    if job.multiproc_io:
+        import multiprocessing
+
+        if multiprocessing.current_process().daemon:
+            raise CheckpointError(INVALID_SETUP, path=job.tmp_dir, rank=job.rank)
+    strategy.prepare_staging(job.tmp_dir)
+    names = [f.name for f in job.layout.files]
+    strategy.delete_members(job.tmp_dir, names + rank_members(job.rank))
+
+    def write_one(f: DcpFile) -> dict[str, Any]:
+        items: list[tuple[str, Any]] = []
+        for it in f.items:
+            items.append((it.key, job.byte_items[it.key] if it.spec is None else staged[it.key]))
+        with job.open_file(strategy.member_key(job.tmp_dir, f.name), "wb") as stream:
+            w = write_dcp_file(stream, items, fsync=job.fsync)
+        return _file_record(w)
+
+    files = job.layout.files
+    if len(files) <= 1:
+        records = [write_one(f) for f in files]
+    else:
+        with ThreadPoolExecutor(len(files), thread_name_prefix="quicksave-dcp") as pool:
+            records = list(pool.map(write_one, files))
+    body = {
+        "format": DCP_PART_FORMAT,
+        "rank": job.rank,
+        "files": {f.name: r for f, r in zip(files, records, strict=True)},
+        "objects": job.objects,
+    }
+    parts.write_sealed(
+        strategy, job.tmp_dir, parts.part_name(job.rank), parts.seal(body), job.fsync
+    )
 
 
 DCP_PART_FORMAT = "quicksave-dcp-part"
@@ -220,18 +228,18 @@ def _file_record(w: Any) -> dict[str, Any]:
     return {"size": w.size, "xxh3_64": w.xxh3_64, "items": items}
 
 
-def read_dcp_part(tmp_dir: str, layout: DcpRankLayout) -> dict[str, Any]:
-    """One rank's DCP part, checked against its layout.
+def read_dcp_part(strategy: CommitStrategy, tmp_dir: str, layout: DcpRankLayout) -> dict[str, Any]:
+    """One rank's DCP part under the staging ``tmp_dir``, checked against its layout.
 
     Raises:
         CheckpointError: the rank recorded an error or left no part (its cause).
         CorruptCheckpointError: the part is damaged or does not match the layout.
     """
     rank = layout.rank
-    cause = read_error_part(tmp_dir, rank)
+    cause = read_error_part(strategy, tmp_dir, rank)
     if cause is not None:
-        raise CheckpointError(cause, path=tmp_dir, rank=rank)
-    body, path = parts.read_sealed(tmp_dir, rank, DCP_PART_FORMAT)
+        raise CheckpointError(cause, path=strategy.backend.url(tmp_dir), rank=rank)
+    body, path = parts.read_sealed(strategy, tmp_dir, rank, DCP_PART_FORMAT)
     files = body.get("files")
     for f in layout.files:
         rec = files.get(f.name) if isinstance(files, dict) else None
@@ -263,11 +271,12 @@ def _item_record_ok(record: Any, byte_item: bool) -> bool:
 
 
 def commit_dcp(
+    strategy: CommitStrategy,
     metadata: Metadata,
     layout: SaveLayout,
     *,
     tmp_dir: str,
-    path: str,
+    location: Location,
     step: int | None,
     user_metadata: dict[str, Any] | None,
     save_id: str,
@@ -276,19 +285,21 @@ def commit_dcp(
     """The coordinator's commit of a DCP-layout save: read every rank's part, build DCP's
     ``Metadata`` (``storage_data`` → each item's bytes) and quicksave's manifest, write
     ``.metadata`` = pickle | manifest | footer (FORMAT.md §8), check that every file is
-    whole, and rename the temporary directory into place (replacing an older checkpoint
-    there atomically when ``overwrite``).
+    whole, and commit the staging ``tmp_dir`` at ``location`` through ``strategy`` (a
+    rename of the temporary directory, replacing an older checkpoint there atomically
+    when ``overwrite``).
 
     Raises:
         RankWritesFailed: ranks recorded errors or left no part (every one named).
         CheckpointError: the commit itself failed.
     """
+    path = location.url
     bodies: dict[int, dict[str, Any]] = {}
     causes: dict[int, str] = {}
     for lay in layout.layouts:
         assert isinstance(lay, DcpRankLayout)
         try:
-            bodies[lay.rank] = read_dcp_part(tmp_dir, lay)
+            bodies[lay.rank] = read_dcp_part(strategy, tmp_dir, lay)
         except CheckpointError as e:
             causes[lay.rank] = e.message
     if causes:
@@ -328,7 +339,5 @@ def commit_dcp(
     dcp_md.planner_data = dcp_planner_data(metadata.planner_data)  # the pickle: DCP's only
     dcp_md.storage_meta = StorageMeta(checkpoint_id=path, save_id=save_id)
     data = encode_metadata(pickle.dumps(dcp_md), to_json_bytes(manifest))
-    commit.write_durable(os.path.join(tmp_dir, DCP_METADATA_NAME), data)
-    expected[DCP_METADATA_NAME] = len(data)
-    remove_unexpected(tmp_dir, set(expected))
-    commit.publish(tmp_dir, path, expected, replace=overwrite)
+    clear_for_commit(strategy, tmp_dir, set(expected), len(layout.layouts))
+    strategy.commit(tmp_dir, location, {DCP_METADATA_NAME: data}, expected, replace=overwrite)

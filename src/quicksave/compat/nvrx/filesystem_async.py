@@ -56,8 +56,8 @@ from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 
-from quicksave import commit
 from quicksave.adapters.dcp_writer import StorageWriter, _original_object, item_spec, rank_plan_of
+from quicksave.commit import strategy_class
 from quicksave.compat.nvrx.dcp_save import (
     DcpRankLayout,
     DcpWriteJob,
@@ -78,10 +78,10 @@ from quicksave.compat.nvrx.rank_write import (
     RankWriteJob,
     RankWritesFailed,
     SaveLayout,
+    clear_for_commit,
     expected_files,
+    failed_save_names,
     rank_write_results,
-    remove_parts,
-    remove_unexpected,
     temp_dir_for,
     write_rank_data,
 )
@@ -252,7 +252,8 @@ class FileSystemWriterAsync(NvrxDataPath, StorageWriter, FileSystemWriter):
                     "(pip install 'quicksave[msc]')",
                     path=self.path,
                 )
-        self.dcp_layout = self.location.is_local
+        # DCP's own files where the location's commit strategy can write them (a rename)
+        self.dcp_layout = strategy_class(self.location).can_write_dcp_layout
         self.plan_id = uuid.uuid4().hex  # replaced by the caller on a restart-reuse save
         self.save_index = 0  # set by save_state_dict_async_plan (per-save counter)
         self.layouts: tuple[RankLayout | DcpRankLayout, ...] | None = None
@@ -295,9 +296,11 @@ class FileSystemWriterAsync(NvrxDataPath, StorageWriter, FileSystemWriter):
 
     # ---------------------------------------------------------------- planning
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
-        """Attach the rank's plan; on an object store the coordinator also checks the
-        prefix (nothing committed, no other save's objects) before any rank can write:
-        a failure here is raised on every rank by the planning collective.
+        """Attach the rank's plan; the coordinator also checks the target before any
+        rank can write (:meth:`CommitStrategy.check_target`; ``overwrite`` lets a
+        committed checkpoint be replaced where the location replaces atomically, else a
+        committed checkpoint, or on an object store another save's objects, fail the
+        save): a failure here is raised on every rank by the planning collective.
 
         Raises:
             CheckpointExistsError: (coordinator) an object store prefix holds a
@@ -306,18 +309,20 @@ class FileSystemWriterAsync(NvrxDataPath, StorageWriter, FileSystemWriter):
             CheckpointError: (coordinator, object store) the store cannot be reached.
         """
         plan = super().prepare_local_plan(plan)
-        if self.is_coordinator and not self.location.is_local:
+        if self.is_coordinator:
             try:
-                commit.check_target(self.location, self.rank, self.backend())
+                s = self.strategy()
+                s.check_target(self.location, self.rank, replace=self._replaces())
             except BaseException:
                 self.close()  # this writer's save ends here: drop its client
                 raise
-        elif self.is_coordinator:
-            kind = commit.classify(self.location)
-            committed = kind in (commit.CheckpointKind.QUICKSAVE, commit.CheckpointKind.DCP)
-            if not (committed and self.overwrite):
-                commit.check_target(self.location, self.rank)
         return plan
+
+    def _replaces(self) -> bool:
+        """Whether this save replaces a committed checkpoint at its path: ``overwrite``
+        (DCP's default) where the location's commit can replace one atomically; an
+        object store's committed checkpoint is never replaced."""
+        return self.overwrite and strategy_class(self.location).atomic_replace
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         """Coordinator (or every rank, when all of them replay a loaded plan): fix every
@@ -360,10 +365,11 @@ class FileSystemWriterAsync(NvrxDataPath, StorageWriter, FileSystemWriter):
                 path=self.path,
                 rank=self.rank,
             )
-        if self.location.is_local:
-            self.tmp_dir = temp_dir_for(self.path, rank_plan.plan_id, self.save_index)
-        else:  # the objects go straight under the checkpoint's prefix
-            self.tmp_dir = self.location.key
+        self.tmp_dir = temp_dir_for(
+            self.strategy(), self.location, rank_plan.plan_id, self.save_index
+        )
+        if not self.is_coordinator:
+            self.close()  # its worker writes through its own; only the coordinator commits
         sources: dict[str, torch.Tensor] = {}
         objects: dict[str, Any] = {}
         byte_items: dict[str, bytes] = {}
@@ -385,6 +391,7 @@ class FileSystemWriterAsync(NvrxDataPath, StorageWriter, FileSystemWriter):
             self._job = DcpWriteJob(
                 self.rank,
                 self.tmp_dir,
+                self.location,
                 rank_plan.layout,
                 byte_items,
                 objects,
@@ -393,9 +400,8 @@ class FileSystemWriterAsync(NvrxDataPath, StorageWriter, FileSystemWriter):
                 self.is_multiproc_io,
             )
             return
-        store = None if self.location.is_local else self.location
         self._job = RankWriteJob(
-            self.rank, self.tmp_dir, rank_plan.layout, objects, self.fsync, store
+            self.rank, self.tmp_dir, rank_plan.layout, objects, self.fsync, self.location
         )
 
     def _stage_pool(self, sources: dict[str, torch.Tensor]) -> StagedPool:
@@ -439,7 +445,7 @@ class FileSystemWriterAsync(NvrxDataPath, StorageWriter, FileSystemWriter):
         if self._job is None:
             raise CheckpointError("no write was prepared", path=self.path, rank=self.rank)
         if isinstance(self._job, DcpWriteJob):
-            body = read_dcp_part(self._job.tmp_dir, self._job.layout)
+            body = read_dcp_part(self.strategy(), self._job.tmp_dir, self._job.layout)
             results = []
             for f in self._job.layout.files:
                 for it in f.items:
@@ -448,8 +454,9 @@ class FileSystemWriterAsync(NvrxDataPath, StorageWriter, FileSystemWriter):
                         WriteResult(it.index, int(length), _StorageInfo(f.name, off, length))
                     )
             return results
-        backend = None if self.location.is_local else self.backend()
-        return rank_write_results(self._job.tmp_dir, self._job.layout, self._index_of, backend)
+        return rank_write_results(
+            self.strategy(), self._job.tmp_dir, self._job.layout, self._index_of
+        )
 
     def commit_parts(self, metadata: Metadata, layout: SaveLayout) -> None:
         """Coordinator, at finalize: check every rank's part and commit.
@@ -460,44 +467,63 @@ class FileSystemWriterAsync(NvrxDataPath, StorageWriter, FileSystemWriter):
         """
         if self.tmp_dir is None:
             raise CheckpointError("finalize before prepare_write_data()", path=self.path)
+        strategy = self.strategy()
         if all(isinstance(lay, DcpRankLayout) for lay in layout.layouts):
             commit_dcp(
+                strategy,
                 metadata,
                 layout,
                 tmp_dir=self.tmp_dir,
-                path=self.path,
+                location=self.location,
                 step=self.step,
                 user_metadata=self.user_metadata,
                 save_id=self.save_id,
-                overwrite=self.overwrite,
+                overwrite=self._replaces(),
             )
             self.tmp_dir = None
+            self.close()
             return
-        backend = None if self.location.is_local else self.backend()
         results, causes = [], {}
         for lay in layout.layouts:
             assert isinstance(lay, RankLayout)
             try:
-                results.append(rank_write_results(self.tmp_dir, lay, None, backend))
+                results.append(rank_write_results(strategy, self.tmp_dir, lay, None))
             except CheckpointError as e:
                 if isinstance(e, CorruptCheckpointError):
                     raise
                 causes[lay.rank] = e.message
         if causes:
             raise RankWritesFailed(causes, self.path)
-        if backend is None:
-            remove_unexpected(self.tmp_dir, expected_files(layout.layouts))
-        else:
-            remove_parts(backend, self.tmp_dir, len(layout.layouts))
+        keep = expected_files(layout.layouts)
+        clear_for_commit(strategy, self.tmp_dir, keep, len(layout.layouts))
         self.plans = layout.plans
         super().finish(metadata, results)
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
-        """Coordinator: write ``.metadata`` and the manifest, then rename (the commit);
-        on an object store the manifest, written last, is the commit."""
+        """Coordinator: write ``.metadata`` and the manifest, then commit them through the
+        location's strategy (a rename; on an object store the manifest, written last)."""
         if self.tmp_dir is None:
             raise CheckpointError("finish() before prepare_write_data()", path=self.path)
         super().finish(metadata, results)
+
+    def staging_url(self) -> str:
+        """The path or URL of this save's staging (for messages): its temporary
+        directory, or on an object store the checkpoint's URL."""
+        if self.tmp_dir is None:
+            return self.path
+        return self.strategy().backend.url(self.tmp_dir)
+
+    def discard(self, layout: SaveLayout | None = None) -> None:
+        """Remove what this failed save wrote (the coordinator calls it; best effort):
+        its temporary directory, or on an object store the objects of ``layout``
+        (default: this writer's own planning) that it wrote
+        (:func:`~quicksave.compat.nvrx.rank_write.failed_save_names`), nothing else."""
+        if self.tmp_dir is None:
+            return
+        layouts = tuple(layout.layouts if layout is not None else (self.layouts or ()))
+        s = self.strategy()
+        s.discard(self.tmp_dir, failed_save_names(s, self.location, layouts))
+        self.close()
 
 
 __all__ = [

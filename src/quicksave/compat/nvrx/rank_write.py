@@ -1,19 +1,20 @@
 """One rank's background write in quicksave's layout, and the coordinator's reading of it.
 
-``FileSystemWriterAsync`` on an object store (and the plan records of every layout) use
-this module. Order of calls:
+``FileSystemWriterAsync`` where it cannot write the DCP layout (an object store), and the
+plan records of every layout, use this module. Order of calls:
 
 1. (every rank, trainer, while planning) the central plan carries a :class:`CentralRankPlan`
    (plan id and this rank's file layout); the coordinator keeps the :class:`SaveLayout`
-   of every rank in the global metadata; :func:`temp_dir_for` names the save's temporary
-   directory on every rank without a collective;
-2. (every rank, checkpoint worker) :func:`write_rank_data` = ``save_fn``: the rank's data
-   files (or objects) and then its part file, its "done" record; on failure an error part
-   naming the cause;
+   of every rank in the global metadata; :func:`temp_dir_for` names the save's staging
+   (its location's commit strategy's: a temporary directory, or the checkpoint's own
+   prefix on a store) on every rank without a collective;
+2. (every rank, checkpoint worker) :func:`write_rank_data` = ``save_fn``: the rank's
+   data files and then its part, its "done" record; on failure an error part naming
+   the cause (both members of the staging, :meth:`CommitStrategy.write_member`);
 3. (coordinator, trainer, at finalize) :func:`rank_write_results` reads each rank's part
    back (:func:`read_error_part` for its cause when it failed; :class:`RankWritesFailed`
-   names every failed rank), then :func:`remove_unexpected` / :func:`remove_parts` leave
-   only the checkpoint's files before the commit.
+   names every failed rank), then :func:`clear_for_commit` leaves only the checkpoint's
+   files before the commit.
 
 No collective: the parts on storage are how the ranks' results reach the coordinator.
 """
@@ -22,9 +23,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
-import shutil
-import uuid
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,16 +31,19 @@ import xxhash
 from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.storage import WriteResult
 
-from quicksave import commit, parts
 from quicksave.adapters.dcp_writer import _ChunkWritten, _ObjectWritten
 from quicksave.checksum import hexdigest
+from quicksave.commit import COMMITTED, CommitStrategy, parts, strategy_for
 from quicksave.compat.nvrx.staging import StagedPool, tensors_of
-from quicksave.errors import CheckpointError, CorruptCheckpointError
+from quicksave.errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
+from quicksave.format import DCP_METADATA_NAME
 from quicksave.format.manifest import RankPlan
 from quicksave.saving.plan import RankLayout
-from quicksave.storage.backend import Backend, join
 from quicksave.storage.location import Location
 from quicksave.worker import persist
+
+# An error part holds one rank's cause in a line of JSON; a larger one is not read.
+MAX_ERROR_PART_BYTES = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -70,33 +71,59 @@ class SaveLayout:
 class RankWriteJob:
     """The small, picklable description of one rank's background write.
 
-    ``location`` is the object store's checkpoint location (None: the local filesystem);
-    ``tmp_dir`` is then the checkpoint's key prefix, where the objects go directly."""
+    ``tmp_dir`` is the save's staging key under the commit strategy of ``location`` (the
+    checkpoint's): a temporary directory on a filesystem, the checkpoint's own prefix on
+    an object store, where the objects go directly."""
 
     rank: int
     tmp_dir: str
     layout: RankLayout
     objects: dict[str, Any]  # fqn -> typed JSON, encoded in the trainer
     fsync: bool
-    location: Location | None = None
+    location: Location
 
 
 def error_part_name(rank: int) -> str:
     return f"error-rank-{rank:05d}.json"
 
 
-def temp_dir_for(path: str, plan_id: str, save_index: int) -> str:
-    """The temporary directory of save number ``save_index`` of plan ``plan_id``: a pure
-    function of what every rank knows, so no rank needs to be told."""
-    token = hexdigest(xxhash.xxh3_64_intdigest(f"{plan_id}|{path}|{save_index}".encode()))
-    return commit.temp_path_for(path, token[:12])
+def rank_members(rank: int) -> list[str]:
+    """``rank``'s part and error part: staging members that a checkpoint never holds."""
+    return [parts.part_name(rank), error_part_name(rank)]
+
+
+def rank_member_names(world_size: int) -> list[str]:
+    """Every rank's part and error part."""
+    return [n for r in range(world_size) for n in rank_members(r)]
+
+
+def temp_dir_for(
+    strategy: CommitStrategy, location: Location, plan_id: str, save_index: int
+) -> str:
+    """The staging key of save number ``save_index`` of plan ``plan_id`` at ``location``
+    (:meth:`CommitStrategy.staging`): a pure function of what every rank knows, so no
+    rank needs to be told."""
+    key = f"{plan_id}|{location.url}|{save_index}".encode()
+    return strategy.staging(location, hexdigest(xxhash.xxh3_64_intdigest(key))[:12])
+
+
+def worker_strategy(location: Location, fsync: bool, rank: int) -> CommitStrategy:
+    """The commit strategy of ``location`` for one rank's background write, over a
+    backend opened for it (closed with the strategy).
+
+    Raises:
+        CheckpointError: the backend cannot be opened (naming the location).
+    """
+    return strategy_for(location.open(fsync=fsync, rank=rank), owned=True)
 
 
 def write_rank_data(job: RankWriteJob, staged: StagedPool | dict[str, torch.Tensor]) -> None:
-    """``save_fn``: write one rank's data files and then its part (the "done" record).
+    """``save_fn``: write one rank's data files and then its part (the "done" record),
+    through the commit strategy of the checkpoint's location (a backend opened here, in
+    the worker).
 
     Runs in the ``AsyncCallsQueue`` worker process (or a thread). Files this rank left in
-    the same directory by an earlier, failed attempt are removed first, so nothing stale
+    the same staging by an earlier, failed attempt are removed first, so nothing stale
     is ever committed.
 
     Args:
@@ -105,99 +132,59 @@ def write_rank_data(job: RankWriteJob, staged: StagedPool | dict[str, torch.Tens
             (``preload_fn``'s result).
 
     Raises:
-        CheckpointError: naming the rank and the cause; an error part is left for the
-            coordinator when the directory is writable.
+        CheckpointError: naming the rank, the staging (its path or URL) and the cause; an
+            error part is left for the coordinator when the staging takes it.
     """
     pool = staged  # keeps the pool's memory alive while its tensors are written
     staged = tensors_of(pool)
-    if job.location is not None:
-        _write_rank_objects(job, staged)
-        return
+    strategy: CommitStrategy | None = None
     try:
-        os.makedirs(job.tmp_dir, exist_ok=True)
-        for name in [f.name for f in job.layout.files] + [
-            parts.part_name(job.rank),
-            error_part_name(job.rank),
-        ]:
-            try:
-                os.unlink(os.path.join(job.tmp_dir, name))
-            except FileNotFoundError:
-                pass
-        written = persist.write_rank_files(job.tmp_dir, job.layout, staged, job.fsync)
+        strategy = worker_strategy(job.location, job.fsync, job.rank)
+        strategy.prepare_staging(job.tmp_dir)
+        stale = [f.name for f in job.layout.files]
+        strategy.delete_members(job.tmp_dir, stale + rank_members(job.rank))
+        written = persist.write_rank(strategy.backend, job.tmp_dir, job.layout, staged)
         chunks = {k: d for w in written for k, d in w.chunk_xxh3_64.items()}
-        parts.write_part(job.tmp_dir, parts.RankPart(job.rank, chunks, job.objects), job.fsync)
+        part = parts.RankPart(job.rank, chunks, job.objects)
+        parts.write_part(strategy, job.tmp_dir, part, job.fsync)
     except Exception as e:  # noqa: BLE001 - recorded, then raised with the rank named
         cause = e.message if isinstance(e, CheckpointError) else f"{type(e).__name__}: {e}"
-        try:
-            write_error_part(job.tmp_dir, job.rank, cause)
-        except OSError:
-            pass  # the directory itself is the problem: the missing part says enough
+        where = job.location.url
+        if strategy is not None:
+            where = strategy.backend.url(job.tmp_dir)
+            with contextlib.suppress(Exception):  # the staging itself may be the problem
+                write_error_part(strategy, job.tmp_dir, job.rank, cause)
         raise CheckpointError(
             f"rank {job.rank} failed to write its checkpoint data: {cause}",
-            path=job.tmp_dir,
-            rank=job.rank,
-        ) from e
-
-
-def _write_rank_objects(job: RankWriteJob, staged: dict[str, torch.Tensor]) -> None:
-    """``write_rank_data`` on an object store: this rank's data objects, then its part
-    object, straight under the checkpoint's prefix (``job.tmp_dir``) through a backend
-    opened here (in the worker). Nothing touches the local filesystem.
-
-    Raises:
-        CheckpointError: naming the checkpoint's URL, the rank and the cause; an error
-            part object is left for the coordinator when the store takes it.
-    """
-    assert job.location is not None
-    url = job.location.url
-    backend: Backend | None = None
-    try:
-        backend = job.location.open(rank=job.rank)
-        written = persist.write_rank_objects(backend, job.tmp_dir, job.layout, staged)
-        chunks = {k: d for w in written for k, d in w.chunk_xxh3_64.items()}
-        parts.write_part_object(backend, job.tmp_dir, parts.RankPart(job.rank, chunks, job.objects))
-    except Exception as e:  # noqa: BLE001 - recorded, then raised with the rank named
-        cause = e.message if isinstance(e, CheckpointError) else f"{type(e).__name__}: {e}"
-        if backend is not None:
-            body = json.dumps({"rank": job.rank, "error": cause}).encode()
-            with contextlib.suppress(Exception):  # the store itself may be the problem
-                backend.put(join(job.tmp_dir, error_part_name(job.rank)), memoryview(body))
-        raise CheckpointError(
-            f"rank {job.rank} failed to write its checkpoint data: {cause}",
-            path=url,
+            path=where,
             rank=job.rank,
         ) from e
     finally:
-        if backend is not None:
-            backend.close()
+        if strategy is not None:
+            strategy.close()
 
 
-def write_error_part(tmp_dir: str, rank: int, cause: str) -> None:
-    path = os.path.join(tmp_dir, error_part_name(rank))
-    staging = f"{path}.{uuid.uuid4().hex[:8]}.writing"
-    commit.write_durable(staging, json.dumps({"rank": rank, "error": cause}).encode())
-    os.replace(staging, path)
+def write_error_part(strategy: CommitStrategy, staging: str, rank: int, cause: str) -> None:
+    """Record ``rank``'s failure under ``staging`` for the coordinator (whole or not at
+    all, durably: :meth:`CommitStrategy.write_member`)."""
+    body = json.dumps({"rank": rank, "error": cause}).encode()
+    strategy.write_member(staging, error_part_name(rank), body)
 
 
-def read_error_part(tmp_dir: str, rank: int, backend: Backend | None = None) -> str | None:
-    """The cause recorded by ``rank``'s failed write, or None if it recorded none
-    (``backend``: an object store's, ``tmp_dir`` then being the checkpoint's prefix)."""
-    if backend is not None:
-        key = join(tmp_dir, error_part_name(rank))
-        if backend.stat(key) is None:
-            return None
-        try:
-            return str(json.loads(backend.get(key, 1 << 20)).get("error", "unknown error"))
-        except CheckpointError as e:
-            return f"unreadable error part: {e.message}"
-        except (ValueError, AttributeError) as e:
-            return f"unreadable error part: {e}"
+def read_error_part(strategy: CommitStrategy, staging: str, rank: int) -> str | None:
+    """The cause recorded by ``rank``'s failed write under ``staging``, or None if it
+    recorded none."""
     try:
-        with open(os.path.join(tmp_dir, error_part_name(rank)), "rb") as f:
-            return str(json.loads(f.read()).get("error", "unknown error"))
-    except FileNotFoundError:
+        data = strategy.read_member(staging, error_part_name(rank), MAX_ERROR_PART_BYTES)
+    except CheckpointNotFoundError:
         return None
-    except (OSError, ValueError, AttributeError) as e:
+    except CheckpointError as e:
+        return f"unreadable error part: {e.message}"
+    except OSError as e:
+        return f"unreadable error part: {e}"
+    try:
+        return str(json.loads(data).get("error", "unknown error"))
+    except (ValueError, AttributeError) as e:
         return f"unreadable error part: {e}"
 
 
@@ -217,40 +204,31 @@ class RankWritesFailed(CheckpointError):
         self.causes = dict(sorted(causes.items()))
 
 
-def remove_parts(backend: Backend, prefix: str, world_size: int) -> None:
-    """On an object store: delete every rank's part and error part (already read), so the
-    checkpoint holds only its data objects, ``.metadata`` and the manifest. The prefix
-    was empty when the save was planned, so nothing else of an earlier attempt is there;
-    nothing else is deleted (never another save's manifest)."""
-    names = [n for r in range(world_size) for n in (parts.part_name(r), error_part_name(r))]
-    backend.delete(join(prefix, n) for n in names)
-
-
-def remove_unexpected(tmp_dir: str, keep: set[str]) -> None:
-    """Only the checkpoint's files are committed: the parts (already read) and anything
-    an earlier attempt left are removed first."""
-    for name in os.listdir(tmp_dir):
-        if name not in keep:
-            path = os.path.join(tmp_dir, name)
-            if os.path.isdir(path) and not os.path.islink(path):
-                shutil.rmtree(path, ignore_errors=True)
-            else:
-                os.unlink(path)
+def clear_for_commit(
+    strategy: CommitStrategy, staging: str, keep: set[str], world_size: int
+) -> None:
+    """Only the checkpoint's files are committed: every rank's part and error part
+    (already read) are deleted, and where the staging is the save's own (a temporary
+    directory) anything else but ``keep`` that an earlier attempt left
+    (:meth:`CommitStrategy.prune_staging`). Never another save's files: on a store only
+    the named members go."""
+    strategy.delete_members(staging, rank_member_names(world_size))
+    strategy.prune_staging(staging, keep)
 
 
 def rank_write_results(
+    strategy: CommitStrategy,
     tmp_dir: str,
     layout: RankLayout,
     index_of: dict[str, MetadataIndex] | None = None,
-    backend: Backend | None = None,
 ) -> list[WriteResult]:
     """Rebuild one rank's DCP write results from its part file and its layout.
 
     Args:
-        tmp_dir: the save's temporary directory (an object store: the checkpoint's prefix).
+        strategy: the commit strategy of the checkpoint's location.
+        tmp_dir: the save's staging (an object store: the checkpoint's prefix).
         layout: the rank's file layout (fixed at plan time).
         index_of: chunk key -> ``MetadataIndex``; derived from the layout when None.
-        backend: the object store's backend (None: the local filesystem).
 
     Raises:
         CheckpointError: the rank recorded an error, or left no part (names the rank and
@@ -258,11 +236,11 @@ def rank_write_results(
         CorruptCheckpointError: the part does not match the layout.
     """
     rank = layout.rank
-    where = backend.url(tmp_dir) if backend is not None else tmp_dir
-    cause = read_error_part(tmp_dir, rank, backend)
+    where = strategy.backend.url(tmp_dir)
+    cause = read_error_part(strategy, tmp_dir, rank)
     if cause is not None:
         raise CheckpointError(f"rank {rank} failed to write: {cause}", path=where, rank=rank)
-    part = parts.read_part(tmp_dir, rank, backend)
+    part = parts.read_part(strategy, tmp_dir, rank)
     results: list[WriteResult] = []
     expected = set()
     for f in layout.files:
@@ -300,3 +278,18 @@ def expected_files(layouts: tuple[Any, ...]) -> set[str]:
     """The data files a committed save of these layouts holds (besides the files the
     commit itself writes)."""
     return {f.name for lay in layouts for f in lay.files}
+
+
+def failed_save_names(
+    strategy: CommitStrategy, location: Location, layouts: tuple[Any, ...]
+) -> list[str]:
+    """What a failed save of ``layouts`` may have left under its staging, for
+    :meth:`CommitStrategy.discard`: every rank's data files, part and error part, and
+    the ``.metadata`` a failed commit wrote before it checked the files, unless a
+    checkpoint is committed at ``location`` (then it is that checkpoint's: never
+    another save's commit)."""
+    names = sorted(expected_files(layouts)) + rank_member_names(len(layouts))
+    with contextlib.suppress(Exception):  # best effort, as the discard itself
+        if strategy.classify(location) not in COMMITTED:
+            names.append(DCP_METADATA_NAME)
+    return names

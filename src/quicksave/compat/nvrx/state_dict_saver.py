@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import shutil
 
 import torch.distributed as dist
 from torch.distributed.checkpoint import CheckpointException
@@ -520,21 +519,17 @@ def _commit(
             path=storage_writer.path,
             rank=dist_wrapper.get_rank(),
         )
-    local = storage_writer.location.is_local
     try:
         if len(layout.layouts) != dist_wrapper.get_world_size():
             raise CheckpointError(
                 f"the plan is for {len(layout.layouts)} ranks, the group has "
                 f"{dist_wrapper.get_world_size()}",
-                path=tmp_dir if local else storage_writer.path,
+                path=storage_writer.staging_url(),
                 rank=dist_wrapper.get_rank(),
             )
         storage_writer.commit_parts(global_metadata, layout)
     except CheckpointError:
-        if local:
-            shutil.rmtree(tmp_dir, ignore_errors=True)
-        else:  # this save's objects, unless a commit is there
-            storage_writer.discard()
+        storage_writer.discard(layout)  # this save's temporary directory, or its objects
         raise
 
 

@@ -22,7 +22,8 @@ from typing import Any
 
 import torch
 
-from quicksave import commit
+from quicksave.commit import new_token
+from quicksave.commit.files import fsync_path, temp_path_for
 from quicksave.compat.nvrx.calls_queue import AsyncCallsQueue
 from quicksave.compat.nvrx.request import AsyncRequest
 from quicksave.errors import CheckpointError, IncompatibleStateError
@@ -254,7 +255,7 @@ def _rebuild(obj: Any, copies: dict[int, torch.Tensor], deep: bool) -> Any:
 def _save_atomically(obj: Any, path: str, *args: Any, **kwargs: Any) -> None:
     """Runs in the background: ``torch.save`` into a sibling temporary file, fsync, rename
     over ``path``, fsync the directory."""
-    tmp = commit.temp_path_for(path, commit.new_token())
+    tmp = temp_path_for(path, new_token())
     try:
         with open(tmp, "xb") as f:
             torch.save(obj, f, *args, **kwargs)
@@ -265,4 +266,4 @@ def _save_atomically(obj: Any, path: str, *args: Any, **kwargs: Any) -> None:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
-    commit.fsync_path(os.path.dirname(path))
+    fsync_path(os.path.dirname(path))
