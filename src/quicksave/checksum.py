@@ -22,7 +22,7 @@ def hexdigest(value: int) -> str:
 def tensor_view(t: torch.Tensor) -> memoryview:
     """A writable memoryview of a contiguous CPU tensor's bytes (kept valid by ``t``)."""
     if t.device.type != "cpu" or not t.is_contiguous():
-        raise ValueError("byte_view needs a contiguous CPU tensor")
+        raise ValueError("tensor_view needs a contiguous CPU tensor")
     n = t.numel() * t.element_size()
     if n == 0:
         return memoryview(bytearray())

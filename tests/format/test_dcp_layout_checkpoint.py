@@ -215,6 +215,8 @@ def test_the_manager_folder_counts_and_deletes_it(ckpt: Path) -> None:
 class RecordingStore:
     """Just enough of a Backend for deleting a checkpoint on a store."""
 
+    atomic_rename = False  # a store: its commit strategy is manifest-last
+
     def __init__(self, keys: list[str]) -> None:
         self.keys = set(keys)
         self.deleted: list[list[str]] = []
@@ -228,6 +230,10 @@ class RecordingStore:
         from quicksave.storage import ObjectInfo
 
         return [ObjectInfo(k, 1, 0.0) for k in sorted(self.keys) if k.startswith(prefix)]
+
+    def children(self, prefix: str) -> list[str]:
+        base = prefix.rstrip("/") + "/"
+        return sorted({k[len(base) :].split("/")[0] for k in self.keys if k.startswith(base)})
 
 
 def test_on_a_store_the_commit_is_deleted_first() -> None:

@@ -110,26 +110,41 @@ class ManifestLastCommit(CommitStrategy):
         *,
         replace: bool = False,
     ) -> None:
-        """Write every member but the last, check every object of ``expected`` and
-        those (one listing), then write the last member (the manifest): its presence is
-        the commit."""
+        """Check every object of ``expected`` (one listing), write every member but the
+        last, then the last one (the manifest): its presence is the commit. Nothing is
+        written before the check, and a member written before a failure is deleted
+        again: a ``.metadata`` left alone under a prefix would read as a stock DCP
+        checkpoint."""
         if replace:
             raise CheckpointError(
                 "cannot replace a checkpoint on an object store (no atomic replace)",
                 path=loc.url,
             )
         *first, (last, last_data) = members.items()
-        whole = dict(expected)
-        for name, data in first:
-            self.backend.put(join(staging, name), memoryview(data))
-            whole[name] = len(data)
-        commit_on_store(self.backend, staging, loc.url, whole, last_data, last)
+        check_objects(self.backend, staging, loc.url, expected, last)
+        written: list[str] = []
+        try:
+            for name, data in first:
+                key = join(staging, name)
+                self.backend.put(key, memoryview(data))
+                written.append(key)
+            self.backend.put(join(staging, last), memoryview(last_data))
+        except BaseException:
+            with contextlib.suppress(Exception):
+                self.backend.delete(written)
+            raise
 
     def discard(self, staging: str, names: Iterable[str]) -> None:
-        """Delete the named objects (best effort: objects without a manifest are
-        invisible anyway, and the lease holder's clean-up takes what stays)."""
+        """Delete the named objects, and the ``.metadata`` a commit interrupted before
+        its manifest wrote, unless a manifest is there (best effort: objects without a
+        manifest are invisible, and the lease holder's clean-up takes what stays; but a
+        ``.metadata`` alone under a prefix would read as a stock DCP checkpoint)."""
+        keys = [join(staging, n) for n in names]
         with contextlib.suppress(Exception):
-            self.backend.delete([join(staging, n) for n in names])
+            if self.backend.stat(join(staging, MANIFEST_NAME)) is None:
+                keys.append(join(staging, DCP_METADATA_NAME))
+        with contextlib.suppress(Exception):
+            self.backend.delete(keys)
 
     def _exists(self, loc: Location) -> bool:
         return self.backend.stat(loc.key) is not None or bool(self.backend.children(loc.key))
@@ -229,22 +244,20 @@ class ManifestLastCommit(CommitStrategy):
         return set(m.files) | {MANIFEST_NAME, DCP_METADATA_NAME}
 
 
-def commit_on_store(
+def check_objects(
     backend: Backend,
     prefix: str,
     final: str,
     expected: Mapping[str, int],
-    manifest: bytes,
-    name: str = MANIFEST_NAME,
+    commit_name: str = MANIFEST_NAME,
 ) -> None:
-    """Commit a checkpoint on an object store: check that every object of ``expected``
-    (name -> size) is under ``prefix`` with its size (one listing), then write the
-    manifest (as ``name``). Objects appear whole or not at all, so the manifest's
-    presence is the commit.
+    """Before a commit on an object store: check that every object of ``expected``
+    (name -> size) is under ``prefix`` with its size, and that no commit object
+    (``commit_name``) is there yet, in one listing.
 
     Raises:
         CheckpointError: an object is missing or of another size (nothing committed).
-        CheckpointExistsError: a manifest appeared under ``prefix`` meanwhile.
+        CheckpointExistsError: another save committed a checkpoint there meanwhile.
     """
     base = prefix.rstrip("/") + "/"
     present = {o.key[len(base) :]: o.size for o in backend.list(base)}
@@ -257,8 +270,7 @@ def commit_on_store(
                 "nothing was committed",
                 path=final,
             )
-    if name in present:
+    if commit_name in present:
         raise CheckpointExistsError(
             "cannot commit: another save committed a checkpoint here meanwhile", path=final
         )
-    backend.put(base + name, memoryview(manifest))

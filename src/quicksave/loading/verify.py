@@ -51,9 +51,9 @@ from quicksave.format.manifest import LAYOUT_DCP
 from quicksave.loading.progress import byte_progress
 from quicksave.loading.verify_regions import Region, check_file, regions_for
 from quicksave.loading.verify_report import Problem, VerifyReport
-from quicksave.loading.verify_structure import header_problems, manifest_problems, read_at
+from quicksave.loading.verify_structure import header_problems, manifest_problems
 from quicksave.storage import Location, StorageOptions, parse_location
-from quicksave.storage.checkpoint_dir import CheckpointDir, Member
+from quicksave.storage.checkpoint_dir import CheckpointDir, Member, read_range
 
 READ_BLOCK = 16 << 20  # one reused buffer; large reads keep syscalls few on big files
 
@@ -205,7 +205,9 @@ def _pickle_region(
         problems.append(Problem(name, None, "unexpected-file", e.message))
         return None
     try:
-        tail = read_at(f, max(0, f.size - FOOTER_SIZE), FOOTER_SIZE, fpath)
+        tail = read_range(
+            f, max(0, f.size - FOOTER_SIZE), FOOTER_SIZE, path=fpath, what="data file", exact=False
+        )
         footer = parse_footer(tail, f.size, fpath)
     except CorruptCheckpointError as e:
         f.close()

@@ -20,7 +20,7 @@ from quicksave.format.safetensors_header import (
 )
 from quicksave.loading.verify_report import Problem
 from quicksave.saving.plan import chunk_key
-from quicksave.storage.checkpoint_dir import Member
+from quicksave.storage.checkpoint_dir import Member, read_range
 
 
 def manifest_problems(m: Manifest, where: str = MANIFEST_NAME) -> list[Problem]:
@@ -78,25 +78,6 @@ def _expected_chunks(name: str, m: Manifest) -> list[ExpectedChunk]:
     return out
 
 
-def read_at(f: Member, offset: int, length: int, path: str) -> bytes:
-    """Up to ``length`` bytes of ``f`` from ``offset`` (fewer only at its end)."""
-    buf = bytearray(max(0, min(length, f.size - offset)))
-    view = memoryview(buf)
-    got = 0
-    try:
-        while got < len(buf):
-            n = f.pread_into(view[got:], offset + got)
-            if n == 0:
-                break
-            got += n
-    except OSError as e:
-        raise CorruptCheckpointError(f"cannot read data file: {e.strerror}", path=path) from None
-    finally:
-        view.release()
-    del buf[got:]
-    return bytes(buf)
-
-
 def header_problems(
     fd: Member,
     name: str,
@@ -109,7 +90,7 @@ def header_problems(
     """The data file is valid safetensors and its header agrees with the manifest.
     Fills ``prefixes`` (chunk start -> start of its torch legacy prefix entry)."""
     try:
-        prefix = read_at(fd, 0, 8, fpath)
+        prefix = read_range(fd, 0, 8, path=fpath, what="data file", exact=False)
         n = header_length(prefix, size, fpath)
         if 8 + n != entry.data_start:
             return [
@@ -121,7 +102,7 @@ def header_problems(
                     f"is {entry.data_start}",
                 )
             ]
-        text = read_at(fd, 8, n, fpath)
+        text = read_range(fd, 8, n, path=fpath, what="data file", exact=False)
         # The manifest's size: a different real size is its own problem (kind size).
         metadata, entries = parse_header(text, entry.size, fpath)
     except CorruptCheckpointError as e:

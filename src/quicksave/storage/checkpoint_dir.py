@@ -84,13 +84,19 @@ def read_range(
     what: str = "file",
     fqn: str | None = None,
     rank: int | None = None,
+    exact: bool = True,
 ) -> bytes:
     """Exactly ``length`` bytes of the opened member ``f`` from ``offset`` (on a store:
-    one ranged request), checked against its size before anything is allocated.
+    one ranged request), checked against its size before anything is allocated; with
+    ``exact=False`` up to ``length`` (fewer where the member ends: a verifier reading
+    what is there).
 
     Raises:
-        CorruptCheckpointError: the range ends beyond the member, or a read fails.
+        CorruptCheckpointError: the range ends beyond the member (``exact``), or a read
+            fails.
     """
+    if not exact:
+        length = max(0, min(length, f.size - offset))
     if offset < 0 or length < 0 or offset + length > f.size:
         raise CorruptCheckpointError(
             f"{what}: bytes {offset}..{offset + length} lie beyond the {f.size} bytes of the "
@@ -105,6 +111,8 @@ def read_range(
     try:
         while got < length:
             n = f.pread_into(view[got:], offset + got)
+            if n == 0 and not exact:
+                break
             if n == 0:
                 raise CorruptCheckpointError(
                     f"{what}: the file ends at byte {offset + got}, before byte "
@@ -120,6 +128,7 @@ def read_range(
         ) from None
     finally:
         view.release()
+    del buf[got:]
     return bytes(buf)
 
 

@@ -25,7 +25,7 @@ import xxhash
 from quicksave.checksum import hexdigest
 from quicksave.errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
 from quicksave.storage.backend import ObjectInfo, Range, byte_view
-from quicksave.storage.posix_io import write_image, write_pieces
+from quicksave.storage.posix_io import os_error, write_image, write_pieces
 from quicksave.storage.safeio import open_regular, read_regular
 
 # errnos of a filesystem without flock or hard links: no conditional writes there
@@ -83,9 +83,7 @@ class LocalBackend:
         try:
             os.makedirs(parent, exist_ok=True)
         except OSError as e:
-            raise CheckpointError(
-                f"cannot create the directory: {e.strerror}", path=parent, rank=self.rank
-            ) from e
+            raise os_error(e, parent, self.rank) from e
 
     def put(self, key: str, data: memoryview, *, ranges: Sequence[Range] = ()) -> dict[str, str]:
         self._make_parent(key)

@@ -27,6 +27,7 @@ The rule for what is a URL (Linux paths only: ``C:`` is no drive letter here):
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import os
 import re
 from dataclasses import dataclass, field
@@ -82,6 +83,29 @@ class Location:
         if self.is_local and os.path.isfile(self.key):
             return self.key
         return None
+
+    def check_msc_opt_in(self, use_msc: bool) -> None:
+        """Refuse an ``msc://`` location unless the caller opted in to the Multi-Storage
+        Client (NVRx's writer takes one only with ``use_msc=True``), and say what is
+        missing when its package is not installed. Other locations pass.
+
+        Raises:
+            CheckpointError: naming the location.
+        """
+        if self.scheme != "msc":
+            return
+        if not use_msc:
+            raise CheckpointError(
+                "an msc:// path is a Multi-Storage Client location: pass use_msc=True "
+                "(FileSystemWriterAsync(path, use_msc=True), as NVRx requires)",
+                path=self.url,
+            )
+        if importlib.util.find_spec("multistorageclient") is None:
+            raise CheckpointError(
+                "use_msc=True needs the Multi-Storage Client package "
+                "(pip install 'quicksave[msc]')",
+                path=self.url,
+            )
 
     def child(self, name: str) -> Location:
         return Location(self.scheme, self.container, join(self.key, name), self.options)

@@ -44,7 +44,6 @@ manifest, for a ``CheckpointManager``'s clean-up.
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import os
 import uuid
 from functools import partial
@@ -239,19 +238,7 @@ class FileSystemWriterAsync(NvrxDataPath, StorageWriter, FileSystemWriter):
         self.per_thread_copy_ahead = int(kwargs.get("per_thread_copy_ahead", 10_000_000))
         self.cache_staged_state_dict = bool(kwargs.get("cache_staged_state_dict", False))
         self.serialization_format = fmt
-        if self.location.scheme == "msc":
-            if not use_msc:
-                raise CheckpointError(
-                    "an msc:// path is a Multi-Storage Client location: pass use_msc=True "
-                    "(FileSystemWriterAsync(path, use_msc=True), as NVRx requires)",
-                    path=self.path,
-                )
-            if importlib.util.find_spec("multistorageclient") is None:
-                raise CheckpointError(
-                    "use_msc=True needs the Multi-Storage Client package "
-                    "(pip install 'quicksave[msc]')",
-                    path=self.path,
-                )
+        self.location.check_msc_opt_in(use_msc)
         # DCP's own files where the location's commit strategy can write them (a rename)
         self.dcp_layout = strategy_class(self.location).can_write_dcp_layout
         self.plan_id = uuid.uuid4().hex  # replaced by the caller on a restart-reuse save
@@ -522,7 +509,7 @@ class FileSystemWriterAsync(NvrxDataPath, StorageWriter, FileSystemWriter):
             return
         layouts = tuple(layout.layouts if layout is not None else (self.layouts or ()))
         s = self.strategy()
-        s.discard(self.tmp_dir, failed_save_names(s, self.location, layouts))
+        s.discard(self.tmp_dir, failed_save_names(layouts))
         self.close()
 
 

@@ -33,10 +33,9 @@ from torch.distributed.checkpoint.storage import WriteResult
 
 from quicksave.adapters.dcp_writer import _ChunkWritten, _ObjectWritten
 from quicksave.checksum import hexdigest
-from quicksave.commit import COMMITTED, CommitStrategy, parts, strategy_for
+from quicksave.commit import CommitStrategy, parts, strategy_for
 from quicksave.compat.nvrx.staging import StagedPool, tensors_of
 from quicksave.errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
-from quicksave.format import DCP_METADATA_NAME
 from quicksave.format.manifest import RankPlan
 from quicksave.saving.plan import RankLayout
 from quicksave.storage.location import Location
@@ -280,16 +279,8 @@ def expected_files(layouts: tuple[Any, ...]) -> set[str]:
     return {f.name for lay in layouts for f in lay.files}
 
 
-def failed_save_names(
-    strategy: CommitStrategy, location: Location, layouts: tuple[Any, ...]
-) -> list[str]:
+def failed_save_names(layouts: tuple[Any, ...]) -> list[str]:
     """What a failed save of ``layouts`` may have left under its staging, for
-    :meth:`CommitStrategy.discard`: every rank's data files, part and error part, and
-    the ``.metadata`` a failed commit wrote before it checked the files, unless a
-    checkpoint is committed at ``location`` (then it is that checkpoint's: never
-    another save's commit)."""
-    names = sorted(expected_files(layouts)) + rank_member_names(len(layouts))
-    with contextlib.suppress(Exception):  # best effort, as the discard itself
-        if strategy.classify(location) not in COMMITTED:
-            names.append(DCP_METADATA_NAME)
-    return names
+    :meth:`CommitStrategy.discard` (which also takes an interrupted commit's
+    ``.metadata``): every rank's data files, part and error part."""
+    return sorted(expected_files(layouts)) + rank_member_names(len(layouts))
