@@ -322,3 +322,12 @@ def test_eio_is_reported(root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
         e = _disk_error_case(saver, root, 2)
     assert "EIO (Input/output error)" in str(e)
     assert str(root / "big.tmp-") in str(e) and e.rank == 0
+
+
+def test_a_state_without_tensors_commits(tmp_path: Path) -> None:
+    """No data file to write: the job still prepares its temporary directory for the
+    commit's ``.metadata`` and manifest."""
+    with AsyncSaver(EngineConfig(mode="thread")) as saver:
+        saver.save({"step": 5, "tag": "no tensors"}, tmp_path / "ckpt", step=5).wait()
+    assert sorted(os.listdir(tmp_path)) == ["ckpt"]
+    assert quicksave.load_state(tmp_path / "ckpt") == {"step": 5, "tag": "no tensors"}

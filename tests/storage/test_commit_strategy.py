@@ -119,3 +119,26 @@ def test_replace_only_where_it_is_atomic(where) -> None:
     )
     assert s.backend.get(s.member_key(loc.key, DATA), 100) == b"9876543210"
     assert s.committed(loc.parent()) == {"ckpt": CheckpointKind.QUICKSAVE}
+
+
+def test_a_discard_never_touches_a_committed_checkpoint(where) -> None:
+    """A save whose manifest landed but whose reply was lost (or another writer's
+    commit at the same name): the failed save's discard must leave it whole."""
+    s, loc = where
+    staging = s.begin(loc, "gggggggggggg")
+    _write_data(s, staging)
+    s.commit(staging, loc, {DCP_METADATA_NAME: b"m", MANIFEST_NAME: b"{}"}, {DATA: 10})
+    s.discard(staging, [DATA])
+    assert s.classify(loc) is CheckpointKind.QUICKSAVE
+    assert s.backend.get(s.member_key(loc.key, DATA), 100) == b"0123456789"
+
+
+def test_abandon_removes_only_a_staging_of_its_own(where) -> None:
+    """From the trainer side, after its writer died: a temporary directory is this
+    save's alone; a store's prefix may still be committed by another rank's writer."""
+    s, loc = where
+    staging = s.begin(loc, "hhhhhhhhhhhh")
+    _write_data(s, staging)
+    s.abandon(staging, [DATA])
+    left = s.backend.stat(s.member_key(staging, DATA)) is not None
+    assert left is s.writes_in_place

@@ -90,7 +90,8 @@ class ManifestLastCommit(CommitStrategy):
             rank=rank,
         )
 
-    def staging(self, loc: Location, token: str) -> str:
+    @classmethod
+    def staging(cls, loc: Location, token: str) -> str:
         return loc.key  # the objects go straight under the checkpoint's prefix
 
     def member_key(self, staging: str, name: str) -> str:
@@ -130,21 +131,26 @@ class ManifestLastCommit(CommitStrategy):
                 written.append(key)
             self.backend.put(join(staging, last), memoryview(last_data))
         except BaseException:
-            with contextlib.suppress(Exception):
-                self.backend.delete(written)
+            with contextlib.suppress(Exception):  # unless the manifest landed after all
+                if self.backend.stat(join(staging, last)) is None:
+                    self.backend.delete(written)
             raise
 
     def discard(self, staging: str, names: Iterable[str]) -> None:
-        """Delete the named objects, and the ``.metadata`` a commit interrupted before
-        its manifest wrote, unless a manifest is there (best effort: objects without a
-        manifest are invisible, and the lease holder's clean-up takes what stays; but a
-        ``.metadata`` alone under a prefix would read as a stock DCP checkpoint)."""
-        keys = [join(staging, n) for n in names]
+        """Delete the named objects and the ``.metadata`` of a commit interrupted before
+        its manifest — but nothing at all where a manifest is there: then the prefix
+        holds a committed checkpoint (this save's, if only its reply was lost, or
+        another writer's), and its objects are not ours to delete. Best effort: objects
+        without a manifest are invisible, and the lease holder's clean-up takes what
+        stays; a ``.metadata`` alone, though, would read as a stock DCP checkpoint."""
         with contextlib.suppress(Exception):
-            if self.backend.stat(join(staging, MANIFEST_NAME)) is None:
-                keys.append(join(staging, DCP_METADATA_NAME))
-        with contextlib.suppress(Exception):
-            self.backend.delete(keys)
+            if self.backend.stat(join(staging, MANIFEST_NAME)) is not None:
+                return
+            self.backend.delete([join(staging, n) for n in (*names, DCP_METADATA_NAME)])
+
+    def abandon(self, staging: str, names: Iterable[str]) -> None:
+        """Nothing: the prefix is the checkpoint's own, and another rank's writer may
+        still commit it; the lease holder's clean-up takes what stays."""
 
     def _exists(self, loc: Location) -> bool:
         return self.backend.stat(loc.key) is not None or bool(self.backend.children(loc.key))
@@ -162,10 +168,13 @@ class ManifestLastCommit(CommitStrategy):
                 names = build(path)
             except OSError as e:
                 raise CheckpointError(f"cannot write {what}: {e}", path=loc.url) from e
-            if names is None:
-                outputs.upload_file(self.backend, loc.key, path)
-            else:
-                outputs.upload_dir(self.backend, loc.key, loc.url, path, names)
+            try:
+                if names is None:
+                    outputs.upload_file(self.backend, loc.key, path)
+                else:
+                    outputs.upload_dir(self.backend, loc.key, loc.url, path, names)
+            except OSError as e:  # reading the scratch copy back
+                raise CheckpointError(f"cannot write {what}: {e}", path=loc.url) from e
 
     def create_folder(self, folder: Location, rank: int | None) -> None:
         """Nothing needs creating; the folder is listed at once, so that a missing

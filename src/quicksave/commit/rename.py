@@ -10,6 +10,7 @@ quarantine are renames too, so nothing is ever half-deleted under a committed na
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 from collections.abc import Callable, Collection, Iterable, Mapping
@@ -74,7 +75,8 @@ class RenameCommit(CommitStrategy):
             rank=rank,
         )
 
-    def staging(self, loc: Location, token: str) -> str:
+    @classmethod
+    def staging(cls, loc: Location, token: str) -> str:
         return files.temp_path_for(loc.key, token)
 
     def begin(self, loc: Location, token: str, *, replace: bool = False) -> str:
@@ -92,8 +94,11 @@ class RenameCommit(CommitStrategy):
         try:
             os.makedirs(staging, exist_ok=True)
         except OSError as e:
+            name = errno.errorcode.get(e.errno or 0, "EIO")
             raise CheckpointError(
-                f"cannot create the temporary directory: {e.strerror}", path=staging
+                f"cannot create the temporary directory: {name} ({e.strerror})",
+                path=staging,
+                rank=getattr(self.backend, "rank", None),
             ) from e
 
     def prune_staging(self, staging: str, keep: Collection[str]) -> None:
@@ -130,7 +135,7 @@ class RenameCommit(CommitStrategy):
     def write_member(self, staging: str, name: str, data: bytes, *, fsync: bool = True) -> str:
         """A temporary name, fsync, rename, fsync of the directory."""
         path = os.path.join(staging, name)
-        partial = path + ".writing"
+        partial = f"{path}.{new_token()}.writing"  # never one a crashed attempt left
         if fsync:
             files.write_durable(partial, data)
         else:

@@ -182,10 +182,12 @@ class CommitStrategy(abc.ABC):
         """Raise unless what is at ``loc``, neither missing nor committed, may be
         written over (an empty directory may)."""
 
+    @classmethod
     @abc.abstractmethod
-    def staging(self, loc: Location, token: str) -> str:
+    def staging(cls, loc: Location, token: str) -> str:
         """The key the data files of the save ``token`` at ``loc`` are written under
-        (nothing is created)."""
+        (nothing is created, nothing opened: ``strategy_class(loc).staging(...)`` works
+        without a backend)."""
 
     def begin(self, loc: Location, token: str, *, replace: bool = False) -> str:
         """Check the target and prepare :meth:`staging` for writing; return its key."""
@@ -298,6 +300,13 @@ class CommitStrategy(abc.ABC):
             CheckpointError: writing failed (``what`` names the output); nothing is
                 left at ``loc``.
         """
+
+    def abandon(self, staging: str, names: Iterable[str]) -> None:
+        """Remove what a save whose writer died left, from the trainer side, without
+        knowing whether another rank's writer still commits it: where the staging is
+        this save's own (a temporary directory) as :meth:`discard`; where it is the
+        checkpoint's key, nothing (clean-up takes it later)."""
+        self.discard(staging, names)
 
     # -- a folder of checkpoints ---------------------------------------------------
 

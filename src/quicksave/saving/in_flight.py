@@ -97,7 +97,7 @@ class InFlightSaves:
             self.dist.worker_failed(fl.token, why)  # the others stop waiting for us
             self.lost[fl.token] = fl.handle.started + self.dist.outcome_wait_s
         else:  # the dead writer's partial files: nobody else will remove them
-            fl.strategy.discard(fl.staging, fl.names)
+            fl.strategy.abandon(fl.staging, fl.names)
 
     def fail_all(self, err: BaseException) -> None:
         """The worker is gone: fail every save in flight; ``err`` is reported once."""
@@ -162,7 +162,7 @@ class InFlightSaves:
                     None,
                 )
                 continue
-            fl.strategy.discard(fl.staging, fl.names)
+            fl.strategy.abandon(fl.staging, fl.names)
             fl.handle._finish(
                 None,
                 CheckpointError(

@@ -102,8 +102,9 @@ class LocalBackend:
         self, key: str, image: memoryview, size: int, ranges: Sequence[Range]
     ) -> dict[str, str]:
         """``put`` of ``image[:size]`` where ``image`` extends to a page boundary past
-        ``size`` (a staging pool's file image), so that ``O_DIRECT`` writes whole pages."""
-        self._make_parent(key)
+        ``size`` (a staging pool's file image), so that ``O_DIRECT`` writes whole pages.
+        The directory must exist (the job's commit strategy prepared it): a writer late
+        after a discard must not create it again."""
         return write_image(
             key,
             image,

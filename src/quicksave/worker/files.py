@@ -49,6 +49,7 @@ def write_files(
     under the checkpoint's prefix); return the xxh3-64 of every chunk (safetensors key ->
     hex): those the trainer hashed while staging (``job.digests``), the others computed
     while writing. Adds the writer threads' CPU and the bytes hashed to ``usage``."""
+    strategy_for(backend).prepare_staging(job.tmp_dir)  # also with no file: parts, commit
 
     def one(f: FileJob) -> tuple[dict[str, str], float]:
         cpu0 = time.thread_time()

@@ -352,11 +352,7 @@ class FileSystemWriterAsync(NvrxDataPath, StorageWriter, FileSystemWriter):
                 path=self.path,
                 rank=self.rank,
             )
-        self.tmp_dir = temp_dir_for(
-            self.strategy(), self.location, rank_plan.plan_id, self.save_index
-        )
-        if not self.is_coordinator:
-            self.close()  # its worker writes through its own; only the coordinator commits
+        self.tmp_dir = temp_dir_for(self.location, rank_plan.plan_id, self.save_index)
         sources: dict[str, torch.Tensor] = {}
         objects: dict[str, Any] = {}
         byte_items: dict[str, bytes] = {}

@@ -33,7 +33,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 
 from quicksave.adapters.dcp_writer import _ChunkWritten, _ObjectWritten
 from quicksave.checksum import hexdigest
-from quicksave.commit import CommitStrategy, parts, strategy_for
+from quicksave.commit import CommitStrategy, parts, strategy_class, strategy_for
 from quicksave.compat.nvrx.staging import StagedPool, tensors_of
 from quicksave.errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
 from quicksave.format.manifest import RankPlan
@@ -96,14 +96,13 @@ def rank_member_names(world_size: int) -> list[str]:
     return [n for r in range(world_size) for n in rank_members(r)]
 
 
-def temp_dir_for(
-    strategy: CommitStrategy, location: Location, plan_id: str, save_index: int
-) -> str:
+def temp_dir_for(location: Location, plan_id: str, save_index: int) -> str:
     """The staging key of save number ``save_index`` of plan ``plan_id`` at ``location``
-    (:meth:`CommitStrategy.staging`): a pure function of what every rank knows, so no
-    rank needs to be told."""
+    (:meth:`CommitStrategy.staging`, without opening anything): a pure function of what
+    every rank knows, so no rank needs to be told."""
     key = f"{plan_id}|{location.url}|{save_index}".encode()
-    return strategy.staging(location, hexdigest(xxhash.xxh3_64_intdigest(key))[:12])
+    token = hexdigest(xxhash.xxh3_64_intdigest(key))[:12]
+    return strategy_class(location).staging(location, token)
 
 
 def worker_strategy(location: Location, fsync: bool, rank: int) -> CommitStrategy:
