@@ -145,3 +145,25 @@ def test_bad_arguments(tmp_path, capsys) -> None:
     assert main(["--training", "--build", "hot", "--dir", str(tmp_path)]) == 2
     assert "unknown build 'hot'; known: cold, warm" in capsys.readouterr().err
     assert os.listdir(tmp_path) == []
+
+
+def test_a_baseline_runs_every_quicksave_method_twice_with_its_own_package(tmp_path) -> None:
+    from quicksave_tools.bench.training import _baseline_env
+
+    src = os.path.join(os.path.dirname(__file__), "..", "..", "src")
+    config = TrainingBenchConfig(
+        shapes=("mlp",), repeats=1, methods=("torch.save", "quicksave-process"), baseline=src
+    )
+    runs = [m for _, m in schedule(config)]
+    assert runs.count("quicksave-process@baseline") == 1
+    assert runs.count("quicksave-process") == 1 and "torch.save@baseline" not in runs
+    env = _baseline_env(config, str(tmp_path))
+    first = env["PYTHONPATH"].split(os.pathsep)[0]
+    assert os.listdir(first) == ["quicksave"]  # the baseline's package, and only it, first
+    assert os.path.samefile(os.path.join(first, "quicksave"), os.path.join(src, "quicksave"))
+
+
+def test_a_baseline_without_a_package_is_refused(tmp_path, capsys) -> None:
+    rc = main(["--training", "--quick", "--baseline", str(tmp_path), "--dir", str(tmp_path)])
+    assert rc == 2
+    assert "holds no quicksave package" in capsys.readouterr().err

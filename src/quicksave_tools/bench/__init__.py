@@ -21,10 +21,22 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-
-from quicksave_tools.bench.throughput import BenchConfig, format_report, run_benchmark
+from typing import Any
 
 __all__ = ["BenchConfig", "build_parser", "format_report", "main", "run_benchmark"]
+
+# The throughput benchmark's names, imported when first asked for: a training run's child
+# process imports this package too, and with ``--baseline`` its quicksave is another
+# version, which the throughput benchmark's imports need not fit.
+_THROUGHPUT = ("BenchConfig", "format_report", "run_benchmark")
+
+
+def __getattr__(name: str) -> Any:
+    if name in _THROUGHPUT:
+        from quicksave_tools.bench import throughput
+
+        return getattr(throughput, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -92,6 +104,8 @@ def main(argv: list[str] | None = None) -> int:
 
         argv.remove("--training")
         return training_main(argv)
+    from quicksave_tools.bench.throughput import BenchConfig, format_report, run_benchmark
+
     args = build_parser().parse_args(argv)
     config = BenchConfig(args.size_mib, args.repeats, args.dir, args.cold, args.seed)
     try:

@@ -11,12 +11,17 @@ import os
 import torch
 import torch.distributed.checkpoint as dcp
 
-from quicksave.checksum import tensor_view
-
 PIECE = 64 << 20  # bytes per raw read/write syscall
 
 
 # ----------------------------------------------------------------------- state dict
+def tensor_view(t: torch.Tensor) -> memoryview:
+    """A writable memoryview of a contiguous CPU tensor's bytes. The harness's own, not
+    the library's: ``bench --training --baseline`` runs it against other versions of
+    quicksave, whose internals differ."""
+    return memoryview(t.detach().reshape(-1).view(torch.uint8).numpy())
+
+
 def tensor_specs(total_bytes: int) -> list[tuple[str, torch.dtype, int]]:
     """Names, dtypes and byte sizes of a state dict shaped like a real model's.
 
