@@ -268,3 +268,23 @@ def assemble(
         if name is not None:
             ranges.append((name, offset, len(view)))
     return image, ranges
+
+
+class AssembledWrites:
+    """``put_padded`` and ``put_pieces`` of a store, through its own ``put``: the object
+    is sent from the image's first ``size`` bytes, or assembled in memory first
+    (:func:`assemble`). A store backend derives from it and defines ``put``."""
+
+    def put(self, key: str, data: memoryview, *, ranges: Sequence[Range] = ()) -> dict[str, str]:
+        raise NotImplementedError
+
+    def put_padded(
+        self, key: str, image: memoryview, size: int, ranges: Sequence[Range]
+    ) -> dict[str, str]:
+        return self.put(key, image[:size], ranges=ranges)
+
+    def put_pieces(
+        self, key: str, size: int, pieces: Iterable[tuple[str | None, int, memoryview]]
+    ) -> dict[str, str]:
+        image, ranges = assemble(size, pieces)
+        return self.put(key, image, ranges=ranges)

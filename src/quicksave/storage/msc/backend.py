@@ -23,10 +23,10 @@ import xxhash
 from quicksave.checksum import hexdigest
 from quicksave.errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
 from quicksave.storage.backend import (
+    AssembledWrites,
     ObjectInfo,
     Range,
     StorageOptions,
-    assemble,
     byte_view,
     check_ranges,
     hash_ranges,
@@ -99,7 +99,7 @@ class _ViewReader(io.RawIOBase):
         return len(self._view)
 
 
-class MscBackend:
+class MscBackend(AssembledWrites):
     """One MSC profile as a quicksave storage backend (see the module docstring).
 
     Args:
@@ -152,17 +152,6 @@ class MscBackend:
 
     def url(self, key: str) -> str:
         return profile_url(self.profile, key)
-
-    def put_padded(
-        self, key: str, image: memoryview, size: int, ranges: Sequence[Range]
-    ) -> dict[str, str]:
-        return self.put(key, image[:size], ranges=ranges)
-
-    def put_pieces(
-        self, key: str, size: int, pieces: Iterable[tuple[str | None, int, memoryview]]
-    ) -> dict[str, str]:
-        image, ranges = assemble(size, pieces)
-        return self.put(key, image, ranges=ranges)
 
     def put(self, key: str, data: memoryview, *, ranges: Sequence[Range] = ()) -> dict[str, str]:
         """Store ``data`` as ``key`` (whole or not at all) and return the xxh3-64 of every

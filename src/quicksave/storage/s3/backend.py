@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 from quicksave.errors import CheckpointError
-from quicksave.storage.backend import ObjectInfo, Range, S3Options, assemble
+from quicksave.storage.backend import AssembledWrites, ObjectInfo, Range, S3Options
 from quicksave.storage.retry import RetryPolicy
 from quicksave.storage.s3 import download, listing, upload
 from quicksave.storage.s3.client import make_client
@@ -25,7 +25,7 @@ from quicksave.storage.s3.requests import S3Requests
 from quicksave.storage.transfer_pool import TransferPool
 
 
-class S3Backend:
+class S3Backend(AssembledWrites):
     """The :class:`~quicksave.storage.backend.Backend` of one S3 bucket.
 
     Args:
@@ -87,17 +87,6 @@ class S3Backend:
         return f"S3Backend(bucket={self.bucket!r}, endpoint_url={self.endpoint_url!r})"
 
     # ----------------------------------------------------------------- objects
-
-    def put_padded(
-        self, key: str, image: memoryview, size: int, ranges: Sequence[Range]
-    ) -> dict[str, str]:
-        return self.put(key, image[:size], ranges=ranges)
-
-    def put_pieces(
-        self, key: str, size: int, pieces: Iterable[tuple[str | None, int, memoryview]]
-    ) -> dict[str, str]:
-        image, ranges = assemble(size, pieces)
-        return self.put(key, image, ranges=ranges)
 
     def put(self, key: str, data: memoryview, *, ranges: Sequence[Range] = ()) -> dict[str, str]:
         return upload.put(self._requests, self._pool, self.part_size, key, data, ranges)
