@@ -6,10 +6,8 @@ gathering, :mod:`.manifest_reader` reads the commit record back.
 """
 
 from quicksave.commit.choose import (
-    check_target,
     classify,
     open_strategy,
-    opened_strategy,
     strategy_class,
     strategy_for,
 )
@@ -31,7 +29,6 @@ __all__ = [
     "TMP_MARK",
     "CheckpointKind",
     "CommitStrategy",
-    "check_target",
     "classify",
     "final_name",
     "is_temp_name",
@@ -39,7 +36,6 @@ __all__ = [
     "metadata_has_footer",
     "new_token",
     "open_strategy",
-    "opened_strategy",
     "strategy_class",
     "strategy_for",
 ]

@@ -34,35 +34,14 @@ def open_strategy(
 ) -> Iterator[CommitStrategy]:
     """The strategy of ``location`` for a ``with`` block: through ``backend`` if given
     (a caller's, kept open), else through one opened for the block and closed after."""
-    s = opened_strategy(location, backend, rank=rank)
+    if backend is not None:
+        s = strategy_for(backend)
+    else:
+        s = strategy_for(parse_location(location).open(rank=rank), owned=True)
     try:
         yield s
     finally:
         s.close()
-
-
-def opened_strategy(
-    location: str | Location, backend: Backend | None = None, *, rank: int = 0
-) -> CommitStrategy:
-    """The strategy of ``location``; it owns (and its ``close`` closes) a backend it
-    opened, never ``backend``."""
-    if backend is not None:
-        return strategy_for(backend)
-    return strategy_for(parse_location(location).open(rank=rank), owned=True)
-
-
-def check_target(
-    final: str | Location,
-    rank: int | None = None,
-    backend: Backend | None = None,
-    *,
-    replace: bool = False,
-) -> None:
-    """:meth:`CommitStrategy.check_target` at ``final`` through ``backend`` (default:
-    one opened for the call)."""
-    loc = parse_location(final)
-    with open_strategy(loc, backend) as s:
-        s.check_target(loc, rank, replace=replace)
 
 
 def classify(path: str | Location, backend: Backend | None = None) -> CheckpointKind:

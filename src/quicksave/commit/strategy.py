@@ -124,12 +124,12 @@ class CommitStrategy(abc.ABC):
         """What ``loc`` is (:class:`CheckpointKind`), from the names under it."""
 
     @abc.abstractmethod
-    def committed(self, folder: Location) -> dict[str, CheckpointKind]:
-        """The committed checkpoints directly under ``folder``: name -> kind (quicksave
-        or stock DCP). What vanishes while listed is simply not listed."""
-
-    def url(self, loc: Location) -> str:
-        return loc.url
+    def committed(
+        self, folder: Location, match: Callable[[str], bool] | None = None
+    ) -> dict[str, CheckpointKind]:
+        """The committed checkpoints directly under ``folder`` whose names ``match``
+        (default: all): name -> kind (quicksave or stock DCP). What vanishes while listed
+        is simply not listed."""
 
     # -- one save ------------------------------------------------------------------
 
