@@ -300,11 +300,11 @@ class AsyncSaver:
             handle,
             slot,
             sum(f.size for f in plan.layout.files),
+            loc,
             strategy,
             staging,
             tuple(f.name for f in job.files),
             planned.token if planned.dist is not None else "",
-            loc,
             overwrite,
         )
         self._flights.add(job.job_id, fl)

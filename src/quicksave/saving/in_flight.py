@@ -23,7 +23,7 @@ from quicksave.errors import CheckpointError
 from quicksave.ranks.saving import DistSaving
 from quicksave.saving.handle import SaveHandle, SaveResult
 from quicksave.saving.slots import Slot
-from quicksave.storage import Location, parse_location
+from quicksave.storage import Location
 from quicksave.worker.calls import CallResult
 from quicksave.worker.job import JobResult
 
@@ -37,11 +37,11 @@ class InFlight:
     handle: SaveHandle
     slot: Slot
     bytes: int
+    location: Location  # where it commits
     strategy: CommitStrategy  # of its location: removes what a dead writer left
     staging: str  # where its files are written (the strategy's staging key)
     names: tuple[str, ...]  # the files this rank writes
     token: str = ""  # multi-rank: the save's commit records (see ranks/records.py)
-    location: Location | None = None  # where it commits
     replace: bool = False  # overwrite: a committed checkpoint was there before the save
 
 
@@ -150,9 +150,8 @@ class InFlightSaves:
         for job_id, fl in list(self.jobs.items()):
             del self.jobs[job_id]
             fl.slot.busy = None
-            where = fl.location if fl.location is not None else parse_location(fl.handle.path)
             # With overwrite a checkpoint was there before: its presence proves nothing.
-            if not fl.replace and fl.strategy.classify(where) is CheckpointKind.QUICKSAVE:
+            if not fl.replace and fl.strategy.classify(fl.location) is CheckpointKind.QUICKSAVE:
                 h = fl.handle  # committed just before the writer stopped
                 durable = time.monotonic() - h.started
                 h._finish(
