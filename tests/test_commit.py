@@ -25,6 +25,7 @@ from quicksave.commit import CheckpointKind, classify, is_temp_name
 from quicksave.commit import files as commit
 from quicksave.commit.files import clean_stale_temporaries
 from quicksave.commit.strategy import EXISTS_REPLACEABLE
+from quicksave.storage import posix_io
 from quicksave.worker import persist
 
 HELPERS = Path(__file__).parent / "helpers"
@@ -176,7 +177,7 @@ def test_failure_while_committing_leaves_nothing(ckpt: Path, monkeypatch, target
     def boom(*args, **kwargs):
         raise OSError(errno.EIO, "Input/output error")
 
-    monkeypatch.setattr(commit, target, boom)
+    monkeypatch.setattr(posix_io if target == "write_durable" else commit, target, boom)
     with pytest.raises(quicksave.CheckpointError) as info:
         quicksave.save(_state(), ckpt)
     assert "Input/output error" in info.value.message and info.value.rank == 0

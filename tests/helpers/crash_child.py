@@ -25,6 +25,7 @@ import torch
 import quicksave
 from quicksave.commit import files as commit
 from quicksave.commit import rename
+from quicksave.storage import posix_io
 
 NUMEL = 256 * 1024  # 1 MiB per float32 tensor
 
@@ -49,14 +50,14 @@ def _die(*_args, **_kwargs):
 
 def _arm(crash_point: str) -> None:
     if crash_point == "before-manifest":
-        real_write = commit.write_durable
+        real_write = posix_io.write_durable
 
         def write_durable(path: str, data: bytes) -> None:
             if path.endswith("manifest.json"):
                 _die()
             real_write(path, data)
 
-        commit.write_durable = write_durable
+        posix_io.write_durable = write_durable
     elif crash_point == "before-rename":
         commit.publish = _die
     elif crash_point == "after-rename":
@@ -67,7 +68,8 @@ def _arm(crash_point: str) -> None:
             _die()
 
         commit.publish = publish
-    assert rename.files is commit  # the rename commit looks these up at call time
+    # the rename commit looks these up at call time
+    assert rename.files is commit and rename.posix_io is posix_io
 
 
 def _saver(root: str, first: int, crash_point: str) -> None:

@@ -52,18 +52,6 @@ def fsync_path(path: str) -> None:
         os.close(fd)
 
 
-def write_durable(path: str, data: bytes) -> None:
-    """Create ``path`` (must not exist), write ``data`` and fsync it."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644)
-    try:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view) :]
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def check_whole(tmp: str, expected: Mapping[str, int], final: str) -> None:
     """Raise unless every file of ``expected`` (name -> byte size) is in ``tmp`` as a
     regular file of that size: the last check before a commit, so that a temporary

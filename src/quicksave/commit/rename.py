@@ -19,6 +19,7 @@ from quicksave.commit import files, outputs
 from quicksave.commit.kinds import COMMITTED, CheckpointKind, kind_of, new_token
 from quicksave.commit.strategy import CommitStrategy, metadata_has_footer
 from quicksave.errors import CheckpointError, CheckpointExistsError
+from quicksave.storage import posix_io
 from quicksave.storage.location import Location
 
 
@@ -137,7 +138,7 @@ class RenameCommit(CommitStrategy):
         path = os.path.join(staging, name)
         partial = f"{path}.{new_token()}.writing"  # never one a crashed attempt left
         if fsync:
-            files.write_durable(partial, data)
+            posix_io.write_durable(partial, data)
         else:
             with open(partial, "wb") as f:
                 f.write(data)
@@ -160,7 +161,7 @@ class RenameCommit(CommitStrategy):
         :func:`~quicksave.commit.files.publish`)."""
         whole = dict(expected)
         for name, data in members.items():
-            files.write_durable(os.path.join(staging, name), data)
+            posix_io.write_durable(os.path.join(staging, name), data)
             whole[name] = len(data)
         exchange = replace and self.classify(loc) in COMMITTED
         files.publish(staging, loc.key, whole, replace=exchange)

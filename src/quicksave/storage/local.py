@@ -25,7 +25,7 @@ import xxhash
 from quicksave.checksum import hexdigest
 from quicksave.errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
 from quicksave.storage.backend import ObjectInfo, Range, byte_view
-from quicksave.storage.posix_io import os_error, write_image, write_pieces
+from quicksave.storage.posix_io import os_error, write_durable, write_image, write_pieces
 from quicksave.storage.safeio import open_regular, read_regular
 
 # errnos of a filesystem without flock or hard links: no conditional writes there
@@ -203,14 +203,7 @@ class LocalBackend:
         directory, name = os.path.split(key)
         spare = os.path.join(directory, f".{name}.put-{secrets.token_hex(8)}")
         try:
-            fd = os.open(spare, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
-            try:
-                view = memoryview(body)
-                while view:
-                    view = view[os.write(fd, view) :]
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+            write_durable(spare, body)
             if if_match is None:
                 try:
                     os.link(spare, key)

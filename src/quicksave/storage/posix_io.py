@@ -23,6 +23,18 @@ def os_error(e: OSError, path: str, rank: int) -> CheckpointError:
     )
 
 
+def write_durable(path: str, data: bytes) -> None:
+    """Create ``path`` (must not exist), write ``data`` and fsync it."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view) :]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def write_image(
     path: str,
     image: memoryview,
