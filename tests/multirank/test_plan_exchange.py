@@ -67,7 +67,8 @@ def _rank_plan_saves(rank: int, world_size: int, seed_manifest: bytes) -> dict[s
     from quicksave.errors import CheckpointError, IncompatibleStateError
     from quicksave.format.manifest import from_json_bytes
     from quicksave.ranks.exchange import plan_save
-    from quicksave.saving.rank_plans import PlanCache
+    from quicksave.saving.plan_cache import PlanCache
+    from quicksave.saving.rank_plans import seeded_cache
 
     log = CollectiveLog().install()
     out: dict[str, Any] = {}
@@ -98,10 +99,10 @@ def _rank_plan_saves(rank: int, world_size: int, seed_manifest: bytes) -> dict[s
         out["refused"] = {"error": "checkpoint", "message": str(e), "counted": len(log) - before}
     step("after_refusal", _state(rank, 1), cache)
 
-    seeded = PlanCache.from_manifest(from_json_bytes(seed_manifest))
+    seeded = seeded_cache(from_json_bytes(seed_manifest))
     step("restart", _state(rank, 1), seeded)
     step("restart_steady", _state(rank, 1), seeded)
-    reseeded = PlanCache.from_manifest(from_json_bytes(seed_manifest))
+    reseeded = seeded_cache(from_json_bytes(seed_manifest))
     step("restart_changed", _state(rank, 0), reseeded)
     return out
 
@@ -198,7 +199,8 @@ def _rank_dtensor_plans(rank: int, world_size: int) -> dict[str, Any]:
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
     from quicksave.ranks.exchange import plan_save
-    from quicksave.saving.rank_plans import PlanCache, collect_local
+    from quicksave.saving.plan_cache import PlanCache
+    from quicksave.saving.rank_plans import collect_local
 
     flat = init_device_mesh("cpu", (world_size,))
     grid = init_device_mesh("cpu", (2, world_size // 2))

@@ -14,12 +14,13 @@ from quicksave.format.manifest import from_json_bytes, to_json_bytes
 from quicksave.saving.plan import ItemSpec
 from quicksave.saving.rank_plans import (
     LocalPlan,
-    PlanCache,
     collect_local,
     delta,
     global_plan,
     local_plan,
     plan_key,
+    reusable_key,
+    seeded_cache,
 )
 
 
@@ -202,14 +203,14 @@ def test_cache_seeded_from_a_manifest_round_trip() -> None:
     plans = [local_plan(sd, r) for r, sd in enumerate(sds)]
     gp = global_plan(plans, thread_count=2)
     loaded = from_json_bytes(committed_json(gp.skeleton))
-    cache = PlanCache.from_manifest(loaded)
+    cache = seeded_cache(loaded)
     assert cache.seed is not None
     assert [p.key for p in cache.seed] == [p.key for p in plans]
     assert cache.seed == tuple(plans)
     ctx = (4, 0, 2)
-    assert cache.hit_key(plans[2], 2, ctx) == gp.key
-    assert cache.hit_key(local_plan({"other": torch.ones(1)}, 2), 2, ctx) is None
-    assert cache.hit_key(plans[2], 2, (5, 0, 2)) is None  # another world size
+    assert reusable_key(cache, plans[2], 2, ctx) == gp.key
+    assert reusable_key(cache, local_plan({"other": torch.ones(1)}, 2), 2, ctx) is None
+    assert reusable_key(cache, plans[2], 2, (5, 0, 2)) is None  # another world size
     # A manifest without plans seeds nothing.
     bare = dataclasses.replace(loaded, plans=None)
-    assert PlanCache.from_manifest(bare).seed is None
+    assert seeded_cache(bare).seed is None

@@ -110,7 +110,8 @@ def _state(rank: int, pos: int) -> dict[str, Any]:
 def _rank_vote(rank: int, world_size: int, seed_manifest: bytes) -> dict[str, Any]:
     from quicksave.format.manifest import from_json_bytes
     from quicksave.ranks.exchange import plan_save
-    from quicksave.saving.rank_plans import PlanCache
+    from quicksave.saving.plan_cache import PlanCache
+    from quicksave.saving.rank_plans import seeded_cache
 
     log = CollectiveLog().install()
     out: dict[str, Any] = {}
@@ -130,7 +131,7 @@ def _rank_vote(rank: int, world_size: int, seed_manifest: bytes) -> dict[str, An
     save("after", 12, cache)  # the error cleared the cache: a miss, then fine
     save("again", 13, cache)
     save("miss_differ", 30 + rank, PlanCache())  # a miss whose copies differ
-    seeded = PlanCache.from_manifest(from_json_bytes(seed_manifest))
+    seeded = seeded_cache(from_json_bytes(seed_manifest))
     save("seeded_differ", 40 + rank, seeded)  # a hit on the checkpoint's plans
     return out
 
@@ -163,7 +164,7 @@ def _uniform(rank: int, pos: int) -> dict[str, Any]:
 
 def _rank_uniform(rank: int, world_size: int) -> list[int]:
     from quicksave.ranks.exchange import plan_save
-    from quicksave.saving.rank_plans import PlanCache
+    from quicksave.saving.plan_cache import PlanCache
 
     log = CollectiveLog().install()
     cache = PlanCache()

@@ -22,7 +22,7 @@ Call order (every rank of ``group``, once per save, same order everywhere):
 
 Example::
 
-    cache = PlanCache()
+    cache = PlanCache()  # saving/plan_cache.py
     planned = plan_save(state_dict, cache, group, 0, rank, world_size, thread_count=2)
     planned.layout       # what this rank writes
     planned.token        # same on every rank, new for every save
@@ -49,13 +49,16 @@ from quicksave.ranks.replicas import (
     shared_keys,
 )
 from quicksave.saving.plan import RankLayout
+from quicksave.saving.plan_cache import PlanCache
 from quicksave.saving.rank_plans import (
     GlobalPlan,
     LocalPlan,
     LocalState,
-    PlanCache,
+    RankShare,
+    base_plans,
     collect_local,
     global_plan,
+    reusable_key,
 )
 
 __all__ = [
@@ -184,7 +187,7 @@ def agree_save(
 
 def exchange_plans(
     local: LocalPlan,
-    cache: PlanCache,
+    cache: PlanCache[RankShare],
     group: Any,
     coordinator: int,
     *,
@@ -238,11 +241,11 @@ def exchange_plans(
 
 
 def _coordinate(
-    gathered: list, cache: PlanCache, world_size: int, thread_count: int
+    gathered: list, cache: PlanCache[RankShare], world_size: int, thread_count: int
 ) -> tuple[list, GlobalPlan | None]:
     """Coordinator: merge sent plans with known ones, plan, compare the ranks' copies
     of shared entries; one reply per rank."""
-    base = cache.base_plans()
+    base = base_plans(cache)
     if base is not None and len(base) != world_size:
         base = None
     merged: list[LocalPlan] = []
@@ -273,7 +276,7 @@ def _coordinate(
 
 def plan_save(
     state_dict: Mapping[str, Any],
-    cache: PlanCache,
+    cache: PlanCache[RankShare],
     group: Any,
     coordinator: int,
     rank: int,
@@ -323,7 +326,7 @@ def plan_save(
     if go:
         try:
             state = collect_local(state_dict, rank)
-            hit_key = cache.hit_key(state.plan, rank, context)
+            hit_key = reusable_key(cache, state.plan, rank, context)
             if hit_key is not None:
                 shared = _shared_on_hit(cache, hit_key, rank)
                 copies = local_copies(state, shared, describe=False)
@@ -376,12 +379,12 @@ def plan_save(
 
     if agreed.reuse and agreed.same_copies:
         cache.hits += 1
-        if cache.key != hit_key:  # a seeded hit: lay out the restored plans, no exchange
-            _adopt_seed(cache, rank, coordinator, thread_count)
-        cache.local, cache.context = local, context
-        assert cache.layout is not None and cache.key is not None
+        share = cache.share
+        if share is None or share.key != hit_key:  # a seeded hit: lay out the restored plans
+            share = _adopt_seed(cache, local, context, rank, coordinator)
+        cache.local = local
         skeleton = cache.plan.skeleton if rank == coordinator and cache.plan else None
-        return planned(cache.layout, cache.objects, skeleton, cache.key, votes)
+        return planned(share.layout, share.objects, skeleton, share.key, votes)
     if hit_key is not None:
         # This rank voted digests of its shared entries only. Either some rank's plan
         # changed (send every entry that may be shared now), or the plans are unchanged
@@ -410,27 +413,35 @@ def plan_save(
     except (RuntimeError, ValueError) as e:
         cache.clear()
         raise _collective_error(e, rank, "the save-planning exchange") from e
-    cache.local, cache.layout, cache.objects = local, result.layout, result.objects
-    cache.key, cache.context, cache.seed = result.key, context, None
-    cache.plan, cache.shared = result.plan, result.shared
+    share = RankShare(result.layout, result.objects, result.key, result.shared)
+    cache.store(local.key, context, share, local=local, plan=result.plan)
+    cache.seed = None
     skeleton = result.plan.skeleton if result.plan is not None else None
     return planned(result.layout, result.objects, skeleton, result.key, votes + result.collectives)
 
 
-def _shared_on_hit(cache: PlanCache, hit_key: str, rank: int) -> tuple[str, ...]:
+def _shared_on_hit(cache: PlanCache[RankShare], hit_key: str, rank: int) -> tuple[str, ...]:
     """The entries this rank fingerprints on a hit: from the last exchange, or (a hit
     on the plans seeded from a checkpoint) from those plans."""
-    if cache.key == hit_key or cache.seed is None:
-        return cache.shared
+    share = cache.share
+    if (share is not None and share.key == hit_key) or cache.seed is None:
+        return share.shared if share is not None else ()
     return shared_keys(cache.seed)[rank]
 
 
-def _adopt_seed(cache: PlanCache, rank: int, coordinator: int, thread_count: int) -> None:
+def _adopt_seed(
+    cache: PlanCache[RankShare],
+    local: LocalPlan,
+    context: tuple[int, int, int],
+    rank: int,
+    coordinator: int,
+) -> RankShare:
     """Every rank agreed to reuse the checkpoint's plans: plan them locally (pure and
     deterministic, so every rank gets the same result without talking)."""
-    assert cache.seed is not None
-    gp = global_plan(cache.seed, thread_count)
-    cache.layout, cache.objects, cache.key = gp.layouts[rank], gp.objects[rank], gp.key
-    cache.plan = gp if rank == coordinator else None
-    cache.shared = shared_keys(cache.seed)[rank]
+    seed = cache.seed
+    assert seed is not None
+    gp = global_plan(seed, context[2])
+    share = RankShare(gp.layouts[rank], gp.objects[rank], gp.key, shared_keys(seed)[rank])
+    cache.store(local.key, context, share, local=local, plan=gp if rank == coordinator else None)
     cache.seed = None
+    return share

@@ -65,7 +65,7 @@ class DistSaving:
     """Plans multi-rank saves for one AsyncSaver; holds its plan cache."""
 
     def __init__(self, ctx: DistContext) -> None:
-        from quicksave.saving.rank_plans import PlanCache
+        from quicksave.saving.plan_cache import PlanCache
 
         self.ctx = ctx
         self.cache = PlanCache()

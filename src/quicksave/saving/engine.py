@@ -48,10 +48,17 @@ from quicksave.ranks.saving import DistContext, DistSaving
 from quicksave.saving.background_copy import BackgroundCopy, Overlap
 from quicksave.saving.collect import collect_state
 from quicksave.saving.config import EngineConfig
-from quicksave.saving.engine_plan import EnginePlan, EnginePlans, PlannedSave, fqns_of
+from quicksave.saving.engine_plan import (
+    EnginePlan,
+    PlannedSave,
+    fqns_of,
+    single_rank_manifest,
+    single_rank_plan,
+)
 from quicksave.saving.guard import Snapshot
 from quicksave.saving.handle import SaveHandle, SaveResult
 from quicksave.saving.in_flight import InFlight, InFlightSaves
+from quicksave.saving.plan_cache import PlanCache
 from quicksave.saving.prepare import PoolPreparer
 from quicksave.saving.rank_vote import RankVote
 from quicksave.saving.slots import Slot, StagingSlots
@@ -100,7 +107,7 @@ class AsyncSaver:
         self._lock = threading.RLock()
         self._ids = itertools.count()  # pool and job ids
         self._slots = StagingSlots(self.config.max_in_flight, self._ids, self.config.pin_memory)
-        self._plans = EnginePlans(self.rank, self.config.thread_count)
+        self._plans: PlanCache[EnginePlan] = PlanCache()  # single rank (several: DistSaving's)
         self._flights = InFlightSaves(self.rank, self._dist)
         self._worker = WorkerSupervisor(self.config, self.rank, self._dist)
         self._copier = PoolCopier()
@@ -252,12 +259,12 @@ class AsyncSaver:
         self._strategy_for(loc).check_target(loc, self.rank, replace=overwrite)
         state = collect_state(state_dict, loc.url, self.rank)
         plan = self._plan(state.tensors, state.objects)
-        manifest = self._plans.manifest(plan, state, step, user_metadata)
+        manifest = single_rank_manifest(plan, state, step, user_metadata)
         return PlannedSave(plan, state.tensors, state.sources, manifest, new_token())
 
     def _plan(self, tensors: dict[str, torch.Tensor], objects: dict[str, Any]) -> EnginePlan:
         """The single-rank plan of these tensors and values (cached)."""
-        return self._plans.get(tensors, objects)
+        return single_rank_plan(self._plans, self.rank, tensors, objects, self.config.thread_count)
 
     def _free_slot(self) -> Slot | None:
         """A free slot: waits for one (``backpressure="wait"``), or None (``"skip"``)."""

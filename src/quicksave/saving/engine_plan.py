@@ -1,12 +1,12 @@
 """The engine's plan of one save: where every staged tensor goes in the rank's files, and
 the manifest entries, chunk keys and DCP ``.metadata`` the worker writes with them.
 
-A single-rank saver plans here (:func:`plan_one_rank`, cached by :class:`EnginePlans`
-while the state's names, dtypes and shapes are unchanged); a multi-rank saver's plan
-comes from the ranks' collective planning (``ranks/saving.py``) and is wrapped with
-:meth:`EnginePlan.of_dist`. Either way the engine stages into the pool at ``places`` and
-hands the rest to the worker. Called by the training thread (and by ``prepare()``),
-under the saver's lock.
+A single-rank saver plans here (:func:`single_rank_plan`: :func:`plan_one_rank`, kept in
+the saver's ``PlanCache`` while the state's names, dtypes and shapes are unchanged); a
+multi-rank saver's plan comes from the ranks' collective planning (``ranks/saving.py``)
+and is wrapped with :meth:`EnginePlan.of_dist`. Either way the engine stages into the
+pool at ``places`` and hands the rest to the worker. Called by the training thread (and
+by ``prepare()``), under the saver's lock.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from quicksave.ranks.saving import DistSave
 from quicksave.saving.collect import CollectedState
 from quicksave.saving.config import EngineConfig
 from quicksave.saving.plan import ItemSpec, RankLayout, layout_rank
+from quicksave.saving.plan_cache import PlanCache
 from quicksave.stage.pool import StagingPool
 from quicksave.storage import Location
 from quicksave.worker.job import DistCommit, FileJob, PersistJob
@@ -42,12 +43,25 @@ class EnginePlan:
     files: dict[str, FileEntry]
     places: dict[str, tuple[str, int, int]]  # staged name -> (file, offset, length)
     keys: dict[str, str] = field(default_factory=dict)  # staged name -> chunk key, if not same
+    # the latest (key paths, manifest tensor entries with them): see tensor_entries
+    _entries: list = field(default_factory=list, compare=False, repr=False)
 
     @classmethod
     def of_dist(cls, ds: DistSave) -> EnginePlan:
         """The plan of a multi-rank save (staged by chunk key: no manifest entries here,
         the coordinator's manifest skeleton comes with ``ds``)."""
         return cls(ds.key, ds.layout, ds.chunk_keys, ds.dcp_metadata, {}, {}, ds.places)
+
+    def tensor_entries(self, paths: dict[str, tuple]) -> dict[str, TensorEntry]:
+        """The manifest's tensor entries of this plan with their key paths (made once
+        per plan and paths: ~1,500 entries cost a save ~10 ms to make)."""
+        if self._entries and self._entries[0] == paths:
+            return self._entries[1]
+        entries = {
+            fqn: dataclasses.replace(t, path=paths.get(fqn)) for fqn, t in self.tensors.items()
+        }
+        self._entries[:] = [paths, entries]
+        return entries
 
 
 @dataclass(frozen=True)
@@ -170,51 +184,41 @@ def fqns_of(layout: RankLayout) -> dict[str, str]:
     return {e.item.key: e.item.fqn for f in layout.files for e in f.entries}
 
 
-class EnginePlans:
-    """A single-rank saver's plans: the latest plan, and its manifest tensor entries
-    with the latest key paths (plans change rarely; both are reused while unchanged)."""
-
-    def __init__(self, rank: int, thread_count: int) -> None:
-        self.rank = rank
-        self.thread_count = thread_count
-        self._plans: dict[tuple, EnginePlan] = {}
-        self._entries: tuple[EnginePlan, dict, dict[str, TensorEntry]] | None = None
-
-    def get(self, tensors: Mapping[str, torch.Tensor], objects: Mapping[str, Any]) -> EnginePlan:
-        key = plan_key(tensors, objects, self.thread_count)
-        plan = self._plans.get(key)
-        if plan is None:
-            plan = plan_one_rank(self.rank, tensors, objects, self.thread_count, key)
-            self._plans = {key: plan}  # keep the latest only: plans change rarely
+def single_rank_plan(
+    cache: PlanCache[EnginePlan],
+    rank: int,
+    tensors: Mapping[str, torch.Tensor],
+    objects: Mapping[str, Any],
+    thread_count: int,
+) -> EnginePlan:
+    """The plan of a single-rank save: the cached one while the names, dtypes and shapes
+    (and the values' names) are unchanged, else a new one, cached."""
+    key = plan_key(tensors, objects, thread_count)
+    context = (1, rank, thread_count)
+    plan = cache.lookup(key, context)
+    if plan is not None:
+        cache.hits += 1
         return plan
+    cache.misses += 1
+    plan = plan_one_rank(rank, tensors, objects, thread_count, key)
+    cache.store(key, context, plan)
+    return plan
 
-    def manifest(
-        self,
-        plan: EnginePlan,
-        state: CollectedState,
-        step: int | None,
-        user_metadata: dict[str, Any] | None,
-    ) -> Manifest:
-        """The manifest of a single-rank save of ``state`` (tensor checksums empty: the
-        writer fills them)."""
-        return Manifest(
-            step=step,
-            world_size=1,
-            tensors=self.tensor_entries(plan, state.paths),
-            objects={fqn: ObjectEntry(v, state.paths.get(fqn)) for fqn, v in state.objects.items()},
-            files=plan.files,
-            user_metadata=dict(user_metadata or {}),
-            empty_dicts=state.empty,
-        )
 
-    def tensor_entries(self, plan: EnginePlan, paths: dict[str, tuple]) -> dict[str, TensorEntry]:
-        """The manifest's tensor entries of ``plan`` with their key paths (made once
-        per plan and paths: ~1,500 entries cost a save ~10 ms to make)."""
-        cached = self._entries
-        if cached is not None and cached[0] is plan and cached[1] == paths:
-            return cached[2]
-        entries = {
-            fqn: dataclasses.replace(t, path=paths.get(fqn)) for fqn, t in plan.tensors.items()
-        }
-        self._entries = (plan, paths, entries)
-        return entries
+def single_rank_manifest(
+    plan: EnginePlan,
+    state: CollectedState,
+    step: int | None,
+    user_metadata: dict[str, Any] | None,
+) -> Manifest:
+    """The manifest of a single-rank save of ``state`` (tensor checksums empty: the
+    writer fills them)."""
+    return Manifest(
+        step=step,
+        world_size=1,
+        tensors=plan.tensor_entries(state.paths),
+        objects={fqn: ObjectEntry(v, state.paths.get(fqn)) for fqn, v in state.objects.items()},
+        files=plan.files,
+        user_metadata=dict(user_metadata or {}),
+        empty_dicts=state.empty,
+    )

@@ -1,6 +1,7 @@
 """Pure multi-rank save planning: local plans, the deduplicated global plan, delta
-re-planning and the plan cache. No I/O and no process group in here (``exchange`` holds
-the collectives), so 256 ranks can be planned in one process.
+re-planning, and what a rank's plan cache holds of them (``RankShare``). No I/O and no
+process group in here (``exchange`` holds the collectives), so 256 ranks can be planned
+in one process.
 
 Flow of one save (every rank): ``local_plan(state_dict, rank)`` → (exchange) →
 coordinator: ``global_plan(local_plans)`` or ``delta(previous, changed)`` → each rank
@@ -40,6 +41,7 @@ from quicksave.format.manifest import (
 from quicksave.saving.collect import check_tensor, flatten, to_state_dict
 from quicksave.saving.keypaths import structure
 from quicksave.saving.plan import ItemSpec, RankLayout, item_spec_of, layout_rank, planned_chunk
+from quicksave.saving.plan_cache import PlanCache
 
 Path = tuple[Any, ...]  # nested state-dict path of a flattened fqn (str / int keys)
 
@@ -488,61 +490,50 @@ def manifest_plans(local_plans: Sequence[LocalPlan]) -> tuple[RankPlan, ...]:
     )
 
 
-@dataclass
-class PlanCache:
-    """A rank's plan cache; the saver owns one and passes it to every ``plan_save``.
+@dataclass(frozen=True)
+class RankShare:
+    """What a multi-rank save's plan gives one rank: the share its ``PlanCache`` holds.
 
     Attributes:
-        local: this rank's local plan as of the last agreed plan.
-        layout: what this rank wrote then; ``objects``: the values it wrote then.
-        plan: the last global plan (coordinator; also any rank seeded from a manifest).
-        key: the last global plan's key; ``context``: (world size, coordinator,
-            thread count) it was made for.
-        seed: every rank's local plan restored from a loaded checkpoint (restart path).
+        layout: what this rank writes; ``objects``: the values it writes.
+        key: the global plan's key (the same on every rank: what the ranks vote on).
         shared: this rank's entries that other ranks hold too and whose copies are
             compared (``replicas.shared_keys``): what it fingerprints on a hit.
-        hits / misses: how many saves reused / re-planned (for logs and tests).
     """
 
-    local: LocalPlan | None = None
-    layout: RankLayout | None = None
-    objects: tuple[str, ...] = ()
+    layout: RankLayout
+    objects: tuple[str, ...]
+    key: str
     shared: tuple[str, ...] = ()
-    plan: GlobalPlan | None = None
-    key: str | None = None
-    context: tuple[int, int, int] | None = None
-    seed: tuple[LocalPlan, ...] | None = None
-    hits: int = 0
-    misses: int = 0
 
-    @classmethod
-    def from_manifest(cls, manifest: Manifest) -> PlanCache:
-        """A cache seeded with the per-rank plans stored in a loaded checkpoint, so the
-        first save after a restart needs no plan exchange when no rank's plan changed.
 
-        Example::
+def seeded_cache(manifest: Manifest) -> PlanCache[RankShare]:
+    """A plan cache seeded with the per-rank plans stored in a loaded checkpoint, so the
+    first save after a restart needs no plan exchange when no rank's plan changed.
 
-            cache = PlanCache.from_manifest(read_manifest("ckpt/step-100"))
-        """
-        return cls(seed=_plans_from_manifest(manifest))
+    Example::
 
-    def clear(self) -> None:
-        """Forget everything (after a failed exchange every rank re-sends its plan)."""
-        self.local = self.layout = self.plan = self.key = self.context = self.seed = None
-        self.objects = self.shared = ()
+        cache = seeded_cache(read_manifest("ckpt/step-100"))
+    """
+    return PlanCache(seed=_plans_from_manifest(manifest))
 
-    def hit_key(self, local: LocalPlan, rank: int, context: tuple[int, int, int]) -> str | None:
-        """The global plan key this rank could reuse for ``local``, or None (a miss)."""
-        if self.key is not None and self.context == context and self.local is not None:
-            if self.local.key == local.key:
-                return self.key
-        seed = self.seed
-        if seed is not None and len(seed) == context[0] and seed[rank].key == local.key:
-            return plan_key([lp.key for lp in seed], context[2])
-        return None
 
-    def base_plans(self) -> tuple[LocalPlan, ...] | None:
-        """Every rank's last known local plan (coordinator side of a delta exchange)."""
-        if self.plan is not None:
-            return self.plan.local_plans
-        return self.seed
+def reusable_key(
+    cache: PlanCache[RankShare], local: LocalPlan, rank: int, context: tuple[int, int, int]
+) -> str | None:
+    """The global plan key this rank could reuse for ``local`` (from the last agreed
+    plan, or from the checkpoint the cache was seeded from), or None (a miss)."""
+    share = cache.lookup(local.key, context)
+    if share is not None:
+        return share.key
+    seed = cache.seed
+    if seed is not None and len(seed) == context[0] and seed[rank].key == local.key:
+        return plan_key([lp.key for lp in seed], context[2])
+    return None
+
+
+def base_plans(cache: PlanCache[RankShare]) -> tuple[LocalPlan, ...] | None:
+    """Every rank's last known local plan (coordinator side of a delta exchange)."""
+    if isinstance(cache.plan, GlobalPlan):
+        return cache.plan.local_plans
+    return cache.seed

@@ -34,12 +34,14 @@ from typing import Any
 import torch
 
 from quicksave.saving.plan import ItemSpec
+from quicksave.saving.plan_cache import PlanCache
 from quicksave.saving.rank_plans import (
     GlobalPlan,
     LocalPlan,
-    PlanCache,
+    RankShare,
     global_plan,
     make_local_plan,
+    reusable_key,
 )
 
 ROWS_PER_RANK = 64  # rows of a sharded tensor on each rank
@@ -139,9 +141,9 @@ def _quicksave_cached_step(own: LocalPlan, cache: PlanCache, context: tuple[int,
     """The coordinator's work on a hit: key its local plan, look the cache up, hand out
     the cached layout and skeleton."""
     plan = make_local_plan(own.rank, own.items, own.objects, own.paths)
-    key = cache.hit_key(plan, 0, context)
-    assert key is not None and cache.plan is not None
-    return cache.layout, cache.plan.skeleton
+    key = reusable_key(cache, plan, 0, context)
+    assert key is not None and cache.share is not None and cache.plan is not None
+    return cache.share.layout, cache.plan.skeleton
 
 
 def _dcp_times(plans: list[LocalPlan], repeats: int) -> dict[str, Any]:
@@ -202,10 +204,9 @@ def run_planning_benchmark(config: PlanningBenchConfig) -> dict[str, Any]:
     uncached = _median_s(lambda: gp_box.append(global_plan(plans, tc)), config.repeats)
     gp = gp_box[-1]
     context = (config.ranks, 0, tc)
-    cache = PlanCache(
-        local=plans[0], layout=gp.layouts[0], objects=gp.objects[0], plan=gp, key=gp.key,
-        context=context,
-    )  # fmt: skip
+    cache: PlanCache[RankShare] = PlanCache()
+    share = RankShare(gp.layouts[0], gp.objects[0], gp.key)
+    cache.store(plans[0].key, context, share, local=plans[0], plan=gp)
     cached = _median_s(lambda: _quicksave_cached_step(plans[0], cache, context), config.repeats)
     t0 = time.perf_counter()
     blob = pickle.dumps(plans, protocol=pickle.HIGHEST_PROTOCOL)
