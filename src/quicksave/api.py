@@ -34,6 +34,7 @@ from quicksave.commit import CheckpointKind, classify
 from quicksave.errors import (
     CheckpointError,
     IncompatibleStateError,
+    combined_failure,
     rank_of_this_process,
 )
 from quicksave.format import objects as objcodec
@@ -80,17 +81,7 @@ def _unwrap(e: CheckpointException, path: str) -> CheckpointError:
         failures.append((rank, exc))
     if not failures:
         return CheckpointError(str(e), path=path)
-    rank, first = failures[0]
-    if isinstance(first, CheckpointError):
-        # The coordinator's checks name the rank at fault (e.g. a copy that differs).
-        at = first.rank if first.rank is not None else rank
-        err = type(first)(first.message, path=first.path or path, fqn=first.fqn, rank=at)
-    else:
-        err = CheckpointError(f"{type(first).__name__}: {first}", path=path, rank=rank)
-    if len(failures) > 1:
-        others = ", ".join(f"rank {r}: {type(x).__name__}: {x}" for r, x in failures[1:])
-        err.message += f" (also failed: {others})"
-    return err
+    return combined_failure(failures, path)
 
 
 def _collective_failed(

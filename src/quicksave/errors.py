@@ -82,6 +82,32 @@ class WorkerFailedError(CheckpointError):
     """A background worker (thread or process) failed, died or timed out."""
 
 
+def combined_failure(
+    failures: list[tuple[int, BaseException]], path: str | None
+) -> CheckpointError:
+    """One error for failures on several ranks (``(rank, exception)``, lowest rank
+    first): the first one, its class kept when it is a ``CheckpointError`` (naming the
+    rank at fault: its own ``rank``, else the rank it happened on), the others named
+    after it. What a rank raises when a planning step failed somewhere.
+
+    Example::
+
+        raise combined_failure([(1, IncompatibleStateError("bad", fqn="w"))], "ckpt/a")
+    """
+    if not failures:
+        return CheckpointError("planning failed on an unknown rank", path=path)
+    rank, first = failures[0]
+    if isinstance(first, CheckpointError):
+        at = first.rank if first.rank is not None else rank
+        err = type(first)(first.message, path=first.path or path, fqn=first.fqn, rank=at)
+    else:
+        err = CheckpointError(f"{type(first).__name__}: {first}", path=path, rank=rank)
+    if len(failures) > 1:
+        others = ", ".join(f"rank {r}: {type(x).__name__}: {x}" for r, x in failures[1:])
+        err.message += f" (also failed: {others})"
+    return err
+
+
 def rank_of_this_process() -> int | None:
     """The global rank if torch.distributed is initialized, else None."""
     import torch.distributed as dist

@@ -660,13 +660,13 @@ def _rank_format_case(queue: AsyncCallsQueue, rank: int, root: str, tc: int) -> 
 def _rank_default_cache_case(queue: AsyncCallsQueue, rank: int, root: str) -> dict[str, Any]:
     # A forked rank: the process default cache and the patch die with it.
     exchanges: list[int] = []
-    real = saver.exchange_plans
+    real = saver._plan_centrally
 
     def counted(*args: Any) -> Any:
         exchanges.append(1)
         return real(*args)
 
-    saver.exchange_plans = counted
+    saver._plan_centrally = counted
     out: dict[str, Any] = {"before": get_metadata_caching_status(), "saves": []}
     try:
         for step in (1, 2):
@@ -685,7 +685,7 @@ def _rank_default_cache_case(queue: AsyncCallsQueue, rank: int, root: str) -> di
                 }
             )
     finally:
-        saver.exchange_plans = real
+        saver._plan_centrally = real
     return out
 
 
@@ -919,7 +919,7 @@ def test_default_metadata_cache_after_a_restart_and_then_reused(
     cache = init_checkpoint_metadata_cache(md)
     assert cache is saver.PROCESS.metadata_cache and cache.cached_global_metadata is md
     assert get_metadata_caching_status() == (False, False)
-    monkeypatch.setattr(saver, "exchange_plans", lambda *a: pytest.fail("planned again"))
+    monkeypatch.setattr(saver, "_plan_centrally", lambda *a: pytest.fail("planned again"))
     for name, seed, status in (("b", 2, (False, True)), ("c", 3, (True, False))):
         sd = _state(seed)
         _schedule_save(queue, sd, tmp_path / name, enable_cache=True)  # no metadata_cache
@@ -1226,7 +1226,7 @@ def test_metadata_cache_sees_key_types_and_empty_dicts(
     # "Restart" from the first checkpoint: its plans carry its empty dicts.
     monkeypatch.setattr(saver.PROCESS, "metadata_cache", None)
     init_checkpoint_metadata_cache(quicksave.StorageReader(tmp_path / "a").read_metadata())
-    monkeypatch.setattr(saver, "exchange_plans", lambda *a: pytest.fail("planned again"))
+    monkeypatch.setattr(saver, "_plan_centrally", lambda *a: pytest.fail("planned again"))
     _schedule_save(queue, first, tmp_path / "c", enable_cache=True)
     queue.maybe_finalize_async_calls(blocking=True)
     got = quicksave.load_state(tmp_path / "c")

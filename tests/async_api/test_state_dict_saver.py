@@ -129,8 +129,8 @@ def test_cache_reuses_plan_on_second_save(tmp_path: Path, thread_queue, monkeypa
     thread_queue.maybe_finalize_async_calls(blocking=True)
     assert cache.get_metadata_caching_status() == (False, False)
     calls = []
-    real = saver.exchange_plans
-    monkeypatch.setattr(saver, "exchange_plans", lambda *a: calls.append(1) or real(*a))
+    real = saver._plan_centrally
+    monkeypatch.setattr(saver, "_plan_centrally", lambda *a: calls.append(1) or real(*a))
     sd2 = _state(2)
     _save(sd2, tmp_path / "b", thread_queue, enable_cache=True, metadata_cache=cache)
     thread_queue.maybe_finalize_async_calls(blocking=True)
@@ -152,7 +152,7 @@ def test_restart_reuses_loaded_plans(tmp_path: Path, thread_queue, monkeypatch):
     md = quicksave.StorageReader(tmp_path / "a").read_metadata()
     assert [len(p.items) for p in md.all_local_plans] == [4]
     cache = init_checkpoint_metadata_cache(md)
-    monkeypatch.setattr(saver, "exchange_plans", lambda *a: pytest.fail("planned again"))
+    monkeypatch.setattr(saver, "_plan_centrally", lambda *a: pytest.fail("planned again"))
     sd = _state(5)
     _save(sd, tmp_path / "b", thread_queue, enable_cache=True, metadata_cache=cache)
     thread_queue.maybe_finalize_async_calls(blocking=True)
@@ -186,8 +186,8 @@ def test_enable_cache_without_a_cache_uses_the_process_default(
     default = saver.PROCESS.metadata_cache
     assert default is not None and default.save_count == 1
     calls = []
-    real = saver.exchange_plans
-    monkeypatch.setattr(saver, "exchange_plans", lambda *a: calls.append(1) or real(*a))
+    real = saver._plan_centrally
+    monkeypatch.setattr(saver, "_plan_centrally", lambda *a: calls.append(1) or real(*a))
     sd = _state(2)
     _save(sd, tmp_path / "b", thread_queue, enable_cache=True)
     thread_queue.maybe_finalize_async_calls(blocking=True)

@@ -11,7 +11,8 @@ Call order (every rank of ``group``, once per save, same order everywhere):
    "not ready" after a bounded wait and every rank votes again, so that no rank waits
    in a collective for another's unbounded local work (a gloo timeout would break the
    group for good);
-3. on a miss only, ``exchange_plans``: ``gather_object`` of the plans that changed (the
+3. on a miss only, ``exchange_plans``: one ``central_round`` (the plan exchange, shared
+   with the NVRx-compatible API): ``gather_object`` of the plans that changed (the
    others send their plan's key) to the coordinator, which re-plans (``delta``) and
    ``scatter_object_list`` sends every rank its share. If the coordinator lacks a plan
    a rank thought it had (e.g. it restarted), one more gather/scatter round fetches it.
@@ -66,6 +67,7 @@ __all__ = [
     "PlannedSave",
     "Agreement",
     "agree_save",
+    "central_round",
     "exchange_plans",
     "plan_save",
 ]
@@ -132,6 +134,68 @@ def _collective_error(e: Exception, rank: int, what: str) -> CheckpointError:
         f"{what} failed (did a rank crash or time out? see its log); nothing was saved: {cause}",
         rank=rank,
     )
+
+
+def central_round(
+    mine: Any,
+    decide: Callable[[list[Any]], list[Any]],
+    group: Any,
+    coordinator: int,
+    rank: int,
+    *,
+    distributed: bool = True,
+) -> Any:
+    """The plan exchange: ONE gather of every rank's ``mine`` on the coordinator,
+    ``decide(gathered)`` there (one reply per rank, in rank order), ONE scatter of the
+    replies; returns this rank's reply. Every exchange of plans runs through here:
+    quicksave's own (``exchange_plans``) and the NVRx-compatible API's, whose ``decide``
+    is the user's DCP ``SavePlanner.create_global_plan``.
+
+    Every rank of ``group`` calls it (``distributed=False``: this process alone, no
+    collective, the same outcomes). A ``decide`` that raises is raised on every rank
+    alike: a ``CheckpointError`` as it is (it pickles with its fields), anything else as
+    a ``CheckpointError`` naming the coordinator; no rank is left waiting.
+
+    Example::
+
+        share = central_round(local_plan, plan_all, group, coordinator=0, rank=rank)
+    """
+    if not distributed:
+        kind, value = _decide([mine], decide, coordinator)[0]
+    else:
+        gathered = talk.gather_object(mine, coordinator, group)
+        replies = None
+        if rank == coordinator:
+            assert gathered is not None
+            replies = _decide(gathered, decide, coordinator)
+        kind, value = talk.scatter_object(replies, coordinator, group)
+    if kind == "error":
+        raise value
+    return value
+
+
+def _decide(
+    gathered: list[Any], decide: Callable[[list[Any]], list[Any]], coordinator: int
+) -> list[tuple[str, Any]]:
+    """The coordinator's replies of a ``central_round``: ``("ok", reply)`` per rank, or
+    the same ``("error", CheckpointError)`` for every rank."""
+    n = len(gathered)
+    try:
+        replies = decide(gathered)
+    except CheckpointError as e:
+        return [("error", e)] * n
+    except Exception as e:  # noqa: BLE001 - every rank must hear of it, not only this one
+        err = CheckpointError(
+            f"the coordinator's global planning failed: {type(e).__name__}: {e}",
+            rank=coordinator,
+        )
+        return [("error", err)] * n
+    if len(replies) != n:
+        err = CheckpointError(
+            f"the global planning gave {len(replies)} plans for {n} ranks", rank=coordinator
+        )
+        return [("error", err)] * n
+    return [("ok", reply) for reply in replies]
 
 
 def agree_save(
@@ -218,21 +282,18 @@ def exchange_plans(
     collectives = 0
     previous = cache.plan
     for _round in range(2):
-        gathered = talk.gather_object((send, mine), coordinator, group)
-        collectives += 1
-        payloads = None
-        if rank == coordinator:
-            assert gathered is not None
+
+        def decide(gathered: list) -> list:
+            nonlocal previous
             payloads, previous = _coordinate(gathered, cache, world_size, thread_count)
-        reply = talk.scatter_object(payloads, coordinator, group)
-        collectives += 1
-        kind = reply[0]
-        if kind == "resend":
+            return payloads
+
+        reply = central_round((send, mine), decide, group, coordinator, rank)
+        collectives += 2
+        if reply[0] == "resend":
             if rank in reply[1]:
                 send = local
             continue
-        if kind == "error":
-            raise reply[1]  # a CheckpointError (it pickles with its fields)
         _, layout, objects, key, shared = reply
         return ExchangeResult(
             layout, objects, key, previous if rank == coordinator else None, collectives, shared
@@ -244,7 +305,12 @@ def _coordinate(
     gathered: list, cache: PlanCache[RankShare], world_size: int, thread_count: int
 ) -> tuple[list, GlobalPlan | None]:
     """Coordinator: merge sent plans with known ones, plan, compare the ranks' copies
-    of shared entries; one reply per rank."""
+    of shared entries; one reply per rank.
+
+    Raises:
+        CheckpointError: the plans are refused, or copies of a shared entry differ
+            (``central_round`` raises it on every rank).
+    """
     base = base_plans(cache)
     if base is not None and len(base) != world_size:
         base = None
@@ -259,16 +325,13 @@ def _coordinate(
             missing.append(r)
     if missing:
         return [("resend", tuple(missing))] * world_size, cache.plan
-    try:
-        previous = cache.plan
-        if previous is not None and len(previous.layouts) != world_size:
-            previous = None
-        gp = global_plan(merged, thread_count, previous=previous)
-    except CheckpointError as e:
-        return [("error", e)] * world_size, None
+    previous = cache.plan
+    if previous is not None and len(previous.layouts) != world_size:
+        previous = None
+    gp = global_plan(merged, thread_count, previous=previous)
     differ = divergence([c for _, c in gathered])
     if differ is not None:
-        return [("error", differ)] * world_size, None
+        raise differ
     shared = shared_keys(merged)
     replies = [("ok", gp.layouts[r], gp.objects[r], gp.key, shared[r]) for r in range(world_size)]
     return replies, gp

@@ -11,7 +11,8 @@ One save, every rank (training thread unless said otherwise)::
         else, after a restart, the loaded checkpoint's plans match every rank's?
             ── verify_global_md_reuse: ONE all-reduce MIN of one integer ──
             yes → every rank replays the global planning on the loaded plans, locally
-        else ── exchange_plans: gather the local plans, plan centrally, scatter ──
+        else ── the plan exchange (ranks.exchange.central_round): gather the local
+                plans, DCP's global planning on the coordinator, scatter ──
         stage this rank's tensors to CPU (prepare_write_data)
     AsyncRequest(save_fn, save_args, [finalize_fn], preload_fn=preload_fn) → queue
         save_fn (worker): data files, then the rank's part file = its "done" record
@@ -22,8 +23,8 @@ One save, every rank (training thread unless said otherwise)::
         (msc://, s3://) the parts are objects under the checkpoint's prefix and the
         manifest, written last, is the commit (``filesystem_async``'s docstring).
 
-The only collectives are ``agree_plan_reuse``, ``verify_global_md_reuse`` and
-``exchange_plans`` (NVRx's names, or named for what they exchange); at most one runs
+The only collectives are ``agree_plan_reuse``, ``verify_global_md_reuse`` and the plan
+exchange (the one every save path uses); at most one runs
 per save once plans are cached.
 
 **The default cache.** As in NVRx, ``enable_cache=True`` without ``metadata_cache`` uses
@@ -45,7 +46,6 @@ import dataclasses
 import logging
 
 import torch.distributed as dist
-from torch.distributed.checkpoint import CheckpointException
 from torch.distributed.checkpoint.metadata import STATE_DICT_TYPE, Metadata
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.utils import _DistWrapper
@@ -55,9 +55,11 @@ from quicksave.compat.nvrx.errors import AsyncCheckpointError
 from quicksave.compat.nvrx.filesystem_async import FileSystemWriterAsync
 from quicksave.compat.nvrx.process_state import PROCESS
 from quicksave.compat.nvrx.rank_write import RankWritesFailed, SaveLayout
-from quicksave.errors import CheckpointError
+from quicksave.errors import CheckpointError, combined_failure
 from quicksave.format.keys import REPLICAS_KEY
 from quicksave.ranks import collectives as talk
+from quicksave.ranks.exchange import central_round
+from quicksave.saving.plan_cache import PlanCache
 
 logger = logging.getLogger("quicksave")
 
@@ -65,7 +67,12 @@ logger = logging.getLogger("quicksave")
 class CheckpointMetadataCache:
     """NVRx's plan cache: what the last save planned, reused while nothing changed.
 
+    NVRx's view of a quicksave ``PlanCache`` (``plans``, saving/plan_cache.py: the one
+    plan cache every save path uses), keyed by this rank's local plan as the manifest
+    records it, under the group's size and coordinator: NVRx's names are views of it.
+
     Attributes:
+        plans: the cache itself.
         cached_central_plan: this rank's central plan (the global planning's output).
         cached_local_plan: this rank's local plan at that planning.
         cached_global_metadata: the global metadata (the coordinator's; with quicksave's
@@ -85,13 +92,26 @@ class CheckpointMetadataCache:
     """
 
     def __init__(self) -> None:
-        self.cached_central_plan: SavePlan | None = None
-        self.cached_local_plan: SavePlan | None = None
-        self.cached_global_metadata: Metadata | None = None
+        self.plans: PlanCache[SavePlan] = PlanCache()
         self.validated_cache_reuse: bool = False
         self.validated_loaded_metadata_reuse: bool = False
-        self.loaded_all_plans: list[SavePlan] | None = None
         self.save_count: int = 0
+
+    @property
+    def cached_central_plan(self) -> SavePlan | None:
+        return self.plans.share
+
+    @property
+    def cached_local_plan(self) -> SavePlan | None:
+        return self.plans.local
+
+    @property
+    def cached_global_metadata(self) -> Metadata | None:
+        return self.plans.plan
+
+    @property
+    def loaded_all_plans(self) -> list[SavePlan] | None:
+        return self.plans.seed
 
     def set_cached_global_metadata(self, cached_global_metadata: Metadata) -> None:
         """Adopt the metadata of a loaded checkpoint (``quicksave.StorageReader(path)
@@ -101,27 +121,37 @@ class CheckpointMetadataCache:
             cached_global_metadata: DCP metadata; without ``all_local_plans`` no reuse is
                 possible (logged).
         """
-        self.cached_global_metadata = cached_global_metadata
-        self.loaded_all_plans = getattr(cached_global_metadata, "all_local_plans", None)
-        if self.loaded_all_plans is None:
+        self.plans.plan = cached_global_metadata
+        self.plans.seed = getattr(cached_global_metadata, "all_local_plans", None)
+        if self.plans.seed is None:
             logger.debug("quicksave: loaded metadata has no all_local_plans; no reuse")
 
     def set_cache_metadata(
         self, central_plan: SavePlan, local_plan: SavePlan, global_md_verify_reuse: bool
     ) -> None:
-        """Record the plans of the save just planned.
+        """Record the plans of the save just planned (under the group of the last
+        save planned through this cache).
 
         Args:
             central_plan: this rank's central plan.
             local_plan: this rank's local plan.
             global_md_verify_reuse: the loaded checkpoint's plans were reused.
         """
-        self.validated_loaded_metadata_reuse = global_md_verify_reuse
-        self.validated_cache_reuse = self.cached_central_plan is not None and _same_items(
-            central_plan, self.cached_central_plan
+        self._remember(central_plan, local_plan, global_md_verify_reuse, self.plans.context or ())
+
+    def _remember(
+        self,
+        central_plan: SavePlan,
+        local_plan: SavePlan,
+        loaded_reuse: bool,
+        context: tuple[int, ...],
+    ) -> None:
+        previous = self.plans.share
+        self.validated_loaded_metadata_reuse = loaded_reuse
+        self.validated_cache_reuse = previous is not None and _same_items(central_plan, previous)
+        self.plans.store(
+            _plan_key(local_plan), context, central_plan, local=local_plan, plan=self.plans.plan
         )
-        self.cached_central_plan = central_plan
-        self.cached_local_plan = local_plan
 
     def prepare_save_state_dict_ret(
         self,
@@ -142,11 +172,11 @@ class CheckpointMetadataCache:
         """
         writer, metadata, wrapper = save_state_dict_ret
         if metadata is not None:
-            self.cached_global_metadata = metadata
+            self.plans.plan = metadata
         elif rank == coordinator and (
             self.validated_cache_reuse or self.validated_loaded_metadata_reuse
         ):
-            metadata = self.cached_global_metadata
+            metadata = self.plans.plan
         return writer, metadata, wrapper
 
     def get_cache_metadata(
@@ -262,44 +292,60 @@ def verify_global_md_reuse(
     return _all_ranks_min(int(same), dist_wrapper) == 1
 
 
-def exchange_plans(
+def _plan_centrally(
     local_plan: SavePlan | BaseException,
     planner: SavePlanner,
     writer: FileSystemWriterAsync,
     dist_wrapper: _DistWrapper,
 ) -> tuple[SavePlan, Metadata | None]:
-    """Collective: gather every local plan on the coordinator, plan globally there,
-    scatter each rank its central plan (DCP's reduce-scatter). A local failure is raised
-    on every rank.
+    """Collective (the plan exchange, ``ranks.exchange.central_round``): every local plan
+    to the coordinator, DCP's global planning there (``planner.create_global_plan``, then
+    the writer's layout), each rank its central plan back. A rank's local failure, or the
+    coordinator's, is raised on every rank, naming the rank.
 
     Returns:
         ``(central plan, global metadata on the coordinator, else None)``.
     """
+    rank = dist_wrapper.get_rank()
     global_metadata: Metadata | None = None
+    mine: SavePlan | CheckpointError
+    if isinstance(local_plan, SavePlan):
+        mine = local_plan
+    elif isinstance(local_plan, CheckpointError):
+        mine = local_plan  # it pickles with its fields
+    else:
+        mine = CheckpointError(f"{type(local_plan).__name__}: {local_plan}", rank=rank)
 
-    def local_step() -> SavePlan:
-        if isinstance(local_plan, BaseException):
-            raise local_plan
-        return local_plan
-
-    def global_step(all_local_plans: list[SavePlan]) -> list[SavePlan]:
+    def decide(gathered: list[SavePlan | CheckpointError]) -> list[SavePlan]:
         nonlocal global_metadata
-        all_plans, global_metadata = planner.create_global_plan(all_local_plans)
+        failed = [(r, g) for r, g in enumerate(gathered) if isinstance(g, BaseException)]
+        if failed:
+            raise combined_failure(failed, writer.path)
+        all_plans, global_metadata = planner.create_global_plan(gathered)
         all_plans = writer.prepare_global_plan(all_plans)
         global_metadata.storage_data = writer.save_layout()
         return all_plans
 
-    central = dist_wrapper.reduce_scatter("plan", local_step, global_step)
-    return central, global_metadata
+    central = central_round(
+        mine,
+        decide,
+        dist_wrapper.group,
+        dist_wrapper.coordinator_rank,
+        rank,
+        distributed=dist_wrapper.use_dist,
+    )
+    return central, global_metadata if dist_wrapper.is_coordinator else None
 
 
 # ------------------------------------------------------------------ plan
+def _plan_key(plan: SavePlan) -> tuple:
+    """What a plan holds, as the manifest records it (items in a canonical order, then
+    its state-dict structure): the plan cache's key."""
+    return rank_plan_of(_without_storage(plan)).normalized(), tuple(_structure(plan))
+
+
 def _same_items(a: SavePlan | None, b: SavePlan | None) -> bool:
-    if a is None or b is None:
-        return False
-    return rank_plan_of(_without_storage(a)).normalized() == rank_plan_of(
-        _without_storage(b)
-    ).normalized() and _structure(a) == _structure(b)
+    return a is not None and b is not None and _plan_key(a) == _plan_key(b)
 
 
 def _structure(plan: SavePlan) -> list[tuple[str, str]]:
@@ -331,12 +377,6 @@ def _default_planner() -> SavePlanner:
     from quicksave.api import _SavePlanner
 
     return _SavePlanner()
-
-
-def _as_checkpoint_error(e: CheckpointException, path: str) -> CheckpointError:
-    from quicksave.api import _unwrap
-
-    return _unwrap(e, path)
 
 
 def save_state_dict_async_plan(
@@ -389,37 +429,39 @@ def save_state_dict_async_plan(
         planner.set_up_planner(state_dict, is_coordinator=dist_wrapper.is_coordinator)
         storage_writer.set_up_storage_writer(dist_wrapper.is_coordinator, rank=rank)
         local_plan = storage_writer.prepare_local_plan(planner.create_local_plan())
-    except Exception as e:  # noqa: BLE001 - raised on every rank by exchange_plans
+    except Exception as e:  # noqa: BLE001 - raised on every rank by the plan exchange
         local_plan = e
     planned = isinstance(local_plan, SavePlan)
 
     central_plan: SavePlan | None = None
     global_metadata: Metadata | None = None
     md_reuse = False
-    if cache is not None and cache.cached_central_plan is not None:
-        unchanged = planned and _same_items(local_plan, cache.cached_local_plan)
+    context = (dist_wrapper.get_world_size(), coordinator_rank)
+    if cache is not None and cache.plans.share is not None:
+        unchanged = planned and cache.plans.lookup(_plan_key(local_plan), context) is not None
         if agree_plan_reuse(unchanged, dist_wrapper):
-            central_plan = cache.cached_central_plan
-    elif cache is not None and cache.loaded_all_plans:
+            central_plan = cache.plans.share
+            cache.plans.hits += 1
+    elif cache is not None and cache.plans.seed:
         md_reuse = verify_global_md_reuse(
-            cache.loaded_all_plans, local_plan if planned else None, rank, dist_wrapper
+            cache.plans.seed, local_plan if planned else None, rank, dist_wrapper
         )
         if md_reuse:
             # Every rank replays the coordinator's global planning on the loaded plans:
             # deterministic, so all get the same layout without exchanging anything.
-            storage_writer.plan_id = "loaded:" + _loaded_id(cache.cached_global_metadata)
-            all_plans, md = planner.create_global_plan(list(cache.loaded_all_plans))
+            storage_writer.plan_id = "loaded:" + _loaded_id(cache.plans.plan)
+            all_plans, md = planner.create_global_plan(list(cache.plans.seed))
             all_plans = storage_writer.prepare_global_plan(all_plans)
             md.storage_data = storage_writer.save_layout()
             central_plan = all_plans[rank]
             global_metadata = md if dist_wrapper.is_coordinator else None
+            cache.plans.hits += 1
     if central_plan is None:
-        try:
-            central_plan, global_metadata = exchange_plans(
-                local_plan, planner, storage_writer, dist_wrapper
-            )
-        except CheckpointException as e:
-            raise _as_checkpoint_error(e, storage_writer.path) from None
+        if cache is not None:
+            cache.plans.misses += 1
+        central_plan, global_metadata = _plan_centrally(
+            local_plan, planner, storage_writer, dist_wrapper
+        )
     assert isinstance(local_plan, SavePlan)
     central_plan = planner.finish_plan(central_plan)
 
@@ -429,7 +471,7 @@ def save_state_dict_async_plan(
     storage_writer.prepare_write_data(central_plan, planner)
     ret = (storage_writer, global_metadata, dist_wrapper)
     if cache is not None:
-        cache.set_cache_metadata(central_plan, local_plan, md_reuse)
+        cache._remember(central_plan, local_plan, md_reuse, context)
         ret = cache.prepare_save_state_dict_ret(rank, coordinator_rank, ret)
     return ret
 
@@ -536,7 +578,6 @@ def _commit(
 __all__ = [
     "CheckpointMetadataCache",
     "agree_plan_reuse",
-    "exchange_plans",
     "get_metadata_caching_status",
     "init_checkpoint_metadata_cache",
     "save_state_dict_async_finalize",
