@@ -19,6 +19,8 @@ from helpers.structure import (
     cycles,
     in_layer,
     load,
+    plan_caches,
+    plan_exchanges,
 )
 
 MODS = load()
@@ -101,6 +103,16 @@ def test_one_module_talks_to_other_ranks() -> None:
     assert talkers == {RANKS_TALK}
 
 
+def test_one_plan_exchange_and_one_plan_cache() -> None:
+    # every save path exchanges plans through one function and caches them in one class
+    exchanges = {(n, f) for n, m in LIB.items() for _, f in plan_exchanges(m)}
+    assert exchanges == {("quicksave.ranks.exchange", "central_round")}
+    caches = {(n, c, view) for n, m in LIB.items() for _, c, view in plan_caches(m)}
+    assert {(n, c) for n, c, view in caches if not view} == {
+        ("quicksave.saving.plan_cache", "PlanCache")
+    }
+
+
 # every module of the worker package (the process runs main; the others, torch-free too,
 # are imported by it or by the trainer beside the engine)
 WORKER_MODULES = sorted(n for n in LIB if n.startswith("quicksave.worker."))
@@ -129,6 +141,14 @@ def test_the_rules_see_a_violation(tmp_path) -> None:
     assert cycles(mods) == [["quicksave.a", "quicksave.b"]]
     assert [c for _, c in collective_calls(mods["quicksave.b"])] == ["dist.all_reduce"]
     assert "os" in mods["quicksave.format.x"].external
+    (pkg / "c.py").write_text(
+        "class MyPlans:\n    pass\n"
+        "def swap(w, x):\n    y = talk.gather_object(x, 0)\n    return talk.scatter_object(y, 0)\n"
+        "def dcp(w):\n    return w.reduce_scatter('plan', 1, 2)\n"
+    )
+    c = load(tmp_path, ("quicksave",))["quicksave.c"]
+    assert [f for _, f in plan_exchanges(c)] == ["swap", "dcp"]
+    assert [(cls, view) for _, cls, view in plan_caches(c)] == [("MyPlans", False)]
 
 
 def test_no_module_shadows_a_public_name() -> None:

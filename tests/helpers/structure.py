@@ -199,6 +199,59 @@ def backend_branches(m: Module) -> list[tuple[int, str]]:
     return found
 
 
+def _called(node: ast.AST) -> set[str]:
+    """Names of the functions and methods called anywhere under ``node``."""
+    out = set()
+    for n in ast.walk(node):
+        if isinstance(n, ast.Call):
+            f = n.func
+            out.add(f.attr if isinstance(f, ast.Attribute) else getattr(f, "id", ""))
+    return out
+
+
+def plan_exchanges(m: Module) -> list[tuple[int, str]]:
+    """``(line, function)`` of every function of ``m`` that exchanges plans: it gathers
+    to one rank and scatters back (``gather_object`` and ``scatter_object``, directly or
+    through the collectives module), or calls DCP's ``reduce_scatter``."""
+    found = []
+    for node in ast.walk(m.tree):
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+            called = _called(node)
+            gathers = called & {"gather_object", "gather"}
+            scatters = called & {"scatter_object", "scatter_object_list", "scatter"}
+            if (gathers and scatters) or "reduce_scatter" in called:
+                found.append((node.lineno, node.name))
+    return found
+
+
+def plan_caches(m: Module) -> list[tuple[int, str, bool]]:
+    """``(line, class, is a view)`` of every class of ``m`` that caches plans (named
+    ``...PlanCache``, ``...MetadataCache`` or ``...Plans``); a view holds a ``PlanCache``
+    instead of caching itself."""
+    found = []
+    for node in ast.walk(m.tree):
+        if isinstance(node, ast.ClassDef) and (
+            node.name.endswith(("PlanCache", "MetadataCache")) or node.name.endswith("Plans")
+        ):
+            found.append((node.lineno, node.name, "PlanCache" in _called(node)))
+    return found
+
+
+# Allocations of shared memory that a save stages tensors into (a memfd named a pool,
+# torch's shared storage); the worker's heartbeat memfd is not one.
+SHARED_ALLOCATIONS = frozenset({"_new_shared", "share_memory_", "memfd_create"})
+
+
+def staging_allocations(m: Module) -> list[tuple[int, str]]:
+    """``(line, call)`` of every allocation of staging memory in ``m``."""
+    found = []
+    for node in ast.walk(m.tree):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+            if node.func.attr in SHARED_ALLOCATIONS and "heartbeat" not in ast.unparse(node):
+                found.append((node.lineno, node.func.attr))
+    return found
+
+
 def in_layer(name: str, layer: str) -> bool:
     return name == layer or name.startswith(layer + ".")
 
@@ -231,6 +284,19 @@ def report() -> None:
     print(f"modules calling collectives: {len(talkers)}")
     for n, calls in sorted(talkers.items()):
         print(f"   {n}: {', '.join(sorted({c for _, c in calls}))}")
+    for title, find in (
+        ("plan exchanges", plan_exchanges),
+        ("staging allocations", staging_allocations),
+    ):
+        found = {n: f for n, m in lib.items() if (f := find(m))}
+        print(f"{title}: {sum(map(len, found.values()))}")
+        for n, f in sorted(found.items()):
+            print(f"   {n}: " + ", ".join(f"{what} (line {line})" for line, what in f))
+    caches = {n: c for n, m in lib.items() if (c := plan_caches(m))}
+    own = sum(1 for c in caches.values() for _, _, view in c if not view)
+    print(f"plan caches: {own} (views of one: {sum(map(len, caches.values())) - own})")
+    for n, c in sorted(caches.items()):
+        print(f"   {n}: " + ", ".join(f"{cls}{' (view)' if v else ''}" for _, cls, v in c))
 
 
 if __name__ == "__main__":
