@@ -189,7 +189,8 @@ def test_parent_cannot_be_created(tmp_path: Path):
     target = tmp_path / "a_file" / "ckpt"
     with pytest.raises(quicksave.CheckpointError) as info:
         quicksave.save(_state(), target)
-    assert info.value.message.startswith("cannot create checkpoint directory: ")
+    assert info.value.message.startswith("cannot create the checkpoint's temporary directory: ")
+    assert "ENOTDIR" in info.value.message
     assert info.value.path == str(target) and info.value.rank == 0
     assert os.listdir(tmp_path) == ["a_file"]
 

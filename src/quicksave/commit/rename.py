@@ -83,22 +83,20 @@ class RenameCommit(CommitStrategy):
     def begin(self, loc: Location, token: str, *, replace: bool = False) -> str:
         self.check_target(loc, replace=replace)
         tmp = self.staging(loc, token)
-        try:
-            os.makedirs(tmp, exist_ok=True)
-        except OSError as e:
-            raise CheckpointError(
-                f"cannot create checkpoint directory: {e.strerror}", path=loc.key
-            ) from e
+        self._make_staging(tmp, loc.key)  # the error names the checkpoint the user asked for
         return tmp
 
     def prepare_staging(self, staging: str) -> None:
+        self._make_staging(staging, staging)
+
+    def _make_staging(self, staging: str, named: str) -> None:
         try:
             os.makedirs(staging, exist_ok=True)
         except OSError as e:
             name = errno.errorcode.get(e.errno or 0, "EIO")
             raise CheckpointError(
-                f"cannot create the temporary directory: {name} ({e.strerror})",
-                path=staging,
+                f"cannot create the checkpoint's temporary directory: {name} ({e.strerror})",
+                path=named,
                 rank=getattr(self.backend, "rank", None),
             ) from e
 
