@@ -1,7 +1,9 @@
 """The function layer: ``quicksave.save`` and ``quicksave.load``.
 
 Both run DCP's planning (so DTensor / ShardedTensor state, deduplication of replicated
-tensors and resharded loads work) with quicksave's storage layer underneath.
+tensors and resharded loads work) with quicksave's storage layer underneath; a save runs
+the planner's steps itself (``adapters/dcp_steps.py``), so its ranks talk through
+quicksave's one plan exchange.
 """
 
 from __future__ import annotations
@@ -27,7 +29,9 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 from torch.distributed.checkpoint.planner import LoadPlan, SavePlan, WriteItemType
+from torch.distributed.checkpoint.utils import _DistWrapper
 
+from quicksave.adapters import dcp_steps as steps
 from quicksave.adapters.dcp_reader import StorageReader, require_committed
 from quicksave.adapters.dcp_writer import StorageWriter, item_spec
 from quicksave.commit import CheckpointKind, classify
@@ -176,19 +180,19 @@ def save(
         except BaseException:
             writer.close()
             raise
+    group = _DistWrapper(None if no_dist else process_group, distributed, 0)
+    planner = _SavePlanner(refused=refused, check_replicas=distributed)
     try:
         with _engine_call():
-            dcp.save(
-                sd,
-                storage_writer=writer,
-                planner=_SavePlanner(refused=refused, check_replicas=distributed),
-                process_group=None if no_dist else process_group,
-                no_dist=not distributed,
-            )
-    except CheckpointException as e:
+            local = steps.local_plan(sd, planner, writer, group)
+            central, metadata = steps.exchange_plans(local, planner, writer, group)
+            steps.write_and_commit(central, metadata, planner, writer, group)
+    except CheckpointError as e:
         if writer.is_coordinator:
             writer.discard()
-        raise _unwrap(e, path) from None
+        if e.path is None:
+            e.path = path
+        raise
     except RuntimeError as e:
         if not distributed:
             raise

@@ -63,7 +63,7 @@ def test_central_round_replies_per_rank_and_raises_everywhere() -> None:
         # A decide that raises: every rank raises, naming the coordinator and the cause.
         assert g["raises"]["error"] == "CheckpointError" and g["raises"]["rank"] == 0
         assert "ValueError: cannot plan [0, 1]" in g["raises"]["message"]
-        assert "1 plans for 2 ranks" in g["short"]["message"]
+        assert "1 replies for 2 ranks" in g["short"]["message"]
         assert g["refused"]["rank"] == 1 and "refused" in g["refused"]["message"]
 
 

@@ -319,7 +319,8 @@ class StorageWriter(_DCPStorageWriter):
         save's commit)."""
         if self.tmp_dir is None:
             return
-        self.strategy().discard(self.tmp_dir, self._written)
+        tmp, self.tmp_dir = self.tmp_dir, None
+        self.strategy().discard(tmp, self._written)
         self.close()
 
 

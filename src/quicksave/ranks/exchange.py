@@ -153,8 +153,9 @@ def central_round(
 
     Every rank of ``group`` calls it (``distributed=False``: this process alone, no
     collective, the same outcomes). A ``decide`` that raises is raised on every rank
-    alike: a ``CheckpointError`` as it is (it pickles with its fields), anything else as
-    a ``CheckpointError`` naming the coordinator; no rank is left waiting.
+    alike: a ``CheckpointError`` as it is (it pickles with its fields), anything else
+    (an interrupt too: the other ranks are waiting for the reply) as a
+    ``CheckpointError`` naming the coordinator; no rank is left waiting.
 
     Example::
 
@@ -184,15 +185,15 @@ def _decide(
         replies = decide(gathered)
     except CheckpointError as e:
         return [("error", e)] * n
-    except Exception as e:  # noqa: BLE001 - every rank must hear of it, not only this one
+    except BaseException as e:  # noqa: BLE001 - every rank must hear of it, not only this one
         err = CheckpointError(
-            f"the coordinator's global planning failed: {type(e).__name__}: {e}",
+            f"rank {coordinator} (the coordinator) failed: {type(e).__name__}: {e}",
             rank=coordinator,
         )
         return [("error", err)] * n
     if len(replies) != n:
         err = CheckpointError(
-            f"the global planning gave {len(replies)} plans for {n} ranks", rank=coordinator
+            f"the coordinator gave {len(replies)} replies for {n} ranks", rank=coordinator
         )
         return [("error", err)] * n
     return [("ok", reply) for reply in replies]

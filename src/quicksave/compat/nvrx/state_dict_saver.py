@@ -11,8 +11,9 @@ One save, every rank (training thread unless said otherwise)::
         else, after a restart, the loaded checkpoint's plans match every rank's?
             ── verify_global_md_reuse: ONE all-reduce MIN of one integer ──
             yes → every rank replays the global planning on the loaded plans, locally
-        else ── the plan exchange (ranks.exchange.central_round): gather the local
-                plans, DCP's global planning on the coordinator, scatter ──
+        else ── the plan exchange (adapters.dcp_steps.exchange_plans, over
+                ranks.exchange.central_round): gather the local plans, DCP's global
+                planning on the coordinator, scatter ──
         stage this rank's tensors to CPU (prepare_write_data)
     AsyncRequest(save_fn, save_args, [finalize_fn], preload_fn=preload_fn) → queue
         save_fn (worker): data files, then the rank's part file = its "done" record
@@ -50,15 +51,15 @@ from torch.distributed.checkpoint.metadata import STATE_DICT_TYPE, Metadata
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.utils import _DistWrapper
 
+from quicksave.adapters.dcp_steps import exchange_plans
 from quicksave.adapters.dcp_writer import rank_plan_of
 from quicksave.compat.nvrx.errors import AsyncCheckpointError
 from quicksave.compat.nvrx.filesystem_async import FileSystemWriterAsync
 from quicksave.compat.nvrx.process_state import PROCESS
 from quicksave.compat.nvrx.rank_write import RankWritesFailed, SaveLayout
-from quicksave.errors import CheckpointError, combined_failure
+from quicksave.errors import CheckpointError
 from quicksave.format.keys import REPLICAS_KEY
 from quicksave.ranks import collectives as talk
-from quicksave.ranks.exchange import central_round
 from quicksave.saving.plan_cache import PlanCache
 
 logger = logging.getLogger("quicksave")
@@ -298,43 +299,19 @@ def _plan_centrally(
     writer: FileSystemWriterAsync,
     dist_wrapper: _DistWrapper,
 ) -> tuple[SavePlan, Metadata | None]:
-    """Collective (the plan exchange, ``ranks.exchange.central_round``): every local plan
-    to the coordinator, DCP's global planning there (``planner.create_global_plan``, then
-    the writer's layout), each rank its central plan back. A rank's local failure, or the
-    coordinator's, is raised on every rank, naming the rank.
+    """Collective: the plan exchange (``adapters.dcp_steps.exchange_plans``), the
+    writer's layout recorded in the global metadata's ``storage_data``."""
 
-    Returns:
-        ``(central plan, global metadata on the coordinator, else None)``.
-    """
-    rank = dist_wrapper.get_rank()
-    global_metadata: Metadata | None = None
-    mine: SavePlan | CheckpointError
-    if isinstance(local_plan, SavePlan):
-        mine = local_plan
-    elif isinstance(local_plan, CheckpointError):
-        mine = local_plan  # it pickles with its fields
+    def describe(metadata: Metadata) -> None:
+        metadata.storage_data = writer.save_layout()
+
+    local: SavePlan | CheckpointError
+    if isinstance(local_plan, SavePlan | CheckpointError):
+        local = local_plan
     else:
-        mine = CheckpointError(f"{type(local_plan).__name__}: {local_plan}", rank=rank)
-
-    def decide(gathered: list[SavePlan | CheckpointError]) -> list[SavePlan]:
-        nonlocal global_metadata
-        failed = [(r, g) for r, g in enumerate(gathered) if isinstance(g, BaseException)]
-        if failed:
-            raise combined_failure(failed, writer.path)
-        all_plans, global_metadata = planner.create_global_plan(gathered)
-        all_plans = writer.prepare_global_plan(all_plans)
-        global_metadata.storage_data = writer.save_layout()
-        return all_plans
-
-    central = central_round(
-        mine,
-        decide,
-        dist_wrapper.group,
-        dist_wrapper.coordinator_rank,
-        rank,
-        distributed=dist_wrapper.use_dist,
-    )
-    return central, global_metadata if dist_wrapper.is_coordinator else None
+        name = type(local_plan).__name__
+        local = CheckpointError(f"{name}: {local_plan}", rank=dist_wrapper.get_rank())
+    return exchange_plans(local, planner, writer, dist_wrapper, describe_layout=describe)
 
 
 # ------------------------------------------------------------------ plan

@@ -1,0 +1,171 @@
+"""A save driven by a DCP ``SavePlanner`` over quicksave's exchange: the steps of
+``quicksave.save`` and of the NVRx-compatible API's planning.
+
+DCP's planners chunk DTensor / ShardedTensor state and deduplicate replicated tensors;
+quicksave keeps them for that, and runs their steps itself instead of through
+``dcp.save``, so that the ranks talk through the one plan exchange every save path uses
+(``ranks.exchange.central_round``) and every failure surfaces on every rank as a
+``CheckpointError`` naming the rank. Users who call ``dcp.save`` themselves still get
+DCP's own driver over the same ``StorageWriter``.
+
+One save, every rank of the group::
+
+    local_plan(state_dict, planner, writer, ...)      no communication
+    exchange_plans(local, planner, writer, ...)       ── central_round: gather the local
+                                                         plans, create_global_plan and
+                                                         the writer's layout on the
+                                                         coordinator, scatter ──
+    write_and_commit(central, planner, writer, ...)   this rank's files; then
+                                                      ── central_round: gather the write
+                                                         results, the coordinator commits
+                                                         (``writer.finish``), scatter the
+                                                         outcome ──
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
+from torch.distributed.checkpoint.storage import WriteResult
+
+from quicksave.errors import CheckpointError, combined_failure
+from quicksave.ranks.exchange import central_round
+
+
+class Group(Protocol):
+    """Who takes part (DCP's ``_DistWrapper`` is one): the group, its coordinator (a
+    group rank), this rank, and whether there is a group at all."""
+
+    group: Any
+    coordinator_rank: int
+    is_coordinator: bool
+    use_dist: bool
+
+    def get_rank(self) -> int: ...
+
+
+class PlannedWriter(Protocol):
+    """What the steps need of a quicksave DCP ``StorageWriter``."""
+
+    path: str
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None: ...
+    def storage_meta(self) -> Any: ...
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan: ...
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]: ...
+
+
+def _sendable(e: BaseException, rank: int) -> CheckpointError:
+    """A failure as it travels to the coordinator (a ``CheckpointError`` pickles with
+    its fields; anything else is described)."""
+    if isinstance(e, CheckpointError):
+        return e
+    return CheckpointError(f"{type(e).__name__}: {e}", rank=rank)
+
+
+def _failed(gathered: list[Any]) -> list[tuple[int, BaseException]]:
+    return [(r, g) for r, g in enumerate(gathered) if isinstance(g, BaseException)]
+
+
+def local_plan(
+    state_dict: dict[str, Any], planner: SavePlanner, writer: PlannedWriter, group: Group
+) -> SavePlan | CheckpointError:
+    """This rank's local plan, or its failure (sent on, so every rank fails together)."""
+    rank = group.get_rank()
+    try:
+        planner.set_up_planner(
+            state_dict, storage_meta=writer.storage_meta(), is_coordinator=group.is_coordinator
+        )
+        writer.set_up_storage_writer(group.is_coordinator, rank=rank)
+        return writer.prepare_local_plan(planner.create_local_plan())
+    except BaseException as e:  # noqa: BLE001 - raised on every rank by the exchange
+        return _sendable(e, rank)
+
+
+def exchange_plans(
+    local: SavePlan | CheckpointError,
+    planner: SavePlanner,
+    writer: PlannedWriter,
+    group: Group,
+    *,
+    describe_layout: Any = None,
+) -> tuple[SavePlan, Metadata | None]:
+    """Collective: every local plan to the coordinator, the planner's global planning
+    and the writer's layout there, each rank its central plan back. A failure on any
+    rank (its local plan, or the coordinator's planning) is raised on every rank.
+
+    Args:
+        describe_layout: called with the global metadata on the coordinator after the
+            writer's layout (the NVRx writer records it in ``storage_data``).
+
+    Returns:
+        ``(central plan, global metadata on the coordinator, else None)``.
+    """
+    global_metadata: Metadata | None = None
+
+    def decide(gathered: list[SavePlan | CheckpointError]) -> list[SavePlan]:
+        nonlocal global_metadata
+        failed = _failed(gathered)
+        if failed:
+            raise combined_failure(failed, writer.path)
+        plans, global_metadata = planner.create_global_plan(gathered)
+        plans = writer.prepare_global_plan(plans)
+        if describe_layout is not None:
+            describe_layout(global_metadata)
+        return plans
+
+    central = central_round(
+        local,
+        decide,
+        group.group,
+        group.coordinator_rank,
+        group.get_rank(),
+        distributed=group.use_dist,
+    )
+    return central, global_metadata if group.is_coordinator else None
+
+
+def write_and_commit(
+    central: SavePlan,
+    global_metadata: Metadata | None,
+    planner: SavePlanner,
+    writer: Any,
+    group: Group,
+) -> None:
+    """Collective: this rank writes its share (``writer.write_data``), then one
+    ``central_round`` takes every rank's results (or failure) to the coordinator, which
+    commits (``writer.finish``) or, if any rank failed, discards what was written; every
+    rank returns only once the checkpoint is committed, or raises the same error."""
+    rank = group.get_rank()
+    results: list[WriteResult] | CheckpointError
+    try:
+        pending = writer.write_data(planner.finish_plan(central), planner)
+        pending.wait()
+        results = pending.value()
+    except BaseException as e:  # noqa: BLE001 - raised on every rank by the commit round
+        results = _sendable(e, rank)
+
+    def decide(gathered: list[list[WriteResult] | CheckpointError]) -> list[None]:
+        failed = _failed(gathered)
+        if failed:
+            writer.discard()
+            raise combined_failure(failed, writer.path)
+        if global_metadata is None:
+            raise CheckpointError("the coordinator has no global metadata", path=writer.path)
+        try:
+            writer.finish(global_metadata, gathered)
+        except BaseException:
+            writer.discard()
+            raise
+        return [None] * len(gathered)
+
+    central_round(
+        results,
+        decide,
+        group.group,
+        group.coordinator_rank,
+        rank,
+        distributed=group.use_dist,
+    )
