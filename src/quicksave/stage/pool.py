@@ -205,8 +205,10 @@ class StagingPool:
         return _map_sent_pool, (DupFd(self.fd), self.nbytes, self.layout)
 
     def __del__(self) -> None:
-        with contextlib.suppress(Exception):  # also at interpreter exit
+        try:
             self.close()
+        except Exception:  # noqa: BLE001 - at interpreter exit, modules may be gone
+            pass
 
     def _pin(self) -> None:
         cudart = torch.cuda.cudart()

@@ -68,13 +68,18 @@ def slot_layout(sources: Mapping[str, torch.Tensor]) -> SlotLayout:
 def slot_tensors(memory: mmap.mmap, layout: SlotLayout) -> dict[str, torch.Tensor]:
     """key -> a tensor over the bytes of its slot in ``memory`` (no copy) whose storage is
     exactly that tensor's bytes, not the whole pool: ``torch.save`` writes a tensor's
-    whole storage, so this is how it writes what DCP writes for the tensor. Each tensor
-    keeps the mapping alive (an export of ``memory``) while it lives."""
+    whole storage, so this is how it writes what DCP writes for the tensor.
+
+    Each tensor is made over a ``memoryview`` of its slot, which it holds: the mapping
+    cannot be closed under it (``mmap.close`` raises ``BufferError`` while one lives; a
+    tensor made straight over the ``mmap`` would not hold it) and is unmapped when the
+    last of them and the ``mmap`` object are garbage."""
+    whole = memoryview(memory)
     out: dict[str, torch.Tensor] = {}
     for s in layout.slots:
         if s.numel == 0:
             out[s.key] = torch.empty(s.shape, dtype=s.dtype)
             continue
-        flat = torch.frombuffer(memory, dtype=s.dtype, count=s.numel, offset=s.offset)
+        flat = torch.frombuffer(whole[s.offset : s.offset + s.nbytes], dtype=s.dtype)
         out[s.key] = flat.view(s.shape)
     return out
