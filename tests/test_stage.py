@@ -20,7 +20,8 @@ from quicksave.checksum import hexdigest
 from quicksave.format.dtypes import element_size
 from quicksave.saving.config import EngineConfig
 from quicksave.saving.engine import AsyncSaver
-from quicksave.stage.pool import StagingPool, pool_cost, shield_free_pages
+from quicksave.stage.page_shield import shield_free_pages
+from quicksave.stage.pool import StagingPool, pool_cost
 
 
 def _model_state(layers: int = 4, d: int = 512, vocab: int = 8000) -> dict[str, torch.Tensor]:
@@ -193,7 +194,7 @@ def test_a_pool_built_behind_the_shield_leaves_the_recycled_pages_to_training() 
 
 
 def test_the_shield_holds_nothing_when_memory_is_short(monkeypatch: pytest.MonkeyPatch) -> None:
-    import quicksave.stage.pool as stage
+    import quicksave.stage.page_shield as stage
 
     monkeypatch.setattr(stage, "_available_bytes", lambda: (1 << 30) + (200 << 20))
     with shield_free_pages(256 << 20) as held:

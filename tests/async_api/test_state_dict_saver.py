@@ -242,8 +242,9 @@ def test_staging_buffers_are_reused_after_finalize_and_hold_the_new_values(
         assert free is not None  # one shared-memory pool holds every tensor of the rank
         sd2 = _state(2)  # same shapes, new values
         second = _save(sd2, tmp_path / "b", queue)[0]
-        assert second._pool.data_ptr() == free.data_ptr()  # the same pool again
-        assert second._pool.is_shared()
+        assert second._pool is free  # the same pool again
+        assert second._pool.buffer.data_ptr() == free.buffer.data_ptr()
+        assert os.readlink(f"/proc/self/fd/{free.fd}").startswith("/memfd:")  # shared
         queue.maybe_finalize_async_calls(blocking=True)
     finally:
         queue.close()

@@ -1,1 +1,2 @@
-"""Stage: copy tensors into reusable host memory laid out as the file images."""
+"""Stage: copy tensors into reusable shared host memory, laid out as the file images (the
+engine) or as plain tensor slots (the NVRx-compatible writer)."""

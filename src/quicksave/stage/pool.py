@@ -1,12 +1,24 @@
-"""Stage: copy tensors into a reusable pool of host memory laid out as the file images.
+"""Stage: copy tensors into a reusable pool of host memory, laid out as the file images
+or as plain tensor slots.
 
 The pool is one anonymous shared-memory region (``memfd``): no path, so nothing can leak
 when processes die; its file descriptor is handed to the worker process, which maps the
 same pages and writes files straight from them. Bytes never travel through a pipe.
 
-The pool holds every data file of a rank back to back, each at a 4 KiB-aligned base,
-exactly as the file will be on disk (header included), so persisting is a few large
-sequential writes — and O_DIRECT works, since bases and lengths are page-aligned.
+Two layouts, one pool:
+
+* **file images** (a ``RankLayout``, the engine's): every data file of a rank back to
+  back, each at a 4 KiB-aligned base, exactly as the file will be on disk (header
+  included, written at build), so persisting is a few large sequential writes — and
+  O_DIRECT works, since bases and lengths are page-aligned.
+* **tensor slots** (a ``SlotLayout``, slots.py; the NVRx-compatible writer's): every
+  tensor at a 64-byte aligned offset, no headers. The trainer copies into the slots
+  (:meth:`StagingPool.stage_slots`) and the writer reads them back as tensors
+  (:meth:`StagingPool.tensors`). Such a pool travels to NVRx's persistent worker process
+  pickled (``ForkingPickler``) as ONE file descriptor, whatever the number of tensors:
+  the worker maps the same pages again (no populate, no header), and unmaps them when
+  that object and its tensors are garbage. A pool large enough for the next save's
+  slots is reused by it (:meth:`StagingPool.adopt`).
 
 Memory is allocated and touched once (``fallocate``, then every page faulted in: a fresh
 page costs ~25x a warm one to write), reused by every save with the same plan, and rebuilt
@@ -24,7 +36,8 @@ asynchronously on a side stream.
 
 Pool states: EMPTY → (build) → READY → (stage) → STAGED → (worker writing) → IN_USE
 → (worker done) → READY. A pool in IN_USE is never written: backpressure lives in the
-engine, which owns the pools.
+engine, which owns the pools (in the NVRx-compatible API: the free pool is handed back
+only at finalize, when its write is over).
 """
 
 from __future__ import annotations
@@ -33,9 +46,10 @@ import contextlib
 import ctypes
 import mmap
 import os
-import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from multiprocessing.reduction import DupFd
+from typing import Any
 
 import torch
 import xxhash
@@ -44,6 +58,8 @@ from quicksave.checksum import hexdigest, tensor_view
 from quicksave.errors import CheckpointError
 from quicksave.format import ALIGNMENT
 from quicksave.saving.plan import RankLayout
+from quicksave.stage.page_shield import shield_free_pages
+from quicksave.stage.slots import SlotLayout, slot_tensors
 from quicksave.worker.persist import as_writable_source
 
 # Copy-and-hash block: small enough that the block is still in the L2 cache when it is
@@ -54,76 +70,6 @@ HASH_BLOCK = 256 << 10
 # BATCH_BYTES (still in the cache when each tensor is hashed right after), instead of a
 # Python call per tensor (a language model holds ~1,000 such biases, norms and steps).
 BATCH_BYTES = 1 << 20
-_HEADROOM = 1 << 30  # memory a page shield always leaves available to everyone else
-
-
-def _available_bytes() -> int:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return 0
-
-
-_SHIELD_CHUNK = 64 << 20  # pages held per step of a shield
-_PROBE = 16 << 20  # bytes faulted in to time recently freed pages
-
-
-def _fault_in(view: torch.Tensor, start: int, stop: int) -> float:
-    """Write one byte per page of ``view[start:stop]``; return the seconds it took."""
-    t0 = time.perf_counter()
-    view[start : stop : mmap.PAGESIZE].fill_(1)
-    return time.perf_counter() - t0
-
-
-@contextlib.contextmanager
-def shield_free_pages(nbytes: int) -> Iterator[int]:
-    """Hold the system's recently freed pages (up to ``nbytes``) while a pool is
-    allocated, then give them back; yields the bytes held.
-
-    The kernel hands out the most recently freed pages first, and those are the pages a
-    training loop frees and takes again at every step (gradients, activations). A pool
-    allocated without this shield takes them, and the next training steps get pages
-    that have sat free long enough to be cold: on a VM with free-page reporting
-    (virtio-balloon) the host has taken them back, and every first touch of such a page
-    costs a host fault. Measured on the 2-CPU VM of docs/benchmarks.md: the first step
-    after building a 1.6 GB pool took 2.1–2.9 s instead of 0.77 s, with the same number
-    of (guest) page faults. Held by this shield, the recycled pages stay out of the
-    pool's reach, the pool takes (and pays for) fresh pages, and once the shield is
-    released the recycled pages are the first ones handed out again.
-
-    The shield takes pages 64 MiB at a time and stops at the first step whose pages
-    fault in 3× slower than recently freed ones (timed first, on 16 MiB): from there on
-    it would only hold cold pages, which training does not use, and pay their faults.
-    It never takes memory that would leave less than 1 GiB available.
-    """
-    limit = min(nbytes, max(0, _available_bytes() - nbytes - _HEADROOM))
-    limit -= limit % mmap.PAGESIZE
-    if limit < 2 * _SHIELD_CHUNK:
-        yield 0
-        return
-    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
-    held = mmap.mmap(-1, limit, flags=flags)
-    pages = torch.frombuffer(held, dtype=torch.uint8)
-    size = 0
-    try:
-        probe = mmap.mmap(-1, _PROBE, flags=flags | getattr(mmap, "MAP_POPULATE", 0))
-        probe.close()  # freed just now: the next fault-in of that size takes these pages
-        hot = _fault_in(pages, 0, _PROBE) * (_SHIELD_CHUNK / _PROBE)
-        size = _PROBE
-        while size < limit:
-            stop = min(limit, size + _SHIELD_CHUNK)
-            took = _fault_in(pages, size, stop) * _SHIELD_CHUNK / (stop - size)
-            size = stop
-            if took > 3 * hot:
-                break  # cold pages from here on: every recycled page is held
-        yield size
-    finally:
-        del pages
-        held.close()
 
 
 def digest_of(view: torch.Tensor) -> str:
@@ -171,8 +117,11 @@ class PoolLayout:
         raise KeyError(name)
 
 
-def pool_layout(layout: RankLayout) -> PoolLayout:
-    """Place a rank's file images back to back at aligned bases. Pure."""
+def pool_layout(layout: RankLayout | SlotLayout) -> PoolLayout:
+    """Place a rank's file images back to back at aligned bases (a slot layout holds no
+    file image: only its size). Pure."""
+    if isinstance(layout, SlotLayout):
+        return PoolLayout((), layout.nbytes)
     files = []
     cur = 0
     for f in layout.files:
@@ -187,10 +136,12 @@ def pool_cost(layout: RankLayout) -> int:
 
 
 class StagingPool:
-    """Shared host memory holding the file images of one rank's checkpoint.
+    """Shared host memory holding one rank's checkpoint: its file images, or its tensors
+    in slots (see the module docstring).
 
     Args:
-        layout: the rank's file layout (plan.py); the headers are written at build time.
+        layout: the rank's file layout (plan.py; the headers are written at build time),
+            or a slot layout (slots.py; nothing is written at build time).
         pin: page-lock for CUDA copies (default: when CUDA is available).
         populate: fault every page into this process now (``MAP_POPULATE``), behind a
             :func:`shield_free_pages` so that the pool does not take the pages training
@@ -203,23 +154,16 @@ class StagingPool:
     """
 
     def __init__(
-        self, layout: RankLayout, *, pin: bool | None = None, populate: bool = True
+        self, layout: RankLayout | SlotLayout, *, pin: bool | None = None, populate: bool = True
     ) -> None:
-        self.layout = layout
-        self.pool = pool_layout(layout)
-        self.nbytes = self.pool.nbytes
-        self.fd = -1
-        self._mm: mmap.mmap | None = None
-        self._bytes: memoryview | None = None
-        self._typed: dict[tuple, torch.Tensor] = {}
-        self._registered = False
+        self._init_state(layout, pool_layout(layout).nbytes)
         shield = shield_free_pages(self.nbytes) if populate else contextlib.nullcontext()
         try:
             with shield:
                 self.fd = os.memfd_create(f"quicksave-pool-{os.getpid()}", os.MFD_CLOEXEC)
                 os.ftruncate(self.fd, self.nbytes)
                 os.posix_fallocate(self.fd, 0, self.nbytes)  # allocate now, not at first write
-                self._mm = mmap.mmap(
+                mm = mmap.mmap(
                     self.fd,
                     self.nbytes,
                     flags=mmap.MAP_SHARED | (getattr(mmap, "MAP_POPULATE", 0) if populate else 0),
@@ -230,12 +174,41 @@ class StagingPool:
                 f"cannot allocate a {self.nbytes / 2**20:.1f} MiB staging pool in shared "
                 f"memory: {e.strerror}; lower max_in_flight or free memory"
             ) from e
-        self.buffer = torch.frombuffer(self._mm, dtype=torch.uint8)
-        self._bytes = memoryview(self._mm)  # for hashing slices without a tensor each
+        self._attach(mm)
         self._write_headers()
         want_pin = torch.cuda.is_available() if pin is None else pin
         if want_pin:
             self._pin()
+
+    def _init_state(self, layout: RankLayout | SlotLayout, nbytes: int) -> None:
+        self.layout = layout
+        self.pool = pool_layout(layout)
+        self.nbytes = nbytes  # the memory's size (a slot layout adopted may use less)
+        self.fd = -1
+        self._mm: mmap.mmap | None = None
+        self._bytes: memoryview | None = None
+        self._typed: dict[tuple, torch.Tensor] = {}
+        self._registered = False
+
+    def _attach(self, mm: mmap.mmap) -> None:
+        self._mm = mm
+        self.buffer = torch.frombuffer(mm, dtype=torch.uint8)
+        self._bytes = memoryview(mm)  # for hashing slices without a tensor each
+
+    def __reduce__(self) -> tuple[Any, tuple]:
+        """Pickle as ONE handle to the memory, not its bytes: the file descriptor goes
+        with ``multiprocessing.reduction.DupFd`` (``ForkingPickler``: through the
+        resource sharer, as torch's own shared tensors; the receiver must load it
+        once), with the layout; :func:`_map_sent_pool` maps it again on load."""
+        if self.fd < 0:
+            raise CheckpointError("a staging pool mapped from another process cannot be sent on")
+        return _map_sent_pool, (DupFd(self.fd), self.nbytes, self.layout)
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - at interpreter exit, modules may be gone
+            pass
 
     def _pin(self) -> None:
         cudart = torch.cuda.cudart()
@@ -245,6 +218,8 @@ class StagingPool:
         self._registered = True
 
     def _write_headers(self) -> None:
+        if isinstance(self.layout, SlotLayout):
+            return  # plain tensors: no header
         for f, pf in zip(self.layout.files, self.pool.files, strict=True):
             self.buffer[pf.base : pf.base + len(f.header)].copy_(
                 torch.frombuffer(bytearray(f.header), dtype=torch.uint8)
@@ -254,13 +229,24 @@ class StagingPool:
                     torch.frombuffer(bytearray(fixed), dtype=torch.uint8)
                 )
 
-    def adopt(self, layout: RankLayout) -> bool:
+    def adopt(self, layout: RankLayout | SlotLayout) -> bool:
         """Take ``layout`` for this pool's memory if its file images lie at the same
         places with the same sizes (the tensors' order in the state dict, names or
         values that are not tensors may differ): the headers are rewritten and the gaps
         between tensors cleared, nothing is allocated or faulted in. Returns False (and
-        changes nothing) if the images differ. Call only while no save uses the pool."""
+        changes nothing) if the images differ. Call only while no save uses the pool.
+
+        A slot layout is taken by a slot pool at least its size (nothing to rewrite: a
+        slot pool has no header, and no reader looks between the slots)."""
         if layout == self.layout:
+            return True
+        if isinstance(layout, SlotLayout) or isinstance(self.layout, SlotLayout):
+            if not isinstance(self.layout, SlotLayout) or not isinstance(layout, SlotLayout):
+                return False
+            if layout.nbytes > self.nbytes:
+                return False
+            self.layout = layout
+            self._typed.clear()
             return True
         if pool_layout(layout) != self.pool:
             return False
@@ -405,6 +391,22 @@ class StagingPool:
             for _, off, n, src in items:
                 self.stage(self.buffer[off : off + n], src, non_blocking=non_blocking)
 
+    def stage_slots(self, sources: Mapping[str, torch.Tensor]) -> None:
+        """Copy every tensor of ``sources`` (any device, any strides) into its slot of
+        this pool's slot layout, with :meth:`stage_many` (small tensors in batches);
+        returns once every copy is done."""
+        layout = self.layout
+        if not isinstance(layout, SlotLayout):
+            raise TypeError("stage_slots() needs a pool built for a slot layout")
+        self.stage_many([(s.key, s.offset, s.nbytes, sources[s.key]) for s in layout.slots])
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """key -> the tensor in its slot (no copy; see :func:`slot_tensors`), in this
+        process's mapping. Each tensor keeps the mapping alive while it lives."""
+        if not isinstance(self.layout, SlotLayout) or self._mm is None:
+            raise TypeError("tensors() needs an open pool built for a slot layout")
+        return slot_tensors(self._mm, self.layout)
+
     def close(self) -> None:
         """Release the memory (the worker's mapping keeps it alive until it unmaps)."""
         if self._registered:
@@ -424,3 +426,19 @@ class StagingPool:
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
+
+
+def _map_sent_pool(handle: Any, nbytes: int, layout: RankLayout | SlotLayout) -> StagingPool:
+    """Load side of :meth:`StagingPool.__reduce__`: map the memory sent as ``handle`` (a
+    ``DupFd``) again, without populating it or writing anything. The pool keeps no file
+    descriptor (the mapping holds the memory) and cannot be sent on; its mapping goes
+    when it and the tensors over it are garbage."""
+    fd = handle.detach()
+    try:
+        mm = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED)
+    finally:
+        os.close(fd)
+    pool = StagingPool.__new__(StagingPool)
+    pool._init_state(layout, nbytes)
+    pool._attach(mm)
+    return pool

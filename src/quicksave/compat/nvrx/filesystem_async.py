@@ -84,10 +84,11 @@ from quicksave.compat.nvrx.rank_write import (
     temp_dir_for,
     write_rank_data,
 )
-from quicksave.compat.nvrx.staging import StagedPool, identity_preload, stage_to_pool
+from quicksave.compat.nvrx.staging import identity_preload, stage_to_pool
 from quicksave.errors import CheckpointError, CorruptCheckpointError
 from quicksave.format import objects as objcodec
 from quicksave.saving.plan import RankLayout, layout_rank
+from quicksave.stage.pool import StagingPool
 
 # DCP FileSystemWriter's positional arguments after the path, in order (NVRx passes its
 # *args on to it).
@@ -245,8 +246,8 @@ class FileSystemWriterAsync(NvrxDataPath, StorageWriter, FileSystemWriter):
         self.save_index = 0  # set by save_state_dict_async_plan (per-save counter)
         self.layouts: tuple[RankLayout | DcpRankLayout, ...] | None = None
         self._job: RankWriteJob | DcpWriteJob | None = None
-        self._staged: dict[str, torch.Tensor] = {}
-        self._pool: torch.Tensor | None = None  # this save's staging pool
+        self._staged: StagingPool | dict[str, torch.Tensor] = {}
+        self._pool: StagingPool | None = None  # this save's staging pool
         self._index_of: dict[str, MetadataIndex] = {}
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
@@ -387,12 +388,11 @@ class FileSystemWriterAsync(NvrxDataPath, StorageWriter, FileSystemWriter):
             self.rank, self.tmp_dir, rank_plan.layout, objects, self.fsync, self.location
         )
 
-    def _stage_pool(self, sources: dict[str, torch.Tensor]) -> StagedPool:
+    def _stage_pool(self, sources: dict[str, torch.Tensor]) -> StagingPool:
         """Copy every tensor into one shared-memory pool (64-byte aligned slots), reusing
         the pool of an earlier finalized save when it is large enough."""
-        staged = stage_to_pool(sources, PROCESS.take_staging_pool)
-        self._pool = staged.pool
-        return staged
+        self._pool = stage_to_pool(sources, PROCESS.take_staging_pool)
+        return self._pool
 
     def release_staging(self) -> None:
         """This save's staging pool may be reused (its write is over: finalize)."""

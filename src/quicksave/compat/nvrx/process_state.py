@@ -31,6 +31,8 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from quicksave.stage.pool import StagingPool
+    from quicksave.stage.slots import SlotLayout
     from quicksave.worker.config import WorkerConfig
     from quicksave.worker.persisters import ProcessPersister
 
@@ -47,21 +49,27 @@ class NvrxProcessState:
         self._warm: tuple[ProcessPersister, WorkerConfig, int] | None = None
         self._tracked: weakref.WeakSet[Any] = weakref.WeakSet()
         self._restart_callbacks: list[Any] = []
-        self._pool: Any = None  # the free staging pool of FileSystemWriterAsync
+        self._pool: StagingPool | None = None  # the free staging pool of FileSystemWriterAsync
         self.metadata_cache: Any = None
 
-    def take_staging_pool(self, nbytes: int) -> Any:
-        """The free staging pool (a 1-D ``uint8`` shared-memory tensor) if it holds at
-        least ``nbytes``, once; else None (a smaller one is dropped)."""
+    def take_staging_pool(self, layout: SlotLayout) -> StagingPool | None:
+        """The free staging pool, once, if it is large enough for ``layout`` (it then
+        holds ``layout``: :meth:`StagingPool.adopt`); else None (a smaller one is
+        closed)."""
         with self._lock:
             pool, self._pool = self._pool, None
-        return pool if pool is not None and pool.numel() >= nbytes else None
+        if pool is None or pool.adopt(layout):
+            return pool
+        pool.close()
+        return None
 
-    def release_staging_pool(self, pool: Any) -> None:
+    def release_staging_pool(self, pool: StagingPool) -> None:
         """The pool of a finalized save becomes the free one (an older free one is
-        dropped, so at most one save's worth waits here)."""
+        closed, so at most one save's worth waits here)."""
         with self._lock:
-            self._pool = pool
+            old, self._pool = self._pool, pool
+        if old is not None and old is not pool:
+            old.close()
 
     def track(self, obj: Any) -> None:
         """Remember ``obj`` (weakly) for ``ObjectTracker.get_instances``."""

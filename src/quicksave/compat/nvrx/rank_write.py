@@ -34,10 +34,11 @@ from torch.distributed.checkpoint.storage import WriteResult
 from quicksave.adapters.dcp_writer import _ChunkWritten, _ObjectWritten
 from quicksave.checksum import hexdigest
 from quicksave.commit import CommitStrategy, parts, strategy_class, strategy_for
-from quicksave.compat.nvrx.staging import StagedPool, tensors_of
+from quicksave.compat.nvrx.staging import tensors_of
 from quicksave.errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
 from quicksave.format.manifest import RankPlan
 from quicksave.saving.plan import RankLayout
+from quicksave.stage.pool import StagingPool
 from quicksave.storage.location import Location
 from quicksave.worker import persist
 
@@ -115,7 +116,7 @@ def worker_strategy(location: Location, fsync: bool, rank: int) -> CommitStrateg
     return strategy_for(location.open(fsync=fsync, rank=rank), owned=True)
 
 
-def write_rank_data(job: RankWriteJob, staged: StagedPool | dict[str, torch.Tensor]) -> None:
+def write_rank_data(job: RankWriteJob, staged: StagingPool | dict[str, torch.Tensor]) -> None:
     """``save_fn``: write one rank's data files and then its part (the "done" record),
     through the commit strategy of the checkpoint's location (a backend opened here, in
     the worker).
@@ -126,7 +127,7 @@ def write_rank_data(job: RankWriteJob, staged: StagedPool | dict[str, torch.Tens
 
     Args:
         job: what to write and where.
-        staged: chunk key -> CPU tensor, or the ``StagedPool`` holding them
+        staged: chunk key -> CPU tensor, or the ``StagingPool`` holding them
             (``preload_fn``'s result).
 
     Raises:
