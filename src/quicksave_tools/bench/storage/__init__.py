@@ -81,8 +81,10 @@ import sys
 
 from quicksave_tools.bench.storage.config import SHAPES, StorageBenchConfig
 from quicksave_tools.bench.storage.log import why
-from quicksave_tools.bench.storage.report import format_storage_report
-from quicksave_tools.bench.storage.run import run_storage_benchmark
+
+# The run and the report are imported by main(): the child processes import modules of
+# this package too, and with ``--baseline`` their quicksave is another version, which
+# the parent's imports (quicksave's internals) need not fit.
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -162,6 +164,9 @@ def main(argv: list[str] | None = None) -> int:
 
         quicksave bench --storage --size-mib 1024 --repeat 3 --json storage.json
     """
+    from quicksave_tools.bench.storage.report import format_storage_report
+    from quicksave_tools.bench.storage.run import run_storage_benchmark
+
     args = build_parser().parse_args(argv)
     config = StorageBenchConfig(
         size_mib=args.size_mib,

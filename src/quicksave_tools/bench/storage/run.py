@@ -101,7 +101,8 @@ def run_storage_benchmark(
                     shape, config, methods, buckets, run_id, log
                 )
             if config.training:
-                say(log, "training loop: none / local / s3, each in a fresh process")
+                twins = " (and @baseline)" if config.baseline is not None else ""
+                say(log, f"training loop: none / local / s3{twins}, each in a fresh process")
                 report["training"] = run_training(config, target, buckets, run_id, log)
             else:
                 report["training"] = {"skipped": "--no-training"}
