@@ -148,7 +148,7 @@ def test_bad_arguments(tmp_path, capsys) -> None:
 
 
 def test_a_baseline_runs_every_quicksave_method_twice_with_its_own_package(tmp_path) -> None:
-    from quicksave_tools.bench.training import _baseline_env
+    from quicksave_tools.bench.baseline import baseline_env
 
     src = os.path.join(os.path.dirname(__file__), "..", "..", "src")
     config = TrainingBenchConfig(
@@ -157,7 +157,7 @@ def test_a_baseline_runs_every_quicksave_method_twice_with_its_own_package(tmp_p
     runs = [m for _, m in schedule(config)]
     assert runs.count("quicksave-process@baseline") == 1
     assert runs.count("quicksave-process") == 1 and "torch.save@baseline" not in runs
-    env = _baseline_env(config, str(tmp_path))
+    env = baseline_env(src, str(tmp_path))
     first = env["PYTHONPATH"].split(os.pathsep)[0]
     assert os.listdir(first) == ["quicksave"]  # the baseline's package, and only it, first
     assert os.path.samefile(os.path.join(first, "quicksave"), os.path.join(src, "quicksave"))

@@ -69,6 +69,13 @@ import time
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
+from quicksave_tools.bench.baseline import (
+    BASELINE,
+    baseline_env,
+    check_baseline,
+    is_baseline,
+    plain,
+)
 from quicksave_tools.bench.child import run_in_fresh_process
 from quicksave_tools.bench.savers import DCP_ASYNC, QUICKSAVE_MODES, TORCH_CHECKPOINTING
 from quicksave_tools.bench.shapes import SHAPES
@@ -149,9 +156,6 @@ QUICK = {
 }
 
 
-BASELINE = "@baseline"  # suffix of a method run with the baseline's package
-
-
 def all_methods(config: TrainingBenchConfig) -> tuple[str, ...]:
     """The methods run: ``config.methods``, and with a baseline each quicksave method
     again with the baseline's package."""
@@ -159,21 +163,6 @@ def all_methods(config: TrainingBenchConfig) -> tuple[str, ...]:
         return tuple(config.methods)
     twins = [m + BASELINE for m in config.methods if m.startswith("quicksave")]
     return (*config.methods, *twins)
-
-
-def _baseline_env(config: TrainingBenchConfig, base: str) -> dict[str, str]:
-    """The environment of a ``@baseline`` run: a folder holding only a link to the
-    baseline's ``quicksave`` package first on ``PYTHONPATH``, so the library comes
-    from there and the benchmark's own code from this installation."""
-    assert config.baseline is not None
-    shim = os.path.join(base, "baseline-path")
-    link = os.path.join(shim, "quicksave")
-    if not os.path.lexists(link):
-        os.makedirs(shim, exist_ok=True)
-        os.symlink(os.path.join(os.path.abspath(config.baseline), "quicksave"), link)
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (shim, env.get("PYTHONPATH")) if p)
-    return env
 
 
 def schedule(config: TrainingBenchConfig) -> list[tuple[str, str]]:
@@ -203,10 +192,8 @@ def _check(config: TrainingBenchConfig, parent: str) -> None:
         raise ValueError(
             f"unknown shape(s) {', '.join(bad) or '(none)'}; known: {', '.join(SHAPES)}"
         )
-    if config.baseline is not None and not os.path.isfile(
-        os.path.join(config.baseline, "quicksave", "__init__.py")
-    ):
-        raise ValueError(f"{config.baseline} holds no quicksave package (quicksave/__init__.py)")
+    if config.baseline is not None:
+        check_baseline(config.baseline)
     if config.build not in BUILDS:
         raise ValueError(f"unknown build {config.build!r}; known: {', '.join(BUILDS)}")
     for name in ("steps", "interval", "repeats", "threads"):
@@ -225,9 +212,11 @@ def _run_one(
     shape: str, method: str, config: TrainingBenchConfig, base: str, index: int
 ) -> dict[str, Any]:
     folder = os.path.join(base, f"{index:02d}-{method}")
-    plain = method.removesuffix(BASELINE)
-    env = _baseline_env(config, base) if plain != method else None
-    spec = {**asdict(config), "methods": None, "shapes": None, "method": plain}
+    env = None
+    if is_baseline(method):
+        assert config.baseline is not None
+        env = baseline_env(config.baseline, base)
+    spec = {**asdict(config), "methods": None, "shapes": None, "method": plain(method)}
     spec.update(shape=shape, folder=folder)
     spec["result"] = os.path.join(base, f"{index:02d}-result.json")
     t0 = time.perf_counter()

@@ -34,7 +34,14 @@ fresh bucket, deleted afterwards):
   the endpoint given to its client); reported as not available, with the reason, where
   it cannot run.
 * ``quicksave`` — ``quicksave.save`` / ``quicksave.load`` to ``s3://`` (defaults: 2
-  writer threads, 4 reader threads, xxh3 of every chunk written and verified).
+  writer threads, 4 reader threads, xxh3 of every chunk written and verified), each
+  round trip in a fresh process that first saves and loads a tiny state dict untimed.
+
+With ``--baseline SRC`` (a folder holding another version's ``quicksave`` package, e.g.
+an earlier commit's ``src``), quicksave's method also runs as ``quicksave@baseline``
+with that package, in the same rotation on the same shapes, and the training part runs
+``local@baseline`` and ``s3@baseline`` beside ``local`` and ``s3``; the report adds
+current / baseline ratios per workload (:mod:`.comparison`).
 
 "raw" in the ratios is the faster of the two raw methods (by median). Every method is
 run once on a tiny state dict first (imports, clients, connection pools), not timed;
@@ -52,14 +59,16 @@ checkpoint included, − the median loop seconds without checkpoints) / checkpoi
 The modules, in the order of a run: :mod:`.config` (names, :class:`StorageBenchConfig`,
 checks), :mod:`.run` (one whole run), :mod:`.target` (the endpoint, the own server),
 :mod:`.buckets`, :mod:`.workloads` (the shapes' state dicts), :mod:`.methods` and
-:mod:`.raw_s3` (each method's save and load), :mod:`.throughput` (the timed runs),
-:mod:`.training` (the training-loop part), :mod:`.report` (acceptance, Markdown) and
-:mod:`.log`; this package's :func:`main` is the command line.
+:mod:`.raw_s3` (each method's save and load), :mod:`.quicksave_child` (quicksave's round
+trip in a fresh process), :mod:`.throughput` (the timed runs), :mod:`.training` (the
+training-loop part), :mod:`.comparison` (against a baseline), :mod:`.report`
+(acceptance, Markdown) and :mod:`.log`; this package's :func:`main` is the command line.
 
 Example::
 
     quicksave bench --storage
     quicksave bench --storage --size-mib 256 --repeat 1 --json storage.json
+    quicksave bench --storage --size-mib 256 --repeat 1 --baseline ../old/src
     AWS_ACCESS_KEY_ID=... AWS_SECRET_ACCESS_KEY=... quicksave bench --storage \\
         --endpoint http://127.0.0.1:8333
 """
@@ -72,8 +81,10 @@ import sys
 
 from quicksave_tools.bench.storage.config import SHAPES, StorageBenchConfig
 from quicksave_tools.bench.storage.log import why
-from quicksave_tools.bench.storage.report import format_storage_report
-from quicksave_tools.bench.storage.run import run_storage_benchmark
+
+# The run and the report are imported by main(): the child processes import modules of
+# this package too, and with ``--baseline`` their quicksave is another version, which
+# the parent's imports (quicksave's internals) need not fit.
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -131,6 +142,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=d.server_nice,
         help="CPU niceness of the SeaweedFS the bench starts (19: a stand-in for a remote store)",
     )
+    p.add_argument(
+        "--baseline",
+        metavar="SRC",
+        help="a folder holding another quicksave package (an earlier commit's src): "
+        "quicksave's throughput method and the training targets also run with it, as "
+        "<name>@baseline, and the report compares the two",
+    )
     p.add_argument("--json", metavar="PATH", help="also write the report as JSON to PATH")
     return p
 
@@ -146,6 +164,9 @@ def main(argv: list[str] | None = None) -> int:
 
         quicksave bench --storage --size-mib 1024 --repeat 3 --json storage.json
     """
+    from quicksave_tools.bench.storage.report import format_storage_report
+    from quicksave_tools.bench.storage.run import run_storage_benchmark
+
     args = build_parser().parse_args(argv)
     config = StorageBenchConfig(
         size_mib=args.size_mib,
@@ -169,6 +190,7 @@ def main(argv: list[str] | None = None) -> int:
         seed=args.seed,
         server_nice=args.server_nice,
         train_pin=args.train_pin,
+        baseline=args.baseline,
     )
     if config.bucket and not config.endpoint:
         print("quicksave bench --storage: --bucket needs --endpoint", file=sys.stderr)

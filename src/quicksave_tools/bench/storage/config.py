@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from quicksave_tools.bench.baseline import BASELINE, check_baseline, plain
+
 MiB = 1 << 20
 
 RAW_THREADS = "raw threads"
@@ -23,8 +25,10 @@ NOTES = {
     RAW_BOTO3: "boto3 upload_fileobj / download_fileobj, TransferConfig",
     DCP_MSC: "MultiStorageFileSystemWriter/Reader, thread_count=2, MSC defaults",
     DCP_S3TC: "S3StorageWriter (thread_count=2) / S3StorageReader, path style",
-    QUICKSAVE: "quicksave.save/load to s3:// (2 writer / 4 reader threads, xxh3)",
+    QUICKSAVE: "quicksave.save/load to s3:// in a fresh process (2 writer / 4 reader "
+    "threads, xxh3)",
 }
+IN_CHILD = (QUICKSAVE,)  # run in a fresh process per round trip, also as @baseline
 SMALL_TENSOR = 4 * MiB
 WARMUP_BYTES = 8 * MiB
 
@@ -55,6 +59,12 @@ class StorageBenchConfig:
             current directory).
         seed: seed of the tensor values and the model.
         train_timeout_s: a training run that takes longer is stopped, reported failed.
+        baseline: a folder holding another version's ``quicksave`` package (e.g. an
+            earlier commit's ``src``): quicksave's throughput method and the training
+            loop's checkpointing targets also run with it, as ``<name>@baseline``,
+            interleaved with this version's runs on the same workloads.
+        child_timeout_s: a throughput round trip run in its own process that takes
+            longer is stopped, reported failed.
         train_pin: place the training processes on the first CPU this process may use and
             the checkpoint worker (``worker_cpus``) and the server the bench started on
             the others, the way a GPU trainer's loop thread and its host's spare cores
@@ -90,6 +100,21 @@ class StorageBenchConfig:
     train_timeout_s: float = 900.0
     server_nice: int = 19
     train_pin: bool = False
+    baseline: str | None = None
+    child_timeout_s: float = 900.0
+
+
+def all_methods(config: StorageBenchConfig) -> tuple[str, ...]:
+    """The throughput methods run: ``config.methods``, and with a baseline each method
+    of :data:`IN_CHILD` again with the baseline's package."""
+    twins = [m + BASELINE for m in config.methods if m in IN_CHILD]
+    return (*config.methods, *(twins if config.baseline is not None else ()))
+
+
+def note(method: str) -> str:
+    """How ``method`` (``@baseline`` ones too) moves the bytes, for the report."""
+    text = NOTES[plain(method)]
+    return text if plain(method) == method else text + "; the baseline's package"
 
 
 def check_config(config: StorageBenchConfig) -> None:
@@ -103,6 +128,8 @@ def check_config(config: StorageBenchConfig) -> None:
     for m in config.methods:
         if m not in METHODS:
             raise ValueError(f"unknown method {m!r}; known: {', '.join(METHODS)}")
+    if config.baseline is not None:
+        check_baseline(config.baseline)
     if RAW_THREADS not in config.methods or QUICKSAVE not in config.methods:
         raise ValueError(f"methods must include {RAW_THREADS!r} and {QUICKSAVE!r}")
     if config.training:

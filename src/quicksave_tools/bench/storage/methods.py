@@ -1,26 +1,33 @@
 """Save and load of each method of ``quicksave bench --storage`` on one bucket
 (:class:`Methods`): the raw baselines (:mod:`.raw_s3`), ``dcp.save``/``dcp.load``
 through the Multi-Storage Client (its config written by :func:`write_msc_config`) and
-through s3torchconnector, and quicksave itself; which ones cannot run here, and why."""
+through s3torchconnector, and quicksave itself, each of its round trips in a fresh
+process (:meth:`Methods.in_child`, with this installation's package or a baseline's);
+which ones cannot run here, and why."""
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
+import tempfile
 from typing import Any
 
 import torch
 
 from quicksave.checksum import tensor_view
+from quicksave_tools.bench.baseline import baseline_env, is_baseline, plain
 from quicksave_tools.bench.storage.config import (
     DCP_MSC,
     DCP_S3TC,
-    QUICKSAVE,
+    IN_CHILD,
     RAW_BOTO3,
     RAW_THREADS,
+    WARMUP_BYTES,
     MiB,
     StorageBenchConfig,
 )
+from quicksave_tools.bench.storage.quicksave_child import round_trip_in_child
 from quicksave_tools.bench.storage.raw_s3 import RawS3
 from quicksave_tools.bench.storage.target import Target
 
@@ -118,6 +125,9 @@ class Methods:
         self.raw = RawS3(client, config.part_mib * MiB, config.concurrency)
         self.msc_profiles = msc  # profile name prefix
         self.unavailable: dict[str, str] = {}
+        self.workdir = tempfile.mkdtemp(prefix="quicksave-storage-bench-")  # child specs
+        self.children = 0
+        self.packages: dict[str, str] = {}  # method run in a child -> its quicksave's folder
         self.s3tc: _S3tc | None = None
         if DCP_S3TC in config.methods:
             try:
@@ -132,6 +142,39 @@ class Methods:
 
     def close(self) -> None:
         self.raw.close()
+        shutil.rmtree(self.workdir, ignore_errors=True)
+
+    def in_child(
+        self, method: str, bucket: str, prefix: str, shape: str, total: int, seed: int
+    ) -> dict[str, Any]:
+        """Save and load of ``method`` (one of :data:`IN_CHILD`, or its ``@baseline``)
+        to ``s3://bucket/prefix`` in a fresh process (:mod:`.quicksave_child`), after an
+        untimed round trip of a tiny state dict to ``prefix-warmup``: ``{"save": ...,
+        "load": ...}`` (seconds, client and server CPU seconds). The caller deletes
+        both prefixes."""
+        if plain(method) not in IN_CHILD:
+            raise ValueError(f"{method!r} does not run in a child process")
+        env = None
+        if is_baseline(method):
+            assert self.config.baseline is not None
+            env = baseline_env(self.config.baseline, self.workdir)
+        spec = {
+            "shape": shape,
+            "bytes": total,
+            "seed": seed,
+            "url": f"s3://{bucket}/{prefix}",
+            "warmup_url": f"s3://{bucket}/{prefix}-warmup",
+            "warmup_bytes": WARMUP_BYTES,
+            "endpoint_url": self.target.endpoint_url,
+            "region": self.target.region,
+            "server_pid": self.target.server_pid(),
+        }
+        self.children += 1
+        got = round_trip_in_child(
+            spec, self.workdir, self.children, self.config.child_timeout_s, env
+        )
+        self.packages[method] = got["quicksave"]
+        return got
 
     def save(self, method: str, bucket: str, tag: str, prefix: str, sd: dict, flat: Any) -> None:
         if method == RAW_THREADS:
@@ -143,10 +186,6 @@ class Methods:
         elif method == DCP_S3TC:
             assert self.s3tc is not None
             self.s3tc.save(sd, f"s3://{bucket}/{prefix}")
-        elif method == QUICKSAVE:
-            from quicksave.api import save
-
-            save(sd, f"s3://{bucket}/{prefix}", storage=self.target.storage())
         else:
             raise ValueError(f"unknown method {method!r}")
 
@@ -160,9 +199,5 @@ class Methods:
         elif method == DCP_S3TC:
             assert self.s3tc is not None
             self.s3tc.load(dest, f"s3://{bucket}/{prefix}")
-        elif method == QUICKSAVE:
-            from quicksave.api import load
-
-            load(dest, f"s3://{bucket}/{prefix}", storage=self.target.storage())
         else:
             raise ValueError(f"unknown method {method!r}")

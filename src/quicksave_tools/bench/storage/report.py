@@ -7,6 +7,8 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
+from quicksave_tools.bench.baseline import BASELINE, plain
+from quicksave_tools.bench.storage.comparison import format_comparison
 from quicksave_tools.bench.storage.config import MiB
 
 TARGETS = (  # (what, section, ratio key, at least)
@@ -124,8 +126,10 @@ def format_storage_report(report: dict[str, Any]) -> str:
             f"| no checkpoints | {_f(t['baseline']['loop_median_s'])} | 0 | – | – | – | – | – "
             "| – | – |",
         ]
-        for kind, label in (("local", "local directory"), ("s3", "s3://")):
-            r = t["targets"].get(kind, {})
+        labels = {"local": "local directory", "s3": "s3://"}
+        for kind in t["targets"]:
+            label = labels.get(kind) or labels[plain(kind)] + " " + BASELINE
+            r = t["targets"][kind]
             if "failed" in r:
                 lines.append(f"| {label} | failed: {r['failed']} | | | | | | | | |")
                 continue
@@ -147,6 +151,8 @@ def format_storage_report(report: dict[str, Any]) -> str:
             f"is ≤ 0, i.e. within the noise); S3 − local: "
             f"{_f(t['s3_minus_local_overhead_s'], '.3f')} s per checkpoint",
         ]
+    if "baseline" in report:
+        lines += format_comparison(report["baseline"], c.get("baseline"))
     acc = report.get("acceptance") or []
     if acc:
         lines += ["", "| target | shape | measured | met |", "|---|---|---:|---|"]

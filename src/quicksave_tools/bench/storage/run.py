@@ -1,7 +1,8 @@
 """One whole ``quicksave bench --storage`` run (:func:`run_storage_benchmark`): check
 the config, open the target (or start SeaweedFS), make the buckets and the MSC config,
 set the AWS_* and MSC_CONFIG variables for the run only, then the warm-up, the
-throughput per shape, the training loop, and the report with its acceptance rows."""
+throughput per shape, the training loop, and the report with its acceptance rows (and,
+with a baseline, the comparison of this version against it)."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from typing import Any
 import torch
 
 from quicksave_tools.bench.storage.buckets import Buckets
+from quicksave_tools.bench.storage.comparison import compare
 from quicksave_tools.bench.storage.config import StorageBenchConfig, check_config
 from quicksave_tools.bench.storage.log import say
 from quicksave_tools.bench.storage.methods import Methods, write_msc_config
@@ -62,7 +64,9 @@ def run_storage_benchmark(
         ``config``, ``machine``, ``server``, ``shapes`` (per shape: ``save`` and
         ``load`` per method — seconds, median, best, MB/s, CPU seconds, or
         ``unavailable``/``failed`` with the reason — and ``save_ratios`` /
-        ``load_ratios`` of quicksave against raw and the DCP methods) and ``training``.
+        ``load_ratios`` of quicksave against raw and the DCP methods), ``training``,
+        ``acceptance`` and, with ``config.baseline``, ``baseline``
+        (:func:`~quicksave_tools.bench.storage.comparison.compare`).
 
     Raises:
         ValueError: bad arguments.
@@ -97,7 +101,8 @@ def run_storage_benchmark(
                     shape, config, methods, buckets, run_id, log
                 )
             if config.training:
-                say(log, "training loop: none / local / s3, each in a fresh process")
+                twins = " (and @baseline)" if config.baseline is not None else ""
+                say(log, f"training loop: none / local / s3{twins}, each in a fresh process")
                 report["training"] = run_training(config, target, buckets, run_id, log)
             else:
                 report["training"] = {"skipped": "--no-training"}
@@ -121,6 +126,8 @@ def run_storage_benchmark(
         "loadavg_after": [round(x, 2) for x in os.getloadavg()],
     }
     report["acceptance"] = acceptance(report)
-    return {
-        k: report[k] for k in ("config", "machine", "server", "shapes", "training", "acceptance")
-    }
+    keys = ["config", "machine", "server", "shapes", "training", "acceptance"]
+    if config.baseline is not None:
+        report["baseline"] = {**compare(report), "packages": methods.packages}
+        keys.append("baseline")
+    return {k: report[k] for k in keys}

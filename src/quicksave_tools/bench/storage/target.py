@@ -81,26 +81,16 @@ class Target:
             "s3", endpoint_url=self.endpoint_url, region_name=self.region, config=config, **kwargs
         )
 
-    def storage(self) -> Any:
-        """quicksave's :class:`~quicksave.storage.StorageOptions` for this target."""
-        from quicksave.storage import S3Options, StorageOptions
-
-        return StorageOptions(
-            s3=S3Options(
-                endpoint_url=self.endpoint_url,
-                region=self.region,
-                access_key_id=self.access_key_id,
-                secret_access_key=self.secret_access_key,
-            )
-        )
+    def server_pid(self) -> int | None:
+        """The process id of the server this bench runs against (None: not ours)."""
+        running = getattr(self.server, "_running", None)
+        proc = getattr(running, "proc", None)
+        return None if proc is None else proc.pid
 
     def server_cpu_s(self) -> float | None:
         """CPU seconds the server's process has used so far (None: not ours)."""
-        running = getattr(self.server, "_running", None)
-        proc = getattr(running, "proc", None)
-        if proc is None:
-            return None
-        return pid_cpu_s(proc.pid)
+        pid = self.server_pid()
+        return None if pid is None else pid_cpu_s(pid)
 
 
 @contextlib.contextmanager

@@ -1,7 +1,8 @@
 """The save/load throughput part of ``quicksave bench --storage``: every method once on
 a tiny state dict (:func:`warm_up`), then ``repeat`` timed runs per shape
 (:func:`measure_shape`: save, load, check the values, delete; the method order rotates
-per repeat), summarized as median/best seconds, MB/s, CPU seconds and quicksave's
+per repeat; quicksave's round trips, and with a baseline its ``@baseline`` twin's, each
+in a fresh process), summarized as median/best seconds, MB/s, CPU seconds and quicksave's
 ratios against raw and the DCP methods."""
 
 from __future__ import annotations
@@ -16,18 +17,21 @@ from typing import Any
 
 import torch
 
+from quicksave_tools.bench.baseline import plain
 from quicksave_tools.bench.methods import nbytes_of
 from quicksave_tools.bench.storage.buckets import Buckets, delete_prefix
 from quicksave_tools.bench.storage.config import (
     DCP_MSC,
     DCP_S3TC,
-    NOTES,
+    IN_CHILD,
     QUICKSAVE,
     RAW_METHODS,
     RAW_THREADS,
     WARMUP_BYTES,
     MiB,
     StorageBenchConfig,
+    all_methods,
+    note,
 )
 from quicksave_tools.bench.storage.log import say, why
 from quicksave_tools.bench.storage.methods import Methods
@@ -65,13 +69,16 @@ class _Data:
     dest: dict[str, torch.Tensor]
     flat: torch.Tensor
     flat_dest: torch.Tensor
+    shape: str
+    total: int
+    seed: int  # with shape and total: what a child process builds the same sd from
 
     @classmethod
     def build(cls, shape: str, total: int, seed: int) -> _Data:
         sd = build_shape(shape, total, seed)
         dest = {k: torch.zeros_like(v) for k, v in sd.items()}  # preallocated, touched
         flat = pack(sd)
-        return cls(sd, dest, flat, torch.zeros_like(flat))
+        return cls(sd, dest, flat, torch.zeros_like(flat), shape, total, seed)
 
     def clear_dest(self, method: str) -> None:
         if method in RAW_METHODS:
@@ -103,15 +110,24 @@ def _one(
     data: _Data,
     samples: dict[str, dict[str, list[_Sample]]] | None,
 ) -> None:
-    """Save, load, check and delete one method's checkpoint (timed into ``samples``)."""
+    """Save, load, check and delete one method's checkpoint (timed into ``samples``;
+    the methods of :data:`IN_CHILD` in a fresh process, which times and checks them)."""
     t = methods.target
     try:
-        s = _timed(t, lambda: methods.save(method, bucket, tag, prefix, data.sd, data.flat))
-        data.clear_dest(method)
-        lo = _timed(t, lambda: methods.load(method, bucket, tag, prefix, data.dest, data.flat_dest))
-        data.check(method)
+        if plain(method) in IN_CHILD:
+            got = methods.in_child(method, bucket, prefix, data.shape, data.total, data.seed)
+            s, lo = _Sample(**got["save"]), _Sample(**got["load"])
+        else:
+            s = _timed(t, lambda: methods.save(method, bucket, tag, prefix, data.sd, data.flat))
+            data.clear_dest(method)
+            lo = _timed(
+                t, lambda: methods.load(method, bucket, tag, prefix, data.dest, data.flat_dest)
+            )
+            data.check(method)
     finally:
         delete_prefix(methods.client, bucket, prefix + "/")
+        if plain(method) in IN_CHILD:
+            delete_prefix(methods.client, bucket, prefix + "-warmup/")
     if samples is not None:
         samples.setdefault("save", {}).setdefault(method, []).append(s)
         samples.setdefault("load", {}).setdefault(method, []).append(lo)
@@ -168,7 +184,7 @@ def measure_shape(
     total = config.size_mib * MiB
     data = _Data.build(shape, total, config.seed)
     nbytes = nbytes_of(data.sd)
-    todo = [m for m in config.methods if m not in methods.unavailable]
+    todo = [m for m in all_methods(config) if m not in methods.unavailable]
     samples: dict[str, dict[str, list[_Sample]]] = {}
     failed: dict[str, str] = {}
     for r in range(config.repeat):
@@ -202,13 +218,13 @@ def measure_shape(
     }
     for kind in ("save", "load"):
         section: dict[str, Any] = {}
-        for m in config.methods:
+        for m in all_methods(config):
             if m in methods.unavailable:
-                section[m] = {"unavailable": methods.unavailable[m], "note": NOTES[m]}
+                section[m] = {"unavailable": methods.unavailable[m], "note": note(m)}
             elif m in failed:
-                section[m] = {"failed": failed[m], "note": NOTES[m]}
+                section[m] = {"failed": failed[m], "note": note(m)}
             else:
-                section[m] = {**_summary(samples[kind][m], nbytes), "note": NOTES[m]}
+                section[m] = {**_summary(samples[kind][m], nbytes), "note": note(m)}
         section_ratios = _ratios(section)
         out[kind] = section
         out[f"{kind}_ratios"] = section_ratios
@@ -227,14 +243,14 @@ def warm_up(
     try:
         for shape in config.shapes:
             data = _Data.build(shape, min(WARMUP_BYTES, config.size_mib * MiB), config.seed + 1)
-            for method in config.methods:
+            for method in all_methods(config):
                 if method in methods.unavailable:
                     continue
                 prefix = f"{run_id}/warmup/{shape}/{_slug(method)}"
                 try:
                     _one(methods, method, bucket, tag, prefix, data, None)
                 except Exception as e:  # noqa: BLE001
-                    if method in (RAW_THREADS, QUICKSAVE):
+                    if method == RAW_THREADS or plain(method) == QUICKSAVE:
                         raise  # nothing to compare with / the subject itself: a failure
                     methods.unavailable[method] = f"cannot run against this server: {why(e)}"
                     say(log, f"  {method}: not available: {methods.unavailable[method]}")

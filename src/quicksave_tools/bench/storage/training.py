@@ -1,7 +1,8 @@
 """The training-loop part of ``quicksave bench --storage``: a seeded MLP + AdamW with a
 ``CheckpointManager`` (``async_mode="process"``) checkpointing to ``s3://`` and to a
 local directory, each run in a fresh process (:func:`train_child` is the child's entry,
-:func:`run_training` the parent's schedule: ``none`` / ``local`` / ``s3``), and the
+:func:`run_training` the parent's schedule: ``none`` / ``local`` / ``s3``, and with a
+baseline ``local@baseline`` / ``s3@baseline`` run with the baseline's package), and the
 overhead per checkpoint against the runs without checkpoints."""
 
 from __future__ import annotations
@@ -19,12 +20,14 @@ from typing import Any
 
 import torch
 
+from quicksave_tools.bench.baseline import BASELINE, baseline_env, is_baseline, plain
 from quicksave_tools.bench.child import run_in_fresh_process
 from quicksave_tools.bench.storage.buckets import Buckets, delete_prefix
 from quicksave_tools.bench.storage.config import StorageBenchConfig
 from quicksave_tools.bench.storage.log import say, why
 from quicksave_tools.bench.storage.target import Target, server_on
 
+TARGETS = ("local", "s3")
 _CHILD = (
     "import sys; from quicksave_tools.bench.storage.training import train_child; "
     "sys.exit(train_child(sys.argv[1:]))"
@@ -45,8 +48,14 @@ def train_child(argv: list[str]) -> int:
 
 
 def _train_run(spec: dict[str, Any]) -> dict[str, Any]:
-    from quicksave.manager import CheckpointConfig, CheckpointManager, ModelState, OptimizerState
-    from quicksave.storage import S3Options, StorageOptions
+    from quicksave import (  # the public API only: a baseline's package has it too
+        CheckpointConfig,
+        CheckpointManager,
+        ModelState,
+        OptimizerState,
+        S3Options,
+        StorageOptions,
+    )
     from quicksave_tools.bench.training_loop import build_trainer
 
     if spec.get("trainer_cpus"):  # before torch starts its threads: they inherit it
@@ -142,12 +151,21 @@ def _placement(config: StorageBenchConfig, log: Any) -> tuple[list[int] | None, 
     return cpus[:1], cpus[1:]
 
 
+def train_targets(config: StorageBenchConfig) -> tuple[str, ...]:
+    """The checkpointing targets: local and S3, with a baseline each also as
+    ``<target>@baseline``."""
+    if config.baseline is None:
+        return TARGETS
+    return tuple(k for t in TARGETS for k in (t, t + BASELINE))
+
+
 def train_schedule(config: StorageBenchConfig) -> list[str]:
-    """``none`` first, then per repeat local and S3 (order alternating), each pair
-    followed by ``none``."""
+    """``none`` first, then per repeat every target (:func:`train_targets`, order
+    reversed every other repeat), followed by ``none``."""
     runs = ["none"]
+    targets = list(train_targets(config))
     for r in range(config.train_repeat):
-        runs += (["local", "s3"] if r % 2 == 0 else ["s3", "local"]) + ["none"]
+        runs += (targets if r % 2 == 0 else targets[::-1]) + ["none"]
     return runs
 
 
@@ -173,9 +191,13 @@ def run_training(
                     "none": os.path.join(base, f"{i:02d}-none"),
                     "local": os.path.join(base, f"{i:02d}-local"),
                     "s3": f"s3://{bucket}/{prefix}",
-                }[kind]
+                }[plain(kind)]
+                env = None
+                if is_baseline(kind):
+                    assert config.baseline is not None
+                    env = baseline_env(config.baseline, base)
                 spec = {
-                    "target": kind,
+                    "target": plain(kind),
                     "folder": folder,
                     "endpoint_url": target.endpoint_url,
                     "region": target.region,
@@ -200,10 +222,11 @@ def run_training(
                         spec,
                         os.path.join(base, f"{i:02d}-spec.json"),
                         config.train_timeout_s,
+                        env,
                     )
                     s1 = target.server_cpu_s()
                 finally:
-                    if kind == "s3":
+                    if plain(kind) == "s3":
                         with contextlib.suppress(Exception):
                             delete_prefix(buckets.client, bucket, prefix + "/")
                     else:
@@ -246,7 +269,7 @@ def _training_report(config: StorageBenchConfig, runs: dict[str, list[dict]]) ->
     if not none_ok:
         bad = runs.get("none", [{}])
         out["baseline"]["failed"] = bad[0].get("failed", "not run") if bad else "not run"
-    for kind in ("local", "s3"):
+    for kind in train_targets(config):
         rs = runs.get(kind, [])
         ok = [r for r in rs if "failed" not in r]
         if not ok:
