@@ -343,6 +343,42 @@ def test_torch_async_checkpoint_round_trip(persistent: bool, tmp_path: Path) -> 
     _assert_same(torch.load(path), state)
 
 
+def test_torch_async_checkpoint_stages_in_one_reused_pool_and_keeps_what_torch_saves(
+    tmp_path: Path,
+) -> None:
+    # The worker process gets one pool; what it saves keeps parameters, shared tensors
+    # (saved once) and any layout; saving again and again leaks no descriptor.
+    weight = torch.nn.Parameter(torch.randn(6, 4))
+    frozen = torch.nn.Parameter(torch.randn(3), requires_grad=False)
+    state = {
+        "w": weight,
+        "tied": {"again": weight},  # the same tensor twice
+        "frozen": frozen,
+        "t": torch.arange(24, dtype=torch.float64).reshape(4, 6).t(),  # not contiguous
+        "empty": torch.zeros(0, 5),
+        "steps": [torch.tensor(3), 7],
+    }
+    fds = []
+    with TorchAsyncCheckpoint() as ckpt:
+        for i in range(5):
+            with torch.no_grad():
+                weight.add_(1)
+            expected = copy.deepcopy(state)
+            ckpt.async_save(state, tmp_path / "m.pt")
+            ckpt.finalize_async_save(blocking=True)
+            fds.append(len(os.listdir("/proc/self/fd")))
+            loaded = torch.load(tmp_path / "m.pt")
+            assert isinstance(loaded["w"], torch.nn.Parameter) and loaded["w"].requires_grad
+            assert isinstance(loaded["frozen"], torch.nn.Parameter)
+            assert not loaded["frozen"].requires_grad
+            assert loaded["tied"]["again"] is loaded["w"], i  # one tensor, saved once
+            assert loaded["t"].shape == (6, 4) and loaded["empty"].shape == (0, 5)
+            assert loaded["steps"][1] == 7
+            for key in ("w", "frozen", "t", "empty"):
+                assert torch.equal(loaded[key], expected[key]), (i, key)
+    assert len(set(fds[1:])) == 1, fds  # the same descriptors after every later save
+
+
 def test_torch_async_checkpoint_module_state_dict_loads_back(tmp_path: Path) -> None:
     with TorchAsyncCheckpoint(persistent_queue=False) as ckpt:
         model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.BatchNorm1d(3))

@@ -21,6 +21,7 @@ from helpers.structure import (
     load,
     plan_caches,
     plan_exchanges,
+    staging_allocations,
 )
 
 MODS = load()
@@ -111,6 +112,13 @@ def test_one_plan_exchange_and_one_plan_cache() -> None:
     assert {(n, c) for n, c, view in caches if not view} == {
         ("quicksave.saving.plan_cache", "PlanCache")
     }
+
+
+def test_one_staging_pool() -> None:
+    # every save path stages into stage/pool.StagingPool: no other module allocates
+    # shared memory to stage tensors in
+    allocators = {n for n, m in LIB.items() if staging_allocations(m)}
+    assert allocators == {"quicksave.stage.pool"}
 
 
 # every module of the worker package (the process runs main; the others, torch-free too,

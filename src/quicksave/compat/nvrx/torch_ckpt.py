@@ -1,14 +1,16 @@
 """``TorchAsyncCheckpoint``: ``torch.save`` in the background, written atomically.
 
-``async_save`` copies every tensor of the state dict into host buffers (shared memory when
-the calls run in the worker process, so they reach it without a copy through the pipe)
-and returns; the worker ``torch.save``s the copies into a temporary file next to the
-target, fsyncs it, renames it over the target and fsyncs the directory. So the values
-saved are those at the ``async_save`` call, training may mutate its tensors at once, and
-the target path holds either the previous file or the complete new one, never half.
+``async_save`` copies every tensor of the state dict into one staging pool (a
+``StagingPool`` of tensor slots, ``quicksave.stage``: shared memory that reaches the
+worker process as one handle, never through the pipe) and returns; the background call
+puts the pool's tensors back into the object (:class:`_SaveStaged`) and the worker
+``torch.save``s it into a temporary file next to the target, fsyncs it, renames it over
+the target and fsyncs the directory. So the values saved are those at the ``async_save``
+call, training may mutate its tensors at once, and the target path holds either the
+previous file or the complete new one, never half.
 
-The staging buffers are reused by the next save with the same tensor shapes once the call
-that used them is finalized (a fresh allocation costs page faults on every byte).
+The pool is reused by the next save that fits in it once the call that used it is
+finalized (a fresh allocation costs page faults on every byte).
 """
 
 from __future__ import annotations
@@ -16,8 +18,8 @@ from __future__ import annotations
 import contextlib
 import copy
 import logging
-import math
 import os
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -26,13 +28,25 @@ from quicksave.commit import new_token
 from quicksave.commit.files import fsync_path, temp_path_for
 from quicksave.compat.nvrx.calls_queue import AsyncCallsQueue
 from quicksave.compat.nvrx.request import AsyncRequest
+from quicksave.compat.nvrx.staging import stage_to_pool
 from quicksave.errors import CheckpointError, IncompatibleStateError
+from quicksave.stage.pool import StagingPool
+from quicksave.stage.slots import SlotLayout
 from quicksave.storage import local_path
 from quicksave.worker.config import WorkerConfig
 
 logger = logging.getLogger("quicksave")
 
-_Signature = tuple[tuple[torch.dtype, tuple[int, ...]], ...]
+_NOT_A_LEAF = object()  # what a ``_rebuild`` swap returns for containers and values
+
+
+@dataclass(frozen=True)
+class _Staged:
+    """Stands in the staged object for one tensor: its slot in the pool."""
+
+    key: str
+    parameter: bool  # a ``torch.nn.Parameter``: rebuilt as one
+    requires_grad: bool
 
 
 class TorchAsyncCheckpoint:
@@ -80,8 +94,8 @@ class TorchAsyncCheckpoint:
         self._queue = (
             queue if queue is not None else AsyncCallsQueue(persistent_queue, worker=worker)
         )
-        self._shared = self._queue.persistent
-        self._free: tuple[_Signature, list[torch.Tensor]] | None = None
+        self._deep = not self._queue.persistent  # a thread saves later: freeze values
+        self._free: StagingPool | None = None
 
     def _get_async_calls_queue(self) -> AsyncCallsQueue:
         """The queue the saves run on (NVRx's accessor, for tests and monitoring)."""
@@ -125,11 +139,11 @@ class TorchAsyncCheckpoint:
             raise CheckpointError("the directory to save into does not exist", path=path)
         if os.path.isdir(path):
             raise CheckpointError("the target is a directory; give a file path", path=path)
-        staged, signature, buffers = self._stage(state_dict, path)
+        skeleton, pool = self._stage(state_dict, path)
         request = AsyncRequest(
-            self.async_fn,
-            (staged, path, *rest),
-            [lambda: self._release(signature, buffers)],
+            _SaveStaged(self.async_fn),
+            (pool, skeleton, path, *rest),
+            [lambda: self._release(pool)],
             kwargs,
         )
         return self._queue._schedule(request, path=path)
@@ -162,7 +176,9 @@ class TorchAsyncCheckpoint:
     def close(self, abort: bool = False) -> None:
         """Finalize what is left (unless ``abort``) and stop the worker of an owned queue
         (a later ``async_save`` starts a new one)."""
-        self._free = None
+        free, self._free = self._free, None
+        if free is not None:
+            free.close()
         if self._owns_queue:
             self._queue.close(abort=abort)
 
@@ -178,35 +194,60 @@ class TorchAsyncCheckpoint:
         self.close(abort=exc[0] is not None)
 
     # ------------------------------------------------------------------ staging
-    def _stage(self, obj: Any, path: str) -> tuple[Any, _Signature, list[torch.Tensor]]:
+    def _stage(self, obj: Any, path: str) -> tuple[Any, StagingPool]:
+        """Copy every tensor of ``obj`` into a pool; ``obj`` with each tensor replaced
+        by its slot (``_Staged``), and the pool."""
         sources: dict[int, torch.Tensor] = {}
         _find_tensors(obj, "", sources, path)
-        signature = tuple((t.dtype, tuple(t.shape)) for t in sources.values())
+        slots = {f"t{i}": t.detach() for i, t in enumerate(sources.values())}
+        pool = stage_to_pool(slots, self._take_free)
+        staged = {
+            key: _Staged(f"t{i}", isinstance(t, torch.nn.Parameter), t.requires_grad)
+            for i, (key, t) in enumerate(sources.items())
+        }
+
+        def swap(value: Any) -> Any:
+            return staged[id(value)] if isinstance(value, torch.Tensor) else _NOT_A_LEAF
+
+        return _rebuild(obj, swap, deep=self._deep), pool
+
+    def _take_free(self, layout: SlotLayout) -> StagingPool | None:
         free, self._free = self._free, None
-        if free is not None and free[0] == signature:
-            buffers = free[1]
-        else:
-            buffers = [self._empty(s, d) for d, s in signature]
-        copies: dict[int, torch.Tensor] = {}
-        for (key, src), buf in zip(sources.items(), buffers, strict=True):
-            buf.copy_(src.detach())
-            if isinstance(src, torch.nn.Parameter):
-                copies[key] = torch.nn.Parameter(buf, requires_grad=src.requires_grad)
-            else:
-                copies[key] = buf
-        return _rebuild(obj, copies, deep=not self._shared), signature, buffers
+        if free is None or free.adopt(layout):
+            return free
+        free.close()
+        return None
 
-    def _empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        if not self._shared:
-            return torch.empty(shape, dtype=dtype)
-        # Allocated in shared memory directly: ``share_memory_()`` would copy it there.
-        nbytes = math.prod(shape) * dtype.itemsize
-        storage = torch.UntypedStorage._new_shared(max(nbytes, 1))
-        strides = torch.empty(shape, dtype=dtype, device="meta").stride()
-        return torch.empty(0, dtype=dtype).set_(storage, 0, shape, strides)
+    def _release(self, pool: StagingPool) -> None:
+        # the call is done: its pool may be reused (an older free one is closed)
+        old, self._free = self._free, pool
+        if old is not None and old is not pool:
+            old.close()
 
-    def _release(self, signature: _Signature, buffers: list[torch.Tensor]) -> None:
-        self._free = (signature, buffers)  # the call is done: its buffers may be reused
+
+@dataclass(frozen=True)
+class _SaveStaged:
+    """The background call of one save (the worker process, or a thread): the object
+    with the pool's tensors in their places, then ``func(obj, *args, **kwargs)``.
+    ``func`` is named ``func`` as in a ``functools.partial``, so that errors name it."""
+
+    func: Any
+
+    def __call__(self, pool: StagingPool, skeleton: Any, *args: Any, **kwargs: Any) -> None:
+        tensors = pool.tensors()
+        built: dict[str, torch.Tensor] = {}  # a tensor met twice is one object, saved once
+
+        def swap(value: Any) -> Any:
+            if not isinstance(value, _Staged):
+                return _NOT_A_LEAF
+            if value.key not in built:
+                t = tensors[value.key]
+                if value.parameter:
+                    t = torch.nn.Parameter(t, requires_grad=value.requires_grad)
+                built[value.key] = t
+            return built[value.key]
+
+        self.func(_rebuild(skeleton, swap, deep=False), *args, **kwargs)
 
 
 def _find_tensors(obj: Any, key: str, out: dict[int, torch.Tensor], path: str) -> None:
@@ -231,20 +272,22 @@ def _find_tensors(obj: Any, key: str, out: dict[int, torch.Tensor], path: str) -
             _find_tensors(v, f"{key}.{i}" if key else str(i), out, path)
 
 
-def _rebuild(obj: Any, copies: dict[int, torch.Tensor], deep: bool) -> Any:
-    """``obj`` with its tensors replaced by their staged copies; container types (and
-    attributes such as ``OrderedDict._metadata`` of ``Module.state_dict()``) kept."""
-    if isinstance(obj, torch.Tensor):
-        return copies[id(obj)]
+def _rebuild(obj: Any, swap: Any, deep: bool) -> Any:
+    """``obj`` with each leaf that ``swap`` replaces replaced (``swap`` returns
+    ``_NOT_A_LEAF`` for the others); container types (and attributes such as
+    ``OrderedDict._metadata`` of ``Module.state_dict()``) kept."""
+    got = swap(obj)
+    if got is not _NOT_A_LEAF:
+        return got
     if isinstance(obj, dict):
         out = copy.copy(obj)
         for k, v in obj.items():
-            out[k] = _rebuild(v, copies, deep)
+            out[k] = _rebuild(v, swap, deep)
         return out
     if isinstance(obj, list):
-        return [_rebuild(v, copies, deep) for v in obj]
+        return [_rebuild(v, swap, deep) for v in obj]
     if isinstance(obj, tuple):
-        items = [_rebuild(v, copies, deep) for v in obj]
+        items = [_rebuild(v, swap, deep) for v in obj]
         return type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)
     if deep:  # a thread saves later: freeze mutable values now (a process pickles now)
         with contextlib.suppress(Exception):
