@@ -59,7 +59,7 @@ from quicksave.errors import CheckpointError
 from quicksave.format import ALIGNMENT
 from quicksave.saving.plan import RankLayout
 from quicksave.stage.page_shield import shield_free_pages
-from quicksave.stage.slots import SlotLayout, slot_tensors
+from quicksave.stage.tensor_slots import SlotLayout, slot_tensors
 from quicksave.worker.persist import as_writable_source
 
 # Copy-and-hash block: small enough that the block is still in the L2 cache when it is

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from quicksave.stage.pool import StagingPool
-    from quicksave.stage.slots import SlotLayout
+    from quicksave.stage.tensor_slots import SlotLayout
     from quicksave.worker.config import WorkerConfig
     from quicksave.worker.persisters import ProcessPersister
 

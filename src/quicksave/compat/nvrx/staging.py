@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from quicksave.stage.pool import StagingPool
-from quicksave.stage.slots import SlotLayout, slot_layout
+from quicksave.stage.tensor_slots import SlotLayout, slot_layout
 
 
 def identity_preload(staged: Any) -> Any:

@@ -31,7 +31,7 @@ from quicksave.compat.nvrx.request import AsyncRequest
 from quicksave.compat.nvrx.staging import stage_to_pool
 from quicksave.errors import CheckpointError, IncompatibleStateError
 from quicksave.stage.pool import StagingPool
-from quicksave.stage.slots import SlotLayout
+from quicksave.stage.tensor_slots import SlotLayout
 from quicksave.storage import local_path
 from quicksave.worker.config import WorkerConfig
 

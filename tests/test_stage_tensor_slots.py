@@ -24,7 +24,7 @@ from quicksave.compat.nvrx.staging import stage_to_pool, tensors_of
 from quicksave.errors import CheckpointError
 from quicksave.stage import pool as pool_module
 from quicksave.stage.pool import StagingPool
-from quicksave.stage.slots import SLOT_ALIGN, slot_layout
+from quicksave.stage.tensor_slots import SLOT_ALIGN, slot_layout
 from quicksave.worker import fnpickle
 
 CHILD_TIMEOUT_S = 120
