@@ -58,7 +58,7 @@ def _dist_on() -> bool:
 
 @contextlib.contextmanager
 def _engine_call() -> Iterator[None]:
-    """Around one dcp.save / dcp.load call:
+    """Around one save (the DCP planner's steps) or one dcp.load call:
 
     - silence DCP's warning on single-process calls (quicksave's normal case);
     - pause the cyclic garbage collector. A save or load allocates tens of thousands of
@@ -91,8 +91,9 @@ def _unwrap(e: CheckpointException, path: str) -> CheckpointError:
 def _collective_failed(
     e: RuntimeError, path: str, rank: int | None, consequence: str
 ) -> CheckpointError:
-    """DCP reports failures inside its steps as CheckpointException; a RuntimeError out
-    of dcp.save/load in a group is a collective that broke (a peer died or timed out)."""
+    """Failures inside a save's or a load's steps arrive as CheckpointError (DCP's load:
+    CheckpointException); a RuntimeError out of them in a group is a collective that
+    broke (a peer died or timed out)."""
     cause = str(e).splitlines()[0] if str(e) else type(e).__name__
     return CheckpointError(
         "a collective with the other ranks failed (did a rank crash or time out? see its "
@@ -161,9 +162,9 @@ def save(
         refused = IncompatibleStateError(e.message, path=path, fqn=e.fqn, rank=rank)
         if not distributed:
             raise refused from None
-        # Distributed: the planner raises it inside DCP's first collective step, so every
-        # rank fails together; raising here would leave the others waiting in it forever.
-    # In a group the coordinator makes this check inside DCP's planning step (every rank
+        # Distributed: the planner raises it in the local planning step, whose failure the
+        # plan exchange raises on every rank; raising here would leave the others waiting.
+    # In a group the coordinator makes this check in the global planning step (every rank
     # then fails together); checking here on each rank could split the ranks.
     writer = StorageWriter(
         loc,
@@ -215,13 +216,13 @@ class _SavePlanner(DefaultSavePlanner):
     with ``torch._utils._element_size``, which raises for bits*/int1..7/uint1..7.
 
     DCP deduplicates what several ranks save under one name without comparing the
-    copies. This planner compares them (``dist/replicas.py``): each rank's local plan
+    copies. This planner compares them (``ranks/replicas.py``): each rank's local plan
     carries its copies' digests (``REPLICAS_KEY`` in ``planner_data``), and the
-    coordinator refuses copies that differ inside DCP's global planning step, whose
-    failure every rank raises. No extra collective.
+    coordinator refuses copies that differ in the global planning step, whose failure
+    every rank raises. No extra collective.
 
-    ``refused``: this rank's input-check failure, raised from ``set_up_planner`` (inside
-    DCP's first collective step, whose failures every rank receives).
+    ``refused``: this rank's input-check failure, raised from ``set_up_planner`` (the
+    local planning step, whose failure the plan exchange raises on every rank).
     ``check_replicas``: send the copies (False in a single process: nothing to compare).
     """
 

@@ -88,7 +88,8 @@ def combined_failure(
     """One error for failures on several ranks (``(rank, exception)``, lowest rank
     first): the first one, its class kept when it is a ``CheckpointError`` (naming the
     rank at fault: its own ``rank``, else the rank it happened on), the others named
-    after it. What a rank raises when a planning step failed somewhere.
+    after it. What every rank raises when a step of a save (planning, writing, the
+    commit) failed on some ranks.
 
     Example::
 

@@ -30,6 +30,7 @@ from quicksave.compat.nvrx import (
 )
 from quicksave.compat.nvrx import state_dict_saver as saver
 from quicksave.errors import CheckpointError
+from quicksave.stage.pool import SparePool
 
 
 def _state(seed: int = 0) -> dict:
@@ -146,6 +147,32 @@ def test_cache_reuses_plan_on_second_save(tmp_path: Path, thread_queue, monkeypa
     assert calls == [1] and "model.extra" in read_manifest(tmp_path / "c").tensors
 
 
+def test_cache_is_not_reused_for_another_file_layout(tmp_path: Path, thread_queue, monkeypatch):
+    # The cached central plan holds every rank's files: a writer with another
+    # thread_count plans again (and its checkpoint has the files it asked for).
+    cache = CheckpointMetadataCache()
+    sd = _state(1)
+    _save(sd, tmp_path / "a", thread_queue, enable_cache=True, metadata_cache=cache)
+    thread_queue.maybe_finalize_async_calls(blocking=True)
+    assert (cache.plans.hits, cache.plans.misses) == (0, 1)
+    _save(sd, tmp_path / "b", thread_queue, enable_cache=True, metadata_cache=cache)
+    thread_queue.maybe_finalize_async_calls(blocking=True)
+    assert (cache.plans.hits, cache.plans.misses) == (1, 1)
+    calls = []
+    real = saver._plan_centrally
+    monkeypatch.setattr(saver, "_plan_centrally", lambda *a: calls.append(1) or real(*a))
+    writer = FileSystemWriterAsync(str(tmp_path / "c"), thread_count=1)
+    ret = save_state_dict_async_plan(sd, writer, None, 0, enable_cache=True, metadata_cache=cache)
+    save_fn, _, save_args = writer.get_save_function_and_args()
+    save_fn(*save_args)
+    save_state_dict_async_finalize(*ret)
+    assert calls == [1] and (cache.plans.hits, cache.plans.misses) == (1, 2)
+    assert len(read_manifest(tmp_path / "c").files) == 1  # the cached plan had 2
+    out = _empty_like(sd)
+    quicksave.load(out, tmp_path / "c")
+    _assert_same(sd, out)
+
+
 def test_restart_reuses_loaded_plans(tmp_path: Path, thread_queue, monkeypatch):
     _save(_state(1), tmp_path / "a", thread_queue)
     thread_queue.maybe_finalize_async_calls(blocking=True)
@@ -232,13 +259,13 @@ def test_failed_write_leaves_an_error_part_named_at_finalize(tmp_path: Path):
 def test_staging_buffers_are_reused_after_finalize_and_hold_the_new_values(
     tmp_path: Path, monkeypatch
 ):
-    monkeypatch.setattr(saver.PROCESS, "_pool", None)  # this test's own free pool
+    monkeypatch.setattr(saver.PROCESS, "spare_pool", SparePool())  # this test's own
     queue = AsyncCallsQueue()  # the worker maps the shared-memory buffers
     try:
         sd = _state(1)
         _save(sd, tmp_path / "a", queue)
         assert queue.maybe_finalize_async_calls(blocking=True) == [0]
-        free = saver.PROCESS._pool
+        free = saver.PROCESS.spare_pool.waiting
         assert free is not None  # one shared-memory pool holds every tensor of the rank
         sd2 = _state(2)  # same shapes, new values
         second = _save(sd2, tmp_path / "b", queue)[0]

@@ -51,7 +51,20 @@ def _rank_rounds(rank: int, world_size: int) -> dict[str, Any]:
             raise CheckpointError("rank 1's plan is refused", rank=1)
 
         out["refused"] = _outcome(lambda: central_round(rank, refuse, None, 0, rank))
+        out["not_a_list"] = _outcome(lambda: central_round(rank, _nothing, None, 0, rank))
+
+        def interrupted(gathered: list[int]) -> list[int]:
+            raise KeyboardInterrupt("stop")
+
+        try:
+            out["interrupt"] = _outcome(lambda: central_round(rank, interrupted, None, 0, rank))
+        except KeyboardInterrupt:
+            out["interrupt"] = "KeyboardInterrupt"
     return out
+
+
+def _nothing(gathered: list[int]) -> None:
+    return None
 
 
 def test_central_round_replies_per_rank_and_raises_everywhere() -> None:
@@ -65,6 +78,10 @@ def test_central_round_replies_per_rank_and_raises_everywhere() -> None:
         assert "ValueError: cannot plan [0, 1]" in g["raises"]["message"]
         assert "1 replies for 2 ranks" in g["short"]["message"]
         assert g["refused"]["rank"] == 1 and "refused" in g["refused"]["message"]
+        assert "NoneType" in g["not_a_list"]["message"], g["not_a_list"]
+    # An interrupt in the coordinator's decision: it stops there, the others hear of it.
+    assert got[0]["interrupt"] == "KeyboardInterrupt"
+    assert "interrupted (KeyboardInterrupt)" in got[1]["interrupt"]["message"]
 
 
 def _refuse_all(gathered: list[int]) -> list[int]:

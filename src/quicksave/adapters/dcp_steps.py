@@ -57,12 +57,26 @@ class PlannedWriter(Protocol):
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]: ...
 
 
-def _sendable(e: BaseException, rank: int) -> CheckpointError:
+def sendable(e: BaseException, rank: int) -> CheckpointError:
     """A failure as it travels to the coordinator (a ``CheckpointError`` pickles with
-    its fields; anything else is described)."""
+    its fields; anything else is described). An interrupt stays attached locally as
+    the ``__cause__`` (it does not travel), and :func:`_raise_interrupt` raises it on
+    this rank once the others know."""
     if isinstance(e, CheckpointError):
         return e
-    return CheckpointError(f"{type(e).__name__}: {e}", rank=rank)
+    if isinstance(e, Exception):
+        return CheckpointError(f"{type(e).__name__}: {e}", rank=rank)
+    err = CheckpointError(f"rank {rank} was interrupted ({type(e).__name__})", rank=rank)
+    err.__cause__ = e
+    return err
+
+
+def _raise_interrupt(mine: Any) -> None:
+    """Re-raise this rank's own interrupt (a Ctrl-C stops the loop, it is not a failed
+    save to catch and go on from)."""
+    cause = getattr(mine, "__cause__", None) if isinstance(mine, CheckpointError) else None
+    if cause is not None and not isinstance(cause, Exception):
+        raise cause
 
 
 def _failed(gathered: list[Any]) -> list[tuple[int, BaseException]]:
@@ -81,7 +95,7 @@ def local_plan(
         writer.set_up_storage_writer(group.is_coordinator, rank=rank)
         return writer.prepare_local_plan(planner.create_local_plan())
     except BaseException as e:  # noqa: BLE001 - raised on every rank by the exchange
-        return _sendable(e, rank)
+        return sendable(e, rank)
 
 
 def exchange_plans(
@@ -116,14 +130,19 @@ def exchange_plans(
             describe_layout(global_metadata)
         return plans
 
-    central = central_round(
-        local,
-        decide,
-        group.group,
-        group.coordinator_rank,
-        group.get_rank(),
-        distributed=group.use_dist,
-    )
+    try:
+        central = central_round(
+            local,
+            decide,
+            group.group,
+            group.coordinator_rank,
+            group.get_rank(),
+            distributed=group.use_dist,
+            path=writer.path,
+        )
+    except CheckpointError:
+        _raise_interrupt(local)
+        raise
     return central, global_metadata if group.is_coordinator else None
 
 
@@ -145,27 +164,32 @@ def write_and_commit(
         pending.wait()
         results = pending.value()
     except BaseException as e:  # noqa: BLE001 - raised on every rank by the commit round
-        results = _sendable(e, rank)
+        results = sendable(e, rank)
 
     def decide(gathered: list[list[WriteResult] | CheckpointError]) -> list[None]:
         failed = _failed(gathered)
         if failed:
             writer.discard()
             raise combined_failure(failed, writer.path)
-        if global_metadata is None:
-            raise CheckpointError("the coordinator has no global metadata", path=writer.path)
         try:
+            if global_metadata is None:
+                raise CheckpointError("the coordinator has no global metadata", path=writer.path)
             writer.finish(global_metadata, gathered)
         except BaseException:
             writer.discard()
             raise
         return [None] * len(gathered)
 
-    central_round(
-        results,
-        decide,
-        group.group,
-        group.coordinator_rank,
-        rank,
-        distributed=group.use_dist,
-    )
+    try:
+        central_round(
+            results,
+            decide,
+            group.group,
+            group.coordinator_rank,
+            rank,
+            distributed=group.use_dist,
+            path=writer.path,
+        )
+    except CheckpointError:
+        _raise_interrupt(results)
+        raise

@@ -144,59 +144,71 @@ def central_round(
     rank: int,
     *,
     distributed: bool = True,
+    path: str | None = None,
 ) -> Any:
     """The plan exchange: ONE gather of every rank's ``mine`` on the coordinator,
     ``decide(gathered)`` there (one reply per rank, in rank order), ONE scatter of the
     replies; returns this rank's reply. Every exchange of plans runs through here:
-    quicksave's own (``exchange_plans``) and the NVRx-compatible API's, whose ``decide``
-    is the user's DCP ``SavePlanner.create_global_plan``.
+    quicksave's own (``exchange_plans``) and the DCP planner's (``adapters/dcp_steps``:
+    ``quicksave.save`` and the NVRx-compatible API), whose ``decide`` is the planner's
+    ``create_global_plan``.
 
     Every rank of ``group`` calls it (``distributed=False``: this process alone, no
-    collective, the same outcomes). A ``decide`` that raises is raised on every rank
-    alike: a ``CheckpointError`` as it is (it pickles with its fields), anything else
-    (an interrupt too: the other ranks are waiting for the reply) as a
-    ``CheckpointError`` naming the coordinator; no rank is left waiting.
+    collective, the same outcomes). A ``decide`` that fails fails every rank alike: a
+    ``CheckpointError`` as it is (it pickles with its fields), anything else as a
+    ``CheckpointError`` naming the coordinator (and ``path``); no rank is left waiting.
+    An interrupt (``KeyboardInterrupt``, ``SystemExit``) in ``decide`` reaches the other
+    ranks as such an error, and the coordinator re-raises the interrupt itself.
 
     Example::
 
         share = central_round(local_plan, plan_all, group, coordinator=0, rank=rank)
     """
+    interrupt: BaseException | None = None
     if not distributed:
-        kind, value = _decide([mine], decide, coordinator)[0]
+        replies, interrupt = _decide([mine], decide, coordinator, path)
+        kind, value = replies[0]
     else:
         gathered = talk.gather_object(mine, coordinator, group)
         replies = None
         if rank == coordinator:
             assert gathered is not None
-            replies = _decide(gathered, decide, coordinator)
+            replies, interrupt = _decide(gathered, decide, coordinator, path)
         kind, value = talk.scatter_object(replies, coordinator, group)
+    if interrupt is not None:
+        raise interrupt
     if kind == "error":
         raise value
     return value
 
 
 def _decide(
-    gathered: list[Any], decide: Callable[[list[Any]], list[Any]], coordinator: int
-) -> list[tuple[str, Any]]:
-    """The coordinator's replies of a ``central_round``: ``("ok", reply)`` per rank, or
-    the same ``("error", CheckpointError)`` for every rank."""
+    gathered: list[Any],
+    decide: Callable[[list[Any]], list[Any]],
+    coordinator: int,
+    path: str | None,
+) -> tuple[list[tuple[str, Any]], BaseException | None]:
+    """The coordinator's replies of a ``central_round`` — ``("ok", reply)`` per rank, or
+    the same ``("error", CheckpointError)`` for every rank — and an interrupt that
+    ``decide`` raised, if any."""
     n = len(gathered)
+
+    def error(message: str) -> list[tuple[str, Any]]:
+        return [("error", CheckpointError(message, path=path, rank=coordinator))] * n
+
     try:
-        replies = decide(gathered)
+        replies = list(decide(gathered))
     except CheckpointError as e:
-        return [("error", e)] * n
-    except BaseException as e:  # noqa: BLE001 - every rank must hear of it, not only this one
-        err = CheckpointError(
-            f"rank {coordinator} (the coordinator) failed: {type(e).__name__}: {e}",
-            rank=coordinator,
-        )
-        return [("error", err)] * n
+        return [("error", e)] * n, None
+    except Exception as e:  # noqa: BLE001 - every rank must hear of it, not only this one
+        return error(f"rank {coordinator} (the coordinator) failed: {type(e).__name__}: {e}"), None
+    except BaseException as e:  # noqa: BLE001 - an interrupt: the others hear, this one stops
+        return error(
+            f"rank {coordinator} (the coordinator) was interrupted ({type(e).__name__})"
+        ), e
     if len(replies) != n:
-        err = CheckpointError(
-            f"the coordinator gave {len(replies)} replies for {n} ranks", rank=coordinator
-        )
-        return [("error", err)] * n
-    return [("ok", reply) for reply in replies]
+        return error(f"the coordinator gave {len(replies)} replies for {n} ranks"), None
+    return [("ok", reply) for reply in replies], None
 
 
 def agree_save(

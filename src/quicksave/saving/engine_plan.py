@@ -44,7 +44,7 @@ class EnginePlan:
     places: dict[str, tuple[str, int, int]]  # staged name -> (file, offset, length)
     keys: dict[str, str] = field(default_factory=dict)  # staged name -> chunk key, if not same
     # the latest (key paths, manifest tensor entries with them): see tensor_entries
-    _entries: list = field(default_factory=list, compare=False, repr=False)
+    _entries: list = field(default_factory=list, init=False, compare=False, repr=False)
 
     @classmethod
     def of_dist(cls, ds: DistSave) -> EnginePlan:

@@ -46,6 +46,7 @@ import contextlib
 import ctypes
 import mmap
 import os
+import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from multiprocessing.reduction import DupFd
@@ -199,7 +200,9 @@ class StagingPool:
         """Pickle as ONE handle to the memory, not its bytes: the file descriptor goes
         with ``multiprocessing.reduction.DupFd`` (``ForkingPickler``: through the
         resource sharer, as torch's own shared tensors; the receiver must load it
-        once), with the layout; :func:`_map_sent_pool` maps it again on load."""
+        once), with the layout; :func:`_map_sent_pool` maps it again on load. A pickle
+        never loaded (its worker died first) leaves the duplicate descriptor, and so the
+        pool's memory, with the resource sharer until this process exits."""
         if self.fd < 0:
             raise CheckpointError("a staging pool mapped from another process cannot be sent on")
         return _map_sent_pool, (DupFd(self.fd), self.nbytes, self.layout)
@@ -442,3 +445,49 @@ def _map_sent_pool(handle: Any, nbytes: int, layout: RankLayout | SlotLayout) ->
     pool._init_state(layout, nbytes)
     pool._attach(mm)
     return pool
+
+
+class SparePool:
+    """The pool of a finished save, kept for the next save that fits in it (a new pool
+    costs page faults on every byte). At most one waits: giving another closes the
+    older one. Thread-safe (the training thread takes, a finalize callback gives).
+
+    Example::
+
+        spare = SparePool()
+        pool = stage_to_pool(sources, spare.take)   # reuses the spare when it fits
+        ...                                          # the save is finalized:
+        spare.give(pool)
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._pool: StagingPool | None = None
+
+    @property
+    def waiting(self) -> StagingPool | None:
+        """The spare pool now, if any (it stays the spare)."""
+        return self._pool
+
+    def take(self, layout: SlotLayout) -> StagingPool | None:
+        """The spare pool, once, if it is large enough for ``layout`` (it then holds
+        ``layout``: :meth:`StagingPool.adopt`); else None (a smaller one is closed)."""
+        with self._lock:
+            pool, self._pool = self._pool, None
+        if pool is None or pool.adopt(layout):
+            return pool
+        pool.close()
+        return None
+
+    def give(self, pool: StagingPool) -> None:
+        """``pool``'s save is over: it becomes the spare (an older spare is closed)."""
+        with self._lock:
+            old, self._pool = self._pool, pool
+        if old is not None and old is not pool:
+            old.close()
+
+    def close(self) -> None:
+        with self._lock:
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.close()

@@ -35,9 +35,12 @@ def baseline_env(src: str, base: str) -> dict[str, str]:
     this installation."""
     shim = os.path.join(base, "baseline-path")
     link = os.path.join(shim, "quicksave")
+    target = os.path.join(os.path.abspath(src), "quicksave")
+    if os.path.lexists(link) and os.readlink(link) != target:
+        os.unlink(link)  # made for another baseline
     if not os.path.lexists(link):
         os.makedirs(shim, exist_ok=True)
-        os.symlink(os.path.join(os.path.abspath(src), "quicksave"), link)
+        os.symlink(target, link)
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (shim, env.get("PYTHONPATH")) if p)
     return env

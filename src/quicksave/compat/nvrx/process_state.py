@@ -30,6 +30,8 @@ import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from quicksave.stage.pool import SparePool
+
 if TYPE_CHECKING:
     from quicksave.stage.pool import StagingPool
     from quicksave.stage.tensor_slots import SlotLayout
@@ -42,6 +44,8 @@ class NvrxProcessState:
 
     Attributes:
         metadata_cache: the default ``CheckpointMetadataCache`` (None until first used).
+        spare_pool: the staging pool ``FileSystemWriterAsync`` reuses (the last
+            finalized save's).
     """
 
     def __init__(self) -> None:
@@ -49,27 +53,17 @@ class NvrxProcessState:
         self._warm: tuple[ProcessPersister, WorkerConfig, int] | None = None
         self._tracked: weakref.WeakSet[Any] = weakref.WeakSet()
         self._restart_callbacks: list[Any] = []
-        self._pool: StagingPool | None = None  # the free staging pool of FileSystemWriterAsync
+        self.spare_pool = SparePool()
         self.metadata_cache: Any = None
 
     def take_staging_pool(self, layout: SlotLayout) -> StagingPool | None:
-        """The free staging pool, once, if it is large enough for ``layout`` (it then
-        holds ``layout``: :meth:`StagingPool.adopt`); else None (a smaller one is
-        closed)."""
-        with self._lock:
-            pool, self._pool = self._pool, None
-        if pool is None or pool.adopt(layout):
-            return pool
-        pool.close()
-        return None
+        """The free staging pool of ``FileSystemWriterAsync`` if it fits ``layout``
+        (``SparePool.take``)."""
+        return self.spare_pool.take(layout)
 
     def release_staging_pool(self, pool: StagingPool) -> None:
-        """The pool of a finalized save becomes the free one (an older free one is
-        closed, so at most one save's worth waits here)."""
-        with self._lock:
-            old, self._pool = self._pool, pool
-        if old is not None and old is not pool:
-            old.close()
+        """The pool of a finalized save becomes the free one (``SparePool.give``)."""
+        self.spare_pool.give(pool)
 
     def track(self, obj: Any) -> None:
         """Remember ``obj`` (weakly) for ``ObjectTracker.get_instances``."""

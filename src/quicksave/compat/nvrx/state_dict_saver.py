@@ -51,7 +51,7 @@ from torch.distributed.checkpoint.metadata import STATE_DICT_TYPE, Metadata
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.utils import _DistWrapper
 
-from quicksave.adapters.dcp_steps import exchange_plans
+from quicksave.adapters import dcp_steps as steps
 from quicksave.adapters.dcp_writer import rank_plan_of
 from quicksave.compat.nvrx.errors import AsyncCheckpointError
 from quicksave.compat.nvrx.filesystem_async import FileSystemWriterAsync
@@ -300,18 +300,19 @@ def _plan_centrally(
     dist_wrapper: _DistWrapper,
 ) -> tuple[SavePlan, Metadata | None]:
     """Collective: the plan exchange (``adapters.dcp_steps.exchange_plans``), the
-    writer's layout recorded in the global metadata's ``storage_data``."""
+    writer's layout recorded in the global metadata's ``storage_data``. A failure on
+    any rank is raised on every rank (an interrupt: re-raised as such where it
+    happened)."""
 
     def describe(metadata: Metadata) -> None:
         metadata.storage_data = writer.save_layout()
 
-    local: SavePlan | CheckpointError
-    if isinstance(local_plan, SavePlan | CheckpointError):
-        local = local_plan
-    else:
-        name = type(local_plan).__name__
-        local = CheckpointError(f"{name}: {local_plan}", rank=dist_wrapper.get_rank())
-    return exchange_plans(local, planner, writer, dist_wrapper, describe_layout=describe)
+    local = (
+        local_plan
+        if isinstance(local_plan, SavePlan)
+        else steps.sendable(local_plan, dist_wrapper.get_rank())
+    )
+    return steps.exchange_plans(local, planner, writer, dist_wrapper, describe_layout=describe)
 
 
 # ------------------------------------------------------------------ plan
@@ -406,14 +407,22 @@ def save_state_dict_async_plan(
         planner.set_up_planner(state_dict, is_coordinator=dist_wrapper.is_coordinator)
         storage_writer.set_up_storage_writer(dist_wrapper.is_coordinator, rank=rank)
         local_plan = storage_writer.prepare_local_plan(planner.create_local_plan())
-    except Exception as e:  # noqa: BLE001 - raised on every rank by the plan exchange
+    except BaseException as e:  # noqa: BLE001 - raised on every rank by the plan exchange
         local_plan = e
     planned = isinstance(local_plan, SavePlan)
 
     central_plan: SavePlan | None = None
     global_metadata: Metadata | None = None
     md_reuse = False
-    context = (dist_wrapper.get_world_size(), coordinator_rank)
+    # A plan holds every rank's file layout: reused only for the same group, coordinator
+    # and layout parameters.
+    context = (
+        dist_wrapper.get_world_size(),
+        coordinator_rank,
+        storage_writer.thread_count,
+        int(storage_writer.dcp_layout),
+        int(storage_writer.dcp_compat),
+    )
     if cache is not None and cache.plans.share is not None:
         unchanged = planned and cache.plans.lookup(_plan_key(local_plan), context) is not None
         if agree_plan_reuse(unchanged, dist_wrapper):

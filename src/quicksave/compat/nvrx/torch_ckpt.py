@@ -30,8 +30,7 @@ from quicksave.compat.nvrx.calls_queue import AsyncCallsQueue
 from quicksave.compat.nvrx.request import AsyncRequest
 from quicksave.compat.nvrx.staging import stage_to_pool
 from quicksave.errors import CheckpointError, IncompatibleStateError
-from quicksave.stage.pool import StagingPool
-from quicksave.stage.tensor_slots import SlotLayout
+from quicksave.stage.pool import SparePool, StagingPool
 from quicksave.storage import local_path
 from quicksave.worker.config import WorkerConfig
 
@@ -95,7 +94,7 @@ class TorchAsyncCheckpoint:
             queue if queue is not None else AsyncCallsQueue(persistent_queue, worker=worker)
         )
         self._deep = not self._queue.persistent  # a thread saves later: freeze values
-        self._free: StagingPool | None = None
+        self._spare = SparePool()  # the pool of the last finalized save
 
     def _get_async_calls_queue(self) -> AsyncCallsQueue:
         """The queue the saves run on (NVRx's accessor, for tests and monitoring)."""
@@ -143,7 +142,7 @@ class TorchAsyncCheckpoint:
         request = AsyncRequest(
             _SaveStaged(self.async_fn),
             (pool, skeleton, path, *rest),
-            [lambda: self._release(pool)],
+            [lambda: self._spare.give(pool)],
             kwargs,
         )
         return self._queue._schedule(request, path=path)
@@ -176,11 +175,9 @@ class TorchAsyncCheckpoint:
     def close(self, abort: bool = False) -> None:
         """Finalize what is left (unless ``abort``) and stop the worker of an owned queue
         (a later ``async_save`` starts a new one)."""
-        free, self._free = self._free, None
-        if free is not None:
-            free.close()
         if self._owns_queue:
-            self._queue.close(abort=abort)
+            self._queue.close(abort=abort)  # finalizing hands the pools back: then close
+        self._spare.close()
 
     def __del__(self) -> None:
         queue = getattr(self, "_queue", None)
@@ -200,7 +197,7 @@ class TorchAsyncCheckpoint:
         sources: dict[int, torch.Tensor] = {}
         _find_tensors(obj, "", sources, path)
         slots = {f"t{i}": t.detach() for i, t in enumerate(sources.values())}
-        pool = stage_to_pool(slots, self._take_free)
+        pool = stage_to_pool(slots, self._spare.take)
         staged = {
             key: _Staged(f"t{i}", isinstance(t, torch.nn.Parameter), t.requires_grad)
             for i, (key, t) in enumerate(sources.items())
@@ -210,19 +207,6 @@ class TorchAsyncCheckpoint:
             return staged[id(value)] if isinstance(value, torch.Tensor) else _NOT_A_LEAF
 
         return _rebuild(obj, swap, deep=self._deep), pool
-
-    def _take_free(self, layout: SlotLayout) -> StagingPool | None:
-        free, self._free = self._free, None
-        if free is None or free.adopt(layout):
-            return free
-        free.close()
-        return None
-
-    def _release(self, pool: StagingPool) -> None:
-        # the call is done: its pool may be reused (an older free one is closed)
-        old, self._free = self._free, pool
-        if old is not None and old is not pool:
-            old.close()
 
 
 @dataclass(frozen=True)
