@@ -13,6 +13,7 @@ import pytest
 
 pytest.importorskip("boto3")
 
+from helpers.bench_sizes import TINY_TRAINING  # noqa: E402
 from quicksave_tools.bench.storage import main as storage_main  # noqa: E402
 from quicksave_tools.bench.storage.comparison import TRAINING_KEYS  # noqa: E402
 from quicksave_tools.bench.storage.config import (  # noqa: E402
@@ -28,16 +29,6 @@ from quicksave_tools.bench.storage.training import train_schedule  # noqa: E402
 
 SRC = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", "src"))
 TWIN = QUICKSAVE + "@baseline"
-TINY_TRAINING = {
-    "train_steps": 4,
-    "train_interval": 2,
-    "train_hidden": 64,
-    "train_layers": 2,
-    "train_batch": 4,
-    "train_repeat": 1,
-    "train_threads": 1,
-    "train_calibration_steps": 2,
-}
 
 
 def test_baseline_methods_and_targets_are_twins() -> None:

@@ -12,6 +12,7 @@ import pytest
 
 pytest.importorskip("boto3")
 
+from helpers.bench_sizes import TINY_TRAINING  # noqa: E402
 from quicksave.cli.main import main as cli_main  # noqa: E402
 from quicksave_tools.bench.storage import main as storage_main  # noqa: E402
 from quicksave_tools.bench.storage import run as storage_run  # noqa: E402
@@ -32,17 +33,6 @@ from quicksave_tools.bench.storage.workloads import (  # noqa: E402
     build_shape,
     shape_specs,
 )
-
-TINY_TRAINING = {
-    "train_steps": 4,
-    "train_interval": 2,
-    "train_hidden": 64,
-    "train_layers": 2,
-    "train_batch": 4,
-    "train_repeat": 1,
-    "train_threads": 1,
-    "train_calibration_steps": 2,
-}
 
 
 def _buckets(server) -> set[str]:

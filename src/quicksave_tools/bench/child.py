@@ -9,6 +9,8 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import traceback
+from collections.abc import Callable
 from typing import Any
 
 
@@ -43,3 +45,23 @@ def run_in_fresh_process(
     except (OSError, ValueError):
         code = "" if proc is None else f" (exit code {proc.returncode})"
         return {"failed": f"no result{code}: {tail.strip()}"}
+
+
+def child_entry(argv: list[str], run: Callable[[dict[str, Any]], dict[str, Any]]) -> int:
+    """The child's side of :func:`run_in_fresh_process`: read the spec at ``argv[0]``,
+    ``run(spec)``, write its result — or the failure, one line, with the traceback's
+    tail — to ``spec["result"]``. Returns the exit code (0: it ran)."""
+    with open(argv[0]) as f:
+        spec = json.load(f)
+    try:
+        result = run(spec)
+    except Exception as e:  # noqa: BLE001 - reported to the parent in the result
+        text = f"{type(e).__name__}: {e}".replace("\n", " ")
+        result = {"failed": text if len(text) <= 400 else text[:399] + "…"}
+        if "method" in spec:
+            result["method"] = spec["method"]
+        result["traceback"] = traceback.format_exc()[-4000:]
+    with open(spec["result"], "w") as f:
+        json.dump(result, f)
+    sys.stdout.flush()
+    return 0 if "failed" not in result else 1

@@ -24,15 +24,12 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import gc
-import json
 import mmap
 import os
 import re
 import statistics
-import sys
 import threading
 import time
-import traceback
 from collections.abc import Callable
 from typing import Any
 
@@ -427,20 +424,9 @@ def _calibrate(spec: dict[str, Any], train_step: Callable[..., float], result: d
 
 def child_main(argv: list[str]) -> int:
     """``child_main([spec_path])``: read the spec, run, write ``spec["result"]``."""
-    with open(argv[0]) as f:
-        spec = json.load(f)
-    try:
-        result = run_child(spec)
-    except Exception as e:
-        result = {
-            "method": spec.get("method"),
-            "failed": f"{type(e).__name__}: {e}",
-            "traceback": traceback.format_exc()[-4000:],
-        }
-    with open(spec["result"], "w") as f:
-        json.dump(result, f)
-    sys.stdout.flush()
-    return 0 if "failed" not in result else 1
+    from quicksave_tools.bench.child import child_entry
+
+    return child_entry(argv, run_child)
 
 
 def median(values: list[float]) -> float | None:

@@ -10,10 +10,8 @@ that it runs against other versions too."""
 
 from __future__ import annotations
 
-import json
 import os
 import time
-import traceback
 from typing import Any
 
 _CHILD = (
@@ -24,17 +22,9 @@ _CHILD = (
 
 def child_main(argv: list[str]) -> int:
     """One round trip (``argv = [spec_path]``): writes its result JSON, 0 on success."""
-    from quicksave_tools.bench.storage.log import why
+    from quicksave_tools.bench.child import child_entry
 
-    with open(argv[0]) as f:
-        spec = json.load(f)
-    try:
-        result = _round_trip(spec)
-    except Exception as e:  # noqa: BLE001 - reported to the parent
-        result = {"failed": why(e), "traceback": traceback.format_exc()[-4000:]}
-    with open(spec["result"], "w") as f:
-        json.dump(result, f)
-    return 0 if "failed" not in result else 1
+    return child_entry(argv, _round_trip)
 
 
 def _timed(fn: Any, server_pid: int | None) -> dict[str, Any]:

@@ -8,23 +8,21 @@ overhead per checkpoint against the runs without checkpoints."""
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import resource
 import shutil
 import statistics
 import tempfile
 import time
-import traceback
 from typing import Any
 
 import torch
 
 from quicksave_tools.bench.baseline import BASELINE, baseline_env, is_baseline, plain
-from quicksave_tools.bench.child import run_in_fresh_process
+from quicksave_tools.bench.child import child_entry, run_in_fresh_process
 from quicksave_tools.bench.storage.buckets import Buckets, delete_prefix
 from quicksave_tools.bench.storage.config import StorageBenchConfig
-from quicksave_tools.bench.storage.log import say, why
+from quicksave_tools.bench.storage.log import say
 from quicksave_tools.bench.storage.target import Target, server_on
 
 TARGETS = ("local", "s3")
@@ -36,15 +34,7 @@ _CHILD = (
 
 def train_child(argv: list[str]) -> int:
     """One training run (``argv = [spec_path]``): writes its result JSON, 0 on success."""
-    with open(argv[0]) as f:
-        spec = json.load(f)
-    try:
-        result = _train_run(spec)
-    except Exception as e:  # noqa: BLE001
-        result = {"failed": why(e), "traceback": traceback.format_exc()[-4000:]}
-    with open(spec["result"], "w") as f:
-        json.dump(result, f)
-    return 0 if "failed" not in result else 1
+    return child_entry(argv, _train_run)
 
 
 def _train_run(spec: dict[str, Any]) -> dict[str, Any]:
