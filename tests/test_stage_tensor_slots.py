@@ -111,30 +111,30 @@ def test_the_tensors_outlive_a_closed_pool() -> None:
 
 def test_a_free_pool_large_enough_is_reused_and_holds_the_new_values() -> None:
     state = NvrxProcessState()
-    first = stage_to_pool(_sources(0), state.take_staging_pool)
-    state.release_staging_pool(first)
+    first = stage_to_pool(_sources(0), state.spare_pool.take)
+    state.spare_pool.give(first)
     fd = first.fd
     # the same shapes, new values: the same memory again
-    second = stage_to_pool(_sources(1), state.take_staging_pool)
+    second = stage_to_pool(_sources(1), state.spare_pool.take)
     assert second is first and second.fd == fd
     for key, t in second.tensors().items():
         assert _same(t, _sources(1)[key]), key
-    state.release_staging_pool(second)
+    state.spare_pool.give(second)
     # fewer tensors: still fits
     small = {"x": torch.arange(10)}
-    third = stage_to_pool(small, state.take_staging_pool)
+    third = stage_to_pool(small, state.spare_pool.take)
     assert third is first and torch.equal(third.tensors()["x"], small["x"])
-    state.release_staging_pool(third)
+    state.spare_pool.give(third)
     # larger: the free pool is closed, a new one is built
     big = {"x": torch.zeros(first.nbytes // 4 + 1, dtype=torch.float32)}
-    fourth = stage_to_pool(big, state.take_staging_pool)
+    fourth = stage_to_pool(big, state.spare_pool.take)
     assert fourth is not first and first.fd == -1
     assert torch.equal(fourth.tensors()["x"], big["x"])
     # a pool released over a free one closes the older one
-    state.release_staging_pool(fourth)
+    state.spare_pool.give(fourth)
     other = stage_to_pool(small, lambda layout: None)
-    state.release_staging_pool(other)
-    assert fourth.fd == -1 and state.take_staging_pool(slot_layout(small)) is other
+    state.spare_pool.give(other)
+    assert fourth.fd == -1 and state.spare_pool.take(slot_layout(small)) is other
     other.close()
 
 
@@ -238,7 +238,7 @@ def test_a_pickled_pool_reaches_a_spawned_process_as_one_handle_and_leaks_nothin
             src = _sources(save)
             if save % 4 == 3:
                 src["extra"] = torch.full((70_000,), float(save))  # larger: a new pool
-            pool = stage_to_pool(src, state.take_staging_pool)
+            pool = stage_to_pool(src, state.spare_pool.take)
             if pickler == "forking":
                 payload = ForkingPickler.dumps(pool)
             else:  # as pickle_call sends a save function's arguments
@@ -253,7 +253,7 @@ def test_a_pickled_pool_reaches_a_spawned_process_as_one_handle_and_leaks_nothin
                 assert (dtype, shape) == (t.dtype, tuple(t.shape)), key
                 assert raw == bytes(_bytes(t).numpy()), key
             assert int(pool.tensors()["u8"][0]) == 0x5A  # the child wrote the trainer's pages
-            state.release_staging_pool(pool)  # finalize: the next save may reuse it
+            state.spare_pool.give(pool)  # finalize: the next save may reuse it
             child_fds.append(fds)
             parent_fds.append(open_fds())
         parent.send_bytes(b"")
@@ -267,7 +267,7 @@ def test_a_pickled_pool_reaches_a_spawned_process_as_one_handle_and_leaks_nothin
     # the trainer's resource sharer closes its copy of each fd once the child has it
     settled = min(parent_fds[1:])
     assert _wait_until(lambda: open_fds() <= settled), (open_fds(), parent_fds)
-    held = state.take_staging_pool(slot_layout({}))
+    held = state.spare_pool.take(slot_layout({}))
     assert held is not None
     held.close()
 

@@ -74,9 +74,10 @@ def sendable(e: BaseException, rank: int) -> CheckpointError:
 def _raise_interrupt(mine: Any) -> None:
     """Re-raise this rank's own interrupt (a Ctrl-C stops the loop, it is not a failed
     save to catch and go on from)."""
-    cause = getattr(mine, "__cause__", None) if isinstance(mine, CheckpointError) else None
-    if cause is not None and not isinstance(cause, Exception):
-        raise cause
+    if isinstance(mine, CheckpointError):
+        cause = mine.__cause__
+        if cause is not None and not isinstance(cause, Exception):
+            raise cause
 
 
 def _failed(gathered: list[Any]) -> list[tuple[int, BaseException]]:
@@ -84,14 +85,24 @@ def _failed(gathered: list[Any]) -> list[tuple[int, BaseException]]:
 
 
 def local_plan(
-    state_dict: dict[str, Any], planner: SavePlanner, writer: PlannedWriter, group: Group
+    state_dict: dict[str, Any],
+    planner: SavePlanner,
+    writer: PlannedWriter,
+    group: Group,
+    *,
+    storage_meta: bool = True,
 ) -> SavePlan | CheckpointError:
-    """This rank's local plan, or its failure (sent on, so every rank fails together)."""
+    """This rank's local plan, or its failure (sent on, so every rank fails together).
+    ``storage_meta``: hand the planner the writer's ``storage_meta()`` (as ``dcp.save``
+    does; NVRx's saver does not)."""
     rank = group.get_rank()
     try:
-        planner.set_up_planner(
-            state_dict, storage_meta=writer.storage_meta(), is_coordinator=group.is_coordinator
-        )
+        if storage_meta:
+            planner.set_up_planner(
+                state_dict, storage_meta=writer.storage_meta(), is_coordinator=group.is_coordinator
+            )
+        else:
+            planner.set_up_planner(state_dict, is_coordinator=group.is_coordinator)
         writer.set_up_storage_writer(group.is_coordinator, rank=rank)
         return writer.prepare_local_plan(planner.create_local_plan())
     except BaseException as e:  # noqa: BLE001 - raised on every rank by the exchange
@@ -167,16 +178,15 @@ def write_and_commit(
         results = sendable(e, rank)
 
     def decide(gathered: list[list[WriteResult] | CheckpointError]) -> list[None]:
-        failed = _failed(gathered)
-        if failed:
-            writer.discard()
-            raise combined_failure(failed, writer.path)
         try:
+            failed = _failed(gathered)
+            if failed:
+                raise combined_failure(failed, writer.path)
             if global_metadata is None:
                 raise CheckpointError("the coordinator has no global metadata", path=writer.path)
             writer.finish(global_metadata, gathered)
         except BaseException:
-            writer.discard()
+            writer.discard()  # before the others hear of it: they find nothing left
             raise
         return [None] * len(gathered)
 

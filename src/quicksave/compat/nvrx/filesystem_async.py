@@ -391,14 +391,14 @@ class FileSystemWriterAsync(NvrxDataPath, StorageWriter, FileSystemWriter):
     def _stage_pool(self, sources: dict[str, torch.Tensor]) -> StagingPool:
         """Copy every tensor into one shared-memory pool (64-byte aligned slots), reusing
         the pool of an earlier finalized save when it is large enough."""
-        self._pool = stage_to_pool(sources, PROCESS.take_staging_pool)
+        self._pool = stage_to_pool(sources, PROCESS.spare_pool.take)
         return self._pool
 
     def release_staging(self) -> None:
         """This save's staging pool may be reused (its write is over: finalize)."""
         pool, self._pool = self._pool, None
         if pool is not None:
-            PROCESS.release_staging_pool(pool)
+            PROCESS.spare_pool.give(pool)
 
     def get_save_function_and_args(self) -> tuple[Any, Any, tuple]:
         """``(save_fn, preload_fn, save_args)`` for ``AsyncRequest(save_fn, save_args,

@@ -33,8 +33,6 @@ from typing import TYPE_CHECKING, Any
 from quicksave.stage.pool import SparePool
 
 if TYPE_CHECKING:
-    from quicksave.stage.pool import StagingPool
-    from quicksave.stage.tensor_slots import SlotLayout
     from quicksave.worker.config import WorkerConfig
     from quicksave.worker.persisters import ProcessPersister
 
@@ -55,15 +53,6 @@ class NvrxProcessState:
         self._restart_callbacks: list[Any] = []
         self.spare_pool = SparePool()
         self.metadata_cache: Any = None
-
-    def take_staging_pool(self, layout: SlotLayout) -> StagingPool | None:
-        """The free staging pool of ``FileSystemWriterAsync`` if it fits ``layout``
-        (``SparePool.take``)."""
-        return self.spare_pool.take(layout)
-
-    def release_staging_pool(self, pool: StagingPool) -> None:
-        """The pool of a finalized save becomes the free one (``SparePool.give``)."""
-        self.spare_pool.give(pool)
 
     def track(self, obj: Any) -> None:
         """Remember ``obj`` (weakly) for ``ObjectTracker.get_instances``."""

@@ -70,7 +70,8 @@ class CheckpointMetadataCache:
 
     NVRx's view of a quicksave ``PlanCache`` (``plans``, saving/plan_cache.py: the one
     plan cache every save path uses), keyed by this rank's local plan as the manifest
-    records it, under the group's size and coordinator: NVRx's names are views of it.
+    records it, under the group's size and coordinator and the writer's file layout:
+    NVRx's names are views of it.
 
     Attributes:
         plans: the cache itself.
@@ -294,7 +295,7 @@ def verify_global_md_reuse(
 
 
 def _plan_centrally(
-    local_plan: SavePlan | BaseException,
+    local_plan: SavePlan | CheckpointError,
     planner: SavePlanner,
     writer: FileSystemWriterAsync,
     dist_wrapper: _DistWrapper,
@@ -307,12 +308,7 @@ def _plan_centrally(
     def describe(metadata: Metadata) -> None:
         metadata.storage_data = writer.save_layout()
 
-    local = (
-        local_plan
-        if isinstance(local_plan, SavePlan)
-        else steps.sendable(local_plan, dist_wrapper.get_rank())
-    )
-    return steps.exchange_plans(local, planner, writer, dist_wrapper, describe_layout=describe)
+    return steps.exchange_plans(local_plan, planner, writer, dist_wrapper, describe_layout=describe)
 
 
 # ------------------------------------------------------------------ plan
@@ -402,13 +398,9 @@ def save_state_dict_async_plan(
     planner = planner if planner is not None else _default_planner()
     cache = _resolve_cache(enable_cache, metadata_cache)
 
-    local_plan: SavePlan | BaseException
-    try:
-        planner.set_up_planner(state_dict, is_coordinator=dist_wrapper.is_coordinator)
-        storage_writer.set_up_storage_writer(dist_wrapper.is_coordinator, rank=rank)
-        local_plan = storage_writer.prepare_local_plan(planner.create_local_plan())
-    except BaseException as e:  # noqa: BLE001 - raised on every rank by the plan exchange
-        local_plan = e
+    local_plan = steps.local_plan(
+        state_dict, planner, storage_writer, dist_wrapper, storage_meta=False
+    )
     planned = isinstance(local_plan, SavePlan)
 
     central_plan: SavePlan | None = None
