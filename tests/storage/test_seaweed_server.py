@@ -95,7 +95,11 @@ def test_attributes_and_env(s3_server, monkeypatch):
 
 
 def test_wrong_credentials_are_refused(s3_server, s3_bucket):
-    wrong_secret = _client(s3_server, secret="x" + s3_server.secret_access_key[1:])
+    secret = s3_server.secret_access_key
+    # One character changed (a fixed "x" would be no change for a secret starting with x).
+    wrong = ("y" if secret[0] == "x" else "x") + secret[1:]
+    assert wrong != secret
+    wrong_secret = _client(s3_server, secret=wrong)
     with pytest.raises(ClientError) as e:
         wrong_secret.list_buckets()
     assert _code(e.value) in ("SignatureDoesNotMatch", "InvalidAccessKeyId", "AccessDenied")
