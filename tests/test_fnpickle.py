@@ -274,7 +274,7 @@ def test_a_tensor_argument_travels_as_shared_memory() -> None:
     assert not t.is_shared()
     payload = pickle_call(1, lambda x: x, (t,), {})
     assert t.is_shared()
-    result = run_pickled_call(1, payload, [])
+    result = run_pickled_call(1, payload, [], {})
     assert result.ok, result.detail
 
 

@@ -7,6 +7,11 @@ persister: ``ThreadPersister.submit_call`` runs it with ``run_call`` in a thread
 way a ``CallResult`` comes back. CPU tensors among the arguments travel as handles to
 shared memory, never as bytes in the message.
 
+A call may keep something for a later call of the same persister (the NVRx API's
+``preload_fn`` result waits for its ``async_fn``): a function marked with
+:func:`uses_held` gets, as its first argument, the persister's ``held`` dict, which the
+worker's main loop (or the thread persister) owns; nothing lives at module level.
+
 Torch-free at import: the worker process imports it, and imports torch only when the
 first call arrives.
 """
@@ -36,10 +41,22 @@ class CallResult:
     value: Any = None
 
 
-def run_call(job_id: int, fn: Callable[..., Any], args: tuple, kwargs: dict) -> CallResult:
-    """Run ``fn(*args, **kwargs)``; its failure is reported in the result, never raised."""
+def uses_held(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Mark ``fn`` as taking the persister's ``held`` dict as its first argument."""
+    fn.uses_held = True  # type: ignore[attr-defined]
+    return fn
+
+
+def run_call(
+    job_id: int, fn: Callable[..., Any], args: tuple, kwargs: dict, held: dict[str, Any]
+) -> CallResult:
+    """Run ``fn(*args, **kwargs)`` (``fn(held, *args, **kwargs)`` for a :func:`uses_held`
+    function); its failure is reported in the result, never raised."""
     try:
-        fn(*args, **kwargs)
+        if getattr(fn, "uses_held", False):
+            fn(held, *args, **kwargs)
+        else:
+            fn(*args, **kwargs)
         return CallResult(job_id, True)
     except BaseException as e:  # noqa: BLE001 - reported to the trainer
         return CallResult(job_id, False, f"{type(e).__name__}: {e}", traceback.format_exc())
@@ -67,8 +84,11 @@ def pickle_call(job_id: int, fn: Callable[..., Any], args: tuple, kwargs: dict) 
         ) from e
 
 
-def run_pickled_call(job_id: int, payload: bytes, sys_path: list[str]) -> CallResult:
-    """Worker side of ``pickle_call``: adopt the trainer's import path, unpickle, run."""
+def run_pickled_call(
+    job_id: int, payload: bytes, sys_path: list[str], held: dict[str, Any]
+) -> CallResult:
+    """Worker side of ``pickle_call``: adopt the trainer's import path, unpickle, run
+    (``held``: the worker's, for :func:`uses_held` calls)."""
     for p in sys_path:
         if p not in sys.path:
             sys.path.append(p)
@@ -83,4 +103,4 @@ def run_pickled_call(job_id: int, payload: bytes, sys_path: list[str]) -> CallRe
             f"the worker cannot unpickle the call ({type(e).__name__}: {e})",
             traceback.format_exc(),
         )
-    return run_call(job_id, fn, args, kwargs)
+    return run_call(job_id, fn, args, kwargs, held)

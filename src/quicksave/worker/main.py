@@ -39,6 +39,7 @@ import threading
 import time
 from multiprocessing.connection import Connection
 from multiprocessing.reduction import recv_handle
+from typing import Any
 
 from quicksave.ranks import records
 from quicksave.ranks.records import StoreAddress
@@ -185,6 +186,7 @@ def _serve(
     threading.Thread(target=_beat, args=(heartbeat, period), daemon=True).start()
     pools: dict[int, tuple[mmap.mmap, memoryview]] = {}
     backends: dict[tuple, Backend] = {}  # object stores' clients, kept from job to job
+    held: dict[str, Any] = {}  # what a call keeps for a later one (calls.uses_held)
     while not stopping.is_set():
         try:
             if not conn.poll(0.2):
@@ -226,7 +228,7 @@ def _serve(
         elif kind == "call":
             _, job_id, payload, sys_path = msg
             try:
-                conn.send(("result", run_pickled_call(job_id, payload, sys_path)))
+                conn.send(("result", run_pickled_call(job_id, payload, sys_path, held)))
             except OSError:
                 break
         elif kind == "auth":

@@ -69,6 +69,7 @@ class ThreadPersister:
         self._threads: dict[int, threading.Thread] = {}
         self._stores = records.StoreClients()  # multi-rank jobs' store clients
         self._backends: dict[tuple, Backend] = {}  # object stores' clients, job to job
+        self._held: dict[str, Any] = {}  # what a call keeps for a later one (calls.uses_held)
         self.pid = os.getpid()
 
     def map_pool(self, pool_id: int, fd: int, nbytes: int, buffer: memoryview) -> None:
@@ -94,7 +95,7 @@ class ThreadPersister:
 
     def submit_call(self, job_id: int, fn: Callable[..., Any], args: tuple, kwargs: dict) -> None:
         def run() -> None:
-            r = run_call(job_id, fn, args, kwargs)
+            r = run_call(job_id, fn, args, kwargs, self._held)
             with self._lock:
                 self._results.append(r)
 

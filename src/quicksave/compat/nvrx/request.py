@@ -13,6 +13,7 @@ import torch
 
 from quicksave.errors import CheckpointError, FrozenRequestError
 from quicksave.ranks import collectives as talk
+from quicksave.worker.calls import uses_held
 
 
 class AsyncRequest(NamedTuple):
@@ -101,26 +102,30 @@ def preloaded_args(req: AsyncRequest) -> tuple:
     return tuple(args)
 
 
-# Worker side of preloading. This registry lives only in the worker process (the trainer
-# never touches it): a preloaded state dict waits here, between the preload call and the
-# async_fn call that consumes it; calls run one at a time, in order.
-_PRELOADED: dict[str, Any] = {}
+# Worker side of preloading: a preloaded state dict waits in the worker's ``held`` dict
+# (``quicksave.worker.calls.uses_held``) between the preload call and the async_fn call
+# that consumes it; calls run one at a time, in order.
 
 
-def preload_in_worker(key: str, preload_fn: Callable[[], Any]) -> None:
-    _PRELOADED[key] = preload_fn()
+@uses_held
+def preload_in_worker(held: dict[str, Any], key: str, preload_fn: Callable[[], Any]) -> None:
+    held[key] = preload_fn()
 
 
-def run_preloaded(key: str, async_fn: Callable[..., Any], args: tuple, kwargs: dict) -> None:
-    if key not in _PRELOADED:
+@uses_held
+def run_preloaded(
+    held: dict[str, Any], key: str, async_fn: Callable[..., Any], args: tuple, kwargs: dict
+) -> None:
+    if key not in held:
         raise CheckpointError("preload_fn failed, so async_fn did not run")
     args = list(args)
-    args[1] = _PRELOADED.pop(key)
+    args[1] = held.pop(key)
     async_fn(*args, **kwargs)
 
 
-def drop_preloaded(key: str) -> None:
-    _PRELOADED.pop(key, None)
+@uses_held
+def drop_preloaded(held: dict[str, Any], key: str) -> None:
+    held.pop(key, None)
 
 
 def check_request(req: AsyncRequest, path: str | None, rank: int | None) -> None:
