@@ -9,8 +9,10 @@ Call order (DCP drives it; "all" = every rank, "coord" = the coordinator rank on
    ``plans``), creates ``<path>.tmp-<token>/`` and fixes every rank's file layout (names,
    headers, byte offsets) so the manifest is known at plan time
 4. (all)   ``write_data(plan, planner)`` — writes this rank's files, fsyncs, returns checksums
-5. (coord) ``finish(metadata, results)`` — writes ``.metadata`` and ``manifest.json``,
-   fsyncs, renames the directory into place (the commit)
+5. (coord) ``finish(metadata, results)`` — the manifest: the skeleton of the global
+   metadata and the layouts (``saving.skeleton``) filled from each rank's results taken
+   as its ``RankPart`` (``commit.parts.manifest_from_parts``, as every save path); then
+   ``.metadata`` and ``manifest.json``, fsynced, and the directory renamed into place
 
 Example::
 
@@ -24,6 +26,7 @@ import dataclasses
 import os
 import pickle
 import uuid
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,6 +46,7 @@ from torch.futures import Future
 
 from quicksave.adapters.dcp_reader import manifest_to_metadata
 from quicksave.commit import CommitStrategy, new_token, strategy_class, strategy_for
+from quicksave.commit.parts import RankPart, manifest_from_parts
 from quicksave.errors import CheckpointError, IncompatibleStateError
 from quicksave.format import DCP_METADATA_NAME
 from quicksave.format import objects as objcodec
@@ -50,16 +54,14 @@ from quicksave.format.dcp_guard import QuicksaveStorageData
 from quicksave.format.dtypes import check_storable, dtype_name
 from quicksave.format.keys import EMPTY_KEY, names_itself
 from quicksave.format.manifest import (
-    ChunkEntry,
     FileEntry,
     Manifest,
-    ObjectEntry,
     PlannedChunk,
     RankPlan,
-    TensorEntry,
 )
 from quicksave.format.torch_legacy import legacy_prefix_for, object_bytes
 from quicksave.saving.plan import ItemSpec, RankLayout, layout_rank
+from quicksave.saving.skeleton import Placed, chunk_keys_of, manifest_skeleton, placed_of
 from quicksave.storage import StorageOptions, parse_location
 from quicksave.storage.backend import Backend
 from quicksave.worker import persist
@@ -76,19 +78,73 @@ class _RankWritePlan:
 
 @dataclass(frozen=True)
 class _ChunkWritten:
-    file: str
-    offset: int
-    length: int
+    """A chunk's write result: its key and the checksum of its bytes as written (where
+    it went, the coordinator's layout says)."""
+
+    key: str
     xxh3_64: str
-    file_size: int
-    header_xxh3_64: str
-    data_start: int
-    rank: int
 
 
 @dataclass(frozen=True)
 class _ObjectWritten:
     value: Any  # typed JSON
+
+
+def part_of_results(rank: int, results: list[WriteResult]) -> RankPart:
+    """A rank's DCP write results as the ``RankPart`` the manifest is filled from.
+
+    Raises:
+        CheckpointError: a result this writer did not make (names the item and rank).
+    """
+    chunks: dict[str, str] = {}
+    objects: dict[str, Any] = {}
+    for r in results:
+        sd = r.storage_data
+        if isinstance(sd, _ChunkWritten):
+            chunks[sd.key] = sd.xxh3_64
+        elif isinstance(sd, _ObjectWritten):
+            objects[r.index.fqn] = sd.value
+        else:
+            raise CheckpointError(
+                f"a write result quicksave's writer did not make ({type(sd).__name__})",
+                fqn=r.index.fqn,
+                rank=rank,
+            )
+    return RankPart(rank, chunks, objects)
+
+
+def dcp_skeleton(
+    metadata: Metadata,
+    files: Mapping[str, FileEntry],
+    placed: list[Placed],
+    *,
+    world_size: int,
+    plans: tuple[RankPlan, ...] | None,
+) -> Manifest:
+    """The manifest skeleton of a save DCP's planner planned: tensors, values and key
+    paths from the global ``metadata``, chunk places from the files (``placed``)."""
+    mappings = metadata.planner_data if isinstance(metadata.planner_data, dict) else {}
+    tensors: dict[str, tuple[str, tuple[int, ...]]] = {}
+    objects: dict[str, None] = {}
+    paths: dict[str, tuple] = {}
+    for fqn, md in metadata.state_dict_metadata.items():
+        p = mappings.get(fqn)
+        if p is not None and not names_itself(p, fqn):
+            paths[fqn] = tuple(p)
+        if isinstance(md, TensorStorageMetadata):
+            tensors[fqn] = (dtype_name(md.properties.dtype), tuple(md.size))
+        elif isinstance(md, BytesStorageMetadata):
+            objects[fqn] = None
+    return manifest_skeleton(
+        tensors,
+        files,
+        placed,
+        objects,
+        world_size=world_size,
+        paths=paths,
+        plans=plans,
+        empty_dicts=tuple(mappings.get(EMPTY_KEY, ())),
+    )
 
 
 def item_spec(item) -> ItemSpec:
@@ -189,6 +245,7 @@ class StorageWriter(_DCPStorageWriter):
         self.tmp_dir: str | None = None
         self.save_id = uuid.uuid4().hex
         self.plans: tuple[RankPlan, ...] | None = None  # every rank's, set on the coordinator
+        self.layouts: tuple[Any, ...] | None = None  # every rank's files, the coordinator's
         self._written: list[str] = []  # every rank's data files (the coordinator's discard)
 
     # 1 ------------------------------------------------------------------ set-up
@@ -200,6 +257,7 @@ class StorageWriter(_DCPStorageWriter):
         self.tmp_dir = None
         self.save_id = uuid.uuid4().hex
         self.plans = None
+        self.layouts = None
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         self.is_coordinator = is_coordinator
@@ -226,12 +284,14 @@ class StorageWriter(_DCPStorageWriter):
         self.plans = tuple(rank_plan_of(p) for p in plans)
         self._written = []
         self.tmp_dir = self.strategy().begin(self.location, new_token(), replace=self._overwrite)
-        out = []
+        out, layouts = [], []
         for rank, plan in enumerate(plans):
             items = [item_spec(i) for i in plan.items if i.type != WriteItemType.BYTE_IO]
             layout = layout_rank(rank, items, self.thread_count, dcp_compat=self.dcp_compat)
+            layouts.append(layout)
             self._written.extend(f.name for f in layout.files)
             out.append(dataclasses.replace(plan, storage_data=_RankWritePlan(self.tmp_dir, layout)))
+        self.layouts = tuple(layouts)
         return out
 
     # 4 ------------------------------------------------------------------ writing
@@ -257,21 +317,9 @@ class StorageWriter(_DCPStorageWriter):
         for f_layout, f_written in zip(rank_plan.layout.files, written, strict=True):
             for entry in f_layout.entries:
                 key = entry.item.key
+                digest = f_written.chunk_xxh3_64[key]
                 results.append(
-                    WriteResult(
-                        by_key[key].index,
-                        entry.length,
-                        _ChunkWritten(
-                            file=f_layout.name,
-                            offset=entry.offset,
-                            length=entry.length,
-                            xxh3_64=f_written.chunk_xxh3_64[key],
-                            file_size=f_written.size,
-                            header_xxh3_64=f_written.header_xxh3_64,
-                            data_start=f_layout.data_start,
-                            rank=rank_plan.layout.rank,
-                        ),
-                    )
+                    WriteResult(by_key[key].index, entry.length, _ChunkWritten(key, digest))
                 )
         fut: Future[list[WriteResult]] = Future()
         fut.set_result(results)
@@ -279,11 +327,29 @@ class StorageWriter(_DCPStorageWriter):
 
     # 5 ------------------------------------------------------------------- commit
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
-        if self.tmp_dir is None:
+        parts = [part_of_results(rank, got) for rank, got in enumerate(results)]
+        self.commit_parts_of(metadata, parts)
+
+    def commit_parts_of(
+        self,
+        metadata: Metadata,
+        parts: list[RankPart],
+        layouts: tuple[RankLayout, ...] | None = None,
+    ) -> None:
+        """Coordinator: the manifest (the skeleton of ``metadata`` and ``layouts`` —
+        default: the ones ``prepare_global_plan`` fixed — filled from every rank's part),
+        ``.metadata``, then the commit."""
+        layouts = layouts if layouts is not None else self.layouts
+        if self.tmp_dir is None or layouts is None:
             raise CheckpointError("finish() called before prepare_global_plan()", path=self.path)
         # One rank's plan is the manifest itself (FORMAT.md §2, plans): omit it.
         plans = self.plans if self.plans is not None and len(self.plans) > 1 else None
-        manifest = build_manifest(metadata, results, self.step, self.user_metadata, plans=plans)
+        files, placed = placed_of(layouts)
+        skeleton = dcp_skeleton(metadata, files, placed, world_size=len(layouts), plans=plans)
+        manifest = manifest_from_parts(skeleton, chunk_keys_of(skeleton), parts, self.tmp_dir)
+        manifest = dataclasses.replace(
+            manifest, step=self.step, user_metadata=dict(self.user_metadata)
+        )
         metadata_bytes = dcp_metadata_bytes(manifest, dcp_compat=self.dcp_compat)
         commit_files(
             self.strategy(),
@@ -396,62 +462,3 @@ def _original_object(planner: SavePlanner, item, rank: int) -> Any:
             rank=rank,
         )
     return lookup(item.index)
-
-
-def build_manifest(
-    metadata: Metadata,
-    results: list[list[WriteResult]],
-    step: int | None,
-    user_metadata: dict[str, Any],
-    plans: tuple[RankPlan, ...] | None = None,
-) -> Manifest:
-    """Assemble the manifest from DCP's global metadata and every rank's write results
-    (and, optionally, every rank's plan: the manifest's ``plans``)."""
-    by_index: dict[MetadataIndex, Any] = {}
-    files: dict[str, FileEntry] = {}
-    for rank_results in results:
-        for r in rank_results:
-            sd = r.storage_data
-            by_index[r.index] = sd
-            if isinstance(sd, _ChunkWritten):
-                files[sd.file] = FileEntry(sd.file_size, sd.header_xxh3_64, sd.rank, sd.data_start)
-    mappings = metadata.planner_data if isinstance(metadata.planner_data, dict) else {}
-    empty = mappings.get(EMPTY_KEY, ())
-    tensors: dict[str, TensorEntry] = {}
-    objs: dict[str, ObjectEntry] = {}
-    for fqn, md in metadata.state_dict_metadata.items():
-        p = mappings.get(fqn)
-        path = tuple(p) if p is not None and not names_itself(p, fqn) else None
-        if isinstance(md, TensorStorageMetadata):
-            chunks = []
-            for c in md.chunks:
-                w = by_index.get(MetadataIndex(fqn, c.offsets))
-                if not isinstance(w, _ChunkWritten):
-                    raise CheckpointError(
-                        f"no rank reported writing chunk at {list(c.offsets)}", fqn=fqn
-                    )
-                chunks.append(
-                    ChunkEntry(
-                        tuple(c.offsets), tuple(c.sizes), w.file, w.offset, w.length, w.xxh3_64
-                    )
-                )
-            chunks.sort(key=lambda c: c.offsets)
-            tensors[fqn] = TensorEntry(
-                dtype_name(md.properties.dtype), tuple(md.size), tuple(chunks), path
-            )
-        elif isinstance(md, BytesStorageMetadata):
-            w = by_index.get(MetadataIndex(fqn))
-            if not isinstance(w, _ObjectWritten):
-                raise CheckpointError("no rank reported writing this value", fqn=fqn)
-            objs[fqn] = ObjectEntry(w.value, path)
-    manifest = Manifest(
-        step=step,
-        world_size=len(results),
-        tensors=tensors,
-        objects=objs,
-        files=files,
-        user_metadata=user_metadata,
-        plans=plans,
-        empty_dicts=tuple(empty),
-    )
-    return manifest

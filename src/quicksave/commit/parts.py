@@ -142,21 +142,29 @@ def manifest_from_parts(
     chunk_keys: Mapping[str, tuple[str, int]],
     parts: list[RankPart],
     tmp_dir: str,
+    *,
+    objects_in_parts: bool = True,
 ) -> Manifest:
-    """Fill ``skeleton`` (every chunk placed, checksums empty) from every rank's part.
+    """Fill ``skeleton`` (every chunk placed, checksums empty) from every rank's part:
+    the one way every save path completes its manifest (``saving.skeleton`` builds the
+    skeletons).
 
     Args:
-        skeleton: the manifest fixed at plan time by the coordinator.
+        skeleton: the manifest fixed before the bytes were written.
         chunk_keys: safetensors key -> (fqn, chunk index in the skeleton), all ranks.
         parts: one part per rank.
         tmp_dir: named in errors.
+        objects_in_parts: the parts bring every object's value (each exactly once);
+            False: the skeleton holds the values already (a single-rank save).
 
     Raises:
-        CorruptCheckpointError: a chunk nobody reported, one reported twice, or an
-            unknown key — the parts do not match the plan; nothing is committed.
+        CorruptCheckpointError: a chunk or value nobody reported, one reported twice, or
+            one the plan does not have — the parts do not match the plan; nothing is
+            committed.
     """
     chunks = {fqn: list(t.chunks) for fqn, t in skeleton.tensors.items()}
     seen: dict[str, int] = {}
+    valued: dict[str, int] = {}
     objects = dict(skeleton.objects)
     for part in parts:
         for key, digest in part.chunks.items():
@@ -179,12 +187,24 @@ def manifest_from_parts(
             chunks[fqn][i] = dataclasses.replace(chunks[fqn][i], xxh3_64=digest)
         for fqn, value in part.objects.items():
             old = objects.get(fqn)
+            if objects_in_parts and (old is None or fqn in valued):
+                why = "no such value in the plan" if old is None else f"rank {valued[fqn]} did too"
+                raise CorruptCheckpointError(
+                    f"the part reports this value ({why})", path=tmp_dir, fqn=fqn, rank=part.rank
+                )
+            valued[fqn] = part.rank
             objects[fqn] = ObjectEntry(value, old.path if old is not None else None)
     for key, (fqn, _) in chunk_keys.items():
         if key not in seen:
             raise CorruptCheckpointError(
                 "no rank reported writing this chunk", path=tmp_dir, fqn=f"{fqn} ({key})"
             )
+    if objects_in_parts:
+        for fqn in objects:
+            if fqn not in valued:
+                raise CorruptCheckpointError(
+                    "no rank reported writing this value", path=tmp_dir, fqn=fqn
+                )
     tensors = {
         fqn: dataclasses.replace(t, chunks=tuple(chunks[fqn]))
         for fqn, t in skeleton.tensors.items()

@@ -19,7 +19,8 @@ import torch
 from quicksave.errors import CheckpointError
 from quicksave.format.manifest import Manifest
 from quicksave.ranks import records
-from quicksave.saving.plan import RankLayout, chunk_key
+from quicksave.saving.plan import RankLayout
+from quicksave.saving.skeleton import chunk_keys_of
 from quicksave.worker.job import DistCommit
 
 
@@ -146,9 +147,7 @@ class DistSaving:
             manifest = dataclasses.replace(
                 skeleton, step=step, user_metadata=dict(user_metadata or {})
             )
-            for fqn, t in skeleton.tensors.items():
-                for i, c in enumerate(t.chunks):
-                    chunk_keys[chunk_key(fqn, c.offsets, c.sizes, t.shape)] = (fqn, i)
+            chunk_keys = chunk_keys_of(skeleton)
         return DistSave(
             key=("dist", planned.key, ctx.rank),
             layout=planned.layout,

@@ -20,12 +20,13 @@ import torch
 
 from quicksave.adapters.dcp_writer import dcp_metadata_bytes
 from quicksave.format.dtypes import dtype_name, element_size
-from quicksave.format.manifest import ChunkEntry, FileEntry, Manifest, ObjectEntry, TensorEntry
+from quicksave.format.manifest import FileEntry, Manifest, ObjectEntry, TensorEntry
 from quicksave.ranks.saving import DistSave
 from quicksave.saving.collect import CollectedState
 from quicksave.saving.config import EngineConfig
 from quicksave.saving.plan import ItemSpec, RankLayout, layout_rank
 from quicksave.saving.plan_cache import PlanCache
+from quicksave.saving.skeleton import chunk_keys_of, manifest_skeleton, placed_of
 from quicksave.stage.pool import StagingPool
 from quicksave.storage import Location
 from quicksave.worker.job import DistCommit, FileJob, PersistJob
@@ -157,22 +158,17 @@ def plan_one_rank(
             )
         )
     layout = layout_rank(rank, items, thread_count)
-    entries: dict[str, TensorEntry] = {}
-    chunk_keys: dict[str, tuple[str, int]] = {}
-    files: dict[str, FileEntry] = {}
-    places: dict[str, tuple[str, int, int]] = {}
-    for f in layout.files:
-        files[f.name] = FileEntry(f.size, f.header_xxh3_64, rank, f.data_start)
-        for e in f.entries:
-            it = e.item
-            entries[it.fqn] = TensorEntry(
-                it.dtype,
-                it.global_shape,
-                (ChunkEntry(it.offsets, it.sizes, f.name, e.offset, e.length, ""),),
-            )
-            chunk_keys[it.key] = (it.fqn, 0)
-            places[it.fqn] = (f.name, e.offset, e.length)
-    skeleton = Manifest(None, 1, entries, {fqn: ObjectEntry(None) for fqn in objects}, files)
+    files, placed = placed_of([layout])
+    skeleton = manifest_skeleton(
+        {it.fqn: (it.dtype, it.global_shape) for it in items},
+        files,
+        placed,
+        dict.fromkeys(objects),
+        world_size=1,
+    )
+    entries = skeleton.tensors
+    chunk_keys = chunk_keys_of(skeleton)
+    places = {p.item.fqn: (p.file, p.offset, p.length) for p in placed}
     keys = {fqn: key for key, (fqn, _) in chunk_keys.items()}
     return EnginePlan(
         key, layout, chunk_keys, dcp_metadata_bytes(skeleton), entries, files, places, keys

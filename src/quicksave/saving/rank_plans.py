@@ -31,17 +31,14 @@ from quicksave.format import objects as objcodec
 from quicksave.format.dtypes import dtype_name, element_size
 from quicksave.format.keys import names_itself
 from quicksave.format.manifest import (
-    ChunkEntry,
-    FileEntry,
     Manifest,
-    ObjectEntry,
     RankPlan,
-    TensorEntry,
 )
 from quicksave.saving.collect import check_tensor, flatten, to_state_dict
 from quicksave.saving.keypaths import structure
 from quicksave.saving.plan import ItemSpec, RankLayout, item_spec_of, layout_rank, planned_chunk
 from quicksave.saving.plan_cache import PlanCache
+from quicksave.saving.skeleton import manifest_skeleton, placed_of
 
 Path = tuple[Any, ...]  # nested state-dict path of a flattened fqn (str / int keys)
 
@@ -296,20 +293,6 @@ def _assign(
     return assigned, {fqn: (m[0], m[1]) for fqn, m in meta.items()}
 
 
-def _check_coverage(
-    fqn: str, shape: tuple[int, ...], chunks: list[ChunkEntry], holders: dict[str, int]
-) -> None:
-    covered = sum(math.prod(c.sizes) for c in chunks)
-    if covered != math.prod(shape):
-        raise IncompatibleStateError(
-            f"the ranks' chunks cover {covered} of {math.prod(shape)} elements of this "
-            f"{list(shape)} tensor (missing or overlapping shards; every element must be "
-            "held by some rank, and shards must not overlap)",
-            fqn=fqn,
-            rank=holders.get(fqn),
-        )
-
-
 def global_plan(
     local_plans: Sequence[LocalPlan],
     thread_count: int = 1,
@@ -369,7 +352,17 @@ def global_plan(
     per_rank_objects: list[list[str]] = [[] for _ in local_plans]
     for fqn, r in owners.items():
         per_rank_objects[r].append(fqn)
-    skeleton = _skeleton(layouts, meta, owners, paths, local_plans)
+    files, placed = placed_of(layouts)
+    skeleton = manifest_skeleton(
+        meta,
+        files,
+        placed,
+        dict.fromkeys(owners),
+        world_size=len(local_plans),
+        paths=paths,
+        plans=manifest_plans(local_plans),
+        empty_dicts=tuple(sorted({e for lp in local_plans for e in lp.empty_dicts}, key=repr)),
+    )
     key = plan_key([lp.key for lp in local_plans], thread_count, alignment)
     return GlobalPlan(
         local_plans=tuple(local_plans),
@@ -380,43 +373,6 @@ def global_plan(
         thread_count=thread_count,
         alignment=alignment,
         key=key,
-    )
-
-
-def _skeleton(
-    layouts: Sequence[RankLayout],
-    meta: dict[str, tuple[str, tuple[int, ...]]],
-    owners: dict[str, int],
-    paths: dict[str, Path],
-    local_plans: Sequence[LocalPlan],
-) -> Manifest:
-    chunks: dict[str, list[ChunkEntry]] = {fqn: [] for fqn in meta}
-    writer_of: dict[str, int] = {}
-    files: dict[str, FileEntry] = {}
-    for layout in layouts:
-        for f in layout.files:
-            files[f.name] = FileEntry(f.size, f.header_xxh3_64, layout.rank, f.data_start)
-            for e in f.entries:
-                it = e.item
-                chunks[it.fqn].append(
-                    ChunkEntry(it.offsets, it.sizes, f.name, e.offset, e.length, "")
-                )
-                writer_of.setdefault(it.fqn, layout.rank)
-    tensors: dict[str, TensorEntry] = {}
-    for fqn, (dtype, shape) in meta.items():
-        cs = chunks[fqn]
-        _check_coverage(fqn, shape, cs, writer_of)
-        cs.sort(key=lambda c: c.offsets)
-        tensors[fqn] = TensorEntry(dtype, shape, tuple(cs), paths.get(fqn))
-    objects = {fqn: ObjectEntry(None, paths.get(fqn)) for fqn in owners}
-    return Manifest(
-        step=None,
-        world_size=len(local_plans),
-        tensors=tensors,
-        objects=objects,
-        files=files,
-        plans=manifest_plans(local_plans),
-        empty_dicts=tuple(sorted({e for lp in local_plans for e in lp.empty_dicts}, key=repr)),
     )
 
 

@@ -16,9 +16,10 @@ import time
 from typing import Any
 
 from quicksave.commit import strategy_for
+from quicksave.commit.parts import RankPart, manifest_from_parts
 from quicksave.ranks import records
 from quicksave.storage.backend import Backend
-from quicksave.worker.files import backend_for, commit_files, discard, fill_checksums, write_files
+from quicksave.worker.files import backend_for, commit_files, discard, write_files
 from quicksave.worker.job import JobResult, PersistJob, Usage, done, failure
 from quicksave.worker.multirank import execute_multirank_job
 
@@ -51,7 +52,13 @@ def execute_job(
             strategy_for(backend),
             job.tmp_dir,
             job.location,
-            fill_checksums(job.manifest, digests, job.chunk_keys),
+            manifest_from_parts(
+                job.manifest,
+                job.chunk_keys,
+                [RankPart(job.rank, digests, {})],
+                job.tmp_dir,
+                objects_in_parts=False,
+            ),
             job.dcp_metadata,
             replace=job.replace,
         )

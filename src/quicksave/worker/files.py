@@ -2,9 +2,10 @@
 
 Order of calls in a job (``quicksave.worker.execute``, ``quicksave.worker.multirank``):
 ``backend_for`` (the job's backend) → ``write_files`` (every file image of the rank from
-the staging pool, the missing chunk digests computed on the way) → ``fill_checksums``
-(the digests into the manifest) → ``commit_files`` (``.metadata``, the manifest, then the
-checkpoint made visible by the location's commit strategy); ``discard`` removes what a
+the staging pool, the missing chunk digests computed on the way) →
+``commit.parts.manifest_from_parts`` (the digests into the manifest) → ``commit_files``
+(``.metadata``, the manifest, then the checkpoint made visible by the location's commit
+strategy); ``discard`` removes what a
 failed job wrote. Every rank writes
 its own files; ``commit_files`` runs once per checkpoint (a single rank, or the
 coordinator of a multi-rank save). ``commit_files`` is also the commit of the DCP
@@ -70,21 +71,6 @@ def write_files(
                 digests.update(d)
                 usage.helpers_cpu_s += cpu
     return digests
-
-
-def fill_checksums(
-    m: Manifest, digests: dict[str, str], keys: dict[str, tuple[str, int]]
-) -> Manifest:
-    """``m`` with the chunk digests (safetensors key -> xxh3-64 hex) filled in; ``keys``
-    maps each key to its tensor and chunk index."""
-    tensors = dict(m.tensors)
-    chunks: dict[str, list] = {fqn: list(t.chunks) for fqn, t in m.tensors.items()}
-    for key, digest in digests.items():
-        fqn, i = keys[key]
-        chunks[fqn][i] = dataclasses.replace(chunks[fqn][i], xxh3_64=digest)
-    for fqn, t in m.tensors.items():
-        tensors[fqn] = dataclasses.replace(t, chunks=tuple(chunks[fqn]))
-    return dataclasses.replace(m, tensors=tensors)
 
 
 def discard(job: PersistJob, backend: Backend, parts: bool = False) -> None:

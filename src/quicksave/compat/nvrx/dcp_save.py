@@ -29,9 +29,8 @@ import torch
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
 from torch.distributed.checkpoint.planner import WriteItemType
-from torch.distributed.checkpoint.storage import WriteResult
 
-from quicksave.adapters.dcp_writer import _ChunkWritten, _ObjectWritten, build_manifest, item_spec
+from quicksave.adapters.dcp_writer import dcp_skeleton, item_spec
 from quicksave.commit import CommitStrategy, parts
 from quicksave.compat.nvrx.dcp_write import write_dcp_file
 from quicksave.compat.nvrx.rank_write import (
@@ -48,8 +47,9 @@ from quicksave.errors import CheckpointError, CorruptCheckpointError
 from quicksave.format import DCP_METADATA_NAME
 from quicksave.format.dcp_layout import encode_metadata
 from quicksave.format.keys import dcp_planner_data
-from quicksave.format.manifest import to_json_bytes
+from quicksave.format.manifest import FileEntry, to_json_bytes
 from quicksave.saving.plan import ItemSpec
+from quicksave.saving.skeleton import Placed, chunk_keys_of
 from quicksave.storage.location import Location
 
 DCP_SUFFIX = ".distcp"
@@ -305,35 +305,32 @@ def commit_dcp(
     if causes:
         raise RankWritesFailed(causes, path)
     storage: dict[MetadataIndex, _StorageInfo] = {}
-    results: list[list[WriteResult]] = []
+    files: dict[str, FileEntry] = {}
     expected: dict[str, int] = {}
+    placed: list[Placed] = []
+    rank_parts: list[parts.RankPart] = []
     for lay in layout.layouts:
         body = bodies[lay.rank]
-        rank_results: list[WriteResult] = []
+        digests: dict[str, str] = {}
         for f in lay.files:
             rec = body["files"][f.name]
             expected[f.name] = int(rec["size"])
+            if any(it.spec is not None for it in f.items):  # the manifest lists tensor files
+                # no header in this layout: the entry carries the whole file's checksum
+                files[f.name] = FileEntry(int(rec["size"]), str(rec["xxh3_64"]), lay.rank, None)
             for it in f.items:
                 item_off, item_len, raw_off, raw_len, digest = rec["items"][it.key]
                 storage[it.index] = _StorageInfo(f.name, int(item_off), int(item_len))
                 if it.spec is not None:
-                    written = _ChunkWritten(
-                        f.name,
-                        int(raw_off),
-                        int(raw_len),
-                        str(digest),
-                        int(rec["size"]),
-                        str(rec["xxh3_64"]),
-                        None,  # type: ignore[arg-type] - no data_start in this layout
-                        lay.rank,
-                    )
-                    rank_results.append(WriteResult(it.index, int(raw_len), written))
-        for fqn, value in body.get("objects", {}).items():
-            rank_results.append(WriteResult(MetadataIndex(fqn), 0, _ObjectWritten(value)))
-        results.append(rank_results)
+                    placed.append(Placed(it.spec, f.name, int(raw_off), int(raw_len), lay.rank))
+                    digests[it.key] = str(digest)
+        rank_parts.append(parts.RankPart(lay.rank, digests, dict(body.get("objects", {}))))
     plans = layout.plans if len(layout.plans) > 1 else None
-    manifest = build_manifest(metadata, results, step, user_metadata, plans=plans)
-    manifest = dataclasses.replace(manifest, layout="dcp")
+    skeleton = dcp_skeleton(metadata, files, placed, world_size=len(layout.layouts), plans=plans)
+    manifest = parts.manifest_from_parts(skeleton, chunk_keys_of(skeleton), rank_parts, tmp_dir)
+    manifest = dataclasses.replace(
+        manifest, step=step, user_metadata=dict(user_metadata or {}), layout="dcp"
+    )
     dcp_md = copy.copy(metadata)
     dcp_md.storage_data = storage
     dcp_md.planner_data = dcp_planner_data(metadata.planner_data)  # the pickle: DCP's only

@@ -80,6 +80,7 @@ from quicksave.compat.nvrx.rank_write import (
     clear_for_commit,
     expected_files,
     failed_save_names,
+    rank_part,
     rank_write_results,
     temp_dir_for,
     write_rank_data,
@@ -466,11 +467,11 @@ class FileSystemWriterAsync(NvrxDataPath, StorageWriter, FileSystemWriter):
             self.tmp_dir = None
             self.close()
             return
-        results, causes = [], {}
+        rank_parts, causes = [], {}
         for lay in layout.layouts:
             assert isinstance(lay, RankLayout)
             try:
-                results.append(rank_write_results(strategy, self.tmp_dir, lay, None))
+                rank_parts.append(rank_part(strategy, self.tmp_dir, lay))
             except CheckpointError as e:
                 if isinstance(e, CorruptCheckpointError):
                     raise
@@ -480,7 +481,7 @@ class FileSystemWriterAsync(NvrxDataPath, StorageWriter, FileSystemWriter):
         keep = expected_files(layout.layouts)
         clear_for_commit(strategy, self.tmp_dir, keep, len(layout.layouts))
         self.plans = layout.plans
-        super().finish(metadata, results)
+        self.commit_parts_of(metadata, rank_parts, layout.layouts)  # type: ignore[arg-type]
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         """Coordinator: write ``.metadata`` and the manifest, then commit them through the

@@ -215,19 +215,13 @@ def clear_for_commit(
     strategy.prune_staging(staging, keep)
 
 
-def rank_write_results(
-    strategy: CommitStrategy,
-    tmp_dir: str,
-    layout: RankLayout,
-    index_of: dict[str, MetadataIndex] | None = None,
-) -> list[WriteResult]:
-    """Rebuild one rank's DCP write results from its part file and its layout.
+def rank_part(strategy: CommitStrategy, tmp_dir: str, layout: RankLayout) -> parts.RankPart:
+    """One rank's part (its chunks' checksums, its values), checked against its layout.
 
     Args:
         strategy: the commit strategy of the checkpoint's location.
         tmp_dir: the save's staging (an object store: the checkpoint's prefix).
         layout: the rank's file layout (fixed at plan time).
-        index_of: chunk key -> ``MetadataIndex``; derived from the layout when None.
 
     Raises:
         CheckpointError: the rank recorded an error, or left no part (names the rank and
@@ -240,27 +234,17 @@ def rank_write_results(
     if cause is not None:
         raise CheckpointError(f"rank {rank} failed to write: {cause}", path=where, rank=rank)
     part = parts.read_part(strategy, tmp_dir, rank)
-    results: list[WriteResult] = []
     expected = set()
     for f in layout.files:
         for e in f.entries:
-            key = e.item.key
-            expected.add(key)
-            digest = part.chunks.get(key)
-            if digest is None:
+            expected.add(e.item.key)
+            if e.item.key not in part.chunks:
                 raise CorruptCheckpointError(
-                    f"rank {rank}'s part lacks chunk {key!r}",
+                    f"rank {rank}'s part lacks chunk {e.item.key!r}",
                     path=where,
                     fqn=e.item.fqn,
                     rank=rank,
                 )
-            index = (index_of or {}).get(key) or MetadataIndex(
-                e.item.fqn, torch.Size(e.item.offsets)
-            )
-            written = _ChunkWritten(
-                f.name, e.offset, e.length, digest, f.size, f.header_xxh3_64, f.data_start, rank
-            )
-            results.append(WriteResult(index, e.length, written))
     extra = sorted(set(part.chunks) - expected)
     if extra:
         raise CorruptCheckpointError(
@@ -268,6 +252,27 @@ def rank_write_results(
             path=where,
             rank=rank,
         )
+    return part
+
+
+def rank_write_results(
+    strategy: CommitStrategy,
+    tmp_dir: str,
+    layout: RankLayout,
+    index_of: dict[str, MetadataIndex] | None = None,
+) -> list[WriteResult]:
+    """One rank's DCP write results, from its part (:func:`rank_part`; raises as it
+    does). ``index_of``: chunk key -> ``MetadataIndex``; derived from the layout when
+    None."""
+    part = rank_part(strategy, tmp_dir, layout)
+    results: list[WriteResult] = []
+    for f in layout.files:
+        for e in f.entries:
+            key = e.item.key
+            index = (index_of or {}).get(key) or MetadataIndex(
+                e.item.fqn, torch.Size(e.item.offsets)
+            )
+            results.append(WriteResult(index, e.length, _ChunkWritten(key, part.chunks[key])))
     for fqn, value in part.objects.items():
         results.append(WriteResult(MetadataIndex(fqn), 0, _ObjectWritten(value)))
     return results
