@@ -1,4 +1,4 @@
-"""api.py: what save/load do around the DCP call."""
+"""api.py: what save/load do around the planner's steps."""
 
 import gc
 
@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import quicksave
+import quicksave.worker.persist
 
 
 def test_gc_is_paused_during_the_call_and_restored_after(tmp_path, monkeypatch):

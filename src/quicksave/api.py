@@ -1,9 +1,9 @@
 """The function layer: ``quicksave.save`` and ``quicksave.load``.
 
 Both run DCP's planning (so DTensor / ShardedTensor state, deduplication of replicated
-tensors and resharded loads work) with quicksave's storage layer underneath; a save runs
-the planner's steps itself (``adapters/dcp_steps.py``), so its ranks talk through
-quicksave's one plan exchange.
+tensors and resharded loads work) with quicksave's storage layer underneath; they run
+the planner's steps themselves (``adapters/dcp_steps.py``), so their ranks talk through
+quicksave's one plan exchange, and a failure on any rank is raised on every rank.
 """
 
 from __future__ import annotations
@@ -19,8 +19,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import CheckpointException
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import (
@@ -29,6 +27,7 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 from torch.distributed.checkpoint.planner import LoadPlan, SavePlan, WriteItemType
+from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.checkpoint.utils import _DistWrapper
 
 from quicksave.adapters import dcp_steps as steps
@@ -38,7 +37,6 @@ from quicksave.commit import CheckpointKind, classify
 from quicksave.errors import (
     CheckpointError,
     IncompatibleStateError,
-    combined_failure,
     rank_of_this_process,
 )
 from quicksave.format import objects as objcodec
@@ -58,7 +56,7 @@ def _dist_on() -> bool:
 
 @contextlib.contextmanager
 def _engine_call() -> Iterator[None]:
-    """Around one save (the DCP planner's steps) or one dcp.load call:
+    """Around one save or load (the DCP planner's steps):
 
     - silence DCP's warning on single-process calls (quicksave's normal case);
     - pause the cyclic garbage collector. A save or load allocates tens of thousands of
@@ -77,23 +75,12 @@ def _engine_call() -> Iterator[None]:
             gc.enable()
 
 
-def _unwrap(e: CheckpointException, path: str) -> CheckpointError:
-    """Turn DCP's per-rank failure dict into one CheckpointError naming the rank(s)."""
-    failures = []
-    for rank, wrapped in sorted(e.failures.items()):
-        exc = wrapped[0] if isinstance(wrapped, tuple) else wrapped
-        failures.append((rank, exc))
-    if not failures:
-        return CheckpointError(str(e), path=path)
-    return combined_failure(failures, path)
-
-
 def _collective_failed(
     e: RuntimeError, path: str, rank: int | None, consequence: str
 ) -> CheckpointError:
-    """Failures inside a save's or a load's steps arrive as CheckpointError (DCP's load:
-    CheckpointException); a RuntimeError out of them in a group is a collective that
-    broke (a peer died or timed out)."""
+    """Failures inside a save's or a load's steps arrive as CheckpointError; a
+    RuntimeError out of them in a group is a collective that broke (a peer died or
+    timed out)."""
     cause = str(e).splitlines()[0] if str(e) else type(e).__name__
     return CheckpointError(
         "a collective with the other ranks failed (did a rank crash or time out? see its "
@@ -512,26 +499,66 @@ def load(
     """
     loc = parse_location(path, options=storage)
     path = loc.url
+    distributed = _dist_on()
+    group = _DistWrapper(process_group, distributed, 0)
+    planner = LoadPlanner(strict=strict, path=path, allow_pickle=allow_dcp_pickle)
     backend = loc.open()  # one client for the whole load
+    reader: Any = None
+    undos: list[Callable[[], None]] = []
     try:
-        kind = classify(loc, backend)
-        if kind is CheckpointKind.DCP:
-            reader: Any = DCPReader(loc, allow_pickle=allow_dcp_pickle, backend=backend)
-        else:
-            require_committed(loc, backend=backend)
-            reader = StorageReader(loc, thread_count=thread_count, backend=backend)
         with _engine_call():  # the manifest's thousands of objects too (see there)
-            # fail fast on a refused pickle or a bad manifest, before DCP planning
-            metadata = reader.read_metadata()
-            undos = _prepare_destinations(state_dict, metadata)
             try:
-                _load_with(reader, state_dict, path, strict, process_group, allow_dcp_pickle)
-            except BaseException:
-                for undo in undos:  # e.g. uninitialised optimizer state: never trained with
-                    undo()
-                raise
+                reader = _reader_for(loc, backend, thread_count, allow_dcp_pickle)
+                # a refused pickle or a bad manifest fails here, before any planning
+                metadata = reader.read_metadata()
+                undos = _prepare_destinations(state_dict, metadata)
+                plain = _plain_state_dict(state_dict)
+                local = steps.load_local_plan(plain, metadata, planner, reader, group)
+            except BaseException as e:  # noqa: BLE001 - in a group: raised on every rank
+                if not distributed:
+                    raise
+                local = steps.sendable(e, group.get_rank())
+            central = steps.exchange_load_plans(local, planner, reader, group, path)
+            steps.read_all(central, planner, reader, group, path)
+            _hand_back(state_dict, plain)
+    except BaseException as e:
+        for undo in undos:  # e.g. uninitialised optimizer state: never trained with
+            undo()
+        if distributed and isinstance(e, RuntimeError) and not isinstance(e, CheckpointError):
+            raise _collective_failed(
+                e, path, rank_of_this_process(), "the state dict may be partly loaded"
+            ) from e
+        raise
     finally:
         backend.close()
+
+
+def _plain_state_dict(state_dict: Mapping[str, Any]) -> dict[str, Any]:
+    """What the planner loads into: each ``Stateful`` value's ``state_dict()`` in its
+    place (as ``dcp.load``), the other values as they are."""
+    return {
+        key: value.state_dict() if isinstance(value, Stateful) else value
+        for key, value in state_dict.items()
+    }
+
+
+def _hand_back(state_dict: Mapping[str, Any], plain: dict[str, Any]) -> None:
+    """After every read: each ``Stateful`` gets ``load_state_dict`` of what was loaded
+    for it, and the other top-level values are replaced by the loaded ones."""
+    for key, value in list(state_dict.items()):
+        if isinstance(value, Stateful):
+            value.load_state_dict(plain[key])
+        else:
+            state_dict[key] = plain[key]  # type: ignore[index]
+
+
+def _reader_for(loc: Any, backend: Any, thread_count: int, allow_dcp_pickle: bool) -> Any:
+    """The reader of the checkpoint at ``loc``: DCP's (restricted unpickling) for a stock
+    DCP checkpoint, else quicksave's, once the checkpoint is known to be committed."""
+    if classify(loc, backend) is CheckpointKind.DCP:
+        return DCPReader(loc, allow_pickle=allow_dcp_pickle, backend=backend)
+    require_committed(loc, backend=backend)
+    return StorageReader(loc, thread_count=thread_count, backend=backend)
 
 
 def _prepare_destinations(
@@ -554,31 +581,3 @@ def _prepare_destinations(
             undo()
         raise
     return undos
-
-
-def _load_with(
-    reader: Any,
-    state_dict: Mapping[str, Any],
-    path: str,
-    strict: bool,
-    process_group: dist.ProcessGroup | None,
-    allow_pickle: bool = False,
-) -> None:
-    planner = LoadPlanner(strict=strict, path=path, allow_pickle=allow_pickle)
-    try:
-        with _engine_call():
-            dcp.load(
-                state_dict,
-                storage_reader=reader,
-                planner=planner,
-                process_group=process_group,
-                no_dist=not _dist_on(),
-            )
-    except CheckpointException as e:
-        raise _unwrap(e, path) from None
-    except RuntimeError as e:
-        if not _dist_on():
-            raise
-        raise _collective_failed(
-            e, path, rank_of_this_process(), "the state dict may be partly loaded"
-        ) from e

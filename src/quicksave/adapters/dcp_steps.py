@@ -1,12 +1,14 @@
-"""A save driven by a DCP ``SavePlanner`` over quicksave's exchange: the steps of
-``quicksave.save`` and of the NVRx-compatible API's planning.
+"""A save driven by a DCP ``SavePlanner``, and a load driven by a DCP ``LoadPlanner``,
+over quicksave's exchange: the steps of ``quicksave.save``, of ``quicksave.load`` (and
+so of every load: the manager's, torchtitan's, Lightning's) and of the NVRx-compatible
+API's planning.
 
 DCP's planners chunk DTensor / ShardedTensor state and deduplicate replicated tensors;
 quicksave keeps them for that, and runs their steps itself instead of through
 ``dcp.save``, so that the ranks talk through the one plan exchange every save path uses
 (``ranks.exchange.central_round``) and every failure surfaces on every rank as a
-``CheckpointError`` naming the rank. Users who call ``dcp.save`` themselves still get
-DCP's own driver over the same ``StorageWriter``.
+``CheckpointError`` naming the rank. Users who call ``dcp.save`` / ``dcp.load`` themselves
+still get DCP's own driver over the same ``StorageWriter`` / ``StorageReader``.
 
 One save, every rank of the group::
 
@@ -20,6 +22,16 @@ One save, every rank of the group::
                                                          results, the coordinator commits
                                                          (``writer.finish``), scatter the
                                                          outcome ──
+
+One load, every rank of the group::
+
+    load_local_plan(state_dict, metadata, ...)        no communication
+    exchange_load_plans(local, planner, reader, ...)  ── central_round: the planner's
+                                                         global checks (strict keys) on
+                                                         the coordinator ──
+    read_all(central, planner, reader, ...)           this rank's reads; then
+                                                      ── central_round: every rank
+                                                         hears of any rank's failure ──
 """
 
 from __future__ import annotations
@@ -27,7 +39,7 @@ from __future__ import annotations
 from typing import Any, Protocol
 
 from torch.distributed.checkpoint.metadata import Metadata
-from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
+from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, SavePlan, SavePlanner
 from torch.distributed.checkpoint.storage import WriteResult
 
 from quicksave.errors import CheckpointError, combined_failure
@@ -202,4 +214,99 @@ def write_and_commit(
         )
     except CheckpointError:
         _raise_interrupt(results)
+        raise
+
+
+# -------------------------------------------------------------------------- load
+
+
+class PlannedReader(Protocol):
+    """What the load steps need of a DCP ``StorageReader`` (quicksave's, or DCP's own
+    for a stock checkpoint)."""
+
+    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool) -> None: ...
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan: ...
+    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]: ...
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Any: ...
+
+
+def load_local_plan(
+    state_dict: dict[str, Any],
+    metadata: Metadata,
+    planner: LoadPlanner,
+    reader: PlannedReader,
+    group: Group,
+) -> LoadPlan | CheckpointError:
+    """This rank's reads, or its failure (sent on, so every rank fails together)."""
+    try:
+        planner.set_up_planner(state_dict, metadata, group.is_coordinator)
+        reader.set_up_storage_reader(metadata, group.is_coordinator)
+        return reader.prepare_local_plan(planner.create_local_plan())
+    except BaseException as e:  # noqa: BLE001 - raised on every rank by the exchange
+        return sendable(e, group.get_rank())
+
+
+def exchange_load_plans(
+    local: LoadPlan | CheckpointError,
+    planner: LoadPlanner,
+    reader: PlannedReader,
+    group: Group,
+    path: str,
+) -> LoadPlan:
+    """Collective: every rank's reads to the coordinator, the planner's global step
+    there (strict loading checks that every key of the checkpoint is asked for), each
+    rank its plan back. A failure on any rank is raised on every rank."""
+
+    def decide(gathered: list[LoadPlan | CheckpointError]) -> list[LoadPlan]:
+        failed = _failed(gathered)
+        if failed:
+            raise combined_failure(failed, path)
+        return reader.prepare_global_plan(planner.create_global_plan(gathered))
+
+    try:
+        return central_round(
+            local,
+            decide,
+            group.group,
+            group.coordinator_rank,
+            group.get_rank(),
+            distributed=group.use_dist,
+            path=path,
+        )
+    except CheckpointError:
+        _raise_interrupt(local)
+        raise
+
+
+def read_all(
+    central: LoadPlan, planner: LoadPlanner, reader: PlannedReader, group: Group, path: str
+) -> None:
+    """Collective: this rank reads its share into the state dict, then one
+    ``central_round`` tells every rank whether every rank succeeded; each raises the
+    same error otherwise."""
+    rank = group.get_rank()
+    mine: CheckpointError | None = None
+    try:
+        reader.read_data(planner.finish_plan(central), planner).wait()
+    except BaseException as e:  # noqa: BLE001 - raised on every rank by the round
+        mine = sendable(e, rank)
+
+    def decide(gathered: list[CheckpointError | None]) -> list[None]:
+        failed = _failed(gathered)
+        if failed:
+            raise combined_failure(failed, path)
+        return [None] * len(gathered)
+
+    try:
+        central_round(
+            mine,
+            decide,
+            group.group,
+            group.coordinator_rank,
+            rank,
+            distributed=group.use_dist,
+            path=path,
+        )
+    except CheckpointError:
+        _raise_interrupt(mine)
         raise

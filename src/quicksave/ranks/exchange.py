@@ -155,7 +155,8 @@ def central_round(
 
     Every rank of ``group`` calls it (``distributed=False``: this process alone, no
     collective, the same outcomes). A ``decide`` that fails fails every rank alike: a
-    ``CheckpointError`` as it is (it pickles with its fields), anything else as a
+    ``CheckpointError`` as it is (it pickles with its fields; one that names no rank
+    names the coordinator), anything else as a
     ``CheckpointError`` naming the coordinator (and ``path``); no rank is left waiting.
     An interrupt (``KeyboardInterrupt``, ``SystemExit``) in ``decide`` reaches the other
     ranks as such an error, and the coordinator re-raises the interrupt itself.
@@ -199,6 +200,8 @@ def _decide(
     try:
         replies = list(decide(gathered))
     except CheckpointError as e:
+        if e.rank is None:  # found by the coordinator's decision: it is the rank named
+            e.rank = coordinator
         return [("error", e)] * n, None
     except Exception as e:  # noqa: BLE001 - every rank must hear of it, not only this one
         return error(f"rank {coordinator} (the coordinator) failed: {type(e).__name__}: {e}"), None

@@ -165,10 +165,10 @@ def load_state(
 
 
 def _load_dcp_state(loc: Location, allow_pickle: bool) -> dict[str, Any]:
-    from torch.distributed.checkpoint import CheckpointException
     from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
-    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+    from torch.distributed.checkpoint.utils import _DistWrapper
 
+    from quicksave.adapters import dcp_steps as steps
     from quicksave.loading.dcp_stock import DCPReader, RestrictedObjectsMixin
 
     class Planner(RestrictedObjectsMixin, _EmptyStateDictLoadPlanner):
@@ -177,15 +177,13 @@ def _load_dcp_state(loc: Location, allow_pickle: bool) -> dict[str, Any]:
     planner = Planner()
     planner.allow_pickle, planner.path = allow_pickle, loc.url
     reader = DCPReader(loc, allow_pickle=allow_pickle)
-    reader.read_metadata()  # a refused pickle fails here, naming the file
+    metadata = reader.read_metadata()  # a refused pickle fails here, naming the file
     state: dict[str, Any] = {}
     # This process alone, also inside a process group (the planner fills ``state``).
-    try:
-        _load_state_dict(state, reader, planner=planner, no_dist=True)
-    except CheckpointException as e:
-        from quicksave.api import _unwrap
-
-        raise _unwrap(e, loc.url) from None
+    alone = _DistWrapper(None, False, 0)
+    local = steps.load_local_plan(state, metadata, planner, reader, alone)
+    central = steps.exchange_load_plans(local, planner, reader, alone, loc.url)
+    steps.read_all(central, planner, reader, alone, loc.url)
     return state
 
 
