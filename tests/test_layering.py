@@ -20,6 +20,7 @@ from helpers.structure import (
     in_layer,
     load,
     plan_caches,
+    manifest_builds,
     plan_exchanges,
     staging_allocations,
 )
@@ -119,6 +120,16 @@ def test_one_staging_pool() -> None:
     # shared memory to stage tensors in
     allocators = {n for n, m in LIB.items() if staging_allocations(m)}
     assert allocators == {"quicksave.stage.pool"}
+
+
+def test_one_manifest_builder() -> None:
+    # every save path builds its manifest as a skeleton (saving.skeleton) that
+    # commit.parts.manifest_from_parts fills; format/ only parses manifest.json
+    builders = {(n, f) for n, m in LIB.items() for _, f in manifest_builds(m)}
+    assert builders == {
+        ("quicksave.saving.skeleton", "manifest_skeleton"),
+        ("quicksave.format.manifest", "from_json_bytes"),
+    }
 
 
 # every module of the worker package (the process runs main; the others, torch-free too,

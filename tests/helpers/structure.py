@@ -237,6 +237,19 @@ def plan_caches(m: Module) -> list[tuple[int, str, bool]]:
     return found
 
 
+def manifest_builds(m: Module) -> list[tuple[int, str]]:
+    """``(line, function)`` of every place in ``m`` that constructs a ``Manifest`` (the
+    parser of ``manifest.json`` in format/ reads one; every save builds one through
+    ``saving.skeleton``)."""
+    found = []
+    for node in ast.walk(m.tree):
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+            for n in ast.walk(node):
+                if isinstance(n, ast.Call) and getattr(n.func, "id", None) == "Manifest":
+                    found.append((n.lineno, node.name))
+    return found
+
+
 # Allocations of shared memory that a save stages tensors into (a memfd named a pool,
 # torch's shared storage); the worker's heartbeat memfd is not one.
 SHARED_ALLOCATIONS = frozenset({"_new_shared", "share_memory_", "memfd_create"})
@@ -287,6 +300,7 @@ def report() -> None:
     for title, find in (
         ("plan exchanges", plan_exchanges),
         ("staging allocations", staging_allocations),
+        ("manifest builders", manifest_builds),
     ):
         found = {n: f for n, m in lib.items() if (f := find(m))}
         print(f"{title}: {sum(map(len, found.values()))}")

@@ -44,6 +44,7 @@ class EnginePlan:
     files: dict[str, FileEntry]
     places: dict[str, tuple[str, int, int]]  # staged name -> (file, offset, length)
     keys: dict[str, str] = field(default_factory=dict)  # staged name -> chunk key, if not same
+    skeleton: Manifest | None = None  # a single-rank plan's (saving.skeleton)
     # the latest (key paths, manifest tensor entries with them): see tensor_entries
     _entries: list = field(default_factory=list, init=False, compare=False, repr=False)
 
@@ -171,7 +172,15 @@ def plan_one_rank(
     places = {p.item.fqn: (p.file, p.offset, p.length) for p in placed}
     keys = {fqn: key for key, (fqn, _) in chunk_keys.items()}
     return EnginePlan(
-        key, layout, chunk_keys, dcp_metadata_bytes(skeleton), entries, files, places, keys
+        key,
+        layout,
+        chunk_keys,
+        dcp_metadata_bytes(skeleton),
+        entries,
+        files,
+        places,
+        keys,
+        skeleton,
     )
 
 
@@ -207,14 +216,15 @@ def single_rank_manifest(
     step: int | None,
     user_metadata: dict[str, Any] | None,
 ) -> Manifest:
-    """The manifest of a single-rank save of ``state`` (tensor checksums empty: the
-    writer fills them)."""
-    return Manifest(
+    """The manifest of a single-rank save of ``state``: the plan's skeleton with the
+    step, the key paths and the values (tensor checksums empty: the writer fills them,
+    ``commit.parts.manifest_from_parts``)."""
+    assert plan.skeleton is not None, "a multi-rank plan's manifest is the coordinator's"
+    return dataclasses.replace(
+        plan.skeleton,
         step=step,
-        world_size=1,
         tensors=plan.tensor_entries(state.paths),
         objects={fqn: ObjectEntry(v, state.paths.get(fqn)) for fqn, v in state.objects.items()},
-        files=plan.files,
         user_metadata=dict(user_metadata or {}),
         empty_dicts=state.empty,
     )
