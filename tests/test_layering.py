@@ -19,8 +19,8 @@ from helpers.structure import (
     cycles,
     in_layer,
     load,
-    plan_caches,
     manifest_builds,
+    plan_caches,
     plan_exchanges,
     staging_allocations,
 )

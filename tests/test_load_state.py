@@ -278,13 +278,13 @@ def test_dcp_compatible_metadata_holds_dcp_classes_only(tmp_path: Path) -> None:
     ``.metadata``'s pickle."""
     import torch.distributed.checkpoint as dcp
 
-    from quicksave.api import _SavePlanner
+    from quicksave.adapters.dcp_save_planner import DcpSavePlanner
     from quicksave.loading.dcp_stock import read_dcp_metadata
 
     sd = {"optim": {"state": {0: {"m": torch.arange(3.0)}}, "loop": {}}, "step": 2}
     writer = quicksave.StorageWriter(tmp_path / "c", dcp_compat=True)
     with pytest.warns(UserWarning):
-        dcp.save(sd, storage_writer=writer, planner=_SavePlanner())
+        dcp.save(sd, storage_writer=writer, planner=DcpSavePlanner())
     md = read_dcp_metadata(tmp_path / "c")  # the restricted unpickler: DCP's classes only
     assert md.planner_data["optim.state.0.m"] == ("optim", "state", "0", "m")
     assert all(isinstance(k, str) for k in md.planner_data)

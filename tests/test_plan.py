@@ -14,7 +14,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
 
-from quicksave.api import _SavePlanner
+from quicksave.adapters.dcp_save_planner import DcpSavePlanner
 from quicksave.saving.plan import (
     PAD_PREFIX,
     ItemSpec,
@@ -144,7 +144,7 @@ def _write_item(fqn: str, n: int, dtype: torch.dtype) -> WriteItem:
 def test_replicated_items_are_written_once_balanced_by_bytes(dtype: torch.dtype):
     items = [_write_item(f"p{i}", 100 * (i + 1), dtype) for i in range(6)]
     plans = [SavePlan(items=list(items)) for _ in range(3)]
-    planner = _SavePlanner()
+    planner = DcpSavePlanner()
     out = planner._dedup_save_plans(plans)
     owners = [i.index.fqn for p in out for i in p.items]
     assert sorted(owners) == [f"p{i}" for i in range(6)]
@@ -155,7 +155,7 @@ def test_replicated_items_are_written_once_balanced_by_bytes(dtype: torch.dtype)
 
 def test_dedup_to_lowest_rank_policy():
     items = [_write_item(f"p{i}", 10, torch.float32) for i in range(4)]
-    planner = _SavePlanner()
+    planner = DcpSavePlanner()
     planner.dedup_save_to_lowest_rank = True
     out = planner._dedup_save_plans([SavePlan(items=list(items)) for _ in range(3)])
     assert [len(p.items) for p in out] == [4, 0, 0]

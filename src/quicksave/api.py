@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import gc
-import math
 import os
 import warnings
 from collections.abc import Callable, Iterator, Mapping
@@ -20,33 +19,28 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint._traverse import set_element
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
     Metadata,
     TensorStorageMetadata,
 )
-from torch.distributed.checkpoint.planner import LoadPlan, SavePlan, WriteItemType
+from torch.distributed.checkpoint.planner import LoadPlan
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.checkpoint.utils import _DistWrapper
 
 from quicksave.adapters import dcp_steps as steps
 from quicksave.adapters.dcp_reader import StorageReader, require_committed
-from quicksave.adapters.dcp_writer import StorageWriter, item_spec
-from quicksave.commit import CheckpointKind, classify
+from quicksave.commit import CheckpointKind, classify, strategy_class
 from quicksave.errors import (
     CheckpointError,
     IncompatibleStateError,
     rank_of_this_process,
 )
-from quicksave.format import objects as objcodec
 from quicksave.format.dtypes import dtype_name
-from quicksave.format.keys import EMPTY_KEY, REPLICAS_KEY
-from quicksave.format.manifest import check_user_metadata
 from quicksave.loading.dcp_stock import DCPReader, RestrictedObjectsMixin
-from quicksave.ranks import replicas
-from quicksave.saving.collect import to_state_dict, validate_for_save
-from quicksave.saving.keypaths import structure
+from quicksave.ranks.exchange import sendable
+from quicksave.saving.sync_save import SyncSave, save_sync
 from quicksave.storage import StorageOptions, parse_location
 
 
@@ -137,170 +131,21 @@ def save(
         quicksave.save({"model": model.state_dict(), "step": 10}, "ckpt/step-10")
     """
     loc = parse_location(path, options=storage)
-    path = loc.url
-    rank = rank_of_this_process()
     distributed = _dist_on() and not no_dist
-    refused: IncompatibleStateError | None = None
-    sd: dict[str, Any] = {}
-    try:
-        sd = to_state_dict(state_dict)
-        validate_for_save(sd, rank)
-    except IncompatibleStateError as e:  # add the path, which the checks do not know
-        refused = IncompatibleStateError(e.message, path=path, fqn=e.fqn, rank=rank)
-        if not distributed:
-            raise refused from None
-        # Distributed: the planner raises it in the local planning step, whose failure the
-        # plan exchange raises on every rank; raising here would leave the others waiting.
-    # In a group the coordinator makes this check in the global planning step (every rank
-    # then fails together); checking here on each rank could split the ranks.
-    writer = StorageWriter(
-        loc,
-        step=step,
-        thread_count=thread_count,
-        user_metadata=user_metadata,
-        storage=storage,
-        overwrite=overwrite,
+    group = None if no_dist else process_group
+    rank = dist.get_rank(group) if distributed else 0
+    if overwrite:  # refused before any I/O where the location has no atomic replace
+        strategy_class(loc).check_replace(loc)
+    options = SyncSave(
+        step=step, thread_count=thread_count, user_metadata=user_metadata, overwrite=overwrite
     )
-    if not distributed:
-        try:
-            check_user_metadata(dict(user_metadata or {}), path, rank)
-            writer.strategy().check_target(loc, rank, replace=overwrite)
-        except BaseException:
-            writer.close()
-            raise
-    group = _DistWrapper(None if no_dist else process_group, distributed, 0)
-    planner = _SavePlanner(refused=refused, check_replicas=distributed)
     try:
         with _engine_call():
-            local = steps.local_plan(sd, planner, writer, group)
-            central, metadata = steps.exchange_plans(local, planner, writer, group)
-            steps.write_and_commit(central, metadata, planner, writer, group)
-    except CheckpointError as e:
-        if writer.is_coordinator:
-            writer.discard()
-        if e.path is None:
-            e.path = path
-        raise
+            save_sync(state_dict, loc, options, group=group, rank=rank, distributed=distributed)
     except RuntimeError as e:
-        if not distributed:
+        if not distributed or isinstance(e, CheckpointError):
             raise
-        if writer.is_coordinator:
-            writer.discard()
-        raise _collective_failed(e, path, rank, "nothing was committed") from e
-    finally:
-        writer.close()
-
-
-def _element_bytes(item) -> int:
-    td = item.tensor_data
-    if td is None:
-        return 1
-    return math.prod(td.chunk.sizes) * td.properties.dtype.itemsize
-
-
-class _SavePlanner(DefaultSavePlanner):
-    """DCP's default save planner with its own dedup of replicated chunks: DCP sizes items
-    with ``torch._utils._element_size``, which raises for bits*/int1..7/uint1..7.
-
-    DCP deduplicates what several ranks save under one name without comparing the
-    copies. This planner compares them (``ranks/replicas.py``): each rank's local plan
-    carries its copies' digests (``REPLICAS_KEY`` in ``planner_data``), and the
-    coordinator refuses copies that differ in the global planning step, whose failure
-    every rank raises. No extra collective.
-
-    ``refused``: this rank's input-check failure, raised from ``set_up_planner`` (the
-    local planning step, whose failure the plan exchange raises on every rank).
-    ``check_replicas``: send the copies (False in a single process: nothing to compare).
-    """
-
-    def __init__(
-        self, *, refused: IncompatibleStateError | None = None, check_replicas: bool = True
-    ) -> None:
-        super().__init__()
-        self.refused = refused
-        self.check_replicas = check_replicas
-
-    def set_up_planner(self, state_dict, storage_meta=None, is_coordinator: bool = False) -> None:
-        if self.refused is not None:
-            raise self.refused
-        super().set_up_planner(state_dict, storage_meta, is_coordinator)
-        # What DCP's flattening loses (keypaths.py), carried to the writer's manifest in
-        # the mappings DCP merges into Metadata.planner_data; a tuple key cannot be an fqn.
-        self.mappings, empty = structure(state_dict, self.mappings)
-        if empty:
-            self.mappings[EMPTY_KEY] = tuple(sorted(empty, key=repr))  # type: ignore[index]
-
-    def create_local_plan(self) -> SavePlan:
-        plan = super().create_local_plan()
-        if not self.check_replicas or not _dist_on():
-            return plan
-        copies: dict[str, replicas.Copy] = {}
-        for item in plan.items:
-            fqn = item.index.fqn
-            if item.type == WriteItemType.BYTE_IO:
-                encoded = objcodec.encode(self.lookup_object(item.index), fqn)
-                copies[replicas.value_key(fqn)] = replicas.value_copy(fqn, encoded)
-                continue
-            spec = item_spec(item)
-            if spec.nbytes <= replicas.CHECK_BYTES:
-                c = replicas.tensor_copy(fqn, self.lookup_object(item.index))
-                if c is not None:
-                    copies[replicas.tensor_key(spec.key)] = c
-        data = dict(plan.planner_data) if isinstance(plan.planner_data, dict) else {}
-        data[REPLICAS_KEY] = copies
-        return dataclasses.replace(plan, planner_data=data)
-
-    def create_global_plan(self, all_plans):
-        # Compare the copies of what several ranks save, then drop them: only the
-        # coordinator needs them.
-        copies: list[dict[str, replicas.Copy]] = []
-        stripped = []
-        for plan in all_plans:
-            data = plan.planner_data
-            if isinstance(data, dict) and REPLICAS_KEY in data:
-                copies.append(data[REPLICAS_KEY])
-                data = {k: v for k, v in data.items() if k != REPLICAS_KEY}
-                plan = dataclasses.replace(plan, planner_data=data)
-            else:
-                copies.append({})
-            stripped.append(plan)
-        all_plans = stripped
-        differ = replicas.divergence(copies)
-        if differ is not None:
-            raise differ
-        # DCP merges the ranks' mappings with a ChainMap (the first rank's entry wins):
-        # the empty dicts are every rank's.
-        empty: set[tuple] = set()
-        for plan in all_plans:
-            if isinstance(plan.planner_data, dict):
-                empty.update(plan.planner_data.get(EMPTY_KEY, ()))
-        plans, metadata = super().create_global_plan(all_plans)
-        if isinstance(metadata.planner_data, dict):
-            merged = {k: v for k, v in metadata.planner_data.items() if k != EMPTY_KEY}
-            if empty:
-                merged[EMPTY_KEY] = tuple(sorted(empty, key=repr))
-            metadata = dataclasses.replace(metadata, planner_data=merged)
-        return plans, metadata
-
-    def _dedup_save_plans(self, all_plans):
-        owners: dict[Any, list[int]] = {}
-        items: dict[Any, Any] = {}
-        for rank, plan in enumerate(all_plans):
-            for item in plan.items:
-                owners.setdefault(item.index, []).append(rank)
-                items[item.index] = item
-        load = [0] * len(all_plans)
-        keep: list[set] = [set() for _ in all_plans]
-        for index, ranks in owners.items():
-            # Same policy as DCP: lowest rank, or the rank with the fewest bytes so far.
-            lowest = self.dedup_save_to_lowest_rank
-            chosen = ranks[0] if lowest else min(ranks, key=load.__getitem__)
-            load[chosen] += _element_bytes(items[index])
-            keep[chosen].add(index)
-        return [
-            dataclasses.replace(plan, items=[i for i in plan.items if i.index in keep[rank]])
-            for rank, plan in enumerate(all_plans)
-        ]
+        raise _collective_failed(e, loc.url, rank_of_this_process(), "nothing was committed") from e
 
 
 def _real_path(root: Any, path: tuple) -> tuple:
@@ -497,17 +342,20 @@ def load(
 
         quicksave.load({"model": model.state_dict()}, "ckpt/step-10")
     """
-    loc = parse_location(path, options=storage)
-    path = loc.url
     distributed = _dist_on()
     group = _DistWrapper(process_group, distributed, 0)
-    planner = LoadPlanner(strict=strict, path=path, allow_pickle=allow_dcp_pickle)
-    backend = loc.open()  # one client for the whole load
+    where = os.fspath(path)  # named in errors until the location is known
+    planner: LoadPlanner | None = None
     reader: Any = None
+    backend: Any = None
     undos: list[Callable[[], None]] = []
     try:
         with _engine_call():  # the manifest's thousands of objects too (see there)
             try:
+                loc = parse_location(path, options=storage)
+                where = loc.url
+                planner = LoadPlanner(strict=strict, path=where, allow_pickle=allow_dcp_pickle)
+                backend = loc.open()  # one client for the whole load
                 reader = _reader_for(loc, backend, thread_count, allow_dcp_pickle)
                 # a refused pickle or a bad manifest fails here, before any planning
                 metadata = reader.read_metadata()
@@ -517,20 +365,26 @@ def load(
             except BaseException as e:  # noqa: BLE001 - in a group: raised on every rank
                 if not distributed:
                     raise
-                local = steps.sendable(e, group.get_rank())
-            central = steps.exchange_load_plans(local, planner, reader, group, path)
-            steps.read_all(central, planner, reader, group, path)
-            _hand_back(state_dict, plain)
+                local = sendable(e, group.get_rank())
+            central = steps.exchange_load_plans(local, planner, reader, group, where)
+            steps.read_all(central, planner, reader, group, where)
     except BaseException as e:
         for undo in undos:  # e.g. uninitialised optimizer state: never trained with
             undo()
         if distributed and isinstance(e, RuntimeError) and not isinstance(e, CheckpointError):
             raise _collective_failed(
-                e, path, rank_of_this_process(), "the state dict may be partly loaded"
+                e, where, rank_of_this_process(), "the state dict may be partly loaded"
             ) from e
         raise
     finally:
-        backend.close()
+        if backend is not None:
+            backend.close()
+    try:  # after the last collective: a failure here is this rank's own
+        _hand_back(state_dict, plain)
+    except BaseException:
+        for undo in undos:
+            undo()
+        raise
 
 
 def _plain_state_dict(state_dict: Mapping[str, Any]) -> dict[str, Any]:

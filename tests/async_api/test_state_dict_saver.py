@@ -279,3 +279,27 @@ def test_staging_buffers_are_reused_after_finalize_and_hold_the_new_values(
         out = _empty_like(expected)
         quicksave.load(out, path)
         _assert_same(expected, out)
+
+
+@pytest.mark.parametrize("dcp_layout", [False, True])
+def test_finish_with_write_results_commits_also_a_cached_plan(tmp_path: Path, dcp_layout: bool):
+    """NVRx's own finalize (``retrieve_write_results``, gather, ``finish``) commits with
+    either file layout, also the second save, whose writer reused the cached plan and so
+    never planned itself."""
+    g = torch.Generator().manual_seed(0)
+    sd = {"model": {"w": torch.randn(32, 16, generator=g)}, "step": 3}
+    cache = CheckpointMetadataCache()
+    for i in range(2):
+        path = tmp_path / f"s{i}"
+        w = FileSystemWriterAsync(path, thread_count=2)
+        w.dcp_layout = dcp_layout
+        _, md, _ = saver.save_state_dict_async_plan(
+            sd, w, None, 0, enable_cache=True, metadata_cache=cache
+        )
+        fn, preload, args = w.get_save_function_and_args()
+        fn(args[0], preload())
+        w.finish(md, [w.retrieve_write_results()])
+        out = {"model": {"w": torch.zeros(32, 16)}, "step": 0}
+        quicksave.load(out, path)
+        assert torch.equal(out["model"]["w"], sd["model"]["w"]) and out["step"] == 3
+    assert cache.plans.hits >= 1

@@ -110,7 +110,9 @@ def manifest_to_metadata(manifest: Manifest, path: str | None = None) -> Metadat
     sd_md: dict[str, Any] = {}
     storage: dict[MetadataIndex, Any] = {}
     mappings: dict[str, tuple] = {}
-    for fqn, t in manifest.tensors.items():
+    # In fqn order, tensors then values: the manifest records no other order (its JSON
+    # is sorted), so every save path gives the same state the same bytes.
+    for fqn, t in sorted(manifest.tensors.items()):
         chunks = [
             ChunkStorageMetadata(torch.Size(c.offsets), torch.Size(c.sizes)) for c in t.chunks
         ]
@@ -122,7 +124,7 @@ def manifest_to_metadata(manifest: Manifest, path: str | None = None) -> Metadat
         for c in t.chunks:
             storage[MetadataIndex(fqn, torch.Size(c.offsets))] = (fqn, c)
         mappings[fqn] = t.path or (fqn,)
-    for fqn, o in manifest.objects.items():
+    for fqn, o in sorted(manifest.objects.items()):
         sd_md[fqn] = BytesStorageMetadata()
         storage[MetadataIndex(fqn)] = (fqn, o)
         mappings[fqn] = o.path or (fqn,)

@@ -43,7 +43,7 @@ from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, SavePlan
 from torch.distributed.checkpoint.storage import WriteResult
 
 from quicksave.errors import CheckpointError, combined_failure
-from quicksave.ranks.exchange import central_round
+from quicksave.ranks.exchange import central_round, failures_in, raise_own_interrupt, sendable
 
 
 class Group(Protocol):
@@ -67,33 +67,6 @@ class PlannedWriter(Protocol):
     def storage_meta(self) -> Any: ...
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan: ...
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]: ...
-
-
-def sendable(e: BaseException, rank: int) -> CheckpointError:
-    """A failure as it travels to the coordinator (a ``CheckpointError`` pickles with
-    its fields; anything else is described). An interrupt stays attached locally as
-    the ``__cause__`` (it does not travel), and :func:`_raise_interrupt` raises it on
-    this rank once the others know."""
-    if isinstance(e, CheckpointError):
-        return e
-    if isinstance(e, Exception):
-        return CheckpointError(f"{type(e).__name__}: {e}", rank=rank)
-    err = CheckpointError(f"rank {rank} was interrupted ({type(e).__name__})", rank=rank)
-    err.__cause__ = e
-    return err
-
-
-def _raise_interrupt(mine: Any) -> None:
-    """Re-raise this rank's own interrupt (a Ctrl-C stops the loop, it is not a failed
-    save to catch and go on from)."""
-    if isinstance(mine, CheckpointError):
-        cause = mine.__cause__
-        if cause is not None and not isinstance(cause, Exception):
-            raise cause
-
-
-def _failed(gathered: list[Any]) -> list[tuple[int, BaseException]]:
-    return [(r, g) for r, g in enumerate(gathered) if isinstance(g, BaseException)]
 
 
 def local_plan(
@@ -144,7 +117,7 @@ def exchange_plans(
 
     def decide(gathered: list[SavePlan | CheckpointError]) -> list[SavePlan]:
         nonlocal global_metadata
-        failed = _failed(gathered)
+        failed = failures_in(gathered)
         if failed:
             raise combined_failure(failed, writer.path)
         plans, global_metadata = planner.create_global_plan(gathered)
@@ -164,7 +137,7 @@ def exchange_plans(
             path=writer.path,
         )
     except CheckpointError:
-        _raise_interrupt(local)
+        raise_own_interrupt(local)
         raise
     return central, global_metadata if group.is_coordinator else None
 
@@ -191,7 +164,7 @@ def write_and_commit(
 
     def decide(gathered: list[list[WriteResult] | CheckpointError]) -> list[None]:
         try:
-            failed = _failed(gathered)
+            failed = failures_in(gathered)
             if failed:
                 raise combined_failure(failed, writer.path)
             if global_metadata is None:
@@ -213,7 +186,7 @@ def write_and_commit(
             path=writer.path,
         )
     except CheckpointError:
-        _raise_interrupt(results)
+        raise_own_interrupt(results)
         raise
 
 
@@ -248,19 +221,22 @@ def load_local_plan(
 
 def exchange_load_plans(
     local: LoadPlan | CheckpointError,
-    planner: LoadPlanner,
+    planner: LoadPlanner | None,
     reader: PlannedReader,
     group: Group,
     path: str,
 ) -> LoadPlan:
     """Collective: every rank's reads to the coordinator, the planner's global step
     there (strict loading checks that every key of the checkpoint is asked for), each
-    rank its plan back. A failure on any rank is raised on every rank."""
+    rank its plan back. A failure on any rank is raised on every rank (a rank that
+    failed before it had a planner or a reader passes None: they are used only when no
+    rank failed)."""
 
     def decide(gathered: list[LoadPlan | CheckpointError]) -> list[LoadPlan]:
-        failed = _failed(gathered)
+        failed = failures_in(gathered)
         if failed:
             raise combined_failure(failed, path)
+        assert planner is not None
         return reader.prepare_global_plan(planner.create_global_plan(gathered))
 
     try:
@@ -274,7 +250,7 @@ def exchange_load_plans(
             path=path,
         )
     except CheckpointError:
-        _raise_interrupt(local)
+        raise_own_interrupt(local)
         raise
 
 
@@ -292,7 +268,7 @@ def read_all(
         mine = sendable(e, rank)
 
     def decide(gathered: list[CheckpointError | None]) -> list[None]:
-        failed = _failed(gathered)
+        failed = failures_in(gathered)
         if failed:
             raise combined_failure(failed, path)
         return [None] * len(gathered)
@@ -308,5 +284,5 @@ def read_all(
             path=path,
         )
     except CheckpointError:
-        _raise_interrupt(mine)
+        raise_own_interrupt(mine)
         raise

@@ -90,7 +90,7 @@ class _ObjectWritten:
     value: Any  # typed JSON
 
 
-def part_of_results(rank: int, results: list[WriteResult]) -> RankPart:
+def part_of_results(rank: int, results: list[WriteResult], path: str | None = None) -> RankPart:
     """A rank's DCP write results as the ``RankPart`` the manifest is filled from.
 
     Raises:
@@ -107,6 +107,7 @@ def part_of_results(rank: int, results: list[WriteResult]) -> RankPart:
         else:
             raise CheckpointError(
                 f"a write result quicksave's writer did not make ({type(sd).__name__})",
+                path=path,
                 fqn=r.index.fqn,
                 rank=rank,
             )
@@ -327,7 +328,7 @@ class StorageWriter(_DCPStorageWriter):
 
     # 5 ------------------------------------------------------------------- commit
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
-        parts = [part_of_results(rank, got) for rank, got in enumerate(results)]
+        parts = [part_of_results(rank, got, self.path) for rank, got in enumerate(results)]
         self.commit_parts_of(metadata, parts)
 
     def commit_parts_of(

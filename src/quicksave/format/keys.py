@@ -19,12 +19,12 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-# The key under which quicksave's save planner lists the empty dicts in its DCP
+# The key under which quicksave's DCP save planner lists the empty dicts in its DCP
 # mappings (``planner_data``): a rank's in its local plan, every rank's in the global
-# metadata (``api._SavePlanner.create_global_plan``). A tuple is never an fqn.
+# metadata (``adapters.dcp_save_planner``). A tuple is never an fqn.
 EMPTY_KEY = ("quicksave.empty_dicts",)
-# Where a rank's local save plan carries its copies of entries other ranks may hold too
-# (``dist/replicas.py``), for the coordinator to compare (``api._SavePlanner``).
+# Where a rank's local DCP save plan carries its copies of entries other ranks may hold
+# too (``ranks/replicas.py``), for the coordinator to compare (``adapters.dcp_save_planner``).
 REPLICAS_KEY = ("quicksave.replicas",)
 
 # type name in the manifest -> the Python type it restores

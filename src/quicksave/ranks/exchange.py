@@ -136,6 +136,34 @@ def _collective_error(e: Exception, rank: int, what: str) -> CheckpointError:
     )
 
 
+def sendable(e: BaseException, rank: int) -> CheckpointError:
+    """A failure as it travels to the coordinator (a ``CheckpointError`` pickles with
+    its fields; anything else is described). An interrupt stays attached locally as
+    the ``__cause__`` (it does not travel), and :func:`raise_own_interrupt` raises it on
+    this rank once the others know."""
+    if isinstance(e, CheckpointError):
+        return e
+    if isinstance(e, Exception):
+        return CheckpointError(f"{type(e).__name__}: {e}", rank=rank)
+    err = CheckpointError(f"rank {rank} was interrupted ({type(e).__name__})", rank=rank)
+    err.__cause__ = e
+    return err
+
+
+def raise_own_interrupt(mine: Any) -> None:
+    """Re-raise this rank's own interrupt (a Ctrl-C stops the loop, it is not a failed
+    save to catch and go on from)."""
+    if isinstance(mine, CheckpointError):
+        cause = mine.__cause__
+        if cause is not None and not isinstance(cause, Exception):
+            raise cause
+
+
+def failures_in(gathered: list[Any]) -> list[tuple[int, BaseException]]:
+    """``(rank, failure)`` of every rank that sent a failure to a round."""
+    return [(r, g) for r, g in enumerate(gathered) if isinstance(g, BaseException)]
+
+
 def central_round(
     mine: Any,
     decide: Callable[[list[Any]], list[Any]],

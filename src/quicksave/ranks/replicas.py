@@ -18,12 +18,12 @@ The rule (docs/ARCHITECTURE.md, "Replicated entries"):
   replicated weight of a data-parallel model on every save would cost a pass over the
   model and a device synchronisation; data parallelism keeps those equal by design).
 
-Where it runs (no collective of its own): the DCP planning of ``quicksave.save`` sends
-every rank's copies to the coordinator with its local plan (``api._SavePlanner``); the
-async engine sends them with its plan on a plan-cache miss, and on a hit every rank
-votes a fingerprint of its shared copies in the one all-reduce it makes anyway
-(``exchange.agree_save``); fingerprints that differ send the copies to the coordinator,
-which names what differs.
+Where it runs (no collective of its own): ``quicksave.save`` (``saving/sync_save.py``)
+and the NVRx API's DCP planning (``adapters/dcp_save_planner.py``) send every rank's
+copies to the coordinator with its local plan; the async engine sends them with its
+plan on a plan-cache miss, and on a hit every rank votes a fingerprint of its shared
+copies in the one all-reduce it makes anyway (``exchange.agree_save``); fingerprints
+that differ send the copies to the coordinator, which names what differs.
 
 Example::
 

@@ -488,6 +488,13 @@ class FileSystemWriterAsync(NvrxDataPath, StorageWriter, FileSystemWriter):
         location's strategy (a rename; on an object store the manifest, written last)."""
         if self.tmp_dir is None:
             raise CheckpointError("finish() before prepare_write_data()", path=self.path)
+        layout = metadata.storage_data
+        if isinstance(layout, SaveLayout):
+            # NVRx's planning records the layouts here, also when this writer did not
+            # plan (a cached plan, decentralized planning); the parts on storage hold
+            # what ``results`` say (``retrieve_write_results`` read them), and are checked
+            self.commit_parts(metadata, layout)
+            return
         super().finish(metadata, results)
 
     def staging_url(self) -> str:

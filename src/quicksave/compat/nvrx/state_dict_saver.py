@@ -348,9 +348,9 @@ def _resolve_cache(
 
 
 def _default_planner() -> SavePlanner:
-    from quicksave.api import _SavePlanner
+    from quicksave.adapters.dcp_save_planner import DcpSavePlanner
 
-    return _SavePlanner()
+    return DcpSavePlanner()
 
 
 def save_state_dict_async_plan(
