@@ -20,7 +20,6 @@ from quicksave.worker.config import WorkerConfig
 INTERVAL_TYPES = ("steps", "seconds")
 ASYNC_MODES = ("disabled", "thread", "process")
 STAGING_MODES = ("overlap", "blocking")
-COPY_PRIORITIES = ("idle", "normal")
 BACKPRESSURE = ("wait", "skip")
 ON_SAVE_ERROR = ("raise", "log")
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -95,10 +94,6 @@ class CheckpointConfig:
             (a VM's virtual disk shares the host with its CPUs); the time to durable grows
             to at least the bytes / (rate × threads). ``None`` (default): no limit. See
             docs/benchmarks.md (issue 12) for what it changed here.
-        copy_priority: ``"idle"`` (default): with ``staging="overlap"`` the background
-            copy takes only CPU time training leaves idle until the training thread
-            waits for it, then normal priority (Linux, where the process may raise a
-            thread back; else normal throughout); ``"normal"``: normal throughout.
         on_save_error: what a failed save (its write, upload or commit; a storage
             outage longer than ``storage.s3.retry_deadline_s``) does. ``"raise"``
             (default): its ``CheckpointError`` is raised, on every rank at the same call
@@ -151,7 +146,6 @@ class CheckpointConfig:
     storage: StorageOptions = field(default_factory=StorageOptions)
     worker_cpus: tuple[int, ...] | None = None
     write_rate_mbps: float | None = None
-    copy_priority: str = "idle"
     on_save_error: str = "raise"
     max_consecutive_failures: int = 3
     log_level: str | None = None
@@ -196,7 +190,6 @@ class CheckpointConfig:
         for name, allowed in (
             ("async_mode", ASYNC_MODES),
             ("staging", STAGING_MODES),
-            ("copy_priority", COPY_PRIORITIES),
             ("backpressure", BACKPRESSURE),
             ("on_save_error", ON_SAVE_ERROR),
         ):
@@ -273,7 +266,6 @@ class CheckpointConfig:
             close_timeout_s=float(self.close_timeout_s),
             storage=self.storage,
             write_rate_mbps=(None if self.write_rate_mbps is None else float(self.write_rate_mbps)),
-            copy_priority=self.copy_priority,  # type: ignore[arg-type]
         )
 
 

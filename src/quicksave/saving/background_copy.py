@@ -8,8 +8,7 @@ the ``quicksave-stage`` thread, hashing what it copies → ``wait_and_confirm()`
 training thread at its next sync point (``AsyncSaver.maybe_wait_for_staging``: the
 manager's optimizer pre-hooks, ``save()``, ``finalize()``, ``close()``,
 ``SaveHandle.wait()``): joins the copy, then submits the save or fails it. One copy at
-a time per saver. The copy runs at idle CPU priority until the training thread waits for
-it (``copy_priority.py``; ``EngineConfig.copy_priority``).
+a time per saver.
 """
 
 from __future__ import annotations
@@ -24,7 +23,6 @@ from dataclasses import dataclass
 import torch
 
 from quicksave.errors import CheckpointError
-from quicksave.saving.copy_priority import IdleUntilWaited
 from quicksave.saving.engine_plan import EnginePlan
 from quicksave.saving.guard import Snapshot, torn_copy_error
 from quicksave.saving.handle import SaveHandle
@@ -58,8 +56,6 @@ class BackgroundCopy:
         lock: the saver's lock (held while submitting or failing).
         submit: hands a confirmed save to the worker.
         rank: named in errors.
-        idle: copy at idle CPU priority until the training thread waits for the copy
-            (``copy_priority.py``).
 
     Attributes:
         thread: the copy running or finished but not yet confirmed, else None.
@@ -74,11 +70,8 @@ class BackgroundCopy:
         lock: threading.RLock,
         submit: Callable[[PersistJob, SaveHandle], None],
         rank: int,
-        idle: bool = False,
     ) -> None:
         self.copier = copier
-        self.idle = idle
-        self._priority = IdleUntilWaited(False)
         self.flights = flights
         self.lock = lock
         self.submit = submit
@@ -99,10 +92,9 @@ class BackgroundCopy:
         """Copy ``fqns`` of ``overlap``'s save into ``pool`` in a new thread."""
         self._overlap = overlap
         self._error = None
-        self._priority = IdleUntilWaited(self.idle)
         self.thread = threading.Thread(
             target=self._run,
-            args=(pool, plan, overlap.tensors, fqns, overlap.handle, ready, self._priority),
+            args=(pool, plan, overlap.tensors, fqns, overlap.handle, ready),
             name="quicksave-stage",
             daemon=True,
         )
@@ -126,7 +118,6 @@ class BackgroundCopy:
         fqns: list[str],
         handle: SaveHandle,
         ready: torch.cuda.Event | None,
-        priority: IdleUntilWaited,
     ) -> None:
         # Runs beside training: copies on one thread, hashing each block while it is in
         # the cache, so that the writer only writes (see ARCHITECTURE.md). The save is
@@ -134,14 +125,11 @@ class BackgroundCopy:
         # wrote these tensors meanwhile (wait_and_confirm).
         cpu0 = time.thread_time()
         digests: dict[str, str] = {}
-        priority.enter()
         try:
             copied = self.copier.stage(pool, plan, tensors, fqns, digests, ready=ready)
         except BaseException as e:  # noqa: BLE001 - reported at the next wait/save
             self._error = e
             return
-        finally:
-            priority.leave()
         overlap = self._overlap
         if overlap is not None and overlap.handle is handle:
             overlap.job = dataclasses.replace(overlap.job, digests=digests)
@@ -161,7 +149,6 @@ class BackgroundCopy:
         t = self.thread
         if t is None:
             return
-        self._priority.waited()
         t.join()
         self.thread = None
         overlap, self._overlap = self._overlap, None
@@ -196,6 +183,5 @@ class BackgroundCopy:
     def join(self) -> None:
         """Wait for a copy still writing into a pool (``close()``), without confirming."""
         if self.thread is not None:
-            self._priority.waited()
             self.thread.join()
             self.thread = None

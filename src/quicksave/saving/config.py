@@ -37,10 +37,6 @@ class EngineConfig:
         write_rate_mbps: MB/s (10^6 bytes) each writer thread writes to local files at
             most: spreads a save's disk traffic over more time, for machines where it
             slows training (the time to durable grows accordingly). None: no limit.
-        copy_priority: ``"idle"``: the overlap copy takes only CPU time training leaves
-            idle until the training thread waits for it, then normal priority (Linux,
-            where the process may raise a thread back: ``copy_priority.py``; else
-            normal throughout); ``"normal"``: normal priority throughout.
     """
 
     mode: Literal["process", "thread"] = "process"
@@ -55,7 +51,6 @@ class EngineConfig:
     pin_memory: bool | None = None
     storage: StorageOptions = field(default_factory=StorageOptions)
     write_rate_mbps: float | None = None
-    copy_priority: Literal["idle", "normal"] = "idle"
 
     def __post_init__(self) -> None:
         rate = self.write_rate_mbps
@@ -65,7 +60,6 @@ class EngineConfig:
             ("mode", self.mode, ("process", "thread")),
             ("staging", self.staging, ("overlap", "blocking")),
             ("backpressure", self.backpressure, ("wait", "skip")),
-            ("copy_priority", self.copy_priority, ("idle", "normal")),
         ):
             if value not in allowed:
                 raise CheckpointError(

@@ -48,7 +48,6 @@ from quicksave.ranks.saving import DistContext, DistSaving
 from quicksave.saving.background_copy import BackgroundCopy, Overlap
 from quicksave.saving.collect import collect_state
 from quicksave.saving.config import EngineConfig
-from quicksave.saving.copy_priority import can_leave_idle
 from quicksave.saving.engine_plan import (
     EnginePlan,
     PlannedSave,
@@ -113,12 +112,7 @@ class AsyncSaver:
         self._worker = WorkerSupervisor(self.config, self.rank, self._dist)
         self._copier = PoolCopier()
         self._background = BackgroundCopy(
-            self._copier,
-            self._flights,
-            self._lock,
-            self._submit,
-            self.rank,
-            idle=self.config.copy_priority == "idle" and can_leave_idle(),
+            self._copier, self._flights, self._lock, self._submit, self.rank
         )
         self._vote = (
             None
