@@ -1,9 +1,10 @@
 """The function layer: ``quicksave.save`` and ``quicksave.load``.
 
-Both run DCP's planning (so DTensor / ShardedTensor state, deduplication of replicated
-tensors and resharded loads work) with quicksave's storage layer underneath; they run
-the planner's steps themselves (``adapters/dcp_steps.py``), so their ranks talk through
-quicksave's one plan exchange, and a failure on any rank is raised on every rank.
+``save`` runs the engine's planner and pipeline without staging
+(``saving/sync_save.py``); ``load`` runs DCP's load planner (resharded reads into
+DTensor / ShardedTensor / plain destinations, any world size) step by step over
+quicksave's reader (``adapters/dcp_steps.py``). Both talk to other ranks through
+quicksave's one plan exchange, so a failure on any rank is raised on every rank.
 """
 
 from __future__ import annotations

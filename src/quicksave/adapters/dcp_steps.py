@@ -1,11 +1,12 @@
 """A save driven by a DCP ``SavePlanner``, and a load driven by a DCP ``LoadPlanner``,
-over quicksave's exchange: the steps of ``quicksave.save``, of ``quicksave.load`` (and
-so of every load: the manager's, torchtitan's, Lightning's) and of the NVRx-compatible
-API's planning.
+over quicksave's exchange: the steps of the NVRx-compatible API's planning (whose users
+pass DCP planners), and of ``quicksave.load`` (and so of every load: the manager's,
+torchtitan's, Lightning's). ``quicksave.save`` plans with the engine's planner instead
+(``saving/sync_save.py``).
 
-DCP's planners chunk DTensor / ShardedTensor state and deduplicate replicated tensors;
-quicksave keeps them for that, and runs their steps itself instead of through
-``dcp.save``, so that the ranks talk through the one plan exchange every save path uses
+DCP's load planner resolves resharded reads (any world size, DTensor / ShardedTensor
+destinations); quicksave runs the planners' steps itself instead of through
+``dcp.save`` / ``dcp.load``, so that the ranks talk through the one plan exchange
 (``ranks.exchange.central_round``) and every failure surfaces on every rank as a
 ``CheckpointError`` naming the rank. Users who call ``dcp.save`` / ``dcp.load`` themselves
 still get DCP's own driver over the same ``StorageWriter`` / ``StorageReader``.
