@@ -44,7 +44,7 @@ from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, SavePlan
 from torch.distributed.checkpoint.storage import WriteResult
 
 from quicksave.errors import CheckpointError, combined_failure
-from quicksave.ranks.exchange import central_round, failures_in, raise_own_interrupt, sendable
+from quicksave.ranks.exchange import central_round, failures_in, sendable
 
 
 class Group(Protocol):
@@ -68,6 +68,20 @@ class PlannedWriter(Protocol):
     def storage_meta(self) -> Any: ...
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan: ...
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]: ...
+
+
+def _round(mine: Any, decide: Any, group: Group, path: str) -> Any:
+    """One ``central_round`` of ``group`` (``mine`` to the coordinator, ``decide`` there,
+    this rank's reply back; a failure anywhere raised on every rank)."""
+    return central_round(
+        mine,
+        decide,
+        group.group,
+        group.coordinator_rank,
+        group.get_rank(),
+        distributed=group.use_dist,
+        path=path,
+    )
 
 
 def local_plan(
@@ -127,19 +141,7 @@ def exchange_plans(
             describe_layout(global_metadata)
         return plans
 
-    try:
-        central = central_round(
-            local,
-            decide,
-            group.group,
-            group.coordinator_rank,
-            group.get_rank(),
-            distributed=group.use_dist,
-            path=writer.path,
-        )
-    except CheckpointError:
-        raise_own_interrupt(local)
-        raise
+    central = _round(local, decide, group, writer.path)
     return central, global_metadata if group.is_coordinator else None
 
 
@@ -176,19 +178,7 @@ def write_and_commit(
             raise
         return [None] * len(gathered)
 
-    try:
-        central_round(
-            results,
-            decide,
-            group.group,
-            group.coordinator_rank,
-            rank,
-            distributed=group.use_dist,
-            path=writer.path,
-        )
-    except CheckpointError:
-        raise_own_interrupt(results)
-        raise
+    _round(results, decide, group, writer.path)
 
 
 # -------------------------------------------------------------------------- load
@@ -240,19 +230,7 @@ def exchange_load_plans(
         assert planner is not None
         return reader.prepare_global_plan(planner.create_global_plan(gathered))
 
-    try:
-        return central_round(
-            local,
-            decide,
-            group.group,
-            group.coordinator_rank,
-            group.get_rank(),
-            distributed=group.use_dist,
-            path=path,
-        )
-    except CheckpointError:
-        raise_own_interrupt(local)
-        raise
+    return _round(local, decide, group, path)
 
 
 def read_all(
@@ -274,16 +252,4 @@ def read_all(
             raise combined_failure(failed, path)
         return [None] * len(gathered)
 
-    try:
-        central_round(
-            mine,
-            decide,
-            group.group,
-            group.coordinator_rank,
-            rank,
-            distributed=group.use_dist,
-            path=path,
-        )
-    except CheckpointError:
-        raise_own_interrupt(mine)
-        raise
+    _round(mine, decide, group, path)

@@ -187,7 +187,9 @@ def central_round(
     names the coordinator), anything else as a
     ``CheckpointError`` naming the coordinator (and ``path``); no rank is left waiting.
     An interrupt (``KeyboardInterrupt``, ``SystemExit``) in ``decide`` reaches the other
-    ranks as such an error, and the coordinator re-raises the interrupt itself.
+    ranks as such an error, and the coordinator re-raises the interrupt itself; a rank
+    whose ``mine`` is its own interrupt (:func:`sendable`) re-raises it once the round
+    is over.
 
     Example::
 
@@ -207,6 +209,7 @@ def central_round(
     if interrupt is not None:
         raise interrupt
     if kind == "error":
+        raise_own_interrupt(mine)  # this rank's own Ctrl-C, now that the others know
         raise value
     return value
 

@@ -35,7 +35,7 @@ from quicksave.commit.parts import RankPart, manifest_from_parts
 from quicksave.errors import CheckpointError, combined_failure
 from quicksave.format.manifest import check_user_metadata
 from quicksave.ranks import replicas
-from quicksave.ranks.exchange import central_round, failures_in, raise_own_interrupt, sendable
+from quicksave.ranks.exchange import central_round, failures_in, sendable
 from quicksave.saving.collect import to_state_dict, validate_for_save
 from quicksave.saving.plan import RankLayout
 from quicksave.saving.rank_plans import GlobalPlan, LocalPlan, collect_local, global_plan
@@ -125,19 +125,9 @@ class _Run:
         self.staging: str | None = None  # the coordinator's, until committed or discarded
 
     def _round(self, mine: Any, decide: Any) -> Any:
-        try:
-            return central_round(
-                mine,
-                decide,
-                self.group,
-                0,
-                self.rank,
-                distributed=self.distributed,
-                path=self.path,
-            )
-        except CheckpointError:
-            raise_own_interrupt(mine)
-            raise
+        return central_round(
+            mine, decide, self.group, 0, self.rank, distributed=self.distributed, path=self.path
+        )
 
     def _with_path(self, e: CheckpointError) -> CheckpointError:
         if e.path is None:
