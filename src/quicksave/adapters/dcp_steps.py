@@ -11,18 +11,14 @@ destinations); quicksave runs the planners' steps itself instead of through
 ``CheckpointError`` naming the rank. Users who call ``dcp.save`` / ``dcp.load`` themselves
 still get DCP's own driver over the same ``StorageWriter`` / ``StorageReader``.
 
-One save, every rank of the group::
+The NVRx API's planning, every rank of the group (its writes and commit run in the
+checkpoint worker and at finalize, ``compat/nvrx``)::
 
     local_plan(state_dict, planner, writer, ...)      no communication
     exchange_plans(local, planner, writer, ...)       ── central_round: gather the local
                                                          plans, create_global_plan and
                                                          the writer's layout on the
                                                          coordinator, scatter ──
-    write_and_commit(central, planner, writer, ...)   this rank's files; then
-                                                      ── central_round: gather the write
-                                                         results, the coordinator commits
-                                                         (``writer.finish``), scatter the
-                                                         outcome ──
 
 One load, every rank of the group::
 
@@ -41,7 +37,6 @@ from typing import Any, Protocol
 
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, SavePlan, SavePlanner
-from torch.distributed.checkpoint.storage import WriteResult
 
 from quicksave.errors import CheckpointError, combined_failure
 from quicksave.ranks.exchange import central_round, failures_in, sendable
@@ -65,7 +60,6 @@ class PlannedWriter(Protocol):
     path: str
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None: ...
-    def storage_meta(self) -> Any: ...
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan: ...
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]: ...
 
@@ -89,20 +83,12 @@ def local_plan(
     planner: SavePlanner,
     writer: PlannedWriter,
     group: Group,
-    *,
-    storage_meta: bool = True,
 ) -> SavePlan | CheckpointError:
     """This rank's local plan, or its failure (sent on, so every rank fails together).
-    ``storage_meta``: hand the planner the writer's ``storage_meta()`` (as ``dcp.save``
-    does; NVRx's saver does not)."""
+    The planner gets no ``storage_meta`` (as NVRx's saver)."""
     rank = group.get_rank()
     try:
-        if storage_meta:
-            planner.set_up_planner(
-                state_dict, storage_meta=writer.storage_meta(), is_coordinator=group.is_coordinator
-            )
-        else:
-            planner.set_up_planner(state_dict, is_coordinator=group.is_coordinator)
+        planner.set_up_planner(state_dict, is_coordinator=group.is_coordinator)
         writer.set_up_storage_writer(group.is_coordinator, rank=rank)
         return writer.prepare_local_plan(planner.create_local_plan())
     except BaseException as e:  # noqa: BLE001 - raised on every rank by the exchange
@@ -143,42 +129,6 @@ def exchange_plans(
 
     central = _round(local, decide, group, writer.path)
     return central, global_metadata if group.is_coordinator else None
-
-
-def write_and_commit(
-    central: SavePlan,
-    global_metadata: Metadata | None,
-    planner: SavePlanner,
-    writer: Any,
-    group: Group,
-) -> None:
-    """Collective: this rank writes its share (``writer.write_data``), then one
-    ``central_round`` takes every rank's results (or failure) to the coordinator, which
-    commits (``writer.finish``) or, if any rank failed, discards what was written; every
-    rank returns only once the checkpoint is committed, or raises the same error."""
-    rank = group.get_rank()
-    results: list[WriteResult] | CheckpointError
-    try:
-        pending = writer.write_data(planner.finish_plan(central), planner)
-        pending.wait()
-        results = pending.value()
-    except BaseException as e:  # noqa: BLE001 - raised on every rank by the commit round
-        results = sendable(e, rank)
-
-    def decide(gathered: list[list[WriteResult] | CheckpointError]) -> list[None]:
-        try:
-            failed = failures_in(gathered)
-            if failed:
-                raise combined_failure(failed, writer.path)
-            if global_metadata is None:
-                raise CheckpointError("the coordinator has no global metadata", path=writer.path)
-            writer.finish(global_metadata, gathered)
-        except BaseException:
-            writer.discard()  # before the others hear of it: they find nothing left
-            raise
-        return [None] * len(gathered)
-
-    _round(results, decide, group, writer.path)
 
 
 # -------------------------------------------------------------------------- load

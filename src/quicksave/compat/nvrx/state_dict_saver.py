@@ -398,9 +398,7 @@ def save_state_dict_async_plan(
     planner = planner if planner is not None else _default_planner()
     cache = _resolve_cache(enable_cache, metadata_cache)
 
-    local_plan = steps.local_plan(
-        state_dict, planner, storage_writer, dist_wrapper, storage_meta=False
-    )
+    local_plan = steps.local_plan(state_dict, planner, storage_writer, dist_wrapper)
     planned = isinstance(local_plan, SavePlan)
 
     central_plan: SavePlan | None = None
