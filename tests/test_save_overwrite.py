@@ -136,8 +136,8 @@ def test_storage_writer_overwrite_through_dcp(ckpt):
 def test_async_saver_overwrite_replaces(ckpt):
     with AsyncSaver(EngineConfig(mode="thread")) as saver:
         saver.save(_state(1.0), ckpt, step=1).wait()
-        with pytest.raises(CheckpointExistsError):
-            saver.save(_state(2.0), ckpt, step=2)
+        with pytest.raises(CheckpointExistsError):  # the writer checks, not save()
+            saver.save(_state(2.0), ckpt, step=2).wait()
         saver.save(_state(2.0), ckpt, step=2, overwrite=True).wait()
     assert torch.equal(_loaded(ckpt)["w"], torch.full((64,), 2.0))
     assert _siblings(ckpt) == ["ckpt"]

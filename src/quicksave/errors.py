@@ -78,6 +78,11 @@ class CheckpointExistsError(CheckpointError):
     overwrites one in place."""
 
 
+class AlreadyCommittedError(CheckpointExistsError):
+    """The target holds a committed checkpoint already (not something else in the way):
+    a manager that meets one when it saves a step again skips that save."""
+
+
 class WorkerFailedError(CheckpointError):
     """A background worker (thread or process) failed, died or timed out."""
 

@@ -188,10 +188,12 @@ def test_a_save_with_nothing_due_never_raises_for_retention(
     assert writer is not None and writer.drain(60)  # step 5 is committed, unseen
     with caplog.at_level(logging.WARNING, logger="quicksave"):
         assert not m.save(job.step())  # step 6: sees the commit, retention fails
+        m.session.housekeep(wait=True)  # (it runs in the housekeeping thread)
     assert flaky.calls == 1
     assert "retention or clean-up in" in caplog.text and "runs again after the next" in caplog.text
     for _ in range(3):  # no commit since: retention is not retried at every call
         assert not m.save(job.step())
+    m.session.housekeep(wait=True)
     assert flaky.calls == 1
     for _ in range(1):
         m.save(job.step())  # step 10

@@ -428,11 +428,13 @@ def test_retention_never_deletes_a_save_in_flight(
     write_gates[1].set()
     while 1 in manager.session.in_flight:  # each save() call finalizes without waiting
         manager.save(3)
+    manager.session.housekeep(wait=True)  # (retention runs in the housekeeping thread)
     assert manager.committed_steps() == [1] and manager.session.in_flight == {2}
 
     write_gates[2].set()
     while manager.session.in_flight:  # each save() call finalizes without waiting
         manager.save(4)
+    manager.session.housekeep(wait=True)
     assert manager.committed_steps() == [2]  # the newer commit let retention drop step 1
     assert [r.status for r in manager.metrics] == ["committed", "committed"]
 

@@ -37,7 +37,7 @@ from collections.abc import Callable, Collection, Iterable, Mapping
 from typing import ClassVar
 
 from quicksave.commit.kinds import COMMITTED, CheckpointKind
-from quicksave.errors import CheckpointError, CheckpointExistsError
+from quicksave.errors import AlreadyCommittedError, CheckpointError, CheckpointExistsError
 from quicksave.format import DCP_METADATA_NAME
 from quicksave.format.dcp_layout import PROBE_SIZE, has_footer
 from quicksave.storage.backend import Backend
@@ -152,7 +152,7 @@ class CommitStrategy(abc.ABC):
         if kind is CheckpointKind.MISSING or (replace and kind in COMMITTED):
             return
         if kind in COMMITTED:
-            raise CheckpointExistsError(
+            raise AlreadyCommittedError(
                 EXISTS_REPLACEABLE if self.atomic_replace else EXISTS_NOT_REPLACEABLE,
                 path=loc.url,
                 rank=rank,

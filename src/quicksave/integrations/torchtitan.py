@@ -329,16 +329,27 @@ class QuicksaveCheckpointManager(BaseCheckpointManager):
         exists already, is in flight, or backpressure skipped it."""
         session = self.session
         path = session.step_path(step)
-        if session.is_committed(path):
-            logger.info("quicksave: step %d already has a committed checkpoint; skipped", step)
-            return False
         if step in session.in_flight:
             logger.info("quicksave: step %d is being written already; skipped", step)
             return False
         writer = session.writer
         if synchronous or writer is None:
+            # A synchronous write waits for the store anyway; an asynchronous one leaves
+            # these checks to its writer (a committed step found there is a skip): the
+            # training thread never waits on the store.
+            if session.is_committed(path):
+                logger.info("quicksave: step %d already has a committed checkpoint; skipped", step)
+                return False
             self._drain()  # a synchronous write never runs beside a save in flight
-        session.replace_uncommitted(path)
+            session.replace_uncommitted(path)
+        elif not session.claim(path):
+            logger.warning(
+                "quicksave: step %d not saved: a failed earlier save's leftover at %s is "
+                "being removed right now",
+                step,
+                path,
+            )
+            return False
         if kind == "full":
             state = self._full_state()
         else:
@@ -363,8 +374,14 @@ class QuicksaveCheckpointManager(BaseCheckpointManager):
                 )
             )
             return True
-        handle = writer.submit(state, path, step, metadata)
+        try:
+            clear = session.lease is not None  # this rank may remove a leftover
+            handle = writer.submit(state, path, step, metadata, clear_uncommitted=clear)
+        except BaseException:
+            session.unclaim(path)
+            raise
         if handle is None:
+            session.unclaim(path)
             return False  # backpressure="skip" (logged by the engine)
         record = SaveRecord(
             step,

@@ -39,7 +39,7 @@ from typing import Any
 import torch
 from torch.utils.hooks import RemovableHandle
 
-from quicksave.errors import CheckpointError
+from quicksave.errors import AlreadyCommittedError, CheckpointError
 from quicksave.manager.optimizer_layout import Predicted, matches, stand_ins
 from quicksave.manager.overlap import WriterWatch
 from quicksave.manager.records import SaveRecord
@@ -192,9 +192,16 @@ class AsyncWriter:
         return self._watch.deferred()
 
     def submit(
-        self, state_dict: dict[str, Any], path: str, step: int, metadata: dict[str, Any]
+        self,
+        state_dict: dict[str, Any],
+        path: str,
+        step: int,
+        metadata: dict[str, Any],
+        clear_uncommitted: bool = False,
     ) -> SaveHandle | None:
         """Start the save (engine ``save()``); None if skipped by backpressure.
+        ``clear_uncommitted``: this rank holds the folder's lease (see
+        ``AsyncSaver.save``).
 
         Raises:
             CheckpointError: bad input, or the engine refused the save.
@@ -202,7 +209,12 @@ class AsyncWriter:
         deferred = self.deferred()
         try:
             return self.saver.save(
-                state_dict, path, step=step, deferred=deferred, user_metadata=metadata
+                state_dict,
+                path,
+                step=step,
+                deferred=deferred,
+                user_metadata=metadata,
+                clear_uncommitted=clear_uncommitted,
             )
         except CheckpointError as e:
             if not any(p.handle.exception() is e for p in self._pending.values()):
@@ -214,7 +226,12 @@ class AsyncWriter:
                 return None
             # One rank: this save is independent of it.
             return self.saver.save(
-                state_dict, path, step=step, deferred=deferred, user_metadata=metadata
+                state_dict,
+                path,
+                step=step,
+                deferred=deferred,
+                user_metadata=metadata,
+                clear_uncommitted=clear_uncommitted,
             )
 
     def track(self, index: int, record: SaveRecord, handle: SaveHandle, begin: float) -> None:
@@ -250,6 +267,17 @@ class AsyncWriter:
             del self._pending[step]
             try:
                 result = p.handle.wait(0)
+            except AlreadyCommittedError as e:
+                # the writer found the step committed already (saved again after a
+                # resume): a skip, as a synchronous save's check would have made it
+                logger.info(
+                    "quicksave: step %d already has a committed checkpoint at %s; skipped",
+                    p.record.step,
+                    p.record.path,
+                )
+                finished.append((p.index, dataclasses.replace(p.record, status="skipped")))
+                self._returned.append(e)  # the engine may hold it too: never a failure
+                continue
             except CheckpointError as e:
                 finished.append((p.index, dataclasses.replace(p.record, status="failed")))
                 errors.append(e)

@@ -217,7 +217,8 @@ class FailureLedger:
         if self.consecutive < self.max_consecutive_failures:
             return None
         last = errors[-1]
-        steps = ", ".join(_name(k) for k in self._failed_since_commit)
+        in_order = sorted(self._failed_since_commit, key=lambda k: (k[0] is None, k[0] or 0))
+        steps = ", ".join(_name(k) for k in in_order)
         since = (
             f"step {self._newest_committed}"
             if self._newest_committed >= 0

@@ -237,7 +237,7 @@ class CheckpointManager:
         self._check_writable()
         self._io.write_export(step, cast)
         self.session.settle()
-        self.session.housekeep(protect={step})
+        self.session.housekeep(protect={step}, wait=True)
         return self.export_path(step)
 
     @property
@@ -318,7 +318,7 @@ class CheckpointManager:
             session.settle()  # one rank: an earlier failure is raised before this call writes
         is_last = self.config.last_step is not None and step == self.config.last_step
         if not self.schedule.due(step, forced=force or is_last):
-            session.housekeep()
+            session.housekeep()  # no I/O here: asks the housekeeping thread, if due
             return False
         kind = "seed" if step == 0 else "full"
         wrote = False
@@ -330,7 +330,8 @@ class CheckpointManager:
         if is_last:
             wrote = self._io.write_export(step, None) or wrote
         session.settle()  # earlier failures and this call's, alike on every rank
-        session.housekeep(protect={step})
+        # (a synchronous save waits for the store anyway: its housekeeping too)
+        session.housekeep(protect={step}, wait=session.writer is None)
         return wrote
 
     @property
@@ -499,7 +500,7 @@ class CheckpointManager:
             self.session.drain(timeout)
         finally:
             self.session.settle()
-        self.session.housekeep()
+        self.session.housekeep(wait=True)
 
     def _check_writable(self) -> None:
         if self.read_only_reason is not None:

@@ -35,7 +35,8 @@ class SaveRecord:
             ``quicksave.save``). None until committed.
         commit_s: the writer's time for ``.metadata`` + manifest + rename (None for
             synchronous saves, where it is part of ``write_s``).
-        status: ``"in_flight"``, ``"committed"`` or ``"failed"``.
+        status: ``"in_flight"``, ``"committed"``, ``"failed"`` or ``"skipped"`` (the
+            writer found a committed checkpoint of the step already there).
         mode: the ``async_mode`` that wrote it (``"disabled"`` for synchronous writes).
         trainer_cpu_s: CPU seconds the save cost the training process: ``save()`` on its
             thread plus the background staging thread (synchronous saves: the whole

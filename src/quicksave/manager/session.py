@@ -42,6 +42,7 @@ every rank reaches that call alike.
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable
 from datetime import timedelta
 
@@ -62,6 +63,7 @@ from quicksave.manager.folder import (
     replace_uncommitted,
     require_committed,
 )
+from quicksave.manager.housekeeper import Housekeeper
 from quicksave.manager.interval import agree_any_due, agree_reports
 from quicksave.manager.lease import WriterLease, clean_folder, take_writer_lease
 from quicksave.manager.policies import KeepLatestK, RetentionPolicy
@@ -125,6 +127,8 @@ class CheckpointSession:
         self._group: dist.ProcessGroup | None = None  # see checkpoint_group()
         self._housekeeping_due = False  # a commit was seen: retention may delete now
         self._leftovers: set[str] = set()  # failed saves' paths, for housekeeping
+        self._leftovers_lock = threading.Lock()  # the housekeeper's thread reads them
+        self._keeper: Housekeeper | None = None  # the lease holder's housekeeping thread
 
     # ---------------------------------------------------------------- ranks
 
@@ -233,6 +237,17 @@ class CheckpointSession:
         path = self.where(self.step_path(step))
         require_committed(self.location, path, step, self.rank(), allow_dcp=self.config.allow_dcp)
 
+    def claim(self, path: str) -> bool:
+        """A save is about to write ``path`` (training thread, no I/O): housekeeping
+        leaves a leftover there alone from now on. False if housekeeping is removing
+        one there right now (the save must not be made: it would race the deletion)."""
+        return self._keeper is None or self._keeper.claim(path)
+
+    def unclaim(self, path: str) -> None:
+        """The save to ``path`` ended."""
+        if self._keeper is not None:
+            self._keeper.unclaim(path)
+
     def replace_uncommitted(self, path: str) -> None:
         """On the lease holder: delete an uncommitted leftover at ``path`` before a save
         writes there (it would block the commit). Elsewhere nothing."""
@@ -325,12 +340,13 @@ class CheckpointSession:
     ) -> None:
         for index, record in finished:
             self.metrics[index] = record
+            self.unclaim(record.path)
             if record.status == "committed":
                 log_committed(record, self.info_level())
                 self._housekeeping_due = True
                 if record.kind == "full" and (self.last_good or -1) < record.step:
                     self.last_good = record.step
-            else:
+            elif record.status == "failed":
                 logger.warning(
                     "quicksave: the checkpoint of step %d was not committed (%s)",
                     record.step,
@@ -391,9 +407,10 @@ class CheckpointSession:
         for failure in verdict.failures:
             step, kind = failure.key
             if step is not None and self._lease is not None:
-                self._leftovers.add(
-                    self.export_path(step) if kind == "export" else self.step_path(step)
-                )
+                with self._leftovers_lock:
+                    self._leftovers.add(
+                        self.export_path(step) if kind == "export" else self.step_path(step)
+                    )
         log_verdict(verdict, self.config.on_save_error, self.is_coordinator())
         if verdict.raise_error is not None:
             raise verdict.raise_error
@@ -437,21 +454,41 @@ class CheckpointSession:
 
     # ---------------------------------------------------------------- retention
 
-    def housekeep(self, protect: set[int] | None = None) -> None:
-        """On the lease holder, once a commit was seen (the store answers): remove what
-        failed saves left, then apply retention (never a step in flight or in
-        ``protect``). Never raises: a failure is logged, and the work is tried again
-        after the next commit (not at every call, which would stall each step on a
-        store that is down)."""
+    def housekeep(self, protect: set[int] | None = None, *, wait: bool = False) -> None:
+        """On the lease holder, once a commit was seen: remove what failed saves left,
+        then apply retention (never a step in flight or in ``protect``). It runs in the
+        housekeeper's thread (``housekeeper.py``): this call does no I/O and returns at
+        once, unless ``wait`` (``wait()``, ``export()``, synchronous saves), which waits
+        for it up to ``close_timeout_s``. Never raises: a failure is logged, and the work
+        is tried again after the next commit (not at every call, which would stall each
+        step on a store that is down)."""
         if self._lease is None or not self._housekeeping_due:
+            if wait and self._keeper is not None:
+                self._keeper.wait_idle(self.config.close_timeout_s)
             return
         self._housekeeping_due = False
+        if self._keeper is None:
+            self._keeper = Housekeeper(self._housekeep_now, f"quicksave-housekeeper-{self.folder}")
+        # the steps in flight now (the thread never reads the writer's state itself)
+        self._keeper.request((protect or set()) | self.in_flight)
+        if wait:
+            self._keeper.wait_idle(self.config.close_timeout_s)
+
+    def _housekeep_now(self, keeper: Housekeeper, protect: set[int]) -> None:
+        """The housekeeper thread's round (see :meth:`housekeep`)."""
         try:
-            busy = {self.step_path(s) for s in self.in_flight}
-            for path in sorted(self._leftovers - busy):
-                self.replace_uncommitted(path)
-                self._leftovers.discard(path)
-            self.retain(protect or set())
+            with self._leftovers_lock:
+                todo = sorted(self._leftovers)
+            for path in todo:
+                if not keeper.start_removing(path):
+                    continue  # a save writes there now: its own check decides
+                try:
+                    self.replace_uncommitted(path)
+                finally:
+                    keeper.done_removing()
+                with self._leftovers_lock:
+                    self._leftovers.discard(path)
+            self._retain(protect)
         except (CheckpointError, OSError) as e:
             logger.warning(
                 "quicksave: retention or clean-up in %s failed on rank %s (%s); nothing is "
@@ -465,6 +502,9 @@ class CheckpointSession:
         """Apply the retention policy now (lease holder only; raises what the deletion
         raises). Keeps the steps in flight, ``protect`` and :attr:`last_good`; nothing
         is deleted before some checkpoint is known to pass its checks."""
+        self._retain(protect | self.in_flight)
+
+    def _retain(self, keep_steps: set[int]) -> None:
         if self._lease is None:  # only the lease holder deletes
             return
         clean_folder(  # what a store lease's previous holder left (once, when due)
@@ -472,19 +512,19 @@ class CheckpointSession:
             self.location,
             self.config.storage.stale_after_s,
             backend=self.backend(),
-            keep={f"step-{s}" for s in self.in_flight | protect},
+            keep={f"step-{s}" for s in keep_steps},
             deferred=True,
         )
-        if self.last_good is None:
+        last_good = self.last_good
+        if last_good is None:
             # No checkpoint is known to pass yet (nothing loaded, nothing of ours
             # committed): the newest one may be torn, and deleting the older ones could
             # leave nothing loadable if our own save then fails.
             return
-        keep = self.in_flight | protect | {self.last_good}
         apply_retention(
             self.location,
             self.retention,
-            keep,
+            keep_steps | {last_good},
             allow_dcp=self.config.allow_dcp,
             backend=self.backend(),
         )
@@ -493,7 +533,17 @@ class CheckpointSession:
 
     def release(self) -> None:
         """Give the folder up: release the lease, close the store's backend.
-        Idempotent."""
+        Idempotent. Housekeeping asked for and not done yet runs first (waited for up
+        to ``close_timeout_s``)."""
+        if self._keeper is not None:
+            keeper, self._keeper = self._keeper, None
+            if not keeper.stop(self.config.close_timeout_s):
+                logger.warning(
+                    "quicksave: housekeeping in %s still waits on the store after %g s; "
+                    "left to end on its own",
+                    self.folder,
+                    self.config.close_timeout_s,
+                )
         if self._lease is not None:
             self._lease.release()
             self._lease = None

@@ -104,19 +104,30 @@ class StepIO:
         )
 
     def _write_one(self, key: Key, path: str, write: Callable[[], bool]) -> bool:
-        """Run one write of this call (``write()``: False if skipped). The coordinator
-        first removes an uncommitted leftover at ``path``. A ``CheckpointError`` becomes
-        that save's failure in the ledger, settled by the call's next settle alike on
-        every rank, instead of leaving this rank alone; a committed checkpoint found at
-        ``path`` is a skip (logged), not a failure."""
-        ledger = self.session.ledger
+        """Run one write of this call (``write()``: False if skipped). No store call
+        here: the writer checks the target before it writes (a committed checkpoint
+        there is a skip, logged; anything else in the way fails the save), and
+        housekeeping (its own thread) leaves ``path`` alone while the save runs. A
+        ``CheckpointError`` becomes that save's failure in the ledger, settled by the
+        call's next settle alike on every rank, instead of leaving this rank alone."""
+        session = self.session
+        ledger = session.ledger
         ledger.attempting(key)
+        if not session.claim(path):
+            ledger.failed(
+                key,
+                CheckpointError(
+                    "a failed earlier save's leftover at this path is being removed right "
+                    "now; this save was not made (the next one is)",
+                    path=path,
+                    rank=session.rank(),
+                ),
+            )
+            return False
+        wrote = False
         try:
-            self.session.replace_uncommitted(path)
-        except CheckpointError as e:  # the write's own check decides, alike on every rank
-            logger.warning("quicksave: could not check %s before writing it: %s", path, e)
-        try:
-            return write()
+            wrote = write()
+            return wrote
         except CheckpointExistsError as e:
             if self.session.is_committed(path):
                 step, kind = key
@@ -130,6 +141,9 @@ class StepIO:
                 ledger.failed(key, e)
         except CheckpointError as e:
             ledger.failed(key, e)
+        finally:
+            if not (wrote and session.writer is not None and key[1] == "full"):
+                session.unclaim(path)  # (a save in flight is unclaimed when it ends)
         return False
 
     def _save_one(
@@ -142,6 +156,11 @@ class StepIO:
         asynchronous = session.writer is not None and kind == "full"
         if not asynchronous:
             session.drain()  # a synchronous write never runs beside a save in flight
+            # (it waits for the store anyway; an asynchronous save's writer does this)
+            try:
+                session.replace_uncommitted(path)
+            except CheckpointError as e:  # the write's own check decides
+                logger.warning("quicksave: could not check %s before writing it: %s", path, e)
         cpu0 = time.process_time()
         state_dict = self.collect(kind, dtype)
         nbytes = payload_bytes(state_dict)
@@ -198,7 +217,8 @@ class StepIO:
         metadata.update(model_record(state_dict, self.model_state_names()))
         writer = self.session.writer
         if writer is not None and kind == "full":
-            return writer.submit(state_dict, path, step, metadata)
+            clear = self.session.lease is not None  # this rank may remove a leftover
+            return writer.submit(state_dict, path, step, metadata, clear_uncommitted=clear)
         api.save(
             state_dict,
             path,

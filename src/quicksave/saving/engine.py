@@ -31,6 +31,7 @@ their outcomes), ``worker_supervision`` (the persister), ``prepare`` (pools buil
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import itertools
 import logging
 import os
@@ -41,7 +42,7 @@ from typing import Any
 
 import torch
 
-from quicksave.commit import CommitStrategy, new_token, strategy_for
+from quicksave.commit import CommitStrategy, new_token, strategy_class, strategy_for
 from quicksave.errors import CheckpointError
 from quicksave.format.manifest import check_user_metadata
 from quicksave.ranks.saving import DistContext, DistSaving
@@ -126,7 +127,6 @@ class AsyncSaver:
                 self._worker,
                 self._flights,
                 self._collect,
-                self._strategy_for,
                 lambda: self._closed,
             )
         )
@@ -173,6 +173,7 @@ class AsyncSaver:
         deferred: Deferred | None = None,
         user_metadata: dict[str, Any] | None = None,
         overwrite: bool = False,
+        clear_uncommitted: bool = False,
     ) -> SaveHandle | None:
         """Start saving ``state_dict`` to the checkpoint directory ``path``.
 
@@ -189,6 +190,9 @@ class AsyncSaver:
                 commit (the rename commit exchanges the two directories): until
                 then, and if the save fails, the old one stays whole. Single-rank saves
                 to local paths only.
+            clear_uncommitted: the caller holds the folder's writer lease: the writer
+                removes an uncommitted leftover (a crashed save's) at ``path`` before
+                writing, instead of failing the save.
 
         Returns:
             a SaveHandle, or None if skipped by ``backpressure="skip"``.
@@ -226,6 +230,8 @@ class AsyncSaver:
             handle = SaveHandle(step, loc.url, t0)
             handle._saver = self
             job, pool = self._new_job(slot, planned, handle, loc, step, overwrite)
+            if clear_uncommitted:
+                job = dataclasses.replace(job, clear_uncommitted=True)
             self._stage(job, handle, pool, planned, deferred)
             handle.blocking_s = time.monotonic() - t0
             handle.trainer_cpu_s += time.thread_time() - cpu0
@@ -256,7 +262,10 @@ class AsyncSaver:
             ds = self._vote.plan(state_dict, loc, step, user_metadata)
             return None if ds is None else PlannedSave.of_dist(ds)
         self.finalize(blocking=False)  # raises an earlier failure, once
-        self._strategy_for(loc).check_target(loc, self.rank, replace=overwrite)
+        if overwrite:  # no I/O: can this kind of location replace atomically?
+            strategy_class(loc).check_replace(loc, self.rank)
+        # The target itself is checked by the worker before it writes
+        # (worker/execute.py): the training thread never waits on the store.
         state = collect_state(state_dict, loc.url, self.rank)
         plan = self._plan(state.tensors, state.objects)
         manifest = single_rank_manifest(plan, state, step, user_metadata)
@@ -267,12 +276,22 @@ class AsyncSaver:
         return single_rank_plan(self._plans, self.rank, tensors, objects, self.config.thread_count)
 
     def _free_slot(self) -> Slot | None:
-        """A free slot: waits for one (``backpressure="wait"``), or None (``"skip"``)."""
+        """A free slot: waits for one (``backpressure="wait"``), or None (``"skip"``, or
+        the save that holds the slot is stuck on a store that does not answer: the
+        training thread never waits on the store; logged)."""
         while True:
             slot = self._slots.free()
             if slot is not None:
                 return slot
             if self.config.backpressure == "skip":
+                return None
+            failing = self._worker.store_failing_for()
+            if failing is not None:
+                logger.warning(
+                    "quicksave: the store has not answered the save in flight for %.1f s "
+                    "(it retries up to retry_deadline_s)",
+                    failing,
+                )
                 return None
             self._collect(0.1)  # wait: a buffer the worker still reads is never overwritten
 

@@ -16,7 +16,6 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from quicksave.commit import CommitStrategy
 from quicksave.errors import CheckpointError
 from quicksave.ranks.saving import DistSave, DistSaving
 from quicksave.saving.config import EngineConfig
@@ -37,7 +36,6 @@ class RankVote:
         lock: the saver's lock.
         slots, worker, flights: the saver's pools, worker and saves in flight.
         collect: takes the worker's results (``AsyncSaver._collect``).
-        strategy_for: the trainer side's commit strategy of a location.
         closed: whether the saver is closed.
     """
 
@@ -51,7 +49,6 @@ class RankVote:
         worker: WorkerSupervisor,
         flights: InFlightSaves,
         collect: Callable[[float], None],
-        strategy_for: Callable[[Location], CommitStrategy],
         closed: Callable[[], bool],
     ) -> None:
         self.dist = dist
@@ -62,7 +59,6 @@ class RankVote:
         self.worker = worker
         self.flights = flights
         self.collect = collect
-        self.strategy_for = strategy_for
         self.closed = closed
 
     def plan(
@@ -87,15 +83,12 @@ class RankVote:
         reported by the next ``save()`` or ``finalize()``, and this save goes on, so
         that whether a save is made does not depend on when a failure is noticed."""
         unreported = self.flights.unreported
+        # (the target is checked by each rank's writer before it writes, never here:
+        # the training thread does not wait on the store)
         problem: CheckpointError | None = unreported[0] if unreported else None
-        if problem is None:
-            try:
-                self.strategy_for(loc).check_target(loc, self.rank)
-            except CheckpointError as e:
-                # taken, or the store cannot be reached: raised after the vote, so that
-                # every rank skips this save together instead of waiting for this one
-                problem = e
-        wait = self.config.backpressure == "wait"
+        # never wait for a pool that a save stuck on a store that is down holds (this
+        # rank's writer says so; then its vote skips the save on every rank)
+        wait = self.config.backpressure == "wait" and self.worker.store_failing_for() is None
         self.collect(0.0)
         free = wait or self.slots.any_free()
         self.worker.replaced = False
@@ -121,7 +114,11 @@ class RankVote:
         logger.warning(
             "quicksave: skipped the save of step %s: %s",
             step,
-            "the previous save is still in flight" if not free else "another rank cannot save now",
+            "another rank cannot save now"
+            if free
+            else "the previous save is still in flight"
+            if self.worker.store_failing_for() is None
+            else "the store does not answer the previous save, which still retries",
         )
         return None
 

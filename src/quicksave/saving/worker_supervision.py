@@ -167,6 +167,14 @@ class WorkerSupervisor:
             return True
         return p.age > self.config.worker.start_timeout_s
 
+    def store_failing_for(self) -> float | None:
+        """Seconds since the writer's store stopped answering its requests (its retry
+        loop says so: ``storage.retry.StoreHealth``), or None while it answers. No I/O."""
+        p = self.persister
+        health = getattr(p, "health", None)
+        since = 0.0 if health is None else health.failing_since()
+        return None if since == 0.0 else max(0.0, time.monotonic() - since)
+
     def poll_warm(self, timeout: float) -> None:
         """Wait up to ``timeout`` s for a new worker's warm-up answer (no job in flight)."""
         p = self.persister

@@ -35,6 +35,7 @@ from urllib.parse import unquote, urlsplit
 
 from quicksave.errors import CheckpointError
 from quicksave.storage.backend import Backend, StorageOptions, join
+from quicksave.storage.retry import StoreHealth
 
 _SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
 _SCHEME_LIKE = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*):")
@@ -147,10 +148,12 @@ class Location:
         o_direct: bool = True,
         rank: int = 0,
         write_rate: float | None = None,
+        health: StoreHealth | None = None,
     ) -> Backend:
         """A new backend for this location's container; the caller closes it. ``fsync``,
         ``o_direct`` and ``write_rate`` (bytes per second per write, a test's throttle)
         are the local filesystem's; a store's writes are durable when acknowledged.
+        ``health``: where an S3 backend's retry loop says whether the store answers.
 
         Raises:
             CheckpointError: the extra for the scheme is not installed (named).
@@ -162,7 +165,7 @@ class Location:
         if self.scheme == "s3":
             from quicksave.storage.s3 import S3Backend
 
-            return S3Backend(self.container, self.options.s3)
+            return S3Backend(self.container, self.options.s3, health=health)
         from quicksave.storage.msc import MscBackend
 
         try:

@@ -17,6 +17,7 @@ Torch-free and boto-free: the S3 backend passes its own ``retryable`` and
 from __future__ import annotations
 
 import random
+import struct
 import threading
 import time
 from collections.abc import Callable
@@ -31,6 +32,33 @@ BACKOFF_BASE_S = 0.1
 BACKOFF_CAP_S = 5.0  # no single pause is longer than this
 
 
+class StoreHealth:
+    """Whether the store answers, as the retry loop last saw it: :meth:`failing_since`
+    is the monotonic time (``CLOCK_MONOTONIC``: comparable across processes) of the
+    first failed try of the current outage, or 0.0 while the store answers.
+
+    Written by :func:`call_with_retries` (in the writer); read by the trainer, which
+    then does not wait for a staging pool that a save stuck on an unreachable store
+    holds. ``page``: a buffer shared with the trainer (the worker process's heartbeat
+    page) and the ``offset`` of the value in it; default: a private one (a thread).
+    """
+
+    def __init__(self, page: bytearray | memoryview | None = None, offset: int = 0) -> None:
+        self._page = page if page is not None else bytearray(8)
+        self._offset = offset
+
+    def failing_since(self) -> float:
+        return struct.unpack_from("d", self._page, self._offset)[0]
+
+    def failing(self, since: float) -> None:
+        if self.failing_since() == 0.0:
+            struct.pack_into("d", self._page, self._offset, max(since, 1e-9))
+
+    def answered(self) -> None:
+        if self.failing_since() != 0.0:
+            struct.pack_into("d", self._page, self._offset, 0.0)
+
+
 @dataclass
 class RetryPolicy:
     """How :func:`call_with_retries` retries (see the module docstring).
@@ -42,6 +70,7 @@ class RetryPolicy:
         base_s, cap_s: the backoff's first bound and its cap per pause.
         rng, sleep, clock: the jitter's random source, the pause and the monotonic
             clock; injectable for tests.
+        health: where to say whether the store answers (None: nowhere).
     """
 
     max_attempts: int | None = None
@@ -51,6 +80,7 @@ class RetryPolicy:
     rng: random.Random = field(default_factory=random.Random)
     sleep: Callable[[float], None] = time.sleep
     clock: Callable[[], float] = time.monotonic
+    health: StoreHealth | None = None
 
     def backoff(self, attempt: int) -> float:
         """The pause after failed try number ``attempt`` (1-based), before the deadline
@@ -104,12 +134,16 @@ def call_with_retries(
     while True:
         attempt += 1
         try:
-            return fn()
+            answer = fn()
         except CheckpointError:
             raise
         except Exception as exc:
             if not retryable(exc):
+                if policy.health is not None:
+                    policy.health.answered()  # (with an error, but it answered)
                 raise translate(exc) from exc
+            if policy.health is not None:
+                policy.health.failing(start)
             if stop is not None and stop.is_set():
                 raise Abandoned(
                     f"{what} abandoned (another part of the same transfer failed); "
@@ -127,3 +161,7 @@ def call_with_retries(
                     path=url,
                 ) from exc
             policy.sleep(min(policy.backoff(attempt), left))
+            continue
+        if policy.health is not None:
+            policy.health.answered()
+        return answer

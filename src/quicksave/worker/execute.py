@@ -19,7 +19,8 @@ from quicksave.commit import strategy_for
 from quicksave.commit.parts import RankPart, manifest_from_parts
 from quicksave.ranks import records
 from quicksave.storage.backend import Backend
-from quicksave.worker.files import backend_for, commit_files, discard, write_files
+from quicksave.storage.retry import StoreHealth
+from quicksave.worker.files import backend_for, check_target, commit_files, discard, write_files
 from quicksave.worker.job import JobResult, PersistJob, Usage, done, failure
 from quicksave.worker.multirank import execute_multirank_job
 
@@ -29,22 +30,29 @@ def execute_job(
     pool: memoryview,
     store: Any = None,
     backends: dict[tuple, Backend] | None = None,
+    health: StoreHealth | None = None,
 ) -> JobResult:
     """Write the job's files from ``pool`` (the staged images), then commit. Never raises:
     failures come back in the JobResult, and what was written is removed.
 
     A multi-rank job (``job.dist``) needs ``store``, a client of the ranks' store; its
     result is the outcome of the whole checkpoint, not only of this rank's files.
-    ``backends`` keeps object-store backends (their clients) from job to job.
+    ``backends`` keeps object-store backends (their clients) from job to job;
+    ``health`` is where their retries say whether the store answers (the trainer reads
+    it: it does not wait for a pool that a save stuck on a store that is down holds).
     """
     try:
-        backend = backend_for(job, backends if backends is not None else {})
+        backend = backend_for(job, backends if backends is not None else {}, health)
     except BaseException as e:  # noqa: BLE001 - e.g. the extra is not installed
         return failure(job, e)
     if job.dist is not None:
         return execute_multirank_job(job, pool, store, backend)
     t0 = time.monotonic()
     usage = Usage(time.thread_time())
+    try:  # here, not on the training thread: a store that is down stalls no trainer
+        check_target(job, strategy_for(backend))
+    except BaseException as e:  # noqa: BLE001 - nothing written: nothing to discard
+        return failure(job, e)
     try:
         digests = write_files(job, pool, backend, usage)
         t1 = time.monotonic()

@@ -21,16 +21,20 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 from quicksave.checksum import hexdigest
-from quicksave.commit import CommitStrategy, strategy_for
+from quicksave.commit import CheckpointKind, CommitStrategy, strategy_for
 from quicksave.commit.parts import part_name
+from quicksave.errors import AlreadyCommittedError, CheckpointExistsError
 from quicksave.format import DCP_METADATA_NAME, MANIFEST_NAME
 from quicksave.format.manifest import FileEntry, Manifest, to_json_bytes
 from quicksave.storage.backend import PAGE, Backend, join
 from quicksave.storage.location import Location
+from quicksave.storage.retry import StoreHealth
 from quicksave.worker.job import FileJob, PersistJob, Usage
 
 
-def backend_for(job: PersistJob, backends: dict[tuple, Backend]) -> Backend:
+def backend_for(
+    job: PersistJob, backends: dict[tuple, Backend], health: StoreHealth | None = None
+) -> Backend:
     """The backend a job writes through, kept in ``backends`` from job to job (one per
     container and write settings: a store's client is costly, a local one holds only
     settings)."""
@@ -38,9 +42,39 @@ def backend_for(job: PersistJob, backends: dict[tuple, Backend]) -> Backend:
     key = (loc.backend_id(), job.fsync, job.o_direct, job.write_rate, job.rank)
     if key not in backends:
         backends[key] = loc.open(
-            fsync=job.fsync, o_direct=job.o_direct, rank=job.rank, write_rate=job.write_rate
+            fsync=job.fsync,
+            o_direct=job.o_direct,
+            rank=job.rank,
+            write_rate=job.write_rate,
+            health=health,
         )
     return backends[key]
+
+
+def check_target(job: PersistJob, strategy: CommitStrategy) -> None:
+    """Before a job writes anything: raise unless its checkpoint can be committed at
+    its location (:meth:`CommitStrategy.check_target`; ``AlreadyCommittedError`` for a
+    committed one). An uncommitted leftover there (a crashed save's) is removed first
+    where the job's rank holds the folder's lease (``job.clear_uncommitted``); another
+    rank of a multi-rank save that writes elsewhere (a temporary directory) leaves it
+    to that rank, whose commit it would block."""
+    loc = job.location
+    assert loc is not None
+    try:
+        strategy.check_target(loc, job.rank, replace=job.replace)
+        return
+    except AlreadyCommittedError:
+        raise
+    except CheckpointExistsError:
+        if strategy.classify(loc) is not CheckpointKind.UNCOMMITTED:
+            raise
+        if job.clear_uncommitted:
+            strategy.remove(loc)
+        elif job.dist is not None and not strategy.writes_in_place:
+            return
+        else:
+            raise
+    strategy.check_target(loc, job.rank, replace=job.replace)
 
 
 def write_files(

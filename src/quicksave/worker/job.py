@@ -65,6 +65,9 @@ class PersistJob:
     location: Location | None = None
     # Replace a committed checkpoint at ``final_path`` atomically (local, single rank).
     replace: bool = False
+    # The folder's lease holder saves: an uncommitted leftover at ``final_path`` (a
+    # crashed save's; never loadable) is removed before writing instead of failing it.
+    clear_uncommitted: bool = False
     # Chunk digests the trainer computed while staging (chunk key -> xxh3-64 hex): the
     # writer hashes only the chunks missing here.
     digests: dict[str, str] = field(default_factory=dict)

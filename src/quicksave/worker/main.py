@@ -44,10 +44,15 @@ from typing import Any
 from quicksave.ranks import records
 from quicksave.ranks.records import StoreAddress
 from quicksave.storage.backend import Backend
+from quicksave.storage.retry import StoreHealth
 from quicksave.worker.calls import run_pickled_call
 from quicksave.worker.config import WorkerConfig
 from quicksave.worker.execute import execute_job, store_for
 from quicksave.worker.job import PersistJob
+
+# The page shared with the trainer: the heartbeat (a double at 0), and where the
+# store stands for the jobs (a double at HEALTH_OFFSET: storage.retry.StoreHealth).
+HEALTH_OFFSET = 8
 
 
 def command(
@@ -186,6 +191,7 @@ def _serve(
     threading.Thread(target=_beat, args=(heartbeat, period), daemon=True).start()
     pools: dict[int, tuple[mmap.mmap, memoryview]] = {}
     backends: dict[tuple, Backend] = {}  # object stores' clients, kept from job to job
+    health = StoreHealth(heartbeat, HEALTH_OFFSET)  # the trainer reads it (persisters.py)
     held: dict[str, Any] = {}  # what a call keeps for a later one (calls.uses_held)
     while not stopping.is_set():
         try:
@@ -207,7 +213,9 @@ def _serve(
                 _unmap(*entry)
         elif kind == "job":
             job: PersistJob = msg[1]
-            result = execute_job(job, pools[job.pool_id][1], store_for(job, stores), backends)
+            result = execute_job(
+                job, pools[job.pool_id][1], store_for(job, stores), backends, health
+            )
             try:
                 conn.send(("result", result))
             except OSError:

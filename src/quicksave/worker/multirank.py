@@ -23,7 +23,7 @@ from quicksave.commit.parts import RankPart, manifest_from_parts, part_name, rea
 from quicksave.errors import CheckpointError
 from quicksave.ranks import records
 from quicksave.storage.backend import Backend
-from quicksave.worker.files import commit_files, discard, write_files
+from quicksave.worker.files import check_target, commit_files, discard, write_files
 from quicksave.worker.job import JobResult, PersistJob, Usage, done, failure, not_committed
 
 
@@ -42,6 +42,9 @@ def execute_multirank_job(
         if store is None:
             raise CheckpointError("a multi-rank save needs the ranks' store", rank=job.rank)
         try:
+            # every rank, before it writes (on a store its objects go straight under
+            # the checkpoint's prefix): here, not on the training thread
+            check_target(job, strategy)
             digests = write_files(job, pool, backend, usage)
             write_part(strategy, job.tmp_dir, RankPart(job.rank, digests, d.objects), job.fsync)
         except BaseException as e:  # noqa: BLE001 - told to the others, then reported here

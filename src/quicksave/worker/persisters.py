@@ -43,12 +43,13 @@ from quicksave.errors import CheckpointError, WorkerFailedError
 from quicksave.ranks import records
 from quicksave.ranks.records import StoreAddress
 from quicksave.storage.backend import Backend
+from quicksave.storage.retry import StoreHealth
 from quicksave.worker.calls import CallResult, pickle_call, run_call
 from quicksave.worker.config import WorkerConfig
 from quicksave.worker.execute import execute_job, store_for
 from quicksave.worker.job import JobResult, PersistJob, failure
 from quicksave.worker.liveness import Liveness
-from quicksave.worker.main import command, environment
+from quicksave.worker.main import HEALTH_OFFSET, command, environment
 
 
 @dataclass
@@ -70,6 +71,7 @@ class ThreadPersister:
         self._stores = records.StoreClients()  # multi-rank jobs' store clients
         self._backends: dict[tuple, Backend] = {}  # object stores' clients, job to job
         self._held: dict[str, Any] = {}  # what a call keeps for a later one (calls.uses_held)
+        self.health = StoreHealth()  # whether the store answers this persister's jobs
         self.pid = os.getpid()
 
     def map_pool(self, pool_id: int, fd: int, nbytes: int, buffer: memoryview) -> None:
@@ -82,7 +84,11 @@ class ThreadPersister:
         def run() -> None:
             try:
                 r = execute_job(
-                    job, self._pools[job.pool_id], store_for(job, self._stores), self._backends
+                    job,
+                    self._pools[job.pool_id],
+                    store_for(job, self._stores),
+                    self._backends,
+                    self.health,
                 )
             except BaseException as e:  # noqa: BLE001 - a lost result would hang the trainer
                 r = failure(job, e)
@@ -152,6 +158,8 @@ class ProcessPersister:
         self._beat_fd = os.memfd_create("quicksave-heartbeat", os.MFD_CLOEXEC)
         os.ftruncate(self._beat_fd, mmap.PAGESIZE)
         self._beat = mmap.mmap(self._beat_fd, mmap.PAGESIZE)
+        # whether the store answers the worker's jobs (written by its retry loop)
+        self.health = StoreHealth(self._beat, HEALTH_OFFSET)
         cmd = command(child_sock.fileno(), self._beat_fd, config, store, store_timeout_s)
         try:
             self.process = subprocess.Popen(

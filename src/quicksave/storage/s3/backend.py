@@ -18,7 +18,7 @@ from typing import Any
 
 from quicksave.errors import CheckpointError
 from quicksave.storage.backend import AssembledWrites, ObjectInfo, Range, S3Options
-from quicksave.storage.retry import RetryPolicy
+from quicksave.storage.retry import RetryPolicy, StoreHealth
 from quicksave.storage.s3 import download, listing, upload
 from quicksave.storage.s3.client import make_client
 from quicksave.storage.s3.requests import S3Requests
@@ -53,6 +53,7 @@ class S3Backend(AssembledWrites):
         rng: random.Random | None = None,
         sleep: Callable[[float], None] = time.sleep,
         clock: Callable[[], float] = time.monotonic,
+        health: StoreHealth | None = None,
     ) -> None:
         if not bucket or "/" in bucket:
             raise CheckpointError(f"not an S3 bucket name: {bucket!r}")
@@ -67,6 +68,7 @@ class S3Backend(AssembledWrites):
             rng=rng if rng is not None else random.Random(),
             sleep=sleep,
             clock=clock,
+            health=health,
         )
         secrets = {s for s in (options.secret_access_key, options.session_token) if s}
         self._pool = TransferPool(self.max_concurrency, "quicksave-s3")
