@@ -379,3 +379,142 @@ def test_with_the_defaults_a_short_outage_is_ridden_out_without_a_failure(server
         assert set(r["statuses"].values()) == {"committed"}, (rank, r["statuses"])
         assert sorted(r["statuses"]) == list(range(2, STEPS + 1, 2))
         assert r["committed"] == [18, 20], (rank, r)
+
+
+# ------------------------------------------------- the training thread never waits
+#
+# Issue 27: every store call a save needs runs in the background. Measured from inside
+# each rank: every connection the training thread opens to the S3 port while the server
+# is down (there must be none: a store call there is a wait on the store), and the time
+# each save() took, due or not. The times are reported (docs/RELIABILITY.md, "Outage
+# campaign"); what the test asserts is structural, so a loaded machine cannot fail it.
+
+TT_STEPS = 24
+TT_DOWN_AFTER, TT_UP_AFTER = 6, 16  # saves of steps 8..16 meet the outage
+
+
+class _TrainingThreadConnects:
+    """Counts the connections the calling (training) thread opens to ``port``."""
+
+    def __init__(self, port: int) -> None:
+        import socket
+
+        self.port = port
+        self.count = 0
+        self.armed = False
+        self._main = threading.get_ident()
+        self._connect = socket.socket.connect
+        counter = self
+
+        def connect(sock, address):  # type: ignore[no-untyped-def]
+            if (
+                counter.armed
+                and threading.get_ident() == counter._main
+                and isinstance(address, tuple)
+                and address[1] == counter.port
+            ):
+                counter.count += 1
+            return counter._connect(sock, address)
+
+        socket.socket.connect = connect  # type: ignore[method-assign]
+
+
+def _rank_training_thread(
+    rank: int, world: int, folder: str, env: dict[str, str], ctl: str, deadline: float | None
+) -> dict[str, Any]:
+    os.environ.update(env)
+    from urllib.parse import urlsplit
+
+    from quicksave.manager import CheckpointConfig, CheckpointManager
+    from quicksave.storage import StorageOptions
+
+    connects = _TrainingThreadConnects(urlsplit(env["AWS_ENDPOINT_URL"]).port or 80)
+    job = _Job()
+    if deadline is None:  # the defaults: retry_deadline_s=60, on_save_error="raise"
+        config = CheckpointConfig(folder=folder, interval=2, keep_latest_k=2, on_save_error="log")
+    else:
+        s3 = S3Options(retry_deadline_s=deadline, connect_timeout_s=1.0, read_timeout_s=10.0)
+        config = CheckpointConfig(
+            folder=folder,
+            interval=2,
+            keep_latest_k=2,
+            on_save_error="log",
+            max_consecutive_failures=100,
+            storage=StorageOptions(s3=s3),
+        )
+    manager = CheckpointManager(config, job.states())
+    times: list[tuple[int, bool, float]] = []  # (step, due, seconds in save()) while down
+    raised: list[str] = []
+    for step in range(1, TT_STEPS + 1):
+        job.step()
+        down = TT_DOWN_AFTER < step <= TT_UP_AFTER
+        connects.armed = down
+        began = time.perf_counter()
+        try:
+            manager.save(step)
+        except CheckpointError as e:
+            raised.append(f"step {step}: {e}")
+        took = time.perf_counter() - began
+        connects.armed = False
+        if down:
+            times.append((step, step % 2 == 0, took))
+        if step == TT_DOWN_AFTER:
+            manager.wait()  # step 6 committed and housekept before the outage
+            if rank == 0:
+                _mark(ctl, "kill")
+            _await(ctl, "down")
+        elif step == TT_UP_AFTER:
+            if rank == 0:
+                _mark(ctl, "restart")
+            _await(ctl, "up")
+            manager.wait()  # the outage's saves end (failed or committed), settled alike
+    manager.close()
+    return {
+        "times": times,
+        "connects": connects.count,
+        "raised": raised,
+        "statuses": {r.step: r.status for r in manager.metrics},
+        "committed": manager.committed_steps(),
+    }
+
+
+@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize("deadline", [2.0, None], ids=["retry_deadline_s=2", "defaults"])
+def test_the_training_thread_never_waits_on_a_store_that_is_down(
+    server, bucket, tmp_path, world, deadline
+):
+    ctl = tmp_path / "ctl"
+    ctl.mkdir()
+    operator = _Operator(server, str(ctl))
+    try:
+        results = run_ranks(
+            _rank_training_thread,
+            world,
+            f"s3://{bucket}/run",
+            server.env(),
+            str(ctl),
+            deadline,
+            config=LAUNCH,
+        )
+    finally:
+        operator.stop()
+    for rank, r in enumerate(results):
+        due = [t for _, d, t in r["times"] if d]
+        idle = [t for _, d, t in r["times"] if not d]
+        print(
+            f"outage, {world} rank(s), {'defaults' if deadline is None else 'retry_deadline_s=2'}"
+            f", rank {rank}: longest save() while down: due {max(due) * 1e3:.1f} ms, "
+            f"not due {max(idle) * 1e3:.1f} ms"
+        )
+        # no store call on the training thread while the store was down
+        assert r["connects"] == 0, (rank, r)
+        assert r["raised"] == [], (rank, r["raised"])  # on_save_error="log"
+        # the saves after the outage commit; nothing of a failed save is visible
+        assert {s for s, v in r["statuses"].items() if s > TT_UP_AFTER} == {18, 20, 22, 24}
+        assert all(v == "committed" for s, v in r["statuses"].items() if s > TT_UP_AFTER)
+        assert r["committed"] == [22, 24], (rank, r)
+    names = _objects(server, bucket, "run/")
+    steps = {n.split("/", 1)[0] for n in names if n.startswith("step-")}
+    assert steps == {"step-22", "step-24"}, sorted(names)
+    for step in steps:
+        assert f"{step}/manifest.json" in names

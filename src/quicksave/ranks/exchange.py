@@ -393,7 +393,7 @@ def plan_save(
     world_size: int,
     thread_count: int,
     go: bool = True,
-    ready: Callable[[], bool] | None = None,
+    ready: Callable[[], bool | None] | None = None,
 ) -> PlannedSave | None:
     """Plan one multi-rank save; every rank of ``group`` calls it for every save.
 
@@ -448,6 +448,8 @@ def plan_save(
     votes = 0
     while True:
         ready_now = ready() if ready is not None and go and error is None else True
+        if ready_now is None:  # this rank cannot take the save after all: all skip it
+            go, ready_now = False, True
         try:
             agreed = agree_save(
                 go=go,

@@ -86,7 +86,7 @@ class DistSaving:
         user_metadata: dict[str, Any] | None,
         thread_count: int,
         go: bool = True,
-        ready: Callable[[], bool] | None = None,
+        ready: Callable[[], bool | None] | None = None,
     ) -> DistSave | None:
         """Plan this save (runs the planning collective) and describe this rank's part.
 

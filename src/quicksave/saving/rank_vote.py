@@ -94,7 +94,7 @@ class RankVote:
         self.worker.replaced = False
         round_s = self.dist.ctx.commit_timeout_s / 4
 
-        def ready() -> bool:
+        def ready() -> bool | None:
             return self.ready(round_s, need_pool=wait)
 
         ds = self.dist.plan(
@@ -122,7 +122,7 @@ class RankVote:
         )
         return None
 
-    def ready(self, timeout: float, need_pool: bool) -> bool:
+    def ready(self, timeout: float, need_pool: bool) -> bool | None:
         """Several ranks, before a save's vote: whether this rank can take the save now —
         a free staging pool (``need_pool``) and a worker that can start on the job at
         once. Never raises; False if not ready yet (every rank then votes again).
@@ -136,11 +136,17 @@ class RankVote:
         already (a slow rank), or a new worker. A worker found dead is replaced here, and
         the new one warmed up (torch imported, the store connected, the pools mapped)
         before this rank is ready: its first job must not spend the coordinator's
-        ``commit_timeout_s`` starting up."""
+        ``commit_timeout_s`` starting up.
+
+        None: this rank cannot take the save after all — the save that holds its pool
+        is stuck on a store that does not answer (its writer says so): every rank then
+        skips the save, and no training thread waits on the store."""
         while True:
             with self.lock:
                 self.collect(0.0)
                 self._replace_dead_worker()
+                if self._stuck_on_store(need_pool):
+                    return None
                 if self._local_ready(need_pool) or not self._awaiting_outcome(need_pool):
                     break
                 self._pause(0.02)
@@ -149,12 +155,19 @@ class RankVote:
             with self.lock:
                 if self._local_ready(need_pool):
                     return True
+                if self._stuck_on_store(need_pool):
+                    return None
                 left = deadline - time.monotonic()
                 if left <= 0:
                     return False
                 self._pause(min(0.05, left))
                 self.collect(0.0)
                 self._replace_dead_worker()
+
+    def _stuck_on_store(self, need_pool: bool) -> bool:
+        return (
+            need_pool and not self.slots.any_free() and self.worker.store_failing_for() is not None
+        )
 
     def _replace_dead_worker(self) -> None:
         self.worker.replace_dead(self.slots.pools(), bool(self.flights.jobs), self.closed())
