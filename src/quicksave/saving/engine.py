@@ -293,7 +293,7 @@ class AsyncSaver:
                     failing,
                 )
                 return None
-            self._collect(0.1)  # wait: a buffer the worker still reads is never overwritten
+            self._collect(0.02)  # wait: a buffer the worker still reads is never overwritten
 
     def _new_job(
         self,

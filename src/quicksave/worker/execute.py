@@ -41,6 +41,8 @@ def execute_job(
     ``health`` is where their retries say whether the store answers (the trainer reads
     it: it does not wait for a pool that a save stuck on a store that is down holds).
     """
+    if health is not None:
+        health.answered()  # a new job: the trainer hears of this one's trouble only
     try:
         backend = backend_for(job, backends if backends is not None else {}, health)
     except BaseException as e:  # noqa: BLE001 - e.g. the extra is not installed

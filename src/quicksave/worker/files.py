@@ -55,9 +55,11 @@ def check_target(job: PersistJob, strategy: CommitStrategy) -> None:
     """Before a job writes anything: raise unless its checkpoint can be committed at
     its location (:meth:`CommitStrategy.check_target`; ``AlreadyCommittedError`` for a
     committed one). An uncommitted leftover there (a crashed save's) is removed first
-    where the job's rank holds the folder's lease (``job.clear_uncommitted``); another
-    rank of a multi-rank save that writes elsewhere (a temporary directory) leaves it
-    to that rank, whose commit it would block."""
+    where a single-rank job's rank holds the folder's lease (``job.clear_uncommitted``).
+    A multi-rank job passes over uncommitted objects: on a store the other ranks of the
+    same save may have written theirs there already (in place), and no rank may delete
+    them; the coordinator's commit checks what is there (a leftover of another save
+    fails it, and housekeeping removes it)."""
     loc = job.location
     assert loc is not None
     try:
@@ -68,12 +70,11 @@ def check_target(job: PersistJob, strategy: CommitStrategy) -> None:
     except CheckpointExistsError:
         if strategy.classify(loc) is not CheckpointKind.UNCOMMITTED:
             raise
-        if job.clear_uncommitted:
-            strategy.remove(loc)
-        elif job.dist is not None and not strategy.writes_in_place:
+        if job.dist is not None:
             return
-        else:
+        if not job.clear_uncommitted:
             raise
+        strategy.remove(loc)
     strategy.check_target(loc, job.rank, replace=job.replace)
 
 
