@@ -34,6 +34,7 @@ from quicksave.manager.session import CheckpointSession
 from quicksave.manager.states import ModelState, PerRankLoad, PerRankState, payload_bytes
 from quicksave.saving.handle import SaveHandle
 from quicksave.saving.model_record import cast_floating, model_record
+from quicksave.trace import phase
 
 logger = logging.getLogger("quicksave")
 
@@ -111,6 +112,7 @@ class StepIO:
         ``path`` is a skip (logged), not a failure."""
         ledger = self.session.ledger
         ledger.attempting(key)
+        t0 = time.monotonic()
         try:
             self.session.replace_uncommitted(path)
         except CheckpointError as e:  # the write's own check decides, alike on every rank
@@ -127,9 +129,9 @@ class StepIO:
                     else f"step {step} already has a committed checkpoint at {path}",
                 )
             else:
-                ledger.failed(key, e)
+                self.session.write_failed(key, path, e, time.monotonic() - t0)
         except CheckpointError as e:
-            ledger.failed(key, e)
+            self.session.write_failed(key, path, e, time.monotonic() - t0)
         return False
 
     def _save_one(
@@ -143,7 +145,8 @@ class StepIO:
         if not asynchronous:
             session.drain()  # a synchronous write never runs beside a save in flight
         cpu0 = time.process_time()
-        state_dict = self.collect(kind, dtype)
+        with phase("save.state_dict"):
+            state_dict = self.collect(kind, dtype)
         nbytes = payload_bytes(state_dict)
         written = time.monotonic()
         handle = self._write(state_dict, path, step, kind, dtype)

@@ -20,7 +20,7 @@ from quicksave.commit.parts import RankPart, manifest_from_parts
 from quicksave.ranks import records
 from quicksave.storage.backend import Backend
 from quicksave.worker.files import backend_for, commit_files, discard, write_files
-from quicksave.worker.job import JobResult, PersistJob, Usage, done, failure
+from quicksave.worker.job import JobResult, PersistJob, Phase, Usage, done, failure, untraced
 from quicksave.worker.multirank import execute_multirank_job
 
 
@@ -29,6 +29,7 @@ def execute_job(
     pool: memoryview,
     store: Any = None,
     backends: dict[tuple, Backend] | None = None,
+    phase: Phase = untraced,
 ) -> JobResult:
     """Write the job's files from ``pool`` (the staged images), then commit. Never raises:
     failures come back in the JobResult, and what was written is removed.
@@ -36,32 +37,37 @@ def execute_job(
     A multi-rank job (``job.dist``) needs ``store``, a client of the ranks' store; its
     result is the outcome of the whole checkpoint, not only of this rank's files.
     ``backends`` keeps object-store backends (their clients) from job to job.
+    ``phase`` wraps the writing (``"save.persist"``) and the commit (``"save.commit"``);
+    their times come back in the result either way (``started_at``, ``write_s``,
+    ``finished_at``).
     """
     try:
         backend = backend_for(job, backends if backends is not None else {})
     except BaseException as e:  # noqa: BLE001 - e.g. the extra is not installed
         return failure(job, e)
     if job.dist is not None:
-        return execute_multirank_job(job, pool, store, backend)
+        return execute_multirank_job(job, pool, store, backend, phase)
     t0 = time.monotonic()
     usage = Usage(time.thread_time())
     try:
-        digests = write_files(job, pool, backend, usage)
+        with phase("save.persist"):
+            digests = write_files(job, pool, backend, usage)
         t1 = time.monotonic()
-        commit_files(
-            strategy_for(backend),
-            job.tmp_dir,
-            job.location,
-            manifest_from_parts(
-                job.manifest,
-                job.chunk_keys,
-                [RankPart(job.rank, digests, {})],
+        with phase("save.commit"):
+            commit_files(
+                strategy_for(backend),
                 job.tmp_dir,
-                objects_in_parts=False,
-            ),
-            job.dcp_metadata,
-            replace=job.replace,
-        )
+                job.location,
+                manifest_from_parts(
+                    job.manifest,
+                    job.chunk_keys,
+                    [RankPart(job.rank, digests, {})],
+                    job.tmp_dir,
+                    objects_in_parts=False,
+                ),
+                job.dcp_metadata,
+                replace=job.replace,
+            )
         t2 = time.monotonic()
         return done(job, t0, t1, t2, usage)
     except BaseException as e:  # noqa: BLE001 - every failure must reach the trainer
