@@ -14,8 +14,8 @@ import torch
 from torch.profiler import _ExperimentalConfig, profile
 
 import quicksave
-from quicksave.saving.engine import AsyncSaver
 from quicksave.saving.config import EngineConfig
+from quicksave.saving.engine import AsyncSaver
 from quicksave.trace import COMMIT, PERSIST, Span, add_writer_spans, phase, writer_spans
 
 ALL_THREADS = _ExperimentalConfig(profile_all_threads=True)
@@ -107,7 +107,10 @@ def test_add_writer_spans_puts_the_worker_on_its_own_track_in_the_trace_time_bas
     assert abs(added[0]["ts"] - 1_000_000.0) < 1.0 and abs(added[0]["dur"] - 500_000.0) < 1.0
     assert abs(added[1]["ts"] - 1_500_000.0) < 1.0 and abs(added[1]["dur"] - 250_000.0) < 1.0
     names = {e["name"]: e["args"]["name"] for e in events if e["ph"] == "M" and e["pid"] == 200}
-    assert names == {"process_name": "quicksave worker (pid 200)", "thread_name": "quicksave writer"}
+    assert names == {
+        "process_name": "quicksave worker (pid 200)",
+        "thread_name": "quicksave writer",
+    }
     # the traced process's own writer spans are its ranges already: not added twice
     assert not [e for e in events if e.get("ph") == "X" and e["pid"] == 100 and e["ts"] > 100]
     assert sorted(os.listdir(tmp_path)) == ["trace.json"]  # rewritten in place

@@ -35,9 +35,7 @@ def test_a_profiler_trace_of_the_demo_shows_every_phase(tmp_path: Path) -> None:
         experimental_config=_ExperimentalConfig(profile_all_threads=True),
     ) as prof:
         first = train(TrainConfig(steps=12, interval=5, warmup=2, folder=str(folder)))
-        second = train(
-            TrainConfig(steps=14, interval=5, warmup=2, folder=str(folder), resume=True)
-        )
+        second = train(TrainConfig(steps=14, interval=5, warmup=2, folder=str(folder), resume=True))
     assert second["resumed_from"] == 12
     prof.export_chrome_trace(str(trace))
 
