@@ -11,12 +11,15 @@ the state that was saved.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
+import struct
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -155,3 +158,88 @@ def test_pp_resume_after_sigkill_is_bit_exact_and_loads_into_another_split(
     assert "resumed from step 8 on 2 stages of 4 layers" in out, out
     assert resumed(out) == (8, want)
     assert "step 10 loss" in out
+
+
+def test_tensorboard_example_logs_every_checkpoint_and_traces_its_phases(tmp_path: Path) -> None:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    logdir, trace = tmp_path / "tb", tmp_path / "trace.json"
+    out = succeed(
+        "tensorboard_metrics.py",
+        None,
+        *("--folder", str(tmp_path / "ckpt"), "--logdir", str(logdir), "--trace", str(trace)),
+    )
+    assert f"logged 4 checkpoints to {logdir}" in out, out
+    assert f"trace with the writer's phases: {trace} (8 writer events)" in out, out
+
+    # what TensorBoard reads back from the event file
+    events = EventAccumulator(str(logdir))
+    events.Reload()
+    durable = events.Scalars("quicksave/durable_s")
+    assert [e.step for e in durable] == [2, 4, 6, 8] and all(e.value > 0 for e in durable)
+    assert [e.value for e in events.Scalars("quicksave/failed")] == [0.0] * 4
+    assert [e.value for e in events.Scalars("quicksave/step")] == [2.0, 4.0, 6.0, 8.0]
+    assert all(e.value > 0 for e in events.Scalars("quicksave/throughput_mbps"))
+    assert len(events.Scalars("train/loss")) == 8
+
+    # the trace: the training process's ranges, and the worker process's phases
+    ranges = [e for e in json.loads(trace.read_text())["traceEvents"] if e.get("ph") == "X"]
+    trainer = {e["pid"] for e in ranges if e["name"] == "quicksave.save.submit"}
+    assert len(trainer) == 1
+    writer = [e for e in ranges if e["pid"] not in trainer and e["name"].startswith("quicksave.")]
+    phases = ("quicksave.save.commit", "quicksave.save.persist")
+    assert sorted((e["args"]["step"], e["name"]) for e in writer) == [
+        (step, name) for step in (2, 4, 6, 8) for name in phases
+    ]
+
+
+def wandb_history(run_dir: Path) -> list[dict[str, Any]]:
+    """The rows ``wandb.log`` wrote into an offline run's ``run-<id>.wandb`` file: W&B's
+    record log (a ``:W&B`` header, then LevelDB-log records of 32 KiB blocks, each a
+    protobuf ``Record``), read back without W&B's servers."""
+    from wandb.proto import wandb_internal_pb2
+
+    (path,) = run_dir.glob("run-*.wandb")
+    data = path.read_bytes()
+    assert data[:4] == b":W&B", data[:8]
+    block, pos, pieces, rows = 32768, 7, b"", []
+    while pos + 7 <= len(data):
+        left = block - pos % block
+        if left < 7:  # a block's tail too short for a record header: padding
+            pos += left
+            continue
+        _crc, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
+        if kind == 0:  # zero padding to the end of the block
+            pos += left
+            continue
+        pieces += data[pos + 7 : pos + 7 + length]
+        pos += 7 + length
+        if kind in (1, 4):  # a whole record, or the last piece of one
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(pieces)
+            pieces = b""
+            if record.WhichOneof("record_type") == "history":
+                rows.append(
+                    {
+                        i.key or "/".join(i.nested_key): json.loads(i.value_json)
+                        for i in record.history.item
+                    }
+                )
+    return rows
+
+
+def test_wandb_example_logs_every_checkpoint(tmp_path: Path) -> None:
+    out = succeed(
+        "wandb_metrics.py", None, "--folder", str(tmp_path / "ckpt"), "--dir", str(tmp_path / "wb")
+    )
+    found = re.search(r"^logged 4 checkpoints to W&B run (\w+) \(offline, (.+)\)$", out, re.M)
+    assert found, out
+    (run_dir,) = (tmp_path / "wb" / "wandb").glob(f"offline-run-*-{found[1]}")
+    rows = wandb_history(run_dir)
+    saves = [r for r in rows if "quicksave/step" in r]
+    assert [r["quicksave/step"] for r in saves] == [2, 4, 6, 8]
+    for r in saves:
+        assert r["quicksave/failed"] == 0 and r["quicksave/bytes"] > 0
+        assert 0 < r["quicksave/blocking_s"] and 0 < r["quicksave/durable_s"]
+        assert r["quicksave/throughput_mbps"] > 0
+    assert sum("train/loss" in r for r in rows) == 8

@@ -43,6 +43,7 @@ from quicksave.loading.dcp_stock import DCPReader, RestrictedObjectsMixin
 from quicksave.ranks.exchange import sendable
 from quicksave.saving.sync_save import SyncSave, save_sync
 from quicksave.storage import StorageOptions, parse_location
+from quicksave.trace import phase
 
 
 def _dist_on() -> bool:
@@ -359,16 +360,20 @@ def load(
                 backend = loc.open()  # one client for the whole load
                 reader = _reader_for(loc, backend, thread_count, allow_dcp_pickle)
                 # a refused pickle or a bad manifest fails here, before any planning
-                metadata = reader.read_metadata()
+                with phase("load.metadata"):
+                    metadata = reader.read_metadata()
                 undos = _prepare_destinations(state_dict, metadata)
                 plain = _plain_state_dict(state_dict)
-                local = steps.load_local_plan(plain, metadata, planner, reader, group)
+                with phase("load.plan"):
+                    local = steps.load_local_plan(plain, metadata, planner, reader, group)
             except BaseException as e:  # noqa: BLE001 - in a group: raised on every rank
                 if not distributed:
                     raise
                 local = sendable(e, group.get_rank())
-            central = steps.exchange_load_plans(local, planner, reader, group, where)
-            steps.read_all(central, planner, reader, group, where)
+            with phase("load.plan"):
+                central = steps.exchange_load_plans(local, planner, reader, group, where)
+            with phase("load.read"):  # quicksave's reader checks each chunk's xxh3 (verify)
+                steps.read_all(central, planner, reader, group, where)
     except BaseException as e:
         for undo in undos:  # e.g. uninitialised optimizer state: never trained with
             undo()
@@ -381,7 +386,8 @@ def load(
         if backend is not None:
             backend.close()
     try:  # after the last collective: a failure here is this rank's own
-        _hand_back(state_dict, plain)
+        with phase("load.restore"):
+            _hand_back(state_dict, plain)
     except BaseException:
         for undo in undos:
             undo()

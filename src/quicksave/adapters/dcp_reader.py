@@ -63,6 +63,7 @@ from quicksave.format.manifest import ChunkEntry, Manifest, ObjectEntry, Planned
 from quicksave.storage import Location, StorageOptions, parse_location
 from quicksave.storage.backend import Backend, join
 from quicksave.storage.checkpoint_dir import CheckpointDir, Member
+from quicksave.trace import phase
 
 
 def require_committed(
@@ -218,7 +219,8 @@ def check_chunk_digest(
     view: memoryview, entry: ChunkEntry, *, path: str, fqn: str, rank: int | None
 ) -> None:
     """Raise if the bytes of chunk ``entry`` read into ``view`` fail its xxh3-64."""
-    actual = hexdigest(xxhash.xxh3_64_intdigest(view))
+    with phase("load.verify"):  # per chunk: chunks are checked as they arrive
+        actual = hexdigest(xxhash.xxh3_64_intdigest(view))
     if actual != entry.xxh3_64:
         raise CorruptCheckpointError(
             f"checksum mismatch in chunk at offsets {list(entry.offsets)} "

@@ -279,7 +279,8 @@ class AsyncWriter:
                 self._returned.append(e)  # the engine may hold it too: never a failure
                 continue
             except CheckpointError as e:
-                finished.append((p.index, dataclasses.replace(p.record, status="failed")))
+                failed = dataclasses.replace(p.record, status="failed", error=str(e))
+                finished.append((p.index, failed))
                 errors.append(e)
                 continue
             offset = p.handle.started - p.begin  # the manager's save() began earlier
@@ -298,6 +299,7 @@ class AsyncWriter:
                         worker_cpu_s=result.worker_cpu_s,
                         bytes_copied=result.bytes_copied,
                         bytes_hashed=result.bytes_hashed,
+                        spans=result.spans,
                     ),
                 )
             )
@@ -341,15 +343,15 @@ class AsyncWriter:
         done = self.drain(timeout)
         finished, errors = self.poll()
         for p in self._pending.values():
-            finished.append((p.index, dataclasses.replace(p.record, status="failed")))
-            errors.append(
-                CheckpointError(
-                    f"the save of step {p.record.step} was still being written after "
-                    f"close_timeout_s={timeout:g} s; it was abandoned and not committed",
-                    path=p.record.path,
-                    rank=self.saver.rank,
-                )
+            error = CheckpointError(
+                f"the save of step {p.record.step} was still being written after "
+                f"close_timeout_s={timeout:g} s; it was abandoned and not committed",
+                path=p.record.path,
+                rank=self.saver.rank,
             )
+            failed = dataclasses.replace(p.record, status="failed", error=str(error))
+            finished.append((p.index, failed))
+            errors.append(error)
         self._pending.clear()
         for hook in self._pre_hooks + self._post_hooks:
             hook.remove()

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from quicksave.errors import CheckpointError
+from quicksave.manager.records import MetricsHook
 from quicksave.saving.config import EngineConfig
 from quicksave.storage import StorageOptions, parse_location
 from quicksave.worker.config import WorkerConfig
@@ -113,6 +114,17 @@ class CheckpointConfig:
             that level and, if no handler would show its records, given one that writes
             to stderr (removed by ``close()``): the coordinator then logs one line per
             resume (``resumed from <path> step N in X s``) and per commit.
+        on_metrics: called with each checkpoint's :class:`SaveRecord` once it is
+            settled, committed or failed (``step``, ``bytes``, ``blocking_s``: the time
+            in ``save()``, ``staging_s``, ``durable_s``, ``throughput_mbps``, ``status``
+            and ``error``; ``record.scalars()`` gives them as a dict for a metrics
+            logger), on every rank with that rank's record. It runs on the training
+            thread, inside a manager call: a synchronous save (seed, export,
+            ``async_mode="disabled"``) or a failed hand-off in the ``save()`` that wrote
+            it; a background save in the first ``save()``, ``wait()``, ``load()``,
+            ``export()`` or ``close()`` after it finished. A hook that raises is logged
+            and ignored. ``None`` (default): no hook (``manager.metrics`` has the records
+            either way).
 
     Raises:
         CheckpointError: on construction, for any invalid value (message names it).
@@ -121,6 +133,9 @@ class CheckpointConfig:
 
         config = CheckpointConfig(folder="ckpt", interval=100, keep_latest_k=3,
                                   last_step=10_000, export_dtype="bfloat16")
+        # each checkpoint's figures to TensorBoard (writer: a SummaryWriter)
+        config = CheckpointConfig(folder="ckpt", on_metrics=lambda r: [
+            writer.add_scalar(k, v, r.step) for k, v in r.scalars().items()])
     """
 
     folder: str
@@ -149,6 +164,7 @@ class CheckpointConfig:
     on_save_error: str = "raise"
     max_consecutive_failures: int = 3
     log_level: str | None = None
+    on_metrics: MetricsHook | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.folder, os.PathLike):
@@ -205,6 +221,11 @@ class CheckpointConfig:
                 f"log_level must be None or one of {choices}, got {self.log_level!r}"
             )
         _check_int("interval_check_steps", self.interval_check_steps, minimum=1)
+        if self.on_metrics is not None and not callable(self.on_metrics):
+            raise CheckpointError(
+                f"on_metrics must be a callable taking a SaveRecord, or None, "
+                f"got {self.on_metrics!r}"
+            )
         for name in ("worker_timeout_s", "save_timeout_s", "close_timeout_s", "commit_timeout_s"):
             value = getattr(self, name)
             if (

@@ -1,14 +1,20 @@
-"""What each checkpoint written by the manager cost: ``SaveRecord`` and its log line.
+"""What each checkpoint written by the manager cost: ``SaveRecord``, its log line, and
+the ``on_metrics`` hook that receives it.
 
 A record is created when ``save()`` returns. In the async modes it says
 ``status="in_flight"`` and carries only ``blocking_s`` until the save is durable; the
-manager then replaces it (records are frozen) with the engine's numbers.
+manager then replaces it (records are frozen) with the engine's numbers. Once a record
+is settled — committed or failed — it goes to ``CheckpointConfig.on_metrics``
+(:func:`report`), once.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
+
+from quicksave.trace import Span
 
 logger = logging.getLogger("quicksave")
 
@@ -47,6 +53,12 @@ class SaveRecord:
             tensors' own memory).
         bytes_hashed: bytes checksummed (xxh3-64), by the staging thread while copying
             and by the writer.
+        error: why the save failed (``status == "failed"``), else None.
+        spans: the writer's phases of an async save (``quicksave.save.persist``,
+            ``quicksave.save.commit``) as it timed them, in epoch seconds
+            (:class:`quicksave.trace.Span`; ``quicksave.trace.add_writer_spans`` puts
+            them into a profiler trace). Empty for synchronous saves, whose phases are
+            profiler ranges of the training thread, and for failed ones.
     """
 
     step: int
@@ -64,6 +76,56 @@ class SaveRecord:
     worker_cpu_s: float | None = None
     bytes_copied: int | None = None
     bytes_hashed: int | None = None
+    error: str | None = None
+    spans: tuple[Span, ...] = ()
+
+    @property
+    def throughput_mbps(self) -> float | None:
+        """Megabytes (10^6 bytes) per second from the ``save()`` call to durable:
+        ``bytes / durable_s``; None until committed."""
+        if self.status != "committed" or not self.durable_s:
+            return None
+        return self.bytes / self.durable_s / 1e6
+
+    def scalars(self, prefix: str = "quicksave/") -> dict[str, float]:
+        """The record's numbers, for a metrics logger: ``step``, ``bytes``,
+        ``blocking_s`` (time in ``save()``), ``staging_s``, ``durable_s``,
+        ``throughput_mbps`` and ``failed`` (1.0 or 0.0), each name after ``prefix``;
+        the ones not known (a failed save's ``durable_s``) are left out.
+
+        Example::
+
+            on_metrics=lambda r: wandb.log(r.scalars())
+        """
+        values = {
+            "step": self.step,
+            "bytes": self.bytes,
+            "blocking_s": self.blocking_s,
+            "staging_s": self.staging_s,
+            "durable_s": self.durable_s,
+            "throughput_mbps": self.throughput_mbps,
+            "failed": 1.0 if self.status == "failed" else 0.0,
+        }
+        return {prefix + k: float(v) for k, v in values.items() if v is not None}
+
+
+# ``CheckpointConfig.on_metrics``: called with each settled record
+MetricsHook = Callable[[SaveRecord], None]
+
+
+def report(record: SaveRecord, hook: MetricsHook | None) -> None:
+    """Hand a settled record (committed or failed) to ``hook``. A hook that raises is
+    logged and ignored: metrics never fail a save or stop training."""
+    if hook is None:
+        return
+    try:
+        hook(record)
+    except Exception:  # noqa: BLE001 - the user's hook: logged, never raised
+        logger.exception(
+            "quicksave: the on_metrics hook raised for the %s checkpoint of step %d; ignored",
+            record.kind,
+            record.step,
+        )
 
 
 def _s(value: float | None) -> str:

@@ -52,7 +52,7 @@ from quicksave.commit import classify
 from quicksave.errors import CheckpointError
 from quicksave.manager.async_writer import AsyncWriter
 from quicksave.manager.config import CheckpointConfig
-from quicksave.manager.failures import FailureLedger, log_verdict
+from quicksave.manager.failures import FailureLedger, Key, log_verdict
 from quicksave.manager.folder import (
     COMMITTED,
     apply_retention,
@@ -67,7 +67,7 @@ from quicksave.manager.housekeeper import Housekeeper
 from quicksave.manager.interval import agree_any_due, agree_reports
 from quicksave.manager.lease import WriterLease, clean_folder, take_writer_lease
 from quicksave.manager.policies import KeepLatestK, RetentionPolicy
-from quicksave.manager.records import SaveRecord, log_committed
+from quicksave.manager.records import SaveRecord, log_committed, report
 from quicksave.ranks import collectives
 from quicksave.ranks.saving import DistContext
 from quicksave.saving.handle import SaveHandle
@@ -320,10 +320,24 @@ class CheckpointSession:
         """Note a checkpoint committed synchronously by this call (its record)."""
         self.metrics.append(record)
         log_committed(record, self.info_level())
+        report(record, self.config.on_metrics)
         self._housekeeping_due = True
         if record.kind == "full":
             self.last_good = max(self.last_good or -1, record.step)
             self.ledger.committed(record.step)
+
+    def write_failed(self, key: Key, path: str, error: CheckpointError, blocking_s: float) -> None:
+        """Note a write of this call that failed before the writer had it (a synchronous
+        save, a refused hand-off): the ledger's failure, and its record."""
+        self.ledger.failed(key, error)
+        step, kind = key
+        asynchronous = self.writer is not None and kind == "full"
+        mode = self.config.async_mode if asynchronous else "disabled"
+        record = SaveRecord(
+            step, kind, path, 0, blocking_s, status="failed", mode=mode, error=str(error)
+        )
+        self.metrics.append(record)
+        report(record, self.config.on_metrics)
 
     def poll(self) -> list[CheckpointError]:
         """Collect the background saves that finished, without waiting: records, commit
@@ -341,6 +355,7 @@ class CheckpointSession:
         for index, record in finished:
             self.metrics[index] = record
             self.unclaim(record.path)
+            report(record, self.config.on_metrics)
             if record.status == "committed":
                 log_committed(record, self.info_level())
                 self._housekeeping_due = True

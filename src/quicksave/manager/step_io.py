@@ -34,6 +34,7 @@ from quicksave.manager.session import CheckpointSession
 from quicksave.manager.states import ModelState, PerRankLoad, PerRankState, payload_bytes
 from quicksave.saving.handle import SaveHandle
 from quicksave.saving.model_record import cast_floating, model_record
+from quicksave.trace import phase
 
 logger = logging.getLogger("quicksave")
 
@@ -125,6 +126,7 @@ class StepIO:
             )
             return False
         wrote = False
+        t0 = time.monotonic()
         try:
             wrote = write()
             return wrote
@@ -138,9 +140,9 @@ class StepIO:
                     else f"step {step} already has a committed checkpoint at {path}",
                 )
             else:
-                ledger.failed(key, e)
+                self.session.write_failed(key, path, e, time.monotonic() - t0)
         except CheckpointError as e:
-            ledger.failed(key, e)
+            self.session.write_failed(key, path, e, time.monotonic() - t0)
         finally:
             if not (wrote and session.writer is not None and key[1] == "full"):
                 session.unclaim(path)  # (a save in flight is unclaimed when it ends)
@@ -162,7 +164,8 @@ class StepIO:
             except CheckpointError as e:  # the write's own check decides
                 logger.warning("quicksave: could not check %s before writing it: %s", path, e)
         cpu0 = time.process_time()
-        state_dict = self.collect(kind, dtype)
+        with phase("save.state_dict"):
+            state_dict = self.collect(kind, dtype)
         nbytes = payload_bytes(state_dict)
         written = time.monotonic()
         handle = self._write(state_dict, path, step, kind, dtype)

@@ -61,6 +61,7 @@ from quicksave.saving.rank_plans import (
     global_plan,
     reusable_key,
 )
+from quicksave.trace import phase
 
 __all__ = [
     "ExchangeResult",
@@ -435,7 +436,8 @@ def plan_save(
     vote: int | None = None  # a hit: the fingerprint of those copies
     if go:
         try:
-            state = collect_local(state_dict, rank)
+            with phase("save.collect"):
+                state = collect_local(state_dict, rank)
             hit_key = reusable_key(cache, state.plan, rank, context)
             if hit_key is not None:
                 shared = _shared_on_hit(cache, hit_key, rank)

@@ -29,6 +29,7 @@ from quicksave.saving.handle import SaveHandle
 from quicksave.saving.in_flight import InFlightSaves
 from quicksave.saving.staging import PoolCopier
 from quicksave.stage.pool import StagingPool
+from quicksave.trace import phase
 from quicksave.worker.job import PersistJob
 
 logger = logging.getLogger("quicksave")
@@ -126,7 +127,8 @@ class BackgroundCopy:
         cpu0 = time.thread_time()
         digests: dict[str, str] = {}
         try:
-            copied = self.copier.stage(pool, plan, tensors, fqns, digests, ready=ready)
+            with phase("save.stage"):
+                copied = self.copier.stage(pool, plan, tensors, fqns, digests, ready=ready)
         except BaseException as e:  # noqa: BLE001 - reported at the next wait/save
             self._error = e
             return
@@ -149,18 +151,19 @@ class BackgroundCopy:
         t = self.thread
         if t is None:
             return
-        t.join()
-        self.thread = None
-        overlap, self._overlap = self._overlap, None
-        if self._error is not None:
-            err, self._error = self._error, None
-            with self.lock:
-                self.flights.release_unsubmitted()
-            raise CheckpointError(
-                f"staging failed: {type(err).__name__}: {err}", rank=self.rank
-            ) from err
-        if overlap is not None:
-            self._confirm(overlap)
+        with phase("save.wait_staging"):
+            t.join()
+            self.thread = None
+            overlap, self._overlap = self._overlap, None
+            if self._error is not None:
+                err, self._error = self._error, None
+                with self.lock:
+                    self.flights.release_unsubmitted()
+                raise CheckpointError(
+                    f"staging failed: {type(err).__name__}: {err}", rank=self.rank
+                ) from err
+            if overlap is not None:
+                self._confirm(overlap)
 
     def _confirm(self, overlap: Overlap) -> None:
         """Submit a save staged in the background, or fail it if its tensors moved."""

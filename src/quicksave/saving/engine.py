@@ -67,6 +67,7 @@ from quicksave.saving.staging import Deferred, PoolCopier, cuda_ready, split
 from quicksave.saving.worker_supervision import WorkerSupervisor
 from quicksave.stage.pool import StagingPool
 from quicksave.storage import Location, parse_location
+from quicksave.trace import phase
 from quicksave.worker.job import PersistJob
 
 logger = logging.getLogger("quicksave")
@@ -259,16 +260,19 @@ class AsyncSaver:
     ) -> PlannedSave | None:
         """Collect and plan (several ranks: through their vote; None: skipped)."""
         if self._vote is not None:
-            ds = self._vote.plan(state_dict, loc, step, user_metadata)
+            with phase("save.plan"):  # the vote and the plan exchange; collect inside
+                ds = self._vote.plan(state_dict, loc, step, user_metadata)
             return None if ds is None else PlannedSave.of_dist(ds)
         self.finalize(blocking=False)  # raises an earlier failure, once
         if overwrite:  # no I/O: can this kind of location replace atomically?
             strategy_class(loc).check_replace(loc, self.rank)
         # The target itself is checked by the worker before it writes
         # (worker/execute.py): the training thread never waits on the store.
-        state = collect_state(state_dict, loc.url, self.rank)
-        plan = self._plan(state.tensors, state.objects)
-        manifest = single_rank_manifest(plan, state, step, user_metadata)
+        with phase("save.collect"):
+            state = collect_state(state_dict, loc.url, self.rank)
+        with phase("save.plan"):
+            plan = self._plan(state.tensors, state.objects)
+            manifest = single_rank_manifest(plan, state, step, user_metadata)
         return PlannedSave(plan, state.tensors, state.sources, manifest, new_token())
 
     def _plan(self, tensors: dict[str, torch.Tensor], objects: dict[str, Any]) -> EnginePlan:
@@ -351,7 +355,8 @@ class AsyncSaver:
         now, later = split(self.config.staging, tensors, deferred, self._background.unguarded)
         ready = cuda_ready(tensors)
         try:
-            handle.bytes_copied = self._copier.stage(pool, plan, tensors, now, ready=ready)
+            with phase("save.stage"):
+                handle.bytes_copied = self._copier.stage(pool, plan, tensors, now, ready=ready)
         except BaseException:
             self._flights.drop(job.job_id)
             raise
@@ -368,7 +373,8 @@ class AsyncSaver:
     def _submit(self, job: PersistJob, handle: SaveHandle) -> None:
         """Hand a staged save to the worker (a failed worker fails it)."""
         try:
-            self._worker.for_submit(idle=self._flights.held_only(job.job_id)).submit(job)
+            with phase("save.submit"):
+                self._worker.for_submit(idle=self._flights.held_only(job.job_id)).submit(job)
         except CheckpointError as e:
             self._worker_failed(e)
 

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from quicksave.errors import CheckpointError
+from quicksave.trace import Span
 
 
 @dataclass(frozen=True)
@@ -37,6 +38,8 @@ class SaveResult:
     worker_cpu_s: float = 0.0
     bytes_copied: int = 0  # tensor bytes copied into the staging pool
     bytes_hashed: int = 0  # bytes checksummed, by the trainer's staging and the writer
+    # the writer's phases (persist, commit) as it timed them: quicksave.trace
+    spans: tuple[Span, ...] = ()
 
 
 class HandleOwner(Protocol):

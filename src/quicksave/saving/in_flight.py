@@ -24,6 +24,7 @@ from quicksave.ranks.saving import DistSaving
 from quicksave.saving.handle import SaveHandle, SaveResult
 from quicksave.saving.slots import Slot
 from quicksave.storage import Location
+from quicksave.trace import writer_spans
 from quicksave.worker.calls import CallResult
 from quicksave.worker.job import JobResult
 
@@ -134,6 +135,9 @@ class InFlightSaves:
                     worker_cpu_s=r.cpu_s,
                     bytes_copied=h.bytes_copied,
                     bytes_hashed=h.bytes_hashed + r.bytes_hashed,
+                    spans=writer_spans(
+                        r.started_at, r.started_at + r.write_s, r.finished_at, r.pid
+                    ),
                 ),
                 None,
             )

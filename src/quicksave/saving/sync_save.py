@@ -41,6 +41,7 @@ from quicksave.saving.plan import RankLayout
 from quicksave.saving.rank_plans import GlobalPlan, LocalPlan, collect_local, global_plan
 from quicksave.saving.skeleton import chunk_keys_of
 from quicksave.storage.location import Location
+from quicksave.trace import phase
 from quicksave.worker import persist
 from quicksave.worker.files import commit_files
 
@@ -138,10 +139,11 @@ class _Run:
     def plan(self, state_dict: Mapping[str, Any]) -> _Share:
         mine: tuple[LocalPlan, dict[str, replicas.Copy]] | CheckpointError
         try:
-            nested = to_state_dict(state_dict)
-            validate_for_save(nested, self.named)
-            self.state = collect_local(nested, self.rank)
-            copies = replicas.local_copies(self.state) if self.distributed else {}
+            with phase("save.collect"):
+                nested = to_state_dict(state_dict)
+                validate_for_save(nested, self.named)
+                self.state = collect_local(nested, self.rank)
+                copies = replicas.local_copies(self.state) if self.distributed else {}
             mine = (self.state.plan, copies)
         except CheckpointError as e:
             if not self.distributed:
@@ -149,7 +151,8 @@ class _Run:
             mine = self._with_path(e)
         except BaseException as e:  # noqa: BLE001 - raised on every rank by the exchange
             mine = sendable(e, self.rank)
-        return self._round(mine, self._decide_plan)
+        with phase("save.plan"):
+            return self._round(mine, self._decide_plan)
 
     def _decide_plan(self, gathered: list[Any]) -> list[_Share]:
         failed = failures_in(gathered)
@@ -171,15 +174,17 @@ class _Run:
     def write_and_commit(self, share: _Share) -> None:
         mine: RankPart | CheckpointError
         try:
-            written = persist.write_rank(
-                self.strategy.backend, share.staging, share.layout, self.state.tensors
-            )
+            with phase("save.persist"):
+                written = persist.write_rank(
+                    self.strategy.backend, share.staging, share.layout, self.state.tensors
+                )
             digests = {k: d for f in written for k, d in f.chunk_xxh3_64.items()}
             values = {fqn: self.state.values[fqn] for fqn in share.objects}
             mine = RankPart(self.rank, digests, values)
         except BaseException as e:  # noqa: BLE001 - raised on every rank by the round
             mine = sendable(e, self.rank)
-        self._round(mine, self._decide_commit)
+        with phase("save.commit"):
+            self._round(mine, self._decide_commit)
 
     def _decide_commit(self, gathered: list[Any]) -> list[None]:
         gp, staging = self.global_plan, self.staging

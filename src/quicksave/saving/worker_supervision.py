@@ -14,6 +14,7 @@ import logging
 import time
 from collections.abc import Callable, Iterable
 
+from quicksave import trace
 from quicksave.errors import CheckpointError
 from quicksave.ranks.saving import DistSaving
 from quicksave.saving.config import EngineConfig
@@ -58,7 +59,7 @@ class WorkerSupervisor:
                     store_timeout_s=self.dist.ctx.commit_timeout_s,
                 )
         else:
-            p = ThreadPersister()
+            p = ThreadPersister(phase=trace.phase)  # the writer's phases: profiler ranges
         self.persister = p
         return p
 

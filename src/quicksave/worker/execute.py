@@ -21,7 +21,7 @@ from quicksave.ranks import records
 from quicksave.storage.backend import Backend
 from quicksave.storage.retry import StoreHealth
 from quicksave.worker.files import backend_for, check_target, commit_files, discard, write_files
-from quicksave.worker.job import JobResult, PersistJob, Usage, done, failure
+from quicksave.worker.job import JobResult, PersistJob, Phase, Usage, done, failure, untraced
 from quicksave.worker.multirank import execute_multirank_job
 
 
@@ -31,6 +31,7 @@ def execute_job(
     store: Any = None,
     backends: dict[tuple, Backend] | None = None,
     health: StoreHealth | None = None,
+    phase: Phase = untraced,
 ) -> JobResult:
     """Write the job's files from ``pool`` (the staged images), then commit. Never raises:
     failures come back in the JobResult, and what was written is removed.
@@ -40,6 +41,9 @@ def execute_job(
     ``backends`` keeps object-store backends (their clients) from job to job;
     ``health`` is where their retries say whether the store answers (the trainer reads
     it: it does not wait for a pool that a save stuck on a store that is down holds).
+    ``phase`` wraps the writing (``"save.persist"``) and the commit (``"save.commit"``);
+    their times come back in the result either way (``started_at``, ``write_s``,
+    ``finished_at``).
     """
     if health is not None:
         health.answered()  # a new job: the trainer hears of this one's trouble only
@@ -48,7 +52,7 @@ def execute_job(
     except BaseException as e:  # noqa: BLE001 - e.g. the extra is not installed
         return failure(job, e)
     if job.dist is not None:
-        return execute_multirank_job(job, pool, store, backend)
+        return execute_multirank_job(job, pool, store, backend, phase)
     t0 = time.monotonic()
     usage = Usage(time.thread_time())
     try:  # here, not on the training thread: a store that is down stalls no trainer
@@ -56,22 +60,24 @@ def execute_job(
     except BaseException as e:  # noqa: BLE001 - nothing written: nothing to discard
         return failure(job, e)
     try:
-        digests = write_files(job, pool, backend, usage)
+        with phase("save.persist"):
+            digests = write_files(job, pool, backend, usage)
         t1 = time.monotonic()
-        commit_files(
-            strategy_for(backend),
-            job.tmp_dir,
-            job.location,
-            manifest_from_parts(
-                job.manifest,
-                job.chunk_keys,
-                [RankPart(job.rank, digests, {})],
+        with phase("save.commit"):
+            commit_files(
+                strategy_for(backend),
                 job.tmp_dir,
-                objects_in_parts=False,
-            ),
-            job.dcp_metadata,
-            replace=job.replace,
-        )
+                job.location,
+                manifest_from_parts(
+                    job.manifest,
+                    job.chunk_keys,
+                    [RankPart(job.rank, digests, {})],
+                    job.tmp_dir,
+                    objects_in_parts=False,
+                ),
+                job.dcp_metadata,
+                replace=job.replace,
+            )
         t2 = time.monotonic()
         return done(job, t0, t1, t2, usage)
     except BaseException as e:  # noqa: BLE001 - every failure must reach the trainer

@@ -8,7 +8,7 @@ skeleton, the pickled ``.metadata``; tensor bytes never travel in it (the worker
 them from the staging pool it mapped). The messages only go trainer → writer, and the
 result back: the writer never asks the trainer anything.
 
-``Usage``, ``done``, ``failure`` and ``not_committed`` are the writer's side: they build
+``Usage``, ``Phase``, ``done``, ``failure`` and ``not_committed`` are the writer's side: they build
 the result of a job (its cost, or its error in a form that pickles and is raised again in
 the trainer by ``JobResult.error``).
 
@@ -17,10 +17,13 @@ Torch-free: the worker process imports it.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import time
 import traceback
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -104,6 +107,8 @@ class JobResult:
     write_s: float = 0.0
     commit_s: float = 0.0
     finished_at: float = 0.0  # time.monotonic() when durable (comparable across processes)
+    started_at: float = 0.0  # time.monotonic() when the writer started on it (0: failed)
+    pid: int = 0  # the writer's process
     cpu_s: float = 0.0  # CPU seconds of the job's thread and its writer threads
     bytes_hashed: int = 0  # chunk bytes the writer hashed (not given by the trainer)
     error_type: str = ""
@@ -136,6 +141,17 @@ class Usage:
         return time.thread_time() - self.cpu0 + self.helpers_cpu_s
 
 
+# ``phase(name)`` wraps one phase of a job (``"save.persist"``, ``"save.commit"``): a
+# thread-mode writer is given ``quicksave.trace.phase`` (a profiler range in the training
+# process); the worker process, which has no torch, runs ``untraced``.
+Phase = Callable[[str], AbstractContextManager[Any]]
+
+
+def untraced(name: str) -> AbstractContextManager[Any]:
+    """The phase of a writer no profiler sees: nothing."""
+    return contextlib.nullcontext()
+
+
 def done(
     job: PersistJob, began: float, written: float, committed: float, usage: Usage
 ) -> JobResult:
@@ -148,6 +164,8 @@ def done(
         write_s=written - began,
         commit_s=committed - written,
         finished_at=committed,
+        started_at=began,
+        pid=os.getpid(),
         cpu_s=usage.cpu_s(),
         bytes_hashed=usage.bytes_hashed,
     )

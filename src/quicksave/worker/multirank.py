@@ -18,20 +18,30 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from quicksave.commit import strategy_for
+from quicksave.commit import CommitStrategy, strategy_for
 from quicksave.commit.parts import RankPart, manifest_from_parts, part_name, read_part, write_part
 from quicksave.errors import CheckpointError
 from quicksave.ranks import records
 from quicksave.storage.backend import Backend
 from quicksave.worker.files import check_target, commit_files, discard, write_files
-from quicksave.worker.job import JobResult, PersistJob, Usage, done, failure, not_committed
+from quicksave.worker.job import (
+    JobResult,
+    PersistJob,
+    Phase,
+    Usage,
+    done,
+    failure,
+    not_committed,
+    untraced,
+)
 
 
 def execute_multirank_job(
-    job: PersistJob, pool: memoryview, store: Any, backend: Backend
+    job: PersistJob, pool: memoryview, store: Any, backend: Backend, phase: Phase = untraced
 ) -> JobResult:
-    """One rank's share of a multi-rank save: files, part, rank record; then commit (the
-    coordinator) or wait for the commit record (the others)."""
+    """One rank's share of a multi-rank save: files, part, rank record (``phase``
+    ``"save.persist"``); then commit (the coordinator) or wait for the commit record
+    (``"save.commit"``)."""
     d = job.dist
     assert d is not None
     t0 = time.monotonic()
@@ -45,8 +55,10 @@ def execute_multirank_job(
             # every rank, before it writes (on a store its objects go straight under
             # the checkpoint's prefix): here, not on the training thread
             check_target(job, strategy)
-            digests = write_files(job, pool, backend, usage)
-            write_part(strategy, job.tmp_dir, RankPart(job.rank, digests, d.objects), job.fsync)
+            with phase("save.persist"):
+                digests = write_files(job, pool, backend, usage)
+                part = RankPart(job.rank, digests, d.objects)
+                write_part(strategy, job.tmp_dir, part, job.fsync)
         except BaseException as e:  # noqa: BLE001 - told to the others, then reported here
             result = failure(job, e)
             records.post_rank(store, d.token, job.rank, result.error_message)
@@ -57,33 +69,51 @@ def execute_multirank_job(
             return result
         records.post_rank(store, d.token, job.rank)
         t1 = time.monotonic()
-        if coordinator:
-            problems = records.wait_ranks(store, d.token, d.world_size, d.timeout_s)
-            if not problems:
-                try:
-                    ranks = range(d.world_size)
-                    parts = [read_part(strategy, job.tmp_dir, r) for r in ranks]
-                    assert job.manifest is not None
-                    manifest = manifest_from_parts(job.manifest, job.chunk_keys, parts, job.tmp_dir)
-                    # merged: the checkpoint holds no parts
-                    strategy.delete_members(job.tmp_dir, [part_name(r) for r in ranks])
-                    commit_files(strategy, job.tmp_dir, job.location, manifest, job.dcp_metadata)
-                except BaseException as e:  # noqa: BLE001 - an abort like any other
-                    problems = {job.rank: f"{type(e).__name__}: {e}"}
-            if problems:
-                r, why = min(problems.items())
-                reason = f"rank {r}: {why}"
-                records.post_commit(store, d.token, reason)
-                discard(job, backend, parts=True)
-                return not_committed(job, reason, r)
-            records.post_commit(store, d.token)
-        else:
-            reason = records.wait_commit(
-                store, d.token, records.commit_wait_s(d.timeout_s), coordinator=d.coordinator
-            )
-            if reason is not None:
-                return not_committed(job, reason, None)
+        with phase("save.commit"):
+            failed = _commit(job, store, backend, strategy) if coordinator else _wait(job, store)
+        if failed is not None:
+            return failed
         t2 = time.monotonic()
         return done(job, t0, t1, t2, usage)
     except BaseException as e:  # noqa: BLE001 - e.g. the store went away
         return failure(job, e)
+
+
+def _commit(
+    job: PersistJob, store: Any, backend: Backend, strategy: CommitStrategy
+) -> JobResult | None:
+    """The coordinator: wait for every rank's record, merge the parts, commit, post the
+    commit record; the result of a save not committed, else None."""
+    d = job.dist
+    assert d is not None
+    problems = records.wait_ranks(store, d.token, d.world_size, d.timeout_s)
+    if not problems:
+        try:
+            ranks = range(d.world_size)
+            parts = [read_part(strategy, job.tmp_dir, r) for r in ranks]
+            assert job.manifest is not None
+            manifest = manifest_from_parts(job.manifest, job.chunk_keys, parts, job.tmp_dir)
+            # merged: the checkpoint holds no parts
+            strategy.delete_members(job.tmp_dir, [part_name(r) for r in ranks])
+            commit_files(strategy, job.tmp_dir, job.location, manifest, job.dcp_metadata)
+        except BaseException as e:  # noqa: BLE001 - an abort like any other
+            problems = {job.rank: f"{type(e).__name__}: {e}"}
+    if problems:
+        r, why = min(problems.items())
+        reason = f"rank {r}: {why}"
+        records.post_commit(store, d.token, reason)
+        discard(job, backend, parts=True)
+        return not_committed(job, reason, r)
+    records.post_commit(store, d.token)
+    return None
+
+
+def _wait(job: PersistJob, store: Any) -> JobResult | None:
+    """Any other rank: wait for the coordinator's commit record; the result of a save
+    not committed, else None."""
+    d = job.dist
+    assert d is not None
+    reason = records.wait_commit(
+        store, d.token, records.commit_wait_s(d.timeout_s), coordinator=d.coordinator
+    )
+    return None if reason is None else not_committed(job, reason, None)

@@ -47,7 +47,7 @@ from quicksave.storage.retry import StoreHealth
 from quicksave.worker.calls import CallResult, pickle_call, run_call
 from quicksave.worker.config import WorkerConfig
 from quicksave.worker.execute import execute_job, store_for
-from quicksave.worker.job import JobResult, PersistJob, failure
+from quicksave.worker.job import JobResult, PersistJob, Phase, failure, untraced
 from quicksave.worker.liveness import Liveness
 from quicksave.worker.main import HEALTH_OFFSET, command, environment
 
@@ -61,9 +61,15 @@ class _Pending:
 
 
 class ThreadPersister:
-    """Runs jobs in one background thread of the training process (``async_mode="thread"``)."""
+    """Runs jobs in one background thread of the training process (``async_mode="thread"``).
 
-    def __init__(self) -> None:
+    Args:
+        phase: wraps each job's phases (``execute_job``): the engine passes
+            ``quicksave.trace.phase``, so that they are profiler ranges of the thread.
+    """
+
+    def __init__(self, phase: Phase = untraced) -> None:
+        self._phase = phase
         self._pools: dict[int, memoryview] = {}
         self._results: list[JobResult | CallResult] = []
         self._lock = threading.Lock()
@@ -89,6 +95,7 @@ class ThreadPersister:
                     store_for(job, self._stores),
                     self._backends,
                     self.health,
+                    self._phase,
                 )
             except BaseException as e:  # noqa: BLE001 - a lost result would hang the trainer
                 r = failure(job, e)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from typing import Any
 
@@ -60,6 +61,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="seed of the tensor values")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.add_argument(
+        "--out",
+        metavar="FILE.json",
+        help="also write the report as JSON to FILE.json and its plot beside it (FILE.png; "
+        "needs matplotlib: pip install 'quicksave[bench]')",
+    )
+    p.add_argument(
         "--training",
         action="store_true",
         help="run the training-loop benchmark instead (its options: --training --help)",
@@ -80,6 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     Example::
 
         quicksave bench --size-mib 1024 --repeats 3
+        quicksave bench --size-mib 1024 --out results/bench.json  # + results/bench.png
         quicksave bench --training --plot steps.png
     """
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -117,4 +125,32 @@ def main(argv: list[str] | None = None) -> int:
         print(f"quicksave bench: {e}", file=sys.stderr)
         return 1
     print(json.dumps(report, indent=2) if args.json else format_report(report))
+    if args.out:
+        return _write_out(report, args.out)
+    return 0
+
+
+def _write_out(report: dict[str, Any], path: str) -> int:
+    """The report as JSON at ``path`` and its plot beside it; 0, or 2 if ``path`` cannot
+    be written. Without matplotlib the JSON is written and the missing plot is said."""
+    from quicksave_tools.bench.throughput_plot import plot_path, plot_throughput_report
+
+    try:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump(report, f, indent=2)
+    except OSError as e:
+        print(f"quicksave bench: cannot write {path}: {e}", file=sys.stderr)
+        return 2
+    png = plot_path(path)
+    try:
+        plot_throughput_report(report, png)
+    except ImportError:
+        print(
+            f"quicksave bench: wrote {path}; no plot: matplotlib is not installed "
+            "(pip install 'quicksave[bench]')",
+            file=sys.stderr,
+        )
+        return 0
+    print(f"quicksave bench: wrote {path} and {png}", file=sys.stderr)
     return 0
