@@ -86,7 +86,7 @@ def test_commits_are_listed_and_retention_keeps_the_newest(tmp_path: Path) -> No
     try:
         for step in (1, 2, 3):
             _commit(session, step)
-            session.housekeep(protect={step})
+            session.housekeep(protect={step}, wait=True)
         assert session.committed_steps() == [2, 3]
         assert session.last_good == 3 and [r.step for r in session.metrics] == [1, 2, 3]
         assert session.is_committed(session.step_path(3))

@@ -65,14 +65,14 @@ def _fault_counts(folder: Path, mode: str) -> tuple[list[int], CheckpointManager
 # what the count sees is the pool. The measurement runs in a fresh interpreter.
 _MALLOC = {"MALLOC_MMAP_THRESHOLD_": str(1 << 28), "MALLOC_TRIM_THRESHOLD_": str(1 << 32)}
 _CHILD = """
-import json, pathlib, sys
+import dataclasses, json, pathlib, sys
 sys.path[:0] = sys.argv[3:]
 import test_startup_cost as t
 if sys.argv[2] == "lazy":
     t.build_pools_lazily()
 mode = "thread" if sys.argv[2] == "lazy" else sys.argv[2]
 counts, manager = t._fault_counts(pathlib.Path(sys.argv[1]), mode)
-records = [vars(r) for r in manager.metrics]
+records = [dataclasses.asdict(r) for r in manager.metrics]
 manager.close()
 print(json.dumps({"counts": counts, "records": records}))
 """
