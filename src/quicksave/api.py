@@ -360,7 +360,7 @@ def load(
                 reader = _reader_for(loc, backend, thread_count, allow_dcp_pickle)
                 # a refused pickle or a bad manifest fails here, before any planning
                 metadata = reader.read_metadata()
-                undos = _prepare_destinations(state_dict, metadata)
+                undos = _prepare_destinations(state_dict, metadata, where)
                 plain = _plain_state_dict(state_dict)
                 local = steps.load_local_plan(plain, metadata, planner, reader, group)
             except BaseException as e:  # noqa: BLE001 - in a group: raised on every rank
@@ -417,12 +417,13 @@ def _reader_for(loc: Any, backend: Any, thread_count: int, allow_dcp_pickle: boo
 
 
 def _prepare_destinations(
-    state_dict: Mapping[str, Any], metadata: Metadata
+    state_dict: Mapping[str, Any], metadata: Metadata, path: str
 ) -> list[Callable[[], None]]:
     """Let each top-level value with a ``prepare_load(stored, prefix)`` method shape its
     destinations from the checkpoint's metadata before DCP asks for its state dict (an
     ``OptimizerState`` whose optimizer has no state yet allocates it, instead of
-    torch's zero-gradient step). Returns the functions that undo it, for a failed load."""
+    torch's zero-gradient step). Returns the functions that undo it, for a failed load;
+    an error it raises is given ``path`` (the checkpoint) if it names none."""
     undos = []
     try:
         for key, value in state_dict.items():
@@ -431,8 +432,10 @@ def _prepare_destinations(
             undo = value.prepare_load(metadata.state_dict_metadata, f"{key}.")
             if undo is not None:
                 undos.append(undo)
-    except BaseException:  # e.g. a per-rank state refusing the checkpoint
+    except BaseException as e:  # e.g. a per-rank state refusing the checkpoint
         for undo in undos:
             undo()
+        if isinstance(e, CheckpointError) and e.path is None:
+            e.path = path
         raise
     return undos
