@@ -43,6 +43,7 @@ from quicksave.errors import CheckpointError
 from quicksave.manager.async_writer import AsyncWriter
 from quicksave.manager.config import CheckpointConfig
 from quicksave.manager.folder import check_step
+from quicksave.manager.folder_checks import check_not_behind
 from quicksave.manager.policies import (
     RetentionPolicy,
     SavePolicy,
@@ -132,6 +133,7 @@ class CheckpointManager:
         self._io = StepIO(config, self.session, self.states)
         self.schedule = SaveSchedule(config, save_policy, clock)
         self._closed = False
+        self._placed = False  # load() was called, or a save was checked against the folder
         self._shown = show_logs(config.log_level)  # undone by close()
         if not config.enabled:
             return
@@ -320,6 +322,9 @@ class CheckpointManager:
         if not self.schedule.due(step, forced=force or is_last):
             session.housekeep()
             return False
+        if not self._placed:  # a new run in an old run's folder? (folder_checks.py)
+            check_not_behind(step, self.committed_steps(), self.folder, session.rank())
+            self._placed = True
         kind = "seed" if step == 0 else "full"
         wrote = False
         if step in session.in_flight:
@@ -416,10 +421,12 @@ class CheckpointManager:
             check_step(step, self.folder)
             self.session.require_committed(step)
             self._io.load_step(step, strict=strict)
+            self._placed = True
             return step
         loaded = self.session.load_newest(
             lambda candidate: self._io.load_step(candidate, strict=strict)
         )
+        self._placed = True
         if loaded is None:
             logger.info("quicksave: no committed checkpoint in %s; starting fresh", self.folder)
         return loaded
