@@ -284,10 +284,20 @@ class CheckpointManager:
         ``CheckpointError`` is raised on every rank at the same call: this one if it
         failed here, else the next call that settles (with one rank the next call; with
         several the next due ``save()``, ``export()``, ``wait()``, ``load()`` or
-        ``close()``); an earlier failure is raised before this call writes anything.
-        With ``"log"`` it is logged and counted (:attr:`failed_saves`) and saving goes
-        on, until ``max_consecutive_failures`` in a row raise. A call with nothing due
-        talks to no other rank and does no I/O that can raise.
+        ``close()``). Whether the call that raises an earlier failure saved its own
+        step: with one rank it did not (the failure is raised before it writes
+        anything; ``save(step)`` again saves that step); with several it did (every
+        rank writes its step first, async: hands it to the writer, where it commits
+        unless it fails too, and then every rank raises alike, so that none is left
+        waiting in the save's collectives). With ``"log"`` it is logged and counted
+        (:attr:`failed_saves`) and saving goes on, until ``max_consecutive_failures``
+        in a row raise. A call with nothing due talks to no other rank and does no I/O
+        that can raise.
+
+        A manager that has not called :meth:`load` refuses (``CheckpointError``, on
+        every rank, nothing written) a first due step below the newest committed one
+        in its folder: a new run in an old run's folder, whose checkpoints a resume
+        would pass over and retention would delete first.
 
         Args:
             step: the training step just completed (an int >= 0).
@@ -299,7 +309,8 @@ class CheckpointManager:
 
         Raises:
             CheckpointError: invalid step, manager closed or read-only (names why:
-                e.g. the process holding the folder's writer lease), or a save failed
+                e.g. the process holding the folder's writer lease), a step below the
+                folder's newest before any ``load()`` (see above), or a save failed
                 (see above; nothing of a failed save becomes visible).
 
         Example::
