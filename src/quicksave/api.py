@@ -315,7 +315,11 @@ def load(
     """Load the checkpoint at ``path`` into ``state_dict`` in place.
 
     Tensors are filled in place (resharding to the caller's layout: any world size);
-    ``Stateful`` values get ``load_state_dict``; plain values are replaced in the dict.
+    ``Stateful`` values get ``load_state_dict``; plain values are replaced in the dict
+    (read them back from it). To resume a new job, pass ``ModelState`` /
+    ``OptimizerState`` (as saved): an optimizer without state yet gets the state the
+    checkpoint holds allocated from its metadata, with no optimizer step; a plain
+    ``optim.state_dict()`` is a copy, and loading into it leaves the optimizer as it is.
     A quicksave checkpoint is read from its JSON manifest and raw bytes, never
     unpickled. A stock ``torch.distributed.checkpoint`` directory (e.g. from
     torchtitan) is read with DCP's reader; its ``.metadata`` is a pickle by DCP's
@@ -342,6 +346,8 @@ def load(
     Example::
 
         quicksave.load({"model": model.state_dict()}, "ckpt/step-10")
+        state = {"model": ModelState(model), "optim": OptimizerState(model, optim), "epoch": 0}
+        quicksave.load(state, "ckpt/step-10")  # then epoch = state["epoch"]
     """
     distributed = _dist_on()
     group = _DistWrapper(process_group, distributed, 0)
