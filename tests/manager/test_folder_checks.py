@@ -217,3 +217,24 @@ def test_every_rank_refuses_alike_and_nobody_waits(tmp_path: Path) -> None:
     for r in results:
         assert [m.split(" is below")[0] for m in r["errors"]] == ["step 10", "step 20"], r
         assert r["loaded"] == 30 and r["committed"] == [30, 40], r
+
+
+def test_a_folder_that_cannot_be_listed_leaves_the_check_to_the_next_save(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    folder = tmp_path / "ckpt"
+    _old_run(folder)
+    job = _Job(seed=1)
+    with _manager(folder, job.states(), keep_latest_k=0) as manager:
+        listing = manager.session.committed_steps
+
+        def store_down(**kw: Any) -> list[int]:  # as a listing on a store that is down
+            raise CheckpointError("the store did not answer", path=str(folder))
+
+        monkeypatch.setattr(manager.session, "committed_steps", store_down)
+        with caplog.at_level("WARNING", logger="quicksave"):
+            assert manager.save(15, force=True)  # not compared: the save goes on, commits
+        assert f"could not list {folder} to compare step 15 with its checkpoints" in caplog.text
+        monkeypatch.setattr(manager.session, "committed_steps", listing)
+        with pytest.raises(CheckpointError, match=r"^step 20 is below the newest committed"):
+            manager.save(20)  # listed now: compared, refused

@@ -16,6 +16,7 @@ alike; no collective.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
@@ -24,6 +25,8 @@ from quicksave.manager.folder import stored_metadata
 
 if TYPE_CHECKING:
     from quicksave.manager.session import CheckpointSession
+
+logger = logging.getLogger("quicksave")
 
 _STEPS_SHOWN = 8
 
@@ -37,18 +40,33 @@ def _names(names: Iterable[str]) -> str:
     return ", ".join(repr(n) for n in sorted(names)) or "none"
 
 
-def check_not_behind(step: int, committed: list[int], folder: str, rank: int | None) -> None:
-    """Raise unless ``step`` is at or above every committed step of ``folder``.
+def check_not_behind(step: int, session: CheckpointSession) -> bool:
+    """Raise unless ``step`` is at or above every committed step of ``session``'s
+    folder (listed here: one listing, on every rank alike).
 
     Args:
         step: the step a manager that has not loaded is about to save.
-        committed: the folder's committed steps, ascending.
+
+    Returns:
+        True once checked; False if the folder could not be listed (logged: the save
+        goes on, and its own writes meet the store's trouble; the next due save checks).
 
     Raises:
         CheckpointError: a committed step is above ``step``; nothing was written.
     """
+    try:
+        committed = session.committed_steps()
+    except (CheckpointError, OSError) as e:
+        logger.warning(
+            "quicksave: could not list %s to compare step %d with its checkpoints (%s); "
+            "the next save compares",
+            session.folder,
+            step,
+            e,
+        )
+        return False
     if not committed or committed[-1] <= step:
-        return
+        return True
     newest = committed[-1]
     raise CheckpointError(
         f"step {step} is below the newest committed checkpoint in this folder (step "
@@ -56,8 +74,8 @@ def check_not_behind(step: int, committed: list[int], folder: str, rank: int | N
         "stay the one a resume loads, and retention (which keeps the highest steps) would "
         f"delete this run's checkpoints first. Call load() before training to resume from "
         f"step {newest}, or give a new run a new folder; nothing was written",
-        path=folder,
-        rank=rank,
+        path=session.folder,
+        rank=session.rank(),
     )
 
 

@@ -334,8 +334,7 @@ class CheckpointManager:
             session.housekeep()
             return False
         if not self._placed:  # a new run in an old run's folder? (folder_checks.py)
-            check_not_behind(step, self.committed_steps(), self.folder, session.rank())
-            self._placed = True
+            self._placed = check_not_behind(step, session)
         kind = "seed" if step == 0 else "full"
         wrote = False
         if step in session.in_flight:
