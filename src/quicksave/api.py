@@ -316,7 +316,11 @@ def load(
     """Load the checkpoint at ``path`` into ``state_dict`` in place.
 
     Tensors are filled in place (resharding to the caller's layout: any world size);
-    ``Stateful`` values get ``load_state_dict``; plain values are replaced in the dict.
+    ``Stateful`` values get ``load_state_dict``; plain values are replaced in the dict
+    (read them back from it). To resume a new job, pass ``ModelState`` /
+    ``OptimizerState`` (as saved): an optimizer without state yet gets the state the
+    checkpoint holds allocated from its metadata, with no optimizer step; a plain
+    ``optim.state_dict()`` is a copy, and loading into it leaves the optimizer as it is.
     A quicksave checkpoint is read from its JSON manifest and raw bytes, never
     unpickled. A stock ``torch.distributed.checkpoint`` directory (e.g. from
     torchtitan) is read with DCP's reader; its ``.metadata`` is a pickle by DCP's
@@ -343,6 +347,8 @@ def load(
     Example::
 
         quicksave.load({"model": model.state_dict()}, "ckpt/step-10")
+        state = {"model": ModelState(model), "optim": OptimizerState(model, optim), "epoch": 0}
+        quicksave.load(state, "ckpt/step-10")  # then epoch = state["epoch"]
     """
     distributed = _dist_on()
     group = _DistWrapper(process_group, distributed, 0)
@@ -362,7 +368,7 @@ def load(
                 # a refused pickle or a bad manifest fails here, before any planning
                 with phase("load.metadata"):
                     metadata = reader.read_metadata()
-                undos = _prepare_destinations(state_dict, metadata)
+                undos = _prepare_destinations(state_dict, metadata, where)
                 plain = _plain_state_dict(state_dict)
                 with phase("load.plan"):
                     local = steps.load_local_plan(plain, metadata, planner, reader, group)
@@ -423,12 +429,13 @@ def _reader_for(loc: Any, backend: Any, thread_count: int, allow_dcp_pickle: boo
 
 
 def _prepare_destinations(
-    state_dict: Mapping[str, Any], metadata: Metadata
+    state_dict: Mapping[str, Any], metadata: Metadata, path: str
 ) -> list[Callable[[], None]]:
     """Let each top-level value with a ``prepare_load(stored, prefix)`` method shape its
     destinations from the checkpoint's metadata before DCP asks for its state dict (an
     ``OptimizerState`` whose optimizer has no state yet allocates it, instead of
-    torch's zero-gradient step). Returns the functions that undo it, for a failed load."""
+    torch's zero-gradient step). Returns the functions that undo it, for a failed load;
+    an error it raises is given ``path`` (the checkpoint) if it names none."""
     undos = []
     try:
         for key, value in state_dict.items():
@@ -437,8 +444,10 @@ def _prepare_destinations(
             undo = value.prepare_load(metadata.state_dict_metadata, f"{key}.")
             if undo is not None:
                 undos.append(undo)
-    except BaseException:  # e.g. a per-rank state refusing the checkpoint
+    except BaseException as e:  # e.g. a per-rank state refusing the checkpoint
         for undo in undos:
             undo()
+        if isinstance(e, CheckpointError) and e.path is None:
+            e.path = path
         raise
     return undos

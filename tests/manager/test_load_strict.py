@@ -60,7 +60,16 @@ def test_torchtitan_checkpoint_loads_with_strict_false(tmp_path: Path) -> None:
         assert manager.committed_steps() == [2]
         with pytest.raises(IncompatibleStateError) as info:
             manager.load()
-        message = info.value.message
+        assert info.value.message == (  # the states, then the keys (its cause)
+            "the checkpoint of step 2 (the newest committed one) holds the states "
+            "'dataloader', 'layers', 'lr_scheduler', 'norm', 'optimizer', 'output', "
+            "'tok_embeddings', 'train_state', and this manager loads 'lr_scheduler', "
+            "'optimizer', 'train_state' (not this manager's: 'dataloader', 'layers', 'norm', "
+            "'output', 'tok_embeddings'): it was written by something else (quicksave.save, "
+            "another program). Keep other checkpoints out of the manager's folder, or "
+            "load(strict=False) to load the states both have"
+        )
+        message = info.value.__cause__.message
         assert message.startswith("state dict keys do not match the checkpoint (")
         for key in ("tok_embeddings.weight", "dataloader.dp_rank_0", "dataloader.world_size"):
             assert key in message, message

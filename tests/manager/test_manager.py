@@ -593,11 +593,16 @@ def test_per_rank_state_without_an_entry_for_this_rank_is_left_alone(tmp_path: P
     make(tmp_path / "other", {"model": ModelState(model)}, interval=1).save(1)
     with pytest.raises(IncompatibleStateError) as info:
         make(tmp_path / "other", {"model": ModelState(model), "rng": RNGState()}).load()
-    assert str(info.value).startswith(
+    assert info.value.message.startswith(
+        "the checkpoint of step 1 (the newest committed one) holds the states 'model', and "
+        "this manager loads 'model', 'rng' (not in the checkpoint: 'rng')"
+    )
+    cause = info.value.__cause__  # the keys
+    assert str(cause).startswith(
         "state dict keys do not match the checkpoint (missing from checkpoint: "
         "rng.rank_0.numpy.algorithm, "
     )
-    assert info.value.fqn == "rng.rank_0.numpy.algorithm"
+    assert cause.fqn == "rng.rank_0.numpy.algorithm"
 
 
 # ---------------------------------------------------------------- wait

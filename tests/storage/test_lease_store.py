@@ -238,6 +238,11 @@ def test_second_writer_is_read_only_and_deletes_nothing_while_a_save_is_in_fligh
             seconds.append(second)
             reason = second.read_only_reason
             assert reason is not None and f"pid {os.getpid()}" in reason, reason
+            if machine == "here":  # another manager of this very process
+                assert reason.startswith(f"this process (pid {os.getpid()} on host "), reason
+                assert "another manager in this process writes to this folder" in reason
+            else:
+                assert reason.startswith("another live process holds"), reason
             with pytest.raises(CheckpointError, match="writer lease") as info:
                 second.save(3, force=True)  # never replaces the in-flight step-2, or step-1
             assert f"pid {os.getpid()}" in str(info.value)

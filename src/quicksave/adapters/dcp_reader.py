@@ -60,6 +60,7 @@ from quicksave.format import objects as objcodec
 from quicksave.format.dtypes import dtype_from_name
 from quicksave.format.keys import EMPTY_KEY, dcp_planner_data
 from quicksave.format.manifest import ChunkEntry, Manifest, ObjectEntry, PlannedChunk, RankPlan
+from quicksave.loading.run_folder import not_a_checkpoint
 from quicksave.storage import Location, StorageOptions, parse_location
 from quicksave.storage.backend import Backend, join
 from quicksave.storage.checkpoint_dir import CheckpointDir, Member
@@ -103,7 +104,7 @@ def require_committed(
             "quicksave.load() reads it through DCP's own reader",
             path=path,
         )
-    raise CheckpointNotFoundError("not a checkpoint (no manifest.json)", path=path)
+    raise CheckpointNotFoundError(not_a_checkpoint(loc, backend), path=path)
 
 
 def manifest_to_metadata(manifest: Manifest, path: str | None = None) -> Metadata:

@@ -6,7 +6,7 @@ Subcommands (``quicksave <cmd> --help`` for each)::
     quicksave inspect CKPT [--json] [--allow-pickle]
     quicksave verify CKPT|FOLDER [--json] [--progress | --no-progress]
     quicksave convert CKPT OUT --to {torch,dcp,safetensors,quicksave,hf}
-              [--state NAME] [--dtype DTYPE] [--max-shard-size SIZE] [--config FILE]
+              [--state NAME] [--dtype DTYPE] [--max-shard-size SIZE] [--config PATH]
     quicksave demo ... / quicksave bench ...    (arguments passed through)
 
 Exit status: 0 success; 1 ``verify`` found corruption (in any checkpoint of a folder);
@@ -193,13 +193,6 @@ def _export_hf(args: argparse.Namespace, progress: bool) -> str:
     from quicksave.format.hf_layout import DEFAULT_MAX_SHARD_BYTES, parse_size
     from quicksave.tools.hf_export import export_hf
 
-    config = None
-    if args.config is not None:
-        try:
-            with open(args.config, encoding="utf-8") as f:
-                config = json.load(f)
-        except (OSError, ValueError) as e:
-            raise CheckpointError(f"cannot read the config: {e}", path=args.config) from None
     size = args.max_shard_size
     return export_hf(
         args.checkpoint,
@@ -207,7 +200,7 @@ def _export_hf(args: argparse.Namespace, progress: bool) -> str:
         state=args.state,
         dtype=args.dtype,
         max_shard_bytes=DEFAULT_MAX_SHARD_BYTES if size is None else parse_size(size),
-        config=config,
+        config=args.config,  # a path: read by export_hf, as its config= takes it
         progress=progress,
     )
 
@@ -346,7 +339,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="hf: the most bytes per shard (e.g. 5GB, 500MiB; default 5GB)",
     )
     p.add_argument(
-        "--config", metavar="FILE", help="hf: a model config (JSON) to write as config.json"
+        "--config",
+        metavar="PATH",
+        help="hf: a model config to write as config.json: a JSON file, or a model "
+        "directory holding config.json",
     )
     _progress_flags(p)
     p.set_defaults(func=cmd_convert)

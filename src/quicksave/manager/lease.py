@@ -155,22 +155,36 @@ class FolderLease:
 
     def holder(self) -> str:
         """Who holds the lease, as the holder wrote it (for messages only)."""
+        info = self._holder_line()
+        try:
+            since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(float(info["since"])))
+            return f"pid {int(info['pid'])} on host {str(info['host'])[:255]!r} since {since}"
+        except (ValueError, KeyError, TypeError, OverflowError):
+            return "an unknown process"
+
+    def held_by_this_process(self) -> bool:
+        """Whether the holder that refused us is this very process (another manager
+        in it holds the lock: ``flock`` refuses a second open file of one process)."""
+        info = self._holder_line()
+        return info.get("pid") == os.getpid() and info.get("host") == socket.gethostname()
+
+    def _holder_line(self) -> dict:
+        """The holder's line in the lock file, parsed ({} if it cannot be read)."""
         try:
             fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
         except OSError:
-            return "an unknown process"
+            return {}
         try:
             raw = os.read(fd, _MAX_HOLDER_BYTES)
         except OSError:
-            return "an unknown process"
+            return {}
         finally:
             os.close(fd)
         try:
             info = json.loads(raw.decode("utf-8"))
-            since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(float(info["since"])))
-            return f"pid {int(info['pid'])} on host {str(info['host'])[:255]!r} since {since}"
-        except (ValueError, KeyError, TypeError, OverflowError, UnicodeDecodeError):
-            return "an unknown process"
+        except (ValueError, UnicodeDecodeError):
+            return {}
+        return info if isinstance(info, dict) else {}
 
     def _write_holder(self, fd: int) -> None:
         line = json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "since": time.time()})
@@ -199,9 +213,17 @@ def take_writer_lease(folder: Location, hint: str) -> tuple[WriterLease | None, 
         lease.release()
         return None, f"cannot take the folder's writer lease ({e.message}: {e.path})"
     if not got:
+        here = lease.held_by_this_process()
+        who = lease.holder()
         lease.release()  # holds nothing: closes its connections
+        if here:
+            return None, (
+                f"this process ({who}) holds the folder's writer lease already: another "
+                "manager in this process writes to this folder; close() that one first, "
+                "use another folder, or build this one read-only to only load"
+            )
         return None, (
-            f"another live process holds the folder's writer lease ({lease.holder()}); "
+            f"another live process holds the folder's writer lease ({who}); "
             f"two jobs must not write one folder: {hint}"
         )
     if not lease.enforced:

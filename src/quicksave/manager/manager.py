@@ -43,6 +43,7 @@ from quicksave.errors import CheckpointError
 from quicksave.manager.async_writer import AsyncWriter
 from quicksave.manager.config import CheckpointConfig
 from quicksave.manager.folder import check_step
+from quicksave.manager.folder_checks import check_not_behind
 from quicksave.manager.policies import (
     RetentionPolicy,
     SavePolicy,
@@ -132,6 +133,7 @@ class CheckpointManager:
         self._io = StepIO(config, self.session, self.states)
         self.schedule = SaveSchedule(config, save_policy, clock)
         self._closed = False
+        self._placed = False  # load() was called, or a save was checked against the folder
         self._shown = show_logs(config.log_level)  # undone by close()
         if not config.enabled:
             return
@@ -282,10 +284,20 @@ class CheckpointManager:
         ``CheckpointError`` is raised on every rank at the same call: this one if it
         failed here, else the next call that settles (with one rank the next call; with
         several the next due ``save()``, ``export()``, ``wait()``, ``load()`` or
-        ``close()``); an earlier failure is raised before this call writes anything.
-        With ``"log"`` it is logged and counted (:attr:`failed_saves`) and saving goes
-        on, until ``max_consecutive_failures`` in a row raise. A call with nothing due
-        talks to no other rank and does no I/O that can raise.
+        ``close()``). Whether the call that raises an earlier failure saved its own
+        step: with one rank it did not (the failure is raised before it writes
+        anything; ``save(step)`` again saves that step); with several it did (every
+        rank writes its step first, async: hands it to the writer, where it commits
+        unless it fails too, and then every rank raises alike, so that none is left
+        waiting in the save's collectives). With ``"log"`` it is logged and counted
+        (:attr:`failed_saves`) and saving goes on, until ``max_consecutive_failures``
+        in a row raise. A call with nothing due talks to no other rank and does no I/O
+        that can raise.
+
+        A manager that has not called :meth:`load` refuses (``CheckpointError``, on
+        every rank, nothing written) a first due step below the newest committed one
+        in its folder: a new run in an old run's folder, whose checkpoints a resume
+        would pass over and retention would delete first.
 
         Args:
             step: the training step just completed (an int >= 0).
@@ -297,7 +309,8 @@ class CheckpointManager:
 
         Raises:
             CheckpointError: invalid step, manager closed or read-only (names why:
-                e.g. the process holding the folder's writer lease), or a save failed
+                e.g. the process holding the folder's writer lease), a step below the
+                folder's newest before any ``load()`` (see above), or a save failed
                 (see above; nothing of a failed save becomes visible).
 
         Example::
@@ -320,6 +333,8 @@ class CheckpointManager:
         if not self.schedule.due(step, forced=force or is_last):
             session.housekeep()  # no I/O here: asks the housekeeping thread, if due
             return False
+        if not self._placed:  # a new run in an old run's folder? (folder_checks.py)
+            self._placed = check_not_behind(step, session)
         kind = "seed" if step == 0 else "full"
         wrote = False
         if step in session.in_flight:
@@ -417,10 +432,12 @@ class CheckpointManager:
             check_step(step, self.folder)
             self.session.require_committed(step)
             self._io.load_step(step, strict=strict)
+            self._placed = True
             return step
         loaded = self.session.load_newest(
             lambda candidate: self._io.load_step(candidate, strict=strict)
         )
+        self._placed = True
         if loaded is None:
             logger.info("quicksave: no committed checkpoint in %s; starting fresh", self.folder)
         return loaded

@@ -33,9 +33,12 @@ import torch
 import torch.nn as nn
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from quicksave.errors import IncompatibleStateError, rank_of_this_process
+
 logger = logging.getLogger("quicksave")
 
 STATE = "state"  # the flattened optimizer state dict's sections (DCP's names)
+GROUPS = "param_groups"
 
 
 def _param_fqns(model: nn.Module) -> dict[torch.nn.Parameter, str] | None:
@@ -116,6 +119,31 @@ def _stored_by_param(
         if dot != -1:
             out.setdefault(rest[:dot], {})[rest[dot + 1 :]] = md
     return out
+
+
+def check_flattened(stored: Mapping[str, Any], prefix: str) -> None:
+    """Raise if the checkpoint holds the optimizer under ``prefix`` as torch's own
+    ``optimizer.state_dict()`` (state keyed by parameter index, each param group with
+    its ``params`` list) rather than :class:`OptimizerState`'s flattened layout (keyed
+    by parameter fqn): the keys would not match, and the plain key-mismatch error
+    would list dozens of ``param_groups`` entries without saying why.
+
+    Raises:
+        IncompatibleStateError: the index-keyed layout, naming the state and how to
+            load it.
+    """
+    if f"{prefix}{GROUPS}.0.params" not in stored:
+        return
+    name = prefix[:-1]
+    raise IncompatibleStateError(
+        f"the checkpoint holds {name!r} as torch's optimizer.state_dict() saves it (state "
+        "keyed by parameter index), and OptimizerState loads its own layout (keyed by "
+        "parameter name); load this one as it was saved, e.g. "
+        f"optim.load_state_dict(quicksave.load_state(path)[{name!r}]), and save with "
+        "OptimizerState(model, optim) to resume with quicksave.load or a CheckpointManager",
+        fqn=name,
+        rank=rank_of_this_process(),
+    )
 
 
 def allocate_optimizer_state(

@@ -44,7 +44,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from quicksave.errors import IncompatibleStateError, rank_of_this_process
-from quicksave.manager.optim_restore import allocate_optimizer_state
+from quicksave.manager.optim_restore import allocate_optimizer_state, check_flattened
 from quicksave.saving.collect import iter_leaves
 
 logger = logging.getLogger("quicksave")
@@ -170,7 +170,12 @@ class OptimizerState:
         Returns:
             A function that takes the allocated state back (the load failed), or None
             when nothing was allocated.
+
+        Raises:
+            IncompatibleStateError: the checkpoint holds this state as torch's
+                ``optimizer.state_dict()`` (keyed by parameter index), not flattened.
         """
+        check_flattened(stored, prefix)
         undos = [
             undo
             for part, optim in zip(self.parts, self.optimizers, strict=True)

@@ -29,6 +29,7 @@ from quicksave import api
 from quicksave.errors import CheckpointError, CheckpointExistsError, IncompatibleStateError
 from quicksave.manager.config import CheckpointConfig
 from quicksave.manager.failures import Key
+from quicksave.manager.folder_checks import explain_load_mismatch
 from quicksave.manager.records import SaveRecord
 from quicksave.manager.session import CheckpointSession
 from quicksave.manager.states import ModelState, PerRankLoad, PerRankState, payload_bytes
@@ -246,14 +247,20 @@ class StepIO:
                 k: PerRankLoad(k, v) if isinstance(v, PerRankState) else v
                 for k, v in states.items()
             }
-        api.load(
-            states,
-            path,
-            strict=strict,
-            process_group=self.session.process_group,
-            allow_dcp_pickle=self.config.allow_dcp_pickle,
-            storage=self.config.storage,
-        )
+        try:
+            api.load(
+                states,
+                path,
+                strict=strict,
+                process_group=self.session.process_group,
+                allow_dcp_pickle=self.config.allow_dcp_pickle,
+                storage=self.config.storage,
+            )
+        except IncompatibleStateError as e:  # another writer's checkpoint? say so
+            pickle = self.config.allow_dcp_pickle
+            if strict and (better := explain_load_mismatch(e, self.session, step, states, pickle)):
+                raise better from e
+            raise
         self.session.loaded(step)  # the writer plans now: optimizer states exist
         logger.log(
             self.session.info_level(),

@@ -427,6 +427,14 @@ class StoreLease:
         """Who holds the lease (for messages): the live writer that refused us."""
         return describe_holder(self._other)
 
+    def held_by_this_process(self) -> bool:
+        """Whether the live writer that refused us is this very process (another
+        manager in it renews the lease)."""
+        if self._other is None:
+            return False
+        here = this_process()
+        return self._other.holder.pid == here.pid and self._other.holder.same_machine(here)
+
     def release(self) -> None:
         """Stop renewing and mark the lease released (conditionally: never over another
         writer's), so that the next writer takes it at once. Logs, never raises: an

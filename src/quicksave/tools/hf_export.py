@@ -98,8 +98,9 @@ def export_hf(
         max_shard_bytes: the most tensor bytes in one shard (a larger tensor gets a
             shard of its own); everything in one shard gives ``model.safetensors`` and
             no index.
-        config: a model config (a mapping, or an object with ``to_dict()`` such as a
-            ``transformers`` ``PretrainedConfig``) to write as ``config.json``; its
+        config: a model config to write as ``config.json``: a mapping, an object with
+            ``to_dict()`` such as a ``transformers`` ``PretrainedConfig``, or the path of
+            a JSON file or of a directory holding ``config.json`` (as ``--config``); its
             ``dtype`` is set to the exported weights' floating dtype. Without one,
             copy a ``config.json`` in yourself: ``transformers`` 5 looks for it to build
             a generative model's generation config, even given ``config=``.
@@ -322,17 +323,36 @@ def write_model_dir(
 
 
 def _config_dict(config: Mapping[str, Any] | Any | None) -> dict[str, Any] | None:
+    """``export_hf``'s ``config`` (and the CLI's ``--config``) as a JSON-able dict: a
+    mapping, an object with ``to_dict()``, or the path of a JSON file or of a directory
+    holding ``config.json`` (a model directory)."""
     if config is None:
         return None
+    if isinstance(config, (str, os.PathLike)):
+        return _read_config(os.fspath(config))
     if isinstance(config, Mapping):
         return json.loads(json.dumps(dict(config)))  # a copy, and JSON-able or an error
     to_dict = getattr(config, "to_dict", None)
     if not callable(to_dict):
         raise CheckpointError(
-            f"config must be a mapping or have to_dict() (a transformers config), got "
-            f"{type(config).__name__}"
+            f"config must be a mapping, have to_dict() (a transformers config) or be the "
+            f"path of a config.json (or of its directory), got {type(config).__name__}"
         )
     return json.loads(json.dumps(to_dict()))
+
+
+def _read_config(path: str) -> dict[str, Any]:
+    file = os.path.join(path, CONFIG_NAME) if os.path.isdir(path) else path
+    try:
+        with open(file, encoding="utf-8") as f:
+            doc = json.load(f)
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"cannot read the config: {e}", path=file) from None
+    if not isinstance(doc, dict):
+        raise CheckpointError(
+            f"the config is a JSON {type(doc).__name__}, not an object", path=file
+        )
+    return doc
 
 
 def _write_json(path: str, doc: Any) -> None:
