@@ -28,6 +28,7 @@ ELSEWHERE = {
     "QuicksaveCheckpointIO": "quicksave.integrations.lightning",
     "LlamaConfig": "transformers",
     "LlamaForCausalLM": "transformers",
+    "SummaryWriter": "torch.utils.tensorboard",
 }
 
 _FENCE = re.compile(r"^```([\w+-]*)[^\n]*\n(.*?)^```", re.S | re.M)
