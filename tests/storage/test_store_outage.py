@@ -258,7 +258,10 @@ def _rank_outage(
                 _mark(ctl, "kill")
             _await(ctl, "down")
         if step == UP_AFTER and policy != "defaults":
-            manager.wait()  # settles the outage's saves on every rank ("log": no raise)
+            try:  # settles the outage's saves on every rank ("log": no raise)
+                manager.wait()
+            except CheckpointError as e:
+                raised.append((step, f"{type(e).__name__}: {e}"))
             break
     during = {"failed_saves": manager.failed_saves, "steps": job.train_state.step}
     if rank == 0:
@@ -328,19 +331,14 @@ def test_log_policy_two_ranks_ride_out_a_stopped_server(server, bucket, tmp_path
     results = _run(server, bucket, tmp_path, "log")
     for rank, r in enumerate(results):
         assert r["raised"] == [], (rank, r["raised"])  # training never raised
-        # the saves of steps 8, 10 and 12 failed, counted alike on both ranks
-        assert r["during"] == {"failed_saves": 3, "steps": UP_AFTER}, (rank, r)
-        assert (r["failed_saves"], r["consecutive"]) == (3, 0), (rank, r)
+        # the save of step 8 failed in the background, counted alike on both ranks;
+        # those due while it still retried (10, 12) were skipped, never waited for
+        assert r["during"] == {"failed_saves": 1, "steps": UP_AFTER}, (rank, r)
+        assert (r["failed_saves"], r["consecutive"]) == (1, 0), (rank, r)
         assert r["committed"] == [18, 20], (rank, r)
-        assert [s for s, v in r["statuses"].items() if v == "committed"] == [
-            2,
-            4,
-            6,
-            14,
-            16,
-            18,
-            20,
-        ], (rank, r["statuses"])
+        assert r["statuses"][8] == "failed" and 10 not in r["statuses"], (rank, r["statuses"])
+        after = {s: v for s, v in r["statuses"].items() if s > UP_AFTER}
+        assert set(after.values()) == {"committed"} and {18, 20} <= set(after), (rank, r)
     assert results[0]["digest"] == results[1]["digest"]
     # step 7 (nothing due) met the outage in retention's listing: logged, not raised
     assert results[0]["retention_failed"] and not results[1]["retention_failed"]
@@ -361,7 +359,9 @@ def test_raise_policy_both_ranks_raise_the_same_error_at_the_same_save(server, b
     (first,), (second,) = results[0]["raised"], results[1]["raised"]
     assert first == second, results  # the same step, type and message on both ranks
     step, text = first
-    assert step == DOWN_AFTER + 2  # the first save of the outage; step 7 did not raise
+    # step 8 fails in the background: raised at the first settling call after it (the
+    # wait() at step 12; the saves of 10 and 12 were skipped, never waited for)
+    assert step == UP_AFTER
     assert text.startswith("CheckpointError: ") and f"s3://{bucket}/run/step-8" in text
     assert "cannot reach endpoint" in text and "retry_deadline_s=2" in text
     assert "Connection closed by peer" not in text
