@@ -16,8 +16,7 @@ from typing import Any
 
 import torch
 
-from quicksave.commit.choose import classify
-from quicksave.commit.kinds import CheckpointKind
+from quicksave.commit import CheckpointKind, classify
 from quicksave.integrations import lightning as qs_lightning
 
 _torch_load = torch.load
