@@ -93,7 +93,8 @@ def test_existing_checkpoint_is_never_overwritten(ckpt: Path):
     assert _snapshot(ckpt.parent) == before  # untouched, and no temporary created
     dest = _state(9)
     quicksave.load(dest, ckpt)
-    assert_bit_equal(dest["w"], _state(1)["w"]) and dest["n"] == 1
+    assert_bit_equal(dest["w"], _state(1)["w"])
+    assert dest["n"] == 1
 
 
 def test_existing_dcp_checkpoint_is_never_overwritten(ckpt: Path):

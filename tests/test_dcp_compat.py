@@ -222,8 +222,16 @@ def test_layout_places_prefix_right_before_aligned_chunks():
     for (off, b), e in zip(compat.fixed, compat.entries[:2], strict=True):
         assert e.offset % 4096 == 0 and off + len(b) == e.offset
     assert compat.entries[2].offset % 4096 == 0
-    torch_legacy = legacy_prefix.__wrapped__
-    assert torch_legacy(torch.float32, (10,)) == torch_legacy(torch.float32, (10,))
+    # The bytes laid out before each chunk are a legacy torch.save's head (computed afresh,
+    # not from the cache): followed by the tensor's raw bytes, torch.load reads the tensor.
+    for (_, b), (dtype, shape) in zip(
+        compat.fixed, [(torch.float32, (10,)), (torch.bfloat16, (3, 5))], strict=True
+    ):
+        assert bytes(b) == legacy_prefix.__wrapped__(dtype, shape)
+        t = torch.randn(shape).to(dtype)
+        raw = t.contiguous().view(torch.uint8).numpy().tobytes()
+        loaded = torch.load(io.BytesIO(bytes(b) + raw), weights_only=True)
+        assert loaded.dtype == dtype and torch.equal(loaded, t)
 
 
 def test_filesystem_writer_async_defaults_to_dcp_compat(tmp_path: Path):

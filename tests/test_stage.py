@@ -15,6 +15,7 @@ import pytest
 import torch
 import xxhash
 
+from helpers.skip_policy import ROOT_SKIP
 from helpers_engine.engine_util import pool_mappings, same_bytes
 from quicksave.checksum import hexdigest
 from quicksave.format.dtypes import element_size
@@ -177,7 +178,7 @@ def _frames_visible() -> bool:
 
 @pytest.mark.skipif(
     not os.path.exists("/proc/self/pagemap") or not _frames_visible(),
-    reason="physical frame numbers are visible only to root (CAP_SYS_ADMIN) on Linux",
+    reason=f"{ROOT_SKIP}: physical frame numbers are visible only to root (CAP_SYS_ADMIN)",
 )
 def test_a_pool_built_behind_the_shield_leaves_the_recycled_pages_to_training() -> None:
     """Counts pages, times nothing: a populated pool built right after 256 MiB were freed

@@ -105,7 +105,7 @@ def test_hung_worker_is_detected_then_replaced(root: Path) -> None:
         detect_s = time.monotonic() - t0
         print(f"SIGSTOPped worker detected after {detect_s:.3f} s (worker_timeout_s=2)")
         assert detect_s < 10.0
-        assert wait_dead(pid, 5) is not None  # the hung worker was killed, not left behind
+        assert wait_dead(pid, 30) is not None  # the hung worker was killed, not left behind
         assert sorted(os.listdir(root)) == ["prev"]
         nxt = big_state(1, 3.0)
         # the failure was raised by wait(): save() does not raise it a second time
@@ -166,9 +166,9 @@ def test_sigkill_trainer_leaves_no_worker(root: Path) -> None:
         wait_partial_file(root / "ckpt")
         child.kill()  # SIGKILL the trainer mid-save
         child.wait(10)
-        gone_s = wait_dead(wpid, 5.0)
+        gone_s = wait_dead(wpid, 30.0)  # a hang guard: it goes at once, a loaded machine aside
         print(f"worker gone {gone_s} s after its trainer was SIGKILLed")
-        assert gone_s is not None, f"worker {wpid} survived its trainer by 5 s"
+        assert gone_s is not None, f"worker {wpid} survived its trainer by 30 s"
         # whatever is visible is complete: never a half-written checkpoint
         kind = classify(str(root / "ckpt"))
         assert kind in (CheckpointKind.MISSING, CheckpointKind.QUICKSAVE)
@@ -193,7 +193,7 @@ def test_close_with_a_stuck_worker_is_bounded(root: Path) -> None:
     saver.close()  # does not hang on the stopped worker
     print(f"close() with a stopped worker returned after {time.monotonic() - t0:.3f} s")
     assert isinstance(h.exception(), WorkerFailedError)
-    assert wait_dead(pid, 5) is not None
+    assert wait_dead(pid, 30) is not None
     assert sorted(os.listdir(root)) == ["a"]
 
 
@@ -205,7 +205,7 @@ def test_close_timeout_abandons_a_slow_save_cleanly(root: Path) -> None:
     pid = saver.worker_pid
     wait_partial_file(root / "slow")
     saver.close()
-    assert wait_dead(pid, 5) is not None
+    assert wait_dead(pid, 30) is not None
     assert h.done()
     if h.exception() is not None:
         assert isinstance(h.exception(), CheckpointError)
@@ -247,7 +247,7 @@ def test_worker_killed_while_idle_costs_no_save(root: Path) -> None:
         saver.save(big_state(1, 1.0), root / "a", step=1).wait(60)
         pid = saver.worker_pid
         os.kill(pid, signal.SIGKILL)
-        saver._worker.persister.process.wait(5)  # dead and reaped before the next save
+        saver._worker.persister.process.wait(30)  # dead and reaped before the next save
         nxt = big_state(1, 2.0)
         saver.save(nxt, root / "b", step=2).wait(60)  # a new worker writes it
         assert saver.worker_pid not in (None, pid)

@@ -9,23 +9,21 @@ from __future__ import annotations
 import json
 import os
 
-import pytest
+import boto3  # noqa: F401  (pinned in the dev extra: missing, collection fails)
 
-pytest.importorskip("boto3")
-
-from helpers.bench_sizes import TINY_TRAINING  # noqa: E402
-from quicksave_tools.bench.storage import main as storage_main  # noqa: E402
-from quicksave_tools.bench.storage.comparison import TRAINING_KEYS  # noqa: E402
-from quicksave_tools.bench.storage.config import (  # noqa: E402
+from helpers.bench_sizes import TINY_TRAINING
+from quicksave_tools.bench.storage import main as storage_main
+from quicksave_tools.bench.storage.comparison import TRAINING_KEYS
+from quicksave_tools.bench.storage.config import (
     QUICKSAVE,
     RAW_THREADS,
     StorageBenchConfig,
     all_methods,
 )
-from quicksave_tools.bench.storage.report import format_storage_report  # noqa: E402
-from quicksave_tools.bench.storage.run import run_storage_benchmark  # noqa: E402
-from quicksave_tools.bench.storage.target import Target  # noqa: E402
-from quicksave_tools.bench.storage.training import train_schedule  # noqa: E402
+from quicksave_tools.bench.storage.report import format_storage_report
+from quicksave_tools.bench.storage.run import run_storage_benchmark
+from quicksave_tools.bench.storage.target import Target
+from quicksave_tools.bench.storage.training import train_schedule
 
 SRC = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", "src"))
 TWIN = QUICKSAVE + "@baseline"

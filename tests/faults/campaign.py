@@ -165,7 +165,9 @@ def check(name: str, scale: float, work: Path, server: ForkServer | None = None)
     out = run_campaign(name, scale, seed=int(os.environ.get("QUICKSAVE_CAMPAIGN_SEED", 1)),
                        work=work, server=server)  # fmt: skip
     if isinstance(out, str):
-        pytest.skip(f"{name}: {out}")
+        from helpers.skip_policy import ROOT_SKIP
+
+        pytest.skip(f"{ROOT_SKIP}: {name}: {out}")
     out.check()
     return out
 

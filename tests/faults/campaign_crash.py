@@ -158,7 +158,7 @@ def _worker_killed(
     if not after:
         res.violate("no_recovery", f"{label}: nothing committed after the worker kill")
     for w in workers:
-        if faultkit.wait_dead(w, 5.0) is None:
+        if faultkit.wait_dead(w, 30.0) is None:
             res.violate("orphan_workers", f"{label}: killed worker {w} still alive")
 
 
@@ -237,7 +237,7 @@ def hung_worker(trials: int, rng: random.Random, work: Path) -> Result:
                 res.time("time_to_error_s", took)
                 if took > 10:
                     res.violate("slow_detection", f"{label}: {took:.1f} s")
-            if faultkit.wait_dead(stopped["pid"], 5) is None:
+            if faultkit.wait_dead(stopped["pid"], 30) is None:
                 res.violate("stopped_worker_left", f"{label}: pid {stopped['pid']}")
                 faultkit.kill_quietly(stopped["pid"])
             fail_step = step

@@ -14,11 +14,12 @@ import pytest
 import torch
 import torch.nn as nn
 
+from helpers.skip_policy import GPU_SKIP
 from quicksave.manager import CheckpointConfig, CheckpointManager, ModelState, OptimizerState
 
 pytestmark = [
     pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+    pytest.mark.skipif(not torch.cuda.is_available(), reason=GPU_SKIP),
 ]
 
 OPTIMIZERS = {

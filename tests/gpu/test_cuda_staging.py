@@ -13,12 +13,13 @@ import pytest
 import torch
 import torch.nn as nn
 
+from helpers.skip_policy import GPU_SKIP
 from quicksave.errors import CheckpointError
 from quicksave.manager import CheckpointConfig, CheckpointManager, ModelState, OptimizerState
 
 pytestmark = [
     pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+    pytest.mark.skipif(not torch.cuda.is_available(), reason=GPU_SKIP),
 ]
 
 

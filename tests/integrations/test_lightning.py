@@ -23,25 +23,23 @@ from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
+import lightning as L  # an optional dependency of quicksave, pinned in the dev extra
 import pytest
 import torch
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from lightning.pytorch.plugins.io import AsyncCheckpointIO, TorchCheckpointIO
 from torch import nn
 
 import quicksave
 from quicksave.commit import CheckpointKind, classify
 from quicksave.commit import files as commit
 from quicksave.errors import CheckpointError, CheckpointExistsError, IncompatibleStateError
-from quicksave.saving.config import EngineConfig
-
-L = pytest.importorskip("lightning")  # an optional dependency; pinned in requirements-dev
-from lightning.pytorch.callbacks import Callback, ModelCheckpoint  # noqa: E402
-from lightning.pytorch.plugins.io import AsyncCheckpointIO, TorchCheckpointIO  # noqa: E402
-
-from quicksave.integrations.lightning import (  # noqa: E402
+from quicksave.integrations.lightning import (
     QuicksaveCheckpointIO,
     load_from_checkpoint,
     read_checkpoint,
 )
+from quicksave.saving.config import EngineConfig
 
 REPO = Path(__file__).resolve().parents[2]
 EPOCHS_FIRST, EPOCHS_TOTAL = 2, 4
@@ -570,7 +568,7 @@ def test_load_from_checkpoint_rebuilds_the_trained_module(tmp_path):
 
 # ------------------------------------------------------------------ pytorch_lightning
 def test_also_a_pytorch_lightning_checkpoint_io(tmp_path):
-    pl = pytest.importorskip("pytorch_lightning")
+    import pytorch_lightning as pl  # installed with lightning (its dependency)
     from lightning_fabric.plugins import CheckpointIO as FabricCheckpointIO
 
     assert isinstance(QuicksaveCheckpointIO(), FabricCheckpointIO)

@@ -24,30 +24,27 @@ import sys
 import time
 from pathlib import Path
 
+import multistorageclient as msc
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-
-pytest.importorskip("multistorageclient")
-
-import multistorageclient as msc  # noqa: E402
-from msc_config import msc_config_for, msc_profile  # noqa: E402
-from torch.distributed.checkpoint import (  # noqa: E402
+from msc_config import msc_config_for, msc_profile
+from torch.distributed.checkpoint import (
     DefaultLoadPlanner,
     DefaultSavePlanner,
     load,
 )
 
-import quicksave  # noqa: E402
-from quicksave.compat.nvrx.core import AsyncCallsQueue, AsyncRequest  # noqa: E402
-from quicksave.compat.nvrx.filesystem_async import FileSystemWriterAsync  # noqa: E402
-from quicksave.compat.nvrx.state_dict_saver import (  # noqa: E402
+import quicksave
+from quicksave.compat.nvrx.core import AsyncCallsQueue, AsyncRequest
+from quicksave.compat.nvrx.filesystem_async import FileSystemWriterAsync
+from quicksave.compat.nvrx.state_dict_saver import (
     save_state_dict_async_finalize,
     save_state_dict_async_plan,
 )
-from quicksave.errors import CheckpointError, CheckpointExistsError  # noqa: E402
-from quicksave.loading.verify import verify_checkpoint  # noqa: E402
-from quicksave.storage import StorageOptions  # noqa: E402
+from quicksave.errors import CheckpointError, CheckpointExistsError
+from quicksave.loading.verify import verify_checkpoint
+from quicksave.storage import StorageOptions
 
 PROFILE = "model-checkpoints"
 

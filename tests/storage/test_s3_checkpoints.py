@@ -542,8 +542,9 @@ def test_a_store_that_stops_answering_fails_the_save_within_save_timeout(
     )
     folder = f"s3://{s3_bucket}/hang"
     model = _Weights(1.0)
+    # save_timeout_s: generous enough for the healthy save of step 1 on a loaded machine
     config = CheckpointConfig(
-        folder=folder, interval=1, save_timeout_s=4.0, storage=StorageOptions(s3=patient)
+        folder=folder, interval=1, save_timeout_s=15.0, storage=StorageOptions(s3=patient)
     )
     with CheckpointManager(config, {"model": model}) as m:
         m.save(1)
@@ -554,6 +555,6 @@ def test_a_store_that_stops_answering_fails_the_save_within_save_timeout(
             m.save(2)
     took = time.monotonic() - began
     fault_proxy.set_mode("pass")
-    assert took < 60, took  # a hang guard: save_timeout_s is 4 s
+    assert took < 120, took  # a hang guard: save_timeout_s is 15 s
     assert "step 2" in str(info.value) or "step-2" in str(info.value), info.value
     assert [i.step for i in list_checkpoints(folder) if i.committed] == [1]

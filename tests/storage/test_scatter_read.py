@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 
+import boto3  # noqa: F401  (pinned in the dev extra: missing, collection fails)
 import pytest
 import torch
 
@@ -15,8 +16,6 @@ from quicksave.format.manifest import from_json_bytes
 from quicksave.storage import StorageOptions
 from quicksave.storage.local import LocalBackend
 from quicksave.storage.location import parse_location
-
-pytest.importorskip("boto3")
 
 
 def _options(s3_server) -> StorageOptions:

@@ -31,7 +31,8 @@ from quicksave_tools.testing.seaweed_process import SeaweedError
 
 # botocore: "max_attempts" counts retries (1 = one retry); "total_max_attempts" counts all.
 NO_RETRY = {"total_max_attempts": 1, "mode": "standard"}
-FAST = Config(connect_timeout=2, read_timeout=5, retries=NO_RETRY)
+# Fails fast (no retries); the timeouts only stop a hang, generous for a loaded machine.
+FAST = Config(connect_timeout=30, read_timeout=60, retries=NO_RETRY)
 CONNECTION_ERRORS = (EndpointConnectionError, ConnectionClosedError)
 
 
@@ -178,8 +179,6 @@ def test_start_stop_leaves_nothing_behind():
         assert any(s.exists() for s in sockets)
         s3 = server.client(config=FAST)
         s3.put_object(Bucket="lifecycle-bucket", Key="k", Body=b"v")
-        t0 = time.monotonic()
-    assert time.monotonic() - t0 < 5
     assert not server.running
     with pytest.raises(ProcessLookupError):
         os.killpg(pid, 0)
@@ -192,13 +191,62 @@ def test_start_stop_leaves_nothing_behind():
         server.start()
 
 
+def _tcp_listening_ports(pgid: int) -> set[int]:
+    """The TCP ports the processes of group ``pgid`` listen on (from /proc: every socket
+    in state LISTEN whose inode one of them holds open)."""
+    inodes: set[str] = set()
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if os.getpgid(int(pid)) != pgid:
+                continue
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+                if target.startswith("socket:["):
+                    inodes.add(target[8:-1])
+        except (ProcessLookupError, FileNotFoundError, PermissionError):
+            continue
+    ports = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as f:
+            for row in f.readlines()[1:]:
+                cols = row.split()
+                if cols[3] == "0A" and cols[9] in inodes:  # 0A: LISTEN
+                    ports.add(int(cols[1].rsplit(":", 1)[1], 16))
+    return ports
+
+
+def test_two_servers_at_once_each_bind_only_their_own_free_ports():
+    """Two more servers beside the session's (if it runs): each listens on exactly its
+    four chosen HTTP ports and their gRPC twins, none of weed's fixed defaults (the S3
+    gateway's Iceberg 8181 and Lance 9101 among them), and both serve S3 requests."""
+    first, second = SeaweedServer(), SeaweedServer()
+    with first, second:
+        bound = []
+        for server in (first, second):
+            chosen = set(server.ports.values())
+            assert len(chosen) == 4
+            expected = chosen | {p + 10000 for p in chosen}
+            listening = _tcp_listening_ports(server._running.proc.pid)
+            assert listening == expected, (sorted(listening), server.ports)
+            bound.append(listening)
+        assert not bound[0] & bound[1]
+        assert not (bound[0] | bound[1]) & {8181, 9101, 8333, 9333, 8080, 8888, 6060}
+        for i, server in enumerate((first, second)):
+            bucket = server.create_bucket(f"two-servers-{i}")
+            s3 = server.client(config=FAST)
+            s3.put_object(Bucket=bucket, Key="k", Body=f"from {i}".encode())
+            assert s3.get_object(Bucket=bucket, Key="k")["Body"].read() == f"from {i}".encode()
+            names = {b["Name"] for b in s3.list_buckets()["Buckets"]}
+            assert bucket in names and f"two-servers-{1 - i}" not in names  # two stores
+
+
 # -- the fault proxy ----------------------------------------------------------------------
 
 
 def _via(s3_server, proxy, **config):
     cfg = Config(
-        connect_timeout=config.pop("connect_timeout", 2),
-        read_timeout=config.pop("read_timeout", 5),
+        connect_timeout=config.pop("connect_timeout", 30),
+        read_timeout=config.pop("read_timeout", 60),
         retries=NO_RETRY,
     )
     return s3_server.client(endpoint_url=proxy.endpoint_url, config=cfg)
@@ -268,11 +316,9 @@ def test_proxy_blackhole(s3_server, s3_bucket, fault_proxy):
     s3_server.client().put_object(Bucket=s3_bucket, Key="kept", Body=b"v")
     fault_proxy.mode = "blackhole"
     s3 = _via(s3_server, fault_proxy, read_timeout=0.5)
-    t0 = time.monotonic()
     with pytest.raises(ReadTimeoutError):
         s3.delete_object(Bucket=s3_bucket, Key="kept")
-    assert time.monotonic() - t0 < 3
-    assert fault_proxy.stats["blackholed"] == 1
+    assert fault_proxy.stats["blackholed"] == 1  # one request: timed out, not retried
     # The request never reached the server: the object is still there.
     assert s3_server.client().get_object(Bucket=s3_bucket, Key="kept")["Body"].read() == b"v"
 
@@ -280,14 +326,14 @@ def test_proxy_blackhole(s3_server, s3_bucket, fault_proxy):
 def test_proxy_delay(s3_server, s3_bucket, fault_proxy):
     s3 = _via(s3_server, fault_proxy)
     s3.put_object(Bucket=s3_bucket, Key="k", Body=b"v")
-    t0 = time.monotonic()
     s3.get_object(Bucket=s3_bucket, Key="k")["Body"].read()
-    fast = time.monotonic() - t0
+    assert fault_proxy.stats["delayed"] == 0  # "pass" delays nothing
     fault_proxy.set_mode("delay", delay_s=0.2)
     t0 = time.monotonic()
     assert s3.get_object(Bucket=s3_bucket, Key="k")["Body"].read() == b"v"
-    slow = time.monotonic() - t0
-    assert slow >= 0.4 > fast  # one chunk each way, 0.2 s before each
+    # a lower bound only (a loaded machine is slower, never faster): one chunk each way,
+    # 0.2 s before each
+    assert time.monotonic() - t0 >= 0.4
     assert fault_proxy.stats["delayed"] == 1
     # A delay longer than the read timeout is a read timeout.
     fault_proxy.delay_s = 1.0
@@ -317,7 +363,7 @@ def test_proxy_fail_next(s3_server, s3_bucket, fault_proxy):
 
 def test_proxy_close_is_prompt(s3_server, s3_bucket):
     proxy = FaultProxy("127.0.0.1", s3_server.ports["s3"], mode="blackhole")
-    s3 = _via(s3_server, proxy, read_timeout=30)
+    s3 = _via(s3_server, proxy, read_timeout=600)
     errors: list[BaseException] = []
 
     def stuck() -> None:
@@ -328,14 +374,16 @@ def test_proxy_close_is_prompt(s3_server, s3_bucket):
 
     t = threading.Thread(target=stuck, daemon=True)
     t.start()
-    deadline = time.monotonic() + 5
+    deadline = time.monotonic() + 60
     while proxy.stats["blackholed"] == 0 and time.monotonic() < deadline:
         time.sleep(0.01)
     assert proxy.open_connections == 1
     t0 = time.monotonic()
     proxy.close()
-    assert time.monotonic() - t0 < 1.5
-    t.join(5)
+    # A hang guard, not a timing test: a close that waited for the blackholed connection
+    # would wait for the client's read timeout (600 s).
+    assert time.monotonic() - t0 < 120
+    t.join(120)
     assert not t.is_alive() and errors  # the client saw the connection end, not a hang
     assert not [
         th for th in threading.enumerate() if th.name.startswith(f"FaultProxy-{proxy.port}")
