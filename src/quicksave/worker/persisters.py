@@ -394,9 +394,7 @@ class ProcessPersister:
             except OSError:
                 pass
             if not wait:
-                threading.Thread(
-                    target=self._reap, args=(timeout,), name="quicksave-reap", daemon=True
-                ).start()
+                _Reaper(self, timeout).start()
             else:
                 try:
                     self.process.wait(timeout)
@@ -410,7 +408,8 @@ class ProcessPersister:
         os.close(self._beat_fd)
         self._beat_fd = -1
 
-    def _reap(self, timeout: float) -> None:
+    def reap(self, timeout: float) -> None:
+        """Wait up to ``timeout`` s for the worker to exit, then kill it."""
         try:
             self.process.wait(timeout)
         except subprocess.TimeoutExpired:
@@ -423,3 +422,21 @@ class ProcessPersister:
             self.process.wait(5)
         except subprocess.TimeoutExpired:
             pass
+
+
+class _Reaper(threading.Thread):
+    """Waits for a stopped worker's exit (killing it after ``timeout`` s), so that
+    ``close()`` need not. A daemon thread with a ``stop()`` that waits for it to end:
+    test harnesses that police threads left behind (Lightning's) call ``stop()``."""
+
+    def __init__(self, persister: ProcessPersister, timeout: float) -> None:
+        super().__init__(name="quicksave-reap", daemon=True)
+        self._persister = persister
+        self._timeout = timeout
+
+    def run(self) -> None:
+        self._persister.reap(self._timeout)
+
+    def stop(self) -> None:
+        """Wait until the worker has exited (at most its timeout, then it is killed)."""
+        self.join()
