@@ -37,6 +37,7 @@ L = pytest.importorskip("lightning")  # an optional dependency; pinned in requir
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint  # noqa: E402
 from lightning.pytorch.plugins.io import AsyncCheckpointIO, TorchCheckpointIO  # noqa: E402
 
+from quicksave.integrations._lightning_process import PROCESS  # noqa: E402
 from quicksave.integrations.lightning import (  # noqa: E402
     QuicksaveCheckpointIO,
     load_from_checkpoint,
@@ -531,7 +532,7 @@ def test_pickles_its_configuration_only(tmp_path):
     io.save_checkpoint({"w": torch.ones(4)}, tmp_path / "a.ckpt")
     copy_ = pickle.loads(pickle.dumps(io))
     assert (copy_.async_save, copy_.engine, copy_.thread_count) == (True, THREAD_ENGINE, 3)
-    assert copy_._saver is None and copy_._in_flight == {}
+    assert copy_._saver is None and PROCESS.saves.owned(copy_) == []
     io.teardown()
     assert torch.equal(copy_.load_checkpoint(tmp_path / "a.ckpt")["w"], torch.ones(4))
 
