@@ -17,6 +17,7 @@ import pytest
 import torch
 from torch import nn
 
+import quicksave
 from quicksave.commit import files as commit
 from quicksave.errors import CheckpointError, CheckpointNotFoundError
 from quicksave.saving.config import EngineConfig
@@ -191,6 +192,54 @@ def test_hpc_resume_scan_ignores_an_interrupted_saves_leftover(tmp_path, monkeyp
     scan = _CheckpointConnector._CheckpointConnector__max_ckpt_version_in_folder
     assert scan(tmp_path, "hpc_ckpt_") == 1  # Lightning's own scan (was 2355694-like)
     assert scan(tmp_path) == 1
+
+
+# ------------------------------------------------------------------ 4. fsspec roots
+def _fsspec_run(dirpath: str, io: QuicksaveCheckpointIO) -> tuple[ModelCheckpoint, L.Trainer]:
+    torch.manual_seed(0)
+    ckpt = ModelCheckpoint(dirpath=dirpath, monitor="val_loss", save_top_k=2)
+    trainer = _trainer(Path("."), [io], 3, [ckpt])
+    trainer.fit(Tiny(), _loader(), _loader())
+    return ckpt, trainer
+
+
+@pytest.mark.parametrize("async_save", [False, True])
+@pytest.mark.parametrize("root", ["memory", "local"])
+def test_fsspec_roots_save_load_and_resume(tmp_path, root, async_save):
+    """Lightning accepts any fsspec URL as dirpath; quicksave writes there through
+    fsspec (manifest-last commit), keeps the top-k and resumes from it."""
+    import fsspec
+
+    base = f"memory://{tmp_path.name}/ckpt" if root == "memory" else f"local://{tmp_path}/ckpt"
+    fs, _ = fsspec.core.url_to_fs(base)
+    engine = EngineConfig(mode="thread") if async_save else None
+    ckpt, trainer = _fsspec_run(base, QuicksaveCheckpointIO(async_save=async_save, engine=engine))
+    kept = sorted(p.rsplit("/", 1)[-1] for p in fs.ls(base, detail=False))
+    assert kept == sorted(p.rsplit("/", 1)[-1] for p in ckpt.best_k_models) and len(kept) == 2
+    best = ckpt.best_model_path
+    assert best.startswith(f"{root}://")
+    got = read_checkpoint(best)
+    weights = trainer.lightning_module.net.weight
+    assert got["epoch"] in (0, 1, 2) and got["state_dict"]["net.weight"].shape == weights.shape
+    if root == "local":  # the same files, seen as a path
+        assert quicksave.load_state(best[len("local://") :])["epoch"] == got["epoch"]
+    resumed = _trainer(tmp_path, [QuicksaveCheckpointIO()], 4, [])
+    resumed.fit(Tiny(), _loader(), _loader(), ckpt_path=best)
+    assert resumed.current_epoch == 4
+
+
+def test_memory_root_with_a_worker_process_is_refused_clearly(tmp_path):
+    io = QuicksaveCheckpointIO(async_save=True)  # the default engine: a worker process
+    url = f"memory://{tmp_path.name}/a.ckpt"
+    with pytest.raises(CheckpointError, match=r"mode='thread'") as e:
+        io.save_checkpoint({"w": torch.ones(2)}, url)
+    assert e.value.path == f"memory:///{tmp_path.name}/a.ckpt"  # the same path, named in full
+    io.teardown()
+
+
+def test_an_unknown_scheme_is_refused_naming_it(tmp_path):
+    with pytest.raises(CheckpointError, match="unknown URL scheme 'nosuch'"):
+        QuicksaveCheckpointIO().save_checkpoint({"w": torch.ones(2)}, "nosuch://x/a.ckpt")
 
 
 # ------------------------------------------------------------------ 5. OmegaConf
