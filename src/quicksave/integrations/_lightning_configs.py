@@ -18,6 +18,7 @@ it to make one).
 
 from __future__ import annotations
 
+import copy
 import sys
 from collections.abc import Mapping
 from typing import Any
@@ -66,7 +67,7 @@ def encode_configs(checkpoint: Mapping[str, Any]) -> Mapping[str, Any]:
                     changed[k] = new
             if not changed:
                 return value
-            out = type(value)(value) if isinstance(value, dict) else list(value)
+            out = copy.copy(value)  # its own type (OrderedDict, AttributeDict...)
             for k, v in changed.items():
                 out[k] = v
             return out
