@@ -41,6 +41,14 @@ def temp_path_for(final: str, token: str) -> str:
     return os.path.join(os.path.dirname(final), temp_name(os.path.basename(final), token))
 
 
+def final_path_of(tmp: str) -> str:
+    """The checkpoint a temporary (:func:`temp_path_for`) stands for, beside it: what an
+    error about the temporary names, as the user knows it."""
+    tmp = os.path.normpath(os.path.abspath(tmp))
+    parent, name = os.path.split(tmp)
+    return os.path.join(parent, final_name(name))
+
+
 def quarantine_path(final: str) -> str:
     """Where a committed checkpoint that failed its checks is moved: beside it, under a
     name that is never committed and never cleaned up."""

@@ -88,7 +88,7 @@ class RenameCommit(CommitStrategy):
         return tmp
 
     def prepare_staging(self, staging: str) -> None:
-        self._make_staging(staging, staging)
+        self._make_staging(staging, files.final_path_of(staging))  # named as in begin
 
     def _make_staging(self, staging: str, named: str) -> None:
         try:
