@@ -7,6 +7,7 @@ import errno
 import os
 import queue
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -24,7 +25,9 @@ from helpers.state import assert_bit_equal
 from quicksave.commit import CheckpointKind, classify, is_temp_name
 from quicksave.commit import files as commit
 from quicksave.commit.files import clean_stale_temporaries
+from quicksave.commit.kinds import final_name, temp_name
 from quicksave.commit.strategy import EXISTS_REPLACEABLE
+from quicksave.loading.catalog import list_checkpoints
 from quicksave.storage import posix_io
 from quicksave.worker import persist
 
@@ -69,7 +72,9 @@ def test_only_a_temporary_exists_while_saving(ckpt: Path, monkeypatch):
     quicksave.save(_state(), ckpt)
 
     (tmp_name,) = seen["during_write"]
-    assert tmp_name.startswith("ckpt.tmp-") and len(tmp_name) == len("ckpt.tmp-") + 12
+    # hidden, the name encoded (FORMAT.md §6): nothing a scan by name takes for "ckpt"
+    assert tmp_name.startswith(".quicksave.ckpt.tmp-")
+    assert len(tmp_name) == len(".quicksave.ckpt.tmp-") + 12
     assert seen["kind_target"] is CheckpointKind.MISSING
     assert seen["kind_tmp"] is CheckpointKind.UNCOMMITTED
     assert "manifest.json" in seen["before_rename"] and ".metadata" in seen["before_rename"]
@@ -230,6 +235,50 @@ def test_classify_and_clean_stale_temporaries(tmp_path: Path):
     assert removed == ["step-2.tmp-0123456789ab", "step-3.tmp-aaaaaaaaaaaa"]
     assert sorted(os.listdir(tmp_path)) == ["file.txt", "partial", "plain", "step-1"]
     assert clean_stale_temporaries(str(tmp_path / "nope")) == []
+
+
+def test_temporaries_are_hidden_and_hold_their_checkpoints_name_encoded():
+    """FORMAT.md §6: ``.quicksave.<encoded name>.tmp-<token>``; the encoded name is
+    letters, digits, - and %XX only, so no scan by name (``*.ckpt``, ``hpc_ckpt_<N>``)
+    takes a temporary for its checkpoint."""
+    for name in ["hpc_ckpt_2.ckpt", "epoch=3-step=40.ckpt", "step-5", "ünï côdé", ".x%41"]:
+        tmp = temp_name(name, "355f6ce9e4fe")
+        assert tmp.startswith(".quicksave.") and tmp.endswith(".tmp-355f6ce9e4fe")
+        assert re.fullmatch(r"[A-Za-z0-9%-]+", tmp[len(".quicksave.") : -len(".tmp-355f6ce9e4fe")])
+        assert is_temp_name(tmp) and final_name(tmp) == name
+    assert temp_name("hpc_ckpt_2.ckpt", "ab") == ".quicksave.hpc%5Fckpt%5F2%2Eckpt.tmp-ab"
+    long = "é" * 200 + ".ckpt"  # 405 bytes: only the beginning of the name is kept
+    doomed = temp_name(long, "del" + "0" * 12)
+    assert len(doomed.encode()) <= 255 and is_temp_name(doomed)
+    assert long.startswith(final_name(doomed)) and len(final_name(doomed)) > 30
+    assert final_name("step-5.tmp-0123456789ab") == "step-5"  # earlier versions' names
+
+
+def test_an_interrupted_saves_leftover_is_hidden_and_cleaned(tmp_path: Path, monkeypatch):
+    with monkeypatch.context() as m:
+        m.setattr(commit, "publish", lambda *args, **kwargs: None)  # dies before the rename
+        quicksave.save(_state(), tmp_path / "hpc_ckpt_2.ckpt")
+        quicksave.save(_state(), tmp_path / "step-7")
+    left = sorted(os.listdir(tmp_path))
+    assert [final_name(n) for n in left] == ["hpc_ckpt_2.ckpt", "step-7"]
+    for name in left:
+        assert name.startswith(".quicksave.") and "ckpt_" not in name
+        assert not name.endswith(".ckpt")
+        assert classify(str(tmp_path / name)) is CheckpointKind.UNCOMMITTED
+    partial = tmp_path / temp_name("step-9", "0123456789ab")  # no manifest yet
+    partial.mkdir()
+    (partial / "rank-00000-00.safetensors").write_bytes(b"x")
+    # quicksave ls: uncommitted; the step from the manifest, else the checkpoint's name
+    assert {(i.name, i.step, i.committed) for i in list_checkpoints(str(tmp_path))} == {
+        (left[0], None, False),
+        (left[1], None, False),
+        (partial.name, 9, False),
+    }
+    (tmp_path / "step-3.tmp-aaaaaaaaaaaa").mkdir()  # an earlier version's leftover
+    assert clean_stale_temporaries(str(tmp_path)) == sorted(
+        [*left, partial.name, "step-3.tmp-aaaaaaaaaaaa"]
+    )
+    assert os.listdir(tmp_path) == []
 
 
 # ------------------------------------------------------------------- crash test

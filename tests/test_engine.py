@@ -262,7 +262,7 @@ def test_enospc_is_reported_and_the_next_save_works(mode: str) -> None:
     with tmpfs("2m") as mnt, AsyncSaver(EngineConfig(mode=mode)) as saver:
         e = _disk_error_case(saver, mnt, 4)
         assert "ENOSPC (No space left on device)" in str(e)
-        assert e.path.startswith(str(mnt / "big.tmp-")) and e.rank == 0
+        assert e.path.startswith(str(mnt / ".quicksave.big.tmp-")) and e.rank == 0
         small = _small(3.0)
         saver.save(small, mnt / "next", step=3).wait(60)  # space was freed: works again
         _assert_same(small, mnt / "next")
@@ -276,7 +276,7 @@ def test_read_only_filesystem_is_reported() -> None:
         with pytest.raises(CheckpointError) as ei:
             saver.save(big_state(1, 2.0), mnt / "big", step=2).wait(60)
         assert "EROFS (Read-only file system)" in str(ei.value)
-        assert str(mnt / "big.tmp-") in str(ei.value)
+        assert f"[path={mnt / 'big'}, rank=0]" in str(ei.value)  # the checkpoint, by name
         assert os.listdir(mnt) == ["prev"]
         _assert_same(prev, mnt / "prev")
 
@@ -297,7 +297,7 @@ def test_eacces_is_reported(tmp_path: Path) -> None:
         kind, message = lines[0].removeprefix("error ").split("|", 1)
         assert kind == "CheckpointError", out
         assert "EACCES (Permission denied)" in message
-        assert str(d / "b.tmp-") in message and "rank=0" in message
+        assert f"[path={d / 'b'}, rank=0]" in message  # the checkpoint, by name
         assert sorted(os.listdir(d)) == ["a"]
         _assert_same(big_state(1, 1.0), d / "a")
     finally:
@@ -321,7 +321,7 @@ def test_eio_is_reported(root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     with AsyncSaver(EngineConfig(mode="thread")) as saver:
         e = _disk_error_case(saver, root, 2)
     assert "EIO (Input/output error)" in str(e)
-    assert str(root / "big.tmp-") in str(e) and e.rank == 0
+    assert str(root / ".quicksave.big.tmp-") in str(e) and e.rank == 0
 
 
 def test_a_state_without_tensors_commits(tmp_path: Path) -> None:

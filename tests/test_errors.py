@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import pickle
 from pathlib import Path
@@ -62,6 +63,11 @@ def test_load_missing_path(tmp_path: Path):
     with pytest.raises(CheckpointNotFoundError) as info:
         quicksave.load({"w": torch.zeros(1)}, path)
     assert str(info.value) == f"no such file or directory [path={path}]"
+    # a FileNotFoundError too, as frameworks catch a missing checkpoint (Lightning)
+    assert isinstance(info.value, FileNotFoundError)
+    assert (info.value.errno, info.value.filename) == (errno.ENOENT, str(path))
+    with pytest.raises(FileNotFoundError):
+        quicksave.load_state(path)
 
 
 def test_load_folder_that_is_not_a_checkpoint(tmp_path: Path):

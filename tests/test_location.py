@@ -27,7 +27,8 @@ def test_paths_and_file_urls_are_local(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("url", "match"),
     [
-        ("gs://bucket/x", "unknown URL scheme 'gs'"),
+        ("nosuch://bucket/x", "unknown URL scheme 'nosuch'"),
+        ("gs://bucket/x", "served through fsspec, which needs a package"),  # gcsfs absent
         ("file://otherhost/x", "names the host 'otherhost'"),
         ("s3://", "needs a bucket"),
         ("s3://bkt/x/../y", "'..' components"),

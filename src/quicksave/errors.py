@@ -7,6 +7,7 @@ so a training loop can catch :class:`CheckpointError` and carry on.
 
 from __future__ import annotations
 
+import errno
 import os
 
 
@@ -54,8 +55,25 @@ def _rebuild(cls, message, path, fqn, rank):
     return cls(message, path=path, fqn=fqn, rank=rank)
 
 
-class CheckpointNotFoundError(CheckpointError):
-    """The path does not exist, or is not a checkpoint (nor a folder of them)."""
+class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
+    """The path does not exist, or is not a checkpoint (nor a folder of them).
+
+    Also a ``FileNotFoundError`` (``errno`` ``ENOENT``, ``filename`` the path), as a
+    missing file is to ``torch.load`` and to frameworks that catch it (Lightning's
+    ``fit(ckpt_path=...)``)."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        path: str | os.PathLike[str] | None = None,
+        fqn: str | None = None,
+        rank: int | None = None,
+    ) -> None:
+        super().__init__(message, path=path, fqn=fqn, rank=rank)
+        self.errno = errno.ENOENT
+        self.strerror = message
+        self.filename = self.path
 
 
 class NotCommittedError(CheckpointError):

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 import quicksave
+from quicksave.commit.kinds import temp_name
 from quicksave.loading.verify import verify_checkpoint
 
 REPO = Path(__file__).resolve().parents[2]
@@ -90,7 +91,9 @@ def wait_dead(pid: int, timeout: float) -> float | None:
 def wait_partial_file(final: str | os.PathLike[str], timeout: float = 60.0) -> str:
     """Wait until the save into ``final`` has a non-empty data file in its temporary
     directory (the worker is writing) and return that file."""
-    pattern = f"{final}.tmp-*/rank-*.safetensors"
+    final = os.fspath(final)
+    temporary = temp_name(os.path.basename(final), "*")  # FORMAT.md §6
+    pattern = os.path.join(os.path.dirname(final), temporary, "rank-*.safetensors")
     t0 = time.monotonic()
     while time.monotonic() - t0 < timeout:
         for f in glob.glob(pattern):

@@ -34,6 +34,7 @@ import quicksave
 from quicksave.commit import CheckpointKind, classify
 from quicksave.commit import files as commit
 from quicksave.errors import CheckpointError, CheckpointExistsError, IncompatibleStateError
+from quicksave.integrations._lightning_process import PROCESS
 from quicksave.integrations.lightning import (
     QuicksaveCheckpointIO,
     load_from_checkpoint,
@@ -529,7 +530,7 @@ def test_pickles_its_configuration_only(tmp_path):
     io.save_checkpoint({"w": torch.ones(4)}, tmp_path / "a.ckpt")
     copy_ = pickle.loads(pickle.dumps(io))
     assert (copy_.async_save, copy_.engine, copy_.thread_count) == (True, THREAD_ENGINE, 3)
-    assert copy_._saver is None and copy_._in_flight == {}
+    assert copy_._saver is None and PROCESS.saves.owned(copy_) == []
     io.teardown()
     assert torch.equal(copy_.load_checkpoint(tmp_path / "a.ckpt")["w"], torch.ones(4))
 

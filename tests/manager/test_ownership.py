@@ -450,4 +450,4 @@ def test_deleting_under_a_parent_named_like_a_temporary_stays_in_that_parent(tmp
     assert commit.remove_tree(str(folder / "step-1"))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run.tmp-x"]
     (doomed,) = [p.name for p in folder.iterdir() if p.name != "step-2"]
-    assert doomed.startswith("step-1.tmp-del")  # beside it: the next start-up cleans it
+    assert doomed.startswith(".quicksave.step-1.tmp-del")  # beside it: start-up cleans it

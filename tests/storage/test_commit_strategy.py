@@ -1,6 +1,7 @@
-"""The two commit strategies side by side, on a real directory and a real S3 server
-(SeaweedFS on loopback): the same calls, the same outcomes — and a failed or
-interrupted commit never leaves anything that reads as a checkpoint."""
+"""The two commit strategies side by side, on a real directory, a real S3 server
+(SeaweedFS on loopback) and fsspec's memory filesystem (the generic fsspec store): the
+same calls, the same outcomes — and a failed or interrupted commit never leaves
+anything that reads as a checkpoint."""
 
 from __future__ import annotations
 
@@ -18,11 +19,14 @@ from quicksave.storage import Location, parse_location
 DATA = "rank-00000-0.safetensors"
 
 
-@pytest.fixture(params=["file", "s3"])
+@pytest.fixture(params=["file", "s3", "memory"])
 def where(request, tmp_path, monkeypatch) -> Iterator[tuple[CommitStrategy, Location]]:
     """A strategy and the location of one checkpoint (``ckpt``) under a fresh folder."""
     if request.param == "file":
         loc = parse_location(str(tmp_path / "run" / "ckpt"))
+    elif request.param == "memory":
+        run = f"memory://{tmp_path.name}/run"  # fsspec's one memory filesystem: a fresh root
+        loc = parse_location(f"{run}/ckpt")
     else:
         server = request.getfixturevalue("s3_server")
         bucket = request.getfixturevalue("s3_bucket")

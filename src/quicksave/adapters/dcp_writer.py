@@ -6,8 +6,9 @@ Call order (DCP drives it; "all" = every rank, "coord" = the coordinator rank on
 2. (all)   ``prepare_local_plan(plan)`` — attaches the rank's ``RankPlan`` (what it holds,
    before deduplication) as ``storage_data``, so the coordinator can record every plan
 3. (coord) ``prepare_global_plan(plans)`` — records every rank's plan (the manifest's
-   ``plans``), creates ``<path>.tmp-<token>/`` and fixes every rank's file layout (names,
-   headers, byte offsets) so the manifest is known at plan time
+   ``plans``), creates its temporary (``.quicksave.<encoded name>.tmp-<token>/``) and
+   fixes every rank's file layout (names, headers, byte offsets) so the manifest is
+   known at plan time
 4. (all)   ``write_data(plan, planner)`` — writes this rank's files, fsyncs, returns checksums
 5. (coord) ``finish(metadata, results)`` — the manifest: the skeleton of the global
    metadata and the layouts (``saving.skeleton``) filled from each rank's results taken

@@ -1,6 +1,7 @@
 """The rename protocol's file operations on a local filesystem (docs/FORMAT.md, "Commit").
 
-1. every rank writes its data files under ``<parent>/<name>.tmp-<token>/`` and fsyncs them;
+1. every rank writes its data files under ``<parent>/.quicksave.<encoded name>.tmp-<token>/``
+   (:func:`~quicksave.commit.kinds.temp_name`) and fsyncs them;
 2. the coordinator writes ``.metadata`` and then ``manifest.json`` there, fsyncs both and
    the directory;
 3. the coordinator renames the directory to ``<parent>/<name>`` and fsyncs ``<parent>``.
@@ -21,10 +22,11 @@ from collections.abc import Mapping
 from quicksave.commit.kinds import (
     QUARANTINE_MARK,
     REPLACED_MARK,
-    TMP_MARK,
     final_name,
+    hidden_name,
     is_temp_name,
     new_token,
+    temp_name,
 )
 from quicksave.errors import CheckpointError, CheckpointExistsError
 
@@ -32,8 +34,19 @@ logger = logging.getLogger(__name__)
 
 
 def temp_path_for(final: str, token: str) -> str:
+    """The temporary beside ``final`` for a save (or a deletion) of it: a hidden name
+    that no scan of the folder by name takes for ``final``
+    (:func:`~quicksave.commit.kinds.temp_name`)."""
     final = os.path.normpath(os.path.abspath(final))
-    return os.path.join(os.path.dirname(final), f"{os.path.basename(final)}{TMP_MARK}{token}")
+    return os.path.join(os.path.dirname(final), temp_name(os.path.basename(final), token))
+
+
+def final_path_of(tmp: str) -> str:
+    """The checkpoint a temporary (:func:`temp_path_for`) stands for, beside it: what an
+    error about the temporary names, as the user knows it."""
+    tmp = os.path.normpath(os.path.abspath(tmp))
+    parent, name = os.path.split(tmp)
+    return os.path.join(parent, final_name(name))
 
 
 def quarantine_path(final: str) -> str:
@@ -93,7 +106,8 @@ def publish(tmp: str, final: str, expected: Mapping[str, int], *, replace: bool 
     places in one ``renameat2(RENAME_EXCHANGE)``, then the old one is deleted, so
     ``final`` always holds a whole checkpoint. Where the filesystem cannot exchange (NFS,
     some FUSE filesystems, non-Linux), the old one is first renamed to
-    ``<final>.replaced-<token>``, a name that is never listed, loaded or cleaned up, and
+    ``.quicksave.<encoded name>.replaced-<token>`` beside it, a name that is never
+    listed, loaded or cleaned up, and
     deleted only once the new one is in place: a crash between the two renames leaves
     nothing at ``final`` but the old checkpoint whole beside it (a warning says so).
 
@@ -107,7 +121,8 @@ def publish(tmp: str, final: str, expected: Mapping[str, int], *, replace: bool 
     fsync_path(tmp)
     if replace:
         if not _rename_exchange(tmp, final):
-            old = f"{final}{REPLACED_MARK}{new_token()}"
+            parent, name = os.path.split(final)
+            old = os.path.join(parent, hidden_name(name, REPLACED_MARK, new_token()))
             logger.warning(
                 "quicksave: %s cannot exchange directories atomically; replacing %s by "
                 "two renames (a crash between them leaves the old checkpoint at %s)",
@@ -153,7 +168,8 @@ def _rename_exchange(a: str, b: str) -> bool:
 
 def remove_tree(path: str) -> bool:
     """Delete a directory (or file) so that it is never half-deleted under its name:
-    rename it to a fresh ``.tmp-del`` temporary first, then delete that. Returns False
+    rename it to a fresh temporary (``.quicksave.<encoded name>.tmp-del<token>``) first,
+    then delete that. Returns False
     if ``path`` was gone or could not be moved (nothing was deleted then).
 
     The rename also makes deletion race-free against a writer committing a temporary
@@ -175,7 +191,8 @@ def remove_tree(path: str) -> bool:
 
 
 def clean_stale_temporaries(root: str) -> list[str]:
-    """Delete ``*.tmp-*`` entries directly under ``root`` (left by crashed saves), each
+    """Delete the temporaries directly under ``root`` (left by crashed saves; ``*.tmp-*``:
+    hidden ones, and those beside their checkpoint of earlier versions), each
     moved away before it is deleted (:func:`remove_tree`).
 
     Only the holder of the folder's writer lease may call this (the manager does at

@@ -1,6 +1,7 @@
-"""Commit by rename, on a local filesystem: a save is written under
-``<name>.tmp-<token>/`` and one rename of that directory makes it visible
-(:mod:`quicksave.commit.files` holds the file operations; docs/FORMAT.md, "Commit").
+"""Commit by rename, on a local filesystem: a save is written under the hidden
+``.quicksave.<encoded name>.tmp-<token>/`` beside the checkpoint and one rename of that
+directory makes it visible (:mod:`quicksave.commit.files` holds the file operations;
+:mod:`quicksave.commit.kinds` the names; docs/FORMAT.md, "Commit").
 
 A directory is a committed checkpoint iff its name has no ``.tmp-`` (nor ``.corrupt-``,
 ``.replaced-``) marker and it holds ``manifest.json``, or (the DCP layout, FORMAT.md §8)
@@ -87,7 +88,7 @@ class RenameCommit(CommitStrategy):
         return tmp
 
     def prepare_staging(self, staging: str) -> None:
-        self._make_staging(staging, staging)
+        self._make_staging(staging, files.final_path_of(staging))  # named as in begin
 
     def _make_staging(self, staging: str, named: str) -> None:
         try:
@@ -207,6 +208,32 @@ class RenameCommit(CommitStrategy):
 
     def remove(self, loc: Location) -> bool:
         return files.remove_tree(loc.key)
+
+    @classmethod
+    def reserve(cls, loc: Location) -> bool:
+        """An empty directory at ``loc`` (the rename of the save's temporary replaces
+        it, in the same single step)."""
+        try:
+            os.makedirs(os.path.dirname(loc.key), exist_ok=True)
+            os.mkdir(loc.key)
+        except FileExistsError:
+            return False
+        except OSError as e:
+            raise CheckpointError(
+                f"cannot reserve the checkpoint's name: {e.strerror}", path=loc.key
+            ) from e
+        return True
+
+    @classmethod
+    def release(cls, loc: Location) -> bool:
+        """``rmdir``: only an empty directory goes, never a checkpoint committed meanwhile."""
+        if os.path.islink(loc.key) or not os.path.isdir(loc.key):
+            return False
+        try:
+            os.rmdir(loc.key)
+        except OSError:  # not empty (committed meanwhile, or someone else's), or gone
+            return False
+        return True
 
     def unlink(self, loc: Location) -> bool:
         if not os.path.islink(loc.key):

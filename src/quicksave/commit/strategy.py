@@ -324,6 +324,25 @@ class CommitStrategy(abc.ABC):
         """Delete the checkpoint at ``loc`` so that it never looks committed while half
         deleted. False if nothing was deleted (gone, or it could not be moved)."""
 
+    @classmethod
+    def reserve(cls, loc: Location) -> bool:
+        """Make the name ``loc`` look taken while a save to it is in flight, for
+        callers that choose a name by whether it exists (Lightning's ``ModelCheckpoint``
+        adds ``-v1``, ``-v2`` to a name it sees taken): True if a placeholder was made,
+        which the save's commit replaces (:meth:`check_target` lets a save write over
+        it) and :meth:`release` removes if the save fails. Nothing is made where
+        something is already at ``loc``, nor where the strategy has no placeholder
+        (an object store: the default). Needs no backend:
+        ``strategy_class(loc).reserve(loc)``."""
+        return False
+
+    @classmethod
+    def release(cls, loc: Location) -> bool:
+        """Remove :meth:`reserve`'s placeholder at ``loc`` if one is still there (its
+        save failed, or the process that made it died); True if one was removed.
+        Anything else at ``loc`` is left alone."""
+        return False
+
     def unlink(self, loc: Location) -> bool:
         """If ``loc`` is a link to a checkpoint (a filesystem's symbolic link), remove
         the link alone, its target kept, and return True; else False (stores have no

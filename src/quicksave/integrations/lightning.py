@@ -12,14 +12,21 @@ the first two on global rank 0 only, so nothing here makes a collective):
 1. ``save_checkpoint(checkpoint, path)`` — from ``ModelCheckpoint`` or
    ``trainer.save_checkpoint``. A committed checkpoint already at ``path`` (``last.ckpt``,
    re-saved every epoch) is replaced atomically. With ``async_save=True`` it returns once
-   the tensors are staged; the checkpoint is written and committed in the background.
+   the tensors are staged; the checkpoint is written and committed in the background,
+   and meanwhile an empty directory holds its name, so that ``ModelCheckpoint``, which
+   picks ``name-v1.ckpt`` when it sees ``name.ckpt`` taken, never saves twice to one
+   path (the commit's rename replaces the placeholder; a failed save removes it).
 2. ``remove_checkpoint(path)`` — top-k retention; waits for a save in flight to ``path``.
-3. ``load_checkpoint(path)`` — every rank, when resuming (``fit(ckpt_path=...)``).
+3. ``load_checkpoint(path)`` — every rank, when resuming (``fit(ckpt_path=...)``); waits
+   for a save to ``path`` in flight in this process, whichever plugin started it
+   (:mod:`._lightning_process`).
 4. ``teardown()`` — end of ``fit``/``validate``/...: waits for every save in flight and
    raises the first that failed.
 
 ``LightningModule.load_from_checkpoint`` reads a file with ``torch.load``; for a quicksave
-checkpoint use :func:`load_from_checkpoint` here.
+checkpoint use :func:`load_from_checkpoint` here (or :func:`read_checkpoint` for the dict).
+OmegaConf ``DictConfig`` / ``ListConfig`` hyper-parameters come back as such
+(:mod:`._lightning_configs`).
 
 Works with the ``lightning`` package and with ``pytorch_lightning`` (the class derives
 from the ``CheckpointIO`` of each one installed). Importing this module imports
@@ -30,13 +37,8 @@ from __future__ import annotations
 
 import importlib
 import os
-import sys
-import threading
-from collections import Counter
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
-
-import torch
 
 import quicksave
 from quicksave.commit import CheckpointKind, open_strategy, strategy_class
@@ -46,10 +48,14 @@ from quicksave.errors import (
     IncompatibleStateError,
     rank_of_this_process,
 )
+from quicksave.integrations._lightning_configs import encode_configs
+from quicksave.integrations._lightning_process import PROCESS
+from quicksave.integrations._lightning_read import load_from_checkpoint, read_checkpoint
 from quicksave.saving.config import EngineConfig
 from quicksave.saving.engine import AsyncSaver
-from quicksave.saving.handle import SaveHandle
-from quicksave.storage import Location, StorageOptions, parse_location
+from quicksave.storage import StorageOptions, parse_location
+
+__all__ = ["QuicksaveCheckpointIO", "load_from_checkpoint", "read_checkpoint"]
 
 
 def _checkpoint_io_bases() -> tuple[type, ...]:
@@ -80,9 +86,10 @@ _HINTS = {
         "strings, or leave them out with save_hyperparameters(ignore=[...]))"
     ),
     "hparams_type": (
-        "Lightning records the hyper-parameters' container type (an OmegaConf config) "
-        "as a class, which cannot be stored without pickle: save_hyperparameters() with "
-        "a plain dict (e.g. OmegaConf.to_container(cfg))"
+        "Lightning records the hyper-parameters' container type as a class; quicksave "
+        "stores OmegaConf's DictConfig and ListConfig by name, and no other class "
+        "(that would need pickle): save_hyperparameters() with a dict or an OmegaConf "
+        "config"
     ),
     "callbacks": (
         "a callback's state_dict() returned it: make the callback's state numbers, "
@@ -155,14 +162,11 @@ class QuicksaveCheckpointIO(*_checkpoint_io_bases()):  # type: ignore[misc]
         self.thread_count = thread_count
         self.storage = storage
         self._saver: AsyncSaver | None = None  # built on the first async save (rank 0)
-        self._in_flight: dict[str, SaveHandle] = {}  # async: final path -> its save
-        # Synchronous saves running in some thread (Lightning's AsyncCheckpointIO calls
-        # save_checkpoint from its own), per path: load/remove of that path waits.
-        self._running: Counter[str] = Counter()
-        self._cond = threading.Condition()
+        # The saves in flight (async, and sync ones running in another thread, as
+        # Lightning's AsyncCheckpointIO makes them) are the process's: PROCESS.saves.
 
     # Configuration only travels (e.g. to the processes of strategy="ddp_spawn"): the
-    # lock, the saver and the saves in flight belong to this process.
+    # saver and the saves in flight belong to this process.
     def __getstate__(self) -> dict[str, Any]:
         return {
             "async_save": self.async_save,
@@ -206,6 +210,7 @@ class QuicksaveCheckpointIO(*_checkpoint_io_bases()):  # type: ignore[misc]
                 path=target,
                 rank=rank_of_this_process(),
             )
+        checkpoint = encode_configs(checkpoint)
         self._settle(target)
         try:
             if self.async_save:
@@ -240,9 +245,10 @@ class QuicksaveCheckpointIO(*_checkpoint_io_bases()):  # type: ignore[misc]
         is as safe as ``torch.load(weights_only=True)``.
 
         Raises:
-            CheckpointNotFoundError: nothing is at ``path``.
+            CheckpointNotFoundError: nothing is at ``path`` (also a ``FileNotFoundError``).
             CheckpointError: ``path`` is not a quicksave checkpoint (e.g. a file written
-                by Lightning's TorchCheckpointIO), or it is corrupt.
+                by Lightning's TorchCheckpointIO), or it is corrupt, or its save (in
+                flight in this process) failed.
         """
         target = parse_location(path, options=self.storage).url
         self._settle(target)
@@ -252,8 +258,10 @@ class QuicksaveCheckpointIO(*_checkpoint_io_bases()):  # type: ignore[misc]
         """Delete the quicksave checkpoint at ``path`` (after any save in flight to it).
 
         A symbolic link (``ModelCheckpoint(save_last="link")``) is unlinked, its target
-        kept. Nothing at ``path`` is not an error. Locally the directory is first renamed
-        to a temporary name, so it is never half-deleted under its own name.
+        kept; an empty directory (the placeholder of an async save that never
+        committed) is removed. Nothing at ``path`` is not an error. Locally the
+        directory is first renamed to a temporary name, so it is never half-deleted
+        under its own name.
 
         Raises:
             CheckpointError: ``path`` holds something that is not a quicksave checkpoint
@@ -264,8 +272,8 @@ class QuicksaveCheckpointIO(*_checkpoint_io_bases()):  # type: ignore[misc]
         self._settle(target)
         rank = rank_of_this_process()
         with open_strategy(loc) as s:
-            if s.unlink(loc):  # ModelCheckpoint(save_last="link"): the link alone
-                return
+            if s.unlink(loc) or s.release(loc):  # a link alone (save_last="link"), or
+                return  # the empty placeholder of an async save that failed or died
             kind = s.classify(loc)
             if kind is CheckpointKind.MISSING:
                 return
@@ -283,7 +291,7 @@ class QuicksaveCheckpointIO(*_checkpoint_io_bases()):  # type: ignore[misc]
         """Wait for every save in flight, stop the async worker, and raise the first
         failure (naming the others)."""
         errors: list[BaseException] = []
-        for target in list(self._in_flight):
+        for target, _ in PROCESS.saves.owned(self):
             try:
                 self._settle(target)
             except CheckpointError as e:
@@ -314,9 +322,7 @@ class QuicksaveCheckpointIO(*_checkpoint_io_bases()):  # type: ignore[misc]
         target: str,
         storage: StorageOptions | None,
     ) -> None:
-        with self._cond:
-            self._running[target] += 1
-        try:
+        with PROCESS.saves.running(target):
             quicksave.save(
                 checkpoint,
                 loc,
@@ -326,37 +332,40 @@ class QuicksaveCheckpointIO(*_checkpoint_io_bases()):  # type: ignore[misc]
                 overwrite=strategy_class(loc).atomic_replace,  # refused where there is none
                 no_dist=True,  # Lightning saves from rank 0 alone
             )
-        finally:
-            with self._cond:
-                self._running -= Counter({target: 1})  # drops the path at zero
-                self._cond.notify_all()
 
     def _save_async(self, checkpoint: Mapping[str, Any], loc: Any, target: str) -> None:
         self._raise_finished()
         if self._saver is None:
             self._saver = AsyncSaver(self.engine, rank=rank_of_this_process() or 0)
+        strategy = strategy_class(loc)
         handle = self._saver.save(
-            checkpoint, loc, step=_step_of(checkpoint), overwrite=strategy_class(loc).atomic_replace
+            checkpoint, loc, step=_step_of(checkpoint), overwrite=strategy.atomic_replace
         )
-        if handle is not None:  # None: skipped by EngineConfig(backpressure="skip")
-            self._in_flight[target] = handle
+        if handle is None:  # skipped by EngineConfig(backpressure="skip")
+            return
+        PROCESS.saves.add(self, target, handle)
+        # Until the commit, the name looks taken to ModelCheckpoint's fs.exists check
+        # (else it would save the next checkpoint of that name to the same path, and
+        # the second save would replace the first).
+        strategy.reserve(loc)
 
     def _settle(self, target: str) -> None:
-        """Wait until no save to ``target`` is in flight; raise its failure."""
-        with self._cond:
-            self._cond.wait_for(lambda: target not in self._running)
-        handle = self._in_flight.pop(target, None)
-        if handle is not None:
-            handle.wait()
+        """Wait until no save to ``target`` is in flight (in this process); raise its
+        failure, after removing the placeholder of a failed async save."""
+        try:
+            PROCESS.saves.settle(self, target)
+        except CheckpointError:
+            loc = parse_location(target, options=self.storage)
+            strategy_class(loc).release(loc)
+            raise
 
     def _raise_finished(self) -> None:
         """Forget finished async saves; raise the first that failed."""
         errors = []
-        for target, handle in list(self._in_flight.items()):
+        for target, handle in PROCESS.saves.owned(self):
             if handle.done():
-                del self._in_flight[target]
                 try:
-                    handle.wait()
+                    self._settle(target)
                 except CheckpointError as e:
                     errors.append(e)
         _raise_first(errors)
@@ -370,160 +379,3 @@ def _raise_first(errors: list[BaseException]) -> None:
         first.message += " (also failed: " + "; ".join(str(e) for e in errors[1:]) + ")"
         first.args = (first.message,)
     raise first
-
-
-# ---------------------------------------------------------------------- reading
-
-
-def read_checkpoint(
-    path: str | os.PathLike[str],
-    map_location: Any | None = None,
-    *,
-    storage: StorageOptions | None = None,
-) -> dict[str, Any]:
-    """The Lightning checkpoint dict stored at ``path`` (what
-    :meth:`QuicksaveCheckpointIO.load_checkpoint` returns).
-
-    Raises:
-        CheckpointNotFoundError, CorruptCheckpointError, CheckpointError: as
-            ``quicksave.load_state``; a plain file gets a hint about TorchCheckpointIO.
-    """
-    loc = parse_location(path, options=storage)
-    try:
-        state = quicksave.load_state(loc, storage=storage)
-    except CheckpointError as e:
-        if _is_one_file(loc):
-            e.message += (
-                "; a Lightning checkpoint *file* was written by another CheckpointIO "
-                "(TorchCheckpointIO: torch.save); load it with that one"
-            )
-            e.args = (e.message,)
-        raise
-    return _relocate(state, map_location)
-
-
-def _is_one_file(loc: Location) -> bool:
-    """Whether a single file (an object) is at ``loc``, not a checkpoint's folder."""
-    try:
-        backend = loc.open()
-    except CheckpointError:
-        return False
-    try:
-        return backend.stat(loc.key) is not None
-    except CheckpointError:
-        return False
-    finally:
-        backend.close()
-
-
-def _relocate(value: Any, map_location: Any | None) -> Any:
-    """Move every tensor in ``value`` as ``torch.load(map_location=...)`` would; the
-    tensors were read onto the CPU, so ``"cpu"`` is their saved location."""
-    if map_location is None:
-        return value
-    move = _mover(map_location)
-
-    def walk(v: Any) -> Any:
-        if isinstance(v, torch.Tensor):
-            return move(v)
-        if isinstance(v, dict):
-            return {k: walk(x) for k, x in v.items()}
-        if isinstance(v, list):
-            return [walk(x) for x in v]
-        if isinstance(v, tuple) and not hasattr(v, "_fields"):
-            return tuple(walk(x) for x in v)
-        return v
-
-    return walk(value)
-
-
-def _mover(map_location: Any) -> Callable[[torch.Tensor], torch.Tensor]:
-    if isinstance(map_location, (str, torch.device)):
-        device = torch.device(map_location)
-        return lambda t: t.to(device)
-    if isinstance(map_location, Mapping):
-        to = map_location.get("cpu")
-        if to is None:
-            return lambda t: t
-        device = torch.device(to)
-        return lambda t: t.to(device)
-    if callable(map_location):
-
-        def call(t: torch.Tensor) -> torch.Tensor:
-            out = map_location(t.untyped_storage(), "cpu")
-            if out is None or getattr(out, "device", t.device) == t.device:
-                return t
-            return t.to(out.device)
-
-        return call
-    raise TypeError(
-        "map_location must be None, a torch.device, a device string, a dict or a "
-        f"callable (as for torch.load), got {type(map_location).__name__}"
-    )
-
-
-# ---------------------------------------------------------------- load_from_checkpoint
-
-
-def _lightning_of(cls: type) -> tuple[Any, Any]:
-    """The Lightning package ``cls`` belongs to (``lightning.pytorch`` or
-    ``pytorch_lightning``) and its ``core.saving`` module."""
-    for package in ("lightning.pytorch", "pytorch_lightning"):
-        pl = sys.modules.get(package)
-        if pl is None:
-            continue
-        if isinstance(cls, type) and issubclass(cls, (pl.LightningModule, pl.LightningDataModule)):
-            return pl, importlib.import_module(f"{package}.core.saving")
-    raise TypeError(
-        f"load_from_checkpoint takes a LightningModule or LightningDataModule class, got {cls!r}"
-    )
-
-
-def load_from_checkpoint(
-    cls: type,
-    path: str | os.PathLike[str],
-    map_location: Any | None = None,
-    *,
-    strict: bool | None = None,
-    storage: StorageOptions | None = None,
-    **kwargs: Any,
-) -> Any:
-    """``cls.load_from_checkpoint(path)`` for a quicksave checkpoint.
-
-    Builds the module as ``LightningModule.load_from_checkpoint`` does, through
-    Lightning's own steps: the stored hyper-parameters (overridden by ``kwargs``) go to
-    ``cls.__init__``, then ``configure_model()`` if overridden, ``on_load_checkpoint``,
-    and the state dict is loaded (``strict``: default the module's ``strict_loading``);
-    the module ends on the device of the stored tensors (after ``map_location``). A
-    ``LightningDataModule`` class gets its hyper-parameters and ``load_state_dict``.
-
-    Args:
-        cls: the LightningModule (or LightningDataModule) class.
-        path: a checkpoint written by :class:`QuicksaveCheckpointIO`.
-        map_location: where the tensors go, as for ``torch.load`` (default: the CPU).
-        strict: see ``LightningModule.load_from_checkpoint``.
-        storage: how to reach an object store.
-        **kwargs: hyper-parameters overriding the stored ones.
-
-    Returns:
-        The module, in train mode as Lightning leaves it (call ``.eval()`` to evaluate).
-
-    Example::
-
-        from quicksave.integrations.lightning import load_from_checkpoint
-        model = load_from_checkpoint(MyModel, "ckpt/epoch=3-step=40.ckpt")
-    """
-    pl, saving = _lightning_of(cls)
-    checkpoint = read_checkpoint(path, map_location, storage=storage)
-    migrate = getattr(saving, "_pl_migrate_checkpoint", None)
-    if migrate is not None:  # a checkpoint of an older Lightning: Lightning's migrations
-        checkpoint = migrate(checkpoint, checkpoint_path=os.fspath(path))
-    key = cls.CHECKPOINT_HYPER_PARAMS_KEY
-    checkpoint.setdefault(key, {})
-    checkpoint[key].update(kwargs)
-    if issubclass(cls, pl.LightningDataModule):
-        return saving._load_state(cls, checkpoint, **kwargs)
-    model = saving._load_state(cls, checkpoint, strict=strict, **kwargs)
-    tensors = (t for t in checkpoint.get("state_dict", {}).values() if isinstance(t, torch.Tensor))
-    first = next(tensors, None)
-    return model if first is None else model.to(first.device)

@@ -19,7 +19,7 @@ import os
 import re
 from dataclasses import dataclass, field
 
-from quicksave.commit import CheckpointKind, classify, kind_of, metadata_has_footer
+from quicksave.commit import CheckpointKind, classify, final_name, kind_of, metadata_has_footer
 from quicksave.commit.manifest_reader import read_manifest
 from quicksave.errors import CheckpointError, CheckpointNotFoundError
 from quicksave.format import DCP_METADATA_NAME, MANIFEST_NAME
@@ -29,7 +29,7 @@ from quicksave.storage.backend import Backend
 from quicksave.storage.checkpoint_dir import CheckpointDir
 from quicksave.storage.local import dir_files
 
-_STEP_IN_NAME = re.compile(r"(?:^|[^0-9])(\d+)(?:\.tmp-[0-9a-f]+)?$")
+_STEP_IN_NAME = re.compile(r"(?:^|[^0-9])(\d+)$")
 _LISTED = (CheckpointKind.QUICKSAVE, CheckpointKind.DCP, CheckpointKind.UNCOMMITTED)
 DEFAULT_DEPTH = 2  # a parent of run folders: <root>/<run>/step-<N>
 
@@ -82,7 +82,7 @@ def _dir_size(path: str) -> int:
 
 
 def _step_from_name(name: str) -> int | None:
-    match = _STEP_IN_NAME.search(name)
+    match = _STEP_IN_NAME.search(final_name(name))  # a temporary: its checkpoint's name
     if not match or len(match.group(1)) > 18:  # a step is below 2**63
         return None
     return int(match.group(1))

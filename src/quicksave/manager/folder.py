@@ -4,7 +4,7 @@ Plain functions over a folder path (no manager state), used by the manager::
 
     <folder>/step-<N>/         committed (manifest.json; a DCP-layout .metadata, FORMAT.md
                                §8; or a stock DCP .metadata)
-    <folder>/step-<N>.tmp-*/   being written, or left by a crash
+    <folder>/.quicksave.step-<N>.tmp-*/   being written, or left by a crash
     <folder>/step-<N>.corrupt-*/  failed its checks at load; moved aside, kept
     <folder>/.quicksave-lock   the writer lease (lease.py; on a store
                                .quicksave-lease.json, store_lease.py)

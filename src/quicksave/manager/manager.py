@@ -15,9 +15,9 @@ One ``save(step)`` goes through these states, in this order::
     every rank: ``failures.py``) → collect (state_dict() of every state)
     → write (one hand-off: ``StepIO``; async modes return after staging, or at once in
     overlap mode) → settle (this call's own failures) → commit (in the writer: rename
-    of ``step-<N>.tmp-*`` to ``step-<N>``) → housekeep (after a commit was seen:
-    RetentionPolicy over the committed steps and failed saves' leftovers; on the
-    coordinator only, never a step in flight; never raises)
+    of its temporary ``.quicksave.step-<N>.tmp-*`` to ``step-<N>``) → housekeep
+    (after a commit was seen: RetentionPolicy over the committed steps and failed
+    saves' leftovers; on the coordinator only, never a step in flight; never raises)
 
 A ``save()`` with nothing due only polls (and housekeeps after a commit): it talks to no
 other rank and raises nothing, except with one rank, where every call settles. Failures

@@ -211,6 +211,8 @@ class AsyncSaver:
             if self._closed:
                 raise CheckpointError("the saver is closed", path=os.fspath(path), rank=self.rank)
             loc = parse_location(path, options=self.config.storage)
+            if self.config.mode == "process":
+                loc.check_shared("save with EngineConfig(mode='thread') instead")
             check_user_metadata(dict(user_metadata or {}), loc.url, self.rank)
             if overwrite and self._dist is not None:
                 raise CheckpointError(

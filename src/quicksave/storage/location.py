@@ -6,12 +6,14 @@ I/O, so a destination quicksave does not understand is an error, never a guess:
 directory ``s3:``, and ``s3:/b/run`` (one slash missing) a local ``./s3:/b/run``.
 
 Served: plain paths and ``file:`` URLs (the local filesystem), ``s3://bucket/prefix``
-(extra ``quicksave[s3]``) and ``msc://profile/path`` (extra ``quicksave[msc]``). Any
-other scheme is refused.
+(extra ``quicksave[s3]``) and ``msc://profile/path`` (extra ``quicksave[msc]``); any
+other ``scheme://`` that fsspec knows and can import here (``memory://``, ``gcs://``
+with gcsfs, ``hf://``...: :mod:`quicksave.storage.fsspec_store`). Any other scheme is
+refused.
 
 The rule for what is a URL (Linux paths only: ``C:`` is no drive letter here):
 
-- ``scheme://...``: a URL; an unknown scheme is an error.
+- ``scheme://...``: a URL; a scheme neither quicksave nor fsspec knows is an error.
 - ``file:/abs``, ``file:///abs`` and ``file://localhost/abs`` (RFC 8089) all mean the
   local path ``/abs``; ``file:relative``, a ``file://host/...`` and a ``?`` or ``#`` in
   a ``file:`` URL (percent-encode them: ``%3F``, ``%23``) are errors.
@@ -35,6 +37,7 @@ from urllib.parse import unquote, urlsplit
 
 from quicksave.errors import CheckpointError
 from quicksave.storage.backend import Backend, StorageOptions, join
+from quicksave.storage.fsspec_store import PROCESS_LOCAL, fsspec_key, fsspec_protocol
 from quicksave.storage.retry import StoreHealth
 
 _SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
@@ -49,10 +52,12 @@ class Location:
     to a worker process; :meth:`open` builds the live backend (clients, threads).
 
     Attributes:
-        scheme: ``"file"``, ``"s3"`` or ``"msc"``.
-        container: the bucket (s3) or profile (msc); ``""`` for files.
-        key: the absolute path (file), or the key prefix inside the container, without
-            a leading or trailing ``/`` (``""``: the container's root).
+        scheme: ``"file"``, ``"s3"``, ``"msc"``, or an fsspec protocol (``"memory"``...).
+        container: the bucket (s3) or profile (msc); ``""`` for files; for an fsspec
+            filesystem its root marker (``"/"`` for ``memory://``, ``""`` for ``gcs://``).
+        key: the absolute path (file), or the key prefix inside the container (fsspec:
+            the filesystem's path without its root marker), without a leading or
+            trailing ``/`` (``""``: the container's root).
         options: how to reach the store (credentials come from the environment's
             standard chain unless set there; never printed).
     """
@@ -71,6 +76,8 @@ class Location:
         """The user-facing name: the path for files, the URL otherwise."""
         if self.is_local:
             return self.key
+        if self.scheme not in _EXTRAS:  # an fsspec filesystem: its path follows the scheme
+            return f"{self.scheme}://{self.container}{self.key}"
         return f"{self.scheme}://{self.container}/{self.key}".rstrip("/")
 
     @property
@@ -105,6 +112,21 @@ class Location:
             raise CheckpointError(
                 "use_msc=True needs the Multi-Storage Client package "
                 "(pip install 'quicksave[msc]')",
+                path=self.url,
+            )
+
+    def check_shared(self, what: str) -> None:
+        """Refuse a location that lives in this process's memory (``memory://``) where
+        another process would write it (an async saver's worker process): its writes
+        would land in that process's memory, and this one would never see them.
+
+        Raises:
+            CheckpointError: naming the location and ``what`` to do instead.
+        """
+        if self.scheme in PROCESS_LOCAL:
+            raise CheckpointError(
+                f"{self.scheme}:// is this process's memory, and a worker process would "
+                f"write the checkpoint into its own: {what}",
                 path=self.url,
             )
 
@@ -166,6 +188,10 @@ class Location:
             from quicksave.storage.s3 import S3Backend
 
             return S3Backend(self.container, self.options.s3, health=health)
+        if self.scheme != "msc":
+            from quicksave.storage.fsspec_store import FsspecBackend
+
+            return FsspecBackend(self.scheme)
         from quicksave.storage.msc import MscBackend
 
         try:
@@ -245,10 +271,11 @@ def parse_location(
                 f"a {what} URL must not hold empty, '.' or '..' components", path=raw
             )
         return Location(scheme, container, key, opts)
-    raise CheckpointError(
-        f"unknown URL scheme {scheme!r} for a {what}: use a path, file://, s3:// or msc://",
-        path=raw,
-    )
+    fsspec_protocol(scheme, raw)  # raises for a scheme fsspec cannot serve here
+    marker, key = fsspec_key(scheme, f"{scheme}://{raw[match.end() :]}")
+    if any(p in (".", "..") for p in key.split("/")) or "\x00" in key:
+        raise CheckpointError(f"a {what} URL must not hold '.' or '..' components", path=raw)
+    return Location(scheme, marker, key, opts)
 
 
 def _file_url_path(raw: str, what: str) -> str:

@@ -12,8 +12,8 @@ with (``int``, ``bool``, ``None``, ``float``, ``str``; any other key type as its
 there. Checkpoints written before quicksave recorded key types give non-string keys
 back as strings.
 
-Outputs appear atomically: they are written to ``<out>.tmp-<token>`` next to ``out``,
-fsynced, then renamed; an existing ``out`` is never overwritten.
+Outputs appear atomically: they are written to a hidden temporary next to ``out``
+(docs/FORMAT.md §6), fsynced, then renamed; an existing ``out`` is never overwritten.
 
 safetensors output: tensor keys are the flat fqns. ``__metadata__`` holds JSON strings:
 ``quicksave.objects`` (fqn -> ``{"value": typed JSON, "path": [...]}``, decodable with
