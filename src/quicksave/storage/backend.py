@@ -241,6 +241,33 @@ def byte_view(data: Any, *, writable: bool = False) -> memoryview:
     return mv
 
 
+def scatter_by_copy(backend: Backend, key: str, offset: int, dests: Sequence[memoryview]) -> None:
+    """``read_scatter`` for a store whose reads hand back ``bytes``: the range is read
+    once (``read_into``) and copied out to ``dests`` in order."""
+    views = [byte_view(d, writable=True) for d in dests]
+    buf = memoryview(bytearray(sum(len(v) for v in views)))
+    backend.read_into(key, offset, buf)
+    pos = 0
+    for v in views:
+        v[:] = buf[pos : pos + len(v)]
+        pos += len(v)
+
+
+def get_checked_size(backend: Backend, key: str, max_bytes: int) -> None:
+    """Before ``get`` reads an object: raise ``CheckpointNotFoundError`` if it is missing,
+    ``CorruptCheckpointError`` if it is larger than ``max_bytes`` (refused unread)."""
+    from quicksave.errors import CheckpointNotFoundError, CorruptCheckpointError
+
+    info = backend.stat(key)
+    if info is None:
+        raise CheckpointNotFoundError("read failed: no such object", path=backend.url(key))
+    if info.size > max_bytes:
+        raise CorruptCheckpointError(
+            f"object is {info.size} bytes, more than the {max_bytes} allowed for it",
+            path=backend.url(key),
+        )
+
+
 def hash_ranges(view: memoryview, ranges: Sequence[Range]) -> dict[str, str]:
     """The xxh3-64 (16 hex digits) of every ``(name, offset, length)`` of ``view``."""
     return {  # in file order: one pass forward through memory

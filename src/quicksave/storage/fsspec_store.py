@@ -43,7 +43,9 @@ from quicksave.storage.backend import (
     Range,
     byte_view,
     check_ranges,
+    get_checked_size,
     hash_ranges,
+    scatter_by_copy,
 )
 
 # Filesystems that hold their files in this process's memory (another process sees
@@ -213,23 +215,10 @@ class FsspecBackend(AssembledWrites):
         out[:] = data
 
     def read_scatter(self, key: str, offset: int, dests: Sequence[memoryview]) -> None:
-        views = [byte_view(d, writable=True) for d in dests]
-        buf = memoryview(bytearray(sum(len(v) for v in views)))
-        self.read_into(key, offset, buf)
-        pos = 0
-        for v in views:
-            v[:] = buf[pos : pos + len(v)]
-            pos += len(v)
+        scatter_by_copy(self, key, offset, dests)
 
     def get(self, key: str, max_bytes: int) -> bytes:
-        info = self.stat(key)
-        if info is None:
-            raise CheckpointNotFoundError("read failed: no such object", path=self.url(key))
-        if info.size > max_bytes:
-            raise CorruptCheckpointError(
-                f"object is {info.size} bytes, more than the {max_bytes} allowed for it",
-                path=self.url(key),
-            )
+        get_checked_size(self, key, max_bytes)
         try:
             body = self._fs.cat_file(self._path(key))
         except Exception as e:

@@ -29,7 +29,9 @@ from quicksave.storage.backend import (
     StorageOptions,
     byte_view,
     check_ranges,
+    get_checked_size,
     hash_ranges,
+    scatter_by_copy,
 )
 from quicksave.storage.msc.config import build_client, import_msc, locate_config
 from quicksave.storage.msc.errors import MscErrors, profile_url
@@ -252,24 +254,11 @@ class MscBackend(AssembledWrites):
 
     def read_scatter(self, key: str, offset: int, dests: Sequence[memoryview]) -> None:
         """MSC hands back ``bytes``, so the range is read once and copied out."""
-        views = [byte_view(d, writable=True) for d in dests]
-        buf = memoryview(bytearray(sum(len(v) for v in views)))
-        self.read_into(key, offset, buf)
-        pos = 0
-        for v in views:
-            v[:] = buf[pos : pos + len(v)]
-            pos += len(v)
+        scatter_by_copy(self, key, offset, dests)
 
     def get(self, key: str, max_bytes: int) -> bytes:
         """The whole object; one larger than ``max_bytes`` is refused before reading it."""
-        info = self.stat(key)
-        if info is None:
-            raise CheckpointNotFoundError("read failed: no such object", path=self.url(key))
-        if info.size > max_bytes:
-            raise CorruptCheckpointError(
-                f"object is {info.size} bytes, more than the {max_bytes} allowed for it",
-                path=self.url(key),
-            )
+        get_checked_size(self, key, max_bytes)
         client = self._live()
         try:
             data = client.read(key)
