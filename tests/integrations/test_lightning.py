@@ -530,7 +530,7 @@ def test_pickles_its_configuration_only(tmp_path):
     io.save_checkpoint({"w": torch.ones(4)}, tmp_path / "a.ckpt")
     copy_ = pickle.loads(pickle.dumps(io))
     assert (copy_.async_save, copy_.engine, copy_.thread_count) == (True, THREAD_ENGINE, 3)
-    assert copy_._saver is None and PROCESS.saves.owned(copy_) == []
+    assert copy_._savers == {} and PROCESS.saves.owned(copy_) == []
     io.teardown()
     assert torch.equal(copy_.load_checkpoint(tmp_path / "a.ckpt")["w"], torch.ones(4))
 

@@ -13,28 +13,27 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+import lightning as L  # pinned in the dev extra: a missing one fails
 import pytest
 import torch
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from lightning.pytorch.trainer.connectors.checkpoint_connector import (
+    _CheckpointConnector,
+)
+from omegaconf import DictConfig, ListConfig, OmegaConf  # pinned in the dev extra
 from torch import nn
 
 import quicksave
 from quicksave.commit import files as commit
 from quicksave.errors import CheckpointError, CheckpointNotFoundError
-from quicksave.saving.config import EngineConfig
-from quicksave.saving.handle import SaveHandle
-from quicksave.worker import execute
-
-L = pytest.importorskip("lightning")
-from lightning.pytorch.callbacks import Callback, ModelCheckpoint  # noqa: E402
-from lightning.pytorch.trainer.connectors.checkpoint_connector import (  # noqa: E402
-    _CheckpointConnector,
-)
-
-from quicksave.integrations.lightning import (  # noqa: E402
+from quicksave.integrations.lightning import (
     QuicksaveCheckpointIO,
     load_from_checkpoint,
     read_checkpoint,
 )
+from quicksave.saving.config import EngineConfig
+from quicksave.saving.handle import SaveHandle
+from quicksave.worker import execute
 
 warnings.filterwarnings("ignore", module="lightning")
 # Several saves in flight at once, in this process (so a test can hold their writes).
@@ -227,12 +226,16 @@ def test_fsspec_roots_save_load_and_resume(tmp_path, root, async_save):
 
 
 def test_memory_root_with_a_worker_process_is_refused_clearly(tmp_path):
-    io = QuicksaveCheckpointIO(async_save=True)  # the default engine: a worker process
+    from quicksave.saving.engine import AsyncSaver
+
+    saver = AsyncSaver(EngineConfig())  # the default engine: a worker process
     url = f"memory://{tmp_path.name}/a.ckpt"
-    with pytest.raises(CheckpointError, match=r"mode='thread'") as e:
-        io.save_checkpoint({"w": torch.ones(2)}, url)
-    assert e.value.path == f"memory:///{tmp_path.name}/a.ckpt"  # the same path, named in full
-    io.teardown()
+    try:
+        with pytest.raises(CheckpointError, match=r"mode='thread'") as e:
+            saver.save({"w": torch.ones(2)}, url)
+        assert e.value.path == f"memory:///{tmp_path.name}/a.ckpt"  # named in full
+    finally:
+        saver.close()
 
 
 def test_an_unknown_scheme_is_refused_naming_it(tmp_path):
@@ -241,8 +244,6 @@ def test_an_unknown_scheme_is_refused_naming_it(tmp_path):
 
 
 # ------------------------------------------------------------------ 5. OmegaConf
-omegaconf = pytest.importorskip("omegaconf")
-from omegaconf import DictConfig, ListConfig, OmegaConf  # noqa: E402
 
 
 class WithConfig(Tiny):
@@ -347,3 +348,37 @@ def test_a_load_of_a_save_that_failed_elsewhere_says_so(tmp_path, monkeypatch):
     with pytest.raises(CheckpointError, match="a file is gone"):  # still its owner's to report
         saver_io.teardown()
     assert os.listdir(tmp_path) == []
+
+
+# ------------------------------------------------- Lightning's wording, hparams_file, memory
+def test_a_missing_ckpt_path_is_worded_as_lightnings(tmp_path: Path) -> None:
+    missing = str(tmp_path / "non_existing.ckpt")
+    trainer = _trainer(tmp_path, [QuicksaveCheckpointIO()], 1, [])
+    with pytest.raises(FileNotFoundError, match="Checkpoint file not found: ") as info:
+        trainer.fit(Tiny(), _loader(), _loader(), ckpt_path=missing)
+    assert isinstance(info.value, CheckpointNotFoundError) and missing in str(info.value)
+
+
+def test_hparams_file_replaces_the_stored_hyper_parameters(tmp_path: Path) -> None:
+    trainer = _trainer(tmp_path, [QuicksaveCheckpointIO()], 1, [])
+    trainer.fit(Tiny(lr=0.05), _loader(), _loader())
+    path = tmp_path / "m.ckpt"
+    trainer.save_checkpoint(path)
+    (tmp_path / "hp.yaml").write_text("lr: 0.25\n")
+    assert load_from_checkpoint(Tiny, path).hparams.lr == 0.05
+    assert load_from_checkpoint(Tiny, path, hparams_file=tmp_path / "hp.yaml").hparams.lr == 0.25
+    with pytest.raises(CheckpointError, match="hparams_file must be a .csv, .yml or .yaml"):
+        load_from_checkpoint(Tiny, path, hparams_file=tmp_path / "hp.json")
+
+
+def test_async_saves_to_memory_are_written_by_a_thread_of_this_process() -> None:
+    # the default engine is a worker process, which would write into its own memory
+    root = f"memory://qs-{os.getpid()}-{threading.get_ident()}"
+    io = QuicksaveCheckpointIO(async_save=True)
+    assert io.engine.mode == "process"
+    ckpt = ModelCheckpoint(dirpath=root, filename="m-{epoch}", save_top_k=-1)
+    torch.manual_seed(0)
+    model = Tiny()
+    _trainer(Path("."), [io], 2, [ckpt]).fit(model, _loader(), _loader())
+    back = read_checkpoint(f"{root}/m-epoch=1.ckpt")
+    assert torch.equal(back["state_dict"]["net.weight"], model.net.weight.detach())

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 import quicksave
-from quicksave.errors import CheckpointError
+from quicksave.errors import CheckpointError, CheckpointNotFoundError
 from quicksave.integrations._lightning_configs import decode_configs
 from quicksave.integrations._lightning_process import PROCESS
 from quicksave.storage import Location, StorageOptions, parse_location
@@ -44,6 +44,14 @@ def read_checkpoint(
     PROCESS.saves.settle(None, loc.url)
     try:
         state = quicksave.load_state(loc, storage=storage)
+    except CheckpointNotFoundError as e:
+        # worded as Lightning's own (its users and tests match it), then quicksave's why
+        raise CheckpointNotFoundError(
+            f"Checkpoint file not found: {os.fspath(path)} ({e.message})",
+            path=e.path,
+            fqn=e.fqn,
+            rank=e.rank,
+        ) from e
     except CheckpointError as e:
         if _is_one_file(loc):
             e.message += (
@@ -137,6 +145,7 @@ def load_from_checkpoint(
     path: str | os.PathLike[str],
     map_location: Any | None = None,
     *,
+    hparams_file: str | os.PathLike[str] | None = None,
     strict: bool | None = None,
     storage: StorageOptions | None = None,
     **kwargs: Any,
@@ -154,6 +163,9 @@ def load_from_checkpoint(
         cls: the LightningModule (or LightningDataModule) class.
         path: a checkpoint written by :class:`QuicksaveCheckpointIO`.
         map_location: where the tensors go, as for ``torch.load`` (default: the CPU).
+        hparams_file: a ``.yaml``/``.yml`` or ``.csv`` file of hyper-parameters that
+            replace the stored ones (as ``LightningModule.load_from_checkpoint``: read
+            with Lightning's own readers).
         strict: see ``LightningModule.load_from_checkpoint``.
         storage: how to reach an object store.
         **kwargs: hyper-parameters overriding the stored ones.
@@ -172,6 +184,8 @@ def load_from_checkpoint(
     if migrate is not None:  # a checkpoint of an older Lightning: Lightning's migrations
         checkpoint = migrate(checkpoint, checkpoint_path=os.fspath(path))
     key = cls.CHECKPOINT_HYPER_PARAMS_KEY
+    if hparams_file is not None:
+        checkpoint[key] = _hparams_from_file(saving, hparams_file)
     checkpoint.setdefault(key, {})
     checkpoint[key].update(kwargs)
     if issubclass(cls, pl.LightningDataModule):
@@ -180,3 +194,16 @@ def load_from_checkpoint(
     tensors = (t for t in checkpoint.get("state_dict", {}).values() if isinstance(t, torch.Tensor))
     first = next(tensors, None)
     return model if first is None else model.to(first.device)
+
+
+def _hparams_from_file(saving: Any, hparams_file: str | os.PathLike[str]) -> dict[str, Any]:
+    """The hyper-parameters of ``hparams_file``, read by Lightning's own readers."""
+    name = os.fspath(hparams_file)
+    extension = name.rsplit(".", 1)[-1].lower()
+    if extension == "csv":
+        return saving.load_hparams_from_tags_csv(name)
+    if extension in ("yml", "yaml"):
+        return saving.load_hparams_from_yaml(name)
+    raise CheckpointError(
+        f"hparams_file must be a .csv, .yml or .yaml file, got {name!r}", path=name
+    )

@@ -35,6 +35,7 @@ Lightning; ``import quicksave`` does not.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import os
 from collections.abc import Mapping
@@ -161,7 +162,9 @@ class QuicksaveCheckpointIO(*_checkpoint_io_bases()):  # type: ignore[misc]
         self.engine = engine if engine is not None else EngineConfig(max_in_flight=2)
         self.thread_count = thread_count
         self.storage = storage
-        self._saver: AsyncSaver | None = None  # built on the first async save (rank 0)
+        # built on the first async save (rank 0), by engine mode: a location in this
+        # process's memory (memory://) is written by a thread of it, not a worker process
+        self._savers: dict[str, AsyncSaver] = {}
         # The saves in flight (async, and sync ones running in another thread, as
         # Lightning's AsyncCheckpointIO makes them) are the process's: PROCESS.saves.
 
@@ -296,8 +299,8 @@ class QuicksaveCheckpointIO(*_checkpoint_io_bases()):  # type: ignore[misc]
                 self._settle(target)
             except CheckpointError as e:
                 errors.append(e)
-        saver, self._saver = self._saver, None
-        if saver is not None:
+        savers, self._savers = self._savers, {}
+        for saver in savers.values():
             try:
                 saver.close()
             except CheckpointError as e:
@@ -335,10 +338,14 @@ class QuicksaveCheckpointIO(*_checkpoint_io_bases()):  # type: ignore[misc]
 
     def _save_async(self, checkpoint: Mapping[str, Any], loc: Any, target: str) -> None:
         self._raise_finished()
-        if self._saver is None:
-            self._saver = AsyncSaver(self.engine, rank=rank_of_this_process() or 0)
+        engine = self.engine
+        if loc.process_local and engine.mode == "process":
+            engine = dataclasses.replace(engine, mode="thread")
+        saver = self._savers.get(engine.mode)
+        if saver is None:
+            saver = self._savers[engine.mode] = AsyncSaver(engine, rank=rank_of_this_process() or 0)
         strategy = strategy_class(loc)
-        handle = self._saver.save(
+        handle = saver.save(
             checkpoint, loc, step=_step_of(checkpoint), overwrite=strategy.atomic_replace
         )
         if handle is None:  # skipped by EngineConfig(backpressure="skip")

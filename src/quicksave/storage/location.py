@@ -115,6 +115,12 @@ class Location:
                 path=self.url,
             )
 
+    @property
+    def process_local(self) -> bool:
+        """Whether this location lives in this process's memory (``memory://``): only
+        this process (and its threads) can write it."""
+        return self.scheme in PROCESS_LOCAL
+
     def check_shared(self, what: str) -> None:
         """Refuse a location that lives in this process's memory (``memory://``) where
         another process would write it (an async saver's worker process): its writes

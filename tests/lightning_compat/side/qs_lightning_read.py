@@ -55,17 +55,11 @@ def load_from_checkpoint(
 ) -> Any:
     """``cls.load_from_checkpoint(...)`` (Lightning's signature) for a quicksave checkpoint
     through ``quicksave.integrations.lightning.load_from_checkpoint``. ``weights_only`` has
-    no meaning there (nothing is unpickled); ``hparams_file``, which that function has no
-    parameter for, is a ``TypeError`` saying so."""
+    no meaning there (nothing is unpickled)."""
     if _is_file(checkpoint_path):
         return cls.load_from_checkpoint(
             checkpoint_path, map_location, hparams_file, strict, weights_only, **kwargs
         )
-    if hparams_file is not None:
-        raise TypeError(
-            "quicksave.integrations.lightning.load_from_checkpoint has no hparams_file "
-            f"parameter (Lightning's load_from_checkpoint was given {hparams_file!r})"
-        )
     return qs_lightning.load_from_checkpoint(
-        cls, checkpoint_path, map_location, strict=strict, **kwargs
+        cls, checkpoint_path, map_location, hparams_file=hparams_file, strict=strict, **kwargs
     )
