@@ -382,3 +382,23 @@ def test_async_saves_to_memory_are_written_by_a_thread_of_this_process() -> None
     _trainer(Path("."), [io], 2, [ckpt]).fit(model, _loader(), _loader())
     back = read_checkpoint(f"{root}/m-epoch=1.ckpt")
     assert torch.equal(back["state_dict"]["net.weight"], model.net.weight.detach())
+
+
+def test_dicts_come_back_in_the_order_they_were_saved(tmp_path: Path) -> None:
+    # typed storage gives entries back in name order; Lightning's dicts keep theirs
+    model = nn.Sequential(nn.Linear(2, 2), nn.ReLU(), nn.Linear(2, 1))
+    model.add_module("a_last", nn.Linear(1, 1))  # a name that sorts first
+    checkpoint = {
+        "state_dict": model.state_dict(),
+        "epoch": 1,
+        "optimizer_states": [{"state": {1: {"m": torch.ones(1)}, 0: {}}, "param_groups": []}],
+        "callbacks": {"z": 1, "b": {"y": torch.zeros(1), "x": 2}},
+    }
+    path = tmp_path / "ordered.ckpt"
+    QuicksaveCheckpointIO().save_checkpoint(checkpoint, path)
+    back = read_checkpoint(path)
+    assert list(back) == list(checkpoint)
+    assert list(back["state_dict"]) == list(model.state_dict())
+    assert list(back["optimizer_states"][0]["state"]) == [1, 0]
+    assert list(back["callbacks"]) == ["z", "b"] and list(back["callbacks"]["b"]) == ["y", "x"]
+    assert torch.equal(back["state_dict"]["a_last.weight"], model.a_last.weight.detach())

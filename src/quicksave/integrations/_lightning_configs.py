@@ -14,6 +14,12 @@ turn into a container (an enum, a path) is refused by the save, naming its key.
 
 omegaconf is imported only where a checkpoint holds a config (the user's code imported
 it to make one).
+
+The order of dict keys is the other thing typed storage loses: a checkpoint's entries
+come back in name order. Lightning users (and Lightning's own tests) expect the module's
+``state_dict`` and the other dicts in the order they were saved, so
+:func:`encode_order` records the keys of every dict whose order is not the one a load
+gives back, under :data:`ORDER_KEY`, and :func:`decode_order` restores it.
 """
 
 from __future__ import annotations
@@ -135,3 +141,78 @@ def decode_configs(checkpoint: dict[str, Any], path: str) -> dict[str, Any]:
             oc.OmegaConf.set_readonly(config, True)
         node[last] = config
     return checkpoint
+
+
+# Top-level key that records the saved order of dict keys (removed again on load).
+ORDER_KEY = "quicksave_key_order"
+
+
+def encode_order(checkpoint: Mapping[str, Any]) -> Mapping[str, Any]:
+    """``checkpoint`` with the key order of its dicts recorded under :data:`ORDER_KEY`
+    (a copy of the top level; only dicts of two keys or more not already in sorted
+    order are recorded)."""
+    records: list[dict[str, Any]] = []
+
+    def walk(value: Any, where: list[Any]) -> None:
+        if isinstance(value, dict):
+            keys = list(value)
+            plain = all(type(k) in (str, int) for k in keys)  # what a value can hold
+            if plain and len(keys) > 1 and keys != sorted(keys, key=str):
+                records.append({"path": list(where), "keys": keys})
+            for k, v in value.items():
+                walk(v, [*where, k])
+        elif isinstance(value, (list, tuple)):
+            for i, v in enumerate(value):
+                walk(v, [*where, i])
+
+    walk(dict(checkpoint), [])
+    if not records:
+        return checkpoint
+    top = dict(checkpoint)
+    top[ORDER_KEY] = records
+    return top
+
+
+def decode_order(checkpoint: dict[str, Any], path: str) -> dict[str, Any]:
+    """Put the dicts :func:`encode_order` recorded back in their saved order (the top
+    level included: a new dict is returned).
+
+    Raises:
+        CheckpointError: a record does not match the checkpoint (naming ``path``).
+    """
+    records = checkpoint.pop(ORDER_KEY, None)
+    if not records:
+        return checkpoint
+    top_keys: list[Any] | None = None
+    for record in sorted(records, key=lambda r: -len(r["path"])):  # innermost first
+        where, keys = record["path"], record["keys"]
+        if not where:
+            top_keys = keys
+            continue
+        *parents, last = where
+        node: Any = checkpoint
+        try:
+            for k in parents:
+                node = node[k]
+            old = node[last]
+            if set(old) != set(keys):
+                raise KeyError(f"keys {sorted(map(str, set(old) ^ set(keys)))} differ")
+            new = copy.copy(old)  # its own type (OrderedDict, AttributeDict...)
+            new.clear()
+            for k in keys:
+                new[k] = old[k]
+            node[last] = new
+        except (KeyError, IndexError, TypeError) as e:
+            raise CheckpointError(
+                f"the recorded key order of the dict at {where} does not match the "
+                f"checkpoint ({type(e).__name__}: {e})",
+                path=path,
+            ) from None
+    if top_keys is None:
+        return checkpoint
+    if set(checkpoint) != set(top_keys):
+        raise CheckpointError(
+            "the recorded key order of the checkpoint's top level does not match it",
+            path=path,
+        )
+    return {k: checkpoint[k] for k in top_keys}

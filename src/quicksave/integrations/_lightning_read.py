@@ -20,7 +20,7 @@ import torch
 
 import quicksave
 from quicksave.errors import CheckpointError, CheckpointNotFoundError
-from quicksave.integrations._lightning_configs import decode_configs
+from quicksave.integrations._lightning_configs import decode_configs, decode_order
 from quicksave.integrations._lightning_process import PROCESS
 from quicksave.storage import Location, StorageOptions, parse_location
 
@@ -60,7 +60,8 @@ def read_checkpoint(
             )
             e.args = (e.message,)
         raise
-    return _relocate(decode_configs(state, loc.url), map_location)
+    state = decode_configs(decode_order(state, loc.url), loc.url)
+    return _relocate(state, map_location)
 
 
 def _is_one_file(loc: Location) -> bool:

@@ -49,7 +49,7 @@ from quicksave.errors import (
     IncompatibleStateError,
     rank_of_this_process,
 )
-from quicksave.integrations._lightning_configs import encode_configs
+from quicksave.integrations._lightning_configs import encode_configs, encode_order
 from quicksave.integrations._lightning_process import PROCESS
 from quicksave.integrations._lightning_read import load_from_checkpoint, read_checkpoint
 from quicksave.saving.config import EngineConfig
@@ -213,7 +213,7 @@ class QuicksaveCheckpointIO(*_checkpoint_io_bases()):  # type: ignore[misc]
                 path=target,
                 rank=rank_of_this_process(),
             )
-        checkpoint = encode_configs(checkpoint)
+        checkpoint = encode_order(encode_configs(checkpoint))
         self._settle(target)
         try:
             if self.async_save:
