@@ -405,3 +405,36 @@ def test_sigkill_at_any_moment_leaves_only_whole_checkpoints(tmp_path: Path):
         server.close()
         sys.path.remove(str(HELPERS))
     assert len(checked) >= 1 and temps_seen >= 2
+
+
+def test_a_rename_the_filesystem_refuses_commits_by_copy_manifest_last(tmp_path, monkeypatch):
+    # an overlay or FUSE filesystem may refuse to rename a directory (EXDEV)
+    import errno as errno_
+
+    import quicksave
+
+    real_rename = os.rename
+    order: list[str] = []
+
+    def refusing(src, dst, *a, **k):
+        if os.path.isdir(src):
+            raise OSError(errno_.EXDEV, "Invalid cross-device link")
+        return real_rename(src, dst, *a, **k)
+
+    monkeypatch.setattr(os, "rename", refusing)
+    target = tmp_path / "ckpt"
+    real_open = open
+
+    def noting(path, mode="r", *a, **k):
+        if "x" in mode:
+            order.append(os.path.basename(path))
+        return real_open(path, mode, *a, **k)
+
+    monkeypatch.setattr("builtins.open", noting)
+    state = {"w": torch.arange(6.0), "step": 3}
+    quicksave.save(state, target)
+    monkeypatch.setattr("builtins.open", real_open)
+    assert order[-2:] == [".metadata", "manifest.json"], order  # the commit, last
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]  # no temporary left
+    back = quicksave.load_state(target)
+    assert torch.equal(back["w"], state["w"]) and back["step"] == 3

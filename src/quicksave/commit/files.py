@@ -13,6 +13,7 @@ the few writers of single files that commit by rename (a converted file, a publi
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import os
 import shutil
@@ -29,6 +30,7 @@ from quicksave.commit.kinds import (
     temp_name,
 )
 from quicksave.errors import CheckpointError, CheckpointExistsError
+from quicksave.format import DCP_METADATA_NAME, MANIFEST_NAME
 
 logger = logging.getLogger(__name__)
 
@@ -146,10 +148,55 @@ def publish(tmp: str, final: str, expected: Mapping[str, int], *, replace: bool 
             path=final,
         ) from e
     except OSError as e:
+        if e.errno == errno.EXDEV:  # e.g. an overlay or FUSE filesystem that will not
+            _publish_by_copy(tmp, final)  # rename a directory: copy, commit last
+            return
         raise CheckpointExistsError(
             f"cannot commit: {e.strerror}; the written data stays in {tmp}", path=final
         ) from e
     fsync_path(os.path.dirname(final))
+
+
+def _publish_by_copy(tmp: str, final: str) -> None:
+    """Where the filesystem refuses to rename ``tmp`` to ``final`` (``EXDEV``): copy the
+    checkpoint into ``final`` (created now, or the empty directory an async save holds
+    its name with), every data file first and fsynced, then ``.metadata`` and the
+    manifest, last: until the manifest is there, ``final`` is an uncommitted directory
+    that is never listed nor loaded (as on an object store), and a crash leaves it to
+    clean-up. Then ``tmp`` is removed.
+
+    Raises:
+        CheckpointExistsError: something other than an empty directory is at ``final``.
+    """
+    logger.warning(
+        "quicksave: %s refuses to rename %s (EXDEV); copying it to %s, its manifest last",
+        os.path.dirname(final),
+        tmp,
+        final,
+    )
+    try:
+        os.mkdir(final)
+    except FileExistsError:
+        if not os.path.isdir(final) or os.path.islink(final) or os.listdir(final):
+            raise CheckpointExistsError(
+                f"cannot commit: something is in the way; the written data stays in {tmp}",
+                path=final,
+            ) from None
+    last = (DCP_METADATA_NAME, MANIFEST_NAME)
+    names = sorted(os.listdir(tmp), key=lambda n: (last.index(n) if n in last else -1, n))
+    for i, name in enumerate(names):
+        if name in last and (i == 0 or names[i - 1] not in last):
+            fsync_path(final)  # every data file is durable before the commit's files
+        with (
+            open(os.path.join(tmp, name), "rb") as src,
+            open(os.path.join(final, name), "xb") as dst,  # never over another file
+        ):
+            shutil.copyfileobj(src, dst, 1 << 24)
+            dst.flush()
+            os.fsync(dst.fileno())
+    fsync_path(final)
+    fsync_path(os.path.dirname(final))
+    shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _rename_exchange(a: str, b: str) -> bool:
