@@ -402,3 +402,26 @@ def test_dicts_come_back_in_the_order_they_were_saved(tmp_path: Path) -> None:
     assert list(back["optimizer_states"][0]["state"]) == [1, 0]
     assert list(back["callbacks"]) == ["z", "b"] and list(back["callbacks"]["b"]) == ["y", "x"]
     assert torch.equal(back["state_dict"]["a_last.weight"], model.a_last.weight.detach())
+
+
+def test_a_memory_name_is_held_while_its_save_is_in_flight() -> None:
+    # ModelCheckpoint and the HPC scan see names through fsspec: on memory:// the name of
+    # a save in flight is an empty directory until the save's objects make it whole
+    import fsspec
+
+    from quicksave.commit import strategy_class
+    from quicksave.storage import parse_location
+
+    url = f"memory://held-{os.getpid()}/a.ckpt"
+    loc = parse_location(url)
+    strategy = strategy_class(loc)
+    fs = fsspec.filesystem("memory")
+    assert strategy.reserve(loc) and fs.exists(url)
+    assert not strategy.reserve(loc)  # taken
+    io = QuicksaveCheckpointIO()
+    io.save_checkpoint({"w": torch.ones(2)}, url)  # the save writes over the placeholder
+    assert not strategy.release(loc)  # a checkpoint now: left alone
+    assert torch.equal(read_checkpoint(url)["w"], torch.ones(2))
+    other = parse_location(f"memory://held-{os.getpid()}/b.ckpt")
+    assert strategy.reserve(other) and strategy.release(other)  # a failed save's goes
+    assert not fs.exists(other.url)

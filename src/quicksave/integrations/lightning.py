@@ -255,7 +255,8 @@ class QuicksaveCheckpointIO(*_checkpoint_io_bases()):  # type: ignore[misc]
         """
         target = parse_location(path, options=self.storage).url
         self._settle(target)
-        return read_checkpoint(target, map_location, storage=self.storage)
+        # (the path as given: a missing one is named as the user wrote it)
+        return read_checkpoint(path, map_location, storage=self.storage)
 
     def remove_checkpoint(self, path: str | os.PathLike[str]) -> None:
         """Delete the quicksave checkpoint at ``path`` (after any save in flight to it).

@@ -95,6 +95,8 @@ def fsspec_key(scheme: str, url: str) -> tuple[str, str]:
     cls = fsspec.get_filesystem_class(scheme)
     path = cls._strip_protocol(url)
     marker = getattr(cls, "root_marker", "") or ""
+    if path.startswith(f"{scheme}://"):  # a filesystem whose paths are URLs (http)
+        marker = f"{scheme}://"
     if marker and path.startswith(marker):
         path = path[len(marker) :]
     return marker, path.strip("/")
@@ -121,11 +123,13 @@ class FsspecBackend(AssembledWrites):
                 f"cannot open the fsspec filesystem {protocol!r}: {type(e).__name__}: {e}",
                 path=f"{protocol}://",
             ) from e
-        self._marker = getattr(self._fs, "root_marker", "") or ""
+        self._marker = fsspec_key(protocol, f"{protocol}://quicksave")[0]  # as Location's
 
     # -- names ----------------------------------------------------------------------
 
     def url(self, key: str) -> str:
+        if self._marker.endswith("://"):  # a filesystem whose paths are URLs (http)
+            return self._marker + key
         return f"{self.scheme}://{self._marker}{key}"
 
     def _path(self, key: str) -> str:
@@ -204,6 +208,10 @@ class FsspecBackend(AssembledWrites):
             data = self._fs.cat_file(self._path(key), start=offset, end=offset + n)
         except Exception as e:
             raise self._failed(e, "read", key) from e
+        if len(data) > n and len(data) >= offset + n:
+            info = self.stat(key)  # a server that ignores ranges (a plain HTTP server)
+            if info is not None and info.size == len(data):  # sent the whole object
+                data = memoryview(data)[offset : offset + n]
         if len(data) != n:
             info = self.stat(key)
             have = f"{info.size} bytes long" if info is not None else "gone"
@@ -297,3 +305,37 @@ def _mtime(info: dict[str, Any]) -> float:
         except (TypeError, ValueError):
             continue
     return time.time()
+
+
+def reserve_dir(scheme: str, marker: str, key: str) -> bool:
+    """An empty directory at ``key`` of the fsspec filesystem of ``scheme`` where it has
+    directories (``memory://``, ``local://``; a no-op on a store whose folders are only
+    prefixes): True if one was made. Nothing is made where something is already."""
+    import fsspec
+
+    fs = fsspec.filesystem(scheme)
+    path = marker + key
+    try:
+        if fs.exists(path):
+            return False
+        fs.makedirs(path, exist_ok=False)
+        return bool(fs.isdir(path))
+    except Exception as e:  # noqa: BLE001 - named, as every store failure
+        raise CheckpointError(
+            f"cannot reserve the checkpoint's name: {type(e).__name__}: {e}", path=path
+        ) from e
+
+
+def release_dir(scheme: str, marker: str, key: str) -> bool:
+    """Remove :func:`reserve_dir`'s directory if it is still empty; True if removed."""
+    import fsspec
+
+    fs = fsspec.filesystem(scheme)
+    path = marker + key
+    try:
+        if not fs.isdir(path) or fs.ls(path, detail=False):
+            return False
+        fs.rmdir(path)
+    except Exception:  # noqa: BLE001 - gone, or not empty: left alone
+        return False
+    return True

@@ -77,6 +77,8 @@ class Location:
         if self.is_local:
             return self.key
         if self.scheme not in _EXTRAS:  # an fsspec filesystem: its path follows the scheme
+            if self.container.endswith("://"):  # its paths are URLs (http)
+                return self.container + self.key
             return f"{self.scheme}://{self.container}{self.key}"
         return f"{self.scheme}://{self.container}/{self.key}".rstrip("/")
 
