@@ -165,7 +165,21 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     Example::
 
         result = train(TrainConfig(steps=30, folder="ckpt", interval=10))
+
+    The process-wide settings it needs (threads, deterministic algorithms, the seed)
+    are restored when it returns: a caller in the same process (a test) keeps its own.
     """
+    threads = torch.get_num_threads()
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    try:
+        with torch.random.fork_rng(devices=[]):
+            return _train(cfg)
+    finally:
+        torch.set_num_threads(threads)
+        torch.use_deterministic_algorithms(deterministic)
+
+
+def _train(cfg: TrainConfig) -> dict[str, Any]:
     torch.set_num_threads(cfg.threads)
     torch.use_deterministic_algorithms(True)
     torch.manual_seed(cfg.seed)
