@@ -102,7 +102,7 @@ class ThreadPersister:
             with self._lock:
                 self._results.append(r)
 
-        t = threading.Thread(target=run, name=f"quicksave-persist-{job.job_id}", daemon=True)
+        t = _Joinable(run, f"quicksave-persist-{job.job_id}")
         self._threads[job.job_id] = t
         t.start()
 
@@ -112,7 +112,7 @@ class ThreadPersister:
             with self._lock:
                 self._results.append(r)
 
-        t = threading.Thread(target=run, name=f"quicksave-call-{job_id}", daemon=True)
+        t = _Joinable(run, f"quicksave-call-{job_id}")
         self._threads[job_id] = t
         t.start()
 
@@ -424,19 +424,23 @@ class ProcessPersister:
             pass
 
 
-class _Reaper(threading.Thread):
-    """Waits for a stopped worker's exit (killing it after ``timeout`` s), so that
-    ``close()`` need not. A daemon thread with a ``stop()`` that waits for it to end:
-    test harnesses that police threads left behind (Lightning's) call ``stop()``."""
+class _Joinable(threading.Thread):
+    """A daemon thread of quicksave's that runs ``fn`` to its end, with a ``stop()``
+    that waits for that end: test harnesses that police threads left behind
+    (Lightning's) call ``stop()`` on daemon threads."""
 
-    def __init__(self, persister: ProcessPersister, timeout: float) -> None:
-        super().__init__(name="quicksave-reap", daemon=True)
-        self._persister = persister
-        self._timeout = timeout
-
-    def run(self) -> None:
-        self._persister.reap(self._timeout)
+    def __init__(self, fn: Callable[[], None], name: str) -> None:
+        super().__init__(target=fn, name=name, daemon=True)
 
     def stop(self) -> None:
-        """Wait until the worker has exited (at most its timeout, then it is killed)."""
+        """Wait until it has run to its end (a job, a call, a worker's exit: each is
+        bounded by its own timeout)."""
         self.join()
+
+
+class _Reaper(_Joinable):
+    """Waits for a stopped worker's exit (killing it after ``timeout`` s), so that
+    ``close()`` need not."""
+
+    def __init__(self, persister: ProcessPersister, timeout: float) -> None:
+        super().__init__(lambda: persister.reap(timeout), "quicksave-reap")
