@@ -425,3 +425,28 @@ def test_a_memory_name_is_held_while_its_save_is_in_flight() -> None:
     other = parse_location(f"memory://held-{os.getpid()}/b.ckpt")
     assert strategy.reserve(other) and strategy.release(other)  # a failed save's goes
     assert not fs.exists(other.url)
+
+
+def test_a_load_under_another_name_waits_for_the_saves_in_flight(tmp_path, monkeypatch):
+    # the folder served over HTTP while its save is still in flight in this process
+    import functools
+    import http.server
+
+    gate = _Gate(monkeypatch)
+    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(tmp_path))
+    handler.log_message = lambda *a, **k: None  # type: ignore[attr-defined]
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    io = QuicksaveCheckpointIO(async_save=True, engine=MANY)
+    try:
+        io.save_checkpoint({"w": torch.arange(3.0)}, tmp_path / "a.ckpt")
+        assert gate.entered.wait(60)  # held in flight
+        threading.Timer(0.5, gate.open.set).start()
+        url = f"http://127.0.0.1:{server.server_address[1]}/a.ckpt"
+        assert torch.equal(read_checkpoint(url)["w"], torch.arange(3.0))
+        with pytest.raises(FileNotFoundError, match="Checkpoint file not found"):
+            read_checkpoint(f"http://127.0.0.1:{server.server_address[1]}/none.ckpt")
+    finally:
+        gate.open.set()
+        io.teardown()
+        server.shutdown()

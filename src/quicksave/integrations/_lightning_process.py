@@ -90,6 +90,17 @@ class SavesInFlight:
                 rank=e.rank,
             ) from e
 
+    def wait_all(self) -> bool:
+        """Wait until no save is under way in this process, whatever its path (a
+        failure stays its owner's to report); True if there was one to wait for."""
+        with self._cond:
+            self._cond.wait_for(lambda: not self._running)
+            pending = [h for _, h in self._handles.values() if not h.done()]
+        for handle in pending:
+            with contextlib.suppress(CheckpointError):
+                handle.wait()
+        return bool(pending)
+
     def owned(self, owner: Any) -> list[tuple[str, SaveHandle]]:
         """``owner``'s saves still registered, by path."""
         with self._cond:

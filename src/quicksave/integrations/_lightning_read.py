@@ -43,7 +43,14 @@ def read_checkpoint(
     loc = parse_location(path, options=storage)
     PROCESS.saves.settle(None, loc.url)
     try:
-        state = quicksave.load_state(loc, storage=storage)
+        try:
+            state = quicksave.load_state(loc, storage=storage)
+        except CheckpointNotFoundError:
+            # Not there (yet?): a save in flight in this process may be it under another
+            # name (the same folder served over http://, a symlink): wait, look again.
+            if not PROCESS.saves.wait_all():
+                raise
+            state = quicksave.load_state(loc, storage=storage)
     except CheckpointNotFoundError as e:
         # worded as Lightning's own (its users and tests match it), then quicksave's why
         raise CheckpointNotFoundError(
