@@ -459,8 +459,10 @@ def test_async_save_with_a_held_saver(tmp_path: Path) -> None:
         target = {"w": torch.zeros(8)}
         quicksave.load(target, tmp_path / f"step-{step}")
         assert torch.equal(target["w"], torch.full((8,), float(step)))
+    taken = async_save(state, tmp_path / "step-1", saver=saver)  # its writer checks
     with pytest.raises(CheckpointError, match="a committed checkpoint already exists"):
-        async_save(state, tmp_path / "step-1", saver=saver)
+        assert taken is not None
+        taken.wait(timeout=GATE_DEADLINE_S)
     saver.close()
 
 

@@ -372,13 +372,15 @@ def test_raise_policy_both_ranks_raise_the_same_error_at_the_same_save(server, b
 
 def test_with_the_defaults_a_short_outage_is_ridden_out_without_a_failure(server, bucket, tmp_path):
     # The outage (~15 s with the restart) against the default retry_deadline_s
-    # of 60 s: the saves made while the server is down wait for it and commit.
+    # of 60 s: the save made while the server is down (step 8) rides it out in the
+    # background and commits; those due while it still retries were skipped, never
+    # waited for (the training thread does not wait on the store).
     results = _run(server, bucket, tmp_path, "defaults", outage_s=12.0)
     for rank, r in enumerate(results):
         assert r["raised"] == [] and r["failed_saves"] == 0, (rank, r)
         assert set(r["statuses"].values()) == {"committed"}, (rank, r["statuses"])
-        assert sorted(r["statuses"]) == list(range(2, STEPS + 1, 2))
-        assert r["committed"] == [18, 20], (rank, r)
+        assert {2, 4, 6, 8} <= set(r["statuses"]), (rank, r["statuses"])
+        assert r["committed"][-1] == max(r["statuses"]), (rank, r)  # the newest save
 
 
 # ------------------------------------------------- the training thread never waits
