@@ -111,3 +111,33 @@ class Holder:
 
     def load_state_dict(self, value: dict[str, Any]) -> None:
         self.value = value
+
+
+class ManagerJob:
+    """A tiny training job for manager tests: a linear model, its optimizer and a train
+    state, stepped on a constant batch."""
+
+    def __init__(self, features: int = 8, out: int = 4, optim: type = torch.optim.SGD) -> None:
+        from quicksave.manager import TrainState
+
+        torch.manual_seed(0)
+        self.features = features
+        self.model = torch.nn.Linear(features, out)
+        self.optim = optim(self.model.parameters(), lr=0.1)
+        self.train_state = TrainState()
+
+    def states(self) -> dict[str, Any]:
+        from quicksave.manager import ModelState, OptimizerState
+
+        return {
+            "model": ModelState(self.model),
+            "optim": OptimizerState(self.model, self.optim),
+            "train_state": self.train_state,
+        }
+
+    def step(self) -> int:
+        self.optim.zero_grad()
+        self.model(torch.ones(2, self.features)).sum().backward()
+        self.optim.step()
+        self.train_state.step += 1
+        return self.train_state.step

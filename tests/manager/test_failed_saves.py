@@ -19,40 +19,20 @@ from typing import Any
 import pytest
 import torch
 
+from helpers.state import ManagerJob
 from quicksave.errors import CheckpointError
 from quicksave.manager import (
     CheckpointConfig,
     CheckpointManager,
-    ModelState,
-    OptimizerState,
-    TrainState,
 )
 from quicksave.manager import session as session_module
 
 
-class Job:
-    def __init__(self) -> None:
-        torch.manual_seed(0)
-        self.model = torch.nn.Linear(8, 4)
-        self.optim = torch.optim.SGD(self.model.parameters(), lr=0.1)
-        self.train_state = TrainState()
-
-    def states(self) -> dict[str, Any]:
-        return {
-            "model": ModelState(self.model),
-            "optim": OptimizerState(self.model, self.optim),
-            "train_state": self.train_state,
-        }
-
-    def step(self) -> int:
-        self.optim.zero_grad()
-        self.model(torch.ones(2, 8)).sum().backward()
-        self.optim.step()
-        self.train_state.step += 1
-        return self.train_state.step
+def Job() -> ManagerJob:
+    return ManagerJob(8, 4, torch.optim.SGD)
 
 
-def make(folder: Path, job: Job, **config: Any) -> CheckpointManager:
+def make(folder: Path, job: ManagerJob, **config: Any) -> CheckpointManager:
     return CheckpointManager(CheckpointConfig(folder=str(folder), **config), job.states())
 
 

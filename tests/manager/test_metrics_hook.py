@@ -7,43 +7,22 @@ import logging
 import os
 import threading
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
 
+from helpers.state import ManagerJob
 from quicksave.errors import CheckpointError
 from quicksave.manager import (
     CheckpointConfig,
     CheckpointManager,
-    ModelState,
-    OptimizerState,
     SaveRecord,
-    TrainState,
 )
 from quicksave.trace import COMMIT, PERSIST
 
 
-class Job:
-    def __init__(self) -> None:
-        torch.manual_seed(0)
-        self.model = torch.nn.Linear(16, 8)
-        self.optim = torch.optim.AdamW(self.model.parameters(), lr=0.1)
-        self.train_state = TrainState()
-
-    def states(self) -> dict[str, Any]:
-        return {
-            "model": ModelState(self.model),
-            "optim": OptimizerState(self.model, self.optim),
-            "train_state": self.train_state,
-        }
-
-    def step(self) -> int:
-        self.optim.zero_grad()
-        self.model(torch.ones(2, 16)).sum().backward()
-        self.optim.step()
-        self.train_state.step += 1
-        return self.train_state.step
+def Job() -> ManagerJob:
+    return ManagerJob(16, 8, torch.optim.AdamW)
 
 
 class Hook:

@@ -207,7 +207,8 @@ class AsyncWriter:
             CheckpointError: bad input, or the engine refused the save.
         """
         deferred = self.deferred()
-        try:
+
+        def save() -> SaveHandle | None:
             return self.saver.save(
                 state_dict,
                 path,
@@ -216,6 +217,9 @@ class AsyncWriter:
                 user_metadata=metadata,
                 clear_uncommitted=clear_uncommitted,
             )
+
+        try:
+            return save()
         except CheckpointError as e:
             if not any(p.handle.exception() is e for p in self._pending.values()):
                 raise
@@ -225,14 +229,7 @@ class AsyncWriter:
                 # would run the planning collective on this rank alone.
                 return None
             # One rank: this save is independent of it.
-            return self.saver.save(
-                state_dict,
-                path,
-                step=step,
-                deferred=deferred,
-                user_metadata=metadata,
-                clear_uncommitted=clear_uncommitted,
-            )
+            return save()
 
     def track(self, index: int, record: SaveRecord, handle: SaveHandle, begin: float) -> None:
         """Follow a submitted save until ``poll`` sees it finish."""
