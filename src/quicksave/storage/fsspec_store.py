@@ -320,6 +320,8 @@ def reserve_dir(scheme: str, marker: str, key: str) -> bool:
             return False
         fs.makedirs(path, exist_ok=False)
         return bool(fs.isdir(path))
+    except FileExistsError:  # the save's own writer got there first: nothing to hold
+        return False
     except Exception as e:  # noqa: BLE001 - named, as every store failure
         raise CheckpointError(
             f"cannot reserve the checkpoint's name: {type(e).__name__}: {e}", path=path
