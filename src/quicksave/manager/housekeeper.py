@@ -56,12 +56,6 @@ class Housekeeper:
                 self._thread.start()
             self._wake.notify()
 
-    @property
-    def busy(self) -> bool:
-        """Whether a round is running or pending."""
-        with self._lock:
-            return self._running or self._protect is not None
-
     def claim(self, path: str) -> bool:
         """The training thread is about to save to ``path``: leftovers there are not
         removed from now on. False if the thread is removing one there right now."""

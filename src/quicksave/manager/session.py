@@ -477,16 +477,14 @@ class CheckpointSession:
         for it up to ``close_timeout_s``. Never raises: a failure is logged, and the work
         is tried again after the next commit (not at every call, which would stall each
         step on a store that is down)."""
-        if self._lease is None or not self._housekeeping_due:
-            if wait and self._keeper is not None:
-                self._keeper.wait_idle(self.config.close_timeout_s)
-            return
-        self._housekeeping_due = False
-        if self._keeper is None:
-            self._keeper = Housekeeper(self._housekeep_now, f"quicksave-housekeeper-{self.folder}")
-        # the steps in flight now (the thread never reads the writer's state itself)
-        self._keeper.request((protect or set()) | self.in_flight)
-        if wait:
+        if self._lease is not None and self._housekeeping_due:
+            self._housekeeping_due = False
+            if self._keeper is None:
+                name = f"quicksave-housekeeper-{self.folder}"
+                self._keeper = Housekeeper(self._housekeep_now, name)
+            # the steps in flight now (the thread never reads the writer's state itself)
+            self._keeper.request((protect or set()) | self.in_flight)
+        if wait and self._keeper is not None:
             self._keeper.wait_idle(self.config.close_timeout_s)
 
     def _housekeep_now(self, keeper: Housekeeper, protect: set[int]) -> None:

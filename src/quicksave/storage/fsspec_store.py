@@ -86,6 +86,15 @@ def fsspec_protocol(scheme: str, url: str) -> str:
     return scheme
 
 
+def fsspec_url(scheme: str, marker: str, key: str) -> str:
+    """The URL of ``key`` on the fsspec filesystem of ``scheme`` whose root marker is
+    ``marker`` (:func:`fsspec_key`'s): ``scheme://`` + the path, where the marker is the
+    scheme itself (a filesystem whose paths are URLs: http) the path alone."""
+    if marker.endswith("://"):
+        return marker + key
+    return f"{scheme}://{marker}{key}"
+
+
 def fsspec_key(scheme: str, url: str) -> tuple[str, str]:
     """The root marker of the fsspec filesystem of ``scheme`` and the key of ``url``
     there: its path, as the filesystem reads the URL, without the root marker or a
@@ -128,9 +137,7 @@ class FsspecBackend(AssembledWrites):
     # -- names ----------------------------------------------------------------------
 
     def url(self, key: str) -> str:
-        if self._marker.endswith("://"):  # a filesystem whose paths are URLs (http)
-            return self._marker + key
-        return f"{self.scheme}://{self._marker}{key}"
+        return fsspec_url(self.scheme, self._marker, key)
 
     def _path(self, key: str) -> str:
         return self._marker + key.strip("/")

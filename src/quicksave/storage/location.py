@@ -37,7 +37,12 @@ from urllib.parse import unquote, urlsplit
 
 from quicksave.errors import CheckpointError
 from quicksave.storage.backend import Backend, StorageOptions, join
-from quicksave.storage.fsspec_store import PROCESS_LOCAL, fsspec_key, fsspec_protocol
+from quicksave.storage.fsspec_store import (
+    PROCESS_LOCAL,
+    fsspec_key,
+    fsspec_protocol,
+    fsspec_url,
+)
 from quicksave.storage.retry import StoreHealth
 
 _SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
@@ -77,9 +82,7 @@ class Location:
         if self.is_local:
             return self.key
         if self.scheme not in _EXTRAS:  # an fsspec filesystem: its path follows the scheme
-            if self.container.endswith("://"):  # its paths are URLs (http)
-                return self.container + self.key
-            return f"{self.scheme}://{self.container}{self.key}"
+            return fsspec_url(self.scheme, self.container, self.key)
         return f"{self.scheme}://{self.container}/{self.key}".rstrip("/")
 
     @property
@@ -131,7 +134,7 @@ class Location:
         Raises:
             CheckpointError: naming the location and ``what`` to do instead.
         """
-        if self.scheme in PROCESS_LOCAL:
+        if self.process_local:
             raise CheckpointError(
                 f"{self.scheme}:// is this process's memory, and a worker process would "
                 f"write the checkpoint into its own: {what}",
