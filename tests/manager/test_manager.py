@@ -629,3 +629,19 @@ def test_wait_commits_saves_in_flight_without_closing(tmp_path: Path, mode: str)
         m.close()
     with pytest.raises(CheckpointError, match="closed"):
         m.wait()
+
+
+@pytest.mark.parametrize("async_mode", ["thread", "process"])
+def test_an_async_save_replaces_an_uncommitted_leftover_in_its_writer(
+    tmp_path: Path, async_mode: str
+) -> None:
+    # the lease holder's writer removes it before writing (not the training thread)
+    folder = tmp_path / "ckpt"
+    _leftovers(folder)
+    job = Job(seed=0)
+    manager = make(folder, job.states(), interval=1, async_mode=async_mode)
+    assert manager.save(99)
+    manager.wait()
+    assert manager.committed_steps() == [99]
+    assert manifest(folder / "step-99")["step"] == 99
+    manager.close()

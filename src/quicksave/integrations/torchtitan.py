@@ -178,7 +178,7 @@ class QuicksaveCheckpointManager(BaseCheckpointManager):
             if torch_optimizers:
                 hooks[OPTIMIZER] = layout.OptimizerHooks(model_parts, torch_optimizers)
             session.writer = AsyncWriter(
-                self._qs.engine_config(),
+                session.writer_config(self._qs.engine_config()),
                 hooks,
                 lambda: self._full_state(),
                 rank=session.rank() or 0,
@@ -375,8 +375,7 @@ class QuicksaveCheckpointManager(BaseCheckpointManager):
             )
             return True
         try:
-            clear = session.lease is not None  # this rank may remove a leftover
-            handle = writer.submit(state, path, step, metadata, clear_uncommitted=clear)
+            handle = writer.submit(state, path, step, metadata)
         except BaseException:
             session.unclaim(path)
             raise

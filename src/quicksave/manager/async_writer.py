@@ -197,11 +197,8 @@ class AsyncWriter:
         path: str,
         step: int,
         metadata: dict[str, Any],
-        clear_uncommitted: bool = False,
     ) -> SaveHandle | None:
         """Start the save (engine ``save()``); None if skipped by backpressure.
-        ``clear_uncommitted``: this rank holds the folder's lease (see
-        ``AsyncSaver.save``).
 
         Raises:
             CheckpointError: bad input, or the engine refused the save.
@@ -215,7 +212,6 @@ class AsyncWriter:
                 step=step,
                 deferred=deferred,
                 user_metadata=metadata,
-                clear_uncommitted=clear_uncommitted,
             )
 
         try:

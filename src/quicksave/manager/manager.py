@@ -147,7 +147,7 @@ class CheckpointManager:
         if session.read_only_reason is None and config.async_mode != "disabled":
             ctx = session.dist_context() if session.world_size() > 1 else None
             session.writer = AsyncWriter(
-                config.engine_config(),
+                session.writer_config(config.engine_config()),
                 self.states,
                 lambda: self._io.collect("full"),
                 rank=session.rank() or 0,

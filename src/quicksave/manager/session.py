@@ -41,6 +41,7 @@ every rank reaches that call alike.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 from collections.abc import Callable
@@ -70,6 +71,7 @@ from quicksave.manager.policies import KeepLatestK, RetentionPolicy
 from quicksave.manager.records import SaveRecord, log_committed, report
 from quicksave.ranks import collectives
 from quicksave.ranks.saving import DistContext
+from quicksave.saving.config import EngineConfig
 from quicksave.saving.handle import SaveHandle
 from quicksave.storage import Location, parse_location
 from quicksave.storage.backend import Backend
@@ -236,6 +238,11 @@ class CheckpointSession:
         ``CheckpointNotFoundError`` / ``NotCommittedError``, naming the committed steps)."""
         path = self.where(self.step_path(step))
         require_committed(self.location, path, step, self.rank(), allow_dcp=self.config.allow_dcp)
+
+    def writer_config(self, engine: EngineConfig) -> EngineConfig:
+        """``engine`` for this session's writer: where this rank holds the folder's
+        lease, its writer may remove a crashed save's leftover at a target."""
+        return dataclasses.replace(engine, clear_uncommitted=self._lease is not None)
 
     def claim(self, path: str) -> bool:
         """A save is about to write ``path`` (training thread, no I/O): housekeeping

@@ -221,8 +221,7 @@ class StepIO:
         metadata.update(model_record(state_dict, self.model_state_names()))
         writer = self.session.writer
         if writer is not None and kind == "full":
-            clear = self.session.lease is not None  # this rank may remove a leftover
-            return writer.submit(state_dict, path, step, metadata, clear_uncommitted=clear)
+            return writer.submit(state_dict, path, step, metadata)
         api.save(
             state_dict,
             path,

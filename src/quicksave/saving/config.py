@@ -37,6 +37,9 @@ class EngineConfig:
         write_rate_mbps: MB/s (10^6 bytes) each writer thread writes to local files at
             most: spreads a save's disk traffic over more time, for machines where it
             slows training (the time to durable grows accordingly). None: no limit.
+        clear_uncommitted: this rank holds the folder's writer lease (a manager's
+            coordinator): its writer removes an uncommitted leftover (a crashed save's)
+            at a single-rank save's target before writing, instead of failing the save.
     """
 
     mode: Literal["process", "thread"] = "process"
@@ -51,6 +54,7 @@ class EngineConfig:
     pin_memory: bool | None = None
     storage: StorageOptions = field(default_factory=StorageOptions)
     write_rate_mbps: float | None = None
+    clear_uncommitted: bool = False
 
     def __post_init__(self) -> None:
         rate = self.write_rate_mbps

@@ -31,7 +31,6 @@ their outcomes), ``worker_supervision`` (the persister), ``prepare`` (pools buil
 from __future__ import annotations
 
 import atexit
-import dataclasses
 import itertools
 import logging
 import os
@@ -174,7 +173,6 @@ class AsyncSaver:
         deferred: Deferred | None = None,
         user_metadata: dict[str, Any] | None = None,
         overwrite: bool = False,
-        clear_uncommitted: bool = False,
     ) -> SaveHandle | None:
         """Start saving ``state_dict`` to the checkpoint directory ``path``.
 
@@ -191,9 +189,6 @@ class AsyncSaver:
                 commit (the rename commit exchanges the two directories): until
                 then, and if the save fails, the old one stays whole. Single-rank saves
                 to local paths only.
-            clear_uncommitted: the caller holds the folder's writer lease: the writer
-                removes an uncommitted leftover (a crashed save's) at ``path`` before
-                writing, instead of failing the save.
 
         Returns:
             a SaveHandle, or None if skipped by ``backpressure="skip"``.
@@ -233,8 +228,6 @@ class AsyncSaver:
             handle = SaveHandle(step, loc.url, t0)
             handle._saver = self
             job, pool = self._new_job(slot, planned, handle, loc, step, overwrite)
-            if clear_uncommitted:
-                job = dataclasses.replace(job, clear_uncommitted=True)
             self._stage(job, handle, pool, planned, deferred)
             handle.blocking_s = time.monotonic() - t0
             handle.trainer_cpu_s += time.thread_time() - cpu0

@@ -122,6 +122,7 @@ class PlannedSave:
             dist=self.dist,
             location=loc,
             replace=replace,
+            clear_uncommitted=config.clear_uncommitted,
             write_rate=None if (mbps := config.write_rate_mbps) is None else mbps * 1e6,
         )
 
