@@ -331,12 +331,21 @@ def test_log_policy_two_ranks_ride_out_a_stopped_server(server, bucket, tmp_path
     results = _run(server, bucket, tmp_path, "log")
     for rank, r in enumerate(results):
         assert r["raised"] == [], (rank, r["raised"])  # training never raised
-        # the save of step 8 failed in the background, counted alike on both ranks;
-        # those due while it still retried (10, 12) were skipped, never waited for
-        assert r["during"] == {"failed_saves": 1, "steps": UP_AFTER}, (rank, r)
-        assert (r["failed_saves"], r["consecutive"]) == (1, 0), (rank, r)
-        assert r["committed"] == [18, 20], (rank, r)
-        assert r["statuses"][8] == "failed" and 10 not in r["statuses"], (rank, r["statuses"])
+        # the save of step 8 failed in the background; those due while it still
+        # retried were skipped, never waited for, and one due after its failure was
+        # settled was made and failed too (how many: the loop's pace against the
+        # 2 s deadline) -- counted alike on both ranks
+        failed = r["during"]["failed_saves"]
+        assert r["during"] == {"failed_saves": failed, "steps": UP_AFTER}, (rank, r)
+        assert failed == results[0]["during"]["failed_saves"] and 1 <= failed <= 3, r
+        assert (r["failed_saves"], r["consecutive"]) == (failed, 0), (rank, r)
+        # kept: the newest two commits (a save due while the one before it met the
+        # restarting server is skipped too)
+        assert len(r["committed"]) == 2 and r["committed"][-1] == STEPS, (rank, r)
+        assert r["committed"] == results[0]["committed"], (rank, r)
+        outage = {s: v for s, v in r["statuses"].items() if DOWN_AFTER < s <= UP_AFTER}
+        assert outage[8] == "failed" and set(outage.values()) == {"failed"}, (rank, outage)
+        assert len(outage) == failed, (rank, outage)
         after = {s: v for s, v in r["statuses"].items() if s > UP_AFTER}
         assert set(after.values()) == {"committed"} and {18, 20} <= set(after), (rank, r)
     assert results[0]["digest"] == results[1]["digest"]
@@ -345,7 +354,7 @@ def test_log_policy_two_ranks_ride_out_a_stopped_server(server, bucket, tmp_path
     # nothing half-written: every step prefix left is a committed checkpoint
     names = _objects(server, bucket, "run/")
     steps = {n.split("/", 1)[0] for n in names if n.startswith("step-")}
-    assert steps == {"step-18", "step-20"}, sorted(names)
+    assert steps == {f"step-{s}" for s in results[0]["committed"]}, sorted(names)
     for step in steps:
         assert f"{step}/manifest.json" in names
     resumed = run_ranks(_rank_resume, 2, f"s3://{bucket}/run", server.env(), config=LAUNCH)
@@ -359,14 +368,15 @@ def test_raise_policy_both_ranks_raise_the_same_error_at_the_same_save(server, b
     (first,), (second,) = results[0]["raised"], results[1]["raised"]
     assert first == second, results  # the same step, type and message on both ranks
     step, text = first
-    # step 8 fails in the background: raised at the first settling call after it (the
-    # wait() at step 12; the saves of 10 and 12 were skipped, never waited for)
-    assert step == UP_AFTER
+    # step 8 fails in the background: raised at the first settling call after its
+    # failure arrived (a due save, or the wait() at step 12; saves due while it still
+    # retried were skipped, never waited for): which one, the loop's pace decides
+    assert step in (DOWN_AFTER + 4, UP_AFTER), first
     assert text.startswith("CheckpointError: ") and f"s3://{bucket}/run/step-8" in text
     assert "cannot reach endpoint" in text and "retry_deadline_s=2" in text
     assert "Connection closed by peer" not in text
     for r in results:  # the job carried on after the error: later saves committed
-        assert r["committed"] == [18, 20], r
+        assert len(r["committed"]) == 2 and r["committed"][-1] == STEPS, r
     assert results[0]["retention_failed"]  # at step 7, which raised nothing
 
 
