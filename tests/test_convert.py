@@ -26,8 +26,8 @@ from quicksave.format.manifest import (
     TensorEntry,
     to_json_bytes,
 )
+from quicksave.layout.plan import ItemSpec, layout_rank
 from quicksave.loading.verify import verify_checkpoint
-from quicksave.saving.plan import ItemSpec, layout_rank
 from quicksave.storage.local import LocalBackend
 from quicksave.tools.convert import convert, load_full_state
 from quicksave.worker.persist import write_rank

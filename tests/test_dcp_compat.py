@@ -34,8 +34,8 @@ from helpers.state import assert_bit_equal, random_tensor, storable_dtypes
 from quicksave.compat.nvrx.filesystem_async import FileSystemWriterAsync
 from quicksave.format.safetensors_header import parse_header
 from quicksave.format.torch_legacy import TORCH_LEGACY_PREFIX, legacy_prefix, storage_type_name
+from quicksave.layout.plan import ItemSpec, layout_file
 from quicksave.loading.verify import verify_checkpoint
-from quicksave.saving.plan import ItemSpec, layout_file
 
 
 def _dcp_dtypes() -> list[torch.dtype]:

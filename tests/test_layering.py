@@ -127,7 +127,7 @@ def test_one_manifest_builder() -> None:
     # commit.parts.manifest_from_parts fills; format/ only parses manifest.json
     builders = {(n, f) for n, m in LIB.items() for _, f in manifest_builds(m)}
     assert builders == {
-        ("quicksave.saving.skeleton", "manifest_skeleton"),
+        ("quicksave.layout.skeleton", "manifest_skeleton"),
         ("quicksave.format.manifest", "from_json_bytes"),
     }
 

@@ -15,7 +15,7 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
 
 from quicksave.adapters.dcp_save_planner import DcpSavePlanner
-from quicksave.saving.plan import (
+from quicksave.layout.plan import (
     PAD_PREFIX,
     ItemSpec,
     chunk_key,

@@ -13,11 +13,11 @@ import quicksave
 from quicksave.commit.manifest_reader import read_manifest
 from quicksave.commit.parts import RankPart, manifest_from_parts
 from quicksave.errors import CorruptCheckpointError, IncompatibleStateError
+from quicksave.layout.plan import ItemSpec, layout_rank
+from quicksave.layout.skeleton import chunk_keys_of, manifest_skeleton, placed_of
 from quicksave.saving.config import EngineConfig
 from quicksave.saving.engine import AsyncSaver
-from quicksave.saving.plan import ItemSpec, layout_rank
 from quicksave.saving.rank_plans import global_plan, local_plan
-from quicksave.saving.skeleton import chunk_keys_of, manifest_skeleton, placed_of
 
 
 def _state() -> dict:

@@ -23,7 +23,6 @@ from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import MetadataIndex
 
-from quicksave.adapters.dcp_reader import manifest_to_metadata
 from quicksave.compat.nvrx.dcp_write import write_dcp_file
 from quicksave.format import DCP_METADATA_NAME
 from quicksave.format import objects as objcodec
@@ -36,6 +35,7 @@ from quicksave.format.manifest import (
     TensorEntry,
     to_json_bytes,
 )
+from quicksave.layout.dcp_metadata import manifest_to_metadata
 
 DATA_FILE = "__0_0.distcp"
 

@@ -243,7 +243,7 @@ def _rank_dtensor_plans(rank: int, world_size: int) -> dict[str, Any]:
 
 
 def test_dtensor_and_sharded_tensor_chunks_dedup_and_balance() -> None:
-    from quicksave.saving.plan import ItemSpec
+    from quicksave.layout.plan import ItemSpec
     from quicksave.saving.rank_plans import LocalPlan
 
     got = run_ranks(_rank_dtensor_plans, DT_WORLD, config=DT_LAUNCH)

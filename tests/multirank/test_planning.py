@@ -11,7 +11,7 @@ from tests.helpers.manifests import committed_json
 
 from quicksave.errors import IncompatibleStateError
 from quicksave.format.manifest import from_json_bytes, to_json_bytes
-from quicksave.saving.plan import ItemSpec
+from quicksave.layout.plan import ItemSpec
 from quicksave.saving.rank_plans import (
     LocalPlan,
     collect_local,

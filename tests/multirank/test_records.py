@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
-from quicksave.ranks import records
+from quicksave.commit import rank_records as records
 from quicksave.ranks.saving import DistContext, DistSaving
 
 

@@ -31,13 +31,11 @@ from typing import Any
 import torch
 import xxhash
 from torch.distributed.checkpoint.metadata import (
-    BytesStorageMetadata,
     ChunkStorageMetadata,
     Metadata,
     MetadataIndex,
     StorageMeta,
     TensorProperties,
-    TensorStorageMetadata,
 )
 from torch.distributed.checkpoint.planner import (
     LoadItemType,
@@ -58,8 +56,9 @@ from quicksave.commit.manifest_reader import read_manifest
 from quicksave.errors import CheckpointNotFoundError, CorruptCheckpointError, NotCommittedError
 from quicksave.format import objects as objcodec
 from quicksave.format.dtypes import dtype_from_name
-from quicksave.format.keys import EMPTY_KEY, dcp_planner_data
+from quicksave.format.keys import EMPTY_KEY
 from quicksave.format.manifest import ChunkEntry, Manifest, ObjectEntry, PlannedChunk, RankPlan
+from quicksave.layout.dcp_metadata import manifest_to_metadata
 from quicksave.loading.run_folder import not_a_checkpoint
 from quicksave.storage import Location, StorageOptions, parse_location
 from quicksave.storage.backend import Backend, join
@@ -105,34 +104,6 @@ def require_committed(
             path=path,
         )
     raise CheckpointNotFoundError(not_a_checkpoint(loc, backend), path=path)
-
-
-def manifest_to_metadata(manifest: Manifest, path: str | None = None) -> Metadata:
-    """DCP ``Metadata`` equivalent to ``manifest`` (``path``: named in errors)."""
-    sd_md: dict[str, Any] = {}
-    storage: dict[MetadataIndex, Any] = {}
-    mappings: dict[str, tuple] = {}
-    # In fqn order, tensors then values: the manifest records no other order (its JSON
-    # is sorted), so every save path gives the same state the same bytes.
-    for fqn, t in sorted(manifest.tensors.items()):
-        chunks = [
-            ChunkStorageMetadata(torch.Size(c.offsets), torch.Size(c.sizes)) for c in t.chunks
-        ]
-        sd_md[fqn] = TensorStorageMetadata(
-            TensorProperties(dtype=dtype_from_name(t.dtype, path=path, fqn=fqn)),
-            torch.Size(t.shape),
-            chunks,
-        )
-        for c in t.chunks:
-            storage[MetadataIndex(fqn, torch.Size(c.offsets))] = (fqn, c)
-        mappings[fqn] = t.path or (fqn,)
-    for fqn, o in sorted(manifest.objects.items()):
-        sd_md[fqn] = BytesStorageMetadata()
-        storage[MetadataIndex(fqn)] = (fqn, o)
-        mappings[fqn] = o.path or (fqn,)
-    # DCP's own paths (plain str/int): DCP planners and .metadata pickles see only those.
-    planner_data = dcp_planner_data(mappings)
-    return Metadata(state_dict_metadata=sd_md, planner_data=planner_data, storage_data=storage)
 
 
 def manifest_rank_plans(manifest: Manifest) -> tuple[RankPlan, ...] | None:

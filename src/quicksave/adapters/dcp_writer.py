@@ -25,18 +25,15 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import pickle
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
     Metadata,
-    MetadataIndex,
     StorageMeta,
     TensorStorageMetadata,
 )
@@ -45,13 +42,10 @@ from torch.distributed.checkpoint.storage import StorageWriter as _DCPStorageWri
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
-from quicksave.adapters.dcp_reader import manifest_to_metadata
 from quicksave.commit import CommitStrategy, new_token, strategy_class, strategy_for
 from quicksave.commit.parts import RankPart, manifest_from_parts
 from quicksave.errors import CheckpointError, IncompatibleStateError
-from quicksave.format import DCP_METADATA_NAME
 from quicksave.format import objects as objcodec
-from quicksave.format.dcp_guard import QuicksaveStorageData
 from quicksave.format.dtypes import check_storable, dtype_name
 from quicksave.format.keys import EMPTY_KEY, names_itself
 from quicksave.format.manifest import (
@@ -60,9 +54,9 @@ from quicksave.format.manifest import (
     PlannedChunk,
     RankPlan,
 )
-from quicksave.format.torch_legacy import legacy_prefix_for, object_bytes
-from quicksave.saving.plan import ItemSpec, RankLayout, layout_rank
-from quicksave.saving.skeleton import Placed, chunk_keys_of, manifest_skeleton, placed_of
+from quicksave.layout.dcp_metadata import dcp_metadata_bytes
+from quicksave.layout.plan import ItemSpec, RankLayout, layout_rank
+from quicksave.layout.skeleton import Placed, chunk_keys_of, manifest_skeleton, placed_of
 from quicksave.storage import StorageOptions, parse_location
 from quicksave.storage.backend import Backend
 from quicksave.worker import persist
@@ -390,68 +384,6 @@ class StorageWriter(_DCPStorageWriter):
         tmp, self.tmp_dir = self.tmp_dir, None
         self.strategy().discard(tmp, self._written)
         self.close()
-
-
-def dcp_metadata_bytes(manifest: Manifest, *, dcp_compat: bool = False) -> bytes:
-    """The ``.metadata`` of a checkpoint: DCP's ``Metadata`` for ``manifest``, pickled.
-
-    Built from the manifest alone (no absolute path, no random id), so the same state
-    gives the same bytes (docs/FORMAT.md §2, §5).
-
-    Without ``dcp_compat`` stock DCP readers cannot load the checkpoint (raw tensor
-    bytes, objects in the manifest only): ``storage_data`` is an empty
-    :class:`.format.dcp_guard.QuicksaveStorageData`, whose lookups raise a
-    ``CheckpointError`` naming the format and what to do, rather than a ``KeyError`` or
-    a ``torch.load`` of raw bytes.
-
-    ``dcp_compat`` (the data files were laid out with ``dcp_compat``): a chunk whose
-    dtype has a torch legacy prefix points at prefix plus bytes, a ``torch.save`` item
-    (one without a prefix at its raw bytes, ``_StorageInfo(file, offset, length)``);
-    and the objects, ``torch.save`` bytes each (:func:`.format.torch_legacy.object_bytes`),
-    follow the pickle in this same file, each ``BYTE_IO`` item pointing at its bytes
-    (``pickle.load`` stops at the pickle's end, so DCP's readers never see them).
-    """
-    md = manifest_to_metadata(manifest)
-    md.storage_meta = None
-    if not dcp_compat:
-        md.storage_data = QuicksaveStorageData()
-        return pickle.dumps(md, protocol=pickle.HIGHEST_PROTOCOL)
-    storage: dict[MetadataIndex, _StorageInfo] = {}
-    for fqn, t in manifest.tensors.items():
-        for c in t.chunks:
-            prefix = legacy_prefix_for(t.dtype, tuple(c.sizes))
-            n = len(prefix) if prefix is not None else 0
-            storage[MetadataIndex(fqn, torch.Size(c.offsets))] = _StorageInfo(
-                c.file, c.offset - n, c.length + n
-            )
-    blobs: list[tuple[str, bytes]] = []
-    for fqn in sorted(manifest.objects):
-        blob = object_bytes(objcodec.decode(manifest.objects[fqn].value, fqn=fqn))
-        if blob is not None:
-            blobs.append((fqn, blob))
-    if not blobs:
-        md.storage_data = storage
-        return pickle.dumps(md, protocol=pickle.HIGHEST_PROTOCOL)
-
-    def pickled(base: int) -> bytes:
-        at = base
-        objects = {}
-        for fqn, blob in blobs:
-            objects[MetadataIndex(fqn)] = _StorageInfo(DCP_METADATA_NAME, at, len(blob))
-            at += len(blob)
-        md.storage_data = {**storage, **objects}
-        return pickle.dumps(md, protocol=pickle.HIGHEST_PROTOCOL)
-
-    # The objects' offsets are inside the pickle whose length places them: grow the
-    # guess until the pickle fits before it (the lengths grow with the offsets), then
-    # fill the rest with zeros.
-    base = len(pickled(0))
-    while True:
-        head = pickled(base)
-        if len(head) <= base:
-            break
-        base = len(head)
-    return head + bytes(base - len(head)) + b"".join(blob for _, blob in blobs)
 
 
 def _original_object(planner: SavePlanner, item, rank: int) -> Any:

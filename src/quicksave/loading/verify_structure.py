@@ -18,8 +18,8 @@ from quicksave.format.safetensors_header import (
     mismatches,
     parse_header,
 )
+from quicksave.layout.plan import chunk_key
 from quicksave.loading.verify_report import Problem
-from quicksave.saving.plan import chunk_key
 from quicksave.storage.checkpoint_dir import Member, read_range
 
 

@@ -1,4 +1,3 @@
-"""Multi-rank saving: planning with a plan cache (``planning``, ``exchange``) and the
-commit records that let a checkpoint commit without gathering write results
-(``records``). Keep this package's import light: the torch-free worker process imports
-``quicksave.ranks.records``."""
+"""Talking to other ranks: the one module that calls ``torch.distributed`` collectives
+(``collectives``), the central round every cross-rank decision goes through
+(``exchange``) and per-rank values (``replicas``)."""

@@ -40,6 +40,7 @@ import torch
 
 from quicksave.errors import CheckpointError
 from quicksave.format.manifest import Manifest
+from quicksave.layout.plan import RankLayout
 from quicksave.ranks import collectives as talk
 from quicksave.ranks.replicas import (
     NEUTRAL,
@@ -49,7 +50,6 @@ from quicksave.ranks.replicas import (
     local_copies,
     shared_keys,
 )
-from quicksave.saving.plan import RankLayout
 from quicksave.saving.plan_cache import PlanCache
 from quicksave.saving.rank_plans import (
     GlobalPlan,

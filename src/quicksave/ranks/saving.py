@@ -16,11 +16,11 @@ from typing import Any
 
 import torch
 
+from quicksave.commit import rank_records as records
 from quicksave.errors import CheckpointError
 from quicksave.format.manifest import Manifest
-from quicksave.ranks import records
-from quicksave.saving.plan import RankLayout
-from quicksave.saving.skeleton import chunk_keys_of
+from quicksave.layout.plan import RankLayout
+from quicksave.layout.skeleton import chunk_keys_of
 from quicksave.worker.job import DistCommit
 
 
@@ -97,7 +97,7 @@ class DistSaving:
         Raises:
             CheckpointError: bad input (names fqn and rank) or a failed exchange.
         """
-        from quicksave.adapters.dcp_writer import dcp_metadata_bytes
+        from quicksave.layout.dcp_metadata import dcp_metadata_bytes
         from quicksave.ranks.exchange import plan_save
 
         ctx = self.ctx

@@ -18,15 +18,15 @@ from typing import Any
 
 import torch
 
-from quicksave.adapters.dcp_writer import dcp_metadata_bytes
 from quicksave.format.dtypes import dtype_name, element_size
 from quicksave.format.manifest import FileEntry, Manifest, ObjectEntry, TensorEntry
+from quicksave.layout.dcp_metadata import dcp_metadata_bytes
+from quicksave.layout.plan import ItemSpec, RankLayout, layout_rank
+from quicksave.layout.skeleton import chunk_keys_of, manifest_skeleton, placed_of
 from quicksave.ranks.saving import DistSave
 from quicksave.saving.collect import CollectedState
 from quicksave.saving.config import EngineConfig
-from quicksave.saving.plan import ItemSpec, RankLayout, layout_rank
 from quicksave.saving.plan_cache import PlanCache
-from quicksave.saving.skeleton import chunk_keys_of, manifest_skeleton, placed_of
 from quicksave.stage.pool import StagingPool
 from quicksave.storage import Location
 from quicksave.worker.job import DistCommit, FileJob, PersistJob

@@ -42,7 +42,7 @@ class InFlight:
     strategy: CommitStrategy  # of its location: removes what a dead writer left
     staging: str  # where its files are written (the strategy's staging key)
     names: tuple[str, ...]  # the files this rank writes
-    token: str = ""  # multi-rank: the save's commit records (see ranks/records.py)
+    token: str = ""  # multi-rank: the save's commit records (see commit/rank_records.py)
     replace: bool = False  # overwrite: a committed checkpoint was there before the save
 
 

@@ -34,11 +34,11 @@ from quicksave.format.manifest import (
     Manifest,
     RankPlan,
 )
+from quicksave.layout.plan import ItemSpec, RankLayout, item_spec_of, layout_rank, planned_chunk
+from quicksave.layout.skeleton import manifest_skeleton, placed_of
 from quicksave.saving.collect import check_tensor, flatten, to_state_dict
 from quicksave.saving.keypaths import structure
-from quicksave.saving.plan import ItemSpec, RankLayout, item_spec_of, layout_rank, planned_chunk
 from quicksave.saving.plan_cache import PlanCache
-from quicksave.saving.skeleton import manifest_skeleton, placed_of
 
 Path = tuple[Any, ...]  # nested state-dict path of a flattened fqn (str / int keys)
 

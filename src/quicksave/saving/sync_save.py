@@ -29,17 +29,17 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
-from quicksave.adapters.dcp_writer import dcp_metadata_bytes
 from quicksave.commit import CommitStrategy, new_token, strategy_for
 from quicksave.commit.parts import RankPart, manifest_from_parts
 from quicksave.errors import CheckpointError, combined_failure
 from quicksave.format.manifest import check_user_metadata
+from quicksave.layout.dcp_metadata import dcp_metadata_bytes
+from quicksave.layout.plan import RankLayout
+from quicksave.layout.skeleton import chunk_keys_of
 from quicksave.ranks import replicas
 from quicksave.ranks.exchange import central_round, failures_in, sendable
 from quicksave.saving.collect import to_state_dict, validate_for_save
-from quicksave.saving.plan import RankLayout
 from quicksave.saving.rank_plans import GlobalPlan, LocalPlan, collect_local, global_plan
-from quicksave.saving.skeleton import chunk_keys_of
 from quicksave.storage.location import Location
 from quicksave.trace import phase
 from quicksave.worker import persist

@@ -58,7 +58,7 @@ import xxhash
 from quicksave.checksum import hexdigest, tensor_view
 from quicksave.errors import CheckpointError
 from quicksave.format import ALIGNMENT
-from quicksave.saving.plan import RankLayout
+from quicksave.layout.plan import RankLayout
 from quicksave.stage.page_shield import shield_free_pages
 from quicksave.stage.tensor_slots import SlotLayout, slot_tensors
 from quicksave.worker.persist import as_writable_source

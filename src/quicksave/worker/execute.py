@@ -15,9 +15,9 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from quicksave.commit import rank_records as records
 from quicksave.commit import strategy_for
 from quicksave.commit.parts import RankPart, manifest_from_parts
-from quicksave.ranks import records
 from quicksave.storage.backend import Backend
 from quicksave.storage.retry import StoreHealth
 from quicksave.worker.files import backend_for, check_target, commit_files, discard, write_files

@@ -28,9 +28,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from quicksave import errors
+from quicksave.commit.rank_records import StoreAddress
 from quicksave.errors import CheckpointError
 from quicksave.format.manifest import Manifest
-from quicksave.ranks.records import StoreAddress
 from quicksave.storage.location import Location
 
 
@@ -80,7 +80,7 @@ class PersistJob:
 
 @dataclass(frozen=True)
 class DistCommit:
-    """The multi-rank half of a PersistJob (protocol: ``quicksave.ranks.records``).
+    """The multi-rank half of a PersistJob (protocol: ``quicksave.commit.rank_records``).
 
     Every rank writes its files and its part, then posts its rank record; the
     coordinator's writer waits for all records and commits (its job's ``manifest`` is the

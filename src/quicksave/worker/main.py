@@ -41,8 +41,8 @@ from multiprocessing.connection import Connection
 from multiprocessing.reduction import recv_handle
 from typing import Any
 
-from quicksave.ranks import records
-from quicksave.ranks.records import StoreAddress
+from quicksave.commit import rank_records as records
+from quicksave.commit.rank_records import StoreAddress
 from quicksave.storage.backend import Backend
 from quicksave.storage.retry import StoreHealth
 from quicksave.worker.calls import run_pickled_call

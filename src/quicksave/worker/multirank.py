@@ -1,6 +1,6 @@
 """One rank's share of a multi-rank save, run by that rank's writer.
 
-Protocol (``quicksave.ranks.records``, commit through parts): every rank writes its files
+Protocol (``quicksave.commit.rank_records``, commit through parts): every rank writes its files
 and its part (its chunk digests and the objects it owns), then posts its rank record.
 The coordinator's writer waits for every rank's record, merges the parts into the
 manifest (``quicksave.commit.parts.manifest_from_parts``; its job's ``manifest`` is the
@@ -19,9 +19,9 @@ import time
 from typing import Any
 
 from quicksave.commit import CommitStrategy, strategy_for
+from quicksave.commit import rank_records as records
 from quicksave.commit.parts import RankPart, manifest_from_parts, part_name, read_part, write_part
 from quicksave.errors import CheckpointError
-from quicksave.ranks import records
 from quicksave.storage.backend import Backend
 from quicksave.worker.files import check_target, commit_files, discard, write_files
 from quicksave.worker.job import (

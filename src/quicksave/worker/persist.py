@@ -23,7 +23,7 @@ from quicksave.storage.backend import join
 if TYPE_CHECKING:  # the worker process imports this module: keep torch out of it
     import torch
 
-    from quicksave.saving.plan import EntryLayout, FileLayout, RankLayout
+    from quicksave.layout.plan import EntryLayout, FileLayout, RankLayout
     from quicksave.storage.backend import Backend
 
 

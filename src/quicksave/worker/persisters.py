@@ -39,9 +39,9 @@ from multiprocessing.connection import Connection
 from multiprocessing.reduction import send_handle
 from typing import Any
 
+from quicksave.commit import rank_records as records
+from quicksave.commit.rank_records import StoreAddress
 from quicksave.errors import CheckpointError, WorkerFailedError
-from quicksave.ranks import records
-from quicksave.ranks.records import StoreAddress
 from quicksave.storage.backend import Backend
 from quicksave.storage.retry import StoreHealth
 from quicksave.worker.calls import CallResult, pickle_call, run_call

@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from quicksave.saving.plan import ItemSpec
+from quicksave.layout.plan import ItemSpec
 from quicksave.saving.plan_cache import PlanCache
 from quicksave.saving.rank_plans import (
     GlobalPlan,

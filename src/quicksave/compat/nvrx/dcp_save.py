@@ -48,8 +48,8 @@ from quicksave.format import DCP_METADATA_NAME
 from quicksave.format.dcp_layout import encode_metadata
 from quicksave.format.keys import dcp_planner_data
 from quicksave.format.manifest import FileEntry, to_json_bytes
-from quicksave.saving.plan import ItemSpec
-from quicksave.saving.skeleton import Placed, chunk_keys_of
+from quicksave.layout.plan import ItemSpec
+from quicksave.layout.skeleton import Placed, chunk_keys_of
 from quicksave.storage.location import Location
 
 DCP_SUFFIX = ".distcp"

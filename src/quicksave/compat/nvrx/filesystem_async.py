@@ -88,7 +88,7 @@ from quicksave.compat.nvrx.rank_write import (
 from quicksave.compat.nvrx.staging import identity_preload, stage_to_pool
 from quicksave.errors import CheckpointError, CorruptCheckpointError
 from quicksave.format import objects as objcodec
-from quicksave.saving.plan import RankLayout, layout_rank
+from quicksave.layout.plan import RankLayout, layout_rank
 from quicksave.stage.pool import StagingPool
 
 # DCP FileSystemWriter's positional arguments after the path, in order (NVRx passes its

@@ -37,7 +37,7 @@ from quicksave.commit import CommitStrategy, parts, strategy_class, strategy_for
 from quicksave.compat.nvrx.staging import tensors_of
 from quicksave.errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
 from quicksave.format.manifest import RankPlan
-from quicksave.saving.plan import RankLayout
+from quicksave.layout.plan import RankLayout
 from quicksave.stage.pool import StagingPool
 from quicksave.storage.location import Location
 from quicksave.worker import persist

@@ -35,7 +35,7 @@ from quicksave.format.manifest import (
     RankPlan,
     TensorEntry,
 )
-from quicksave.saving.plan import ItemSpec, RankLayout, chunk_key
+from quicksave.layout.plan import ItemSpec, RankLayout, chunk_key
 
 Path = tuple[Any, ...]
 
