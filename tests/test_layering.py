@@ -18,11 +18,15 @@ from helpers.structure import (
     collective_calls,
     cycles,
     in_layer,
+    layer_of,
     load,
     manifest_builds,
+    package_of,
+    package_pairs,
     plan_caches,
     plan_exchanges,
     staging_allocations,
+    upward_imports,
 )
 
 MODS = load()
@@ -49,6 +53,19 @@ def test_the_graph_is_read_from_the_whole_package() -> None:
 
 def test_no_import_cycles() -> None:
     assert cycles(MODS) == []
+
+
+def test_every_package_has_a_layer() -> None:
+    packages = {p for n in LIB if (p := package_of(n)) is not None}
+    assert {p: layer_of(p) for p in packages}  # KeyError names a package with no layer
+
+
+def test_no_import_from_a_lower_layer_into_a_higher_one() -> None:
+    assert upward_imports(LIB) == []
+
+
+def test_no_two_packages_import_each_other() -> None:
+    assert package_pairs(LIB) == []
 
 
 def test_no_module_over_the_size_limit() -> None:
@@ -158,6 +175,19 @@ def test_the_rules_see_a_violation(tmp_path) -> None:
     (pkg / "format" / "x.py").write_text("import os\n")
     mods = load(tmp_path, ("quicksave",))
     assert cycles(mods) == [["quicksave.a", "quicksave.b"]]
+    (pkg / "storage").mkdir()
+    (pkg / "storage" / "__init__.py").write_text("")
+    (pkg / "storage" / "y.py").write_text("from quicksave.manager import z\n")
+    (pkg / "manager").mkdir()
+    (pkg / "manager" / "__init__.py").write_text("")
+    (pkg / "manager" / "z.py").write_text("from quicksave.storage import y\n")
+    layered = {
+        n: m
+        for n, m in load(tmp_path, ("quicksave",)).items()
+        if n.startswith(("quicksave.storage", "quicksave.manager"))
+    }
+    assert upward_imports(layered) == [("quicksave.storage.y", "quicksave.manager.z")]
+    assert package_pairs(layered) == [("manager", "storage")]
     assert [c for _, c in collective_calls(mods["quicksave.b"])] == ["dist.all_reduce"]
     assert "os" in mods["quicksave.format.x"].external
     (pkg / "c.py").write_text(

@@ -269,6 +269,66 @@ def in_layer(name: str, layer: str) -> bool:
     return name == layer or name.startswith(layer + ".")
 
 
+# The library's layers from the bottom (docs/ARCHITECTURE.md, "Layering rules"): a module
+# imports only from its own layer or below, and two packages of one layer never import
+# each other. Top-level modules (``quicksave.api``) are packages of their own here.
+LAYERS: tuple[tuple[str, ...], ...] = (
+    ("errors", "checksum", "trace"),
+    ("format",),
+    ("layout",),
+    ("storage",),
+    ("commit",),
+    ("stage", "worker"),
+    ("ranks",),
+    ("saving", "loading"),
+    ("adapters", "api", "compat", "async_api"),
+    ("manager",),
+    ("integrations", "tools", "cli"),
+)
+
+
+def package_of(name: str) -> str | None:
+    """The first-level package (or top-level module) of a library module; ``None`` for
+    the package itself (``quicksave/__init__.py`` re-exports the API) and ``__main__``."""
+    parts = name.split(".")
+    if parts[0] != LIBRARY or len(parts) == 1 or parts[1] == "__main__":
+        return None
+    return parts[1]
+
+
+def layer_of(package: str) -> int:
+    for i, group in enumerate(LAYERS):
+        if package in group:
+            return i
+    raise KeyError(f"package {package!r} is in no layer of LAYERS: add it")
+
+
+def upward_imports(mods: dict[str, Module]) -> list[tuple[str, str]]:
+    """``(importer, imported)`` for every import from a lower layer into a higher one."""
+    found = []
+    for n, m in sorted(mods.items()):
+        a = package_of(n)
+        if a is None:
+            continue
+        for i in sorted(m.imports):
+            b = package_of(i)
+            if b is not None and b != a and layer_of(b) > layer_of(a):
+                found.append((n, i))
+    return found
+
+
+def package_pairs(mods: dict[str, Module]) -> list[tuple[str, str]]:
+    """Pairs of packages that import each other (function-level imports count)."""
+    edges = set()
+    for n, m in mods.items():
+        a = package_of(n)
+        for i in m.imports:
+            b = package_of(i)
+            if a is not None and b is not None and a != b:
+                edges.add((a, b))
+    return sorted((a, b) for a, b in edges if a < b and (b, a) in edges)
+
+
 def report() -> None:
     mods = load()
     lib = {n: m for n, m in mods.items() if in_layer(n, LIBRARY)}
@@ -279,6 +339,14 @@ def report() -> None:
     print(f"import cycles: {len(cyc)}")
     for c in cyc:
         print("  ", " ".join(c))
+    up = upward_imports(lib)
+    print(f"imports from a lower layer into a higher one: {len(up)}")
+    for a, b in up:
+        print(f"   {a} -> {b}")
+    pairs = package_pairs(lib)
+    print(f"pairs of packages importing each other: {len(pairs)}")
+    for a, b in pairs:
+        print(f"   {a} <-> {b}")
     big = sorted(((m.lines, n) for n, m in mods.items() if m.lines > MAX_LINES), reverse=True)
     print(f"modules over {MAX_LINES} lines: {len(big)}")
     for lines, n in big:
