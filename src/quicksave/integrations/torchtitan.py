@@ -275,7 +275,7 @@ class QuicksaveCheckpointManager(BaseCheckpointManager):
             if not self.committed_steps():
                 self._refuse_stock_dcp(None)
                 return self._initial_load()
-            return session.load_newest(self._load_step) is not None
+            return session.load_newest(lambda step, _checkpoint: self._load_step(step)) is not None
 
     def _maybe_wait_for_staging(self) -> None:
         if self.session.writer is not None:
