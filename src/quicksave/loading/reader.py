@@ -132,8 +132,8 @@ class CheckpointReader:
         """DCP ``Metadata`` rebuilt from the manifest.
 
         Built once per checkpoint and kept: a load asks for it before DCP does (a fresh
-        optimizer's state is allocated from it), and on a model of ~1,500 tensors each
-        build costs a few tenths of a second."""
+        optimizer's state is allocated from it), and each build walks every chunk of
+        every tensor."""
         if self._metadata is None:
             md = manifest_to_metadata(self.read_manifest(), self.path)
             md.storage_meta = StorageMeta(checkpoint_id=self.path)
