@@ -30,6 +30,7 @@ from quicksave.format import dcp_layout
 from quicksave.format.dcp_layout import FOOTER_SIZE, parse_footer
 from quicksave.format.manifest import LAYOUT_DCP, from_json_bytes, to_json_bytes
 from quicksave.loading.catalog import list_checkpoints
+from quicksave.loading.checkpoint import require_committed
 from quicksave.loading.verify import verify_checkpoint
 from quicksave.manager import folder
 from quicksave.tools.inspect_checkpoint import inspect_checkpoint
@@ -207,7 +208,8 @@ def test_a_committed_dcp_layout_checkpoint_is_never_overwritten(ckpt: Path) -> N
 
 def test_the_manager_folder_counts_and_deletes_it(ckpt: Path) -> None:
     assert folder.committed_steps(ckpt.parent, allow_dcp=False) == [9]
-    folder.require_committed(ckpt.parent, ckpt, 9, None, allow_dcp=False)
+    checkpoint = require_committed(ckpt, allow_dcp=False, step=9)
+    assert checkpoint.kind is CheckpointKind.QUICKSAVE
     folder.delete_checkpoint(ckpt)
     assert not ckpt.exists()
 

@@ -291,8 +291,8 @@ def test_an_uncommitted_leftover_at_the_target_step_is_replaced(tmp_path: Path) 
     with pytest.raises(NotCommittedError) as info:
         manager.load(99)
     assert str(info.value) == (
-        "the checkpoint of step 99 was never committed (a save was interrupted); it cannot be "
-        f"loaded [path={folder / 'step-99'}]"
+        "the checkpoint of step 99 was never committed (a save was interrupted or is still "
+        f"running); it is never loaded [path={folder / 'step-99'}]"
     )
     assert manager.save(99)
     assert manager.committed_steps() == [99]

@@ -412,18 +412,18 @@ def test_bad_user_metadata_is_refused_before_any_write(tmp_path):
 
 
 def test_a_checkpoint_deleted_under_a_load_is_not_found_not_corrupt(tmp_path, monkeypatch):
-    from quicksave.adapters.dcp_reader import StorageReader
+    from quicksave.loading.reader import CheckpointReader
 
     target = tmp_path / "step-1"
     quicksave.save({"t": torch.ones(4)}, target)
-    real = StorageReader.read_manifest
+    real = CheckpointReader.read_manifest
 
     def then_retention_deletes(self):
         manifest = real(self)
         commit.remove_tree(self.path)  # what another job's retention does
         return manifest
 
-    monkeypatch.setattr(StorageReader, "read_manifest", then_retention_deletes)
+    monkeypatch.setattr(CheckpointReader, "read_manifest", then_retention_deletes)
     with pytest.raises(CheckpointNotFoundError, match="deleted while it was being loaded"):
         quicksave.load({"t": torch.zeros(4)}, target)
 

@@ -284,7 +284,7 @@ def test_a_per_rank_state_refusing_the_checkpoint_takes_the_allocated_state_back
 def test_a_load_reads_the_manifest_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Per-rank states (the RNG) learn the checkpoint's entries from the metadata the
     load reads anyway: one read and parse of the manifest per load (it was two)."""
-    import quicksave.adapters.dcp_reader as reader_module
+    import quicksave.loading.reader as reader_module
     from quicksave.manager import RNGState
 
     folder = str(tmp_path / "ckpt")

@@ -14,7 +14,9 @@ import pytest
 import torch
 
 from quicksave import api
+from quicksave.commit import CheckpointKind
 from quicksave.errors import CheckpointNotFoundError
+from quicksave.loading.checkpoint import Checkpoint
 from quicksave.manager import CheckpointConfig
 from quicksave.manager.lease import LEASE_NAME
 from quicksave.manager.policies import KeepLatestK
@@ -107,7 +109,9 @@ def test_load_newest_falls_back_and_notes_the_step_loaded(tmp_path: Path) -> Non
             _commit(session, step)
         tried: list[int] = []
 
-        def load_step(step: int) -> None:
+        def load_step(step: int, checkpoint: Checkpoint) -> None:
+            assert checkpoint.url == session.step_path(step)
+            assert checkpoint.kind is CheckpointKind.QUICKSAVE  # from the folder's listing
             tried.append(step)
             if step == 2:
                 os.remove(os.path.join(session.step_path(2), "manifest.json"))
@@ -119,7 +123,7 @@ def test_load_newest_falls_back_and_notes_the_step_loaded(tmp_path: Path) -> Non
     finally:
         session.release()
     empty = _session(tmp_path / "empty")
-    assert empty.load_newest(lambda step: None) is None
+    assert empty.load_newest(lambda step, checkpoint: None) is None
     empty.release()
 
 

@@ -23,12 +23,13 @@ import torch.nn as nn
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torchtitan.components.checkpointer import DATALOADER, MODEL
 
-from quicksave.adapters.dcp_reader import StorageReader
-from quicksave.commit import CheckpointKind, classify
+from quicksave.commit import CheckpointKind
 from quicksave.errors import CheckpointError, IncompatibleStateError
+from quicksave.loading.checkpoint import Checkpoint
 from quicksave.loading.dcp_stock import DCPReader
+from quicksave.loading.reader import CheckpointReader
 from quicksave.manager.states import OptimizerState
-from quicksave.storage import Location, parse_location
+from quicksave.storage import parse_location
 
 logger = logging.getLogger("quicksave")
 
@@ -73,17 +74,17 @@ def model_state(states: dict[str, Any], dtype: torch.dtype) -> dict[str, Any]:
     }
 
 
-def read_stored(loc: Location, *, allow_dcp_pickle: bool) -> tuple[set[str], str | None]:
+def read_stored(checkpoint: Checkpoint, *, allow_dcp_pickle: bool) -> tuple[set[str], str | None]:
     """The fqns a committed checkpoint holds, and its kind (``full``, ``seed``,
     ``export``; None for a stock DCP checkpoint or one that records none).
 
     Raises:
         CheckpointError: the checkpoint cannot be read (corrupt, missing, refused pickle).
     """
-    if classify(loc) is CheckpointKind.DCP:
-        md = DCPReader(loc, allow_pickle=allow_dcp_pickle).read_metadata()
+    if checkpoint.kind is CheckpointKind.DCP:
+        md = DCPReader(checkpoint.location, allow_pickle=allow_dcp_pickle).read_metadata()
         return set(md.state_dict_metadata), None
-    reader = StorageReader(loc)
+    reader = CheckpointReader(checkpoint)
     kind = reader.read_manifest().user_metadata.get(KIND_KEY)
     return set(reader.read_metadata().state_dict_metadata), kind
 

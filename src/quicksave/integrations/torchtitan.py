@@ -74,6 +74,7 @@ except ImportError as e:  # pragma: no cover - depends on the environment
 from quicksave import api
 from quicksave.errors import CheckpointError, CheckpointNotFoundError
 from quicksave.integrations import _torchtitan_layout as layout
+from quicksave.loading.checkpoint import Checkpoint, require_committed
 from quicksave.manager.async_writer import AsyncWriter
 from quicksave.manager.folder import check_step
 from quicksave.manager.records import SaveRecord
@@ -269,8 +270,7 @@ class QuicksaveCheckpointManager(BaseCheckpointManager):
             if step != -1:
                 check_step(step, self.folder)
                 self._refuse_stock_dcp(step)
-                session.require_committed(step)
-                self._load_step(step)
+                self._load_step(step, session.require_committed(step))
                 return True
             if not self.committed_steps():
                 self._refuse_stock_dcp(None)
@@ -431,17 +431,18 @@ class QuicksaveCheckpointManager(BaseCheckpointManager):
                 rank=session.rank(),
             )
 
-    def _load_step(self, step: int) -> None:
-        session = self.session
-        loc = session.where(session.step_path(step))
+    def _load_step(self, step: int, checkpoint: Checkpoint) -> None:
+        """Load ``checkpoint``, the committed checkpoint of ``step`` as the session
+        classified it."""
         begin = time.perf_counter()
-        self._load_path(loc, model_only=step == 0)
-        session.loaded(step)  # the writer plans now: optimizer states exist
+        self._load_path(checkpoint, model_only=step == 0)
+        self.session.loaded(step)  # the writer plans now: optimizer states exist
         seconds = time.perf_counter() - begin
-        logger.info("quicksave: loaded step %d from %s in %.3f s", step, loc.url, seconds)
+        logger.info("quicksave: loaded step %d from %s in %.3f s", step, checkpoint.url, seconds)
 
-    def _load_path(self, loc: Location, *, model_only: bool) -> None:
-        """Load the checkpoint at ``loc`` into the states, torchtitan's way: the model
+    def _load_path(self, target: Location | Checkpoint, *, model_only: bool) -> None:
+        """Load the checkpoint at ``target`` (classified here once, unless it is a
+        classified checkpoint already) into the states, torchtitan's way: the model
         (and unless ``model_only`` the other states but ``exclude_from_loading``).
 
         Every rank checks the checkpoint against its states first, and the ranks agree
@@ -450,8 +451,13 @@ class QuicksaveCheckpointManager(BaseCheckpointManager):
         session = self.session
         dest: dict[str, Any] = {}
         failure: CheckpointError | None = None
+        loc = target.location if isinstance(target, Checkpoint) else target
+        checkpoint = target
         try:
-            stored, kind = layout.read_stored(loc, allow_dcp_pickle=self.config.allow_dcp_pickle)
+            checkpoint = require_committed(target, allow_dcp=True)
+            stored, kind = layout.read_stored(
+                checkpoint, allow_dcp_pickle=self.config.allow_dcp_pickle
+            )
             dest = layout.load_destination(
                 self.states,
                 stored,
@@ -470,7 +476,7 @@ class QuicksaveCheckpointManager(BaseCheckpointManager):
             raise failure
         # The key sets are checked; strict=False lets the checkpoint hold more (other
         # ranks' data loader entries, excluded states, the rest of a full step 0).
-        api.load(dest, loc.url, strict=False, allow_dcp_pickle=self.config.allow_dcp_pickle)
+        api.load(dest, checkpoint, strict=False, allow_dcp_pickle=self.config.allow_dcp_pickle)
         self.states[MODEL].load_state_dict(dest)  # filled in place; this runs the hooks
 
     # ------------------------------------------------------------ background saves

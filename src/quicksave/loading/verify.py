@@ -41,13 +41,13 @@ from __future__ import annotations
 
 import os
 
-from quicksave.adapters.dcp_reader import require_committed
 from quicksave.checksum import hexdigest
 from quicksave.commit.manifest_reader import read_manifest
 from quicksave.errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
 from quicksave.format import DCP_METADATA_NAME, MANIFEST_NAME
 from quicksave.format.dcp_layout import FOOTER_SIZE, parse_footer
 from quicksave.format.manifest import LAYOUT_DCP
+from quicksave.loading.checkpoint import require_committed
 from quicksave.loading.progress import byte_progress
 from quicksave.loading.verify_regions import Region, check_file, regions_for
 from quicksave.loading.verify_report import Problem, VerifyReport

@@ -21,44 +21,24 @@ strategy's (:mod:`quicksave.commit`): these functions open it and log.
 from __future__ import annotations
 
 import logging
-import re
 from collections.abc import Callable, Collection
 from typing import Any
 
-from quicksave.adapters.dcp_reader import StorageReader
-from quicksave.commit import COMMITTED, CheckpointKind, classify, open_strategy
+from quicksave.commit import CheckpointKind, classify, open_strategy
 from quicksave.errors import (
     CheckpointError,
     CheckpointNotFoundError,
     CorruptCheckpointError,
     NotCommittedError,
 )
-from quicksave.loading.dcp_stock import DCPReader
+from quicksave.loading.checkpoint import require_committed
+from quicksave.loading.reader import reader_for
+from quicksave.loading.run_folder import committed_steps
 from quicksave.manager.policies import RetentionPolicy
 from quicksave.storage import Location, parse_location
 from quicksave.storage.backend import Backend
 
 logger = logging.getLogger("quicksave")
-
-STEP_DIR = re.compile(r"step-(0|[1-9][0-9]*)")
-MAX_STEP_NAME = 5 + 20  # "step-" and at most 20 digits: a step beyond int64 is no step
-
-
-def committed_steps(
-    folder: str | Location, *, allow_dcp: bool = True, backend: Backend | None = None
-) -> list[int]:
-    """Steps with a committed checkpoint in ``folder``, ascending: quicksave ones, and
-    stock DCP ones if ``allow_dcp``. Temporaries, quarantined checkpoints and
-    directories without their commit are not listed; a directory that vanishes while
-    the folder is listed (retention, clean-up) is simply not listed."""
-    kinds = COMMITTED if allow_dcp else (CheckpointKind.QUICKSAVE,)
-    with open_strategy(folder, backend) as s:
-        found = s.committed(parse_location(folder), _is_step_name)
-    return sorted(int(name[5:]) for name, kind in found.items() if kind in kinds)
-
-
-def _is_step_name(name: str) -> bool:
-    return STEP_DIR.fullmatch(name) is not None and len(name) <= MAX_STEP_NAME
 
 
 def create_folder(folder: str | Location, rank: int | None) -> None:
@@ -221,61 +201,12 @@ def replace_uncommitted(path: str | Location, backend: Backend | None = None) ->
         delete_checkpoint(loc, backend)
 
 
-def require_committed(
-    folder: str | Location,
-    path: str | Location,
-    step: int,
-    rank: int | None,
-    *,
-    allow_dcp: bool = True,
-) -> None:
-    """Raise unless ``path`` (the checkpoint of ``step`` in ``folder``) is committed
-    (a stock DCP one only if ``allow_dcp``).
-
-    Raises:
-        CheckpointNotFoundError: nothing there, or not a checkpoint, or a stock DCP
-            checkpoint without ``allow_dcp``.
-        NotCommittedError: a checkpoint that was never committed.
-    """
-    loc = parse_location(path)
-    kind = classify(loc)
-    path = loc.url
-    if kind is CheckpointKind.QUICKSAVE or (allow_dcp and kind is CheckpointKind.DCP):
-        return
-    if kind is CheckpointKind.DCP:
-        raise CheckpointNotFoundError(
-            f"the checkpoint of step {step} is a stock torch.distributed.checkpoint folder, "
-            "whose metadata is a pickle; pass CheckpointConfig(allow_dcp=True) to load it",
-            path=path,
-            rank=rank,
-        )
-    if kind is CheckpointKind.MISSING:
-        raise CheckpointNotFoundError(
-            f"no checkpoint of step {step}; committed steps: "
-            f"{committed_steps(folder, allow_dcp=allow_dcp)}",
-            path=path,
-            rank=rank,
-        )
-    if kind is CheckpointKind.UNCOMMITTED:
-        raise NotCommittedError(
-            f"the checkpoint of step {step} was never committed (a save was interrupted); "
-            "it cannot be loaded",
-            path=path,
-            rank=rank,
-        )
-    raise CheckpointNotFoundError(
-        f"not a checkpoint (no manifest.json) for step {step}", path=path, rank=rank
-    )
-
-
 def stored_metadata(path: str | Location, *, allow_dcp_pickle: bool = False) -> dict[str, Any]:
     """Names and storage metadata of what a committed checkpoint holds (from its
     manifest, or from DCP's .metadata for a stock DCP directory: through the
     restricted unpickler unless ``allow_dcp_pickle``)."""
-    if classify(path) is CheckpointKind.DCP:
-        reader: Any = DCPReader(path, allow_pickle=allow_dcp_pickle)
-    else:
-        reader = StorageReader(path)
+    checkpoint = require_committed(path, allow_dcp=True)
+    reader = reader_for(checkpoint, None, allow_dcp_pickle=allow_dcp_pickle)
     return dict(reader.read_metadata().state_dict_metadata)
 
 

@@ -430,12 +430,12 @@ class CheckpointManager:
                 self.session.settle()
         if step != -1:
             check_step(step, self.folder)
-            self.session.require_committed(step)
-            self._io.load_step(step, strict=strict)
+            checkpoint = self.session.require_committed(step)
+            self._io.load_step(step, checkpoint, strict=strict)
             self._placed = True
             return step
         loaded = self.session.load_newest(
-            lambda candidate: self._io.load_step(candidate, strict=strict)
+            lambda candidate, checkpoint: self._io.load_step(candidate, checkpoint, strict=strict)
         )
         self._placed = True
         if loaded is None:

@@ -49,20 +49,20 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from quicksave.commit import classify
+from quicksave.commit import COMMITTED, classify
 from quicksave.errors import CheckpointError
+from quicksave.loading.checkpoint import Checkpoint, require_committed
+from quicksave.loading.run_folder import committed_kinds
 from quicksave.manager.async_writer import AsyncWriter
 from quicksave.manager.config import CheckpointConfig
 from quicksave.manager.failures import FailureLedger, Key, log_verdict
 from quicksave.manager.folder import (
-    COMMITTED,
     apply_retention,
     committed_steps,
     create_folder,
     load_newest,
     quarantine,
     replace_uncommitted,
-    require_committed,
 )
 from quicksave.manager.housekeeper import Housekeeper
 from quicksave.manager.interval import agree_any_due, agree_reports
@@ -233,11 +233,18 @@ class CheckpointSession:
         except CheckpointError:
             return False
 
-    def require_committed(self, step: int) -> None:
-        """Raise unless ``step`` has a committed checkpoint (``folder.require_committed``:
-        ``CheckpointNotFoundError`` / ``NotCommittedError``, naming the committed steps)."""
-        path = self.where(self.step_path(step))
-        require_committed(self.location, path, step, self.rank(), allow_dcp=self.config.allow_dcp)
+    def require_committed(self, step: int) -> Checkpoint:
+        """The committed checkpoint of ``step``, classified once (a load hands it on, so
+        that nothing classifies it again), or ``CheckpointNotFoundError`` /
+        ``NotCommittedError`` naming the step and the committed steps."""
+        return require_committed(
+            self.where(self.step_path(step)),
+            allow_dcp=self.config.allow_dcp,
+            backend=self.backend(),
+            step=step,
+            folder=self.location,
+            rank=self.rank(),
+        )
 
     def writer_config(self, engine: EngineConfig) -> EngineConfig:
         """``engine`` for this session's writer: where this rank holds the folder's
@@ -450,11 +457,13 @@ class CheckpointSession:
 
     # ---------------------------------------------------------------- load
 
-    def load_newest(self, load_step: Callable[[int], None]) -> int | None:
-        """Load the newest committed step that passes its checks with ``load_step(step)``
-        (older ones are tried after a corrupt one, which the lease holder moves aside
-        as ``step-<N>.corrupt-*``): ``folder.load_newest``. Returns the step loaded, or
-        None if there is no committed step.
+    def load_newest(self, load_step: Callable[[int, Checkpoint], None]) -> int | None:
+        """Load the newest committed step that passes its checks with
+        ``load_step(step, checkpoint)`` (older ones are tried after a corrupt one, which
+        the lease holder moves aside as ``step-<N>.corrupt-*``): ``folder.load_newest``.
+        The listing of the folder classifies each checkpoint: ``checkpoint`` is its
+        result, not classified again. Returns the step loaded, or None if there is no
+        committed step.
 
         Raises:
             CorruptCheckpointError: no committed step passes its checks.
@@ -465,7 +474,21 @@ class CheckpointSession:
             def on_corrupt(candidate: int, why: str) -> None:
                 quarantine(self.where(self.step_path(candidate)), why, self.backend())
 
-        return load_newest(self.committed_steps, load_step, on_corrupt, self.folder, self.rank())
+        listed: dict[int, Checkpoint] = {}
+
+        def list_steps() -> list[int]:
+            kinds = committed_kinds(
+                self.location, allow_dcp=self.config.allow_dcp, backend=self.backend()
+            )
+            listed.clear()
+            for step, kind in kinds.items():
+                listed[step] = Checkpoint(self.where(self.step_path(step)), kind)
+            return sorted(listed)
+
+        def load(step: int) -> None:
+            load_step(step, listed[step])
+
+        return load_newest(list_steps, load, on_corrupt, self.folder, self.rank())
 
     def loaded(self, step: int) -> None:
         """Note that ``step`` was loaded (it passes its checks: retention keeps it); the

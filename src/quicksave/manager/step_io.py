@@ -27,6 +27,7 @@ import torch
 
 from quicksave import api
 from quicksave.errors import CheckpointError, CheckpointExistsError, IncompatibleStateError
+from quicksave.loading.checkpoint import Checkpoint
 from quicksave.manager.config import CheckpointConfig
 from quicksave.manager.failures import Key
 from quicksave.manager.folder_checks import explain_load_mismatch
@@ -233,10 +234,11 @@ class StepIO:
         )
         return None
 
-    def load_step(self, step: int, *, strict: bool = True) -> None:
-        """Load the committed checkpoint of ``step`` into the states (step 0, the seed:
-        the model states only; ``strict``: see ``CheckpointManager.load``), then tell
-        the session (:meth:`CheckpointSession.loaded`)."""
+    def load_step(self, step: int, checkpoint: Checkpoint, *, strict: bool = True) -> None:
+        """Load ``checkpoint``, the committed checkpoint of ``step`` as the session
+        classified it, into the states (step 0, the seed: the model states only;
+        ``strict``: see ``CheckpointManager.load``), then tell the session
+        (:meth:`CheckpointSession.loaded`)."""
         path = self.session.step_path(step)
         states = self.model_states() if step == 0 else self.states
         begin = time.perf_counter()
@@ -249,7 +251,7 @@ class StepIO:
         try:
             api.load(
                 states,
-                path,
+                checkpoint,
                 strict=strict,
                 process_group=self.session.process_group,
                 allow_dcp_pickle=self.config.allow_dcp_pickle,

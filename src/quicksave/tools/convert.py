@@ -37,7 +37,7 @@ from typing import Any, Literal
 
 import torch
 
-from quicksave.commit import CheckpointKind, classify, open_strategy
+from quicksave.commit import CheckpointKind, open_strategy
 from quicksave.commit.files import fsync_path
 from quicksave.errors import CheckpointError, CorruptCheckpointError
 from quicksave.format import DCP_METADATA_NAME, FORMAT_VERSION
@@ -45,6 +45,7 @@ from quicksave.format import objects as objcodec
 from quicksave.format.dtypes import dtype_from_name, safetensors_code
 from quicksave.format.keys import key_types_of, real_key, typed_path
 from quicksave.format.manifest import Manifest
+from quicksave.loading.checkpoint import require_committed
 from quicksave.storage import Location, StorageOptions, parse_location
 from quicksave.tools.read_full import Flat, read_flat
 
@@ -157,10 +158,10 @@ def load_state(
     single = loc.local_file()
     if single is not None:
         return _load_safetensors_state(single)
-    kind = classify(loc)
-    if kind is CheckpointKind.DCP:
+    checkpoint = require_committed(loc, allow_dcp=True)
+    if checkpoint.kind is CheckpointKind.DCP:
         return _load_dcp_state(loc, allow_dcp_pickle)
-    flat, m = read_flat(loc, progress)
+    flat, m = read_flat(checkpoint, progress)
     return _nest(flat, m.empty_dicts)
 
 
@@ -168,7 +169,7 @@ def _load_dcp_state(loc: Location, allow_pickle: bool) -> dict[str, Any]:
     from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
     from torch.distributed.checkpoint.utils import _DistWrapper
 
-    from quicksave.adapters import dcp_steps as steps
+    from quicksave.loading import steps
     from quicksave.loading.dcp_stock import DCPReader, RestrictedObjectsMixin
 
     class Planner(RestrictedObjectsMixin, _EmptyStateDictLoadPlanner):

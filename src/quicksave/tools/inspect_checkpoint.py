@@ -14,12 +14,12 @@ import os
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from quicksave.adapters.dcp_reader import require_committed
 from quicksave.commit import CheckpointKind
 from quicksave.commit.manifest_reader import read_manifest
 from quicksave.errors import CheckpointError
 from quicksave.format import objects as objcodec
 from quicksave.format.dtypes import dtype_name, element_size
+from quicksave.loading.checkpoint import require_committed
 from quicksave.storage import Location, StorageOptions, parse_location
 
 _TAG_TYPES = {
@@ -223,6 +223,6 @@ def inspect_checkpoint(
         print(summary.step, len(summary.tensors))
     """
     loc = parse_location(path, options=storage)
-    if require_committed(loc, allow_dcp=True) is CheckpointKind.QUICKSAVE:
+    if require_committed(loc, allow_dcp=True).kind is CheckpointKind.QUICKSAVE:
         return _quicksave_summary(loc)
     return _dcp_summary(loc, allow_pickle)

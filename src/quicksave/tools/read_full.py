@@ -10,76 +10,80 @@ from typing import Any
 
 import torch
 
-from quicksave.adapters.dcp_reader import check_chunk_within, read_chunk_into, require_committed
 from quicksave.checksum import tensor_view
 from quicksave.commit.manifest_reader import read_manifest
 from quicksave.errors import CorruptCheckpointError
 from quicksave.format import objects as objcodec
 from quicksave.format.dtypes import dtype_from_name, element_size
 from quicksave.format.manifest import Manifest
+from quicksave.loading.checkpoint import Checkpoint, require_committed
+from quicksave.loading.chunks import (
+    OWN_CHECKPOINT,
+    ChunkFiles,
+    ChunkSource,
+    Where,
+    check_chunk_within,
+    read_chunk_into,
+)
 from quicksave.loading.progress import byte_progress
 from quicksave.storage import Location
-from quicksave.storage.checkpoint_dir import CheckpointDir, Member
+from quicksave.storage.checkpoint_dir import CheckpointDir
 
 Flat = dict[str, tuple[tuple[Any, ...], Any]]  # fqn -> (nested path, value)
 
 
-def _open_data_files(d: CheckpointDir, m: Manifest) -> dict[str, Member]:
-    """Open every data file the tensors use (regular files inside the checkpoint only)
-    and check, before anything is allocated or read, that each holds its chunks and that
-    the unsharded tensors fit in the bytes the files hold. Returns name -> member."""
-    path = d.url
-    fds: dict[str, Member] = {}
-    sizes: dict[str, int] = {}
-    try:
-        for fqn, t in sorted(m.tensors.items()):
-            for c in t.chunks:
-                fpath = d.member_url(c.file)
-                rank = m.files[c.file].rank
-                if c.file not in fds:
-                    try:
-                        f = d.open(c.file, what="data file", fqn=fqn, rank=rank)
-                    except FileNotFoundError:
-                        raise CorruptCheckpointError(
-                            "data file is missing", path=fpath, fqn=fqn, rank=rank
-                        ) from None
-                    fds[c.file], sizes[c.file] = f, f.size
-                check_chunk_within(c, sizes[c.file], fpath, fqn, rank)
-        need = sum(
-            volume(t.shape) * element_size(dtype_from_name(t.dtype, path=path, fqn=fqn))
-            for fqn, t in m.tensors.items()
+def _open_data_files(files: ChunkFiles, m: Manifest) -> None:
+    """Open every data file the tensors use (regular files only, in the checkpoint
+    that holds each chunk) and check, before anything is allocated or read, that each
+    holds its chunks and that the unsharded tensors fit in the bytes the files hold."""
+    path = files.checkpoint.url
+    sizes: dict[Where, int] = {}
+    for fqn, t in sorted(m.tensors.items()):
+        for c in t.chunks:
+            rank = m.files[c.file].rank
+            where = files.where(fqn, c)
+            if where not in sizes:
+                sizes[where] = files.open(where, fqn, rank).size
+            check_chunk_within(c, sizes[where], files.url(where), fqn, rank)
+    need = sum(
+        volume(t.shape) * element_size(dtype_from_name(t.dtype, path=path, fqn=fqn))
+        for fqn, t in m.tensors.items()
+    )
+    held = sum(sizes.values())
+    if need > held:
+        raise CorruptCheckpointError(
+            f"the manifest's tensors need {need} bytes unsharded but the data files "
+            f"hold {held}; refusing to allocate them",
+            path=path,
         )
-        held = sum(sizes.values())
-        if need > held:
-            raise CorruptCheckpointError(
-                f"the manifest's tensors need {need} bytes unsharded but the data files "
-                f"hold {held}; refusing to allocate them",
-                path=path,
-            )
-    except BaseException:
-        for fd in fds.values():
-            fd.close()
-        raise
-    return fds
 
 
 Select = Callable[[Manifest], Collection[str]]  # the manifest -> the fqns to read
 
 
-def read_flat(loc: Location, progress: bool, select: Select | None = None) -> tuple[Flat, Manifest]:
-    with CheckpointDir(loc) as d:
-        return read_flat_from(d, progress, select)
-
-
-def read_flat_from(
-    d: CheckpointDir, progress: bool, select: Select | None = None
+def read_flat(
+    loc: Location | Checkpoint,
+    progress: bool,
+    select: Select | None = None,
+    *,
+    chunks: ChunkSource = OWN_CHECKPOINT,
 ) -> tuple[Flat, Manifest]:
-    """The entries of the committed checkpoint in ``d``: all of them, or those that
+    """The entries of the committed checkpoint at ``loc`` (classified here unless it is
+    a :class:`~quicksave.loading.checkpoint.Checkpoint` already): all of them, or those that
     ``select`` picks once the manifest is read (the returned manifest then lists only
-    those; nothing else is opened, allocated or read)."""
-    path = d.url
-    require_committed(d.location, backend=d.backend)
-    m = read_manifest(d)
+    those; nothing else is opened, allocated or read). Each chunk is read from the
+    checkpoint that ``chunks`` says holds it."""
+    with CheckpointDir(loc.location if isinstance(loc, Checkpoint) else loc) as d:
+        checkpoint = require_committed(loc, backend=d.backend)
+        m = read_manifest(d)
+        with ChunkFiles(checkpoint, d.backend, chunks) as files:
+            return _read_flat(files, m, progress, select)
+
+
+def _read_flat(
+    files: ChunkFiles, m: Manifest, progress: bool, select: Select | None
+) -> tuple[Flat, Manifest]:
+    path = files.checkpoint.url
     if select is not None:
         keep = set(select(m))
         m = dataclasses.replace(
@@ -88,44 +92,41 @@ def read_flat_from(
             objects={k: o for k, o in m.objects.items() if k in keep},
         )
     flat: Flat = {}
-    fds = _open_data_files(d, m)
-    try:
-        with byte_progress(m.total_tensor_bytes(), "read", progress) as bar:
-            for fqn, t in sorted(m.tensors.items()):
-                dtype = dtype_from_name(t.dtype, path=path, fqn=fqn)
-                covered = sum(volume(c.sizes) for c in t.chunks)
-                # Zero only what no chunk will fill (FORMAT.md: chunks SHOULD cover).
-                full = (
-                    torch.empty(t.shape, dtype=dtype)
-                    if covered == volume(t.shape)
-                    else torch.zeros(t.shape, dtype=dtype)
-                )
-                for c in t.chunks:
-                    fpath = d.member_url(c.file)
-                    whole = tuple(c.sizes) == tuple(t.shape)
-                    buf = full if whole else torch.empty(c.sizes, dtype=dtype)
-                    view = tensor_view(buf)
-                    if len(view) != c.length:
-                        raise CorruptCheckpointError(
-                            f"chunk length {c.length} does not match its sizes {list(c.sizes)} "
-                            f"of {t.dtype} ({len(view)} bytes)",
-                            path=fpath,
-                            fqn=fqn,
-                            rank=m.files[c.file].rank,
-                        )
-                    read_chunk_into(
-                        fds[c.file], view, c, path=fpath, fqn=fqn, rank=m.files[c.file].rank
+    _open_data_files(files, m)
+    with byte_progress(m.total_tensor_bytes(), "read", progress) as bar:
+        for fqn, t in sorted(m.tensors.items()):
+            dtype = dtype_from_name(t.dtype, path=path, fqn=fqn)
+            covered = sum(volume(c.sizes) for c in t.chunks)
+            # Zero only what no chunk will fill (FORMAT.md: chunks SHOULD cover).
+            full = (
+                torch.empty(t.shape, dtype=dtype)
+                if covered == volume(t.shape)
+                else torch.zeros(t.shape, dtype=dtype)
+            )
+            for c in t.chunks:
+                rank = m.files[c.file].rank
+                where = files.where(fqn, c)
+                fpath = files.url(where)
+                whole = tuple(c.sizes) == tuple(t.shape)
+                buf = full if whole else torch.empty(c.sizes, dtype=dtype)
+                view = tensor_view(buf)
+                if len(view) != c.length:
+                    raise CorruptCheckpointError(
+                        f"chunk length {c.length} does not match its sizes {list(c.sizes)} "
+                        f"of {t.dtype} ({len(view)} bytes)",
+                        path=fpath,
+                        fqn=fqn,
+                        rank=rank,
                     )
-                    if not whole:
-                        box = full
-                        for dim, (o, s) in enumerate(zip(c.offsets, c.sizes, strict=True)):
-                            box = box.narrow(dim, o, s)
-                        box.copy_(buf)
-                    bar.update(c.length)
-                flat[fqn] = (t.path or (fqn,), full)
-    finally:
-        for fd in fds.values():
-            fd.close()
+                fd = files.open(where, fqn, rank)
+                read_chunk_into(fd, view, c, path=fpath, fqn=fqn, rank=rank)
+                if not whole:
+                    box = full
+                    for dim, (o, s) in enumerate(zip(c.offsets, c.sizes, strict=True)):
+                        box = box.narrow(dim, o, s)
+                    box.copy_(buf)
+                bar.update(c.length)
+            flat[fqn] = (t.path or (fqn,), full)
     for fqn, o in sorted(m.objects.items()):
         flat[fqn] = (o.path or (fqn,), objcodec.decode(o.value, fqn=fqn, path=path))
     return flat, m
