@@ -70,8 +70,8 @@ from quicksave.manager.lease import WriterLease, clean_folder, take_writer_lease
 from quicksave.manager.policies import KeepLatestK, RetentionPolicy
 from quicksave.manager.records import SaveRecord, log_committed, report
 from quicksave.ranks import collectives
-from quicksave.ranks.saving import DistContext
 from quicksave.saving.config import EngineConfig
+from quicksave.saving.dist_save import DistContext
 from quicksave.saving.handle import SaveHandle
 from quicksave.storage import Location, parse_location
 from quicksave.storage.backend import Backend

@@ -44,10 +44,10 @@ import torch
 from quicksave.commit import CommitStrategy, new_token, strategy_class, strategy_for
 from quicksave.errors import CheckpointError
 from quicksave.format.manifest import check_user_metadata
-from quicksave.ranks.saving import DistContext, DistSaving
 from quicksave.saving.background_copy import BackgroundCopy, Overlap
 from quicksave.saving.collect import collect_state
 from quicksave.saving.config import EngineConfig
+from quicksave.saving.dist_save import DistContext, DistSaving
 from quicksave.saving.engine_plan import (
     EnginePlan,
     PlannedSave,

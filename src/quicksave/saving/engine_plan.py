@@ -3,7 +3,7 @@ the manifest entries, chunk keys and DCP ``.metadata`` the worker writes with th
 
 A single-rank saver plans here (:func:`single_rank_plan`: :func:`plan_one_rank`, kept in
 the saver's ``PlanCache`` while the state's names, dtypes and shapes are unchanged); a
-multi-rank saver's plan comes from the ranks' collective planning (``ranks/saving.py``)
+multi-rank saver's plan comes from the ranks' collective planning (``saving/dist_save.py``)
 and is wrapped with :meth:`EnginePlan.of_dist`. Either way the engine stages into the
 pool at ``places`` and hands the rest to the worker. Called by the training thread (and
 by ``prepare()``), under the saver's lock.
@@ -23,9 +23,9 @@ from quicksave.format.manifest import FileEntry, Manifest, ObjectEntry, TensorEn
 from quicksave.layout.dcp_metadata import dcp_metadata_bytes
 from quicksave.layout.plan import ItemSpec, RankLayout, layout_rank
 from quicksave.layout.skeleton import chunk_keys_of, manifest_skeleton, placed_of
-from quicksave.ranks.saving import DistSave
 from quicksave.saving.collect import CollectedState
 from quicksave.saving.config import EngineConfig
+from quicksave.saving.dist_save import DistSave
 from quicksave.saving.plan_cache import PlanCache
 from quicksave.stage.pool import StagingPool
 from quicksave.storage import Location

@@ -5,7 +5,7 @@ on several ranks one gather/scatter with the coordinator — costs far more than
 that nothing changed. Every save path keeps one ``PlanCache`` per saver (per rank) and
 plans only on a miss:
 
-* a multi-rank save (``ranks/exchange.plan_save``): the key is this rank's local plan
+* a multi-rank save (``saving/plan_vote.plan_save``): the key is this rank's local plan
   key; every rank votes its hit in the one all-reduce a save runs, and all reuse only
   when all hit the same global plan; the share is this rank's ``rank_plans.RankShare``,
   the whole plan the coordinator's ``GlobalPlan``; a checkpoint's stored plans seed it

@@ -18,7 +18,7 @@ Example::
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,6 +36,7 @@ from quicksave.format.manifest import (
 )
 from quicksave.layout.plan import ItemSpec, RankLayout, item_spec_of, layout_rank, planned_chunk
 from quicksave.layout.skeleton import manifest_skeleton, placed_of
+from quicksave.ranks import replicas
 from quicksave.saving.collect import check_tensor, flatten, to_state_dict
 from quicksave.saving.keypaths import structure
 from quicksave.saving.plan_cache import PlanCache
@@ -409,6 +410,45 @@ def delta(
     return global_plan(merged, tc, al, previous=previous)
 
 
+# ------------------------------------------------------------- replicated entries
+
+
+def local_copies(
+    state: LocalState, keys: Iterable[str] | None = None, describe: bool = True
+) -> dict[str, replicas.Copy]:
+    """This rank's copies (engine planning): of ``keys`` only, or of every entry that
+    could be shared (all values, and every chunk ``checked`` would compare)."""
+    wanted = None if keys is None else set(keys)
+    out: dict[str, replicas.Copy] = {}
+    for fqn, encoded in state.values.items():
+        key = replicas.value_key(fqn)
+        if wanted is None or key in wanted:
+            out[key] = replicas.value_copy(fqn, encoded, describe)
+    for spec in state.plan.items:
+        key = replicas.tensor_key(spec.key)
+        if (wanted is None and spec.nbytes <= replicas.CHECK_BYTES) or (wanted and key in wanted):
+            c = replicas.tensor_copy(spec.fqn, state.tensors[spec.key], describe)
+            if c is not None:
+                out[key] = c
+    return out
+
+
+def shared_keys(plans: Sequence[LocalPlan]) -> list[tuple[str, ...]]:
+    """Per rank, its entries that another rank holds too and that are compared (values;
+    chunks up to ``replicas.CHECK_BYTES``): what it fingerprints on a plan-cache hit."""
+    holders: dict[str, int] = {}
+    per_rank: list[list[str]] = []
+    for lp in plans:
+        keys = [replicas.value_key(fqn) for fqn in lp.objects]
+        keys += [
+            replicas.tensor_key(it.key) for it in lp.items if it.nbytes <= replicas.CHECK_BYTES
+        ]
+        for k in keys:
+            holders[k] = holders.get(k, 0) + 1
+        per_rank.append(keys)
+    return [tuple(sorted(k for k in keys if holders[k] > 1)) for keys in per_rank]
+
+
 # ------------------------------------------------------------------ plan cache
 
 
@@ -454,7 +494,7 @@ class RankShare:
         layout: what this rank writes; ``objects``: the values it writes.
         key: the global plan's key (the same on every rank: what the ranks vote on).
         shared: this rank's entries that other ranks hold too and whose copies are
-            compared (``replicas.shared_keys``): what it fingerprints on a hit.
+            compared (``shared_keys``): what it fingerprints on a hit.
     """
 
     layout: RankLayout

@@ -39,7 +39,13 @@ from quicksave.layout.skeleton import chunk_keys_of
 from quicksave.ranks import replicas
 from quicksave.ranks.exchange import central_round, failures_in, sendable
 from quicksave.saving.collect import to_state_dict, validate_for_save
-from quicksave.saving.rank_plans import GlobalPlan, LocalPlan, collect_local, global_plan
+from quicksave.saving.rank_plans import (
+    GlobalPlan,
+    LocalPlan,
+    collect_local,
+    global_plan,
+    local_copies,
+)
 from quicksave.storage.location import Location
 from quicksave.trace import phase
 from quicksave.worker import persist
@@ -143,7 +149,7 @@ class _Run:
                 nested = to_state_dict(state_dict)
                 validate_for_save(nested, self.named)
                 self.state = collect_local(nested, self.rank)
-                copies = replicas.local_copies(self.state) if self.distributed else {}
+                copies = local_copies(self.state) if self.distributed else {}
             mine = (self.state.plan, copies)
         except CheckpointError as e:
             if not self.distributed:
