@@ -23,7 +23,7 @@ from quicksave.layout.dcp_metadata import dcp_metadata_bytes
 from quicksave.layout.plan import RankLayout
 from quicksave.layout.skeleton import chunk_keys_of
 from quicksave.saving.plan_cache import PlanCache
-from quicksave.saving.plan_vote import plan_save
+from quicksave.saving.plan_vote import Rider, plan_save
 from quicksave.worker.job import DistCommit
 
 
@@ -39,6 +39,8 @@ class DistContext:
         coordinator: the rank whose writer commits.
         commit_timeout_s: how long the coordinator's writer waits for every rank's files
             (a rank that never arrives fails the save after this long, on every rank).
+        rider: the owner's integers that ride on every save's vote (``plan_vote.Rider``:
+            the manager settles the outcome of earlier saves with them), or None.
     """
 
     group: Any
@@ -47,6 +49,7 @@ class DistContext:
     world_size: int
     coordinator: int = 0
     commit_timeout_s: float = 120.0
+    rider: Rider | None = None
 
 
 @dataclass(frozen=True)
@@ -110,6 +113,7 @@ class DistSaving:
                 thread_count,
                 go,
                 ready,
+                ctx.rider,
             )
         except CheckpointError as e:
             if e.path is None:  # planning knows no path; this save's is worth naming

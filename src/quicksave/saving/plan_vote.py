@@ -35,9 +35,9 @@ Example::
 from __future__ import annotations
 
 import secrets
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -66,6 +66,7 @@ __all__ = [
     "Agreement",
     "ExchangeResult",
     "PlannedSave",
+    "Rider",
     "agree_save",
     "exchange_plans",
     "plan_save",
@@ -113,6 +114,26 @@ class Agreement:
     reuse: bool  # every rank holds a cached plan with the same key
     save_id: int  # fresh random number, the same on every rank
     same_copies: bool = True  # every rank's fingerprint of its shared copies is equal
+    carried: tuple[int, ...] = ()  # per carried value, its MAX over the ranks
+
+
+class Rider(Protocol):
+    """Integers that ride on a save's vote: an agreement of the saver's owner (the
+    manager's outcome of earlier saves) that costs no collective of its own.
+
+    Call order (every rank, inside ``plan_save``): ``values()`` before each round of
+    votes; ``agreed(maxima)`` once, when ``plan_save`` returns (a plan or a skip: every
+    rank alike), with each value's MAX over the ranks from the last round. Not called
+    when planning raises (every rank raises then, and agrees in its own way).
+    """
+
+    def values(self) -> Sequence[int]:
+        """This rank's values now (the same number on every rank, each >= -2**62)."""
+        ...
+
+    def agreed(self, maxima: tuple[int, ...]) -> None:
+        """Each value's MAX over the ranks, the same on every rank."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -137,15 +158,18 @@ def agree_save(
     group: Any,
     ready: bool = True,
     copies: int | None = None,
+    carry: Sequence[int] = (),
 ) -> Agreement:
-    """ONE ``all_reduce(MIN)`` of nine int64s that settles everything a save needs agreed.
+    """ONE ``all_reduce(MIN)`` of nine int64s (and the negation of each ``carry`` value)
+    that settles everything a save needs agreed.
 
     Entries: go (0/1); ready (0/1); failed rank (``rank`` if this rank's planning failed,
     else ``world_size``); hit (0/1); key fingerprint and its negation (MIN of both is the
     min and the max: equal iff every rank reuses the same global plan); the fingerprint
     of this rank's shared copies (``replicas.fingerprint``; None: it holds none) and its
     negation, the same way (a rank without copies votes ``NEUTRAL`` twice, above any
-    fingerprint, so it does not count); a random id.
+    fingerprint, so it does not count); a random id; then ``-v`` for each ``v`` of
+    ``carry`` (a MIN of negations is the MAX: ``Agreement.carried``).
 
     Example::
 
@@ -163,11 +187,14 @@ def agree_save(
             NEUTRAL if copies is None else copies,
             NEUTRAL if copies is None else -copies,
             secrets.randbits(_RAND_BITS),
+            *(-int(v) for v in carry),
         ],
         "min",
         group,
     )
-    go_min, ready_min, failed_min, hit_min, fp_min, neg_fp_min, cp_min, neg_cp_min, save_id = values
+    go_min, ready_min, failed_min, hit_min, fp_min, neg_fp_min, cp_min, neg_cp_min, save_id = (
+        values[:9]
+    )
     return Agreement(
         failed_rank=failed_min if failed_min < world_size else None,
         go=go_min == 1,
@@ -175,6 +202,7 @@ def agree_save(
         reuse=hit_min == 1 and fp_min == -neg_fp_min,
         save_id=save_id,
         same_copies=cp_min == NEUTRAL or cp_min == -neg_cp_min,
+        carried=tuple(-v for v in values[9:]),
     )
 
 
@@ -276,6 +304,7 @@ def plan_save(
     thread_count: int,
     go: bool = True,
     ready: Callable[[], bool | None] | None = None,
+    rider: Rider | None = None,
 ) -> PlannedSave | None:
     """Plan one multi-rank save; every rank of ``group`` calls it for every save.
 
@@ -295,6 +324,7 @@ def plan_save(
             another does unbounded local work (finishing its previous save, starting a
             new worker); a collective past the group's timeout would break the group for
             every later save. None: always ready.
+        rider: integers of the caller's own that ride on the vote (see ``Rider``).
 
     Returns:
         This rank's ``PlannedSave``, or None if some rank said it cannot save.
@@ -343,6 +373,7 @@ def plan_save(
                 group=group,
                 ready=ready_now,
                 copies=vote,
+                carry=rider.values() if rider is not None else (),
             )
         except (RuntimeError, ValueError) as e:
             cache.clear()
@@ -357,6 +388,8 @@ def plan_save(
                 rank=agreed.failed_rank,
             )
         if not agreed.go:
+            if rider is not None:
+                rider.agreed(agreed.carried)
             return None
         if agreed.ready:
             break
@@ -379,6 +412,8 @@ def plan_save(
             share = _adopt_seed(cache, local, context, rank, coordinator)
         cache.local = local
         skeleton = cache.plan.skeleton if rank == coordinator and cache.plan else None
+        if rider is not None:
+            rider.agreed(agreed.carried)
         return planned(share.layout, share.objects, skeleton, share.key, votes)
     if hit_key is not None:
         # This rank voted digests of its shared entries only. Either some rank's plan
@@ -412,6 +447,8 @@ def plan_save(
     cache.store(local.key, context, share, local=local, plan=result.plan)
     cache.seed = None
     skeleton = result.plan.skeleton if result.plan is not None else None
+    if rider is not None:
+        rider.agreed(agreed.carried)
     return planned(result.layout, result.objects, skeleton, result.key, votes + result.collectives)
 
 
