@@ -76,57 +76,6 @@ def check_tensor(fqn: str, leaf: torch.Tensor, rank: int | None = None) -> None:
         )
 
 
-DUPLICATE_FQN = (
-    "two values get this name (dict keys whose str() is the same, e.g. 0 and '0', are "
-    "named alike when the state dict is flattened); rename one"
-)
-
-
-def flatten(
-    nested: Mapping[str, Any], rank: int | None = None
-) -> tuple[dict[str, Any], dict[str, tuple]]:
-    """DCP's ``flatten_state_dict`` (fqn -> leaf, fqn -> path), its duplicate-name
-    ``ValueError`` turned into an IncompatibleStateError naming the fqn."""
-    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
-
-    try:
-        return flatten_state_dict(nested)
-    except ValueError as e:  # "duplicated flatten key <fqn>"
-        raise _duplicate(e, rank) from None
-
-
-def flatten_with_paths(
-    nested: Mapping[str, Any], rank: int | None = None
-) -> tuple[dict[str, Any], dict[str, tuple], list[tuple]]:
-    """:func:`flatten` and ``keypaths.structure`` in one walk (``keypaths.
-    flatten_with_paths``): fqn -> leaf, fqn -> typed path, the empty dicts' paths."""
-    try:
-        return keypaths.flatten_with_paths(nested)
-    except ValueError as e:
-        raise _duplicate(e, rank) from None
-
-
-def _duplicate(e: ValueError, rank: int | None) -> IncompatibleStateError:
-    fqn = str(e).removeprefix("duplicated flatten key ")
-    return IncompatibleStateError(DUPLICATE_FQN, fqn=fqn, rank=rank)
-
-
-def validate_for_save(state_dict: Mapping[str, Any], rank: int | None = None) -> None:
-    """Raise IncompatibleStateError for anything quicksave cannot store, naming the fqn."""
-    seen: set[str] = set()
-    for fqn, leaf in iter_leaves(state_dict):
-        if fqn in seen:
-            raise IncompatibleStateError(DUPLICATE_FQN, fqn=fqn, rank=rank)
-        seen.add(fqn)
-        if isinstance(leaf, torch.Tensor):
-            check_tensor(fqn, leaf, rank)
-        else:
-            try:
-                objcodec.encode(leaf, fqn)
-            except IncompatibleStateError as e:
-                raise IncompatibleStateError(e.message, fqn=fqn, rank=rank) from None
-
-
 @dataclass(frozen=True)
 class CollectedState:
     """A state dict flattened for a single-rank save."""
@@ -146,7 +95,7 @@ def collect_state(state_dict: Mapping[str, Any], final: str, rank: int) -> Colle
     """
     try:
         nested = to_state_dict(state_dict)
-        flat, all_paths, empty = flatten_with_paths(nested)
+        flat, all_paths, empty = keypaths.flatten_with_paths(nested, rank)
         tensors: dict[str, torch.Tensor] = {}
         sources: dict[str, torch.Tensor] = {}
         objects: dict[str, Any] = {}

@@ -37,8 +37,8 @@ from quicksave.format.manifest import (
 from quicksave.layout.plan import ItemSpec, RankLayout, item_spec_of, layout_rank, planned_chunk
 from quicksave.layout.skeleton import manifest_skeleton, placed_of
 from quicksave.ranks import replicas
-from quicksave.saving.collect import check_tensor, flatten, to_state_dict
-from quicksave.saving.keypaths import structure
+from quicksave.saving.collect import check_tensor, to_state_dict
+from quicksave.saving.keypaths import flatten_with_paths
 from quicksave.saving.plan_cache import PlanCache
 
 Path = tuple[Any, ...]  # nested state-dict path of a flattened fqn (str / int keys)
@@ -171,8 +171,7 @@ def collect_local(state_dict: Mapping[str, Any], rank: int) -> LocalState:
         state.plan.key, state.tensors, state.values["step"]
     """
     nested = to_state_dict(state_dict)
-    flat, mappings = flatten(nested, rank)  # names as quicksave.save names them
-    mappings, empty = structure(nested, mappings)
+    flat, mappings, empty = flatten_with_paths(nested, rank)  # names as DCP names them
     items: list[ItemSpec] = []
     tensors: dict[str, torch.Tensor] = {}
     sources: dict[str, torch.Tensor] = {}
