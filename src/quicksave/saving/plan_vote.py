@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
+import xxhash
 
 from quicksave.errors import CheckpointError
 from quicksave.format.manifest import Manifest
@@ -67,6 +68,7 @@ __all__ = [
     "ExchangeResult",
     "PlannedSave",
     "Rider",
+    "agree_reuse",
     "agree_save",
     "exchange_plans",
     "plan_save",
@@ -148,6 +150,39 @@ class ExchangeResult:
     shared: tuple[str, ...] = ()  # this rank's compared entries (``PlanCache.shared``)
 
 
+def reuse_votes(hit_key: str | None) -> list[int]:
+    """This rank's entries of the plan-reuse agreement, for a ``MIN`` all-reduce: hit
+    (0/1), the key's fingerprint and its negation (the MIN of both is the min and the
+    max: equal iff every rank holds the same key). ``hit_key``: the key of the plan this
+    rank could reuse, the same on every rank that could; None: a miss."""
+    if hit_key is None:
+        return [0, 0, 0]
+    fp = xxhash.xxh3_64_intdigest(hit_key.encode("utf-8", "surrogatepass")) >> (64 - _FP_BITS)
+    return [1, fp, -fp]
+
+
+def reuse_agreed(minima: Sequence[int]) -> bool:
+    """Whether every rank may reuse, from the MIN of every rank's :func:`reuse_votes`."""
+    hit_min, fp_min, neg_fp_min = minima
+    return hit_min == 1 and fp_min == -neg_fp_min
+
+
+def agree_reuse(hit_key: str | None, group: Any, *, distributed: bool = True) -> bool:
+    """The plan-reuse agreement alone: True on every rank iff every rank holds a reusable
+    plan with the same key (ONE ``all_reduce(MIN)`` of three int64s; ``distributed=False``:
+    this process alone, no collective). ``agree_save`` carries the same entries in the
+    save's one vote; the NVRx-compatible saver asks this
+    (``compat/nvrx/state_dict_saver.agree_plan_reuse``).
+
+    Example::
+
+        if agree_reuse(cache_key if unchanged else None, group):
+            plan = cached_plan
+    """
+    votes = reuse_votes(hit_key)
+    return reuse_agreed(talk.all_reduce_ints(votes, "min", group) if distributed else votes)
+
+
 def agree_save(
     *,
     go: bool,
@@ -164,26 +199,23 @@ def agree_save(
     that settles everything a save needs agreed.
 
     Entries: go (0/1); ready (0/1); failed rank (``rank`` if this rank's planning failed,
-    else ``world_size``); hit (0/1); key fingerprint and its negation (MIN of both is the
-    min and the max: equal iff every rank reuses the same global plan); the fingerprint
-    of this rank's shared copies (``replicas.fingerprint``; None: it holds none) and its
-    negation, the same way (a rank without copies votes ``NEUTRAL`` twice, above any
-    fingerprint, so it does not count); a random id; then ``-v`` for each ``v`` of
-    ``carry`` (a MIN of negations is the MAX: ``Agreement.carried``).
+    else ``world_size``); the plan-reuse agreement (:func:`reuse_votes`: every rank
+    reuses the same global plan); the fingerprint of this rank's shared copies
+    (``replicas.fingerprint``; None: it holds none) and its negation, the same way (a
+    rank without copies votes ``NEUTRAL`` twice, above any fingerprint, so it does not
+    count); a random id; then ``-v`` for each ``v`` of ``carry`` (a MIN of negations is
+    the MAX: ``Agreement.carried``).
 
     Example::
 
         a = agree_save(go=True, failed=False, hit_key=k, rank=r, world_size=n, group=g)
     """
-    fp = int(hit_key[: _FP_BITS // 4], 16) if hit_key else 0
     values = talk.all_reduce_ints(
         [
             1 if go else 0,
             1 if ready else 0,
             rank if failed else world_size,
-            1 if hit_key else 0,
-            fp,
-            -fp,
+            *reuse_votes(hit_key),
             NEUTRAL if copies is None else copies,
             NEUTRAL if copies is None else -copies,
             secrets.randbits(_RAND_BITS),
@@ -192,14 +224,13 @@ def agree_save(
         "min",
         group,
     )
-    go_min, ready_min, failed_min, hit_min, fp_min, neg_fp_min, cp_min, neg_cp_min, save_id = (
-        values[:9]
-    )
+    go_min, ready_min, failed_min = values[:3]
+    cp_min, neg_cp_min, save_id = values[6:9]
     return Agreement(
         failed_rank=failed_min if failed_min < world_size else None,
         go=go_min == 1,
         ready=ready_min == 1,
-        reuse=hit_min == 1 and fp_min == -neg_fp_min,
+        reuse=reuse_agreed(values[3:6]),
         save_id=save_id,
         same_copies=cp_min == NEUTRAL or cp_min == -neg_cp_min,
         carried=tuple(-v for v in values[9:]),
