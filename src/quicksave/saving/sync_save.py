@@ -206,9 +206,7 @@ class _Run:
             failed = failures_in(gathered)
             if failed:
                 raise combined_failure(failed, self.path)
-            skeleton = gp.skeleton
-            if len(gathered) == 1:  # one rank's plan is the manifest itself (FORMAT.md §2)
-                skeleton = replace(skeleton, plans=None)
+            skeleton = gp.skeleton  # (one rank's has no plans: FORMAT.md §2)
             manifest = manifest_from_parts(skeleton, chunk_keys_of(skeleton), gathered, staging)
             manifest = replace(
                 manifest,
