@@ -11,7 +11,7 @@ plans only on a miss:
   the whole plan the coordinator's ``GlobalPlan``; a checkpoint's stored plans seed it
   after a restart (``rank_plans.seeded_cache``);
 * a single-rank save (``saving/engine``): the key is the names, dtypes and shapes of the
-  tensors (``engine_plan.plan_key``), the share the ``EnginePlan``;
+  tensors (``rank_plans.LocalState.shape_key``), the share the ``EnginePlan``;
 * the NVRx-compatible API (``compat/nvrx/state_dict_saver``): the key is DCP's local
   plan as the manifest records it, the share DCP's central plan, the whole plan DCP's
   global metadata (coordinator), the seed a loaded checkpoint's ``all_local_plans``;

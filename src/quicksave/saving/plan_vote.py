@@ -8,11 +8,12 @@ Call order (every rank of ``group``, once per save, same order everywhere):
 2. ``agree_save`` — ONE ``all_reduce(MIN)`` of nine small integers: can every rank save,
    is every rank ready now, did planning fail somewhere, does every rank hold a cached
    plan with the same key, are the copies of the entries several ranks hold equal
-   (``replicas``), and a fresh random id for this save. In steady state this is the
-   only collective. A rank still busy (its previous save, a worker starting) votes
-   "not ready" after a bounded wait and every rank votes again, so that no rank waits
-   in a collective for another's unbounded local work (a gloo timeout would break the
-   group for good);
+   (``replicas``), and a fresh random id for this save; and the integers the saver's
+   owner has ride on it (``Rider``: the manager's outcome of earlier saves, a MAX sent
+   as a MIN of negations). In steady state this is the only collective. A rank still
+   busy (its previous save, a worker starting) votes "not ready" after a bounded wait
+   and every rank votes again, so that no rank waits in a collective for another's
+   unbounded local work (a gloo timeout would break the group for good);
 3. on a miss only, ``exchange_plans``: one ``central_round`` (``ranks/exchange.py``: the
    plan exchange, shared with the NVRx-compatible API): ``gather_object`` of the plans
    that changed (the others send their plan's key) to the coordinator, which re-plans
