@@ -16,11 +16,9 @@ import torch
 import xxhash
 
 from helpers.skip_policy import ROOT_SKIP
-from helpers_engine.engine_util import pool_mappings, same_bytes
+from helpers_engine.engine_util import engine_plan, pool_mappings, same_bytes
 from quicksave.checksum import hexdigest
 from quicksave.format.dtypes import element_size
-from quicksave.saving.config import EngineConfig
-from quicksave.saving.engine import AsyncSaver
 from quicksave.stage.page_shield import shield_free_pages
 from quicksave.stage.pool import StagingPool, pool_cost
 
@@ -45,8 +43,7 @@ def _model_state(layers: int = 4, d: int = 512, vocab: int = 8000) -> dict[str, 
 
 
 def _staged_and_pool_bytes(sd: dict[str, torch.Tensor]) -> tuple[int, int]:
-    with AsyncSaver(EngineConfig(mode="thread")) as saver:
-        plan = saver._plan(sd, {})
+    plan = engine_plan(sd)
     staged = sum(t.numel() * element_size(t.dtype) for t in sd.values())
     return staged, pool_cost(plan.layout)
 
@@ -58,12 +55,11 @@ def test_pool_costs_at_most_105_percent_of_a_model_state() -> None:
     print(f"model-shaped: {len(sd)} tensors, staged {staged / 2**20:.1f} MiB, ratio {ratio:.4f}")
     assert ratio <= 1.05
     # the pool really is that size once built
-    with AsyncSaver(EngineConfig(mode="thread")) as saver:
-        pool = StagingPool(saver._plan(sd, {}).layout, pin=False)
-        try:
-            assert pool.nbytes == pooled
-        finally:
-            pool.close()
+    pool = StagingPool(engine_plan(sd).layout, pin=False)
+    try:
+        assert pool.nbytes == pooled
+    finally:
+        pool.close()
 
 
 def test_tiny_tensors_pay_the_alignment() -> None:
@@ -98,8 +94,7 @@ def test_stage_copies_exact_bytes(src: torch.Tensor) -> None:
 def _pool_view_for(src: torch.Tensor) -> Iterator[tuple[StagingPool, torch.Tensor]]:
     """A pool planned for ``src`` (and a small neighbour) and the pool bytes of ``src``."""
     sd = {"x": src, "pad": torch.ones(3)}
-    with AsyncSaver(EngineConfig(mode="thread")) as saver:
-        plan = saver._plan(sd, {})
+    plan = engine_plan(sd)
     pool = StagingPool(plan.layout, pin=False)
     try:
         c = plan.tensors["x"].chunks[0]
@@ -204,8 +199,7 @@ def test_the_shield_holds_nothing_when_memory_is_short(monkeypatch: pytest.Monke
 
 def test_pool_memory_is_released_on_close() -> None:
     sd = {"w": torch.ones(1 << 18)}
-    with AsyncSaver(EngineConfig(mode="thread")) as saver:
-        layout = saver._plan(sd, {}).layout
+    layout = engine_plan(sd).layout
     before = pool_mappings()
     pools = [StagingPool(layout, pin=False) for _ in range(3)]
     assert pool_mappings() == before + 3
@@ -216,8 +210,7 @@ def test_pool_memory_is_released_on_close() -> None:
 
 def test_an_unpopulated_pool_keeps_its_headers_when_touched() -> None:
     sd = _model_state(layers=1, d=64, vocab=128)
-    with AsyncSaver(EngineConfig(mode="thread")) as saver:
-        layout = saver._plan(sd, {}).layout
+    layout = engine_plan(sd).layout
     pool = StagingPool(layout, pin=False, populate=False)
     try:
         for f, pf in zip(layout.files, pool.pool.files, strict=True):

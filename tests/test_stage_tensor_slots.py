@@ -139,12 +139,10 @@ def test_a_free_pool_large_enough_is_reused_and_holds_the_new_values() -> None:
 
 
 def test_file_image_and_slot_pools_never_adopt_each_others_layouts() -> None:
-    from quicksave.saving.config import EngineConfig
-    from quicksave.saving.engine import AsyncSaver
+    from helpers_engine.engine_util import engine_plan
 
     sd = {"w": torch.ones(100)}
-    with AsyncSaver(EngineConfig(mode="thread")) as saver:
-        files = saver._plan(sd, {}).layout
+    files = engine_plan(sd).layout
     images = StagingPool(files, pin=False)
     slots = StagingPool(slot_layout(sd), pin=False)
     try:

@@ -174,3 +174,14 @@ def start_child(*args: str) -> subprocess.Popen[str]:
         text=True,
         cwd=REPO,
     )
+
+
+def engine_plan(state_dict: Any) -> Any:
+    """The single-rank engine's plan of ``state_dict`` (its collector and planner, no
+    saver), with the engine's default files per rank."""
+    from quicksave.saving.config import EngineConfig
+    from quicksave.saving.engine_plan import plan_one_rank
+    from quicksave.saving.rank_plans import collect_local
+
+    state = collect_local(state_dict, 0, whole=True)
+    return plan_one_rank(state.plan, EngineConfig().thread_count)

@@ -32,8 +32,8 @@ import quicksave
 from quicksave.commit import CheckpointKind, classify, is_temp_name
 from quicksave.commit.manifest_reader import read_manifest
 from quicksave.errors import CheckpointError, CorruptCheckpointError, IncompatibleStateError
-from quicksave.ranks.saving import DistContext
 from quicksave.saving.config import EngineConfig
+from quicksave.saving.dist_save import DistContext
 from quicksave.saving.engine import AsyncSaver
 
 pytestmark = pytest.mark.slow

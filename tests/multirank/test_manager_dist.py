@@ -107,11 +107,12 @@ def test_ranks_save_in_the_background_with_one_collective_per_save(tmp_path, mod
         assert r["statuses"] == ["committed"] * 4, rank
         assert r["reloaded"], rank
         # Steps 1, 3, 5, 7 save nothing: no collective. The first save plans (agree +
-        # gather + scatter); every later save with unchanged plans runs one all-reduce.
-        # Each save then settles its outcome with one all-reduce (manager/failures.py).
+        # gather + scatter); every later save with unchanged plans runs one all-reduce,
+        # the vote, which carries the outcome of the earlier saves too (the settling
+        # of manager/failures.py needs no collective of its own).
         assert r["per_save"][0::2] == [0, 0, 0, 0], rank
-        assert r["per_save"][1] == 3 + 1, (rank, r["per_save"])
-        assert r["per_save"][3::2] == [1 + 1] * 3, (rank, r["per_save"])
+        assert r["per_save"][1] == 3, (rank, r["per_save"])
+        assert r["per_save"][3::2] == [1] * 3, (rank, r["per_save"])
     assert results[0]["digest"] == results[1]["digest"]
     # Both ranks wrote (the replicated tensors were spread over them), one manifest.
     step8 = tmp_path / "ckpt" / "step-8"
@@ -122,6 +123,38 @@ def test_ranks_save_in_the_background_with_one_collective_per_save(tmp_path, mod
     fresh = _Job()  # and a plain process (no group) loads it bit for bit
     quicksave.load(fresh.states(), str(step8))
     assert _digest(fresh.model) == results[0]["digest"]
+
+
+def _rank_outcome_rides_on_the_vote(rank: int, world_size: int, root: str) -> dict[str, Any]:
+    log = CollectiveLog(thread=threading.main_thread()).install()  # the training thread's
+    job, manager = _manager(root, async_mode="thread", on_save_error="log")
+    per_save: dict[int, list[str]] = {}
+    for step in range(1, 9):
+        job.step()
+        if step == 6 and rank == 1:  # a failure only rank 1 knows of, before a due save
+            manager.session.ledger.failed((5, "full"), CheckpointError("injected", rank=1))
+        before = len(log)
+        manager.save(step)
+        per_save[step] = [c.name for c in log.calls[before:]]
+        if step == 6:
+            failed_after_6 = manager.failed_saves
+    manager.close()
+    return {"per_save": per_save, "failed_after_6": failed_after_6, "failed": manager.failed_saves}
+
+
+def test_the_outcome_of_saves_rides_on_the_save_vote(tmp_path) -> None:
+    """A steady save makes one collective on the training thread, the plan vote, which
+    also settles the outcome of the saves before it; a failure one rank alone knows of
+    is settled alike on every rank at the save whose vote carried it (one gather more)."""
+    results = run_ranks(_rank_outcome_rides_on_the_vote, 2, str(tmp_path), config=LAUNCH)
+    for rank, r in enumerate(results):
+        saves = r["per_save"]
+        assert [saves[s] for s in (1, 3, 5, 7)] == [[]] * 4, (rank, saves)
+        assert saves[2] == ["all_reduce", "gather_object", "scatter_object_list"], (rank, saves)
+        assert saves[4] == ["all_reduce"], (rank, saves)
+        assert saves[6] == ["all_reduce", "all_gather_object"], (rank, saves)
+        assert saves[8] == ["all_reduce"], (rank, saves)
+        assert r["failed_after_6"] == 1 and r["failed"] == 1, (rank, r)
 
 
 def _fail_rank_1_at_step_4(

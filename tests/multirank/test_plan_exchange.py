@@ -66,8 +66,8 @@ def _summary(planned: Any, log: CollectiveLog, before: int) -> dict[str, Any]:
 def _rank_plan_saves(rank: int, world_size: int, seed_manifest: bytes) -> dict[str, Any]:
     from quicksave.errors import CheckpointError, IncompatibleStateError
     from quicksave.format.manifest import from_json_bytes
-    from quicksave.ranks.exchange import plan_save
     from quicksave.saving.plan_cache import PlanCache
+    from quicksave.saving.plan_vote import plan_save
     from quicksave.saving.rank_plans import seeded_cache
 
     log = CollectiveLog().install()
@@ -198,8 +198,8 @@ def _rank_dtensor_plans(rank: int, world_size: int) -> dict[str, Any]:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
-    from quicksave.ranks.exchange import plan_save
     from quicksave.saving.plan_cache import PlanCache
+    from quicksave.saving.plan_vote import plan_save
     from quicksave.saving.rank_plans import collect_local
 
     flat = init_device_mesh("cpu", (world_size,))

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch.distributed as dist
 
 from quicksave.commit import rank_records as records
-from quicksave.ranks.saving import DistContext, DistSaving
+from quicksave.saving.dist_save import DistContext, DistSaving
 
 
 def test_a_dead_workers_failure_reaches_the_coordinators_writer(tmp_path) -> None:

@@ -18,13 +18,19 @@ from launcher import LaunchConfig, run_ranks
 from helpers.collectives import CollectiveLog
 from quicksave.errors import IncompatibleStateError
 from quicksave.ranks import replicas
-from quicksave.saving.rank_plans import collect_local, global_plan, local_plan
+from quicksave.saving.rank_plans import (
+    collect_local,
+    global_plan,
+    local_copies,
+    local_plan,
+    shared_keys,
+)
 
 LAUNCH = LaunchConfig(timeout_s=120.0, grace_s=10.0, collective_timeout_s=30.0)
 
 
 def _copies(sd: dict[str, Any], rank: int = 0) -> dict[str, replicas.Copy]:
-    return replicas.local_copies(collect_local(sd, rank))
+    return local_copies(collect_local(sd, rank))
 
 
 # ------------------------------------------------------------------- the rule
@@ -74,7 +80,7 @@ def test_entries_one_rank_holds_are_never_compared() -> None:
     b = _copies({"loader": {"rank_1": {"pos": 101}}, "step": 7})
     assert replicas.divergence([a, b]) is None
     plans = [local_plan({"loader": {f"rank_{r}": {"pos": r}}, "step": 7}, r) for r in range(2)]
-    assert replicas.shared_keys(plans) == [("v:step",), ("v:step",)]
+    assert shared_keys(plans) == [("v:step",), ("v:step",)]
 
 
 def test_fingerprints_are_equal_iff_the_shared_copies_are() -> None:
@@ -109,8 +115,8 @@ def _state(rank: int, pos: int) -> dict[str, Any]:
 
 def _rank_vote(rank: int, world_size: int, seed_manifest: bytes) -> dict[str, Any]:
     from quicksave.format.manifest import from_json_bytes
-    from quicksave.ranks.exchange import plan_save
     from quicksave.saving.plan_cache import PlanCache
+    from quicksave.saving.plan_vote import plan_save
     from quicksave.saving.rank_plans import seeded_cache
 
     log = CollectiveLog().install()
@@ -163,8 +169,8 @@ def _uniform(rank: int, pos: int) -> dict[str, Any]:
 
 
 def _rank_uniform(rank: int, world_size: int) -> list[int]:
-    from quicksave.ranks.exchange import plan_save
     from quicksave.saving.plan_cache import PlanCache
+    from quicksave.saving.plan_vote import plan_save
 
     log = CollectiveLog().install()
     cache = PlanCache()

@@ -17,8 +17,8 @@ import torch.distributed as dist
 from launcher import LaunchConfig, run_ranks
 
 from quicksave.format import MANIFEST_NAME
-from quicksave.ranks.saving import DistContext
 from quicksave.saving.config import EngineConfig
+from quicksave.saving.dist_save import DistContext
 from quicksave.saving.engine import AsyncSaver
 from quicksave.worker.persisters import ProcessPersister
 

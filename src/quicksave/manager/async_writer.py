@@ -44,8 +44,8 @@ from quicksave.manager.optimizer_layout import Predicted, matches, stand_ins
 from quicksave.manager.overlap import WriterWatch
 from quicksave.manager.records import SaveRecord
 from quicksave.manager.states import OptimizerState
-from quicksave.ranks.saving import DistContext
 from quicksave.saving.config import EngineConfig
+from quicksave.saving.dist_save import DistContext
 from quicksave.saving.engine import AsyncSaver
 from quicksave.saving.handle import SaveHandle
 from quicksave.saving.staging import Deferred

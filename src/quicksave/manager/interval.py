@@ -24,7 +24,9 @@ and cost zero collectives.
 
 The manager's agreements live here: :func:`agree_any_due` (the vote) and
 :func:`agree_reports` (the outcome of saves, at a call every rank makes alike: see
-``failures.py``); both talk through ``quicksave.ranks.collectives``.
+``failures.py``); both talk through ``quicksave.ranks.collectives``. At a due ``save()``
+the outcome's integers ride on the save's own vote instead (:class:`OutcomeVote`, the
+engine's ``plan_vote.Rider``), so that a steady save costs one small all-reduce.
 :class:`IntervalAgreement` itself is a pure state machine over an injected vote function
 (tests drive it with a fake one).
 """
@@ -38,7 +40,7 @@ from typing import Protocol
 import torch.distributed as dist
 
 from quicksave.errors import CheckpointError
-from quicksave.manager.failures import Report
+from quicksave.manager.failures import FailureLedger, Report
 from quicksave.manager.policies import EveryNSeconds
 from quicksave.ranks.collectives import (
     PendingInts,
@@ -92,14 +94,57 @@ def agree_any_due(due: bool, group: dist.ProcessGroup | None) -> Vote:
     return _AllReduceVote(all_reduce_ints_async([int(bool(due))], "max", group))
 
 
-def agree_reports(report: Report, group: dist.ProcessGroup | None, rank: int) -> list[Report]:
+class OutcomeVote:
+    """The outcome of earlier saves, riding on a save's vote (``plan_vote.Rider``).
+
+    Each round of the engine's save vote carries this rank's two integers of
+    :func:`agree_reports` (read from ``ledger`` then); the agreed maxima wait here for
+    the settling call that ends the ``save()`` (:meth:`take`), which then needs no
+    all-reduce of its own. Every rank's save either votes and returns, or raises on
+    every rank alike (the vote does not hand its maxima over then), so every rank takes
+    the same branch at the settling call. A failure a rank meets after the vote (its
+    own staging, say) is settled at the next agreement point.
+
+    Used by the training thread only (the engine votes on it, under the saver's lock).
+    """
+
+    def __init__(self, ledger: FailureLedger) -> None:
+        self._ledger = ledger
+        self._agreed: tuple[int, ...] | None = None
+
+    def values(self) -> tuple[int, int]:
+        """ "Some failure to tell" (0/1) and the newest step this rank saw committed."""
+        return _flags(self._ledger.report())
+
+    def agreed(self, maxima: tuple[int, ...]) -> None:
+        """The ranks' maxima of :meth:`values` (the same on every rank)."""
+        self._agreed = maxima
+
+    def take(self) -> tuple[int, ...] | None:
+        """The maxima agreed since the last ``take()``, or None; forgets them."""
+        agreed, self._agreed = self._agreed, None
+        return agreed
+
+
+def _flags(report: Report) -> tuple[int, int]:
+    return (1 if report.needs_exchange else 0, report.newest_committed)
+
+
+def agree_reports(
+    report: Report,
+    group: dist.ProcessGroup | None,
+    rank: int,
+    voted: tuple[int, ...] | None = None,
+) -> list[Report]:
     """Every rank's :class:`~quicksave.manager.failures.Report`, the same list (in rank
     order) on every rank of ``group``.
 
     One all-reduce (MAX) of two integers, "some rank has failures to tell"
-    and the newest step any rank saw committed; only when the first is set, one
-    ``all_gather_object`` of the reports. Every rank must call it at the same point of
-    its call sequence (a due ``save()``, ``wait()``, ``load()``, ``close()``).
+    and the newest step any rank saw committed (``voted``: those maxima, agreed already
+    on a save's vote, :class:`OutcomeVote`: no all-reduce); only when the first is set,
+    one ``all_gather_object`` of the reports. Every rank must call it at the same point
+    of its call sequence (a due ``save()``, ``wait()``, ``load()``, ``close()``), with
+    ``voted`` given on every rank or on none.
 
     Raises:
         CheckpointError: the collective failed (a rank crashed, or stopped making the
@@ -110,9 +155,9 @@ def agree_reports(report: Report, group: dist.ProcessGroup | None, rank: int) ->
         reports = agree_reports(ledger.report(), group, rank)
         verdict = ledger.settle(reports)  # the same on every rank
     """
-    flags = [1 if report.needs_exchange else 0, report.newest_committed]
     try:
-        any_failures, newest = all_reduce_ints(flags, "max", group)
+        agreed = voted if voted is not None else all_reduce_ints(_flags(report), "max", group)
+        any_failures, newest = agreed
         if not any_failures:
             return [Report(newest_committed=newest)]
         reports: list[Report | None] = all_gather_object(report, group)

@@ -337,6 +337,7 @@ class CheckpointManager:
             self._placed = check_not_behind(step, session)
         kind = "seed" if step == 0 else "full"
         wrote = False
+        session.outcome_vote.take()  # only this call's save vote may settle this call
         if step in session.in_flight:
             logger.info("quicksave: step %d is being written already; skipped", step)
         elif self._io.write_step(step, kind, begin):
@@ -344,7 +345,10 @@ class CheckpointManager:
             wrote = True
         if is_last:
             wrote = self._io.write_export(step, None) or wrote
-        session.settle()  # earlier failures and this call's, alike on every rank
+            session.outcome_vote.take()  # the export's outcome too: settle with a collective
+        # earlier failures and this call's, alike on every rank (several ranks: on the
+        # save's vote when it carried them, else with a collective of its own)
+        session.settle()
         # (a synchronous save waits for the store anyway: its housekeeping too)
         session.housekeep(protect={step}, wait=session.writer is None)
         return wrote

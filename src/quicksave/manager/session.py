@@ -65,13 +65,13 @@ from quicksave.manager.folder import (
     replace_uncommitted,
 )
 from quicksave.manager.housekeeper import Housekeeper
-from quicksave.manager.interval import agree_any_due, agree_reports
+from quicksave.manager.interval import OutcomeVote, agree_any_due, agree_reports
 from quicksave.manager.lease import WriterLease, clean_folder, take_writer_lease
 from quicksave.manager.policies import KeepLatestK, RetentionPolicy
 from quicksave.manager.records import SaveRecord, log_committed, report
 from quicksave.ranks import collectives
-from quicksave.ranks.saving import DistContext
 from quicksave.saving.config import EngineConfig
+from quicksave.saving.dist_save import DistContext
 from quicksave.saving.handle import SaveHandle
 from quicksave.storage import Location, parse_location
 from quicksave.storage.backend import Backend
@@ -123,6 +123,7 @@ class CheckpointSession:
         self.ledger = FailureLedger(
             config.on_save_error, config.max_consecutive_failures, self.folder
         )
+        self.outcome_vote = OutcomeVote(self.ledger)  # rides on each save's vote
         self.writer: AsyncWriter | None = None
         self._lease: WriterLease | None = None  # held by a writing coordinator
         self._store: Backend | None = None  # the folder's backend (see backend())
@@ -186,6 +187,7 @@ class CheckpointSession:
             world_size=dist.get_world_size(group),
             coordinator=0,
             commit_timeout_s=self.config.commit_timeout_s,
+            rider=self.outcome_vote,
         )
 
     # ---------------------------------------------------------------- the folder
@@ -421,15 +423,17 @@ class CheckpointSession:
 
     def settle(self, *, agree: bool = True) -> None:
         """A settling point: every rank's failures so far combined alike on every rank
-        (several ranks: one collective, ``agree_reports``; ``agree=False``: this rank
+        (several ranks: one collective, ``agree_reports``, or none when this call's
+        save vote carried the reports, ``OutcomeVote``; ``agree=False``: this rank
         alone), then acted on: logged, or raised (``config.on_save_error``).
 
         Raises:
             CheckpointError: the verdict says so (``failures.py``).
         """
         report = self.ledger.report()
+        voted = self.outcome_vote.take()  # what this call's save vote agreed, if any
         if agree and self.world_size() > 1:
-            reports = agree_reports(report, self.checkpoint_group(), self.rank() or 0)
+            reports = agree_reports(report, self.checkpoint_group(), self.rank() or 0, voted)
         else:
             reports = [report]
         verdict = self.ledger.settle(reports)

@@ -22,8 +22,10 @@ Where it runs (no collective of its own): ``quicksave.save`` (``saving/sync_save
 and the NVRx API's DCP planning (``adapters/dcp_save_planner.py``) send every rank's
 copies to the coordinator with its local plan; the async engine sends them with its
 plan on a plan-cache miss, and on a hit every rank votes a fingerprint of its shared
-copies in the one all-reduce it makes anyway (``exchange.agree_save``); fingerprints
-that differ send the copies to the coordinator, which names what differs.
+copies in the one all-reduce it makes anyway (``saving/plan_vote.agree_save``);
+fingerprints that differ send the copies to the coordinator, which names what differs.
+Which entries a rank holds and shares (``local_copies``, ``shared_keys``) is the
+planner's business: ``saving/rank_plans.py``.
 
 Example::
 
@@ -35,7 +37,7 @@ Example::
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -46,8 +48,6 @@ from quicksave.format.dtypes import dtype_name
 
 if TYPE_CHECKING:
     import torch
-
-    from quicksave.saving.rank_plans import LocalPlan, LocalState
 
 CHECK_BYTES = 64 * 1024  # replicated tensor chunks up to this size are compared
 SUMMARY_CHARS = 60
@@ -117,40 +117,6 @@ def _tensor_summary(t: torch.Tensor, digest: str) -> str:
 
 def _clip(text: str) -> str:
     return text if len(text) <= SUMMARY_CHARS else text[: SUMMARY_CHARS - 1] + "…"
-
-
-def local_copies(
-    state: LocalState, keys: Iterable[str] | None = None, describe: bool = True
-) -> dict[str, Copy]:
-    """This rank's copies (engine planning): of ``keys`` only, or of every entry that
-    could be shared (all values, and every chunk ``checked`` would compare)."""
-    wanted = None if keys is None else set(keys)
-    out: dict[str, Copy] = {}
-    for fqn, encoded in state.values.items():
-        key = value_key(fqn)
-        if wanted is None or key in wanted:
-            out[key] = value_copy(fqn, encoded, describe)
-    for spec in state.plan.items:
-        key = tensor_key(spec.key)
-        if (wanted is None and spec.nbytes <= CHECK_BYTES) or (wanted and key in wanted):
-            c = tensor_copy(spec.fqn, state.tensors[spec.key], describe)
-            if c is not None:
-                out[key] = c
-    return out
-
-
-def shared_keys(plans: Sequence[LocalPlan]) -> list[tuple[str, ...]]:
-    """Per rank, its entries that another rank holds too and that are compared (values;
-    chunks up to ``CHECK_BYTES``): what it fingerprints on a plan-cache hit."""
-    holders: dict[str, int] = {}
-    per_rank: list[list[str]] = []
-    for lp in plans:
-        keys = [value_key(fqn) for fqn in lp.objects]
-        keys += [tensor_key(it.key) for it in lp.items if it.nbytes <= CHECK_BYTES]
-        for k in keys:
-            holders[k] = holders.get(k, 0) + 1
-        per_rank.append(keys)
-    return [tuple(sorted(k for k in keys if holders[k] > 1)) for keys in per_rank]
 
 
 def fingerprint(copies: Mapping[str, Copy]) -> int | None:

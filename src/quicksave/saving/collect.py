@@ -1,24 +1,20 @@
 """Collect: turn what the user passes (dicts, ``Stateful`` objects) into a state dict,
 and check every leaf before any I/O happens.
 
-The async engine's single-rank saves collect with :func:`collect_state` (training
-thread, first step of ``save()`` and of ``prepare()``): flatten, check each tensor, and
-encode every plain value now — its value at the call, not later."""
+The checks of one leaf live here (:func:`check_tensor`, :func:`whole_local`); the one
+collector that walks a state dict with them, flattens it and encodes every plain value
+at the call (its value then, not later) is ``rank_plans.collect_local``."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch.distributed.checkpoint.stateful import Stateful
 
 from quicksave.errors import IncompatibleStateError
-from quicksave.format import objects as objcodec
 from quicksave.format.dtypes import check_storable
-from quicksave.format.keys import names_itself
-from quicksave.saving import keypaths
 
 
 def to_state_dict(state: Mapping[str, Any]) -> dict[str, Any]:
@@ -74,94 +70,6 @@ def check_tensor(fqn: str, leaf: torch.Tensor, rank: int | None = None) -> None:
             fqn=fqn,
             rank=rank,
         )
-
-
-DUPLICATE_FQN = (
-    "two values get this name (dict keys whose str() is the same, e.g. 0 and '0', are "
-    "named alike when the state dict is flattened); rename one"
-)
-
-
-def flatten(
-    nested: Mapping[str, Any], rank: int | None = None
-) -> tuple[dict[str, Any], dict[str, tuple]]:
-    """DCP's ``flatten_state_dict`` (fqn -> leaf, fqn -> path), its duplicate-name
-    ``ValueError`` turned into an IncompatibleStateError naming the fqn."""
-    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
-
-    try:
-        return flatten_state_dict(nested)
-    except ValueError as e:  # "duplicated flatten key <fqn>"
-        raise _duplicate(e, rank) from None
-
-
-def flatten_with_paths(
-    nested: Mapping[str, Any], rank: int | None = None
-) -> tuple[dict[str, Any], dict[str, tuple], list[tuple]]:
-    """:func:`flatten` and ``keypaths.structure`` in one walk (``keypaths.
-    flatten_with_paths``): fqn -> leaf, fqn -> typed path, the empty dicts' paths."""
-    try:
-        return keypaths.flatten_with_paths(nested)
-    except ValueError as e:
-        raise _duplicate(e, rank) from None
-
-
-def _duplicate(e: ValueError, rank: int | None) -> IncompatibleStateError:
-    fqn = str(e).removeprefix("duplicated flatten key ")
-    return IncompatibleStateError(DUPLICATE_FQN, fqn=fqn, rank=rank)
-
-
-def validate_for_save(state_dict: Mapping[str, Any], rank: int | None = None) -> None:
-    """Raise IncompatibleStateError for anything quicksave cannot store, naming the fqn."""
-    seen: set[str] = set()
-    for fqn, leaf in iter_leaves(state_dict):
-        if fqn in seen:
-            raise IncompatibleStateError(DUPLICATE_FQN, fqn=fqn, rank=rank)
-        seen.add(fqn)
-        if isinstance(leaf, torch.Tensor):
-            check_tensor(fqn, leaf, rank)
-        else:
-            try:
-                objcodec.encode(leaf, fqn)
-            except IncompatibleStateError as e:
-                raise IncompatibleStateError(e.message, fqn=fqn, rank=rank) from None
-
-
-@dataclass(frozen=True)
-class CollectedState:
-    """A state dict flattened for a single-rank save."""
-
-    tensors: dict[str, torch.Tensor]  # fqn -> the plain tensor to stage
-    sources: dict[str, torch.Tensor]  # fqn -> the tensor whose version counter tracks it
-    objects: dict[str, Any]  # fqn -> encoded plain value
-    paths: dict[str, tuple]  # fqn -> key path, where the fqn does not name it alone
-    empty: tuple[tuple, ...]  # paths of the empty dicts
-
-
-def collect_state(state_dict: Mapping[str, Any], final: str, rank: int) -> CollectedState:
-    """Flatten ``state_dict`` for a single-rank save to ``final`` (named in errors).
-
-    Raises:
-        IncompatibleStateError: a value that cannot be saved (before any I/O).
-    """
-    try:
-        nested = to_state_dict(state_dict)
-        flat, all_paths, empty = flatten_with_paths(nested)
-        tensors: dict[str, torch.Tensor] = {}
-        sources: dict[str, torch.Tensor] = {}
-        objects: dict[str, Any] = {}
-        for fqn, v in flat.items():
-            if isinstance(v, torch.Tensor):
-                check_tensor(fqn, v, rank)
-                tensors[fqn] = whole_local(fqn, v)
-                sources[fqn] = v
-            else:
-                # Encoding is also the check; done once, with the value of this moment.
-                objects[fqn] = objcodec.encode(v, fqn)
-    except IncompatibleStateError as e:
-        raise IncompatibleStateError(e.message, path=final, fqn=e.fqn, rank=rank) from None
-    paths = {fqn: p for fqn, p in all_paths.items() if not names_itself(p, fqn)}
-    return CollectedState(tensors, sources, objects, paths, tuple(empty))
 
 
 def whole_local(fqn: str, v: torch.Tensor) -> torch.Tensor:

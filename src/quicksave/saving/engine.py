@@ -20,9 +20,10 @@ A pool the worker still reads is never written: each pool is "busy" from its sub
 its result (``max_in_flight`` pools allow that many saves in flight).
 
 This module wires the stages together; each lives in its own module of ``save/``:
-``config`` (EngineConfig), ``handle`` (SaveHandle, SaveResult), ``collect``
-(``collect_state``), ``engine_plan`` (the single-rank plan and its cache), ``rank_vote``
-(several ranks: the vote before each save), ``slots`` (the staging pools),
+``config`` (EngineConfig), ``handle`` (SaveHandle, SaveResult), ``rank_plans``
+(``collect_local``, the one collector), ``engine_plan`` (the single-rank plan and its
+cache), ``rank_vote`` (several ranks: the vote before each save), ``slots`` (the
+staging pools),
 ``staging`` (the copies into a pool), ``background_copy`` (overlap mode: the copy
 beside training and its confirmation, ``guard``), ``in_flight`` (saves in flight and
 their outcomes), ``worker_supervision`` (the persister), ``prepare`` (pools built ahead).
@@ -39,15 +40,12 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-import torch
-
 from quicksave.commit import CommitStrategy, new_token, strategy_class, strategy_for
-from quicksave.errors import CheckpointError
+from quicksave.errors import CheckpointError, IncompatibleStateError
 from quicksave.format.manifest import check_user_metadata
-from quicksave.ranks.saving import DistContext, DistSaving
 from quicksave.saving.background_copy import BackgroundCopy, Overlap
-from quicksave.saving.collect import collect_state
 from quicksave.saving.config import EngineConfig
+from quicksave.saving.dist_save import DistContext, DistSaving
 from quicksave.saving.engine_plan import (
     EnginePlan,
     PlannedSave,
@@ -60,6 +58,7 @@ from quicksave.saving.handle import SaveHandle, SaveResult
 from quicksave.saving.in_flight import InFlight, InFlightSaves
 from quicksave.saving.plan_cache import PlanCache
 from quicksave.saving.prepare import PoolPreparer
+from quicksave.saving.rank_plans import LocalState, collect_local
 from quicksave.saving.rank_vote import RankVote
 from quicksave.saving.slots import Slot, StagingSlots
 from quicksave.saving.staging import Deferred, PoolCopier, cuda_ready, split
@@ -68,6 +67,7 @@ from quicksave.stage.pool import StagingPool
 from quicksave.storage import Location, parse_location
 from quicksave.trace import phase
 from quicksave.worker.job import PersistJob
+from quicksave.worker.persisters import ProcessPersister
 
 logger = logging.getLogger("quicksave")
 
@@ -134,12 +134,7 @@ class AsyncSaver:
         self._strategies: dict[tuple, CommitStrategy] = {}
         self._closed = False
         self._preparer = PoolPreparer(
-            self.config,
-            self._lock,
-            self._slots,
-            self._worker,
-            lambda: self._closed,
-            self._worker_failed,
+            self.config, self._slots, self._worker, self._install_prepared
         )
         self._worker.start()  # started now: the first save pays no start-up
         atexit.register(self._atexit)
@@ -264,15 +259,21 @@ class AsyncSaver:
         # The target itself is checked by the worker before it writes
         # (worker/execute.py): the training thread never waits on the store.
         with phase("save.collect"):
-            state = collect_state(state_dict, loc.url, self.rank)
+            state = self._collect_whole(state_dict, loc.url)
         with phase("save.plan"):
-            plan = self._plan(state.tensors, state.objects)
+            plan = single_rank_plan(self._plans, state, self.config.thread_count)
             manifest = single_rank_manifest(plan, state, step, user_metadata)
         return PlannedSave(plan, state.tensors, state.sources, manifest, new_token())
 
-    def _plan(self, tensors: dict[str, torch.Tensor], objects: dict[str, Any]) -> EnginePlan:
-        """The single-rank plan of these tensors and values (cached)."""
-        return single_rank_plan(self._plans, self.rank, tensors, objects, self.config.thread_count)
+    def _collect_whole(self, state_dict: Mapping[str, Any], final: str) -> LocalState:
+        """One rank: collect ``state_dict`` (every tensor whole here) for a save to
+        ``final`` (named in errors)."""
+        try:
+            return collect_local(state_dict, self.rank, whole=True)
+        except IncompatibleStateError as e:
+            if e.path is None and final:
+                e.path = final
+            raise
 
     def _free_slot(self) -> Slot | None:
         """A free slot: waits for one (``backpressure="wait"``), or None (``"skip"``, or
@@ -525,8 +526,8 @@ class AsyncSaver:
             if self._closed:
                 return None
             try:
-                state = collect_state(state_dict, "", self.rank)
-                plan = self._plan(state.tensors, state.objects)
+                state = self._collect_whole(state_dict, "")
+                plan = single_rank_plan(self._plans, state, self.config.thread_count)
             except CheckpointError as e:
                 logger.debug("quicksave: nothing prepared: %s", e)
                 return None
@@ -538,6 +539,33 @@ class AsyncSaver:
                 return self._preparer.start(plan, n)
         self._preparer.build(plan, n, False)
         return None
+
+    def _install_prepared(
+        self, plan: EnginePlan, pools: list[StagingPool], background: bool
+    ) -> None:
+        """Put pools built ahead (``PoolPreparer``) into free slots and map them into the
+        worker while it is idle; pools without a free slot, or once closed, are freed."""
+        with self._lock:
+            for pool in pools:
+                slot = None if self._closed else self._slots.install(pool, plan, self._worker)
+                if slot is None:
+                    pool.close()
+                    continue
+                persister = self._worker.persister
+                if persister is None:
+                    continue  # save() maps it into the next worker
+                # Mapped now, while the worker is idle: its populate of the mapping (which
+                # clears the pages) then runs neither beside the first save's copies nor
+                # before its write.
+                try:
+                    self._worker.map(slot.pool_id, pool)
+                    if not background and isinstance(persister, ProcessPersister):
+                        # At start-up: the worker's own start and its populate of this
+                        # mapping (~0.1 CPU s per 1.6 GB) finish here, not beside the
+                        # first training step.
+                        persister.sync(self.config.worker.start_timeout_s)
+                except CheckpointError as e:
+                    self._worker_failed(e)
 
     def wait_prepared(self) -> None:
         """Block until a :meth:`prepare` build is finished (call outside the lock)."""

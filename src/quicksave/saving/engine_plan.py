@@ -1,32 +1,30 @@
 """The engine's plan of one save: where every staged tensor goes in the rank's files, and
 the manifest entries, chunk keys and DCP ``.metadata`` the worker writes with them.
 
-A single-rank saver plans here (:func:`single_rank_plan`: :func:`plan_one_rank`, kept in
-the saver's ``PlanCache`` while the state's names, dtypes and shapes are unchanged); a
-multi-rank saver's plan comes from the ranks' collective planning (``ranks/saving.py``)
-and is wrapped with :meth:`EnginePlan.of_dist`. Either way the engine stages into the
-pool at ``places`` and hands the rest to the worker. Called by the training thread (and
-by ``prepare()``), under the saver's lock.
+A single-rank saver plans here (:func:`single_rank_plan`: :func:`plan_one_rank`, the
+multi-rank planner over one rank, kept in the saver's ``PlanCache`` while the rank's plan
+is unchanged); a multi-rank saver's plan comes from the ranks' collective planning
+(``saving/dist_save.py``) and is wrapped with :meth:`EnginePlan.of_dist`. Either way
+the engine stages into the pool at ``places`` and hands the rest to the worker. Called
+by the training thread (and by ``prepare()``), under the saver's lock.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from quicksave.format.dtypes import dtype_name, element_size
 from quicksave.format.manifest import FileEntry, Manifest, ObjectEntry, TensorEntry
 from quicksave.layout.dcp_metadata import dcp_metadata_bytes
-from quicksave.layout.plan import ItemSpec, RankLayout, layout_rank
-from quicksave.layout.skeleton import chunk_keys_of, manifest_skeleton, placed_of
-from quicksave.ranks.saving import DistSave
-from quicksave.saving.collect import CollectedState
+from quicksave.layout.plan import RankLayout
+from quicksave.layout.skeleton import chunk_keys_of
 from quicksave.saving.config import EngineConfig
+from quicksave.saving.dist_save import DistSave
 from quicksave.saving.plan_cache import PlanCache
+from quicksave.saving.rank_plans import LocalPlan, LocalState, global_plan
 from quicksave.stage.pool import StagingPool
 from quicksave.storage import Location
 from quicksave.worker.job import DistCommit, FileJob, PersistJob
@@ -127,58 +125,23 @@ class PlannedSave:
         )
 
 
-def plan_key(tensors: Mapping[str, torch.Tensor], objects: Mapping[str, Any], threads: int):
-    """What a single-rank plan depends on: names, dtypes and shapes, non-tensor names, the
-    number of files."""
-    return (
-        tuple((fqn, t.dtype, tuple(t.shape)) for fqn, t in tensors.items()),
-        tuple(objects),
-        threads,
-    )
-
-
-def plan_one_rank(
-    rank: int,
-    tensors: Mapping[str, torch.Tensor],
-    objects: Mapping[str, Any],
-    thread_count: int,
-    key: tuple,
-) -> EnginePlan:
-    """Lay out every tensor of a single-rank save (whole, one chunk each) over
-    ``thread_count`` files, with the manifest entries and ``.metadata`` to match."""
-    items = []
-    for fqn, t in tensors.items():
-        shape = tuple(t.shape)
-        items.append(
-            ItemSpec(
-                fqn,
-                (0,) * len(shape),
-                shape,
-                shape,
-                dtype_name(t.dtype),
-                t.numel() * element_size(t.dtype),
-            )
-        )
-    layout = layout_rank(rank, items, thread_count)
-    files, placed = placed_of([layout])
-    skeleton = manifest_skeleton(
-        {it.fqn: (it.dtype, it.global_shape) for it in items},
-        files,
-        placed,
-        dict.fromkeys(objects),
-        world_size=1,
-    )
-    entries = skeleton.tensors
+def plan_one_rank(local: LocalPlan, thread_count: int) -> EnginePlan:
+    """The plan of a single-rank save: the multi-rank planner (``rank_plans.global_plan``)
+    over this one rank's plan (every tensor whole, one chunk each named by its fqn), laid
+    out over ``thread_count`` files, with the manifest entries and ``.metadata`` to match."""
+    gp = global_plan([local], thread_count)
+    skeleton = gp.skeleton
+    layout = gp.layouts[0]
     chunk_keys = chunk_keys_of(skeleton)
-    places = {p.item.fqn: (p.file, p.offset, p.length) for p in placed}
-    keys = {fqn: key for key, (fqn, _) in chunk_keys.items()}
+    places = {e.item.key: (f.name, e.offset, e.length) for f in layout.files for e in f.entries}
+    keys = {fqn: key for key, (fqn, _) in chunk_keys.items() if key != fqn}
     return EnginePlan(
-        key,
+        ("one", gp.key, local.rank),
         layout,
         chunk_keys,
         dcp_metadata_bytes(skeleton),
-        entries,
-        files,
+        skeleton.tensors,
+        skeleton.files,
         places,
         keys,
         skeleton,
@@ -191,29 +154,26 @@ def fqns_of(layout: RankLayout) -> dict[str, str]:
 
 
 def single_rank_plan(
-    cache: PlanCache[EnginePlan],
-    rank: int,
-    tensors: Mapping[str, torch.Tensor],
-    objects: Mapping[str, Any],
-    thread_count: int,
+    cache: PlanCache[EnginePlan], state: LocalState, thread_count: int
 ) -> EnginePlan:
-    """The plan of a single-rank save: the cached one while the names, dtypes and shapes
-    (and the values' names) are unchanged, else a new one, cached."""
-    key = plan_key(tensors, objects, thread_count)
-    context = (1, rank, thread_count)
+    """The plan of a single-rank save of ``state`` (collected with ``whole=True``): the
+    cached one while the names, dtypes and shapes (and the values' names) are unchanged,
+    else a new one, cached."""
+    key = state.shape_key
+    context = (1, state.rank, thread_count)
     plan = cache.lookup(key, context)
     if plan is not None:
         cache.hits += 1
         return plan
     cache.misses += 1
-    plan = plan_one_rank(rank, tensors, objects, thread_count, key)
+    plan = plan_one_rank(state.plan, thread_count)
     cache.store(key, context, plan)
     return plan
 
 
 def single_rank_manifest(
     plan: EnginePlan,
-    state: CollectedState,
+    state: LocalState,
     step: int | None,
     user_metadata: dict[str, Any] | None,
 ) -> Manifest:
@@ -221,11 +181,12 @@ def single_rank_manifest(
     step, the key paths and the values (tensor checksums empty: the writer fills them,
     ``commit.parts.manifest_from_parts``)."""
     assert plan.skeleton is not None, "a multi-rank plan's manifest is the coordinator's"
+    paths = dict(state.paths)
     return dataclasses.replace(
         plan.skeleton,
         step=step,
-        tensors=plan.tensor_entries(state.paths),
-        objects={fqn: ObjectEntry(v, state.paths.get(fqn)) for fqn, v in state.objects.items()},
+        tensors=plan.tensor_entries(paths),
+        objects={fqn: ObjectEntry(v, paths.get(fqn)) for fqn, v in state.values.items()},
         user_metadata=dict(user_metadata or {}),
         empty_dicts=state.empty,
     )

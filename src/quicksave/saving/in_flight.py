@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from quicksave.commit import CheckpointKind, CommitStrategy
 from quicksave.errors import CheckpointError
-from quicksave.ranks.saving import DistSaving
+from quicksave.saving.dist_save import DistSaving
 from quicksave.saving.handle import SaveHandle, SaveResult
 from quicksave.saving.slots import Slot
 from quicksave.storage import Location

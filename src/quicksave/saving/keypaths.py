@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from quicksave.errors import IncompatibleStateError
 from quicksave.format.keys import DictKey
 
 Path = tuple[Any, ...]
@@ -60,10 +61,17 @@ def structure(
     return {fqn: typed.get(fqn, path) for fqn, path in mappings.items()}, empty
 
 
+DUPLICATE_FQN = (
+    "two values get this name (dict keys whose str() is the same, e.g. 0 and '0', are "
+    "named alike when the state dict is flattened); rename one"
+)
+
+
 def flatten_with_paths(
-    nested: Mapping[str, Any],
+    nested: Mapping[str, Any], rank: int | None = None
 ) -> tuple[dict[str, Any], dict[str, Path], list[Path]]:
-    """DCP's ``flatten_state_dict`` and :func:`structure` in one walk of ``nested``.
+    """DCP's ``flatten_state_dict`` and :func:`structure` in one walk of ``nested``: the
+    one flattening of every save path (``rank_plans.collect_local``).
 
     Returns:
         ``(flat, paths, empty)``: fqn -> leaf, exactly as ``flatten_state_dict`` gives
@@ -71,7 +79,8 @@ def flatten_with_paths(
         (typed where a key is not a ``str``, else DCP's own); the empty dicts' paths.
 
     Raises:
-        ValueError: two leaves get one fqn (DCP's ``duplicated flatten key <fqn>``).
+        IncompatibleStateError: two leaves get one fqn (where DCP raises ``duplicated
+            flatten key <fqn>``); names the fqn and ``rank``.
     """
     flat: dict[str, Any] = {}
     paths: dict[str, Path] = {}
@@ -96,7 +105,7 @@ def flatten_with_paths(
         else:
             fqn = ".".join(map(str, names))
             if fqn in flat:
-                raise ValueError(f"duplicated flatten key {fqn}")
+                raise IncompatibleStateError(DUPLICATE_FQN, fqn=fqn, rank=rank)
             flat[fqn] = value
             paths[fqn] = path if has_typed else names
 

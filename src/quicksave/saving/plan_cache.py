@@ -5,13 +5,13 @@ on several ranks one gather/scatter with the coordinator — costs far more than
 that nothing changed. Every save path keeps one ``PlanCache`` per saver (per rank) and
 plans only on a miss:
 
-* a multi-rank save (``ranks/exchange.plan_save``): the key is this rank's local plan
+* a multi-rank save (``saving/plan_vote.plan_save``): the key is this rank's local plan
   key; every rank votes its hit in the one all-reduce a save runs, and all reuse only
   when all hit the same global plan; the share is this rank's ``rank_plans.RankShare``,
   the whole plan the coordinator's ``GlobalPlan``; a checkpoint's stored plans seed it
   after a restart (``rank_plans.seeded_cache``);
 * a single-rank save (``saving/engine``): the key is the names, dtypes and shapes of the
-  tensors (``engine_plan.plan_key``), the share the ``EnginePlan``;
+  tensors (``rank_plans.LocalState.shape_key``), the share the ``EnginePlan``;
 * the NVRx-compatible API (``compat/nvrx/state_dict_saver``): the key is DCP's local
   plan as the manifest records it, the share DCP's central plan, the whole plan DCP's
   global metadata (coordinator), the seed a loaded checkpoint's ``all_local_plans``;

@@ -5,7 +5,8 @@ that the first save of the same shapes pays no allocation and no first-touch pag
 Call order: ``AsyncSaver.prepare()`` plans on the training thread, then runs
 :meth:`PoolPreparer.build` in a low-priority ``quicksave-prepare`` thread (beside
 training, ``start()``; ``wait()`` joins it) or on the training thread itself (at
-start-up). The pools are allocated outside the saver's lock, installed under it.
+start-up), which allocates the pools and hands them to ``AsyncSaver._install_prepared``:
+the saver installs them under its own lock.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from quicksave.saving.config import EngineConfig
 from quicksave.saving.engine_plan import EnginePlan
 from quicksave.saving.slots import StagingSlots
 from quicksave.saving.worker_supervision import WorkerSupervisor
+from quicksave.stage.pool import StagingPool
 from quicksave.worker.persisters import ProcessPersister
 
 logger = logging.getLogger("quicksave")
@@ -38,14 +40,18 @@ def lower_thread_priority(nice: int) -> None:
 
 
 class PoolPreparer:
-    """Builds one saver's pools ahead of its first save.
+    """Allocates one saver's pools ahead of its first save; the saver installs them.
+
+    Its own state is the build thread only: it allocates pools and hands them to
+    ``install`` (the saver puts them into free slots and maps them into its worker,
+    under its own lock), so it needs neither the saver's lock nor its state.
 
     Args:
         config: the saver's.
-        lock: the saver's lock (held while installing the pools).
-        slots, worker: the saver's slots and worker.
-        closed: whether the saver is closed (its pools are then freed, not installed).
-        worker_failed: the saver's handling of a worker that failed meanwhile.
+        slots: the saver's slots (a new pool is made by them; none is installed here).
+        worker: the saver's worker (whose kind says who clears the pages).
+        install: ``install(plan, pools, background)``: the saver's installation of the
+            pools built (it frees those it has no free slot for, or all once closed).
 
     Attributes:
         thread: the background build running, else None.
@@ -54,18 +60,14 @@ class PoolPreparer:
     def __init__(
         self,
         config: EngineConfig,
-        lock: threading.RLock,
         slots: StagingSlots,
         worker: WorkerSupervisor,
-        closed: Callable[[], bool],
-        worker_failed: Callable[[BaseException], None],
+        install: Callable[[EnginePlan, list[StagingPool], bool], None],
     ) -> None:
         self.config = config
-        self.lock = lock
         self.slots = slots
         self.worker = worker
-        self.closed = closed
-        self.worker_failed = worker_failed
+        self.install = install
         self.thread: threading.Thread | None = None
 
     def start(self, plan: EnginePlan, n: int) -> threading.Thread:
@@ -88,9 +90,8 @@ class PoolPreparer:
             self.thread = None
 
     def build(self, plan: EnginePlan, n: int, background: bool) -> None:
-        """Build ``n`` pools for ``plan``, put them into free slots and map them into the
-        worker (never raises: a pool that cannot be allocated is logged, and built by
-        ``save()``; a worker that fails meanwhile goes to ``worker_failed``).
+        """Build ``n`` pools for ``plan`` and hand them to ``install`` (never raises: a
+        pool that cannot be allocated is logged, and built by ``save()``).
 
         In the background (beside training) this thread runs at the worker's lower CPU
         priority, and the page clearing (the bulk of the cost: ~0.4 s/GiB) goes to the
@@ -108,24 +109,4 @@ class PoolPreparer:
         except CheckpointError as e:
             logger.warning("quicksave: staging pool not prepared ahead: %s", e)
             return
-        with self.lock:
-            for pool in pools:
-                slot = None if self.closed() else self.slots.install(pool, plan, self.worker)
-                if slot is None:
-                    pool.close()
-                    continue
-                persister = self.worker.persister
-                if persister is None:
-                    continue  # save() maps it into the next worker
-                # Mapped now, while the worker is idle: its populate of the mapping (which
-                # clears the pages) then runs neither beside the first save's copies nor
-                # before its write.
-                try:
-                    self.worker.map(slot.pool_id, pool)
-                    if not background and isinstance(persister, ProcessPersister):
-                        # At start-up: the worker's own start and its populate of this
-                        # mapping (~0.1 CPU s per 1.6 GB) finish here, not beside the
-                        # first training step.
-                        persister.sync(self.config.worker.start_timeout_s)
-                except CheckpointError as e:
-                    self.worker_failed(e)
+        self.install(plan, pools, background)

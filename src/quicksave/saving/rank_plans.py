@@ -18,8 +18,9 @@ Example::
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 import torch
@@ -36,8 +37,9 @@ from quicksave.format.manifest import (
 )
 from quicksave.layout.plan import ItemSpec, RankLayout, item_spec_of, layout_rank, planned_chunk
 from quicksave.layout.skeleton import manifest_skeleton, placed_of
-from quicksave.saving.collect import check_tensor, flatten, to_state_dict
-from quicksave.saving.keypaths import structure
+from quicksave.ranks import replicas
+from quicksave.saving.collect import check_tensor, to_state_dict, whole_local
+from quicksave.saving.keypaths import flatten_with_paths
 from quicksave.saving.plan_cache import PlanCache
 
 Path = tuple[Any, ...]  # nested state-dict path of a flattened fqn (str / int keys)
@@ -119,6 +121,24 @@ def _chunks(
         yield _spec(fqn, (0,) * len(shape), shape, shape, leaf), leaf.detach()
 
 
+def _whole(fqn: str, leaf: torch.Tensor, rank: int) -> torch.Tensor:
+    """``leaf``'s local tensor, which holds all of it (``collect.whole_local``)."""
+    check_tensor(fqn, leaf, rank)
+    try:
+        return whole_local(fqn, leaf)
+    except IncompatibleStateError as e:
+        raise IncompatibleStateError(e.message, fqn=fqn, rank=rank) from None
+
+
+def _whole_spec(fqn: str, local: torch.Tensor) -> ItemSpec:
+    """The one chunk of a whole tensor (its key is ``fqn``)."""
+    shape = tuple(local.shape)
+    dtype = local.dtype
+    return ItemSpec(
+        fqn, (0,) * len(shape), shape, shape, dtype_name(dtype), local.numel() * element_size(dtype)
+    )
+
+
 def _spec(fqn: str, offsets, sizes, global_shape, local: torch.Tensor) -> ItemSpec:
     sizes = tuple(int(s) for s in sizes)
     return ItemSpec(
@@ -133,33 +153,63 @@ def _spec(fqn: str, offsets, sizes, global_shape, local: torch.Tensor) -> ItemSp
 
 @dataclass(frozen=True)
 class LocalState:
-    """One pass over this rank's state dict at ``save()``: its plan, and what that save
-    writes from (kept out of ``LocalPlan``, which is cached and sent to the coordinator).
+    """One pass over this rank's state dict at ``save()``: what that save writes from,
+    and the rank's plan of it (made on first use: a single-rank save whose shapes are
+    unchanged never needs it, see :attr:`shape_key`).
 
     Attributes:
-        plan: the rank's ``LocalPlan``.
+        rank: this rank.
         tensors: chunk key (``ItemSpec.key``) -> the local tensor holding it.
         values: fqn -> typed-JSON encoding of every non-tensor value (taken now).
         sources: chunk key -> the state dict's tensor holding it, whose version counter
             counts writes to it (a DTensor's local tensor has a counter of its own that
             in-place ops on the DTensor leave alone; see guard.py).
+        paths: ``(fqn, key path)`` of every fqn that does not name its path alone.
+        empty: the paths of the empty dicts (``keypaths.flatten_with_paths``).
+        items: every chunk's ``ItemSpec``; None: every tensor is whole (``whole=True``),
+            one chunk each, its key its fqn, and its spec made with :attr:`plan`.
     """
 
-    plan: LocalPlan
+    rank: int
     tensors: dict[str, torch.Tensor]
     values: dict[str, Any]
-    sources: dict[str, torch.Tensor] = field(default_factory=dict)
+    sources: dict[str, torch.Tensor]
+    paths: tuple[tuple[str, Path], ...] = ()
+    empty: tuple[Path, ...] = ()
+    items: tuple[ItemSpec, ...] | None = None
+
+    @cached_property
+    def plan(self) -> LocalPlan:
+        """The rank's ``LocalPlan`` (cached, and sent to the coordinator)."""
+        items = self.items
+        if items is None:
+            items = tuple(_whole_spec(fqn, t) for fqn, t in self.tensors.items())
+        return make_local_plan(self.rank, items, list(self.values), self.paths, self.empty)
+
+    @property
+    def shape_key(self) -> tuple:
+        """What a single-rank plan of whole tensors depends on, cheaper to make than
+        :attr:`plan`'s key: names, dtypes and shapes, the values' names."""
+        return (
+            tuple((fqn, t.dtype, t.shape) for fqn, t in self.tensors.items()),
+            tuple(self.values),
+        )
 
 
-def collect_local(state_dict: Mapping[str, Any], rank: int) -> LocalState:
+def collect_local(state_dict: Mapping[str, Any], rank: int, *, whole: bool = False) -> LocalState:
     """Flatten ``state_dict`` once: this rank's plan, the local tensor of every chunk
     (``DTensor.to_local()``, a ShardedTensor's local shard tensors, plain tensors; all
-    detached) and every value encoded (the encoding is also the check).
+    detached) and every value encoded (the encoding is also the check). The one
+    collector of every save path: ``quicksave.save``, the engine's multi-rank saves and
+    (``whole=True``) its single-rank ones.
 
     Args:
         state_dict: nested dicts/lists of tensors (plain, DTensor, ShardedTensor),
             ``Stateful`` objects at the top level, and JSON-encodable values.
         rank: this rank (recorded in the plan and in error messages).
+        whole: every tensor must be whole on this rank (a single-rank saver's: plain
+            tensors, or DTensors on a one-rank mesh; ``collect.whole_local``); each is
+            then one chunk named by its fqn.
 
     Raises:
         IncompatibleStateError: a value quicksave cannot store (names fqn and rank).
@@ -170,8 +220,7 @@ def collect_local(state_dict: Mapping[str, Any], rank: int) -> LocalState:
         state.plan.key, state.tensors, state.values["step"]
     """
     nested = to_state_dict(state_dict)
-    flat, mappings = flatten(nested, rank)  # names as quicksave.save names them
-    mappings, empty = structure(nested, mappings)
+    flat, mappings, empty = flatten_with_paths(nested, rank)  # names as DCP names them
     items: list[ItemSpec] = []
     tensors: dict[str, torch.Tensor] = {}
     sources: dict[str, torch.Tensor] = {}
@@ -179,10 +228,15 @@ def collect_local(state_dict: Mapping[str, Any], rank: int) -> LocalState:
     paths: list[tuple[str, Path]] = []
     for fqn, leaf in flat.items():
         if isinstance(leaf, torch.Tensor):
-            for spec, local in _chunks(fqn, leaf, rank):
-                items.append(spec)
-                tensors[spec.key] = local
-                sources[spec.key] = leaf if type(leaf).__name__ == "DTensor" else local
+            if whole:
+                tensors[fqn] = _whole(fqn, leaf, rank)
+                sources[fqn] = leaf
+            else:
+                for spec, local in _chunks(fqn, leaf, rank):
+                    key = spec.key
+                    items.append(spec)
+                    tensors[key] = local
+                    sources[key] = leaf if type(leaf).__name__ == "DTensor" else local
         else:
             try:
                 values[fqn] = objcodec.encode(leaf, fqn)  # refused before any rank writes
@@ -191,8 +245,9 @@ def collect_local(state_dict: Mapping[str, Any], rank: int) -> LocalState:
         path = tuple(mappings.get(fqn, (fqn,)))
         if not names_itself(path, fqn):
             paths.append((fqn, path))
-    plan = make_local_plan(rank, items, list(values), paths, empty)
-    return LocalState(plan, tensors, values, sources)
+    return LocalState(
+        rank, tensors, values, sources, tuple(paths), tuple(empty), None if whole else tuple(items)
+    )
 
 
 def local_plan(state_dict: Mapping[str, Any], rank: int) -> LocalPlan:
@@ -252,18 +307,17 @@ def _assign(
     holders: dict[tuple, list[int]] = {}
     first: dict[tuple, ItemSpec] = {}
     meta: dict[str, tuple[str, tuple[int, ...], int]] = {}
-    for lp in local_plans:
-        r = lp.rank
+    for r, lp in enumerate(local_plans):  # r: the index (the rank, but for one plan)
         for it in lp.items:
             m = meta.get(it.fqn)
             if m is None:
-                meta[it.fqn] = (it.dtype, it.global_shape, r)
+                meta[it.fqn] = (it.dtype, it.global_shape, lp.rank)
             elif m[0] != it.dtype or m[1] != it.global_shape:
                 raise IncompatibleStateError(
                     f"ranks disagree on this tensor: rank {m[2]} has {m[0]} "
-                    f"{list(m[1])}, rank {r} has {it.dtype} {list(it.global_shape)}",
+                    f"{list(m[1])}, rank {lp.rank} has {it.dtype} {list(it.global_shape)}",
                     fqn=it.fqn,
-                    rank=r,
+                    rank=lp.rank,
                 )
             idx = (it.fqn, it.offsets, it.sizes)
             h = holders.get(idx)
@@ -303,7 +357,8 @@ def global_plan(
     """Deduplicate and lay out every rank's chunks; build the manifest skeleton.
 
     Args:
-        local_plans: one per rank, ``local_plans[r].rank == r``.
+        local_plans: one per rank, ``local_plans[r].rank == r`` (one plan alone: a
+            single-rank save, of any rank; its manifest records no ``plans``, FORMAT.md §2).
         thread_count: data files (writer threads) per rank.
         alignment: byte alignment of chunks in data files.
         previous: an earlier plan; layouts of ranks whose assigned chunks did not change
@@ -321,7 +376,7 @@ def global_plan(
         gp = global_plan([local_plan(sd0, 0), local_plan(sd1, 1)], thread_count=2)
     """
     for r, lp in enumerate(local_plans):
-        if lp.rank != r:
+        if lp.rank != r and len(local_plans) > 1:
             raise ValueError(f"local_plans[{r}] is rank {lp.rank}'s plan")
     assigned, meta = _assign(local_plans)
     reuse = (
@@ -335,10 +390,10 @@ def global_plan(
         if reuse and previous.assigned[r] == tuple(items):  # type: ignore[union-attr]
             layouts.append(previous.layouts[r])  # type: ignore[union-attr]
         else:
-            layouts.append(layout_rank(r, items, thread_count, alignment))
+            layouts.append(layout_rank(local_plans[r].rank, items, thread_count, alignment))
     owners: dict[str, int] = {}
     paths: dict[str, Path] = {}
-    for lp in local_plans:
+    for r, lp in enumerate(local_plans):
         for fqn in lp.objects:
             if fqn in meta:
                 raise IncompatibleStateError(
@@ -346,7 +401,7 @@ def global_plan(
                     fqn=fqn,
                     rank=lp.rank,
                 )
-            owners.setdefault(fqn, lp.rank)
+            owners.setdefault(fqn, r)
         for fqn, p in lp.paths:
             paths.setdefault(fqn, p)
     per_rank_objects: list[list[str]] = [[] for _ in local_plans]
@@ -360,7 +415,7 @@ def global_plan(
         dict.fromkeys(owners),
         world_size=len(local_plans),
         paths=paths,
-        plans=manifest_plans(local_plans),
+        plans=manifest_plans(local_plans) if len(local_plans) > 1 else None,
         empty_dicts=tuple(sorted({e for lp in local_plans for e in lp.empty_dicts}, key=repr)),
     )
     key = plan_key([lp.key for lp in local_plans], thread_count, alignment)
@@ -409,6 +464,45 @@ def delta(
     return global_plan(merged, tc, al, previous=previous)
 
 
+# ------------------------------------------------------------- replicated entries
+
+
+def local_copies(
+    state: LocalState, keys: Iterable[str] | None = None, describe: bool = True
+) -> dict[str, replicas.Copy]:
+    """This rank's copies (engine planning): of ``keys`` only, or of every entry that
+    could be shared (all values, and every chunk ``checked`` would compare)."""
+    wanted = None if keys is None else set(keys)
+    out: dict[str, replicas.Copy] = {}
+    for fqn, encoded in state.values.items():
+        key = replicas.value_key(fqn)
+        if wanted is None or key in wanted:
+            out[key] = replicas.value_copy(fqn, encoded, describe)
+    for spec in state.plan.items:
+        key = replicas.tensor_key(spec.key)
+        if (wanted is None and spec.nbytes <= replicas.CHECK_BYTES) or (wanted and key in wanted):
+            c = replicas.tensor_copy(spec.fqn, state.tensors[spec.key], describe)
+            if c is not None:
+                out[key] = c
+    return out
+
+
+def shared_keys(plans: Sequence[LocalPlan]) -> list[tuple[str, ...]]:
+    """Per rank, its entries that another rank holds too and that are compared (values;
+    chunks up to ``replicas.CHECK_BYTES``): what it fingerprints on a plan-cache hit."""
+    holders: dict[str, int] = {}
+    per_rank: list[list[str]] = []
+    for lp in plans:
+        keys = [replicas.value_key(fqn) for fqn in lp.objects]
+        keys += [
+            replicas.tensor_key(it.key) for it in lp.items if it.nbytes <= replicas.CHECK_BYTES
+        ]
+        for k in keys:
+            holders[k] = holders.get(k, 0) + 1
+        per_rank.append(keys)
+    return [tuple(sorted(k for k in keys if holders[k] > 1)) for keys in per_rank]
+
+
 # ------------------------------------------------------------------ plan cache
 
 
@@ -454,7 +548,7 @@ class RankShare:
         layout: what this rank writes; ``objects``: the values it writes.
         key: the global plan's key (the same on every rank: what the ranks vote on).
         shared: this rank's entries that other ranks hold too and whose copies are
-            compared (``replicas.shared_keys``): what it fingerprints on a hit.
+            compared (``shared_keys``): what it fingerprints on a hit.
     """
 
     layout: RankLayout

@@ -17,8 +17,8 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from quicksave.errors import CheckpointError
-from quicksave.ranks.saving import DistSave, DistSaving
 from quicksave.saving.config import EngineConfig
+from quicksave.saving.dist_save import DistSave, DistSaving
 from quicksave.saving.in_flight import InFlightSaves
 from quicksave.saving.slots import StagingSlots
 from quicksave.saving.worker_supervision import WorkerSupervisor

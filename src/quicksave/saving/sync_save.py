@@ -4,7 +4,8 @@ The same pipeline as the engine's, less the staging (a synchronous save has noth
 overlap, so the bytes are written straight from the tensors):
 
     collect    rank_plans.collect_local: this rank's chunks (DTensor, ShardedTensor and
-               plain tensors alike), its values encoded and checked, its key paths
+               plain tensors alike), its values encoded and checked (once), its key
+               paths
     plan       ── central_round: every local plan (and the copies of what ranks may
                share, ranks/replicas.py) to the coordinator, which refuses copies that
                differ, makes the global plan (rank_plans.global_plan: each chunk once, the
@@ -31,15 +32,21 @@ from typing import Any
 
 from quicksave.commit import CommitStrategy, new_token, strategy_for
 from quicksave.commit.parts import RankPart, manifest_from_parts
-from quicksave.errors import CheckpointError, combined_failure
+from quicksave.errors import CheckpointError, IncompatibleStateError, combined_failure
 from quicksave.format.manifest import check_user_metadata
 from quicksave.layout.dcp_metadata import dcp_metadata_bytes
 from quicksave.layout.plan import RankLayout
 from quicksave.layout.skeleton import chunk_keys_of
 from quicksave.ranks import replicas
 from quicksave.ranks.exchange import central_round, failures_in, sendable
-from quicksave.saving.collect import to_state_dict, validate_for_save
-from quicksave.saving.rank_plans import GlobalPlan, LocalPlan, collect_local, global_plan
+from quicksave.saving.rank_plans import (
+    GlobalPlan,
+    LocalPlan,
+    LocalState,
+    collect_local,
+    global_plan,
+    local_copies,
+)
 from quicksave.storage.location import Location
 from quicksave.trace import phase
 from quicksave.worker import persist
@@ -140,10 +147,8 @@ class _Run:
         mine: tuple[LocalPlan, dict[str, replicas.Copy]] | CheckpointError
         try:
             with phase("save.collect"):
-                nested = to_state_dict(state_dict)
-                validate_for_save(nested, self.named)
-                self.state = collect_local(nested, self.rank)
-                copies = replicas.local_copies(self.state) if self.distributed else {}
+                self.state = self._collect(state_dict)
+                copies = local_copies(self.state) if self.distributed else {}
             mine = (self.state.plan, copies)
         except CheckpointError as e:
             if not self.distributed:
@@ -153,6 +158,14 @@ class _Run:
             mine = sendable(e, self.rank)
         with phase("save.plan"):
             return self._round(mine, self._decide_plan)
+
+    def _collect(self, state_dict: Mapping[str, Any]) -> LocalState:
+        """This rank's chunks and values, every value encoded (and so checked) once."""
+        try:
+            return collect_local(state_dict, self.rank)
+        except IncompatibleStateError as e:
+            e.rank = self.named  # one process alone: its errors name no rank
+            raise
 
     def _decide_plan(self, gathered: list[Any]) -> list[_Share]:
         failed = failures_in(gathered)
@@ -193,9 +206,7 @@ class _Run:
             failed = failures_in(gathered)
             if failed:
                 raise combined_failure(failed, self.path)
-            skeleton = gp.skeleton
-            if len(gathered) == 1:  # one rank's plan is the manifest itself (FORMAT.md §2)
-                skeleton = replace(skeleton, plans=None)
+            skeleton = gp.skeleton  # (one rank's has no plans: FORMAT.md §2)
             manifest = manifest_from_parts(skeleton, chunk_keys_of(skeleton), gathered, staging)
             manifest = replace(
                 manifest,

@@ -16,8 +16,8 @@ from collections.abc import Callable, Iterable
 
 from quicksave import trace
 from quicksave.errors import CheckpointError
-from quicksave.ranks.saving import DistSaving
 from quicksave.saving.config import EngineConfig
+from quicksave.saving.dist_save import DistSaving
 from quicksave.stage.pool import StagingPool
 from quicksave.worker.persisters import ProcessPersister, ThreadPersister
 

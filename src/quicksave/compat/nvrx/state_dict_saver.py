@@ -6,10 +6,10 @@ One save, every rank (training thread unless said otherwise)::
     save_state_dict_async_plan(state_dict, FileSystemWriterAsync(path), ...)
         local plan (always: it is local and cheap, and the only proof nothing changed)
         cached central plan and every rank's local plan unchanged?
-            ── agree_plan_reuse: ONE all-reduce MIN of one integer ──
+            ── agree_plan_reuse: ONE all-reduce MIN (saving.plan_vote.agree_reuse) ──
             yes → reuse the central plan (and, on the coordinator, the global metadata)
         else, after a restart, the loaded checkpoint's plans match every rank's?
-            ── verify_global_md_reuse: ONE all-reduce MIN of one integer ──
+            ── verify_global_md_reuse: the same agreement, ONE all-reduce MIN ──
             yes → every rank replays the global planning on the loaded plans, locally
         else ── the plan exchange (adapters.dcp_steps.exchange_plans, over
                 ranks.exchange.central_round): gather the local plans, DCP's global
@@ -61,8 +61,14 @@ from quicksave.errors import CheckpointError
 from quicksave.format.keys import REPLICAS_KEY
 from quicksave.ranks import collectives as talk
 from quicksave.saving.plan_cache import PlanCache
+from quicksave.saving.plan_vote import agree_reuse
 
 logger = logging.getLogger("quicksave")
+
+# The keys the ranks' plan-reuse votes compare: every rank that may reuse holds the same
+# one (the cache of the last exchange, or the loaded checkpoint's plans).
+_CACHED = "cached"
+_LOADED = "loaded"
 
 
 class CheckpointMetadataCache:
@@ -254,16 +260,12 @@ def get_metadata_caching_status(
 
 
 # ------------------------------------------------------------------ collectives
-def _all_ranks_min(value: int, dist_wrapper: _DistWrapper) -> int:
-    if not dist_wrapper.use_dist:
-        return value
-    return talk.all_reduce_ints([value], "min", dist_wrapper.group)[0]
-
-
 def agree_plan_reuse(unchanged: bool, dist_wrapper: _DistWrapper) -> bool:
-    """Collective: True on every rank iff every rank's local plan is unchanged (one
-    all-reduce MIN of one integer)."""
-    return _all_ranks_min(int(unchanged), dist_wrapper) == 1
+    """Collective: True on every rank iff every rank's local plan is unchanged (the
+    one plan-reuse agreement, ``saving.plan_vote.agree_reuse``: one all-reduce MIN)."""
+    return agree_reuse(
+        _CACHED if unchanged else None, dist_wrapper.group, distributed=dist_wrapper.use_dist
+    )
 
 
 def verify_global_md_reuse(
@@ -273,8 +275,9 @@ def verify_global_md_reuse(
     dist_wrapper: _DistWrapper,
 ) -> bool:
     """Collective (when plans were loaded for this world size): may every rank reuse the
-    loaded checkpoint's plans? One all-reduce MIN of one integer on the planning group
-    (CPU tensor for gloo, the current CUDA device for NCCL).
+    loaded checkpoint's plans? The one plan-reuse agreement
+    (``saving.plan_vote.agree_reuse``: one all-reduce MIN on the planning group, CPU
+    tensor for gloo, the current CUDA device for NCCL).
 
     Args:
         loaded_all_plans: every rank's plan from the loaded checkpoint.
@@ -291,7 +294,9 @@ def verify_global_md_reuse(
     same = _same_items(local_plan, loaded_all_plans[rank])
     if not same:
         logger.debug("quicksave: rank %d's plan differs from the loaded one", rank)
-    return _all_ranks_min(int(same), dist_wrapper) == 1
+    return agree_reuse(
+        _LOADED if same else None, dist_wrapper.group, distributed=dist_wrapper.use_dist
+    )
 
 
 def _plan_centrally(

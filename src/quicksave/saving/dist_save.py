@@ -4,7 +4,7 @@ rank's share of the work for the worker (files, part, records; see ``records``).
 Call order (training thread of every rank, once per save): ``DistSaving.plan(state_dict,
 final, ...)`` → the engine stages ``DistSave.tensors`` into the pool at ``places`` and
 submits a ``PersistJob`` built from the rest. The only collective is inside
-``exchange.plan_save`` (one small all-reduce on a cache hit).
+``plan_vote.plan_save`` (one small all-reduce on a cache hit).
 """
 
 from __future__ import annotations
@@ -19,8 +19,11 @@ import torch
 from quicksave.commit import rank_records as records
 from quicksave.errors import CheckpointError
 from quicksave.format.manifest import Manifest
+from quicksave.layout.dcp_metadata import dcp_metadata_bytes
 from quicksave.layout.plan import RankLayout
 from quicksave.layout.skeleton import chunk_keys_of
+from quicksave.saving.plan_cache import PlanCache
+from quicksave.saving.plan_vote import Rider, plan_save
 from quicksave.worker.job import DistCommit
 
 
@@ -36,6 +39,8 @@ class DistContext:
         coordinator: the rank whose writer commits.
         commit_timeout_s: how long the coordinator's writer waits for every rank's files
             (a rank that never arrives fails the save after this long, on every rank).
+        rider: the owner's integers that ride on every save's vote (``plan_vote.Rider``:
+            the manager settles the outcome of earlier saves with them), or None.
     """
 
     group: Any
@@ -44,6 +49,7 @@ class DistContext:
     world_size: int
     coordinator: int = 0
     commit_timeout_s: float = 120.0
+    rider: Rider | None = None
 
 
 @dataclass(frozen=True)
@@ -66,8 +72,6 @@ class DistSaving:
     """Plans multi-rank saves for one AsyncSaver; holds its plan cache."""
 
     def __init__(self, ctx: DistContext) -> None:
-        from quicksave.saving.plan_cache import PlanCache
-
         self.ctx = ctx
         self.cache = PlanCache()
         self.address = records.store_address(ctx.store)
@@ -92,14 +96,11 @@ class DistSaving:
 
         Returns None, on every rank, if some rank said it cannot save now (``go``).
         ``ready``: waits, bounded, until this rank can take the save now (see
-        ``exchange.plan_save``); every rank votes again while one is not ready.
+        ``plan_vote.plan_save``); every rank votes again while one is not ready.
 
         Raises:
             CheckpointError: bad input (names fqn and rank) or a failed exchange.
         """
-        from quicksave.layout.dcp_metadata import dcp_metadata_bytes
-        from quicksave.ranks.exchange import plan_save
-
         ctx = self.ctx
         try:
             planned = plan_save(
@@ -112,6 +113,7 @@ class DistSaving:
                 thread_count,
                 go,
                 ready,
+                ctx.rider,
             )
         except CheckpointError as e:
             if e.path is None:  # planning knows no path; this save's is worth naming
