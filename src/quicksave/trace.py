@@ -46,8 +46,8 @@ thread: ``torch.profiler.profile(experimental_config=
 torch.profiler._ExperimentalConfig(profile_all_threads=True))``.
 
 A range costs next to nothing with the profiler off (``_RecordFunctionFast`` where
-torch has it, else ``torch.profiler.record_function``): a few per save, one per chunk
-read.
+torch has it; else ``torch.profiler.record_function``, dearer, still small next to a
+save's work): a few per save, one per chunk read.
 
 Example::
 

@@ -51,8 +51,8 @@ def shield_free_pages(nbytes: int) -> Iterator[int]:
     that have sat free long enough to be cold: on a VM with free-page reporting
     (virtio-balloon) the host has taken them back, and every first touch of such a page
     costs a host fault, so the steps after a pool is built slow down with no more
-    (guest) page faults than usual (docs/benchmarks.md, training-loop overhead, has the
-    figures). Held by this shield, the recycled pages stay out of the
+    (guest) page faults than usual (docs/benchmarks.md, "Training-loop overhead on three
+    model shapes", has the figures). Held by this shield, the recycled pages stay out of the
     pool's reach, the pool takes (and pays for) fresh pages, and once the shield is
     released the recycled pages are the first ones handed out again.
 
