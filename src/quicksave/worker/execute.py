@@ -56,7 +56,7 @@ def execute_job(
     t0 = time.monotonic()
     usage = Usage(time.thread_time())
     try:  # here, not on the training thread: a store that is down stalls no trainer
-        check_target(job, strategy_for(backend))
+        check_target(job, strategy_for(job.location, backend))
     except BaseException as e:  # noqa: BLE001 - nothing written: nothing to discard
         return failure(job, e)
     try:
@@ -65,7 +65,7 @@ def execute_job(
         t1 = time.monotonic()
         with phase("save.commit"):
             commit_files(
-                strategy_for(backend),
+                strategy_for(job.location, backend),
                 job.tmp_dir,
                 job.location,
                 manifest_from_parts(

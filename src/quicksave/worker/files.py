@@ -85,7 +85,9 @@ def write_files(
     under the checkpoint's prefix); return the xxh3-64 of every chunk (safetensors key ->
     hex): those the trainer hashed while staging (``job.digests``), the others computed
     while writing. Adds the writer threads' CPU and the bytes hashed to ``usage``."""
-    strategy_for(backend).prepare_staging(job.tmp_dir)  # also with no file: parts, commit
+    strategy_for(job.location, backend).prepare_staging(
+        job.tmp_dir
+    )  # also with no file: parts, commit
 
     def one(f: FileJob) -> tuple[dict[str, str], float]:
         cpu0 = time.thread_time()
@@ -116,7 +118,7 @@ def discard(job: PersistJob, backend: Backend, parts: bool = False) -> None:
     if job.dist is not None:
         ranks = range(job.dist.world_size) if parts else (job.rank,)
         names += [part_name(r) for r in ranks]
-    strategy_for(backend).discard(job.tmp_dir, names)
+    strategy_for(job.location, backend).discard(job.tmp_dir, names)
 
 
 def commit_files(

@@ -47,7 +47,7 @@ def execute_multirank_job(
     t0 = time.monotonic()
     usage = Usage(time.thread_time())
     coordinator = job.rank == d.coordinator
-    strategy = strategy_for(backend)
+    strategy = strategy_for(job.location, backend)
     try:
         if store is None:
             raise CheckpointError("a multi-rank save needs the ranks' store", rank=job.rank)
