@@ -57,18 +57,17 @@ from quicksave.manager.failures import FailureLedger, Key, log_verdict
 from quicksave.manager.folder import (
     COMMITTED,
     apply_retention,
-    committed_steps,
     create_folder,
     load_newest,
     quarantine,
     replace_uncommitted,
-    require_committed,
 )
 from quicksave.manager.housekeeper import Housekeeper
 from quicksave.manager.interval import agree_any_due, agree_reports
 from quicksave.manager.lease import WriterLease, clean_folder, take_writer_lease
 from quicksave.manager.policies import KeepLatestK, RetentionPolicy
 from quicksave.manager.records import SaveRecord, log_committed, report
+from quicksave.manager.tiers import Tier
 from quicksave.ranks import collectives
 from quicksave.ranks.saving import DistContext
 from quicksave.saving.config import EngineConfig
@@ -91,6 +90,8 @@ class CheckpointSession:
             ``KeepLatestK(config.keep_latest_k)``).
 
     Attributes:
+        tiers: where the checkpoints live, each with its commit strategy, writer lease,
+            retention and reader (``tiers.py``); one today: the folder.
         location: the folder as a :class:`~quicksave.storage.Location`.
         folder: its path or URL.
         metrics: one :class:`SaveRecord` per checkpoint written, completed when it commits.
@@ -111,12 +112,11 @@ class CheckpointSession:
         retention: RetentionPolicy | None = None,
     ) -> None:
         self.config = config
-        self.location = parse_location(
-            config.folder, what="checkpoint folder", options=config.storage
-        )
-        self.folder = self.location.url
+        location = parse_location(config.folder, what="checkpoint folder", options=config.storage)
+        keep = retention or KeepLatestK(config.keep_latest_k)
+        self.tiers: list[Tier] = [Tier.at(location, keep)]
+        self.folder = location.url
         self.process_group = process_group
-        self.retention: RetentionPolicy = retention or KeepLatestK(config.keep_latest_k)
         self.metrics: list[SaveRecord] = []
         self.read_only_reason: str | None = None
         self.last_good: int | None = None
@@ -131,6 +131,23 @@ class CheckpointSession:
         self._leftovers: set[str] = set()  # failed saves' paths, for housekeeping
         self._leftovers_lock = threading.Lock()  # the housekeeper's thread reads them
         self._keeper: Housekeeper | None = None  # the lease holder's housekeeping thread
+
+    @property
+    def tier(self) -> Tier:
+        """The folder's tier (the only one today)."""
+        return self.tiers[0]
+
+    @property
+    def location(self) -> Location:
+        return self.tier.location
+
+    @property
+    def retention(self) -> RetentionPolicy:
+        return self.tier.retention
+
+    @retention.setter
+    def retention(self, policy: RetentionPolicy) -> None:
+        self.tier.retention = policy
 
     # ---------------------------------------------------------------- ranks
 
@@ -224,7 +241,9 @@ class CheckpointSession:
         with ``allow_dcp``, default ``config.allow_dcp``). Temporaries, quarantined
         checkpoints and directories without their commit are not listed."""
         dcp = self.config.allow_dcp if allow_dcp is None else allow_dcp
-        return committed_steps(self.location, allow_dcp=dcp, backend=self.backend())
+        return self.tier.reader.committed_steps(
+            self.location, allow_dcp=dcp, backend=self.backend()
+        )
 
     def is_committed(self, path: str) -> bool:
         """Whether a committed checkpoint is at ``path`` (False if that cannot be told)."""
@@ -237,7 +256,10 @@ class CheckpointSession:
         """Raise unless ``step`` has a committed checkpoint (``folder.require_committed``:
         ``CheckpointNotFoundError`` / ``NotCommittedError``, naming the committed steps)."""
         path = self.where(self.step_path(step))
-        require_committed(self.location, path, step, self.rank(), allow_dcp=self.config.allow_dcp)
+        allow_dcp = self.config.allow_dcp
+        self.tier.reader.require_committed(
+            self.location, path, step, self.rank(), allow_dcp=allow_dcp
+        )
 
     def writer_config(self, engine: EngineConfig) -> EngineConfig:
         """``engine`` for this session's writer: where this rank holds the folder's
@@ -283,7 +305,7 @@ class CheckpointSession:
         reason: str | None = None
         create_folder(self.location, self.rank())
         if self.is_coordinator():
-            self._lease, reason = take_writer_lease(self.location, hint)
+            self._lease, reason = take_writer_lease(self.location, hint, self.tier.lease)
             if self._lease is not None:
                 stale = self.config.storage.stale_after_s
                 clean_folder(self._lease, self.location, stale, backend=self.backend())
