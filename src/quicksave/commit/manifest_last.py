@@ -30,7 +30,7 @@ from quicksave.commit.kinds import (
     new_token,
 )
 from quicksave.commit.manifest_reader import read_manifest
-from quicksave.commit.strategy import CommitStrategy, metadata_has_footer
+from quicksave.commit.strategy import CommitStrategy, StagedFiles, metadata_has_footer
 from quicksave.errors import CheckpointError, CheckpointExistsError
 from quicksave.format import DCP_METADATA_NAME, MANIFEST_NAME
 from quicksave.storage.backend import Backend, join
@@ -121,6 +121,7 @@ class ManifestLastCommit(CommitStrategy):
         expected: Mapping[str, int],
         *,
         replace: bool = False,
+        staged: StagedFiles | None = None,
     ) -> None:
         """Check every object of ``expected`` (one listing), write every member but the
         last, then the last one (the manifest): its presence is the commit. Nothing is

@@ -20,7 +20,14 @@ from quicksave.commit import strategy_for
 from quicksave.commit.parts import RankPart, manifest_from_parts
 from quicksave.storage.backend import Backend
 from quicksave.storage.retry import StoreHealth
-from quicksave.worker.files import backend_for, check_target, commit_files, discard, write_files
+from quicksave.worker.files import (
+    backend_for,
+    check_target,
+    commit_files,
+    discard,
+    staged_files,
+    write_files,
+)
 from quicksave.worker.job import JobResult, PersistJob, Phase, Usage, done, failure, untraced
 from quicksave.worker.multirank import execute_multirank_job
 
@@ -77,6 +84,7 @@ def execute_job(
                 ),
                 job.dcp_metadata,
                 replace=job.replace,
+                staged=staged_files(job, pool),
             )
         t2 = time.monotonic()
         return done(job, t0, t1, t2, usage)

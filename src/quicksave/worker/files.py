@@ -23,6 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 from quicksave.checksum import hexdigest
 from quicksave.commit import CheckpointKind, CommitStrategy, strategy_for
 from quicksave.commit.parts import part_name
+from quicksave.commit.strategy import StagedFiles
 from quicksave.errors import AlreadyCommittedError, CheckpointExistsError
 from quicksave.format import DCP_METADATA_NAME, MANIFEST_NAME
 from quicksave.format.manifest import FileEntry, Manifest, to_json_bytes
@@ -129,10 +130,12 @@ def commit_files(
     dcp_metadata: bytes,
     *,
     replace: bool = False,
+    staged: StagedFiles | None = None,
 ) -> None:
     """Add ``.metadata`` to the manifest's files and commit the save written under
     ``staging`` at ``loc`` (:meth:`CommitStrategy.commit`): ``.metadata``, then the
-    manifest, last (``replace``: exchanged with a committed checkpoint at ``loc``)."""
+    manifest, last (``replace``: exchanged with a committed checkpoint at ``loc``;
+    ``staged``: the files in the pool they were written from)."""
     import xxhash
 
     expected = {name: entry.size for name, entry in manifest.files.items()}
@@ -142,4 +145,9 @@ def commit_files(
     )
     manifest_bytes = to_json_bytes(dataclasses.replace(manifest, files=files))
     members = {DCP_METADATA_NAME: dcp_metadata, MANIFEST_NAME: manifest_bytes}
-    strategy.commit(staging, loc, members, expected, replace=replace)
+    strategy.commit(staging, loc, members, expected, replace=replace, staged=staged)
+
+
+def staged_files(job: PersistJob, pool: memoryview) -> StagedFiles:
+    """The job's data files in ``pool`` (views, no copy), for the commit."""
+    return StagedFiles(pool, {f.name: (f.base, f.size) for f in job.files})
