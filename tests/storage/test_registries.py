@@ -17,6 +17,7 @@ import quicksave
 from quicksave.commit import CheckpointKind, classify, strategy_class
 from quicksave.commit.choose import STRATEGIES
 from quicksave.commit.rename import RenameCommit
+from quicksave.commit.strategy import StagedFiles
 from quicksave.errors import CheckpointError
 from quicksave.manager import CheckpointConfig, CheckpointManager
 from quicksave.manager.lease import LEASES, FolderLease, lease_for
@@ -167,8 +168,9 @@ class RecordingCommit(RenameCommit):
         expected: Mapping[str, int],
         *,
         replace: bool = False,
+        staged: StagedFiles | None = None,
     ) -> None:
-        super().commit(staging, loc, members, expected, replace=replace)
+        super().commit(staging, loc, members, expected, replace=replace, staged=staged)
         with open(f"{loc.key}.committed-by", "a") as f:
             f.write(f"{self.name} {sorted(expected)}\n")
 
