@@ -8,6 +8,8 @@ its built-in entries in one constant, and a user's own entries travel in the
 (``StorageOptions(schemes=..., commits=..., leases=...)``), so that every process that
 opens the location (an async saver's worker included: the options are pickled with it)
 resolves a name the same way. A user's entry replaces a built-in one of the same name.
+Entries cross to the worker process by pickle: define them at module level in a module
+that process can import (a class, a function, a frozen dataclass instance).
 
 Example::
 
