@@ -363,7 +363,7 @@ class StorageWriter(_DCPStorageWriter):
         (closed by :meth:`close`)."""
         if self._strategy is None:
             backend = self.location.open(fsync=self.fsync, rank=self.rank)
-            self._strategy = strategy_for(backend, owned=True)
+            self._strategy = strategy_for(self.location, backend, owned=True)
         return self._strategy
 
     def backend(self) -> Backend:

@@ -175,7 +175,8 @@ class CheckpointConfig:
             raise CheckpointError(
                 f"storage must be a StorageOptions, got {type(self.storage).__name__}"
             )
-        parse_location(self.folder, what="checkpoint folder")  # a URL it cannot serve: now
+        # a URL it cannot serve: now
+        parse_location(self.folder, what="checkpoint folder", options=self.storage)
         if self.interval_type not in INTERVAL_TYPES:
             raise CheckpointError(
                 f"interval_type must be 'steps' or 'seconds', got {self.interval_type!r}"
