@@ -94,7 +94,7 @@ class CheckpointConfig:
             over more time, which helps where the disk's work slows the training steps
             (a VM's virtual disk shares the host with its CPUs); the time to durable grows
             to at least the bytes / (rate × threads). ``None`` (default): no limit. See
-            docs/benchmarks.md (issue 12) for what it changed here.
+            docs/benchmarks.md for what it changes in the training benchmark.
         on_save_error: what a failed save (its write, upload or commit; a storage
             outage longer than ``storage.s3.retry_deadline_s``) does. ``"raise"``
             (default): its ``CheckpointError`` is raised, on every rank at the same call

@@ -3,7 +3,7 @@
 Why a lease: anything that deletes in a folder (start-up clean-up of temporaries left by
 crashes, retention, quarantine of a bad checkpoint) must know that no live job is
 writing there, or it tears that job's checkpoints (an eval script that builds a manager
-on the folder of a running job used to delete the job's in-flight temporaries).
+on the folder of a running job would otherwise delete the job's in-flight temporaries).
 
 The lease is an exclusive ``flock`` on ``<folder>/.quicksave-lock``, taken by the
 coordinator of a writing :class:`~quicksave.manager.CheckpointManager` when it is built
@@ -12,7 +12,7 @@ SIGKILL, so "the lease is free" proves that the previous writer is gone: no hear
 no clock, no guessing from ages. ``flock`` works across the machines of an NFSv4 mount
 (Linux emulates it with POSIX locks there). On a filesystem without locks (e.g. Lustre
 mounted without ``-o flock``) ownership cannot be enforced: the manager says so in a
-warning and writes as before.
+warning and writes without a lease.
 
 The file also holds a line naming the holder (host, pid, start time), only to make the
 error of a refused writer useful; it is never trusted for anything else.

@@ -217,8 +217,8 @@ class CheckpointSession:
         return parse_location(path, options=self.config.storage)
 
     def backend(self) -> Backend | None:
-        """The session's backend of the folder, opened once (a new S3 client costs
-        ~0.3 s: not per save) and closed by :meth:`release`. Once the lease is held, every
+        """The session's backend of the folder, opened once (a new S3 client is slow
+        to make: once per session, not per save) and closed by :meth:`release`. Once the lease is held, every
         deletion through it re-checks the lease first (on an object store, where the
         lease is an object with an expiry)."""
         if self._store is None:

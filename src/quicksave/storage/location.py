@@ -2,8 +2,8 @@
 
 Every entry point turns what the user gave into a :class:`Location` here, before any
 I/O, so a destination quicksave does not understand is an error, never a guess:
-``s3://b/run`` used to be taken as a relative path and silently became a local
-directory ``s3:``, and ``s3:/b/run`` (one slash missing) a local ``./s3:/b/run``.
+``s3://b/run`` is a bucket, never a local directory ``s3:``, and ``s3:/b/run`` (one
+slash missing) is refused, never a local ``./s3:/b/run``.
 
 Served: plain paths and ``file:`` URLs (the local filesystem), ``s3://bucket/prefix``
 (extra ``quicksave[s3]``) and ``msc://profile/path`` (extra ``quicksave[msc]``); the
