@@ -219,8 +219,8 @@ class CheckpointSession:
     def backend(self) -> Backend | None:
         """The session's backend of the folder, opened once (a new S3 client is slow
         to make: once per session, not per save) and closed by :meth:`release`. Once
-        the lease is held, every deletion through it re-checks the lease first (on an object store, where the
-        lease is an object with an expiry)."""
+        the lease is held, every deletion through it re-checks the lease first (on an
+        object store, where the lease is an object with an expiry)."""
         if self._store is None:
             # Never a hang, and a call of the training thread (a pre-check, retention)
             # ends well within the checkpoint group's timeout: the other ranks may be
