@@ -21,7 +21,8 @@ its result (``max_in_flight`` pools allow that many saves in flight).
 
 This module wires the stages together; each lives in its own module of ``save/``:
 ``config`` (EngineConfig), ``handle`` (SaveHandle, SaveResult), ``collect``
-(``collect_state``), ``engine_plan`` (the single-rank plan and its cache), ``rank_vote``
+(``collect_state``), ``collect_cache`` (its answer, kept while the structure holds),
+``engine_plan`` (the single-rank plan and its cache), ``rank_vote``
 (several ranks: the vote before each save), ``slots`` (the staging pools),
 ``staging`` (the copies into a pool), ``background_copy`` (overlap mode: the copy
 beside training and its confirmation, ``guard``), ``in_flight`` (saves in flight and
@@ -39,19 +40,19 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-import torch
-
 from quicksave.commit import CommitStrategy, new_token, strategy_class, strategy_for
 from quicksave.errors import CheckpointError
 from quicksave.format.manifest import check_user_metadata
 from quicksave.ranks.saving import DistContext, DistSaving
 from quicksave.saving.background_copy import BackgroundCopy, Overlap
-from quicksave.saving.collect import collect_state
+from quicksave.saving.collect import CollectedState
+from quicksave.saving.collect_cache import CollectCache
 from quicksave.saving.config import EngineConfig
 from quicksave.saving.engine_plan import (
     EnginePlan,
     PlannedSave,
     fqns_of,
+    plan_key,
     single_rank_manifest,
     single_rank_plan,
 )
@@ -109,6 +110,7 @@ class AsyncSaver:
         self._ids = itertools.count()  # pool and job ids
         self._slots = StagingSlots(self.config.max_in_flight, self._ids, self.config.pin_memory)
         self._plans: PlanCache[EnginePlan] = PlanCache()  # single rank (several: DistSaving's)
+        self._collected = CollectCache()  # single rank
         self._flights = InFlightSaves(self.rank, self._dist)
         self._worker = WorkerSupervisor(self.config, self.rank, self._dist)
         self._copier = PoolCopier()
@@ -264,15 +266,28 @@ class AsyncSaver:
         # The target itself is checked by the worker before it writes
         # (worker/execute.py): the training thread never waits on the store.
         with phase("save.collect"):
-            state = collect_state(state_dict, loc.url, self.rank)
+            state = self._collected.collect(state_dict, loc.url, self.rank)
         with phase("save.plan"):
-            plan = self._plan(state.tensors, state.objects)
+            plan = self._plan_collected(state)
             manifest = single_rank_manifest(plan, state, step, user_metadata)
         return PlannedSave(plan, state.tensors, state.sources, manifest, new_token())
 
-    def _plan(self, tensors: dict[str, torch.Tensor], objects: dict[str, Any]) -> EnginePlan:
-        """The single-rank plan of these tensors and values (cached)."""
-        return single_rank_plan(self._plans, self.rank, tensors, objects, self.config.thread_count)
+    def _plan(
+        self, tensors: dict[str, Any], objects: dict[str, Any], key: tuple | None = None
+    ) -> EnginePlan:
+        """The single-rank plan of these tensors and values (cached; ``key``: their
+        plan key, if known)."""
+        threads = self.config.thread_count
+        return single_rank_plan(self._plans, self.rank, tensors, objects, threads, key=key)
+
+    def _plan_collected(self, state: CollectedState) -> EnginePlan:
+        """The plan of a state just collected; its plan key is kept with the collect
+        cache's structure (a steady save does not build it again)."""
+        cache = self._collected
+        threads = self.config.thread_count
+        key = cache.plan_key or plan_key(state.tensors, state.objects, threads)
+        cache.plan_key = key
+        return self._plan(state.tensors, state.objects, key)
 
     def _free_slot(self) -> Slot | None:
         """A free slot: waits for one (``backpressure="wait"``), or None (``"skip"``, or
@@ -473,6 +488,7 @@ class AsyncSaver:
             self._worker.stop(now=abort or bool(self._flights.jobs), unmap=self._slots.close)
             self._flights.abandon(self.config.close_timeout_s)
             self._slots.close()
+            self._copier.forget()
             atexit.unregister(self._atexit)
             for strategy in self._strategies.values():
                 strategy.close()
@@ -525,8 +541,8 @@ class AsyncSaver:
             if self._closed:
                 return None
             try:
-                state = collect_state(state_dict, "", self.rank)
-                plan = self._plan(state.tensors, state.objects)
+                state = self._collected.collect(state_dict, "", self.rank)
+                plan = self._plan_collected(state)
             except CheckpointError as e:
                 logger.debug("quicksave: nothing prepared: %s", e)
                 return None

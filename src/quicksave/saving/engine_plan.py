@@ -29,7 +29,7 @@ from quicksave.saving.config import EngineConfig
 from quicksave.saving.plan_cache import PlanCache
 from quicksave.stage.pool import StagingPool
 from quicksave.storage import Location
-from quicksave.worker.job import DistCommit, FileJob, PersistJob
+from quicksave.worker.job import DistCommit, FileJob, PersistJob, PickledOnce
 
 
 @dataclass(frozen=True)
@@ -47,6 +47,8 @@ class EnginePlan:
     skeleton: Manifest | None = None  # a single-rank plan's (saving.skeleton)
     # the latest (key paths, manifest tensor entries with them): see tensor_entries
     _entries: list = field(default_factory=list, init=False, compare=False, repr=False)
+    # the latest (pool file bases, the worker's files there): see file_jobs
+    _files: list = field(default_factory=list, init=False, compare=False, repr=False)
 
     @classmethod
     def of_dist(cls, ds: DistSave) -> EnginePlan:
@@ -59,11 +61,24 @@ class EnginePlan:
         per plan and paths: ~1,500 entries cost a save ~10 ms to make)."""
         if self._entries and self._entries[0] == paths:
             return self._entries[1]
-        entries = {
-            fqn: dataclasses.replace(t, path=paths.get(fqn)) for fqn, t in self.tensors.items()
-        }
+        entries = PickledOnce(
+            (fqn, dataclasses.replace(t, path=paths.get(fqn))) for fqn, t in self.tensors.items()
+        )
         self._entries[:] = [paths, entries]
         return entries
+
+    def file_jobs(self, pool: StagingPool) -> tuple[FileJob, ...]:
+        """The worker's files of this plan staged in ``pool`` (made once per plan and
+        pool file bases: a chunk per tensor, thousands of tuples)."""
+        bases = tuple(pf.base for pf in pool.pool.files)
+        if self._files and self._files[0] == bases:
+            return self._files[1]
+        files = tuple(
+            FileJob(f.name, base, f.size, _entries_of(f))
+            for f, base in zip(self.layout.files, bases, strict=True)
+        )
+        self._files[:] = [bases, files]
+        return files
 
 
 @dataclass(frozen=True)
@@ -104,15 +119,7 @@ class PlannedSave:
             rank=rank,
             final_path=loc.url,
             tmp_dir=staging,
-            files=tuple(
-                FileJob(
-                    f.name,
-                    pf.base,
-                    f.size,
-                    tuple((e.item.key, e.offset, e.length) for e in f.entries),
-                )
-                for f, pf in zip(plan.layout.files, pool.pool.files, strict=True)
-            ),
+            files=plan.file_jobs(pool),
             manifest=self.manifest,
             chunk_keys=plan.chunk_keys,
             dcp_metadata=plan.dcp_metadata,
@@ -125,6 +132,11 @@ class PlannedSave:
             clear_uncommitted=config.clear_uncommitted,
             write_rate=None if (mbps := config.write_rate_mbps) is None else mbps * 1e6,
         )
+
+
+def _entries_of(f: Any) -> tuple[tuple[str, int, int], ...]:
+    """(chunk key, file offset, length) of each chunk of the layout's file ``f``."""
+    return tuple((e.item.key, e.offset, e.length) for e in f.entries)
 
 
 def plan_key(tensors: Mapping[str, torch.Tensor], objects: Mapping[str, Any], threads: int):
@@ -169,7 +181,7 @@ def plan_one_rank(
         world_size=1,
     )
     entries = skeleton.tensors
-    chunk_keys = chunk_keys_of(skeleton)
+    chunk_keys = PickledOnce(chunk_keys_of(skeleton))  # in every job of this plan
     places = {p.item.fqn: (p.file, p.offset, p.length) for p in placed}
     keys = {fqn: key for key, (fqn, _) in chunk_keys.items()}
     return EnginePlan(
@@ -196,10 +208,13 @@ def single_rank_plan(
     tensors: Mapping[str, torch.Tensor],
     objects: Mapping[str, Any],
     thread_count: int,
+    key: tuple | None = None,
 ) -> EnginePlan:
     """The plan of a single-rank save: the cached one while the names, dtypes and shapes
-    (and the values' names) are unchanged, else a new one, cached."""
-    key = plan_key(tensors, objects, thread_count)
+    (and the values' names) are unchanged, else a new one, cached. ``key``: their
+    :func:`plan_key`, where the caller has it already."""
+    if key is None:
+        key = plan_key(tensors, objects, thread_count)
     context = (1, rank, thread_count)
     plan = cache.lookup(key, context)
     if plan is not None:

@@ -1,0 +1,192 @@
+"""The collect cache: :func:`collect.collect_state`'s answer for the last state dict,
+reused while a new state dict has the same structure, so that a steady save collects
+its thousands of tensors in a few calls instead of a few Python calls per tensor.
+
+What a collect derives from the structure alone is kept: the fqns, the key paths, the
+empty dicts, which leaves are tensors, and each tensor's checks (its dtype is storable,
+its layout strided, it is not on ``meta``). The next state dict reuses them once it is
+seen to have the same structure: per container (not per leaf) the same keys and the
+same type of every value, every list kept whole still kept whole; per tensor (one
+``map`` over all of them, no object kept per tensor) the same dtype, shape, layout and
+``meta``-ness. Anything else — a new or missing key, another type, dtype or shape, a
+tensor subclass such as a DTensor — is collected by ``collect_state`` again, and that
+answer is kept instead. Plain values are encoded at every save (their value now).
+
+Call order: the engine's training thread calls :meth:`CollectCache.collect` at each
+save (and ``prepare()``), under the saver's lock. Pure: no I/O, no collective.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from quicksave.errors import IncompatibleStateError
+from quicksave.format import objects as objcodec
+from quicksave.saving.collect import CollectedState, collect_state, to_state_dict
+from quicksave.saving.keypaths import walked
+
+# the tensor types collected as themselves (whole_local detaches them; a DTensor is not)
+_PLAIN = frozenset({torch.Tensor, torch.nn.Parameter})
+# what a tensor's checks and its place in the plan depend on
+_FACTS = operator.attrgetter("dtype", "shape", "layout", "is_meta")
+_GRAD = operator.attrgetter("requires_grad")
+
+
+@dataclass(frozen=True)
+class _Node:
+    """A container the flattening walks into: a mapping (its keys) or a list (its
+    length), the type of each value, the positions of the values walked into (with
+    their nodes) and of the lists kept whole."""
+
+    keys: tuple | int
+    key_types: tuple
+    types: tuple
+    children: tuple[tuple[int, _Node], ...]
+    whole_lists: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class _Entry:
+    """What one collect derived from the structure."""
+
+    root: _Node
+    fqns: tuple[str, ...]  # the leaves, in flattening order
+    tensor_at: tuple[int, ...]  # positions of the tensor leaves
+    object_at: tuple[int, ...]  # positions of the other leaves
+    facts: tuple[tuple, ...]  # per tensor leaf: _FACTS
+    paths: dict[str, tuple]  # as CollectedState's (no tensor is kept here)
+    empty: tuple[tuple, ...]
+
+
+class CollectCache:
+    """One saver's collect cache (one entry: the latest structure).
+
+    Attributes:
+        plan_key: the plan key the saver computed for the cached structure (its fqns,
+            dtypes and shapes, its values' names), kept while collects hit, forgotten
+            at every miss; None until the saver sets it.
+        hits / misses: collects answered from the cache / by ``collect_state``.
+    """
+
+    def __init__(self) -> None:
+        self._entry: _Entry | None = None
+        self.plan_key: tuple | None = None
+        self.hits = 0
+        self.misses = 0
+
+    def collect(self, state_dict: Mapping[str, Any], final: str, rank: int) -> CollectedState:
+        """``collect_state(state_dict, final, rank)``, from the cache where the
+        structure is the cached one.
+
+        Raises:
+            IncompatibleStateError: as ``collect_state`` (before any I/O).
+        """
+        nested = to_state_dict(state_dict)
+        entry = self._entry
+        if entry is not None:
+            state = _reuse(entry, nested, final, rank)
+            if state is not None:
+                self.hits += 1
+                return state
+        self.misses += 1
+        self._entry, self.plan_key = None, None
+        state = collect_state(nested, final, rank)
+        self._entry = _entry_of(nested, state)
+        return state
+
+
+def _reuse(
+    entry: _Entry, nested: Mapping[str, Any], final: str, rank: int
+) -> CollectedState | None:
+    """The collect of ``nested`` from ``entry``, or None if its structure differs."""
+    leaves: list[Any] = []
+    if not _gather(entry.root, nested, leaves) or len(leaves) != len(entry.fqns):
+        return None
+    tensors = [leaves[i] for i in entry.tensor_at] if entry.object_at else leaves
+    if not all(map(operator.eq, map(_FACTS, tensors), entry.facts)):
+        return None
+    fqns = entry.fqns
+    names = [fqns[i] for i in entry.tensor_at] if entry.object_at else fqns
+    sources = dict(zip(names, tensors, strict=True))
+    staged = sources
+    if any(map(_GRAD, tensors)):  # (a Parameter itself, not state_dict()'s detached view)
+        staged = {n: t.detach() for n, t in sources.items()}
+    try:
+        objects = {fqns[i]: objcodec.encode(leaves[i], fqns[i]) for i in entry.object_at}
+    except IncompatibleStateError as e:
+        raise IncompatibleStateError(e.message, path=final, fqn=e.fqn, rank=rank) from None
+    return CollectedState(staged, sources, objects, entry.paths, entry.empty)
+
+
+def _gather(node: _Node, value: Any, leaves: list[Any]) -> bool:
+    """Append the leaves of ``value`` to ``leaves`` in flattening order; False if its
+    structure is not ``node``'s."""
+    if isinstance(value, Mapping):
+        keys = tuple(value)
+        if keys != node.keys or tuple(map(type, keys)) != node.key_types:
+            return False
+        values: Any = tuple(value.values())
+    elif isinstance(value, list) and len(value) == node.keys:
+        values = value
+    else:
+        return False
+    if tuple(map(type, values)) != node.types:
+        return False
+    if any(walked(values[i]) for i in node.whole_lists):
+        return False
+    start = 0
+    for i, child in node.children:
+        leaves.extend(values[start:i])
+        if not _gather(child, values[i], leaves):
+            return False
+        start = i + 1
+    leaves.extend(values[start:] if start else values)
+    return True
+
+
+def _entry_of(nested: Mapping[str, Any], state: CollectedState) -> _Entry | None:
+    """The cache entry of ``state``, the collect of ``nested``; None where it does not
+    fit: a tensor of another type than :data:`_PLAIN` (``whole_local``'s other cases)."""
+    leaves: list[Any] = []
+    root = _node(nested, leaves)
+    tensor_at = tuple(i for i, v in enumerate(leaves) if isinstance(v, torch.Tensor))
+    object_at = tuple(i for i, v in enumerate(leaves) if not isinstance(v, torch.Tensor))
+    if len(tensor_at) != len(state.sources) or len(object_at) != len(state.objects):
+        return None
+    if any(type(leaves[i]) not in _PLAIN for i in tensor_at):
+        return None
+    # collect_state's dicts keep the flattening order, the tensors' and the values' apart
+    order: list[str] = [""] * len(leaves)
+    for i, (fqn, t) in zip(tensor_at, state.sources.items(), strict=True):
+        if t is not leaves[i]:
+            return None
+        order[i] = fqn
+    for i, fqn in zip(object_at, state.objects, strict=True):
+        order[i] = fqn
+    facts = tuple(_FACTS(leaves[i]) for i in tensor_at)
+    return _Entry(root, tuple(order), tensor_at, object_at, facts, state.paths, state.empty)
+
+
+def _node(value: Any, leaves: list[Any]) -> _Node:
+    """The node of a container the flattening walks into, appending its leaves."""
+    if isinstance(value, Mapping):
+        keys: tuple | int = tuple(value)
+        key_types = tuple(map(type, value))
+        values = list(value.values())
+    else:
+        keys, key_types, values = len(value), (), value
+    children = []
+    whole = []
+    for i, v in enumerate(values):
+        if walked(v):
+            children.append((i, _node(v, leaves)))
+        else:
+            leaves.append(v)
+            if isinstance(v, list):
+                whole.append(i)
+    return _Node(keys, key_types, tuple(map(type, values)), tuple(children), tuple(whole))
