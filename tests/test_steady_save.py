@@ -253,3 +253,17 @@ def test_a_re_tie_and_a_new_shape_after_steady_saves_are_saved_exactly(
     with CheckpointManager(reader, fresh_states) as r:
         r.load(6)
     assert_same(snapshot(fresh_states), at_6)
+
+
+def test_values_are_encoded_again_unless_the_same_immutable_object() -> None:
+    cache = CollectCache()
+    losses = [1.0]
+    lr = 0.25
+    cache.collect({"t": torch.ones(1), "lr": lr, "losses": losses, "step": 1}, "p", 0)
+    first = cache.collect({"t": torch.ones(1), "lr": lr, "losses": losses, "step": 1}, "p", 0)
+    same = cache.collect({"t": torch.ones(1), "lr": lr, "losses": losses, "step": 1}, "p", 0)
+    assert same.objects == first.objects == {"lr": 0.25, "losses": [1.0], "step": 1}
+    losses.append(2.0)  # mutated in place: the same object, another value
+    moved = cache.collect({"t": torch.ones(1), "lr": 0.5, "losses": losses, "step": 2}, "p", 0)
+    assert moved.objects == {"lr": 0.5, "losses": [1.0, 2.0], "step": 2}
+    assert cache.misses == 1

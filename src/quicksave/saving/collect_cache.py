@@ -35,6 +35,8 @@ _PLAIN = frozenset({torch.Tensor, torch.nn.Parameter})
 # what a tensor's checks and its place in the plan depend on
 _FACTS = operator.attrgetter("dtype", "shape", "layout", "is_meta")
 _GRAD = operator.attrgetter("requires_grad")
+# plain values whose object cannot change: the same object encodes the same
+_IMMUTABLE = frozenset({int, float, str, bool, type(None)})
 
 
 @dataclass(frozen=True)
@@ -58,6 +60,7 @@ class _Entry:
     fqns: tuple[str, ...]  # the leaves, in flattening order
     tensor_at: tuple[int, ...]  # positions of the tensor leaves
     object_at: tuple[int, ...]  # positions of the other leaves
+    immutable: tuple[bool, ...]  # per other leaf: of a type whose object never changes
     facts: tuple[tuple, ...]  # per tensor leaf: _FACTS
     paths: dict[str, tuple]  # as CollectedState's (no tensor is kept here)
     empty: tuple[tuple, ...]
@@ -76,6 +79,8 @@ class CollectCache:
     def __init__(self) -> None:
         self._entry: _Entry | None = None
         self.plan_key: tuple | None = None
+        # the last collect's plain values and their encodings (reused where unchanged)
+        self._values: tuple[list[Any], dict[str, Any]] | None = None
         self.hits = 0
         self.misses = 0
 
@@ -89,21 +94,31 @@ class CollectCache:
         nested = to_state_dict(state_dict)
         entry = self._entry
         if entry is not None:
-            state = _reuse(entry, nested, final, rank)
-            if state is not None:
+            found = _reuse(entry, nested, final, rank, self._values)
+            if found is not None:
+                state, self._values = found
                 self.hits += 1
                 return state
         self.misses += 1
-        self._entry, self.plan_key = None, None
+        self._entry, self.plan_key, self._values = None, None, None
         state = collect_state(nested, final, rank)
         self._entry = _entry_of(nested, state)
+        if self._entry is not None:
+            self._values = ([], state.objects)  # (no value is reused from a miss)
         return state
 
 
 def _reuse(
-    entry: _Entry, nested: Mapping[str, Any], final: str, rank: int
-) -> CollectedState | None:
-    """The collect of ``nested`` from ``entry``, or None if its structure differs."""
+    entry: _Entry,
+    nested: Mapping[str, Any],
+    final: str,
+    rank: int,
+    last: tuple[list[Any], dict[str, Any]] | None,
+) -> tuple[CollectedState, tuple[list[Any], dict[str, Any]]] | None:
+    """The collect of ``nested`` from ``entry`` and its plain values; None if its
+    structure differs. ``last``: the previous collect's values and their encodings: an
+    immutable value that is the same object is not encoded again, and where none
+    changed the encodings are the same dict."""
     leaves: list[Any] = []
     if not _gather(entry.root, nested, leaves) or len(leaves) != len(entry.fqns):
         return None
@@ -116,11 +131,22 @@ def _reuse(
     staged = sources
     if any(map(_GRAD, tensors)):  # (a Parameter itself, not state_dict()'s detached view)
         staged = {n: t.detach() for n, t in sources.items()}
+    values = [leaves[i] for i in entry.object_at]
+    old_values, old_objects = last if last is not None else ([], {})
+    same = list(map(operator.is_, values, old_values)) if old_values else [False] * len(values)
+    kept = [s and i for s, i in zip(same, entry.immutable, strict=True)]
     try:
-        objects = {fqns[i]: objcodec.encode(leaves[i], fqns[i]) for i in entry.object_at}
+        if all(kept):
+            objects = old_objects
+        else:
+            objects = {
+                (fqn := fqns[i]): old_objects[fqn] if keep else objcodec.encode(v, fqn)
+                for i, v, keep in zip(entry.object_at, values, kept, strict=True)
+            }
     except IncompatibleStateError as e:
         raise IncompatibleStateError(e.message, path=final, fqn=e.fqn, rank=rank) from None
-    return CollectedState(staged, sources, objects, entry.paths, entry.empty)
+    state = CollectedState(staged, sources, objects, entry.paths, entry.empty)
+    return state, (values, objects)
 
 
 def _gather(node: _Node, value: Any, leaves: list[Any]) -> bool:
@@ -169,7 +195,10 @@ def _entry_of(nested: Mapping[str, Any], state: CollectedState) -> _Entry | None
     for i, fqn in zip(object_at, state.objects, strict=True):
         order[i] = fqn
     facts = tuple(_FACTS(leaves[i]) for i in tensor_at)
-    return _Entry(root, tuple(order), tensor_at, object_at, facts, state.paths, state.empty)
+    immutable = tuple(type(leaves[i]) in _IMMUTABLE for i in object_at)
+    return _Entry(
+        root, tuple(order), tensor_at, object_at, immutable, facts, state.paths, state.empty
+    )
 
 
 def _node(value: Any, leaves: list[Any]) -> _Node:

@@ -49,6 +49,8 @@ class EnginePlan:
     _entries: list = field(default_factory=list, init=False, compare=False, repr=False)
     # the latest (pool file bases, the worker's files there): see file_jobs
     _files: list = field(default_factory=list, init=False, compare=False, repr=False)
+    # the latest (encoded values, key paths, manifest object entries): see object_entries
+    _objects: list = field(default_factory=list, init=False, compare=False, repr=False)
 
     @classmethod
     def of_dist(cls, ds: DistSave) -> EnginePlan:
@@ -65,6 +67,28 @@ class EnginePlan:
             (fqn, dataclasses.replace(t, path=paths.get(fqn))) for fqn, t in self.tensors.items()
         )
         self._entries[:] = [paths, entries]
+        return entries
+
+    def object_entries(
+        self, objects: dict[str, Any], paths: dict[str, tuple]
+    ) -> dict[str, ObjectEntry]:
+        """The manifest's object entries of these encoded values with their key paths;
+        of the latest ones, only the entries of values that are other objects are made
+        again (an optimizer's flattened param_groups hold thousands of values)."""
+        memo = self._objects
+        if memo and memo[1] is paths and memo[0].keys() == objects.keys():
+            last, _, entries = memo
+            if last is objects:
+                return entries
+            changed = [fqn for fqn, v in objects.items() if v is not last[fqn]]
+            entries = PickledOnce(entries)
+            for fqn in changed:
+                entries[fqn] = ObjectEntry(objects[fqn], paths.get(fqn))
+        else:
+            entries = PickledOnce(
+                (fqn, ObjectEntry(v, paths.get(fqn))) for fqn, v in objects.items()
+            )
+        self._objects[:] = [objects, paths, entries]
         return entries
 
     def file_jobs(self, pool: StagingPool) -> tuple[FileJob, ...]:
@@ -240,7 +264,7 @@ def single_rank_manifest(
         plan.skeleton,
         step=step,
         tensors=plan.tensor_entries(state.paths),
-        objects={fqn: ObjectEntry(v, state.paths.get(fqn)) for fqn, v in state.objects.items()},
+        objects=plan.object_entries(state.objects, state.paths),
         user_metadata=dict(user_metadata or {}),
         empty_dicts=state.empty,
     )

@@ -21,9 +21,21 @@ from quicksave.saving.engine_plan import EnginePlan
 from quicksave.stage.pool import Item, StagingPool
 
 _IS_CUDA = operator.attrgetter("is_cuda")
+_PTR = torch.Tensor.data_ptr
 
 # ``deferred(fqn, tensor)``: whether ``save()`` may leave the tensor to the background copy
 Deferred = Callable[[str, torch.Tensor], bool]
+
+
+@dataclass(frozen=True)
+class DeferredAt:
+    """A :data:`Deferred` by address: the tensors with elements whose memory starts at
+    one of ``ptrs``. :func:`split` tests all the tensors of a save against it at once."""
+
+    ptrs: frozenset[int]
+
+    def __call__(self, fqn: str, t: torch.Tensor) -> bool:
+        return t.numel() > 0 and t.data_ptr() in self.ptrs
 
 
 def split(
@@ -37,6 +49,13 @@ def split(
     (``unguarded``, see guard.py). Blocking staging copies everything in save()."""
     if staging == "blocking" or deferred is None:
         return list(tensors), []
+    if isinstance(deferred, DeferredAt):
+        picked = deferred.ptrs - unguarded
+        names = list(tensors)
+        at = [n for n, p in zip(names, map(_PTR, tensors.values()), strict=True) if p in picked]
+        later = [n for n in at if tensors[n].numel() > 0 and not tensors[n].is_inference()]
+        late = set(later)
+        return ([n for n in names if n not in late] if late else names), later
     now, later = [], []
     for fqn, t in tensors.items():
         late = deferred(fqn, t) and t.data_ptr() not in unguarded and not t.is_inference()
