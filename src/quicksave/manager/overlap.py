@@ -93,15 +93,14 @@ class WriterWatch:
                     id(t) for t, a, b in zip(tensors, versions, now, strict=True) if a != b
                 )
             kept = [t for t in tensors if id(t) in clean and id(t) not in outside]
-            ptrs.update(map(local_ptr, kept))
+            plain = set(map(type, kept)) <= {torch.Tensor, torch.nn.Parameter}
+            ptrs.update(map(torch.Tensor.data_ptr if plain else local_ptr, kept))
         ptrs.discard(0)
         return DeferredAt(frozenset(ptrs)) if ptrs else None
 
 
 def local_ptr(t: torch.Tensor) -> int:
     """Address of this rank's bytes of ``t`` (a DTensor's local shard; 0 if none)."""
-    if type(t) is torch.Tensor or type(t) is torch.nn.Parameter:
-        return t.data_ptr()
     to_local = getattr(t, "to_local", None)
     if to_local is not None:
         t = to_local()

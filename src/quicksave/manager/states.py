@@ -571,7 +571,10 @@ def _leaf_bytes(value: Any) -> int:
             value = value.to_local()
         return value.numel() * value.element_size()
     if isinstance(value, Mapping):
-        return sum(map(_leaf_bytes, value.values()))
-    if isinstance(value, list):
-        return sum(map(_leaf_bytes, value))
-    return 0
+        value = value.values()
+    elif not isinstance(value, list):
+        return 0
+    return sum(map(_leaf_bytes, [v for v in value if type(v) not in _SCALARS]))
+
+
+_SCALARS = frozenset({int, float, str, bool, type(None)})  # no bytes to count

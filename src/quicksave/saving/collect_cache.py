@@ -18,6 +18,7 @@ save (and ``prepare()``), under the saver's lock. Pure: no I/O, no collective.
 
 from __future__ import annotations
 
+import math
 import operator
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -37,6 +38,8 @@ _FACTS = operator.attrgetter("dtype", "shape", "layout", "is_meta")
 _GRAD = operator.attrgetter("requires_grad")
 # plain values whose object cannot change: the same object encodes the same
 _IMMUTABLE = frozenset({int, float, str, bool, type(None)})
+_SMALL = 64  # values of a container compared with the last encoding (see _encode)
+_NONE = object()
 
 
 @dataclass(frozen=True)
@@ -133,20 +136,55 @@ def _reuse(
         staged = {n: t.detach() for n, t in sources.items()}
     values = [leaves[i] for i in entry.object_at]
     old_values, old_objects = last if last is not None else ([], {})
-    same = list(map(operator.is_, values, old_values)) if old_values else [False] * len(values)
-    kept = [s and i for s, i in zip(same, entry.immutable, strict=True)]
+    objects = old_objects if len(old_values) == len(values) else {}
+    if objects:  # an immutable value that is the same object is encoded alike
+        kept = map(operator.and_, map(operator.is_, values, old_values), entry.immutable)
+        at = zip(entry.object_at, values, kept, strict=True)
+        redo = [(fqns[i], v) for i, v, keep in at if not keep]
+    else:
+        redo = [(fqns[i], v) for i, v in zip(entry.object_at, values, strict=True)]
     try:
-        if all(kept):
-            objects = old_objects
-        else:
-            objects = {
-                (fqn := fqns[i]): old_objects[fqn] if keep else objcodec.encode(v, fqn)
-                for i, v, keep in zip(entry.object_at, values, kept, strict=True)
-            }
+        for fqn, v in redo:
+            encoded = _encode(v, fqn, old_objects)
+            if encoded is not objects.get(fqn, _NONE):
+                if objects is old_objects and objects:
+                    objects = dict(old_objects)  # (keeps the order)
+                objects[fqn] = encoded
     except IncompatibleStateError as e:
         raise IncompatibleStateError(e.message, path=final, fqn=e.fqn, rank=rank) from None
     state = CollectedState(staged, sources, objects, entry.paths, entry.empty)
     return state, (values, objects)
+
+
+def _encode(value: Any, fqn: str, last: dict[str, Any]) -> Any:
+    """``value`` encoded; the last save's encoding of ``fqn`` itself where a small one
+    is the same JSON (a new list of the same names, as an optimizer's flattened
+    ``param_groups`` hold per parameter): the manifest entries and the bytes they
+    pickle to are then those of the last save."""
+    encoded = objcodec.encode(value, fqn)
+    old = last.get(fqn, _NONE)
+    return old if _same_json(encoded, old, _SMALL) else encoded
+
+
+def _same_json(a: Any, b: Any, budget: int) -> bool:
+    """Whether two encodings are the same JSON (types included: ``1``, ``1.0`` and
+    ``True`` differ, so do ``0.0`` and ``-0.0``), looking at no more than ``budget``
+    values of a container."""
+    if type(a) is not type(b):
+        return False
+    if type(a) is list:
+        return len(a) == len(b) <= budget and all(
+            _same_json(x, y, budget) for x, y in zip(a, b, strict=True)
+        )
+    if type(a) is dict:
+        return (
+            len(a) <= budget
+            and a.keys() == b.keys()
+            and all(_same_json(v, b[k], budget) for k, v in a.items())
+        )
+    if type(a) is float:
+        return a == b and math.copysign(1.0, a) == math.copysign(1.0, b)
+    return bool(a == b)
 
 
 def _gather(node: _Node, value: Any, leaves: list[Any]) -> bool:

@@ -81,9 +81,10 @@ class EnginePlan:
             if last is objects:
                 return entries
             changed = [fqn for fqn, v in objects.items() if v is not last[fqn]]
-            entries = PickledOnce(entries)
-            for fqn in changed:
-                entries[fqn] = ObjectEntry(objects[fqn], paths.get(fqn))
+            if changed:
+                entries = PickledOnce(entries)
+                for fqn in changed:
+                    entries[fqn] = ObjectEntry(objects[fqn], paths.get(fqn))
         else:
             entries = PickledOnce(
                 (fqn, ObjectEntry(v, paths.get(fqn))) for fqn, v in objects.items()
