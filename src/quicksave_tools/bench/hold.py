@@ -267,7 +267,10 @@ def main(argv: list[str] | None = None) -> int:
     workloads = [w for w in args.workloads.split(",") if w]
     unknown = [w for w in workloads if w not in WORKLOADS]
     if unknown or args.repeats < 1 or args.saves < 1 or args.warmup < 0:
-        print(f"quicksave bench --hold: bad arguments (workloads: {', '.join(WORKLOADS)})")
+        print(
+            f"quicksave bench --hold: bad arguments (workloads: {', '.join(WORKLOADS)})",
+            file=sys.stderr,
+        )
         return 2
     try:
         report = run(workloads, args.repeats, args.saves, args.warmup, args.baseline, args.dir)
