@@ -267,3 +267,23 @@ def test_values_are_encoded_again_unless_the_same_immutable_object() -> None:
     moved = cache.collect({"t": torch.ones(1), "lr": 0.5, "losses": losses, "step": 2}, "p", 0)
     assert moved.objects == {"lr": 0.5, "losses": [1.0, 2.0], "step": 2}
     assert cache.misses == 1
+
+
+def test_an_encoding_is_kept_only_when_it_is_the_same_json() -> None:
+    cases = [
+        ([1, "a"], [1, "a"], True),
+        ([1, "a"], [True, "a"], False),  # 1 == True, another JSON
+        ([0.0], [-0.0], False),
+        ([1], [1.0], False),
+        (({"x": 1, "y": 2},), ({"y": 2, "x": 1},), False),  # another order
+        (({"x": 1, "y": 2},), ({"x": 1, "y": 2},), True),
+        ([float("nan")], [float("nan")], True),  # tagged alike
+    ]
+    for old, new, kept in cases:
+        c = CollectCache()
+        first = c.collect({"t": torch.ones(1), "v": old}, "p", 0).objects["v"]
+        again = c.collect({"t": torch.ones(1), "v": old}, "p", 0).objects["v"]
+        assert again is first
+        got = c.collect({"t": torch.ones(1), "v": new}, "p", 0).objects["v"]
+        assert (got is first) == kept, (old, new)
+        assert json.dumps(got) == json.dumps(collect_state({"v": new}, "p", 0).objects["v"])

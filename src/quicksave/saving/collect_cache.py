@@ -10,7 +10,11 @@ same type of every value, every list kept whole still kept whole; per tensor (on
 ``map`` over all of them, no object kept per tensor) the same dtype, shape, layout and
 ``meta``-ness. Anything else — a new or missing key, another type, dtype or shape, a
 tensor subclass such as a DTensor — is collected by ``collect_state`` again, and that
-answer is kept instead. Plain values are encoded at every save (their value now).
+answer is kept instead. Plain values are encoded at every save (their value now), but
+for an ``int``, ``float``, ``str``, ``bool`` or ``None`` that is the very object of the
+last save (it cannot have changed); a small value whose new encoding is the same JSON
+keeps the last encoding object, so that what is made from the encodings downstream
+(the manifest's entries, their pickled bytes) is seen unchanged and reused.
 
 Call order: the engine's training thread calls :meth:`CollectCache.collect` at each
 save (and ``prepare()``), under the saver's lock. Pure: no I/O, no collective.
@@ -178,8 +182,8 @@ def _same_json(a: Any, b: Any, budget: int) -> bool:
         )
     if type(a) is dict:
         return (
-            len(a) <= budget
-            and a.keys() == b.keys()
+            len(a) == len(b) <= budget
+            and list(a) == list(b)  # (the order too)
             and all(_same_json(v, b[k], budget) for k, v in a.items())
         )
     if type(a) is float:
