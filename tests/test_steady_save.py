@@ -287,3 +287,28 @@ def test_an_encoding_is_kept_only_when_it_is_the_same_json() -> None:
         got = c.collect({"t": torch.ones(1), "v": new}, "p", 0).objects["v"]
         assert (got is first) == kept, (old, new)
         assert json.dumps(got) == json.dumps(collect_state({"v": new}, "p", 0).objects["v"])
+
+
+@pytest.mark.parametrize("staging", ["blocking", "overlap"])
+def test_steady_saves_of_dtypes_without_copy_kernels_load_exactly(
+    tmp_path: Path, staging: str
+) -> None:
+    from quicksave.saving.config import EngineConfig
+    from quicksave.saving.engine import AsyncSaver
+
+    g = torch.Generator().manual_seed(0)
+    sd = {
+        "w": torch.randn(64, generator=g),
+        "f8": torch.randn(9, generator=g).to(torch.float8_e5m2),
+        "bits8": torch.arange(16, dtype=torch.uint8).view(torch.bits8),
+        "empty": torch.empty(0),
+    }
+    with AsyncSaver(EngineConfig(mode="thread", staging=staging)) as saver:
+        for step in range(3):
+            sd["w"].add_(1.0)
+            saver.save(sd, str(tmp_path / f"s{step}"), step=step).wait()
+        assert saver._collected.hits == 2
+    loaded = {k: torch.zeros(v.nbytes, dtype=torch.uint8).view(v.dtype) for k, v in sd.items()}
+    quicksave.load(loaded, str(tmp_path / "s2"))
+    for k, v in sd.items():
+        assert torch.equal(loaded[k].view(torch.uint8), v.view(torch.uint8)), k

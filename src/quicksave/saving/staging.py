@@ -83,13 +83,15 @@ class _Batch:
     pool: StagingPool
     fqns: list[str]
     names: list[str]
-    views: list[torch.Tensor]
+    views: list[torch.Tensor] | None  # None: a dtype without typed views (bits*)
     nbytes: int
 
 
 def _copied(pool: StagingPool, batch: _Batch, sources: list[torch.Tensor]) -> bool:
     """Copy ``sources`` into ``batch``'s views in one call; False where torch has no
-    copy kernel for a dtype (the caller stages them one by one)."""
+    typed view or copy kernel for a dtype (the caller stages them one by one)."""
+    if batch.views is None:
+        return False
     try:
         pool.copy_views(batch.views, sources, non_blocking=pool.pinned)
     except (RuntimeError, TypeError):
@@ -179,7 +181,11 @@ class PoolCopier:
         items = self._items(pool, plan, tensors, fqns)
         names = [fqn for fqn, it in zip(fqns, items, strict=True) if it[2] > 0]
         nbytes = sum(it[2] for it in items)
-        b = _Batch(plan.key, pool, list(fqns), names, pool.views(items), nbytes)
+        try:
+            views: list[torch.Tensor] | None = pool.views(items)
+        except (RuntimeError, TypeError):
+            views = None
+        b = _Batch(plan.key, pool, list(fqns), names, views, nbytes)
         self._batch = b
         return b
 
