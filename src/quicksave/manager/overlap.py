@@ -62,18 +62,18 @@ class WriterWatch:
         if last is None:
             return
         tensors, versions = last
-        now = [t._version for t in tensors]
+        now = list(map(_VERSION, tensors))
         if now == versions:
-            self._clean[id(optimizer)] = {id(t) for t in tensors}
+            self._clean[id(optimizer)] = set(map(id, tensors))
             return
         moved = {id(t) for t, a, b in zip(tensors, versions, now, strict=True) if a != b}
         self._outside |= moved
-        self._clean[id(optimizer)] = {id(t) for t in tensors} - moved
+        self._clean[id(optimizer)] = set(map(id, tensors)) - moved
 
     def after_step(self, optimizer: torch.optim.Optimizer) -> None:
         """Post-hook: the versions this optimizer's step leaves."""
         tensors = optimizer_tensors(optimizer)
-        self._after[id(optimizer)] = (tensors, [t._version for t in tensors])
+        self._after[id(optimizer)] = (tensors, list(map(_VERSION, tensors)))
 
     def deferred(self) -> Deferred | None:
         """At ``save()``: a predicate over (fqn, staged tensor) that holds for the
