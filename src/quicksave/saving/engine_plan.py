@@ -21,7 +21,7 @@ import torch
 from quicksave.format.dtypes import dtype_name, element_size
 from quicksave.format.manifest import FileEntry, Manifest, ObjectEntry, TensorEntry
 from quicksave.layout.dcp_metadata import dcp_metadata_bytes
-from quicksave.layout.plan import ItemSpec, RankLayout, layout_rank
+from quicksave.layout.plan import FileLayout, ItemSpec, RankLayout, layout_rank
 from quicksave.layout.skeleton import chunk_keys_of, manifest_skeleton, placed_of
 from quicksave.ranks.saving import DistSave
 from quicksave.saving.collect import CollectedState
@@ -159,7 +159,7 @@ class PlannedSave:
         )
 
 
-def _entries_of(f: Any) -> tuple[tuple[str, int, int], ...]:
+def _entries_of(f: FileLayout) -> tuple[tuple[str, int, int], ...]:
     """(chunk key, file offset, length) of each chunk of the layout's file ``f``."""
     return tuple((e.item.key, e.offset, e.length) for e in f.entries)
 
