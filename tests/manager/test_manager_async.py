@@ -129,7 +129,7 @@ class StageGate:
 @pytest.fixture
 def stage_gate(monkeypatch: pytest.MonkeyPatch) -> StageGate:
     gate = StageGate()
-    original = StagingPool.stage_many  # every copy into a pool goes through it
+    original = StagingPool.stage_many  # every copy into a pool goes through it or copy_views
 
     def stage_many(self: StagingPool, items, digests=None, *, non_blocking=False):  # noqa: ANN001
         name = threading.current_thread().name
@@ -140,7 +140,18 @@ def stage_gate(monkeypatch: pytest.MonkeyPatch) -> StageGate:
             gate.calls += [(name, src.data_ptr()) for *_, src in items]
         return later
 
+    copy_views = StagingPool.copy_views  # the copies without hashing (steady saves)
+
+    def copy_views_gated(self: StagingPool, views, sources, *, non_blocking=False):  # noqa: ANN001
+        name = threading.current_thread().name
+        if name == "quicksave-stage":
+            assert gate.opened.wait(GATE_TIMEOUT_S)
+        copy_views(self, views, sources, non_blocking=non_blocking)
+        with gate.lock:
+            gate.calls += [(name, src.data_ptr()) for src in sources]
+
     monkeypatch.setattr(StagingPool, "stage_many", stage_many)
+    monkeypatch.setattr(StagingPool, "copy_views", copy_views_gated)
     return gate
 
 

@@ -19,11 +19,14 @@ hooks → ``deferred()`` at each ``save()``.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
 
 import torch
 
-from quicksave.saving.staging import Deferred
+from quicksave.saving.staging import Deferred, DeferredAt
+
+_VERSION = operator.attrgetter("_version")
 
 
 def optimizer_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
@@ -59,36 +62,41 @@ class WriterWatch:
         if last is None:
             return
         tensors, versions = last
-        now = [t._version for t in tensors]
+        now = list(map(_VERSION, tensors))
         if now == versions:
-            self._clean[id(optimizer)] = {id(t) for t in tensors}
+            self._clean[id(optimizer)] = set(map(id, tensors))
             return
         moved = {id(t) for t, a, b in zip(tensors, versions, now, strict=True) if a != b}
         self._outside |= moved
-        self._clean[id(optimizer)] = {id(t) for t in tensors} - moved
+        self._clean[id(optimizer)] = set(map(id, tensors)) - moved
 
     def after_step(self, optimizer: torch.optim.Optimizer) -> None:
         """Post-hook: the versions this optimizer's step leaves."""
         tensors = optimizer_tensors(optimizer)
-        self._after[id(optimizer)] = (tensors, [t._version for t in tensors])
+        self._after[id(optimizer)] = (tensors, list(map(_VERSION, tensors)))
 
-    def deferred(self) -> Deferred:
+    def deferred(self) -> Deferred | None:
         """At ``save()``: a predicate over (fqn, staged tensor) that holds for the
         tensors seen written by the registered optimizers alone and unchanged since
-        their last step."""
+        their last step; None when there are none."""
         ptrs: set[int] = set()
+        outside = self._outside
         for optimizer in self._optimizers:
             last = self._after.get(id(optimizer))
             clean = self._clean.get(id(optimizer), set())
             if last is None:
                 continue
-            for t, version in zip(*last, strict=True):
-                if t._version != version:  # written since the step, before save()
-                    self._outside.add(id(t))
-                elif id(t) in clean and id(t) not in self._outside:
-                    ptrs.add(local_ptr(t))
+            tensors, versions = last
+            now = list(map(_VERSION, tensors))
+            if now != versions:  # some were written since the step, before save()
+                outside.update(
+                    id(t) for t, a, b in zip(tensors, versions, now, strict=True) if a != b
+                )
+            kept = [t for t in tensors if id(t) in clean and id(t) not in outside]
+            plain = set(map(type, kept)) <= {torch.Tensor, torch.nn.Parameter}
+            ptrs.update(map(torch.Tensor.data_ptr if plain else local_ptr, kept))
         ptrs.discard(0)
-        return lambda fqn, t: t.numel() > 0 and t.data_ptr() in ptrs
+        return DeferredAt(frozenset(ptrs)) if ptrs else None
 
 
 def local_ptr(t: torch.Tensor) -> int:

@@ -45,7 +45,6 @@ from torch.distributed.checkpoint.state_dict import (
 
 from quicksave.errors import IncompatibleStateError, rank_of_this_process
 from quicksave.manager.optim_restore import allocate_optimizer_state, check_flattened
-from quicksave.saving.collect import iter_leaves
 
 logger = logging.getLogger("quicksave")
 
@@ -559,10 +558,23 @@ def check_states(states: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def payload_bytes(state_dict: Mapping[str, Any]) -> int:
-    """Bytes of the tensors of this rank in ``state_dict`` (local shards of DTensors)."""
-    total = 0
-    for _, leaf in iter_leaves(state_dict):
-        if isinstance(leaf, torch.Tensor):
-            local = leaf.to_local() if hasattr(leaf, "to_local") else leaf
-            total += local.numel() * local.element_size()
-    return total
+    """Bytes of the tensors of this rank in ``state_dict`` (local shards of DTensors).
+
+    One call per container, not per leaf: a mapping's or list's values are summed with
+    ``map`` (the leaves DCP's flattening would yield; a list without tensors adds 0)."""
+    return sum(map(_leaf_bytes, state_dict.values()))
+
+
+def _leaf_bytes(value: Any) -> int:
+    if isinstance(value, torch.Tensor):
+        if type(value) is not torch.Tensor and hasattr(value, "to_local"):  # DTensor
+            value = value.to_local()
+        return value.numel() * value.element_size()
+    if isinstance(value, Mapping):
+        value = value.values()
+    elif not isinstance(value, list):
+        return 0
+    return sum(map(_leaf_bytes, [v for v in value if type(v) not in _SCALARS]))
+
+
+_SCALARS = frozenset({int, float, str, bool, type(None)})  # no bytes to count

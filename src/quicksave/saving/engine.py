@@ -21,8 +21,9 @@ its result (``max_in_flight`` pools allow that many saves in flight).
 
 This module wires the stages together; each lives in its own module of ``save/``:
 ``config`` (EngineConfig), ``handle`` (SaveHandle, SaveResult), ``rank_plans``
-(``collect_local``, the one collector), ``engine_plan`` (the single-rank plan and its
-cache), ``rank_vote`` (several ranks: the vote before each save), ``slots`` (the
+(``collect_local``, the one collector), ``collect_cache`` (its answer, kept while
+the structure holds), ``engine_plan`` (the single-rank plan and its cache),
+``rank_vote`` (several ranks: the vote before each save), ``slots`` (the
 staging pools),
 ``staging`` (the copies into a pool), ``background_copy`` (overlap mode: the copy
 beside training and its confirmation, ``guard``), ``in_flight`` (saves in flight and
@@ -44,6 +45,7 @@ from quicksave.commit import CommitStrategy, new_token, strategy_class, strategy
 from quicksave.errors import CheckpointError, IncompatibleStateError
 from quicksave.format.manifest import check_user_metadata
 from quicksave.saving.background_copy import BackgroundCopy, Overlap
+from quicksave.saving.collect_cache import CollectCache
 from quicksave.saving.config import EngineConfig
 from quicksave.saving.dist_save import DistContext, DistSaving
 from quicksave.saving.engine_plan import (
@@ -58,7 +60,7 @@ from quicksave.saving.handle import SaveHandle, SaveResult
 from quicksave.saving.in_flight import InFlight, InFlightSaves
 from quicksave.saving.plan_cache import PlanCache
 from quicksave.saving.prepare import PoolPreparer
-from quicksave.saving.rank_plans import LocalState, collect_local
+from quicksave.saving.rank_plans import LocalState
 from quicksave.saving.rank_vote import RankVote
 from quicksave.saving.slots import Slot, StagingSlots
 from quicksave.saving.staging import Deferred, PoolCopier, cuda_ready, split
@@ -109,6 +111,7 @@ class AsyncSaver:
         self._ids = itertools.count()  # pool and job ids
         self._slots = StagingSlots(self.config.max_in_flight, self._ids, self.config.pin_memory)
         self._plans: PlanCache[EnginePlan] = PlanCache()  # single rank (several: DistSaving's)
+        self._collected = CollectCache()  # single rank
         self._flights = InFlightSaves(self.rank, self._dist)
         self._worker = WorkerSupervisor(self.config, self.rank, self._dist)
         self._copier = PoolCopier()
@@ -269,7 +272,7 @@ class AsyncSaver:
         """One rank: collect ``state_dict`` (every tensor whole here) for a save to
         ``final`` (named in errors)."""
         try:
-            return collect_local(state_dict, self.rank, whole=True)
+            return self._collected.collect(state_dict, self.rank)
         except IncompatibleStateError as e:
             if e.path is None and final:
                 e.path = final
@@ -474,6 +477,7 @@ class AsyncSaver:
             self._worker.stop(now=abort or bool(self._flights.jobs), unmap=self._slots.close)
             self._flights.abandon(self.config.close_timeout_s)
             self._slots.close()
+            self._copier.forget()
             atexit.unregister(self._atexit)
             for strategy in self._strategies.values():
                 strategy.close()

@@ -19,7 +19,7 @@ import torch
 
 from quicksave.format.manifest import FileEntry, Manifest, ObjectEntry, TensorEntry
 from quicksave.layout.dcp_metadata import dcp_metadata_bytes
-from quicksave.layout.plan import RankLayout
+from quicksave.layout.plan import FileLayout, RankLayout
 from quicksave.layout.skeleton import chunk_keys_of
 from quicksave.saving.config import EngineConfig
 from quicksave.saving.dist_save import DistSave
@@ -27,7 +27,7 @@ from quicksave.saving.plan_cache import PlanCache
 from quicksave.saving.rank_plans import LocalPlan, LocalState, global_plan
 from quicksave.stage.pool import StagingPool
 from quicksave.storage import Location
-from quicksave.worker.job import DistCommit, FileJob, PersistJob
+from quicksave.worker.job import DistCommit, FileJob, PersistJob, PickledOnce
 
 
 @dataclass(frozen=True)
@@ -45,6 +45,12 @@ class EnginePlan:
     skeleton: Manifest | None = None  # a single-rank plan's (saving.skeleton)
     # the latest (key paths, manifest tensor entries with them): see tensor_entries
     _entries: list = field(default_factory=list, init=False, compare=False, repr=False)
+    # the latest (pool file bases, the worker's files there): see file_jobs
+    _files: list = field(default_factory=list, init=False, compare=False, repr=False)
+    # the latest (encoded values, key paths, manifest object entries): see object_entries
+    _objects: list = field(default_factory=list, init=False, compare=False, repr=False)
+    # the latest (a LocalState's key paths, them as a dict): see path_map
+    _paths: list = field(default_factory=list, init=False, compare=False, repr=False)
 
     @classmethod
     def of_dist(cls, ds: DistSave) -> EnginePlan:
@@ -52,16 +58,61 @@ class EnginePlan:
         the coordinator's manifest skeleton comes with ``ds``)."""
         return cls(ds.key, ds.layout, ds.chunk_keys, ds.dcp_metadata, {}, {}, ds.places)
 
+    def path_map(self, paths: tuple[tuple[str, tuple], ...]) -> dict[str, tuple]:
+        """A ``LocalState``'s key paths as a dict: the same dict while they are the same
+        tuple (a steady save's, from the collect cache), so that the entries made with
+        them are seen unchanged by identity."""
+        memo = self._paths
+        if not memo or memo[0] is not paths:
+            memo[:] = [paths, dict(paths)]
+        return memo[1]
+
     def tensor_entries(self, paths: dict[str, tuple]) -> dict[str, TensorEntry]:
         """The manifest's tensor entries of this plan with their key paths (made once
         per plan and paths: ~1,500 entries cost a save ~10 ms to make)."""
-        if self._entries and self._entries[0] == paths:
+        if self._entries and (self._entries[0] is paths or self._entries[0] == paths):
             return self._entries[1]
-        entries = {
-            fqn: dataclasses.replace(t, path=paths.get(fqn)) for fqn, t in self.tensors.items()
-        }
+        entries = PickledOnce(
+            (fqn, dataclasses.replace(t, path=paths.get(fqn))) for fqn, t in self.tensors.items()
+        )
         self._entries[:] = [paths, entries]
         return entries
+
+    def object_entries(
+        self, objects: dict[str, Any], paths: dict[str, tuple]
+    ) -> dict[str, ObjectEntry]:
+        """The manifest's object entries of these encoded values with their key paths;
+        of the latest ones, only the entries of values that are other objects are made
+        again (an optimizer's flattened param_groups hold thousands of values)."""
+        memo = self._objects
+        if memo and memo[1] is paths and memo[0].keys() == objects.keys():
+            last, _, entries = memo
+            if last is objects:
+                return entries
+            changed = [fqn for fqn, v in objects.items() if v is not last[fqn]]
+            if changed:
+                entries = PickledOnce(entries)
+                for fqn in changed:
+                    entries[fqn] = ObjectEntry(objects[fqn], paths.get(fqn))
+        else:
+            entries = PickledOnce(
+                (fqn, ObjectEntry(v, paths.get(fqn))) for fqn, v in objects.items()
+            )
+        self._objects[:] = [objects, paths, entries]
+        return entries
+
+    def file_jobs(self, pool: StagingPool) -> tuple[FileJob, ...]:
+        """The worker's files of this plan staged in ``pool`` (made once per plan and
+        pool file bases: a chunk per tensor, thousands of tuples)."""
+        bases = tuple(pf.base for pf in pool.pool.files)
+        if self._files and self._files[0] == bases:
+            return self._files[1]
+        files = tuple(
+            FileJob(f.name, base, f.size, _entries_of(f))
+            for f, base in zip(self.layout.files, bases, strict=True)
+        )
+        self._files[:] = [bases, files]
+        return files
 
 
 @dataclass(frozen=True)
@@ -102,15 +153,7 @@ class PlannedSave:
             rank=rank,
             final_path=loc.url,
             tmp_dir=staging,
-            files=tuple(
-                FileJob(
-                    f.name,
-                    pf.base,
-                    f.size,
-                    tuple((e.item.key, e.offset, e.length) for e in f.entries),
-                )
-                for f, pf in zip(plan.layout.files, pool.pool.files, strict=True)
-            ),
+            files=plan.file_jobs(pool),
             manifest=self.manifest,
             chunk_keys=plan.chunk_keys,
             dcp_metadata=plan.dcp_metadata,
@@ -125,6 +168,11 @@ class PlannedSave:
         )
 
 
+def _entries_of(f: FileLayout) -> tuple[tuple[str, int, int], ...]:
+    """(chunk key, file offset, length) of each chunk of the layout's file ``f``."""
+    return tuple((e.item.key, e.offset, e.length) for e in f.entries)
+
+
 def plan_one_rank(local: LocalPlan, thread_count: int) -> EnginePlan:
     """The plan of a single-rank save: the multi-rank planner (``rank_plans.global_plan``)
     over this one rank's plan (every tensor whole, one chunk each named by its fqn), laid
@@ -132,7 +180,7 @@ def plan_one_rank(local: LocalPlan, thread_count: int) -> EnginePlan:
     gp = global_plan([local], thread_count)
     skeleton = gp.skeleton
     layout = gp.layouts[0]
-    chunk_keys = chunk_keys_of(skeleton)
+    chunk_keys = PickledOnce(chunk_keys_of(skeleton))  # in every job of this plan
     places = {e.item.key: (f.name, e.offset, e.length) for f in layout.files for e in f.entries}
     keys = {fqn: key for key, (fqn, _) in chunk_keys.items() if key != fqn}
     return EnginePlan(
@@ -181,12 +229,12 @@ def single_rank_manifest(
     step, the key paths and the values (tensor checksums empty: the writer fills them,
     ``commit.parts.manifest_from_parts``)."""
     assert plan.skeleton is not None, "a multi-rank plan's manifest is the coordinator's"
-    paths = dict(state.paths)
+    paths = plan.path_map(state.paths)
     return dataclasses.replace(
         plan.skeleton,
         step=step,
         tensors=plan.tensor_entries(paths),
-        objects={fqn: ObjectEntry(v, paths.get(fqn)) for fqn, v in state.values.items()},
+        objects=plan.object_entries(state.values, paths),
         user_metadata=dict(user_metadata or {}),
         empty_dicts=state.empty,
     )

@@ -132,3 +132,9 @@ def _terminal(value: list[Any]) -> bool:
         if isinstance(entry, list) and not _terminal(entry):
             return False
     return True
+
+
+def walked(value: Any) -> bool:
+    """Whether the flattening walks into ``value`` (a mapping, or a list that holds a
+    tensor, a mapping or such a list) rather than keeping it as one leaf."""
+    return isinstance(value, Mapping) or (isinstance(value, list) and not _terminal(value))

@@ -27,6 +27,8 @@ MODEL_STATES_KEY = "model_states"
 TIED_WEIGHTS_KEY = "tied_weights"
 
 AliasKey = tuple[str, int, tuple[int, ...], tuple[int, ...], torch.dtype]
+# tensor types whose data_ptr() is their own memory's address (not a DTensor's wrapper)
+_PLAIN = frozenset({torch.Tensor, torch.nn.Parameter})
 
 
 def floating_dtype(value: str | torch.dtype, what: str = "dtype") -> torch.dtype:
@@ -64,10 +66,30 @@ def alias_key(t: torch.Tensor) -> AliasKey | None:
 
 def tied_groups(state: Mapping[str, Any]) -> list[list[str]]:
     """The keys of ``state`` (one model's flat state dict) whose tensors are one tensor,
-    grouped, in the state's order: ``[["transformer.wte.weight", "lm_head.weight"]]``."""
+    grouped, in the state's order: ``[["transformer.wte.weight", "lm_head.weight"]]``.
+
+    Tied tensors start at one address, so only tensors whose address another tensor
+    shares are compared by their whole :func:`alias_key`; the addresses of plain tensors
+    are read in one pass (``alias_key`` per tensor costs ~100x more: ``str(device)``,
+    shape, strides), so a state of thousands of untied tensors costs one list and one
+    set."""
+    keys = [k for k, v in state.items() if isinstance(v, torch.Tensor)]
+    tensors = [state[k] for k in keys]
+    picked = list(zip(keys, tensors, strict=True))
+    if set(map(type, tensors)) <= _PLAIN:
+        try:
+            ptrs = list(map(torch.Tensor.data_ptr, tensors))
+        except RuntimeError:  # a layout without one address (sparse): compare them all
+            ptrs = None
+        if ptrs is not None:
+            if len(set(ptrs)) == len(ptrs):
+                return []
+            seen: set[int] = set()
+            shared = {p for p in ptrs if p in seen or seen.add(p)}  # (add returns None)
+            picked = [kt for kt, p in zip(picked, ptrs, strict=True) if p in shared]
     groups: dict[AliasKey, list[str]] = {}
-    for key, value in state.items():
-        if isinstance(value, torch.Tensor) and (k := alias_key(value)) is not None:
+    for key, value in picked:
+        if (k := alias_key(value)) is not None:
             groups.setdefault(k, []).append(str(key))
     return [names for names in groups.values() if len(names) > 1]
 

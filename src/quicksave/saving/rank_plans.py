@@ -168,6 +168,8 @@ class LocalState:
         empty: the paths of the empty dicts (``keypaths.flatten_with_paths``).
         items: every chunk's ``ItemSpec``; None: every tensor is whole (``whole=True``),
             one chunk each, its key its fqn, and its spec made with :attr:`plan`.
+        shape: :attr:`shape_key`, where the collector knows it already (the collect
+            cache keeps it with the structure); None: made from the tensors.
     """
 
     rank: int
@@ -177,6 +179,7 @@ class LocalState:
     paths: tuple[tuple[str, Path], ...] = ()
     empty: tuple[Path, ...] = ()
     items: tuple[ItemSpec, ...] | None = None
+    shape: tuple | None = None
 
     @cached_property
     def plan(self) -> LocalPlan:
@@ -190,6 +193,8 @@ class LocalState:
     def shape_key(self) -> tuple:
         """What a single-rank plan of whole tensors depends on, cheaper to make than
         :attr:`plan`'s key: names, dtypes and shapes, the values' names."""
+        if self.shape is not None:
+            return self.shape
         return (
             tuple((fqn, t.dtype, t.shape) for fqn, t in self.tensors.items()),
             tuple(self.values),

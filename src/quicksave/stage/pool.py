@@ -394,6 +394,28 @@ class StagingPool:
             for _, off, n, src in items:
                 self.stage(self.buffer[off : off + n], src, non_blocking=non_blocking)
 
+    def views(self, items: Sequence[Item]) -> list[torch.Tensor]:
+        """The pool bytes of every ``(key, offset, length, tensor)`` of ``items`` with a
+        length, as tensors of that tensor's dtype and shape, for :meth:`copy_views`: a
+        caller that stages the same places at every save makes them once."""
+        return [self._target(off, n, src) for _, off, n, src in items if n > 0]
+
+    def copy_views(
+        self,
+        views: list[torch.Tensor],
+        sources: list[torch.Tensor],
+        *,
+        non_blocking: bool = False,
+    ) -> None:
+        """Copy ``sources[i]`` into ``views[i]`` (from :meth:`views`) in one torch call.
+
+        Raises:
+            RuntimeError, TypeError: torch has no copy kernel for a dtype (bits*,
+                sub-byte ints): stage those with :meth:`stage_many`.
+        """
+        with torch.no_grad():
+            torch._foreach_copy_(views, sources, non_blocking=non_blocking)
+
     def stage_slots(self, sources: Mapping[str, torch.Tensor]) -> None:
         """Copy every tensor of ``sources`` (any device, any strides) into its slot of
         this pool's slot layout, with :meth:`stage_many` (small tensors in batches);

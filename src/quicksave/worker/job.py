@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import pickle
 import time
 import traceback
 from collections.abc import Callable
@@ -32,6 +33,20 @@ from quicksave.commit.rank_records import StoreAddress
 from quicksave.errors import CheckpointError
 from quicksave.format.manifest import Manifest
 from quicksave.storage.location import Location
+
+
+class PickledOnce(dict):
+    """A dict that a plan shares between its saves' jobs (e.g. the manifest's thousands
+    of tensor entries), never changed once made: it pickles as the bytes it pickled to
+    the first time, so that each later job sends them at the cost of a copy, and it
+    arrives as a plain dict."""
+
+    _blob: bytes | None = None
+
+    def __reduce__(self) -> tuple[Callable[[bytes], Any], tuple[bytes]]:
+        if self._blob is None:
+            self._blob = pickle.dumps(dict(self), protocol=pickle.HIGHEST_PROTOCOL)
+        return pickle.loads, (self._blob,)
 
 
 @dataclass(frozen=True)

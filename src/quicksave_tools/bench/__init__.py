@@ -6,9 +6,10 @@
 (:mod:`.training`); ``quicksave bench --planning ...`` the coordinator's planning cost at
 scale, cached and uncached (:mod:`.planning`); ``quicksave bench --coordination ...`` the
 per-save coordination cost over real gloo ranks, vs stock DCP (:mod:`.coordination`);
-``quicksave bench --storage ...`` save/load throughput to S3 and what checkpointing to S3
-costs a training loop (the package :mod:`.storage`, whose ``main`` the command line
-calls directly).
+``quicksave bench --hold`` how long a steady ``save()`` of thousands of small tensors
+holds the training thread (:mod:`.hold`); ``quicksave bench --storage ...`` save/load
+throughput to S3 and what checkpointing to S3 costs a training loop (the package
+:mod:`.storage`, whose ``main`` the command line calls directly).
 
 Example::
 
@@ -105,6 +106,11 @@ def main(argv: list[str] | None = None) -> int:
 
         argv.remove("--planning")
         return planning_main(argv)
+    if "--hold" in argv:
+        from quicksave_tools.bench.hold import main as hold_main  # imported only when asked for
+
+        argv.remove("--hold")
+        return hold_main(argv)
     if "--training" in argv:
         from quicksave_tools.bench.training import (
             main as training_main,  # imported only when asked for
