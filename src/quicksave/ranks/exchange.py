@@ -1,7 +1,7 @@
 """The plan exchange: ``central_round``, the one gather/scatter through the coordinator
 that every exchange of plans runs (quicksave's own multi-rank planning in
 ``saving/plan_vote.py``, ``quicksave.save``, and the DCP planner's in
-``adapters/dcp_steps``), and how failures travel through it.
+``compat/nvrx/dcp_steps``), and how failures travel through it.
 
 Every rank of the group calls ``central_round`` once per exchange, in the same order.
 
@@ -78,7 +78,7 @@ def central_round(
     ``decide(gathered)`` there (one reply per rank, in rank order), ONE scatter of the
     replies; returns this rank's reply. Every exchange of plans runs through here:
     quicksave's own (``saving/plan_vote.exchange_plans``, ``saving/sync_save``) and the
-    DCP planner's (``adapters/dcp_steps``: the NVRx-compatible API), whose ``decide`` is
+    DCP planner's (``compat/nvrx/dcp_steps``: the NVRx-compatible API), whose ``decide`` is
     the planner's ``create_global_plan``.
 
     Every rank of ``group`` calls it (``distributed=False``: this process alone, no
