@@ -70,7 +70,6 @@ from quicksave.stage.pool import StagingPool
 from quicksave.storage import Location, parse_location
 from quicksave.trace import phase
 from quicksave.worker.job import PersistJob
-from quicksave.worker.persisters import ProcessPersister
 
 logger = logging.getLogger("quicksave")
 
@@ -566,29 +565,17 @@ class AsyncSaver:
     def _install_prepared(
         self, plan: EnginePlan, pools: list[StagingPool], background: bool
     ) -> None:
-        """Put pools built ahead (``PoolPreparer``) into free slots and map them into the
-        worker while it is idle; pools without a free slot, or once closed, are freed."""
+        """Install pools built ahead (``PoolPreparer``) under the saver's lock
+        (``InFlightPools.install``); once closed, they are freed."""
         with self._lock:
-            for pool in pools:
-                slot = None if self._closed else self._slots.install(pool, plan, self._worker)
-                if slot is None:
+            if self._closed:
+                for pool in pools:
                     pool.close()
-                    continue
-                persister = self._worker.persister
-                if persister is None:
-                    continue  # save() maps it into the next worker
-                # Mapped now, while the worker is idle: its populate of the mapping (which
-                # clears the pages) then runs neither beside the first save's copies nor
-                # before its write.
-                try:
-                    self._worker.map(slot.pool_id, pool)
-                    if not background and isinstance(persister, ProcessPersister):
-                        # At start-up: the worker's own start and its populate of this
-                        # mapping (~0.1 CPU s per 1.6 GB) finish here, not beside the
-                        # first training step.
-                        persister.sync(self.config.worker.start_timeout_s)
-                except CheckpointError as e:
-                    self._worker_failed(e)
+                return
+            sync_s = None if background else self.config.worker.start_timeout_s
+            failed = self._slots.install(plan, pools, self._worker, sync_s)
+            if failed is not None:
+                self._worker_failed(failed)
 
     def wait_prepared(self) -> None:
         """Block until a :meth:`prepare` build is finished (call outside the lock)."""

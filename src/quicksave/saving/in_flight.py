@@ -38,6 +38,7 @@ from quicksave.storage import Location
 from quicksave.trace import writer_spans
 from quicksave.worker.calls import CallResult
 from quicksave.worker.job import JobResult, PersistJob
+from quicksave.worker.persisters import ProcessPersister
 
 logger = logging.getLogger("quicksave")
 
@@ -133,19 +134,49 @@ class InFlightPools(Sequence[InFlightPool]):
         return sum(s.plan_key != plan.key for s in self._slots)
 
     def install(
-        self, pool: StagingPool, plan: EnginePlan, worker: WorkerSupervisor
-    ) -> InFlightPool | None:
-        """Put a pool built ahead for ``plan`` into a free slot without one (the pool it
-        had is unmapped and freed); None, and nothing done, if there is no such slot."""
-        slot = next((s for s in self._slots if s.busy is None and s.plan_key != plan.key), None)
-        if slot is None:
-            return None
-        if slot.pool is not None:
-            if worker.persister is not None:
-                worker.persister.unmap_pool(slot.pool_id)
-            slot.pool.close()
-        slot.pool, slot.plan_key, slot.pool_id = pool, plan.key, next(self._ids)
-        return slot
+        self,
+        plan: EnginePlan,
+        pools: list[StagingPool],
+        worker: WorkerSupervisor,
+        sync_s: float | None,
+    ) -> CheckpointError | None:
+        """Put pools built ahead for ``plan`` (``AsyncSaver.prepare``) into free slots
+        without one (the pool a slot had is unmapped and freed), and map them into the
+        worker while it is idle: its populate of the mapping (which clears the pages) then
+        runs neither beside the first save's copies nor before its write. A pool without
+        such a slot is freed; with no worker, ``pool_for`` maps it into the next one.
+
+        Args:
+            sync_s: at start-up (the pools built on the training thread): wait up to
+                this long for a worker process to have started and mapped them, so that
+                its populate does not run beside the first training step.
+
+        Returns:
+            the worker's failure (the caller fails its saves; the pools not installed
+            yet are freed), or None.
+        """
+        for i, pool in enumerate(pools):
+            slot = next((s for s in self._slots if s.busy is None and s.plan_key != plan.key), None)
+            if slot is None:
+                pool.close()
+                continue
+            persister = worker.persister
+            if slot.pool is not None:
+                if persister is not None:
+                    persister.unmap_pool(slot.pool_id)
+                slot.pool.close()
+            slot.pool, slot.plan_key, slot.pool_id = pool, plan.key, next(self._ids)
+            if persister is None:
+                continue
+            try:
+                worker.map(slot.pool_id, pool)
+                if sync_s is not None and isinstance(persister, ProcessPersister):
+                    persister.sync(sync_s)
+            except CheckpointError as e:
+                for rest in pools[i + 1 :]:
+                    rest.close()
+                return e
+        return None
 
     def close(self) -> None:
         """Free every pool."""
