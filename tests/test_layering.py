@@ -100,11 +100,11 @@ def test_the_library_never_imports_the_tools() -> None:
         assert {i for i in m.imports if in_layer(i, TOOLS)} == set(), name
 
 
-# The two places that still ask which backend they have, and why: listing a local tree
-# walks directories (links, depth) where a store's listing is one request; a folder's
-# writer lease is a process-lifetime flock locally and an object with an expiry on a
-# store. Everything else asks the location's commit strategy (quicksave.commit).
-BACKEND_BRANCHES_ALLOWED = {"quicksave.loading.catalog": 1, "quicksave.manager.lease": 1}
+# The one place that still asks which backend it has, and why: listing a local tree
+# walks directories (links, depth) where a store's listing is one request. Everything
+# else asks the location's commit strategy (quicksave.commit) or its scheme's entry (a
+# folder's writer lease: quicksave.manager.lease.lease_for).
+BACKEND_BRANCHES_ALLOWED = {"quicksave.loading.catalog": 1}
 
 
 def test_only_the_commit_strategy_knows_the_backend() -> None:
@@ -114,7 +114,7 @@ def test_only_the_commit_strategy_knows_the_backend() -> None:
         if not any(in_layer(n, layer) for layer in BACKEND_LAYERS) and backend_branches(m)
     }
     assert found == BACKEND_BRANCHES_ALLOWED
-    assert sum(found.values()) <= 2
+    assert sum(found.values()) <= 1
 
 
 def test_one_module_talks_to_other_ranks() -> None:

@@ -49,9 +49,11 @@ def _engine_call() -> Iterator[None]:
 
     - silence DCP's warning on single-process calls (quicksave's normal case);
     - pause the cyclic garbage collector. A save or load allocates tens of thousands of
-      short-lived planning objects; with torch imported (~250k tracked objects) the full
-      collections they trigger measured 0.1-0.5 s per call here. Everything allocated is
-      freed by reference counting; collection resumes when the call returns.
+      short-lived planning objects, enough to trigger collections, and with torch
+      imported (~250k tracked objects) each full collection walks every tracked object,
+      on every save and load (docs/benchmarks.md, "Where quicksave's time goes", has
+      the cost). Everything allocated is freed by reference counting; collection
+      resumes when the call returns.
     """
     was_enabled = gc.isenabled()
     gc.disable()

@@ -45,8 +45,9 @@ threads, a thread-mode writer) are in the trace only when the profiler records e
 thread: ``torch.profiler.profile(experimental_config=
 torch.profiler._ExperimentalConfig(profile_all_threads=True))``.
 
-A range costs about 0.2 µs with the profiler off (``_RecordFunctionFast`` where torch
-has it, else ``torch.profiler.record_function``, about 4 µs): a few per save.
+A range costs next to nothing with the profiler off (``_RecordFunctionFast`` where
+torch has it; else ``torch.profiler.record_function``, dearer, still small next to a
+save's work): a few per save, one per chunk read.
 
 Example::
 

@@ -25,7 +25,7 @@ from quicksave.manager import (
     CheckpointConfig,
     CheckpointManager,
 )
-from quicksave.manager import session as session_module
+from quicksave.manager import tiers as tiers_module
 
 
 def Job() -> ManagerJob:
@@ -142,7 +142,7 @@ class FlakyRetention:
     def __init__(self, n: int) -> None:
         self.left = n
         self.calls = 0
-        self.real = session_module.apply_retention
+        self.real = tiers_module.apply_retention
 
     def __call__(self, *args: Any, **kwargs: Any) -> None:
         self.calls += 1
@@ -158,7 +158,7 @@ def test_a_save_with_nothing_due_never_raises_for_retention(
     # issue 20: save(11), nothing due, raised because retention's LIST after step 5's
     # commit failed. Retention now logs, and runs again after the next commit.
     flaky = FlakyRetention(1)
-    monkeypatch.setattr(session_module, "apply_retention", flaky)
+    monkeypatch.setattr(tiers_module, "apply_retention", flaky)
     folder = tmp_path / "ckpt"
     job = Job()
     m = make(folder, job, interval=5, async_mode="thread", keep_latest_k=1)

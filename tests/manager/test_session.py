@@ -4,24 +4,29 @@ retention, fallback load, release. One rank, local folders."""
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import fcntl
 import logging
 import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
 from quicksave import api
 from quicksave.commit import CheckpointKind
+from quicksave.commit.rename import RenameCommit
 from quicksave.errors import CheckpointNotFoundError
 from quicksave.loading.checkpoint import Checkpoint
 from quicksave.manager import CheckpointConfig
-from quicksave.manager.lease import LEASE_NAME
+from quicksave.manager.lease import LEASE_NAME, FolderLease
 from quicksave.manager.policies import KeepLatestK
 from quicksave.manager.records import SaveRecord
 from quicksave.manager.session import CheckpointSession
+from quicksave.manager.tiers import FolderReader
+from quicksave.storage import Location
 
 
 def _session(folder: Path, keep: int = 2) -> CheckpointSession:
@@ -134,3 +139,51 @@ def test_one_rank_settles_and_agrees_alone(tmp_path: Path) -> None:
     failure = CheckpointNotFoundError("gone")
     assert session.agree_failure(failure) is failure and session.agree_failure(None) is None
     session.release()
+
+
+def test_the_session_holds_one_tier_with_the_parts_its_scheme_names(tmp_path: Path) -> None:
+    session = _session(tmp_path / "ckpt", keep=3)
+    try:
+        [tier] = session.tiers
+        assert tier.location == session.location and tier.location.url == session.folder
+        assert tier.strategy is RenameCommit
+        assert tier.lease == FolderLease.at
+        assert isinstance(tier.retention, KeepLatestK) and tier.retention.k == 3
+        assert isinstance(tier.reader, FolderReader)
+        policy = KeepLatestK(1)
+        session.retention = policy  # what a front end sets goes to the tier
+        assert tier.retention is policy
+    finally:
+        session.release()
+
+
+class _ListedReader(FolderReader):
+    """A test double of a tier's reader: the folder's, recording what it is asked."""
+
+    def __init__(self) -> None:
+        self.asked: list[str] = []
+
+    def committed_steps(self, location: Location, *, allow_dcp: bool, backend: Any) -> list[int]:
+        self.asked.append(location.url)
+        return super().committed_steps(location, allow_dcp=allow_dcp, backend=backend)
+
+
+class _NamedLease(FolderLease):
+    """A test double of a tier's writer lease: the flock lease, under another name."""
+
+    unenforced_why = "a test double"
+
+
+def test_a_session_uses_the_parts_of_its_tier(tmp_path: Path) -> None:
+    folder = tmp_path / "ckpt"
+    session = _session(folder)
+    reader = _ListedReader()
+    session.tiers = [dataclasses.replace(session.tier, reader=reader, lease=_NamedLease.at)]
+    try:
+        assert session.take_folder(read_only=None, hint="") is None
+        assert isinstance(session.lease, _NamedLease)
+        _commit(session, 5)
+        assert session.committed_steps() == [5]
+        assert reader.asked == [str(folder)]
+    finally:
+        session.release()

@@ -1,5 +1,4 @@
-"""The DCP ``SavePlanner`` the NVRx-compatible API plans with unless the user passes one
-(``quicksave.save`` plans with the engine's planner, ``saving/rank_plans.py``).
+"""The DCP ``SavePlanner`` the NVRx-compatible API plans with unless the user passes one.
 
 DCP's planner chunks DTensor / ShardedTensor state and deduplicates replicated tensors;
 this subclass adds what quicksave records and checks: the key paths and empty containers
@@ -55,7 +54,7 @@ class DcpSavePlanner(DefaultSavePlanner):
 
     def set_up_planner(self, state_dict, storage_meta=None, is_coordinator: bool = False) -> None:
         super().set_up_planner(state_dict, storage_meta, is_coordinator)
-        # What DCP's flattening loses (keypaths.py), carried to the writer's manifest in
+        # What DCP's flattening loses (saving/keypaths.py), carried to the writer's manifest in
         # the mappings DCP merges into Metadata.planner_data; a tuple key cannot be an fqn.
         self.mappings, empty = structure(state_dict, self.mappings)
         if empty:

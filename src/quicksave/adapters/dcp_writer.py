@@ -11,7 +11,7 @@ Call order (DCP drives it; "all" = every rank, "coord" = the coordinator rank on
    known at plan time
 4. (all)   ``write_data(plan, planner)`` — writes this rank's files, fsyncs, returns checksums
 5. (coord) ``finish(metadata, results)`` — the manifest: the skeleton of the global
-   metadata and the layouts (``saving.skeleton``) filled from each rank's results taken
+   metadata and the layouts (``layout.skeleton``) filled from each rank's results taken
    as its ``RankPart`` (``commit.parts.manifest_from_parts``, as every save path); then
    ``.metadata`` and ``manifest.json``, fsynced, and the directory renamed into place
 
@@ -363,7 +363,7 @@ class StorageWriter(_DCPStorageWriter):
         (closed by :meth:`close`)."""
         if self._strategy is None:
             backend = self.location.open(fsync=self.fsync, rank=self.rank)
-            self._strategy = strategy_for(backend, owned=True)
+            self._strategy = strategy_for(self.location, backend, owned=True)
         return self._strategy
 
     def backend(self) -> Backend:

@@ -1,5 +1,17 @@
-"""Which commit strategy serves a location: chosen here once, from its backend, so that
-no caller asks which backend it has (docs/ARCHITECTURE.md, "Commit")."""
+"""Which commit strategy serves a location: chosen here once, by name from a registry,
+so that no caller asks which backend it has (docs/ARCHITECTURE.md, "Commit").
+
+A location's scheme entry names its strategy (``Scheme.commit``: ``"rename"`` for the
+local filesystem, ``"manifest-last"`` for the stores); the name is looked up in the
+location's ``StorageOptions.commits``, then in :data:`STRATEGIES`. A new strategy is a
+:class:`~quicksave.commit.strategy.CommitStrategy` subclass registered under a name and
+named by a scheme's entry::
+
+    opts = StorageOptions(
+        commits=Registry({"mine": MyCommit}),
+        schemes=Registry({"file": LocalScheme(commit="mine")}),
+    )
+"""
 
 from __future__ import annotations
 
@@ -12,20 +24,31 @@ from quicksave.commit.rename import RenameCommit
 from quicksave.commit.strategy import CommitStrategy
 from quicksave.storage.backend import Backend
 from quicksave.storage.location import Location, parse_location
+from quicksave.storage.registry import Registry
 
-
-def strategy_for(backend: Backend, *, owned: bool = False) -> CommitStrategy:
-    """The strategy of the locations ``backend`` serves: rename where directories
-    rename atomically, else manifest-last. ``owned``: the strategy closes ``backend``."""
-    if backend.atomic_rename:
-        return RenameCommit(backend, owned=owned)
-    return ManifestLastCommit(backend, owned=owned)
+# The built-in strategies; ``StorageOptions.commits`` adds to them.
+STRATEGIES: Registry[type[CommitStrategy]] = Registry(
+    {RenameCommit.name: RenameCommit, ManifestLastCommit.name: ManifestLastCommit}
+)
 
 
 def strategy_class(location: str | Location) -> type[CommitStrategy]:
     """The strategy class of ``location``, without opening it: to ask what it can do
-    (:attr:`CommitStrategy.atomic_replace`) before any I/O."""
-    return RenameCommit if parse_location(location).is_local else ManifestLastCommit
+    (:attr:`CommitStrategy.atomic_replace`) before any I/O.
+
+    Raises:
+        CheckpointError: its scheme names a strategy no registry holds (named).
+    """
+    loc = parse_location(location)
+    registry: Registry[type[CommitStrategy]] = loc.options.commits.over(STRATEGIES)
+    return registry.require(loc.entry.commit, "commit strategy", path=loc.url)
+
+
+def strategy_for(loc: Location, backend: Backend, *, owned: bool = False) -> CommitStrategy:
+    """The strategy of ``loc``, doing its I/O through ``backend`` (one that serves
+    ``loc``: ``loc.open()``, or one shared by locations of the same container).
+    ``owned``: the strategy closes ``backend``."""
+    return strategy_class(loc)(backend, owned=owned)
 
 
 @contextlib.contextmanager
@@ -34,10 +57,11 @@ def open_strategy(
 ) -> Iterator[CommitStrategy]:
     """The strategy of ``location`` for a ``with`` block: through ``backend`` if given
     (a caller's, kept open), else through one opened for the block and closed after."""
+    loc = parse_location(location)
     if backend is not None:
-        s = strategy_for(backend)
+        s = strategy_for(loc, backend)
     else:
-        s = strategy_for(parse_location(location).open(rank=rank), owned=True)
+        s = strategy_for(loc, loc.open(rank=rank), owned=True)
     try:
         yield s
     finally:

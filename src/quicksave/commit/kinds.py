@@ -12,9 +12,9 @@ moved aside. None of them is ever listed, loaded, counted as latest or kept by r
 The temporaries are hidden and hold the checkpoint's name encoded (every character but
 an ASCII letter, digit or ``-`` as ``%XX`` of its UTF-8 bytes): a leftover of a save that was
 interrupted never looks like a checkpoint to a scan of the folder by name — Lightning's
-``*.ckpt`` and its ``hpc_ckpt_<N>`` version scan, which took the digits of
-``hpc_ckpt_2.ckpt.tmp-355f6ce9e4fe`` for version 2355694. Earlier versions named them
-``<name>.tmp-<token>`` beside the checkpoint; those are still recognized
+``*.ckpt`` and its ``hpc_ckpt_<N>`` version scan, which would read the digits of
+``hpc_ckpt_2.ckpt.tmp-355f6ce9e4fe`` as version 2355694. Temporaries named
+``<name>.tmp-<token>`` beside the checkpoint (written by older quicksave) are recognized
 (:func:`is_temp_name`, :func:`final_name`) and cleaned up the same way.
 """
 

@@ -30,10 +30,9 @@ from quicksave.commit.kinds import (
     new_token,
 )
 from quicksave.commit.manifest_reader import read_manifest
-from quicksave.commit.strategy import CommitStrategy, metadata_has_footer
+from quicksave.commit.strategy import CommitStrategy, StagedFiles, metadata_has_footer
 from quicksave.errors import CheckpointError, CheckpointExistsError
 from quicksave.format import DCP_METADATA_NAME, MANIFEST_NAME
-from quicksave.storage import fsspec_store
 from quicksave.storage.backend import Backend, join
 from quicksave.storage.checkpoint_dir import CheckpointDir
 from quicksave.storage.location import Location
@@ -93,18 +92,14 @@ class ManifestLastCommit(CommitStrategy):
 
     @classmethod
     def reserve(cls, loc: Location) -> bool:
-        """An empty directory, on an fsspec filesystem that has directories (the
-        objects written under it make it the checkpoint); nothing on S3 or MSC, whose
-        folders are prefixes."""
-        if loc.scheme in ("s3", "msc"):
-            return False
-        return fsspec_store.reserve_dir(loc.scheme, loc.container, loc.key)
+        """An empty directory where the scheme's store has directories (an fsspec
+        filesystem: the objects written under it make it the checkpoint); nothing where
+        folders are only prefixes (S3, MSC): the scheme's entry says which."""
+        return loc.entry.reserve(loc.scheme, loc.container, loc.key)
 
     @classmethod
     def release(cls, loc: Location) -> bool:
-        if loc.scheme in ("s3", "msc"):
-            return False
-        return fsspec_store.release_dir(loc.scheme, loc.container, loc.key)
+        return loc.entry.release(loc.scheme, loc.container, loc.key)
 
     @classmethod
     def staging(cls, loc: Location, token: str) -> str:
@@ -126,6 +121,7 @@ class ManifestLastCommit(CommitStrategy):
         expected: Mapping[str, int],
         *,
         replace: bool = False,
+        staged: StagedFiles | None = None,
     ) -> None:
         """Check every object of ``expected`` (one listing), write every member but the
         last, then the last one (the manifest): its presence is the commit. Nothing is

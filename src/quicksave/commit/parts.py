@@ -146,7 +146,7 @@ def manifest_from_parts(
     objects_in_parts: bool = True,
 ) -> Manifest:
     """Fill ``skeleton`` (every chunk placed, checksums empty) from every rank's part:
-    the one way every save path completes its manifest (``saving.skeleton`` builds the
+    the one way every save path completes its manifest (``layout.skeleton`` builds the
     skeletons).
 
     Args:

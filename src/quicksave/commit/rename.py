@@ -18,7 +18,7 @@ from collections.abc import Callable, Collection, Iterable, Mapping
 
 from quicksave.commit import files, outputs
 from quicksave.commit.kinds import COMMITTED, CheckpointKind, kind_of, new_token
-from quicksave.commit.strategy import CommitStrategy, metadata_has_footer
+from quicksave.commit.strategy import CommitStrategy, StagedFiles, metadata_has_footer
 from quicksave.errors import CheckpointError, CheckpointExistsError
 from quicksave.storage import posix_io
 from quicksave.storage.location import Location
@@ -154,6 +154,7 @@ class RenameCommit(CommitStrategy):
         expected: Mapping[str, int],
         *,
         replace: bool = False,
+        staged: StagedFiles | None = None,
     ) -> None:
         """Write ``members`` durably into ``staging``, then rename it to ``loc`` (with
         ``replace``, exchanged with a committed checkpoint there:

@@ -15,7 +15,7 @@ What a caller does with one, in order, for a save::
     staging = s.begin(loc, token)            # where the data files go (every rank)
     s.write_member(staging, name, data)      # small whole-or-nothing files (parts)
     s.read_member(staging, name, max_bytes)
-    s.commit(staging, loc, members, expected)   # the coordinator, once
+    s.commit(staging, loc, members, expected, staged=...)   # the coordinator, once
     s.discard(staging, names)                # a failed save: what it wrote
 
 (a writer whose every rank names the staging itself, the NVRx-compatible API, checks
@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import abc
 from collections.abc import Callable, Collection, Iterable, Mapping
+from dataclasses import dataclass
 from typing import ClassVar
 
 from quicksave.commit.kinds import COMMITTED, CheckpointKind
@@ -75,6 +76,29 @@ def metadata_has_footer(path: str | Location, backend: Backend | None = None) ->
     except (OSError, CheckpointError):
         return False
     return has_footer(tail)
+
+
+@dataclass(frozen=True)
+class StagedFiles:
+    """The data files of a save where they lie when it commits: in the staging pool the
+    writer wrote them from (views of the pool, no copy). A strategy that keeps
+    checkpoints in memory, or hands them to a peer, takes the bytes from here instead of
+    reading back what was written. Only the committing rank's own files: a multi-rank
+    save's other ranks' are in their pools.
+
+    Attributes:
+        pool: the pool's memory.
+        files: file name -> (offset in ``pool``, size in bytes).
+    """
+
+    pool: memoryview
+    files: Mapping[str, tuple[int, int]]
+
+    def view(self, name: str) -> memoryview:
+        """The bytes of the file ``name`` (a view of the pool: valid while the save's
+        pool is held, i.e. during :meth:`CommitStrategy.commit`)."""
+        base, size = self.files[name]
+        return self.pool[base : base + size]
 
 
 class CommitStrategy(abc.ABC):
@@ -256,10 +280,13 @@ class CommitStrategy(abc.ABC):
         expected: Mapping[str, int],
         *,
         replace: bool = False,
+        staged: StagedFiles | None = None,
     ) -> None:
         """Make the save visible at ``loc``: write ``members`` in their order (the last
         one commits: the manifest), after checking that every data file of
-        ``expected`` (name -> size) is under ``staging`` whole.
+        ``expected`` (name -> size) is under ``staging`` whole. ``staged``: this rank's
+        data files in the staging pool, where the save was written from one (an async
+        save's writer); None otherwise.
 
         Raises:
             CheckpointError: a file is missing or of another size; nothing is committed.

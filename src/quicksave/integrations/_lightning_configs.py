@@ -9,8 +9,9 @@ not OmegaConf's classes. So before a save every config becomes its plain contain
 missing values ``???``) and its place is recorded under :data:`CONFIGS_KEY`, with its
 ``struct`` and ``readonly`` flags; ``hparams_type`` becomes the class's name. After a
 load, each recorded place gets its config back (``OmegaConf.create``) and
-``hparams_type`` its class: ``cfg.optim.lr`` works as before. A value OmegaConf cannot
-turn into a container (an enum, a path) is refused by the save, naming its key.
+``hparams_type`` its class: ``cfg.optim.lr`` works as it did when saved. A value
+OmegaConf cannot turn into a container (an enum, a path) is refused by the save, naming
+its key.
 
 omegaconf is imported only where a checkpoint holds a config (the user's code imported
 it to make one).

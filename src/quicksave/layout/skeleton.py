@@ -3,17 +3,18 @@ skeleton), then filled from what the ranks' writers report.
 
 Every save path builds its manifest here:
 
-- the engine, one rank (``engine_plan.plan_one_rank``) and several
-  (``rank_plans.global_plan``): the skeleton at plan time from the ranks' layouts;
-- ``quicksave.StorageWriter`` (``quicksave.save`` and ``dcp.save``): at the commit, from
-  DCP's global metadata and the layouts it fixed in ``prepare_global_plan``;
+- the engine (one rank: ``engine_plan.plan_one_rank``; several: the plan exchange) and
+  ``quicksave.save``: the skeleton at plan time, from the ranks' layouts, through
+  ``rank_plans.global_plan``;
+- ``quicksave.StorageWriter`` (``dcp.save``): at the commit, from DCP's global metadata
+  and the layouts it fixed in ``prepare_global_plan``;
 - the NVRx-compatible writer's DCP layout: at the commit, from DCP's global metadata and
   the places the ranks' parts report (that layout's offsets are known only once written).
 
 Then one filler, :func:`quicksave.commit.parts.manifest_from_parts`, puts in each chunk's
-checksum and each object's value from one ``RankPart`` per rank (read from storage, or
-made from DCP's write results), and refuses a chunk nobody reported, one reported twice
-or one the plan does not have.
+checksum and each object's value from one ``RankPart`` per rank (read from storage, sent
+in ``quicksave.save``'s commit round, or made from DCP's write results), and refuses a
+chunk nobody reported, one reported twice or one the plan does not have.
 
 Pure and torch-free: the worker process imports the filler's module, and this one is as
 cheap.

@@ -1,6 +1,7 @@
 """A load driven by a DCP ``LoadPlanner``, step by step, over quicksave's exchange: the
-steps of ``quicksave.load`` (and so of every load: the manager's, torchtitan's,
-Lightning's, ``load_state`` of a stock DCP checkpoint).
+steps of ``quicksave.load`` (so of the manager's and torchtitan's loads) and of
+``quicksave.load_state`` of a stock DCP checkpoint (``load_state`` reads a quicksave
+checkpoint without a planner, ``tools/read_full.py``).
 
 DCP's load planner resolves resharded reads (any world size, DTensor / ShardedTensor
 destinations); quicksave runs its steps itself instead of through ``dcp.load``, so that

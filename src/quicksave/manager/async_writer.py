@@ -6,7 +6,7 @@ optimizers of the manager's ``OptimizerState`` states write — their parameters
 tensors (exp_avg, step, ...) — once the step hooks have seen them through an interval
 between steps with no other writer (``overlap.py``). Every such optimizer gets a step
 pre-hook that waits until the background copy is done and lets the engine check, by
-version counters, that nothing else wrote the tensors meanwhile (``guard.py``).
+version counters, that nothing else wrote the tensors meanwhile (``saving/guard.py``).
 Everything else (buffers such as BatchNorm statistics, which the forward pass updates,
 parameters no registered optimizer holds or that something else writes, scalars, RNG,
 train state, data loader, schedulers) is copied before ``save()`` returns. Writes the

@@ -94,7 +94,7 @@ class CheckpointConfig:
             over more time, which helps where the disk's work slows the training steps
             (a VM's virtual disk shares the host with its CPUs); the time to durable grows
             to at least the bytes / (rate × threads). ``None`` (default): no limit. See
-            docs/benchmarks.md (issue 12) for what it changed here.
+            docs/benchmarks.md for what it changes in the training benchmark.
         on_save_error: what a failed save (its write, upload or commit; a storage
             outage longer than ``storage.s3.retry_deadline_s``) does. ``"raise"``
             (default): its ``CheckpointError`` is raised, on every rank at the same call
@@ -175,7 +175,8 @@ class CheckpointConfig:
             raise CheckpointError(
                 f"storage must be a StorageOptions, got {type(self.storage).__name__}"
             )
-        parse_location(self.folder, what="checkpoint folder")  # a URL it cannot serve: now
+        # a URL it cannot serve: now
+        parse_location(self.folder, what="checkpoint folder", options=self.storage)
         if self.interval_type not in INTERVAL_TYPES:
             raise CheckpointError(
                 f"interval_type must be 'steps' or 'seconds', got {self.interval_type!r}"

@@ -3,7 +3,7 @@
 Why a lease: anything that deletes in a folder (start-up clean-up of temporaries left by
 crashes, retention, quarantine of a bad checkpoint) must know that no live job is
 writing there, or it tears that job's checkpoints (an eval script that builds a manager
-on the folder of a running job used to delete the job's in-flight temporaries).
+on the folder of a running job would otherwise delete the job's in-flight temporaries).
 
 The lease is an exclusive ``flock`` on ``<folder>/.quicksave-lock``, taken by the
 coordinator of a writing :class:`~quicksave.manager.CheckpointManager` when it is built
@@ -12,13 +12,15 @@ SIGKILL, so "the lease is free" proves that the previous writer is gone: no hear
 no clock, no guessing from ages. ``flock`` works across the machines of an NFSv4 mount
 (Linux emulates it with POSIX locks there). On a filesystem without locks (e.g. Lustre
 mounted without ``-o flock``) ownership cannot be enforced: the manager says so in a
-warning and writes as before.
+warning and writes without a lease.
 
 The file also holds a line naming the holder (host, pid, start time), only to make the
 error of a refused writer useful; it is never trusted for anything else.
 
 Object stores have no locks: their lease is an object with a heartbeat and an expiry
-(:class:`~quicksave.manager.store_lease.StoreLease`), behind the same interface.
+(:class:`~quicksave.manager.store_lease.StoreLease`), behind the same interface
+(:class:`WriterLease`). Which one a folder gets is its scheme's (``Scheme.lease``: a
+name looked up in the folder's ``StorageOptions.leases``, then in :data:`LEASES`).
 :func:`take_writer_lease` and :func:`clean_folder` are the one way the manager and the
 torchtitan integration take a folder and clean it up.
 """
@@ -33,13 +35,15 @@ import os
 import socket
 import time
 import weakref
-from collections.abc import Collection
+from collections.abc import Callable, Collection
+from typing import Protocol
 
 from quicksave.errors import CheckpointError
 from quicksave.manager.folder import clean_leftovers
 from quicksave.manager.store_lease import StoreLease
 from quicksave.storage import Location
 from quicksave.storage.backend import Backend
+from quicksave.storage.registry import Registry
 
 logger = logging.getLogger("quicksave")
 
@@ -71,6 +75,11 @@ class FolderLease:
         self.enforced = True
         self._fd: int | None = None
         self._finalizer: weakref.finalize | None = None
+
+    @classmethod
+    def at(cls, folder: Location) -> FolderLease:
+        """The lease of the local folder ``folder`` (its registry entry, ``"flock"``)."""
+        return cls(folder.key)
 
     # The kernel proves the previous holder gone: nothing to wait for, nothing to re-check.
     def guard(self, backend: Backend | None) -> Backend | None:
@@ -195,18 +204,93 @@ class FolderLease:
             pass
 
 
-WriterLease = FolderLease | StoreLease
+class WriterLease(Protocol):
+    """What the manager asks of a folder's writer lease (:class:`FolderLease`,
+    :class:`~quicksave.manager.store_lease.StoreLease`, or a user's, registered in
+    ``StorageOptions.leases``). Called by the coordinator of a writing manager only:
+    :meth:`try_acquire` once, then :meth:`guard` for the backend deletions go through,
+    :meth:`leftover_age_s` / :meth:`cleanup_due` for what clean-up may remove, and
+    :meth:`release` at ``close()``.
+
+    Attributes:
+        enforced: whether another writer is really kept out (False: a filesystem
+            without locks, a store without conditional writes; the manager warns).
+        unenforced_why: why not, for that warning.
+    """
+
+    enforced: bool
+    unenforced_why: str
+
+    @property
+    def held(self) -> bool: ...
+
+    def try_acquire(self) -> bool:
+        """True if this process holds the lease now; False if a live writer does."""
+        ...
+
+    def release(self) -> None:
+        """Give the lease up (idempotent)."""
+        ...
+
+    def holder(self) -> str:
+        """Who holds it, for messages."""
+        ...
+
+    def held_by_this_process(self) -> bool: ...
+
+    def guard(self, backend: Backend | None) -> Backend | None:
+        """The backend deletions go through: one that refuses to delete once the lease
+        is lost, where losing it is possible."""
+        ...
+
+    def leftover_age_s(self, stale_after_s: float) -> float | None:
+        """How old a crashed save's leftover must be for start-up clean-up to remove
+        it; None: none may go yet."""
+        ...
+
+    def cleanup_due(self, stale_after_s: float) -> float | None:
+        """The age for a deferred clean-up after a save, once one is due; else None."""
+        ...
 
 
-def take_writer_lease(folder: Location, hint: str) -> tuple[WriterLease | None, str | None]:
-    """Take ``folder``'s writer lease (the coordinator of a writing manager, once).
+# The built-in leases (name -> the lease of a folder); ``StorageOptions.leases`` adds to
+# them, and a scheme's entry names one (``Scheme.lease``).
+LEASES: Registry[Callable[[Location], WriterLease]] = Registry(
+    {"flock": FolderLease.at, "store": StoreLease}
+)
+
+
+def lease_kind(folder: Location) -> Callable[[Location], WriterLease]:
+    """What makes the writer lease of ``folder``: the entry its scheme names
+    (``Scheme.lease``) in ``folder.options.leases``, else in :data:`LEASES`.
+
+    Raises:
+        CheckpointError: the scheme names a lease no registry holds (named).
+    """
+    leases: Registry[Callable[[Location], WriterLease]] = folder.options.leases.over(LEASES)
+    return leases.require(folder.entry.lease, "writer lease", path=folder.url)
+
+
+def lease_for(folder: Location) -> WriterLease:
+    """A new (not yet acquired) writer lease of ``folder``, of :func:`lease_kind`."""
+    return lease_kind(folder)(folder)
+
+
+def take_writer_lease(
+    folder: Location, hint: str, make: Callable[[Location], WriterLease] | None = None
+) -> tuple[WriterLease | None, str | None]:
+    """Take ``folder``'s writer lease (the coordinator of a writing manager, once), made
+    by ``make`` (default: :func:`lease_kind`'s).
 
     Returns:
         ``(lease, None)`` when held (a warning is logged where it is not enforced), or
         ``(None, why)``: why this writer must be read-only (the live holder, named; or
         the lease could not be taken). ``hint`` ends the first message (what to do).
+
+    Raises:
+        CheckpointError: the folder's scheme names a lease no registry holds.
     """
-    lease: WriterLease = FolderLease(folder.key) if folder.is_local else StoreLease(folder)
+    lease = (make or lease_kind(folder))(folder)
     try:
         got = lease.try_acquire()
     except CheckpointError as e:

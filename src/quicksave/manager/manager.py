@@ -356,8 +356,9 @@ class CheckpointManager:
     @property
     def staging_bytes(self) -> int:
         """Bytes of host memory held by the staging pools of the async modes now (0 for
-        synchronous saves): about the bytes of the state, built when the manager is
-        constructed if the state is complete (issue 12: at most 1.05× of it)."""
+        synchronous saves): about the bytes of the state (the file images: data plus
+        headers and 4 KiB alignment), built when the manager is constructed if the state
+        is complete."""
         writer = self.session.writer
         return writer.saver.staging_bytes if writer is not None else 0
 

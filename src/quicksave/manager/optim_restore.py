@@ -2,9 +2,9 @@
 
 A fresh job's optimizer has no state until its first ``step()``. Loading into it the
 way ``torch.distributed.checkpoint.state_dict`` does (``get_optimizer_state_dict``)
-first runs a step on zero gradients to create state that the load then overwrites:
-on a 134M-parameter model with AdamW that step was 2.6 s of a 4.7 s restore (a pass
-over every parameter, two fresh moments, a square root).
+first runs a step on zero gradients to create state that the load then overwrites: a
+pass over every parameter, fresh moments (two per parameter for AdamW), a square root,
+before a byte is read (docs/benchmarks.md, "Restore into a fresh job", has the cost).
 
 Here the checkpoint says what to create: its metadata names every optimizer tensor
 (``<name>.state.<param fqn>.<key>``, the flattened layout of :class:`OptimizerState`)

@@ -18,7 +18,7 @@ layout for as long as the state is collected to plan the pool:
 
 Anything else (other optimizers, subclasses, whose ``step`` may differ, and parameters
 that are tensor subclasses such as DTensors) is unknown: the
-pool is then planned after the first step, as before. A prediction is only a guess of
+pool is then planned after the first step. A prediction is only a guess of
 the plan: parameters that get no gradient at the first step get no state, and the
 prediction is then wrong. :func:`matches` checks it against the real state once it
 exists, and the engine rebuilds a pool whose plan is not the one a save needs; a wrong

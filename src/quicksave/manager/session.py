@@ -19,15 +19,9 @@ calls, in the same order; "collective" marks the calls that talk to the other ra
       loaded(step) after each successful load; agree_failure(error): collective
     → close_writer(timeout) → release()
 
-Layout of the folder (``folder.py``)::
-
-    step-<N>/           full checkpoint of step N (N not zero-padded, like torchtitan)
-    step-0/             seed checkpoint: the model only
-    export-step-<N>/    model weights only
-    *.tmp-*/            being written, or left by a crash (deleted at start-up)
-    step-<N>.corrupt-*/ failed its checks at load: moved aside by the writer, kept
-    .quicksave-lock     the writer lease (lease.py; on an object store
-                        .quicksave-lease.json, with a heartbeat: store_lease.py)
+The folder's layout is :mod:`quicksave.manager.folder`'s; where its checkpoints live,
+with what commits, leases, retains and reads them there, is the session's
+:class:`~quicksave.manager.tiers.Tier` (one today).
 
 Ownership: one job writes a folder. The coordinator of a writing session holds the
 folder's writer lease from :meth:`~CheckpointSession.take_folder` to
@@ -51,14 +45,12 @@ import torch.distributed as dist
 
 from quicksave.commit import COMMITTED, classify
 from quicksave.errors import CheckpointError
-from quicksave.loading.checkpoint import Checkpoint, require_committed
+from quicksave.loading.checkpoint import Checkpoint
 from quicksave.loading.run_folder import committed_kinds
 from quicksave.manager.async_writer import AsyncWriter
 from quicksave.manager.config import CheckpointConfig
 from quicksave.manager.failures import FailureLedger, Key, log_verdict
 from quicksave.manager.folder import (
-    apply_retention,
-    committed_steps,
     create_folder,
     load_newest,
     quarantine,
@@ -69,6 +61,7 @@ from quicksave.manager.interval import OutcomeVote, agree_any_due, agree_reports
 from quicksave.manager.lease import WriterLease, clean_folder, take_writer_lease
 from quicksave.manager.policies import KeepLatestK, RetentionPolicy
 from quicksave.manager.records import SaveRecord, log_committed, report
+from quicksave.manager.tiers import Tier
 from quicksave.ranks import collectives
 from quicksave.saving.config import EngineConfig
 from quicksave.saving.dist_save import DistContext
@@ -91,6 +84,8 @@ class CheckpointSession:
             ``KeepLatestK(config.keep_latest_k)``).
 
     Attributes:
+        tiers: where the checkpoints live, each with its commit strategy, writer lease,
+            retention and reader (``tiers.py``); one today: the folder.
         location: the folder as a :class:`~quicksave.storage.Location`.
         folder: its path or URL.
         metrics: one :class:`SaveRecord` per checkpoint written, completed when it commits.
@@ -111,12 +106,11 @@ class CheckpointSession:
         retention: RetentionPolicy | None = None,
     ) -> None:
         self.config = config
-        self.location = parse_location(
-            config.folder, what="checkpoint folder", options=config.storage
-        )
-        self.folder = self.location.url
+        location = parse_location(config.folder, what="checkpoint folder", options=config.storage)
+        keep = retention or KeepLatestK(config.keep_latest_k)
+        self.tiers: list[Tier] = [Tier.at(location, keep)]
+        self.folder = location.url
         self.process_group = process_group
-        self.retention: RetentionPolicy = retention or KeepLatestK(config.keep_latest_k)
         self.metrics: list[SaveRecord] = []
         self.read_only_reason: str | None = None
         self.last_good: int | None = None
@@ -132,6 +126,23 @@ class CheckpointSession:
         self._leftovers: set[str] = set()  # failed saves' paths, for housekeeping
         self._leftovers_lock = threading.Lock()  # the housekeeper's thread reads them
         self._keeper: Housekeeper | None = None  # the lease holder's housekeeping thread
+
+    @property
+    def tier(self) -> Tier:
+        """The folder's tier (the only one today)."""
+        return self.tiers[0]
+
+    @property
+    def location(self) -> Location:
+        return self.tier.location
+
+    @property
+    def retention(self) -> RetentionPolicy:
+        return self.tier.retention
+
+    @retention.setter
+    def retention(self, policy: RetentionPolicy) -> None:
+        self.tier.retention = policy
 
     # ---------------------------------------------------------------- ranks
 
@@ -206,10 +217,10 @@ class CheckpointSession:
         return parse_location(path, options=self.config.storage)
 
     def backend(self) -> Backend | None:
-        """The session's backend of the folder, opened once (a new S3 client costs
-        ~0.3 s: not per save) and closed by :meth:`release`. Once the lease is held, every
-        deletion through it re-checks the lease first (on an object store, where the
-        lease is an object with an expiry)."""
+        """The session's backend of the folder, opened once (a new S3 client is slow
+        to make: once per session, not per save) and closed by :meth:`release`. Once
+        the lease is held, every deletion through it re-checks the lease first (on an
+        object store, where the lease is an object with an expiry)."""
         if self._store is None:
             # Never a hang, and a call of the training thread (a pre-check, retention)
             # ends well within the checkpoint group's timeout: the other ranks may be
@@ -226,7 +237,9 @@ class CheckpointSession:
         with ``allow_dcp``, default ``config.allow_dcp``). Temporaries, quarantined
         checkpoints and directories without their commit are not listed."""
         dcp = self.config.allow_dcp if allow_dcp is None else allow_dcp
-        return committed_steps(self.location, allow_dcp=dcp, backend=self.backend())
+        return self.tier.reader.committed_steps(
+            self.location, allow_dcp=dcp, backend=self.backend()
+        )
 
     def is_committed(self, path: str) -> bool:
         """Whether a committed checkpoint is at ``path`` (False if that cannot be told)."""
@@ -239,13 +252,13 @@ class CheckpointSession:
         """The committed checkpoint of ``step``, classified once (a load hands it on, so
         that nothing classifies it again), or ``CheckpointNotFoundError`` /
         ``NotCommittedError`` naming the step and the committed steps."""
-        return require_committed(
+        return self.tier.reader.require_committed(
+            self.location,
             self.where(self.step_path(step)),
+            step,
+            self.rank(),
             allow_dcp=self.config.allow_dcp,
             backend=self.backend(),
-            step=step,
-            folder=self.location,
-            rank=self.rank(),
         )
 
     def writer_config(self, engine: EngineConfig) -> EngineConfig:
@@ -292,7 +305,7 @@ class CheckpointSession:
         reason: str | None = None
         create_folder(self.location, self.rank())
         if self.is_coordinator():
-            self._lease, reason = take_writer_lease(self.location, hint)
+            self._lease, reason = take_writer_lease(self.location, hint, self.tier.lease)
             if self._lease is not None:
                 stale = self.config.storage.stale_after_s
                 clean_folder(self._lease, self.location, stale, backend=self.backend())
@@ -552,29 +565,15 @@ class CheckpointSession:
         self._retain(protect | self.in_flight)
 
     def _retain(self, keep_steps: set[int]) -> None:
-        if self._lease is None:  # only the lease holder deletes
-            return
-        clean_folder(  # what a store lease's previous holder left (once, when due)
-            self._lease,
-            self.location,
-            self.config.storage.stale_after_s,
-            backend=self.backend(),
-            keep={f"step-{s}" for s in keep_steps},
-            deferred=True,
-        )
-        last_good = self.last_good
-        if last_good is None:
-            # No checkpoint is known to pass yet (nothing loaded, nothing of ours
-            # committed): the newest one may be torn, and deleting the older ones could
-            # leave nothing loadable if our own save then fails.
-            return
-        apply_retention(
-            self.location,
-            self.retention,
-            keep_steps | {last_good},
-            allow_dcp=self.config.allow_dcp,
-            backend=self.backend(),
-        )
+        if self._lease is not None:  # only the lease holder deletes
+            self.tier.retain(
+                self._lease,
+                keep_steps,
+                self.last_good,
+                stale_after_s=self.config.storage.stale_after_s,
+                allow_dcp=self.config.allow_dcp,
+                backend=self.backend(),
+            )
 
     # ---------------------------------------------------------------- end
 

@@ -218,7 +218,7 @@ class StepIO:
             metadata["export_dtype"] = (
                 self.config.export_dtype if dtype is None else str(dtype).removeprefix("torch.")
             )
-        # which states are the model, and its tied keys: for exports (model_record.py)
+        # which states are the model, and its tied keys: for exports (saving/model_record.py)
         metadata.update(model_record(state_dict, self.model_state_names()))
         writer = self.session.writer
         if writer is not None and kind == "full":

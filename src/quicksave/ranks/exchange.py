@@ -1,7 +1,7 @@
 """The plan exchange: ``central_round``, the one gather/scatter through the coordinator
 that every exchange of plans runs (quicksave's own multi-rank planning in
-``saving/plan_vote.py``, ``quicksave.save``, and the DCP planner's in
-``compat/nvrx/dcp_steps``), and how failures travel through it.
+``saving/plan_vote.py`` and ``quicksave.save``, and the DCP planners' in
+``compat/nvrx/dcp_steps`` and ``loading/steps``), and how failures travel through it.
 
 Every rank of the group calls ``central_round`` once per exchange, in the same order.
 
@@ -77,9 +77,10 @@ def central_round(
     """The plan exchange: ONE gather of every rank's ``mine`` on the coordinator,
     ``decide(gathered)`` there (one reply per rank, in rank order), ONE scatter of the
     replies; returns this rank's reply. Every exchange of plans runs through here:
-    quicksave's own (``saving/plan_vote.exchange_plans``, ``saving/sync_save``) and the
-    DCP planner's (``compat/nvrx/dcp_steps``: the NVRx-compatible API), whose ``decide`` is
-    the planner's ``create_global_plan``.
+    quicksave's own (``saving/plan_vote.exchange_plans``; ``saving/sync_save``:
+    ``quicksave.save``'s plan and commit rounds) and the DCP planners'
+    (``compat/nvrx/dcp_steps``: the NVRx-compatible API's save planning;
+    ``loading/steps``: every load's), whose ``decide`` is the planner's global step.
 
     Every rank of ``group`` calls it (``distributed=False``: this process alone, no
     collective, the same outcomes). A ``decide`` that fails fails every rank alike: a

@@ -35,8 +35,8 @@ def async_save(
     Without ``saver``, a one-shot :class:`AsyncSaver` is built for this save and closed
     (its worker stopped, its pool freed) once the save completes. That costs, per call, a
     worker start-up (a fresh interpreter importing torch: seconds of CPU, in the
-    background) and a fresh staging pool (page faults: ~2 s per GiB on a small machine,
-    paid before this returns). For repeated saves, hold an ``AsyncSaver`` and pass it: its
+    background) and a fresh staging pool (every page faulted in, paid before this
+    returns). For repeated saves, hold an ``AsyncSaver`` and pass it: its
     worker and pool are reused, and a save costs about one memcpy of the state.
 
     Args:

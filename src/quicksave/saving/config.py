@@ -7,12 +7,16 @@ Built once by the caller (or by the manager from its own config) and passed to
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from quicksave.errors import CheckpointError
 from quicksave.storage import StorageOptions
 from quicksave.worker.config import WorkerConfig
+
+if TYPE_CHECKING:  # the persisters' module is the engine's to import, when it starts one
+    from quicksave.worker.persisters import Persister, PersisterStart
 
 
 @dataclass(frozen=True)
@@ -40,6 +44,10 @@ class EngineConfig:
         clear_uncommitted: this rank holds the folder's writer lease (a manager's
             coordinator): its writer removes an uncommitted leftover (a crashed save's)
             at a single-rank save's target before writing, instead of failing the save.
+        persister: starts (or attaches to) this rank's writer, a
+            :class:`~quicksave.worker.persisters.Persister` (e.g. one that attaches to a
+            writer process that outlives the trainer); None: the built-in one of
+            ``mode`` (``quicksave.worker.persisters.PERSISTERS``).
     """
 
     mode: Literal["process", "thread"] = "process"
@@ -55,6 +63,7 @@ class EngineConfig:
     storage: StorageOptions = field(default_factory=StorageOptions)
     write_rate_mbps: float | None = None
     clear_uncommitted: bool = False
+    persister: Callable[[PersisterStart], Persister] | None = None
 
     def __post_init__(self) -> None:
         rate = self.write_rate_mbps

@@ -377,7 +377,7 @@ class AsyncSaver:
         key = loc.backend_id()
         if key not in self._strategies:
             bounded = loc.bounded(self.config.worker.save_timeout_s)
-            self._strategies[key] = strategy_for(bounded.open(rank=self.rank), owned=True)
+            self._strategies[key] = strategy_for(bounded, bounded.open(rank=self.rank), owned=True)
         return self._strategies[key]
 
     # ------------------------------------------------------------ overlap staging

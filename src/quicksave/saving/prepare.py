@@ -94,7 +94,7 @@ class PoolPreparer:
         pool that cannot be allocated is logged, and built by ``save()``).
 
         In the background (beside training) this thread runs at the worker's lower CPU
-        priority, and the page clearing (the bulk of the cost: ~0.4 s/GiB) goes to the
+        priority, and the page clearing (the bulk of the cost) goes to the
         worker process, whose map_pool faults the pages in (see stage/pool.py); only an
         in-process persister has them touched here. In the foreground: populate here.
         """

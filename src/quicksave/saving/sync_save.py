@@ -96,7 +96,7 @@ def save_sync(
         IncompatibleStateError, CheckpointExistsError, CheckpointError: on every rank
             alike, naming the rank at fault and the path; nothing was committed.
     """
-    strategy = strategy_for(loc.open(fsync=options.fsync, rank=rank), owned=True)
+    strategy = strategy_for(loc, loc.open(fsync=options.fsync, rank=rank), owned=True)
     run = _Run(strategy, loc, options, group, rank, distributed)
     try:
         run.write_and_commit(run.plan(state_dict))

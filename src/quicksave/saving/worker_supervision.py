@@ -10,6 +10,7 @@ save's vote, which also warms the new worker up (``warm()`` / ``poll_warm()``).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable, Iterable
@@ -19,11 +20,9 @@ from quicksave.errors import CheckpointError
 from quicksave.saving.config import EngineConfig
 from quicksave.saving.dist_save import DistSaving
 from quicksave.stage.pool import StagingPool
-from quicksave.worker.persisters import ProcessPersister, ThreadPersister
+from quicksave.worker.persisters import PERSISTERS, Persister, PersisterStart, ProcessPersister
 
 logger = logging.getLogger("quicksave")
-
-Persister = ProcessPersister | ThreadPersister
 
 
 class WorkerSupervisor:
@@ -46,20 +45,15 @@ class WorkerSupervisor:
     def start(self) -> Persister:
         """Start a new worker (the caller made sure the last one is gone)."""
         self.mapped = set()
-        if self.config.mode == "process":
-            if self.dist is None:
-                p: Persister = ProcessPersister(self.config.worker, self.rank)
-            else:
-                # Several ranks: the worker connects to the ranks' store (imports torch)
-                # at start-up, in the background, not at the first save.
-                p = ProcessPersister(
-                    self.config.worker,
-                    self.rank,
-                    store=self.dist.address,
-                    store_timeout_s=self.dist.ctx.commit_timeout_s,
-                )
-        else:
-            p = ThreadPersister(phase=trace.phase)  # the writer's phases: profiler ranges
+        make = self.config.persister or PERSISTERS.require(self.config.mode, "persister")
+        start = PersisterStart(self.config.worker, self.rank, phase=trace.phase)
+        if self.dist is not None:
+            # Several ranks: a worker process connects to the ranks' store (imports
+            # torch) at start-up, in the background, not at the first save.
+            start = dataclasses.replace(
+                start, store=self.dist.address, store_timeout_s=self.dist.ctx.commit_timeout_s
+            )
+        p = make(start)
         self.persister = p
         return p
 

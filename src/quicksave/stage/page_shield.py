@@ -50,9 +50,9 @@ def shield_free_pages(nbytes: int) -> Iterator[int]:
     allocated without this shield takes them, and the next training steps get pages
     that have sat free long enough to be cold: on a VM with free-page reporting
     (virtio-balloon) the host has taken them back, and every first touch of such a page
-    costs a host fault. Measured on the 2-CPU VM of docs/benchmarks.md: the first step
-    after building a 1.6 GB pool took 2.1–2.9 s instead of 0.77 s, with the same number
-    of (guest) page faults. Held by this shield, the recycled pages stay out of the
+    costs a host fault, so the steps after a pool is built slow down with no more
+    (guest) page faults than usual (docs/benchmarks.md, "Training-loop overhead on three
+    model shapes", has the figures). Held by this shield, the recycled pages stay out of the
     pool's reach, the pool takes (and pays for) fresh pages, and once the shield is
     released the recycled pages are the first ones handed out again.
 

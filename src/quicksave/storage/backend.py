@@ -23,6 +23,7 @@ from typing import Any, Protocol, runtime_checkable
 import xxhash
 
 from quicksave.checksum import hexdigest
+from quicksave.storage.registry import Registry
 
 Range = tuple[str, int, int]  # (name, offset, length) of a byte range to hash on the way
 
@@ -96,6 +97,15 @@ class StorageOptions:
             expired (its holder counts as dead) and may be taken over.
         lease_renew_s: object stores: how often the holder renews its lease (in the
             background); well below ``lease_expiry_s``.
+        schemes: URL schemes of the user's (name -> ``quicksave.storage.schemes.Scheme``),
+            added to the built-in ones (``file``, ``s3``, ``msc``), replacing one of the
+            same name: e.g. an S3-compatible server as ``S3Scheme(endpoint_url=...)``.
+        commits: commit strategies of the user's (name -> a ``CommitStrategy`` class),
+            added to ``quicksave.commit.choose.STRATEGIES``; a scheme's entry names its
+            strategy.
+        leases: writer leases of the user's (name -> a callable that takes the folder's
+            Location and returns a lease), added to ``quicksave.manager.lease.LEASES``;
+            a scheme's entry names its lease.
     """
 
     s3: S3Options = field(default_factory=S3Options)
@@ -103,6 +113,9 @@ class StorageOptions:
     stale_after_s: float = 3600.0
     lease_expiry_s: float = 30.0
     lease_renew_s: float = 5.0
+    schemes: Registry[Any] = field(default_factory=Registry)
+    commits: Registry[Any] = field(default_factory=Registry)
+    leases: Registry[Any] = field(default_factory=Registry)
 
 
 # The alignment of O_DIRECT writes: a staging pool's file images extend to a multiple.

@@ -2,14 +2,15 @@
 
 Every entry point turns what the user gave into a :class:`Location` here, before any
 I/O, so a destination quicksave does not understand is an error, never a guess:
-``s3://b/run`` used to be taken as a relative path and silently became a local
-directory ``s3:``, and ``s3:/b/run`` (one slash missing) a local ``./s3:/b/run``.
+``s3://b/run`` is a bucket, never a local directory ``s3:``, and ``s3:/b/run`` (one
+slash missing) is refused, never a local ``./s3:/b/run``.
 
 Served: plain paths and ``file:`` URLs (the local filesystem), ``s3://bucket/prefix``
-(extra ``quicksave[s3]``) and ``msc://profile/path`` (extra ``quicksave[msc]``); any
-other ``scheme://`` that fsspec knows and can import here (``memory://``, ``gcs://``
-with gcsfs, ``hf://``...: :mod:`quicksave.storage.fsspec_store`). Any other scheme is
-refused.
+(extra ``quicksave[s3]``) and ``msc://profile/path`` (extra ``quicksave[msc]``); the
+schemes registered in ``StorageOptions.schemes`` (:mod:`quicksave.storage.schemes`: an
+S3-compatible server under a scheme of its own...); any other ``scheme://`` that fsspec
+knows and can import here (``memory://``, ``gcs://`` with gcsfs, ``hf://``...:
+:mod:`quicksave.storage.fsspec_store`). Any other scheme is refused.
 
 The rule for what is a URL (Linux paths only: ``C:`` is no drive letter here):
 
@@ -33,22 +34,14 @@ import importlib.util
 import os
 import re
 from dataclasses import dataclass, field
-from urllib.parse import unquote, urlsplit
 
 from quicksave.errors import CheckpointError
 from quicksave.storage.backend import Backend, StorageOptions, join
-from quicksave.storage.fsspec_store import (
-    PROCESS_LOCAL,
-    fsspec_key,
-    fsspec_protocol,
-    fsspec_url,
-)
 from quicksave.storage.retry import StoreHealth
+from quicksave.storage.schemes import SCHEMES, Opening, Scheme, scheme_entry
 
 _SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
 _SCHEME_LIKE = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*):")
-_EXTRAS = {"s3": "quicksave[s3]", "msc": "quicksave[msc]"}
-_BUCKET = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
 
 
 @dataclass(frozen=True)
@@ -57,7 +50,8 @@ class Location:
     to a worker process; :meth:`open` builds the live backend (clients, threads).
 
     Attributes:
-        scheme: ``"file"``, ``"s3"``, ``"msc"``, or an fsspec protocol (``"memory"``...).
+        scheme: ``"file"``, ``"s3"``, ``"msc"``, a scheme of ``options.schemes``, or an
+            fsspec protocol (``"memory"``...).
         container: the bucket (s3) or profile (msc); ``""`` for files; for an fsspec
             filesystem its root marker (``"/"`` for ``memory://``, ``""`` for ``gcs://``).
         key: the absolute path (file), or the key prefix inside the container (fsspec:
@@ -77,13 +71,15 @@ class Location:
         return self.scheme == "file"
 
     @property
+    def entry(self) -> Scheme:
+        """The rules of this location's scheme (:mod:`quicksave.storage.schemes`): from
+        ``options.schemes``, else the built-in ones."""
+        return scheme_entry(self.scheme, self.options)
+
+    @property
     def url(self) -> str:
         """The user-facing name: the path for files, the URL otherwise."""
-        if self.is_local:
-            return self.key
-        if self.scheme not in _EXTRAS:  # an fsspec filesystem: its path follows the scheme
-            return fsspec_url(self.scheme, self.container, self.key)
-        return f"{self.scheme}://{self.container}/{self.key}".rstrip("/")
+        return self.entry.url(self.scheme, self.container, self.key)
 
     @property
     def name(self) -> str:
@@ -124,7 +120,7 @@ class Location:
     def process_local(self) -> bool:
         """Whether this location lives in this process's memory (``memory://``): only
         this process (and its threads) can write it."""
-        return self.scheme in PROCESS_LOCAL
+        return self.entry.process_local(self.scheme)
 
     def check_shared(self, what: str) -> None:
         """Refuse a location that lives in this process's memory (``memory://``) where
@@ -191,24 +187,8 @@ class Location:
         Raises:
             CheckpointError: the extra for the scheme is not installed (named).
         """
-        if self.scheme == "file":
-            from quicksave.storage.local import LocalBackend
-
-            return LocalBackend(fsync=fsync, o_direct=o_direct, rank=rank, write_rate=write_rate)
-        if self.scheme == "s3":
-            from quicksave.storage.s3 import S3Backend
-
-            return S3Backend(self.container, self.options.s3, health=health)
-        if self.scheme != "msc":
-            from quicksave.storage.fsspec_store import FsspecBackend
-
-            return FsspecBackend(self.scheme)
-        from quicksave.storage.msc import MscBackend
-
-        try:
-            return MscBackend(self.container, self.options)
-        except CheckpointError as e:  # an unknown profile, a bad config: name the URL
-            raise type(e)(e.message, path=self.url, fqn=e.fqn, rank=e.rank) from e
+        how = Opening(self.url, fsync, o_direct, rank, write_rate, health)
+        return self.entry.open(self.scheme, self.container, self.options, how)
 
 
 def parse_location(
@@ -254,69 +234,23 @@ def parse_location(
     match = _SCHEME.match(raw.lstrip())
     if match is None:
         if raw.lower().startswith("file:"):
-            return Location("file", "", _file_url_path(raw, what), opts)
-        _refuse_scheme_like(raw, what, isinstance(location, os.PathLike))
+            return _from_url("file", raw, what, opts)
+        _refuse_scheme_like(raw, what, isinstance(location, os.PathLike), opts)
         return Location("file", "", os.path.abspath(raw), opts)
     if raw != raw.strip():
         raise CheckpointError(
             f"a {what} URL must not begin or end with white space: {raw!r}", path=raw
         )
-    scheme = match.group(1).lower()
-    if scheme == "file":
-        return Location("file", "", _file_url_path(raw, what), opts)
-    if scheme in _EXTRAS:
-        rest = raw[match.end() :]
-        container, _, key = rest.partition("/")
-        key = key.strip("/")
-        if not container:
-            raise CheckpointError(
-                f"a {what} URL needs a {'bucket' if scheme == 's3' else 'profile'}: "
-                f"{scheme}://<{'bucket' if scheme == 's3' else 'profile'}>/<path>",
-                path=raw,
-            )
-        if scheme == "s3" and not _BUCKET.match(container):
-            raise CheckpointError(f"{container!r} is not a valid S3 bucket name", path=raw)
-        parts_ = key.split("/") if key else []
-        if any(p in ("", ".", "..") for p in parts_) or "\x00" in key:
-            raise CheckpointError(
-                f"a {what} URL must not hold empty, '.' or '..' components", path=raw
-            )
-        return Location(scheme, container, key, opts)
-    fsspec_protocol(scheme, raw)  # raises for a scheme fsspec cannot serve here
-    marker, key = fsspec_key(scheme, f"{scheme}://{raw[match.end() :]}")
-    if any(p in (".", "..") for p in key.split("/")) or "\x00" in key:
-        raise CheckpointError(f"a {what} URL must not hold '.' or '..' components", path=raw)
-    return Location(scheme, marker, key, opts)
+    return _from_url(match.group(1).lower(), raw, what, opts)
 
 
-def _file_url_path(raw: str, what: str) -> str:
-    """The absolute local path of a ``file:`` URL (RFC 8089: ``file:/abs``,
-    ``file:///abs``, ``file://localhost/abs``), percent-decoded."""
-    parts = urlsplit(raw)
-    if "?" in raw or "#" in raw:
-        raise CheckpointError(
-            f"a file: URL for a {what} must not hold '?' or '#' (they would start a query "
-            "or fragment and be dropped): percent-encode them (%3F, %23), or give the "
-            "path without 'file:'",
-            path=raw,
-        )
-    if parts.netloc not in ("", "localhost"):
-        raise CheckpointError(
-            f"file:// URL names the host {parts.netloc!r}; only local files are "
-            f"served: did you mean 'file:///{raw[len('file://') :]}'?",
-            path=raw,
-        )
-    if not parts.path.startswith("/"):
-        raise CheckpointError(
-            f"a file: URL for a {what} must name an absolute path (file:/abs/path or "
-            "file:///abs/path); for a path relative to the working directory, drop "
-            "'file:'",
-            path=raw,
-        )
-    return os.path.abspath(unquote(parts.path))
+def _from_url(scheme: str, raw: str, what: str, opts: StorageOptions) -> Location:
+    """The Location of the URL ``raw`` of ``scheme``, split by the scheme's entry."""
+    container, key = scheme_entry(scheme, opts).split(scheme, raw, what)
+    return Location(scheme, container, key, opts)
 
 
-def _refuse_scheme_like(raw: str, what: str, pathlike: bool) -> None:
+def _refuse_scheme_like(raw: str, what: str, pathlike: bool, opts: StorageOptions) -> None:
     """Raise if ``raw`` (not a ``scheme://`` URL) begins like a URL scheme (``s3:``,
     ``gs:``, ``run:``): a URL with its ``//`` missing, never taken as a local path."""
     stripped = raw.lstrip()
@@ -326,8 +260,9 @@ def _refuse_scheme_like(raw: str, what: str, pathlike: bool) -> None:
     scheme = match.group(1).lower()
     rest = stripped[match.end() :].lstrip("/")
     why = " (a pathlib.Path collapses '//' into '/': pass a URL as a str)" if pathlike else ""
-    if scheme in _EXTRAS:
-        rest = rest or ("<bucket>/<path>" if scheme == "s3" else "<profile>/<path>")
+    entry = opts.schemes.over(SCHEMES).get(scheme)
+    if entry is not None and entry.container:  # a scheme served here: its URL is meant
+        rest = rest or f"<{entry.container}>/<path>"
         raise CheckpointError(
             f"{raw!r} is not a {what} location: an {scheme}: URL needs '//' after the "
             f"scheme{why}; did you mean '{scheme}://{rest}'? quicksave never takes "

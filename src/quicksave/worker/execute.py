@@ -20,7 +20,14 @@ from quicksave.commit import strategy_for
 from quicksave.commit.parts import RankPart, manifest_from_parts
 from quicksave.storage.backend import Backend
 from quicksave.storage.retry import StoreHealth
-from quicksave.worker.files import backend_for, check_target, commit_files, discard, write_files
+from quicksave.worker.files import (
+    backend_for,
+    check_target,
+    commit_files,
+    discard,
+    staged_files,
+    write_files,
+)
 from quicksave.worker.job import JobResult, PersistJob, Phase, Usage, done, failure, untraced
 from quicksave.worker.multirank import execute_multirank_job
 
@@ -56,7 +63,7 @@ def execute_job(
     t0 = time.monotonic()
     usage = Usage(time.thread_time())
     try:  # here, not on the training thread: a store that is down stalls no trainer
-        check_target(job, strategy_for(backend))
+        check_target(job, strategy_for(job.location, backend))
     except BaseException as e:  # noqa: BLE001 - nothing written: nothing to discard
         return failure(job, e)
     try:
@@ -65,7 +72,7 @@ def execute_job(
         t1 = time.monotonic()
         with phase("save.commit"):
             commit_files(
-                strategy_for(backend),
+                strategy_for(job.location, backend),
                 job.tmp_dir,
                 job.location,
                 manifest_from_parts(
@@ -77,6 +84,7 @@ def execute_job(
                 ),
                 job.dcp_metadata,
                 replace=job.replace,
+                staged=staged_files(job, pool),
             )
         t2 = time.monotonic()
         return done(job, t0, t1, t2, usage)

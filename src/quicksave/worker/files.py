@@ -23,6 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 from quicksave.checksum import hexdigest
 from quicksave.commit import CheckpointKind, CommitStrategy, strategy_for
 from quicksave.commit.parts import part_name
+from quicksave.commit.strategy import StagedFiles
 from quicksave.errors import AlreadyCommittedError, CheckpointExistsError
 from quicksave.format import DCP_METADATA_NAME, MANIFEST_NAME
 from quicksave.format.manifest import FileEntry, Manifest, to_json_bytes
@@ -85,7 +86,9 @@ def write_files(
     under the checkpoint's prefix); return the xxh3-64 of every chunk (safetensors key ->
     hex): those the trainer hashed while staging (``job.digests``), the others computed
     while writing. Adds the writer threads' CPU and the bytes hashed to ``usage``."""
-    strategy_for(backend).prepare_staging(job.tmp_dir)  # also with no file: parts, commit
+    strategy_for(job.location, backend).prepare_staging(
+        job.tmp_dir
+    )  # also with no file: parts, commit
 
     def one(f: FileJob) -> tuple[dict[str, str], float]:
         cpu0 = time.thread_time()
@@ -116,7 +119,7 @@ def discard(job: PersistJob, backend: Backend, parts: bool = False) -> None:
     if job.dist is not None:
         ranks = range(job.dist.world_size) if parts else (job.rank,)
         names += [part_name(r) for r in ranks]
-    strategy_for(backend).discard(job.tmp_dir, names)
+    strategy_for(job.location, backend).discard(job.tmp_dir, names)
 
 
 def commit_files(
@@ -127,10 +130,12 @@ def commit_files(
     dcp_metadata: bytes,
     *,
     replace: bool = False,
+    staged: StagedFiles | None = None,
 ) -> None:
     """Add ``.metadata`` to the manifest's files and commit the save written under
     ``staging`` at ``loc`` (:meth:`CommitStrategy.commit`): ``.metadata``, then the
-    manifest, last (``replace``: exchanged with a committed checkpoint at ``loc``)."""
+    manifest, last (``replace``: exchanged with a committed checkpoint at ``loc``;
+    ``staged``: the files in the pool they were written from)."""
     import xxhash
 
     expected = {name: entry.size for name, entry in manifest.files.items()}
@@ -140,4 +145,9 @@ def commit_files(
     )
     manifest_bytes = to_json_bytes(dataclasses.replace(manifest, files=files))
     members = {DCP_METADATA_NAME: dcp_metadata, MANIFEST_NAME: manifest_bytes}
-    strategy.commit(staging, loc, members, expected, replace=replace)
+    strategy.commit(staging, loc, members, expected, replace=replace, staged=staged)
+
+
+def staged_files(job: PersistJob, pool: memoryview) -> StagedFiles:
+    """The job's data files in ``pool`` (views, no copy), for the commit."""
+    return StagedFiles(pool, {f.name: (f.base, f.size) for f in job.files})

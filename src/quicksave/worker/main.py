@@ -176,9 +176,10 @@ def _serve(
     else:
         # A multi-rank saver's worker connects to the ranks' store now, in the background,
         # and the whole worker runs at the trainer's priority until it is connected: the
-        # import of torch (~1.5 CPU s, once) is then done by the first save even beside a
-        # training loop that keeps every core busy (at nice 10 it took longer than the
-        # loop's first 3 s; and a nice-10 thread holding the GIL stalls it too).
+        # import of torch (seconds of CPU, once) is then done by the first save even
+        # beside a training loop that keeps every core busy (at nice 10 such a loop
+        # starves it past the first save; and a nice-10 thread holding the GIL stalls it
+        # too).
         def connect_then_lower(address: StoreAddress, timeout_s: float) -> None:
             try:
                 stores.get(address, timeout_s)  # a failure: the first job reports it

@@ -21,9 +21,16 @@ from typing import Any
 from quicksave.commit import CommitStrategy, strategy_for
 from quicksave.commit import rank_records as records
 from quicksave.commit.parts import RankPart, manifest_from_parts, part_name, read_part, write_part
+from quicksave.commit.strategy import StagedFiles
 from quicksave.errors import CheckpointError
 from quicksave.storage.backend import Backend
-from quicksave.worker.files import check_target, commit_files, discard, write_files
+from quicksave.worker.files import (
+    check_target,
+    commit_files,
+    discard,
+    staged_files,
+    write_files,
+)
 from quicksave.worker.job import (
     JobResult,
     PersistJob,
@@ -47,7 +54,7 @@ def execute_multirank_job(
     t0 = time.monotonic()
     usage = Usage(time.thread_time())
     coordinator = job.rank == d.coordinator
-    strategy = strategy_for(backend)
+    strategy = strategy_for(job.location, backend)
     try:
         if store is None:
             raise CheckpointError("a multi-rank save needs the ranks' store", rank=job.rank)
@@ -70,7 +77,11 @@ def execute_multirank_job(
         records.post_rank(store, d.token, job.rank)
         t1 = time.monotonic()
         with phase("save.commit"):
-            failed = _commit(job, store, backend, strategy) if coordinator else _wait(job, store)
+            failed = (
+                _commit(job, store, backend, strategy, staged_files(job, pool))
+                if coordinator
+                else _wait(job, store)
+            )
         if failed is not None:
             return failed
         t2 = time.monotonic()
@@ -80,10 +91,11 @@ def execute_multirank_job(
 
 
 def _commit(
-    job: PersistJob, store: Any, backend: Backend, strategy: CommitStrategy
+    job: PersistJob, store: Any, backend: Backend, strategy: CommitStrategy, staged: StagedFiles
 ) -> JobResult | None:
-    """The coordinator: wait for every rank's record, merge the parts, commit, post the
-    commit record; the result of a save not committed, else None."""
+    """The coordinator: wait for every rank's record, merge the parts, commit (``staged``:
+    its own files in its pool), post the commit record; the result of a save not
+    committed, else None."""
     d = job.dist
     assert d is not None
     problems = records.wait_ranks(store, d.token, d.world_size, d.timeout_s)
@@ -95,7 +107,9 @@ def _commit(
             manifest = manifest_from_parts(job.manifest, job.chunk_keys, parts, job.tmp_dir)
             # merged: the checkpoint holds no parts
             strategy.delete_members(job.tmp_dir, [part_name(r) for r in ranks])
-            commit_files(strategy, job.tmp_dir, job.location, manifest, job.dcp_metadata)
+            commit_files(
+                strategy, job.tmp_dir, job.location, manifest, job.dcp_metadata, staged=staged
+            )
         except BaseException as e:  # noqa: BLE001 - an abort like any other
             problems = {job.rank: f"{type(e).__name__}: {e}"}
     if problems:

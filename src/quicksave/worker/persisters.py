@@ -1,8 +1,11 @@
-"""The trainer's handles on its writer: a thread, or a persistent worker process.
+"""The trainer's handles on its writer: the :class:`Persister` protocol, and its two
+built-in implementations, a thread and a persistent worker process.
 
 A persister runs the ``PersistJob``s the saver (``quicksave.saving.engine``) submits and the
 generic calls of the NVRx-compatible queue (``quicksave.compat.nvrx``), one persister per
-rank, used from the training thread only:
+rank, used from the training thread only. The saver starts one from :data:`PERSISTERS`
+(by ``EngineConfig.mode``) or with ``EngineConfig.persister``, a user's (e.g. one that
+attaches to a writer process that outlives the trainer):
 
 - ``ThreadPersister`` (``async_mode="thread"``): each job in a thread of the training
   process (``quicksave.worker.execute.execute_job``);
@@ -13,7 +16,7 @@ rank, used from the training thread only:
   and mapped there, so tensor bytes never go through the socket.
 
 Call order: ``map_pool`` once per staging pool → ``submit`` (or ``submit_call``) → ``poll``
-until each result arrives → ``close``.
+until each result arrives → ``unmap_pool`` → ``close`` (see :class:`Persister`).
 
 Trainer-side failure detection (``ProcessPersister.poll``): a dead process, a hung one
 (a heartbeat older than ``worker_timeout_s`` and no progress: see ``WorkerConfig`` and
@@ -37,12 +40,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from multiprocessing.reduction import send_handle
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 from quicksave.commit import rank_records as records
 from quicksave.commit.rank_records import StoreAddress
 from quicksave.errors import CheckpointError, WorkerFailedError
 from quicksave.storage.backend import Backend
+from quicksave.storage.registry import Registry
 from quicksave.storage.retry import StoreHealth
 from quicksave.worker.calls import CallResult, pickle_call, run_call
 from quicksave.worker.config import WorkerConfig
@@ -50,6 +54,109 @@ from quicksave.worker.execute import execute_job, store_for
 from quicksave.worker.job import JobResult, PersistJob, Phase, failure, untraced
 from quicksave.worker.liveness import Liveness
 from quicksave.worker.main import HEALTH_OFFSET, command, environment
+
+
+@runtime_checkable
+class Persister(Protocol):
+    """The trainer's handle on the writer of its saves (one per rank; training thread
+    only). The staging pool itself is the data: a job names byte ranges of a pool the
+    persister was given (``PersistJob.files``: offsets and sizes), and the writer reads
+    them there; tensor bytes are never copied to hand a save over.
+
+    Call order::
+
+        map_pool(pool_id, fd, nbytes, buffer)  attach a staging pool (once per pool)
+        submit(job)                            a save of this rank: ranges of a pool
+        poll(timeout)                          results, until each job's has come (wait:
+                                               a timeout; raises WorkerFailedError when
+                                               the writer is gone: build a new one)
+        unmap_pool(pool_id)                    detach a pool (no job of it in flight)
+        close(timeout)                         detach from the writer
+
+    Attach and detach: a persister either starts its writer (:class:`ProcessPersister`:
+    a child process; :class:`ThreadPersister`: threads of the trainer) or attaches to
+    one that outlives the trainer. ``close`` stops what it started, and only detaches
+    from what it attached to: a long-lived writer keeps running, with no pool of this
+    trainer left mapped. ``kill`` stops at once whatever of the writer this persister
+    may stop (a thread cannot be: it finishes its job).
+
+    Attributes:
+        health: where the writer's store retries say whether the store answers (the
+            trainer reads it while it waits for a pool).
+    """
+
+    health: StoreHealth
+
+    def map_pool(self, pool_id: int, fd: int, nbytes: int, buffer: memoryview) -> None:
+        """Give the writer the pool ``pool_id``: ``fd`` (a memfd of ``nbytes``, for a
+        writer in another process to map) and ``buffer`` (the trainer's own mapping,
+        for one in this process)."""
+        ...
+
+    def unmap_pool(self, pool_id: int) -> None:
+        """Take the pool back from the writer; never raises."""
+        ...
+
+    def submit(self, job: PersistJob) -> None:
+        """Hand one save of this rank to the writer (its result comes from :meth:`poll`).
+
+        Raises:
+            WorkerFailedError: the writer is gone.
+        """
+        ...
+
+    def poll(self, timeout: float = 0.0) -> list[JobResult | CallResult]:
+        """The results that arrived within ``timeout`` seconds (each job's once).
+
+        Raises:
+            WorkerFailedError: the writer is gone, hung, or past a job's timeout.
+        """
+        ...
+
+    def close(self, timeout: float) -> None:
+        """Detach (see the class docstring), waiting up to ``timeout`` s for jobs in
+        hand; idempotent."""
+        ...
+
+    def kill(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class PersisterStart:
+    """What a persister is started (or attached) with.
+
+    Attributes:
+        worker: heartbeat and timeouts of a writer process.
+        rank: the rank whose saves it writes.
+        store: several ranks: their store, which the writer connects to for the commit
+            records (None: one rank).
+        store_timeout_s: how long connecting to it may take.
+        phase: wraps a job's phases in the trainer's process (profiler ranges).
+    """
+
+    worker: WorkerConfig
+    rank: int = 0
+    store: StoreAddress | None = None
+    store_timeout_s: float = 120.0
+    phase: Phase = untraced
+
+
+def start_process(start: PersisterStart) -> ProcessPersister:
+    """``EngineConfig.mode="process"``: a persistent worker process of its own."""
+    return ProcessPersister(
+        start.worker, start.rank, store=start.store, store_timeout_s=start.store_timeout_s
+    )
+
+
+def start_thread(start: PersisterStart) -> ThreadPersister:
+    """``EngineConfig.mode="thread"``: threads of the trainer's process."""
+    return ThreadPersister(phase=start.phase)
+
+
+# The built-in persisters, by ``EngineConfig.mode``.
+PERSISTERS: Registry[Callable[[PersisterStart], Persister]] = Registry(
+    {"process": start_process, "thread": start_thread}
+)
 
 
 @dataclass

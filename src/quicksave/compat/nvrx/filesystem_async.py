@@ -23,7 +23,7 @@ the local filesystem. Every rank's worker uploads its data objects and then its 
 object straight under the checkpoint's prefix (objects appear whole or not at all); a
 failed rank leaves an error part object there. The coordinator reads the parts through
 the store at finalize, deletes them, and commits like the engine's store saves
-(``worker.commit_files``): ``.metadata``, one listing that checks every object's size,
+(``worker/files.commit_files``): ``.metadata``, one listing that checks every object's size,
 ``manifest.json`` last — its presence is the commit. The prefix is checked before any
 byte is written (the coordinator, while planning: a committed checkpoint or another
 save's objects there fail the save on every rank, before any collective hands out a

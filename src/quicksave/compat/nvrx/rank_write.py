@@ -113,7 +113,7 @@ def worker_strategy(location: Location, fsync: bool, rank: int) -> CommitStrateg
     Raises:
         CheckpointError: the backend cannot be opened (naming the location).
     """
-    return strategy_for(location.open(fsync=fsync, rank=rank), owned=True)
+    return strategy_for(location, location.open(fsync=fsync, rank=rank), owned=True)
 
 
 def write_rank_data(job: RankWriteJob, staged: StagingPool | dict[str, torch.Tensor]) -> None:

@@ -35,13 +35,14 @@ class S3Backend(AssembledWrites):
         client: an S3 client to use instead of making one (tests).
         rng: the random source of backoff jitter (default: a fresh ``random.Random``).
         sleep, clock: injectable for tests.
+        scheme: the URL scheme its locations are named with (an S3-compatible server
+            registered under a scheme of its own: ``quicksave.storage.schemes.S3Scheme``).
 
     Thread-safe: the botocore client is shared by threads; the thread pool of parallel
     parts and ranged reads belongs to this instance (made on first use, stopped by
     :meth:`close`).
     """
 
-    scheme = "s3"
     atomic_rename = False
 
     def __init__(
@@ -54,10 +55,12 @@ class S3Backend(AssembledWrites):
         sleep: Callable[[float], None] = time.sleep,
         clock: Callable[[], float] = time.monotonic,
         health: StoreHealth | None = None,
+        scheme: str = "s3",
     ) -> None:
         if not bucket or "/" in bucket:
             raise CheckpointError(f"not an S3 bucket name: {bucket!r}")
         self.bucket = bucket
+        self.scheme = scheme
         self.options = options = options if options is not None else S3Options()
         self.part_size = max(int(options.part_size), upload.MIN_PART_SIZE)
         self.max_concurrency = max(1, int(options.max_concurrency))
@@ -79,7 +82,7 @@ class S3Backend(AssembledWrites):
         meta = getattr(client, "meta", None)
         self.endpoint_url: str | None = getattr(meta, "endpoint_url", None) or options.endpoint_url
         self._requests = S3Requests(
-            bucket, client, options, self.policy, secrets, self.endpoint_url
+            bucket, client, options, self.policy, secrets, self.endpoint_url, scheme
         )
 
     def url(self, key: str) -> str:

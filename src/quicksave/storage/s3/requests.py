@@ -54,8 +54,10 @@ class S3Requests:
         policy: RetryPolicy,
         secrets: set[str],
         endpoint_url: str | None,
+        scheme: str = "s3",
     ) -> None:
         self.bucket = bucket
+        self.scheme = scheme
         self.client = client
         self.options = options
         self.policy = policy
@@ -64,7 +66,7 @@ class S3Requests:
         self._bucket_checked = False
 
     def url(self, key: str) -> str:
-        return f"s3://{self.bucket}/{key}"
+        return f"{self.scheme}://{self.bucket}/{key}"
 
     def scrub(self, text: str) -> str:
         """``text`` with the secrets hidden."""
