@@ -13,7 +13,7 @@ import torch
 import xxhash
 
 import quicksave
-import quicksave.saving.slots as slots
+import quicksave.saving.in_flight as in_flight
 from helpers_engine.engine_util import engine_plan
 from quicksave.checksum import hexdigest
 from quicksave.loading.verify import verify_checkpoint
@@ -173,7 +173,7 @@ def test_the_engine_keeps_its_pool_when_only_the_order_changes(
             built.append(1)
             super().__init__(*args, **kwargs)
 
-    monkeypatch.setattr(slots, "StagingPool", Counting)
+    monkeypatch.setattr(in_flight, "StagingPool", Counting)
     sd = {f"w{i}": torch.full((1000 + i,), float(i)) for i in range(8)}
     with AsyncSaver(EngineConfig(mode="thread")) as saver:
         saver.save(sd, tmp_path / "a", step=1).wait(60)

@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-import quicksave.saving.slots as slots
+import quicksave.saving.in_flight as in_flight
 from quicksave.manager import CheckpointConfig, CheckpointManager, ModelState, OptimizerState
 from quicksave.manager.optimizer_layout import first_step_state, matches, stand_ins
 from quicksave.stage.pool import StagingPool
@@ -64,7 +64,7 @@ class _Counting(StagingPool):
 @pytest.fixture
 def pools(monkeypatch: pytest.MonkeyPatch) -> type[_Counting]:
     counting = type("Counting", (_Counting,), {"built": 0})
-    monkeypatch.setattr(slots, "StagingPool", counting)
+    monkeypatch.setattr(in_flight, "StagingPool", counting)
     return counting
 
 

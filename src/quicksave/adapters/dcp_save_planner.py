@@ -5,7 +5,7 @@ this subclass adds what quicksave records and checks: the key paths and empty co
 DCP's flattening loses (``saving/keypaths.py``, carried in the plans' ``planner_data``),
 a comparison of the copies several ranks hold under one name (``ranks/replicas.py``), and
 a dedup that sizes every dtype. Its steps run on every rank as DCP orders them
-(``adapters/dcp_steps.py``); the comparison is made by the coordinator in the global
+(``compat/nvrx/dcp_steps.py``); the comparison is made by the coordinator in the global
 step, whose failure every rank raises.
 """
 

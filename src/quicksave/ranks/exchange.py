@@ -1,7 +1,7 @@
 """The plan exchange: ``central_round``, the one gather/scatter through the coordinator
 that every exchange of plans runs (quicksave's own multi-rank planning in
 ``saving/plan_vote.py`` and ``quicksave.save``, and the DCP planners' in
-``adapters/dcp_steps`` and ``loading/steps``), and how failures travel through it.
+``compat/nvrx/dcp_steps`` and ``loading/steps``), and how failures travel through it.
 
 Every rank of the group calls ``central_round`` once per exchange, in the same order.
 
@@ -79,7 +79,7 @@ def central_round(
     replies; returns this rank's reply. Every exchange of plans runs through here:
     quicksave's own (``saving/plan_vote.exchange_plans``; ``saving/sync_save``:
     ``quicksave.save``'s plan and commit rounds) and the DCP planners'
-    (``adapters/dcp_steps``: the NVRx-compatible API's save planning;
+    (``compat/nvrx/dcp_steps``: the NVRx-compatible API's save planning;
     ``loading/steps``: every load's), whose ``decide`` is the planner's global step.
 
     Every rank of ``group`` calls it (``distributed=False``: this process alone, no

@@ -4,20 +4,23 @@ is handed to the worker only once the training thread has seen their version cou
 unchanged (``guard.py``), and fails — never committed — if they moved.
 
 Call order: ``start()`` at the end of ``save()`` (training thread) → the copy runs on
-the ``quicksave-stage`` thread, hashing what it copies → ``wait_and_confirm()`` on the
-training thread at its next sync point (``AsyncSaver.maybe_wait_for_staging``: the
-manager's optimizer pre-hooks, ``save()``, ``finalize()``, ``close()``,
-``SaveHandle.wait()``): joins the copy, then submits the save or fails it. One copy at
-a time per saver.
+the ``quicksave-stage`` thread, hashing what it copies → ``wait()`` on the training
+thread at its next sync point (``AsyncSaver.maybe_wait_for_staging``: the manager's
+optimizer pre-hooks, ``save()``, ``finalize()``, ``close()``, ``SaveHandle.wait()``):
+joins the copy and checks the guard; the saver then submits the save or fails it. One
+copy at a time per saver.
+
+Its own state is the copy (its thread, its error, its save) and the tensors seen written;
+it takes no lock of the saver's and touches none of its saves: ``wait()`` returns a
+:class:`CopyDone`, on which the saver acts under its own lock (``InFlightSaves.confirm``:
+submit the save, or fail it).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import logging
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -26,13 +29,10 @@ from quicksave.errors import CheckpointError
 from quicksave.saving.engine_plan import EnginePlan
 from quicksave.saving.guard import Snapshot, torn_copy_error
 from quicksave.saving.handle import SaveHandle
-from quicksave.saving.in_flight import InFlightSaves
 from quicksave.saving.staging import PoolCopier
 from quicksave.stage.pool import StagingPool
 from quicksave.trace import phase
 from quicksave.worker.job import PersistJob
-
-logger = logging.getLogger("quicksave")
 
 
 @dataclass
@@ -48,34 +48,41 @@ class Overlap:
     fqn_of: dict[str, str]  # staged name -> fqn, where they differ (several ranks)
 
 
+@dataclass(frozen=True)
+class CopyDone:
+    """A finished background copy, for the saver to act on.
+
+    Attributes:
+        job: the save's job (with the digests of what the copy hashed), or None if no
+            save awaited the copy.
+        handle: that save's handle (None with ``job``).
+        error: None: the save may be handed to the writer. Else why it fails.
+        torn: ``error`` is the guard's (a deferred tensor was written during the copy):
+            only this save fails. Otherwise the copy itself failed: every save not yet
+            handed to the writer fails.
+    """
+
+    job: PersistJob | None
+    handle: SaveHandle | None
+    error: CheckpointError | None = None
+    torn: bool = False
+
+
 class BackgroundCopy:
     """One saver's background copy, and the tensors it has seen written.
 
     Args:
         copier: copies into the pools.
-        flights: the saver's saves in flight (a torn or failed copy fails its save).
-        lock: the saver's lock (held while submitting or failing).
-        submit: hands a confirmed save to the worker.
         rank: named in errors.
 
     Attributes:
-        thread: the copy running or finished but not yet confirmed, else None.
+        thread: the copy running or finished but not yet waited for, else None.
         unguarded: addresses of staged tensors seen written during a copy: copied inside
             ``save()`` from then on (see guard.py).
     """
 
-    def __init__(
-        self,
-        copier: PoolCopier,
-        flights: InFlightSaves,
-        lock: threading.RLock,
-        submit: Callable[[PersistJob, SaveHandle], None],
-        rank: int,
-    ) -> None:
+    def __init__(self, copier: PoolCopier, rank: int) -> None:
         self.copier = copier
-        self.flights = flights
-        self.lock = lock
-        self.submit = submit
         self.rank = rank
         self.thread: threading.Thread | None = None
         self.unguarded: set[int] = set()
@@ -123,7 +130,7 @@ class BackgroundCopy:
         # Runs beside training: copies on one thread, hashing each block while it is in
         # the cache, so that the writer only writes (see ARCHITECTURE.md). The save is
         # handed to the writer by the training thread, once it has checked that nothing
-        # wrote these tensors meanwhile (wait_and_confirm).
+        # wrote these tensors meanwhile (wait).
         cpu0 = time.thread_time()
         digests: dict[str, str] = {}
         try:
@@ -140,48 +147,39 @@ class BackgroundCopy:
         handle.staging_s = time.monotonic() - handle.started
         handle.trainer_cpu_s += time.thread_time() - cpu0
 
-    def wait_and_confirm(self) -> None:
-        """Block until the copy is done, then hand its save to the writer — or fail it,
-        if a deferred tensor was written since ``save()``. Training thread.
+    def wait(self) -> CopyDone | None:
+        """Block until the copy is done, then check that no deferred tensor was written
+        since ``save()``. Training thread. None: no copy was running.
 
-        Raises:
-            CheckpointError: the copy failed, or a deferred tensor was written during it
-                (the save is not committed).
+        Returns:
+            what the saver does with the copy's save (see :class:`CopyDone`).
         """
         t = self.thread
         if t is None:
-            return
+            return None
         with phase("save.wait_staging"):
             t.join()
             self.thread = None
             overlap, self._overlap = self._overlap, None
+            job = None if overlap is None else overlap.job
+            handle = None if overlap is None else overlap.handle
             if self._error is not None:
                 err, self._error = self._error, None
-                with self.lock:
-                    self.flights.release_unsubmitted()
-                raise CheckpointError(
+                failed = CheckpointError(
                     f"staging failed: {type(err).__name__}: {err}", rank=self.rank
-                ) from err
-            if overlap is not None:
-                self._confirm(overlap)
-
-    def _confirm(self, overlap: Overlap) -> None:
-        """Submit a save staged in the background, or fail it if its tensors moved."""
-        changed = overlap.snapshot.changed()
-        with self.lock:
-            fl = self.flights.jobs.get(overlap.job.job_id)
-            if fl is None or fl.handle is not overlap.handle:
-                return  # failed meanwhile (its worker died): nothing to submit
+                )
+                failed.__cause__ = err
+                return CopyDone(job, handle, failed)
+            if overlap is None:
+                return None
+            changed = overlap.snapshot.changed()
             if not changed:
-                self.submit(overlap.job, overlap.handle)
-                return
+                return CopyDone(job, handle)
             self.unguarded.update(overlap.tensors[n].data_ptr() for n in changed)
-            err = torn_copy_error(
+            torn = torn_copy_error(
                 changed, overlap.fqn_of, overlap.handle.step, overlap.handle.path, self.rank
             )
-            logger.error("quicksave: %s", err)
-            self.flights.fail(overlap.job.job_id, err)
-        raise err
+            return CopyDone(job, handle, torn, torn=True)
 
     def join(self) -> None:
         """Wait for a copy still writing into a pool (``close()``), without confirming."""

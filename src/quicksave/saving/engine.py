@@ -19,15 +19,19 @@ rank). ``finalize()`` collects outcomes; a worker that died or hung becomes a
 A pool the worker still reads is never written: each pool is "busy" from its submit to
 its result (``max_in_flight`` pools allow that many saves in flight).
 
-This module wires the stages together; each lives in its own module of ``save/``:
+This module wires the stages together; each lives in its own module of ``saving/``:
 ``config`` (EngineConfig), ``handle`` (SaveHandle, SaveResult), ``rank_plans``
-(``collect_local``, the one collector), ``collect_cache`` (its answer, kept while
-the structure holds), ``engine_plan`` (the single-rank plan and its cache),
-``rank_vote`` (several ranks: the vote before each save), ``slots`` (the
-staging pools),
-``staging`` (the copies into a pool), ``background_copy`` (overlap mode: the copy
-beside training and its confirmation, ``guard``), ``in_flight`` (saves in flight and
-their outcomes), ``worker_supervision`` (the persister), ``prepare`` (pools built ahead).
+(``collect_local``, the one collector), ``collect_cache`` (its answer, kept while the
+structure holds), ``engine_plan`` (the single-rank plan and its cache), ``staging`` (the
+copies into a pool), ``in_flight`` (the staging pools, the
+saves in flight and their outcomes), ``worker_supervision`` (the persister).
+
+The saver owns that state, under one lock (``_lock``). Its collaborators own theirs and
+never take the saver's lock: ``background_copy`` (overlap mode: the copy beside training
+and its guard; ``wait()`` returns what the saver then does under its lock), ``rank_vote``
+(several ranks: the vote before each save; it sees this rank through ``_poll_rank``),
+``prepare`` (pools built ahead; handed to ``_install_prepared``). ``_closed`` is set by
+``close()`` under the lock, so that no save or installation runs across it.
 """
 
 from __future__ import annotations
@@ -57,19 +61,17 @@ from quicksave.saving.engine_plan import (
 )
 from quicksave.saving.guard import Snapshot
 from quicksave.saving.handle import SaveHandle, SaveResult
-from quicksave.saving.in_flight import InFlight, InFlightSaves
+from quicksave.saving.in_flight import InFlight, InFlightPool, InFlightPools, InFlightSaves
 from quicksave.saving.plan_cache import PlanCache
 from quicksave.saving.prepare import PoolPreparer
 from quicksave.saving.rank_plans import LocalState
-from quicksave.saving.rank_vote import RankVote
-from quicksave.saving.slots import Slot, StagingSlots
+from quicksave.saving.rank_vote import RankState, RankVote
 from quicksave.saving.staging import Deferred, PoolCopier, cuda_ready, split
 from quicksave.saving.worker_supervision import WorkerSupervisor
 from quicksave.stage.pool import StagingPool
 from quicksave.storage import Location, parse_location
 from quicksave.trace import phase
 from quicksave.worker.job import PersistJob
-from quicksave.worker.persisters import ProcessPersister
 
 logger = logging.getLogger("quicksave")
 
@@ -109,29 +111,15 @@ class AsyncSaver:
         self._dist = DistSaving(dist_context) if dist_context is not None else None
         self._lock = threading.RLock()
         self._ids = itertools.count()  # pool and job ids
-        self._slots = StagingSlots(self.config.max_in_flight, self._ids, self.config.pin_memory)
+        self._slots = InFlightPools(self.config.max_in_flight, self._ids, self.config.pin_memory)
         self._plans: PlanCache[EnginePlan] = PlanCache()  # single rank (several: DistSaving's)
         self._collected = CollectCache()  # single rank
         self._flights = InFlightSaves(self.rank, self._dist)
         self._worker = WorkerSupervisor(self.config, self.rank, self._dist)
         self._copier = PoolCopier()
-        self._background = BackgroundCopy(
-            self._copier, self._flights, self._lock, self._submit, self.rank
-        )
+        self._background = BackgroundCopy(self._copier, self.rank)
         self._vote = (
-            None
-            if self._dist is None
-            else RankVote(
-                self._dist,
-                self.config,
-                self.rank,
-                self._lock,
-                self._slots,
-                self._worker,
-                self._flights,
-                self._collect,
-                lambda: self._closed,
-            )
+            None if self._dist is None else RankVote(self._dist, self.config, self._poll_rank)
         )
         # the trainer side's commit strategies (checks before a save), by container
         self._strategies: dict[tuple, CommitStrategy] = {}
@@ -253,8 +241,16 @@ class AsyncSaver:
     ) -> PlannedSave | None:
         """Collect and plan (several ranks: through their vote; None: skipped)."""
         if self._vote is not None:
-            with phase("save.plan"):  # the vote and the plan exchange; collect inside
-                ds = self._vote.plan(state_dict, loc, step, user_metadata)
+            unreported = self._flights.unreported
+            self._worker.replaced = False  # a dead worker is replaced once per save
+            try:
+                with phase("save.plan"):  # the vote and the plan exchange; collect inside
+                    ds = self._vote.plan(
+                        state_dict, loc, step, user_metadata, unreported[0] if unreported else None
+                    )
+            except CheckpointError as e:
+                self._flights.reported(e)  # this rank's reason not to save: raised once
+                raise
             return None if ds is None else PlannedSave.of_dist(ds)
         self.finalize(blocking=False)  # raises an earlier failure, once
         if overwrite:  # no I/O: can this kind of location replace atomically?
@@ -278,7 +274,7 @@ class AsyncSaver:
                 e.path = final
             raise
 
-    def _free_slot(self) -> Slot | None:
+    def _free_slot(self) -> InFlightPool | None:
         """A free slot: waits for one (``backpressure="wait"``), or None (``"skip"``, or
         the save that holds the slot is stuck on a store that does not answer: the
         training thread never waits on the store; logged)."""
@@ -300,7 +296,7 @@ class AsyncSaver:
 
     def _new_job(
         self,
-        slot: Slot,
+        slot: InFlightPool,
         planned: PlannedSave,
         handle: SaveHandle,
         loc: Location,
@@ -400,7 +396,13 @@ class AsyncSaver:
             CheckpointError: the background copy failed, or a deferred tensor was
                 written during it (the save is not committed; on every rank).
         """
-        self._background.wait_and_confirm()
+        done = self._background.wait()
+        if done is None:
+            return
+        with self._lock:
+            job = self._flights.confirm(done)  # raises the copy's error
+            if job is not None and done.handle is not None:
+                self._submit(job, done.handle)
 
     def _confirm_if_staged(self) -> None:
         """``maybe_wait_for_staging`` if the background copy is already done (no wait)."""
@@ -427,6 +429,25 @@ class AsyncSaver:
                 return
             for r in results:
                 self._flights.complete(r)
+
+    def _poll_rank(self, timeout: float) -> RankState:
+        """This rank, for its vote (``RankVote``, inside ``save()``): news from the worker
+        for up to ``timeout`` s, its results taken, a dead worker replaced."""
+        if timeout and self._flights.jobs:
+            self._collect(timeout)
+        elif timeout:
+            self._worker.poll_warm(timeout)
+        self._collect(0.0)
+        flights = self._flights
+        self._worker.replace_dead(self._slots.pools(), bool(flights.jobs), self._closed)
+        oldest = flights.oldest() if flights.jobs else None
+        return RankState(
+            pool_free=self._slots.any_free(),
+            worker_warm=self._worker.warm(),
+            store_failing=self._worker.store_failing_for() is not None,
+            lost=flights.lost_pending(),
+            oldest=None if oldest is None else (oldest.token, oldest.handle.started),
+        )
 
     def _worker_failed(self, err: BaseException) -> None:
         """The persister is gone: fail every save in flight, free the pools."""
@@ -470,7 +491,8 @@ class AsyncSaver:
                 while self._flights.jobs and time.monotonic() < deadline:
                     self._collect(0.1)
         finally:
-            self._closed = True
+            with self._lock:  # a save() or an installation under way finishes first
+                self._closed = True
             self.wait_prepared()  # it sees _closed and frees what it built
             self._background.join()  # abort: a copy still writing into a pool
             # saves still in flight here timed out (or abort): the writer stops now
@@ -547,29 +569,17 @@ class AsyncSaver:
     def _install_prepared(
         self, plan: EnginePlan, pools: list[StagingPool], background: bool
     ) -> None:
-        """Put pools built ahead (``PoolPreparer``) into free slots and map them into the
-        worker while it is idle; pools without a free slot, or once closed, are freed."""
+        """Install pools built ahead (``PoolPreparer``) under the saver's lock
+        (``InFlightPools.install``); once closed, they are freed."""
         with self._lock:
-            for pool in pools:
-                slot = None if self._closed else self._slots.install(pool, plan, self._worker)
-                if slot is None:
+            if self._closed:
+                for pool in pools:
                     pool.close()
-                    continue
-                persister = self._worker.persister
-                if persister is None:
-                    continue  # save() maps it into the next worker
-                # Mapped now, while the worker is idle: its populate of the mapping (which
-                # clears the pages) then runs neither beside the first save's copies nor
-                # before its write.
-                try:
-                    self._worker.map(slot.pool_id, pool)
-                    if not background and isinstance(persister, ProcessPersister):
-                        # At start-up: the worker's own start and its populate of this
-                        # mapping (~0.1 CPU s per 1.6 GB) finish here, not beside the
-                        # first training step.
-                        persister.sync(self.config.worker.start_timeout_s)
-                except CheckpointError as e:
-                    self._worker_failed(e)
+                return
+            sync_s = None if background else self.config.worker.start_timeout_s
+            failed = self._slots.install(plan, pools, self._worker, sync_s)
+            if failed is not None:
+                self._worker_failed(failed)
 
     def wait_prepared(self) -> None:
         """Block until a :meth:`prepare` build is finished (call outside the lock)."""

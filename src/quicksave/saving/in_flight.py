@@ -1,11 +1,17 @@
-"""The engine's saves in flight and their outcomes: which job holds which slot, finishing
-each save's handle from the worker's result (or failing it), and the failures not yet
-raised to the caller.
+"""The engine's saves in flight and the staging pools they hold: one pool per save that may
+be in flight (``max_in_flight``), which job holds which pool, finishing each save's handle
+from the worker's result (or failing it), and the failures not yet raised to the caller.
 
-Call order (training thread, under the saver's lock): ``add()`` at a save's hand-off →
-``complete()`` per result the saver collects from the worker, or ``fail()`` for a save
-no writer will finish (its worker died, its background copy was torn or failed) →
-``abandon()`` at ``close()`` for those still in flight. Each failure is raised once to
+A pool the worker still reads is never written: a pool is busy from the save's submit
+to its result. Pools are built on demand (``InFlightPools.pool_for``, in ``save()``) or
+ahead of the first save (``install``, from ``prepare()``), kept while the plan is
+unchanged, and kept for a new plan whose file images match (``adopt``).
+
+Call order of :class:`InFlightSaves` (training thread, under the saver's lock):
+``add()`` at a save's hand-off → ``confirm()`` once its background copy is done (overlap
+mode) → ``complete()`` per result the saver collects from the worker, or ``fail()`` for
+a save no writer will finish (its worker died, its background copy was torn or failed)
+→ ``abandon()`` at ``close()`` for those still in flight. Each failure is raised once to
 the caller (``save()``, ``finalize()`` or ``SaveHandle.wait()``): ``unreported`` until
 then. Several ranks: a failed save is reported to the other ranks through the commit
 records (``DistSaving.worker_failed``), and remembered in ``lost`` until every rank has
@@ -14,21 +20,170 @@ its outcome (the next vote waits for that).
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 from quicksave.commit import CheckpointKind, CommitStrategy
 from quicksave.errors import CheckpointError
+from quicksave.saving.background_copy import CopyDone
 from quicksave.saving.dist_save import DistSaving
+from quicksave.saving.engine_plan import EnginePlan
 from quicksave.saving.handle import SaveHandle, SaveResult
-from quicksave.saving.slots import Slot
+from quicksave.saving.worker_supervision import WorkerSupervisor
+from quicksave.stage.pool import StagingPool
 from quicksave.storage import Location
 from quicksave.trace import writer_spans
 from quicksave.worker.calls import CallResult
-from quicksave.worker.job import JobResult
+from quicksave.worker.job import JobResult, PersistJob
+from quicksave.worker.persisters import ProcessPersister
 
 logger = logging.getLogger("quicksave")
+
+
+@dataclass
+class InFlightPool:
+    """One staging pool and the job using it (a slot of :class:`InFlightPools`)."""
+
+    pool: StagingPool | None = None
+    plan_key: tuple | None = None
+    pool_id: int = -1
+    busy: int | None = None  # job id using the pool
+
+
+class InFlightPools(Sequence[InFlightPool]):
+    """The saver's pools (a sequence of :class:`InFlightPool`); training thread (and the
+    prepare thread's installation), under the saver's lock.
+
+    Args:
+        count: slots, i.e. saves that may be in flight at once.
+        ids: the saver's id counter (pools and jobs draw from it: each id is new).
+        pin: page-lock pools for CUDA copies (None: when CUDA is available).
+    """
+
+    def __init__(self, count: int, ids: itertools.count, pin: bool | None) -> None:
+        self._slots = [InFlightPool() for _ in range(count)]
+        self._ids = ids
+        self.pin = pin
+
+    def __getitem__(self, i):  # type: ignore[override]
+        return self._slots[i]
+
+    def __len__(self) -> int:
+        return len(self._slots)
+
+    def __iter__(self) -> Iterator[InFlightPool]:
+        return iter(self._slots)
+
+    def free(self) -> InFlightPool | None:
+        """A slot whose pool no job uses, if any."""
+        return next((s for s in self._slots if s.busy is None), None)
+
+    def pools(self) -> list[tuple[int, StagingPool]]:
+        """(pool id, pool) of every slot that has a pool."""
+        return [(s.pool_id, s.pool) for s in self._slots if s.pool is not None]
+
+    def any_free(self) -> bool:
+        return self.free() is not None
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of host memory held by the pools now."""
+        return sum(s.pool.nbytes for s in self._slots if s.pool is not None)
+
+    def pool_for(
+        self, slot: InFlightPool, plan: EnginePlan, worker: WorkerSupervisor
+    ) -> StagingPool:
+        """``slot``'s pool, (re)built for ``plan`` if needed, and mapped into the worker
+        (whose persister the caller made sure of)."""
+        persister = worker.persister
+        assert persister is not None
+        self.adopt(plan)
+        if slot.pool is None or slot.plan_key != plan.key:
+            if slot.pool is not None:
+                persister.unmap_pool(slot.pool_id)
+                slot.pool.close()
+            slot.pool = self.new_pool(plan)
+            slot.plan_key = plan.key
+            slot.pool_id = next(self._ids)
+        worker.map(slot.pool_id, slot.pool)
+        return slot.pool
+
+    def new_pool(self, plan: EnginePlan, populate: bool = True) -> StagingPool:
+        """A new pool shaped for ``plan`` (not in a slot yet; see ``StagingPool``)."""
+        return StagingPool(plan.layout, pin=self.pin, populate=populate)
+
+    def adopt(self, plan: EnginePlan) -> None:
+        """Free pools of another plan whose file images match ``plan``'s are kept for it
+        (``StagingPool.adopt``): a plan changes with the order of the state dict (e.g.
+        an optimizer state loaded from a checkpoint lists its keys in another order) or
+        with its non-tensor names, while the layout, sorted by name, stays the same."""
+        for slot in self._slots:
+            if (
+                slot.busy is None
+                and slot.pool is not None
+                and slot.plan_key != plan.key
+                and slot.pool.adopt(plan.layout)
+            ):
+                slot.plan_key = plan.key
+
+    def missing(self, plan: EnginePlan) -> int:
+        """How many slots have no pool for ``plan``."""
+        return sum(s.plan_key != plan.key for s in self._slots)
+
+    def install(
+        self,
+        plan: EnginePlan,
+        pools: list[StagingPool],
+        worker: WorkerSupervisor,
+        sync_s: float | None,
+    ) -> CheckpointError | None:
+        """Put pools built ahead for ``plan`` (``AsyncSaver.prepare``) into free slots
+        without one (the pool a slot had is unmapped and freed), and map them into the
+        worker while it is idle: its populate of the mapping (which clears the pages) then
+        runs neither beside the first save's copies nor before its write. A pool without
+        such a slot is freed; with no worker, ``pool_for`` maps it into the next one.
+
+        Args:
+            sync_s: at start-up (the pools built on the training thread): wait up to
+                this long for a worker process to have started and mapped them, so that
+                its populate does not run beside the first training step.
+
+        Returns:
+            the worker's failure (the caller fails its saves; the pools not installed
+            yet are freed), or None.
+        """
+        for i, pool in enumerate(pools):
+            slot = next((s for s in self._slots if s.busy is None and s.plan_key != plan.key), None)
+            if slot is None:
+                pool.close()
+                continue
+            persister = worker.persister
+            if slot.pool is not None:
+                if persister is not None:
+                    persister.unmap_pool(slot.pool_id)
+                slot.pool.close()
+            slot.pool, slot.plan_key, slot.pool_id = pool, plan.key, next(self._ids)
+            if persister is None:
+                continue
+            try:
+                worker.map(slot.pool_id, pool)
+                if sync_s is not None and isinstance(persister, ProcessPersister):
+                    persister.sync(sync_s)
+            except CheckpointError as e:
+                for rest in pools[i + 1 :]:
+                    rest.close()
+                return e
+        return None
+
+    def close(self) -> None:
+        """Free every pool."""
+        for slot in self._slots:
+            if slot.pool is not None:
+                slot.pool.close()
+                slot.pool = None
 
 
 @dataclass
@@ -36,7 +191,7 @@ class InFlight:
     """A save handed to (or about to be handed to) the worker."""
 
     handle: SaveHandle
-    slot: Slot
+    slot: InFlightPool
     bytes: int
     location: Location  # where it commits
     strategy: CommitStrategy  # of its location: removes what a dead writer left
@@ -82,6 +237,16 @@ class InFlightSaves:
         """Whether no job but ``job_id`` (if any) is in the worker's hands."""
         return set(self.jobs) <= (set() if job_id is None else {job_id})
 
+    def lost_pending(self) -> bool:
+        """Several ranks: whether a save whose job this rank lost with its worker still
+        awaits its outcome on every rank (those posted, or past their time, are
+        forgotten here)."""
+        now = time.monotonic()
+        for token, until in list(self.lost.items()):
+            if now >= until or self.dist is None or self.dist.settled(token):
+                del self.lost[token]
+        return bool(self.lost)
+
     def reported(self, err: BaseException) -> None:
         """``err`` was raised to the caller: not again."""
         self.unreported = [e for e in self.unreported if e is not err]
@@ -112,6 +277,28 @@ class InFlightSaves:
             if fl.handle.staging_s is None:
                 err = CheckpointError("staging failed", path=fl.handle.path, rank=self.rank)
                 self.fail(job_id, err)
+
+    def confirm(self, done: CopyDone) -> PersistJob | None:
+        """A background copy is done (``BackgroundCopy.wait``): its save's job, to hand
+        to the writer; or that save fails (a torn copy), or every save not handed over
+        yet fails (the copy failed), and the error is raised. None: its save failed
+        meanwhile (its worker died; reported then): nothing to hand over.
+
+        Raises:
+            CheckpointError: the copy's error.
+        """
+        if done.error is not None and not done.torn:
+            self.release_unsubmitted()
+            raise done.error
+        job = done.job
+        fl = None if job is None else self.jobs.get(job.job_id)
+        if job is None or fl is None or fl.handle is not done.handle:
+            return None
+        if done.error is None:
+            return job
+        logger.error("quicksave: %s", done.error)
+        self.fail(job.job_id, done.error)
+        raise done.error
 
     def complete(self, r: JobResult | CallResult) -> None:
         """Finish the handle of the save ``r`` reports on."""

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from quicksave.errors import CheckpointError
 from quicksave.saving.config import EngineConfig
 from quicksave.saving.engine_plan import EnginePlan
-from quicksave.saving.slots import StagingSlots
+from quicksave.saving.in_flight import InFlightPools
 from quicksave.saving.worker_supervision import WorkerSupervisor
 from quicksave.stage.pool import StagingPool
 from quicksave.worker.persisters import ProcessPersister
@@ -60,7 +60,7 @@ class PoolPreparer:
     def __init__(
         self,
         config: EngineConfig,
-        slots: StagingSlots,
+        slots: InFlightPools,
         worker: WorkerSupervisor,
         install: Callable[[EnginePlan, list[StagingPool], bool], None],
     ) -> None:

@@ -2,64 +2,72 @@
 take the save now, and a save that any rank cannot make is skipped by all of them
 together (``DistSaving.plan``, whose planning collective carries the vote).
 
-Call order (training thread of every rank, once per ``save()``, under the saver's
-lock): :meth:`RankVote.plan` → this rank's reason not to save (an unreported failure, a
-taken target) → ``DistSaving.plan(go=..., ready=...)``, which calls :meth:`RankVote.ready`
-before each round of votes → the plan, or None (skipped), or this rank's reason raised.
+Call order (training thread of every rank, once per ``save()``, inside the saver's
+``save()``): :meth:`RankVote.plan` → ``DistSaving.plan(go=..., ready=...)``, which calls
+:meth:`RankVote.ready` before each round of votes → the plan, or None (skipped), or
+this rank's reason not to save raised.
+
+The vote owns no state of the saver's: it sees this rank through one callback,
+``poll(timeout) -> RankState`` (the saver waits up to ``timeout`` s for news from its
+worker, takes its results, replaces a dead worker, and says what it has), and decides
+from those snapshots and the other ranks' commit records.
 """
 
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from quicksave.errors import CheckpointError
 from quicksave.saving.config import EngineConfig
 from quicksave.saving.dist_save import DistSave, DistSaving
-from quicksave.saving.in_flight import InFlightSaves
-from quicksave.saving.slots import StagingSlots
-from quicksave.saving.worker_supervision import WorkerSupervisor
 from quicksave.storage import Location
 
 logger = logging.getLogger("quicksave")
+
+
+@dataclass(frozen=True)
+class RankState:
+    """What this rank has before a save's vote (its saver's answer to ``poll``).
+
+    Attributes:
+        pool_free: a staging pool is free.
+        worker_warm: the worker can start on a job at once (no warm-up awaited).
+        store_failing: the writer's store does not answer its requests (the save that
+            holds a pool may be stuck on it).
+        lost: a save whose job this rank lost with its worker still awaits its outcome
+            on every rank.
+        oldest: the oldest save in flight, (its commit records' token, when it
+            started), or None if none is.
+    """
+
+    pool_free: bool
+    worker_warm: bool
+    store_failing: bool
+    lost: bool
+    oldest: tuple[str, float] | None
+
+
+Poll = Callable[[float], RankState]
 
 
 class RankVote:
     """One multi-rank saver's side of the vote.
 
     Args:
-        dist: the saver's multi-rank planning.
-        config, rank: the saver's.
-        lock: the saver's lock.
-        slots, worker, flights: the saver's pools, worker and saves in flight.
-        collect: takes the worker's results (``AsyncSaver._collect``).
-        closed: whether the saver is closed.
+        dist: the saver's multi-rank planning (the vote's collective, the records).
+        config: the saver's (backpressure, planning threads).
+        poll: ``poll(timeout)``: the saver's view of this rank, after waiting up to
+            ``timeout`` s for news from its worker (see :class:`RankState`).
     """
 
-    def __init__(
-        self,
-        dist: DistSaving,
-        config: EngineConfig,
-        rank: int,
-        lock: threading.RLock,
-        slots: StagingSlots,
-        worker: WorkerSupervisor,
-        flights: InFlightSaves,
-        collect: Callable[[float], None],
-        closed: Callable[[], bool],
-    ) -> None:
+    def __init__(self, dist: DistSaving, config: EngineConfig, poll: Poll) -> None:
         self.dist = dist
         self.config = config
-        self.rank = rank
-        self.lock = lock
-        self.slots = slots
-        self.worker = worker
-        self.flights = flights
-        self.collect = collect
-        self.closed = closed
+        self.poll = poll
 
     def plan(
         self,
@@ -67,6 +75,7 @@ class RankVote:
         loc: Location,
         step: int | None,
         user_metadata: dict[str, Any] | None,
+        problem: CheckpointError | None,
     ) -> DistSave | None:
         """Several ranks: plan (a collective every rank runs for every save, whatever
         happens on this rank), then raise this rank's reason not to save, if any. A save
@@ -78,20 +87,22 @@ class RankVote:
         collective for longer than its timeout while another is busy: a gloo collective
         that times out closes its pairs, and every later save's planning would fail.
 
-        A failure already collected and not reported is this rank's reason not to save
-        (raised here, the save skipped on every rank); one found while waiting here is
-        reported by the next ``save()`` or ``finalize()``, and this save goes on, so
-        that whether a save is made does not depend on when a failure is noticed."""
-        unreported = self.flights.unreported
+        ``problem``: a failure already collected and not reported: this rank's reason
+        not to save (raised here, the save skipped on every rank). One found while
+        waiting here is reported by the next ``save()`` or ``finalize()``, and this save
+        goes on, so that whether a save is made does not depend on when a failure is
+        noticed.
+
+        Raises:
+            CheckpointError: ``problem``, or the planning's own errors.
+        """
         # (the target is checked by each rank's writer before it writes, never here:
         # the training thread does not wait on the store)
-        problem: CheckpointError | None = unreported[0] if unreported else None
+        state = self.poll(0.0)
         # never wait for a pool that a save stuck on a store that is down holds (this
         # rank's writer says so; then its vote skips the save on every rank)
-        wait = self.config.backpressure == "wait" and self.worker.store_failing_for() is None
-        self.collect(0.0)
-        free = wait or self.slots.any_free()
-        self.worker.replaced = False
+        wait = self.config.backpressure == "wait" and not state.store_failing
+        free = wait or state.pool_free
         round_s = self.dist.ctx.commit_timeout_s / 4
 
         def ready() -> bool | None:
@@ -109,7 +120,6 @@ class RankVote:
         if ds is not None:
             return ds
         if problem is not None:
-            self.flights.reported(problem)
             raise problem
         logger.warning(
             "quicksave: skipped the save of step %s: %s",
@@ -117,7 +127,7 @@ class RankVote:
             "another rank cannot save now"
             if free
             else "the previous save is still in flight"
-            if self.worker.store_failing_for() is None
+            if not state.store_failing
             else "the store does not answer the previous save, which still retries",
         )
         return None
@@ -133,68 +143,48 @@ class RankVote:
         so all of them leave this wait together, however long the save took. Then for at
         most ``timeout`` seconds (well under the collective's timeout) for what only
         this rank still needs: its own writer finishing a save whose outcome is known
-        already (a slow rank), or a new worker. A worker found dead is replaced here, and
-        the new one warmed up (torch imported, the store connected, the pools mapped)
-        before this rank is ready: its first job must not spend the coordinator's
-        ``commit_timeout_s`` starting up.
+        already (a slow rank), or a new worker. A worker found dead is replaced by the
+        saver's ``poll``, and the new one warmed up (torch imported, the store
+        connected, the pools mapped) before this rank is ready: its first job must not
+        spend the coordinator's ``commit_timeout_s`` starting up.
 
         None: this rank cannot take the save after all — the save that holds its pool
         is stuck on a store that does not answer (its writer says so): every rank then
         skips the save, and no training thread waits on the store."""
+        state = self.poll(0.0)
         while True:
-            with self.lock:
-                self.collect(0.0)
-                self._replace_dead_worker()
-                if self._stuck_on_store(need_pool):
-                    return None
-                if self._local_ready(need_pool) or not self._awaiting_outcome(need_pool):
-                    break
-                self._pause(0.02)
+            if self._stuck_on_store(state, need_pool):
+                return None
+            if self._local_ready(state, need_pool) or not self._awaiting_outcome(state, need_pool):
+                break
+            state = self.poll(0.02)
         deadline = time.monotonic() + timeout
         while True:
-            with self.lock:
-                if self._local_ready(need_pool):
-                    return True
-                if self._stuck_on_store(need_pool):
-                    return None
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return False
-                self._pause(min(0.05, left))
-                self.collect(0.0)
-                self._replace_dead_worker()
+            if self._local_ready(state, need_pool):
+                return True
+            if self._stuck_on_store(state, need_pool):
+                return None
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            state = self.poll(min(0.05, left))
 
-    def _stuck_on_store(self, need_pool: bool) -> bool:
-        return (
-            need_pool and not self.slots.any_free() and self.worker.store_failing_for() is not None
-        )
+    @staticmethod
+    def _stuck_on_store(state: RankState, need_pool: bool) -> bool:
+        return need_pool and not state.pool_free and state.store_failing
 
-    def _replace_dead_worker(self) -> None:
-        self.worker.replace_dead(self.slots.pools(), bool(self.flights.jobs), self.closed())
+    @staticmethod
+    def _local_ready(state: RankState, need_pool: bool) -> bool:
+        free = not need_pool or state.pool_free
+        return free and state.worker_warm and not state.lost
 
-    def _local_ready(self, need_pool: bool) -> bool:
-        free = not need_pool or self.slots.any_free()
-        return free and self.worker.warm() and not self.flights.lost
-
-    def _awaiting_outcome(self, need_pool: bool) -> bool:
+    def _awaiting_outcome(self, state: RankState, need_pool: bool) -> bool:
         """Whether the outcome of a save this rank is held up by is still to be posted
         (and its time is not up): a lost one, or its oldest in flight if no pool is free."""
-        now = time.monotonic()
-        lost = self.flights.lost
-        for token, until in list(lost.items()):
-            if now >= until or self.dist.settled(token):
-                del lost[token]
-        if lost:
+        if state.lost:
             return True
-        if not need_pool or self.slots.any_free() or not self.flights.jobs:
+        if not need_pool or state.pool_free or state.oldest is None:
             return False
-        oldest = self.flights.oldest()
-        until = oldest.handle.started + self.dist.outcome_wait_s
-        return now < until and not self.dist.settled(oldest.token)
-
-    def _pause(self, timeout: float) -> None:
-        """Wait up to ``timeout`` s for news from the worker (a result, a warm-up answer)."""
-        if self.flights.jobs:
-            self.collect(timeout)
-        else:
-            self.worker.poll_warm(timeout)
+        token, started = state.oldest
+        until = started + self.dist.outcome_wait_s
+        return time.monotonic() < until and not self.dist.settled(token)

@@ -5,10 +5,12 @@ offset, with its dtype and shape (:func:`slot_layout`, pure). A ``StagingPool`` 
 it writes no headers; its tensors are copied into the slots (``StagingPool.stage_slots``)
 and read back as tensors over the pool's bytes (:func:`slot_tensors`, no copy).
 
-The NVRx-compatible ``FileSystemWriterAsync`` (``quicksave.compat.nvrx``) stages in this
-layout, in the trainer; the worker process that writes the files maps the same pool
-(it travels pickled as one file descriptor) and calls :func:`slot_tensors` there. No
-collective.
+This is the staging pool's generic layout for plain tensors, beside the file images of
+the engine; it lives in ``stage/``, below ``compat/``, because ``StagingPool`` and the
+worker process use it. The NVRx-compatible ``FileSystemWriterAsync``
+(``quicksave.compat.nvrx``) and ``TorchAsyncCheckpoint`` stage in this layout, in the
+trainer; the worker process that writes the files maps the same pool (it travels
+pickled as one file descriptor) and calls :func:`slot_tensors` there. No collective.
 """
 
 from __future__ import annotations

@@ -1,4 +1,9 @@
-"""Generic calls run by the persister: the NVRx-compatible API's ``async_fn``.
+"""Generic calls run by the persister: any picklable function and its arguments, run in
+the worker process (or the thread persister) and answered with a ``CallResult``.
+
+This is the generic mechanism the NVRx-compatible API (``quicksave.compat.nvrx``) uses
+to run its ``async_fn`` in the background; it lives in ``worker/``, below ``compat/``,
+because the worker process itself runs it, and knows nothing of NVRx.
 
 Order: the trainer's ``AsyncCallsQueue`` (``quicksave.compat.nvrx``) hands a call to its
 persister: ``ThreadPersister.submit_call`` runs it with ``run_call`` in a thread;

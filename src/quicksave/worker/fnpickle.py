@@ -1,5 +1,9 @@
 """Pickle a call for the worker process, sending by value the functions it cannot import.
 
+The generic transport of ``worker/calls.py``, which the NVRx-compatible API uses for the
+functions its users hand over; it lives in ``worker/`` because the worker process
+unpickles with it, and knows nothing of NVRx.
+
 The worker is a fresh interpreter that does not re-import the trainer's ``__main__``
 (see ``quicksave.worker.main``). Plain pickling sends a function by reference (module and
 qualified name), so a function of the training script, a closure or a lambda fails there

@@ -11,7 +11,7 @@ One save, every rank (training thread unless said otherwise)::
         else, after a restart, the loaded checkpoint's plans match every rank's?
             ── verify_global_md_reuse: the same agreement, ONE all-reduce MIN ──
             yes → every rank replays the global planning on the loaded plans, locally
-        else ── the plan exchange (adapters.dcp_steps.exchange_plans, over
+        else ── the plan exchange (compat.nvrx.dcp_steps.exchange_plans, over
                 ranks.exchange.central_round): gather the local plans, DCP's global
                 planning on the coordinator, scatter ──
         stage this rank's tensors to CPU (prepare_write_data)
@@ -51,8 +51,8 @@ from torch.distributed.checkpoint.metadata import STATE_DICT_TYPE, Metadata
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.utils import _DistWrapper
 
-from quicksave.adapters import dcp_steps as steps
 from quicksave.adapters.dcp_writer import rank_plan_of
+from quicksave.compat.nvrx import dcp_steps as steps
 from quicksave.compat.nvrx.errors import AsyncCheckpointError
 from quicksave.compat.nvrx.filesystem_async import FileSystemWriterAsync
 from quicksave.compat.nvrx.process_state import PROCESS
@@ -305,7 +305,7 @@ def _plan_centrally(
     writer: FileSystemWriterAsync,
     dist_wrapper: _DistWrapper,
 ) -> tuple[SavePlan, Metadata | None]:
-    """Collective: the plan exchange (``adapters.dcp_steps.exchange_plans``), the
+    """Collective: the plan exchange (``compat.nvrx.dcp_steps.exchange_plans``), the
     writer's layout recorded in the global metadata's ``storage_data``. A failure on
     any rank is raised on every rank (an interrupt: re-raised as such where it
     happened)."""
