@@ -93,7 +93,7 @@ class StagedCommit(RenameCommit):
 
     def commit(
         self,
-        staging: str,
+        draft: str,
         loc: Location,
         members: Mapping[str, bytes],
         expected: Mapping[str, int],
@@ -103,7 +103,7 @@ class StagedCommit(RenameCommit):
     ) -> None:
         assert staged is not None and set(staged.files) == set(expected)
         seen = {n: hashlib.sha256(staged.view(n)).hexdigest() for n in sorted(expected)}
-        super().commit(staging, loc, members, expected, replace=replace, staged=staged)
+        super().commit(draft, loc, members, expected, replace=replace, staged=staged)
         Path(f"{loc.key}.staged.json").write_text(json.dumps(seen))
 
 

@@ -229,11 +229,11 @@ def test_missing_part_commits_nothing_and_names_the_rank(tmp_path: Path):
     writer = FileSystemWriterAsync(str(tmp_path / "x"))
     ret = save_state_dict_async_plan(sd, writer)
     # save_fn never ran: no part file.
-    os.makedirs(writer.tmp_dir)
+    os.makedirs(writer.draft)
     with pytest.raises(CheckpointError) as e:
         save_state_dict_async_finalize(*ret)
     assert e.value.rank == 0 and "left no part" in e.value.message
-    assert not os.path.exists(writer.tmp_dir)
+    assert not os.path.exists(writer.draft)
     assert classify(str(tmp_path / "x")) is CheckpointKind.MISSING
 
 
@@ -244,7 +244,7 @@ def test_failed_write_leaves_an_error_part_named_at_finalize(tmp_path: Path):
     writer = FileSystemWriterAsync(str(tmp_path / "x"), thread_count=1)
     ret = save_state_dict_async_plan(sd, writer)
     save_fn, preload_fn, save_args = writer.get_save_function_and_args()
-    os.makedirs(os.path.join(writer.tmp_dir, "__0_0.distcp", "blocker"))
+    os.makedirs(os.path.join(writer.draft, "__0_0.distcp", "blocker"))
     # As NVRx's writer: the failure is recorded, and reported at finalize (every rank).
     save_fn(save_args[0], preload_fn())
     with pytest.raises(CheckpointException) as e:
@@ -252,7 +252,7 @@ def test_failed_write_leaves_an_error_part_named_at_finalize(tmp_path: Path):
     assert isinstance(e.value, CheckpointError) and e.value.rank == 0
     assert "rank 0: Worker failure: IsADirectoryError" in e.value.message
     assert list(e.value.failures) == [0]
-    assert not os.path.exists(writer.tmp_dir)
+    assert not os.path.exists(writer.draft)
     assert classify(str(tmp_path / "x")) is CheckpointKind.MISSING
 
 

@@ -67,7 +67,7 @@ def _fail_rank_1_at_step_2(
     job: PersistJob, pool: memoryview, backend: Any, usage: Any
 ) -> dict[str, str]:
     if job.rank == 1 and job.step == 2:
-        raise OSError(errno.EIO, "Input/output error", os.path.join(job.tmp_dir, "x"))
+        raise OSError(errno.EIO, "Input/output error", os.path.join(job.draft, "x"))
     return _ORIGINAL_WRITE(job, pool, backend, usage)
 
 

@@ -161,7 +161,7 @@ def _fail_rank_1_at_step_4(
     job: PersistJob, pool: memoryview, backend: Any, usage: Any
 ) -> dict[str, str]:
     if job.rank == 1 and job.step == 4:
-        raise OSError(errno.EACCES, "Permission denied", os.path.join(job.tmp_dir, "x"))
+        raise OSError(errno.EACCES, "Permission denied", os.path.join(job.draft, "x"))
     return _ORIGINAL_WRITE(job, pool, backend, usage)
 
 

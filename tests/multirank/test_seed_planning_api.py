@@ -181,7 +181,7 @@ def _rank_failure_on_rank_1(rank: int, world_size: int, root: str) -> dict:
         )
         if rank == 1:  # a path trick: rank 1's data file name is taken by a directory
             name = f"__{rank}_0.distcp"  # the DCP layout's first data file
-            os.makedirs(os.path.join(writer.tmp_dir, name, "blocker"))
+            os.makedirs(os.path.join(writer.draft, name, "blocker"))
         queue.schedule_async_request(request)
         try:
             queue.maybe_finalize_async_calls(blocking=True, no_dist=False)

@@ -162,7 +162,7 @@ class RecordingCommit(RenameCommit):
 
     def commit(
         self,
-        staging: str,
+        draft: str,
         loc: Location,
         members: Mapping[str, bytes],
         expected: Mapping[str, int],
@@ -170,7 +170,7 @@ class RecordingCommit(RenameCommit):
         replace: bool = False,
         staged: StagedFiles | None = None,
     ) -> None:
-        super().commit(staging, loc, members, expected, replace=replace, staged=staged)
+        super().commit(draft, loc, members, expected, replace=replace, staged=staged)
         with open(f"{loc.key}.committed-by", "a") as f:
             f.write(f"{self.name} {sorted(expected)}\n")
 

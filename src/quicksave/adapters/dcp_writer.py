@@ -67,7 +67,7 @@ from quicksave.worker.files import commit_files
 class _RankWritePlan:
     """What the coordinator tells each rank (travels in ``SavePlan.storage_data``)."""
 
-    tmp_dir: str
+    draft: str
     layout: RankLayout
 
 
@@ -238,7 +238,7 @@ class StorageWriter(_DCPStorageWriter):
         self.thread_count = max(1, thread_count)
         self.user_metadata = dict(user_metadata or {})
         self.is_coordinator = True
-        self.tmp_dir: str | None = None
+        self.draft: str | None = None
         self.save_id = uuid.uuid4().hex
         self.plans: tuple[RankPlan, ...] | None = None  # every rank's, set on the coordinator
         self.layouts: tuple[Any, ...] | None = None  # every rank's files, the coordinator's
@@ -250,7 +250,7 @@ class StorageWriter(_DCPStorageWriter):
             self.close()  # its strategy served the old location
             self.location = parse_location(checkpoint_id, options=self._storage)
             self.path = self.location.url
-        self.tmp_dir = None
+        self.draft = None
         self.save_id = uuid.uuid4().hex
         self.plans = None
         self.layouts = None
@@ -279,21 +279,21 @@ class StorageWriter(_DCPStorageWriter):
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         self.plans = tuple(rank_plan_of(p) for p in plans)
         self._written = []
-        self.tmp_dir = self.strategy().begin(self.location, new_token(), replace=self._overwrite)
+        self.draft = self.strategy().begin(self.location, new_token(), replace=self._overwrite)
         out, layouts = [], []
         for rank, plan in enumerate(plans):
             items = [item_spec(i) for i in plan.items if i.type != WriteItemType.BYTE_IO]
             layout = layout_rank(rank, items, self.thread_count, dcp_compat=self.dcp_compat)
             layouts.append(layout)
             self._written.extend(f.name for f in layout.files)
-            out.append(dataclasses.replace(plan, storage_data=_RankWritePlan(self.tmp_dir, layout)))
+            out.append(dataclasses.replace(plan, storage_data=_RankWritePlan(self.draft, layout)))
         self.layouts = tuple(layouts)
         return out
 
     # 4 ------------------------------------------------------------------ writing
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         rank_plan: _RankWritePlan = plan.storage_data
-        self.tmp_dir = rank_plan.tmp_dir
+        self.draft = rank_plan.draft
         by_key = {}
         results: list[WriteResult] = []
         for item in plan.items:
@@ -308,7 +308,7 @@ class StorageWriter(_DCPStorageWriter):
             return planner.resolve_data(by_key[key])
 
         written = persist.write_rank(
-            self.strategy().backend, rank_plan.tmp_dir, rank_plan.layout, source
+            self.strategy().backend, rank_plan.draft, rank_plan.layout, source
         )
         for f_layout, f_written in zip(rank_plan.layout.files, written, strict=True):
             for entry in f_layout.entries:
@@ -336,26 +336,26 @@ class StorageWriter(_DCPStorageWriter):
         default: the ones ``prepare_global_plan`` fixed — filled from every rank's part),
         ``.metadata``, then the commit."""
         layouts = layouts if layouts is not None else self.layouts
-        if self.tmp_dir is None or layouts is None:
+        if self.draft is None or layouts is None:
             raise CheckpointError("finish() called before prepare_global_plan()", path=self.path)
         # One rank's plan is the manifest itself (FORMAT.md §2, plans): omit it.
         plans = self.plans if self.plans is not None and len(self.plans) > 1 else None
         files, placed = placed_of(layouts)
         skeleton = dcp_skeleton(metadata, files, placed, world_size=len(layouts), plans=plans)
-        manifest = manifest_from_parts(skeleton, chunk_keys_of(skeleton), parts, self.tmp_dir)
+        manifest = manifest_from_parts(skeleton, chunk_keys_of(skeleton), parts, self.draft)
         manifest = dataclasses.replace(
             manifest, step=self.step, user_metadata=dict(self.user_metadata)
         )
         metadata_bytes = dcp_metadata_bytes(manifest, dcp_compat=self.dcp_compat)
         commit_files(
             self.strategy(),
-            self.tmp_dir,
+            self.draft,
             self.location,
             manifest,
             metadata_bytes,
             replace=self._overwrite,
         )
-        self.tmp_dir = None
+        self.draft = None
         self.close()
 
     def strategy(self) -> CommitStrategy:
@@ -379,9 +379,9 @@ class StorageWriter(_DCPStorageWriter):
         """Remove what a failed save wrote (the coordinator calls it; best effort): every
         rank's data files as the plans laid them out, and nothing else (never another
         save's commit)."""
-        if self.tmp_dir is None:
+        if self.draft is None:
             return
-        tmp, self.tmp_dir = self.tmp_dir, None
+        tmp, self.draft = self.draft, None
         self.strategy().discard(tmp, self._written)
         self.close()
 

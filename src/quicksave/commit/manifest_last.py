@@ -102,20 +102,20 @@ class ManifestLastCommit(CommitStrategy):
         return loc.entry.release(loc.scheme, loc.container, loc.key)
 
     @classmethod
-    def staging(cls, loc: Location, token: str) -> str:
+    def draft(cls, loc: Location, token: str) -> str:
         return loc.key  # the objects go straight under the checkpoint's prefix
 
-    def member_key(self, staging: str, name: str) -> str:
-        return join(staging, name)
+    def member_key(self, draft: str, name: str) -> str:
+        return join(draft, name)
 
-    def write_member(self, staging: str, name: str, data: bytes, *, fsync: bool = True) -> str:
-        key = join(staging, name)
+    def write_member(self, draft: str, name: str, data: bytes, *, fsync: bool = True) -> str:
+        key = join(draft, name)
         self.backend.put(key, memoryview(data))
         return self.backend.url(key)
 
     def commit(
         self,
-        staging: str,
+        draft: str,
         loc: Location,
         members: Mapping[str, bytes],
         expected: Mapping[str, int],
@@ -134,21 +134,21 @@ class ManifestLastCommit(CommitStrategy):
                 path=loc.url,
             )
         *first, (last, last_data) = members.items()
-        check_objects(self.backend, staging, loc.url, expected, last)
+        check_objects(self.backend, draft, loc.url, expected, last)
         written: list[str] = []
         try:
             for name, data in first:
-                key = join(staging, name)
+                key = join(draft, name)
                 self.backend.put(key, memoryview(data))
                 written.append(key)
-            self.backend.put(join(staging, last), memoryview(last_data))
+            self.backend.put(join(draft, last), memoryview(last_data))
         except BaseException:
             with contextlib.suppress(Exception):  # unless the manifest landed after all
-                if self.backend.stat(join(staging, last)) is None:
+                if self.backend.stat(join(draft, last)) is None:
                     self.backend.delete(written)
             raise
 
-    def discard(self, staging: str, names: Iterable[str]) -> None:
+    def discard(self, draft: str, names: Iterable[str]) -> None:
         """Delete the named objects and the ``.metadata`` of a commit interrupted before
         its manifest — but nothing at all where a manifest is there: then the prefix
         holds a committed checkpoint (this save's, if only its reply was lost, or
@@ -156,11 +156,11 @@ class ManifestLastCommit(CommitStrategy):
         without a manifest are invisible, and the lease holder's clean-up takes what
         stays; a ``.metadata`` alone, though, would read as a stock DCP checkpoint."""
         with contextlib.suppress(Exception):
-            if self.backend.stat(join(staging, MANIFEST_NAME)) is not None:
+            if self.backend.stat(join(draft, MANIFEST_NAME)) is not None:
                 return
-            self.backend.delete([join(staging, n) for n in (*names, DCP_METADATA_NAME)])
+            self.backend.delete([join(draft, n) for n in (*names, DCP_METADATA_NAME)])
 
-    def abandon(self, staging: str, names: Iterable[str]) -> None:
+    def abandon(self, draft: str, names: Iterable[str]) -> None:
         """Nothing: the prefix is the checkpoint's own, and another rank's writer may
         still commit it; the lease holder's clean-up takes what stays."""
 

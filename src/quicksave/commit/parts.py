@@ -1,7 +1,7 @@
 """Per-rank manifest parts: how a multi-rank checkpoint commits without gathering.
 
 Every rank's writer, after its data files are durable, writes ``part-rank-RRRRR.json``
-under the save's staging key (:meth:`CommitStrategy.write_member`): the checksums of
+under the save's draft key (:meth:`CommitStrategy.write_member`): the checksums of
 the chunks it wrote and the values of the objects it owns. The coordinator's writer
 reads all parts and fills the manifest skeleton fixed at plan time (every file, offset
 and length is known before any byte is written; only checksums and object values come
@@ -60,28 +60,28 @@ def _encode(part: RankPart) -> bytes:
 
 
 def write_sealed(
-    strategy: CommitStrategy, staging: str, name: str, data: bytes, fsync: bool = True
+    strategy: CommitStrategy, draft: str, name: str, data: bytes, fsync: bool = True
 ) -> str:
     """Write ``data`` (``seal``'s) whole or not at all, durably, as ``name`` under
-    ``staging`` (:meth:`CommitStrategy.write_member`). Returns its path or URL."""
-    return strategy.write_member(staging, name, data, fsync=fsync)
+    ``draft`` (:meth:`CommitStrategy.write_member`). Returns its path or URL."""
+    return strategy.write_member(draft, name, data, fsync=fsync)
 
 
-def write_part(strategy: CommitStrategy, staging: str, part: RankPart, fsync: bool = True) -> str:
-    """Write ``part`` whole or not at all, durably, under ``staging``. Returns its path
+def write_part(strategy: CommitStrategy, draft: str, part: RankPart, fsync: bool = True) -> str:
+    """Write ``part`` whole or not at all, durably, under ``draft``. Returns its path
     or URL."""
-    return write_sealed(strategy, staging, part_name(part.rank), _encode(part), fsync)
+    return write_sealed(strategy, draft, part_name(part.rank), _encode(part), fsync)
 
 
-def read_part(strategy: CommitStrategy, staging: str, rank: int) -> RankPart:
-    """Read and check ``rank``'s part from under ``staging``.
+def read_part(strategy: CommitStrategy, draft: str, rank: int) -> RankPart:
+    """Read and check ``rank``'s part from under ``draft``.
 
     Raises:
         CheckpointError: the part is missing (names the rank).
         CorruptCheckpointError: it does not parse, fails its checksum, or is another
             rank's.
     """
-    body, path = read_sealed(strategy, staging, rank, PART_FORMAT)
+    body, path = read_sealed(strategy, draft, rank, PART_FORMAT)
     chunks, objects = body.get("chunks"), body.get("objects")
     if (
         not isinstance(chunks, dict)
@@ -95,10 +95,10 @@ def read_part(strategy: CommitStrategy, staging: str, rank: int) -> RankPart:
 
 
 def read_sealed(
-    strategy: CommitStrategy, staging: str, rank: int, fmt: str
+    strategy: CommitStrategy, draft: str, rank: int, fmt: str
 ) -> tuple[dict[str, Any], str]:
     """``rank``'s sealed part of format ``fmt`` (``part-rank-RRRRR.json``) from under
-    ``staging``, checked: bounded read of a regular file or object, strict JSON, its
+    ``draft``, checked: bounded read of a regular file or object, strict JSON, its
     checksum, its format and rank. Returns ``(body without the checksum, its path or
     URL)``.
 
@@ -107,9 +107,9 @@ def read_sealed(
         CorruptCheckpointError: it does not parse, fails its checksum, or is another
             rank's or another format's.
     """
-    path = strategy.member_url(staging, part_name(rank))
+    path = strategy.member_url(draft, part_name(rank))
     try:
-        data = strategy.read_member(staging, part_name(rank), MAX_MANIFEST_BYTES)
+        data = strategy.read_member(draft, part_name(rank), MAX_MANIFEST_BYTES)
     except CheckpointNotFoundError:
         raise CheckpointError(
             "this rank's writer left no part (its write did not finish)", path=path, rank=rank
@@ -141,7 +141,7 @@ def manifest_from_parts(
     skeleton: Manifest,
     chunk_keys: Mapping[str, tuple[str, int]],
     parts: list[RankPart],
-    tmp_dir: str,
+    draft: str,
     *,
     objects_in_parts: bool = True,
 ) -> Manifest:
@@ -153,7 +153,7 @@ def manifest_from_parts(
         skeleton: the manifest fixed before the bytes were written.
         chunk_keys: safetensors key -> (fqn, chunk index in the skeleton), all ranks.
         parts: one part per rank.
-        tmp_dir: named in errors.
+        draft: named in errors.
         objects_in_parts: the parts bring every object's value (each exactly once);
             False: the skeleton holds the values already (a single-rank save).
 
@@ -172,13 +172,13 @@ def manifest_from_parts(
             if where is None:
                 raise CorruptCheckpointError(
                     f"the part reports chunk {key!r}, which the plan does not have",
-                    path=tmp_dir,
+                    path=draft,
                     rank=part.rank,
                 )
             if key in seen:
                 raise CorruptCheckpointError(
                     f"chunk {key!r} was written by ranks {seen[key]} and {part.rank}",
-                    path=tmp_dir,
+                    path=draft,
                     fqn=where[0],
                     rank=part.rank,
                 )
@@ -190,20 +190,20 @@ def manifest_from_parts(
             if objects_in_parts and (old is None or fqn in valued):
                 why = "no such value in the plan" if old is None else f"rank {valued[fqn]} did too"
                 raise CorruptCheckpointError(
-                    f"the part reports this value ({why})", path=tmp_dir, fqn=fqn, rank=part.rank
+                    f"the part reports this value ({why})", path=draft, fqn=fqn, rank=part.rank
                 )
             valued[fqn] = part.rank
             objects[fqn] = ObjectEntry(value, old.path if old is not None else None)
     for key, (fqn, _) in chunk_keys.items():
         if key not in seen:
             raise CorruptCheckpointError(
-                "no rank reported writing this chunk", path=tmp_dir, fqn=f"{fqn} ({key})"
+                "no rank reported writing this chunk", path=draft, fqn=f"{fqn} ({key})"
             )
     if objects_in_parts:
         for fqn in objects:
             if fqn not in valued:
                 raise CorruptCheckpointError(
-                    "no rank reported writing this value", path=tmp_dir, fqn=fqn
+                    "no rank reported writing this value", path=draft, fqn=fqn
                 )
     tensors = {
         fqn: dataclasses.replace(t, chunks=tuple(chunks[fqn]))

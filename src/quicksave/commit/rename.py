@@ -78,21 +78,21 @@ class RenameCommit(CommitStrategy):
         )
 
     @classmethod
-    def staging(cls, loc: Location, token: str) -> str:
+    def draft(cls, loc: Location, token: str) -> str:
         return files.temp_path_for(loc.key, token)
 
     def begin(self, loc: Location, token: str, *, replace: bool = False) -> str:
         self.check_target(loc, replace=replace)
-        tmp = self.staging(loc, token)
-        self._make_staging(tmp, loc.key)  # the error names the checkpoint the user asked for
+        tmp = self.draft(loc, token)
+        self._make_draft(tmp, loc.key)  # the error names the checkpoint the user asked for
         return tmp
 
-    def prepare_staging(self, staging: str) -> None:
-        self._make_staging(staging, files.final_path_of(staging))  # named as in begin
+    def prepare_draft(self, draft: str) -> None:
+        self._make_draft(draft, files.final_path_of(draft))  # named as in begin
 
-    def _make_staging(self, staging: str, named: str) -> None:
+    def _make_draft(self, draft: str, named: str) -> None:
         try:
-            os.makedirs(staging, exist_ok=True)
+            os.makedirs(draft, exist_ok=True)
         except OSError as e:
             name = errno.errorcode.get(e.errno or 0, "EIO")
             raise CheckpointError(
@@ -101,21 +101,21 @@ class RenameCommit(CommitStrategy):
                 rank=getattr(self.backend, "rank", None),
             ) from e
 
-    def prune_staging(self, staging: str, keep: Collection[str]) -> None:
+    def prune_draft(self, draft: str, keep: Collection[str]) -> None:
         """Everything in the temporary directory but ``keep``: merged parts, partial
         members, and what a crashed earlier attempt at the same name left."""
         try:
-            names = os.listdir(staging)
+            names = os.listdir(draft)
         except FileNotFoundError:
             return
         except OSError as e:
             raise CheckpointError(
-                f"cannot list the temporary directory: {e.strerror}", path=staging
+                f"cannot list the temporary directory: {e.strerror}", path=draft
             ) from e
         for name in names:
             if name in keep:
                 continue
-            path = os.path.join(staging, name)
+            path = os.path.join(draft, name)
             try:
                 if os.path.isdir(path) and not os.path.islink(path):
                     shutil.rmtree(path)
@@ -126,15 +126,15 @@ class RenameCommit(CommitStrategy):
             except OSError as e:
                 raise CheckpointError(
                     f"cannot remove {name} from the temporary directory: {e.strerror}",
-                    path=staging,
+                    path=draft,
                 ) from e
 
-    def member_key(self, staging: str, name: str) -> str:
-        return os.path.join(staging, name)
+    def member_key(self, draft: str, name: str) -> str:
+        return os.path.join(draft, name)
 
-    def write_member(self, staging: str, name: str, data: bytes, *, fsync: bool = True) -> str:
+    def write_member(self, draft: str, name: str, data: bytes, *, fsync: bool = True) -> str:
         """A temporary name, fsync, rename, fsync of the directory."""
-        path = os.path.join(staging, name)
+        path = os.path.join(draft, name)
         partial = f"{path}.{new_token()}.writing"  # never one a crashed attempt left
         if fsync:
             posix_io.write_durable(partial, data)
@@ -143,12 +143,12 @@ class RenameCommit(CommitStrategy):
                 f.write(data)
         os.replace(partial, path)
         if fsync:
-            files.fsync_path(staging)
+            files.fsync_path(draft)
         return path
 
     def commit(
         self,
-        staging: str,
+        draft: str,
         loc: Location,
         members: Mapping[str, bytes],
         expected: Mapping[str, int],
@@ -156,18 +156,18 @@ class RenameCommit(CommitStrategy):
         replace: bool = False,
         staged: StagedFiles | None = None,
     ) -> None:
-        """Write ``members`` durably into ``staging``, then rename it to ``loc`` (with
+        """Write ``members`` durably into ``draft``, then rename it to ``loc`` (with
         ``replace``, exchanged with a committed checkpoint there:
         :func:`~quicksave.commit.files.publish`)."""
         whole = dict(expected)
         for name, data in members.items():
-            posix_io.write_durable(os.path.join(staging, name), data)
+            posix_io.write_durable(os.path.join(draft, name), data)
             whole[name] = len(data)
         exchange = replace and self.classify(loc) in COMMITTED
-        files.publish(staging, loc.key, whole, replace=exchange)
+        files.publish(draft, loc.key, whole, replace=exchange)
 
-    def discard(self, staging: str, names: Iterable[str]) -> None:
-        shutil.rmtree(staging, ignore_errors=True)
+    def discard(self, draft: str, names: Iterable[str]) -> None:
+        shutil.rmtree(draft, ignore_errors=True)
 
     def _exists(self, loc: Location) -> bool:
         return os.path.lexists(loc.key)

@@ -12,15 +12,15 @@ ManifestLastCommit`). The strategy is chosen once, where a location is opened
 What a caller does with one, in order, for a save::
 
     s.check_target(loc, rank, replace=...)   # before any byte is written
-    staging = s.begin(loc, token)            # where the data files go (every rank)
-    s.write_member(staging, name, data)      # small whole-or-nothing files (parts)
-    s.read_member(staging, name, max_bytes)
-    s.commit(staging, loc, members, expected, staged=...)   # the coordinator, once
-    s.discard(staging, names)                # a failed save: what it wrote
+    draft = s.begin(loc, token)              # where the data files go (every rank)
+    s.write_member(draft, name, data)        # small whole-or-nothing files (parts)
+    s.read_member(draft, name, max_bytes)
+    s.commit(draft, loc, members, expected, staged=...)     # the coordinator, once
+    s.discard(draft, names)                  # a failed save: what it wrote
 
-(a writer whose every rank names the staging itself, the NVRx-compatible API, checks
-the target on its coordinator, calls :meth:`prepare_staging` on each rank instead of
-:meth:`begin`, and :meth:`prune_staging` before the commit);
+(a writer whose every rank names the draft itself, the NVRx-compatible API, checks
+the target on its coordinator, calls :meth:`prepare_draft` on each rank instead of
+:meth:`begin`, and :meth:`prune_draft` before the commit);
 and for a folder of checkpoints: :meth:`committed` (what retention, ``latest`` and
 ``load`` see), :meth:`remove` (retention), :meth:`quarantine` (a checkpoint that failed
 its checks), :meth:`clean_leftovers` (crashed saves, by the lease holder only).
@@ -80,7 +80,7 @@ def metadata_has_footer(path: str | Location, backend: Backend | None = None) ->
 
 @dataclass(frozen=True)
 class StagedFiles:
-    """The data files of a save where they lie when it commits: in the staging pool the
+    """The data files of a save where they lie when it commits: in the draft pool the
     writer wrote them from (views of the pool, no copy). A strategy that keeps
     checkpoints in memory, or hands them to a peer, takes the bytes from here instead of
     reading back what was written. Only the committing rank's own files: a multi-rank
@@ -114,7 +114,7 @@ class CommitStrategy(abc.ABC):
     # Whether a committed checkpoint can be replaced atomically (``overwrite=True``).
     atomic_replace: ClassVar[bool]
     # Whether data files are written straight under the checkpoint's own name (no
-    # staging name to rename): then a checkpoint's name can hold a crashed save's
+    # draft name to rename): then a checkpoint's name can hold a crashed save's
     # objects, and a save checks its target for them.
     writes_in_place: ClassVar[bool]
     # Whether a save may be written in the DCP layout (docs/FORMAT.md §8: DCP's own
@@ -208,20 +208,20 @@ class CommitStrategy(abc.ABC):
 
     @classmethod
     @abc.abstractmethod
-    def staging(cls, loc: Location, token: str) -> str:
+    def draft(cls, loc: Location, token: str) -> str:
         """The key the data files of the save ``token`` at ``loc`` are written under
-        (nothing is created, nothing opened: ``strategy_class(loc).staging(...)`` works
+        (nothing is created, nothing opened: ``strategy_class(loc).draft(...)`` works
         without a backend)."""
 
     def begin(self, loc: Location, token: str, *, replace: bool = False) -> str:
-        """Check the target and prepare :meth:`staging` for writing; return its key."""
+        """Check the target and prepare :meth:`draft` for writing; return its key."""
         self.check_target(loc, replace=replace)
-        return self.staging(loc, token)
+        return self.draft(loc, token)
 
-    def prepare_staging(self, staging: str) -> None:
-        """Make ``staging`` ready for writing without :meth:`begin`, for writers that
+    def prepare_draft(self, draft: str) -> None:
+        """Make ``draft`` ready for writing without :meth:`begin`, for writers that
         name it themselves: every rank of the NVRx-compatible API derives the save's
-        staging key from what all ranks know, and no rank creates it for the others. A
+        draft key from what all ranks know, and no rank creates it for the others. A
         filesystem creates the directory; a store needs nothing. Nothing is checked (the
         coordinator checked the target while planning).
 
@@ -230,11 +230,11 @@ class CommitStrategy(abc.ABC):
         """
         return  # a store: objects need no directory
 
-    def prune_staging(self, staging: str, keep: Collection[str]) -> None:
-        """Before the commit of a save whose staging key may have been used before (the
+    def prune_draft(self, draft: str, keep: Collection[str]) -> None:
+        """Before the commit of a save whose draft key may have been used before (the
         NVRx-compatible API derives it from the plan and a save counter, so a save after
         a restart can meet what a crashed attempt at the same key left): delete
-        everything under ``staging`` but the names in ``keep``, where the staging
+        everything under ``draft`` but the names in ``keep``, where the draft
         belongs to this save alone (a temporary directory). Where it is the checkpoint's
         own key (:attr:`writes_in_place`) nothing is deleted: the target was checked
         empty before the save, so anything else there now is another writer's.
@@ -242,14 +242,14 @@ class CommitStrategy(abc.ABC):
         Raises:
             CheckpointError: something could not be deleted.
         """
-        return  # the default: staging is the checkpoint's own key
+        return  # the default: draft is the checkpoint's own key
 
     @abc.abstractmethod
-    def write_member(self, staging: str, name: str, data: bytes, *, fsync: bool = True) -> str:
+    def write_member(self, draft: str, name: str, data: bytes, *, fsync: bool = True) -> str:
         """Write a small file (a rank's part, a marker) whole or not at all, durably;
         return its path or URL."""
 
-    def read_member(self, staging: str, name: str, max_bytes: int) -> bytes:
+    def read_member(self, draft: str, name: str, max_bytes: int) -> bytes:
         """Read a file :meth:`write_member` wrote (hardened: a regular file or object,
         at most ``max_bytes``).
 
@@ -257,24 +257,24 @@ class CommitStrategy(abc.ABC):
             CheckpointNotFoundError: it is not there.
             CorruptCheckpointError: it is larger than ``max_bytes``.
         """
-        return self.backend.get(self.member_key(staging, name), max_bytes)
+        return self.backend.get(self.member_key(draft, name), max_bytes)
 
     @abc.abstractmethod
-    def member_key(self, staging: str, name: str) -> str:
-        """The key of ``name`` under ``staging``."""
+    def member_key(self, draft: str, name: str) -> str:
+        """The key of ``name`` under ``draft``."""
 
-    def member_url(self, staging: str, name: str) -> str:
-        return self.backend.url(self.member_key(staging, name))
+    def member_url(self, draft: str, name: str) -> str:
+        return self.backend.url(self.member_key(draft, name))
 
-    def delete_members(self, staging: str, names: Iterable[str]) -> None:
-        """Delete files written under ``staging`` that the checkpoint must not hold
+    def delete_members(self, draft: str, names: Iterable[str]) -> None:
+        """Delete files written under ``draft`` that the checkpoint must not hold
         (merged parts); a missing one is no error."""
-        self.backend.delete([self.member_key(staging, n) for n in names])
+        self.backend.delete([self.member_key(draft, n) for n in names])
 
     @abc.abstractmethod
     def commit(
         self,
-        staging: str,
+        draft: str,
         loc: Location,
         members: Mapping[str, bytes],
         expected: Mapping[str, int],
@@ -284,8 +284,8 @@ class CommitStrategy(abc.ABC):
     ) -> None:
         """Make the save visible at ``loc``: write ``members`` in their order (the last
         one commits: the manifest), after checking that every data file of
-        ``expected`` (name -> size) is under ``staging`` whole. ``staged``: this rank's
-        data files in the staging pool, where the save was written from one (an async
+        ``expected`` (name -> size) is under ``draft`` whole. ``staged``: this rank's
+        data files in the draft pool, where the save was written from one (an async
         save's writer); None otherwise.
 
         Raises:
@@ -294,8 +294,8 @@ class CommitStrategy(abc.ABC):
         """
 
     @abc.abstractmethod
-    def discard(self, staging: str, names: Iterable[str]) -> None:
-        """Remove what a failed save wrote under ``staging`` (its data files ``names``,
+    def discard(self, draft: str, names: Iterable[str]) -> None:
+        """Remove what a failed save wrote under ``draft`` (its data files ``names``,
         parts included). Best effort, never raises."""
 
     # -- outputs that are no checkpoint -------------------------------------------
@@ -328,12 +328,12 @@ class CommitStrategy(abc.ABC):
                 left at ``loc``.
         """
 
-    def abandon(self, staging: str, names: Iterable[str]) -> None:
+    def abandon(self, draft: str, names: Iterable[str]) -> None:
         """Remove what a save whose writer died left, from the trainer side, without
-        knowing whether another rank's writer still commits it: where the staging is
+        knowing whether another rank's writer still commits it: where the draft is
         this save's own (a temporary directory) as :meth:`discard`; where it is the
         checkpoint's key, nothing (clean-up takes it later)."""
-        self.discard(staging, names)
+        self.discard(draft, names)
 
     # -- a folder of checkpoints ---------------------------------------------------
 

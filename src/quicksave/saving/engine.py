@@ -309,13 +309,13 @@ class AsyncSaver:
         plan = planned.plan
         pool = self._slots.pool_for(slot, plan, self._worker)
         strategy = self._strategy_for(loc)
-        staging = strategy.staging(loc, planned.token)
+        draft = strategy.draft(loc, planned.token)
         job = planned.job(
             next(self._ids),
             slot.pool_id,
             pool,
             loc,
-            staging,
+            draft,
             step,
             self.rank,
             self.config,
@@ -327,7 +327,7 @@ class AsyncSaver:
             sum(f.size for f in plan.layout.files),
             loc,
             strategy,
-            staging,
+            draft,
             tuple(f.name for f in job.files),
             planned.token if planned.dist is not None else "",
             overwrite,

@@ -137,14 +137,14 @@ class PlannedSave:
         pool_id: int,
         pool: StagingPool,
         loc: Location,
-        staging: str,
+        draft: str,
         step: int | None,
         rank: int,
         config: EngineConfig,
         replace: bool,
     ) -> PersistJob:
         """The worker's job for this save, staged in ``pool`` (``pool_id`` in the worker),
-        written under ``staging`` (its commit strategy's) and committed at ``loc``."""
+        written under ``draft`` (its commit strategy's) and committed at ``loc``."""
         plan = self.plan
         return PersistJob(
             job_id=job_id,
@@ -152,7 +152,7 @@ class PlannedSave:
             step=step,
             rank=rank,
             final_path=loc.url,
-            tmp_dir=staging,
+            draft=draft,
             files=plan.file_jobs(pool),
             manifest=self.manifest,
             chunk_keys=plan.chunk_keys,

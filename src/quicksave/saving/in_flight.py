@@ -195,7 +195,7 @@ class InFlight:
     bytes: int
     location: Location  # where it commits
     strategy: CommitStrategy  # of its location: removes what a dead writer left
-    staging: str  # where its files are written (the strategy's staging key)
+    draft: str  # where its files are written (the strategy's draft key)
     names: tuple[str, ...]  # the files this rank writes
     token: str = ""  # multi-rank: the save's commit records (see commit/rank_records.py)
     replace: bool = False  # overwrite: a committed checkpoint was there before the save
@@ -263,7 +263,7 @@ class InFlightSaves:
             self.dist.worker_failed(fl.token, why)  # the others stop waiting for us
             self.lost[fl.token] = fl.handle.started + self.dist.outcome_wait_s
         else:  # the dead writer's partial files: nobody else will remove them
-            fl.strategy.abandon(fl.staging, fl.names)
+            fl.strategy.abandon(fl.draft, fl.names)
 
     def fail_all(self, err: BaseException) -> None:
         """The worker is gone: fail every save in flight; ``err`` is reported once."""
@@ -272,10 +272,12 @@ class InFlightSaves:
         self.unreported.append(err)
 
     def release_unsubmitted(self) -> None:
-        """Fail the saves not handed to the worker yet (their staging failed)."""
+        """Fail the saves not handed to the worker yet (their copy into the staging pool failed)."""
         for job_id, fl in list(self.jobs.items()):
             if fl.handle.staging_s is None:
-                err = CheckpointError("staging failed", path=fl.handle.path, rank=self.rank)
+                err = CheckpointError(
+                    "the copy into the staging pool failed", path=fl.handle.path, rank=self.rank
+                )
                 self.fail(job_id, err)
 
     def confirm(self, done: CopyDone) -> PersistJob | None:
@@ -352,7 +354,7 @@ class InFlightSaves:
                     None,
                 )
                 continue
-            fl.strategy.abandon(fl.staging, fl.names)
+            fl.strategy.abandon(fl.draft, fl.names)
             fl.handle._finish(
                 None,
                 CheckpointError(

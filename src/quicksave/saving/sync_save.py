@@ -9,7 +9,7 @@ overlap, so the bytes are written straight from the tensors):
     plan       ── central_round: every local plan (and the copies of what ranks may
                share, ranks/replicas.py) to the coordinator, which refuses copies that
                differ, makes the global plan (rank_plans.global_plan: each chunk once, the
-               files laid out, the manifest's skeleton) and opens the staging at the
+               files laid out, the manifest's skeleton) and opens the draft at the
                location's commit strategy; each rank gets its share back ──
     persist    worker/persist.write_rank: this rank's files, xxh3 on the way, fsync
     commit     ── central_round: each rank's part (its chunks' checksums, its values) to
@@ -57,7 +57,7 @@ from quicksave.worker.files import commit_files
 class _Share:
     """What the coordinator's plan gives one rank: where to write, what, which values."""
 
-    staging: str
+    draft: str
     layout: RankLayout
     objects: tuple[str, ...]
 
@@ -109,7 +109,7 @@ def save_sync(
 
 class _Run:
     """One :func:`save_sync` on one rank (on the coordinator: the plan and the
-    staging)."""
+    draft)."""
 
     def __init__(
         self,
@@ -130,7 +130,7 @@ class _Run:
         self.path = loc.url
         self.state: Any = None
         self.global_plan: GlobalPlan | None = None  # the coordinator's
-        self.staging: str | None = None  # the coordinator's, until committed or discarded
+        self.draft: str | None = None  # the coordinator's, until committed or discarded
 
     def _round(self, mine: Any, decide: Any) -> Any:
         return central_round(
@@ -176,10 +176,10 @@ class _Run:
             raise self._with_path(differ)
         check_user_metadata(dict(self.options.user_metadata or {}), self.path, self.named)
         gp = global_plan([lp for lp, _ in gathered], max(1, self.options.thread_count))
-        self.staging = self.strategy.begin(self.loc, new_token(), replace=self.options.overwrite)
+        self.draft = self.strategy.begin(self.loc, new_token(), replace=self.options.overwrite)
         self.global_plan = gp
         return [
-            _Share(self.staging, layout, objects)
+            _Share(self.draft, layout, objects)
             for layout, objects in zip(gp.layouts, gp.objects, strict=True)
         ]
 
@@ -189,7 +189,7 @@ class _Run:
         try:
             with phase("save.persist"):
                 written = persist.write_rank(
-                    self.strategy.backend, share.staging, share.layout, self.state.tensors
+                    self.strategy.backend, share.draft, share.layout, self.state.tensors
                 )
             digests = {k: d for f in written for k, d in f.chunk_xxh3_64.items()}
             values = {fqn: self.state.values[fqn] for fqn in share.objects}
@@ -200,14 +200,14 @@ class _Run:
             self._round(mine, self._decide_commit)
 
     def _decide_commit(self, gathered: list[Any]) -> list[None]:
-        gp, staging = self.global_plan, self.staging
-        assert gp is not None and staging is not None
+        gp, draft = self.global_plan, self.draft
+        assert gp is not None and draft is not None
         try:
             failed = failures_in(gathered)
             if failed:
                 raise combined_failure(failed, self.path)
             skeleton = gp.skeleton  # (one rank's has no plans: FORMAT.md §2)
-            manifest = manifest_from_parts(skeleton, chunk_keys_of(skeleton), gathered, staging)
+            manifest = manifest_from_parts(skeleton, chunk_keys_of(skeleton), gathered, draft)
             manifest = replace(
                 manifest,
                 step=self.options.step,
@@ -215,7 +215,7 @@ class _Run:
             )
             commit_files(
                 self.strategy,
-                staging,
+                draft,
                 self.loc,
                 manifest,
                 dcp_metadata_bytes(manifest),
@@ -224,12 +224,12 @@ class _Run:
         except BaseException:
             self.discard()  # before the others hear of it: they find nothing left
             raise
-        self.staging = None  # committed
+        self.draft = None  # committed
         return [None] * len(gathered)
 
     def discard(self) -> None:
         """Coordinator: remove what this failed save wrote (every rank's data files as
         planned; best effort), unless it was committed."""
-        gp, staging, self.staging = self.global_plan, self.staging, None
-        if gp is not None and staging is not None:
-            self.strategy.discard(staging, [f.name for lay in gp.layouts for f in lay.files])
+        gp, draft, self.draft = self.global_plan, self.draft, None
+        if gp is not None and draft is not None:
+            self.strategy.discard(draft, [f.name for lay in gp.layouts for f in lay.files])

@@ -73,13 +73,13 @@ def execute_job(
         with phase("save.commit"):
             commit_files(
                 strategy_for(job.location, backend),
-                job.tmp_dir,
+                job.draft,
                 job.location,
                 manifest_from_parts(
                     job.manifest,
                     job.chunk_keys,
                     [RankPart(job.rank, digests, {})],
-                    job.tmp_dir,
+                    job.draft,
                     objects_in_parts=False,
                 ),
                 job.dcp_metadata,

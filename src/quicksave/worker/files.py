@@ -86,13 +86,11 @@ def write_files(
     under the checkpoint's prefix); return the xxh3-64 of every chunk (safetensors key ->
     hex): those the trainer hashed while staging (``job.digests``), the others computed
     while writing. Adds the writer threads' CPU and the bytes hashed to ``usage``."""
-    strategy_for(job.location, backend).prepare_staging(
-        job.tmp_dir
-    )  # also with no file: parts, commit
+    strategy_for(job.location, backend).prepare_draft(job.draft)  # also with no file: parts, commit
 
     def one(f: FileJob) -> tuple[dict[str, str], float]:
         cpu0 = time.thread_time()
-        key = join(job.tmp_dir, f.name)
+        key = join(job.draft, f.name)
         todo = tuple(e for e in f.entries if e[0] not in job.digests)
         # the pool lays every image out to whole pages past its end (for O_DIRECT)
         image = pool[f.base : f.base + f.size + (-f.size % PAGE)]
@@ -119,12 +117,12 @@ def discard(job: PersistJob, backend: Backend, parts: bool = False) -> None:
     if job.dist is not None:
         ranks = range(job.dist.world_size) if parts else (job.rank,)
         names += [part_name(r) for r in ranks]
-    strategy_for(job.location, backend).discard(job.tmp_dir, names)
+    strategy_for(job.location, backend).discard(job.draft, names)
 
 
 def commit_files(
     strategy: CommitStrategy,
-    staging: str,
+    draft: str,
     loc: Location,
     manifest: Manifest,
     dcp_metadata: bytes,
@@ -133,7 +131,7 @@ def commit_files(
     staged: StagedFiles | None = None,
 ) -> None:
     """Add ``.metadata`` to the manifest's files and commit the save written under
-    ``staging`` at ``loc`` (:meth:`CommitStrategy.commit`): ``.metadata``, then the
+    ``draft`` at ``loc`` (:meth:`CommitStrategy.commit`): ``.metadata``, then the
     manifest, last (``replace``: exchanged with a committed checkpoint at ``loc``;
     ``staged``: the files in the pool they were written from)."""
     import xxhash
@@ -145,7 +143,7 @@ def commit_files(
     )
     manifest_bytes = to_json_bytes(dataclasses.replace(manifest, files=files))
     members = {DCP_METADATA_NAME: dcp_metadata, MANIFEST_NAME: manifest_bytes}
-    strategy.commit(staging, loc, members, expected, replace=replace, staged=staged)
+    strategy.commit(draft, loc, members, expected, replace=replace, staged=staged)
 
 
 def staged_files(job: PersistJob, pool: memoryview) -> StagedFiles:

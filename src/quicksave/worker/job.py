@@ -68,7 +68,7 @@ class PersistJob:
     step: int | None
     rank: int
     final_path: str
-    tmp_dir: str
+    draft: str
     files: tuple[FileJob, ...]
     manifest: Manifest | None  # checksums still empty; multi-rank: the coordinator's only
     chunk_keys: dict[str, tuple[str, int]]  # safetensors key -> (fqn, chunk index)
@@ -78,7 +78,7 @@ class PersistJob:
     thread_count: int = 2
     dist: DistCommit | None = None  # multi-rank: commit through parts and store records
     # The checkpoint's location (``final_path`` is its URL); its commit strategy says
-    # what ``tmp_dir`` is: a temporary directory renamed at commit, or (an object store)
+    # what ``draft`` is: a temporary directory renamed at commit, or (an object store)
     # the checkpoint's own prefix, committed by the manifest written last.
     location: Location | None = None
     # Replace a committed checkpoint at ``final_path`` atomically (local, single rank).

@@ -65,7 +65,7 @@ def execute_multirank_job(
             with phase("save.persist"):
                 digests = write_files(job, pool, backend, usage)
                 part = RankPart(job.rank, digests, d.objects)
-                write_part(strategy, job.tmp_dir, part, job.fsync)
+                write_part(strategy, job.draft, part, job.fsync)
         except BaseException as e:  # noqa: BLE001 - told to the others, then reported here
             result = failure(job, e)
             records.post_rank(store, d.token, job.rank, result.error_message)
@@ -102,13 +102,13 @@ def _commit(
     if not problems:
         try:
             ranks = range(d.world_size)
-            parts = [read_part(strategy, job.tmp_dir, r) for r in ranks]
+            parts = [read_part(strategy, job.draft, r) for r in ranks]
             assert job.manifest is not None
-            manifest = manifest_from_parts(job.manifest, job.chunk_keys, parts, job.tmp_dir)
+            manifest = manifest_from_parts(job.manifest, job.chunk_keys, parts, job.draft)
             # merged: the checkpoint holds no parts
-            strategy.delete_members(job.tmp_dir, [part_name(r) for r in ranks])
+            strategy.delete_members(job.draft, [part_name(r) for r in ranks])
             commit_files(
-                strategy, job.tmp_dir, job.location, manifest, job.dcp_metadata, staged=staged
+                strategy, job.draft, job.location, manifest, job.dcp_metadata, staged=staged
             )
         except BaseException as e:  # noqa: BLE001 - an abort like any other
             problems = {job.rank: f"{type(e).__name__}: {e}"}

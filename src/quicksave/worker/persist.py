@@ -77,14 +77,14 @@ def _each_file(
 
 def write_file(
     backend: Backend,
-    staging: str,
+    draft: str,
     layout: FileLayout,
     source: Callable[[str], torch.Tensor],
 ) -> WrittenFile:
-    """Write one data file under ``staging`` (``backend.put_pieces``: on a filesystem
+    """Write one data file under ``draft`` (``backend.put_pieces``: on a filesystem
     straight from the tensors' memory; a store uploads its assembled image). ``source(key)``
     returns the tensor for a chunk key."""
-    key = join(staging, layout.name)
+    key = join(draft, layout.name)
 
     def pieces() -> Iterator[tuple[str | None, int, memoryview]]:
         yield None, 0, memoryview(layout.header)
@@ -102,12 +102,12 @@ def write_file(
 
 def write_rank(
     backend: Backend,
-    staging: str,
+    draft: str,
     layout: RankLayout,
     tensors: Mapping[str, torch.Tensor] | Callable[[str], torch.Tensor],
 ) -> list[WrittenFile]:
-    """Write all data files of one rank under ``staging`` (its commit strategy's
-    staging key), one thread per file. (The asynchronous engine writes from its staging
+    """Write all data files of one rank under ``draft`` (its commit strategy's
+    draft key), one thread per file. (The asynchronous engine writes from its staging
     pool instead: ``quicksave.worker.files``; this is the synchronous path.)"""
     source = tensors.__getitem__ if isinstance(tensors, Mapping) else tensors
-    return _each_file(layout, lambda f: write_file(backend, staging, f, source), "quicksave-write")
+    return _each_file(layout, lambda f: write_file(backend, draft, f, source), "quicksave-write")

@@ -131,11 +131,11 @@ def dcp_rank_layout(
 class DcpWriteJob:
     """The picklable description of one rank's background write in the DCP layout.
 
-    ``tmp_dir`` is the save's staging under the commit strategy of ``location`` (the
+    ``draft`` is the save's draft under the commit strategy of ``location`` (the
     checkpoint's; one that can write the DCP layout, so a temporary directory)."""
 
     rank: int
-    tmp_dir: str
+    draft: str
     location: Location
     layout: DcpRankLayout
     byte_items: dict[str, bytes]  # key -> DCP's bytes of the object (torch.save)
@@ -165,33 +165,33 @@ def write_dcp_rank_data(job: DcpWriteJob, staged: Any) -> None:
         except Exception as e:  # noqa: BLE001 - recorded for the coordinator
             cause = e.message if isinstance(e, CheckpointError) else f"{type(e).__name__}: {e}"
             try:
-                strategy.prepare_staging(job.tmp_dir)
-                write_error_part(strategy, job.tmp_dir, job.rank, cause)
+                strategy.prepare_draft(job.draft)
+                write_error_part(strategy, job.draft, job.rank, cause)
             except (OSError, CheckpointError):
                 raise CheckpointError(
                     f"rank {job.rank} failed to write its checkpoint data: {cause}",
-                    path=job.tmp_dir,
+                    path=job.draft,
                     rank=job.rank,
                 ) from e
 
 
 def _write_dcp_rank_files(job: DcpWriteJob, staged: Any, strategy: CommitStrategy) -> None:
-    """The body of :func:`write_dcp_rank_data`: what this rank left in the staging by an
+    """The body of :func:`write_dcp_rank_data`: what this rank left in the draft by an
     earlier attempt removed, its data files written, its part last."""
     if job.multiproc_io:
         import multiprocessing
 
         if multiprocessing.current_process().daemon:
-            raise CheckpointError(INVALID_SETUP, path=job.tmp_dir, rank=job.rank)
-    strategy.prepare_staging(job.tmp_dir)
+            raise CheckpointError(INVALID_SETUP, path=job.draft, rank=job.rank)
+    strategy.prepare_draft(job.draft)
     names = [f.name for f in job.layout.files]
-    strategy.delete_members(job.tmp_dir, names + rank_members(job.rank))
+    strategy.delete_members(job.draft, names + rank_members(job.rank))
 
     def write_one(f: DcpFile) -> dict[str, Any]:
         items: list[tuple[str, Any]] = []
         for it in f.items:
             items.append((it.key, job.byte_items[it.key] if it.spec is None else staged[it.key]))
-        with job.open_file(strategy.member_key(job.tmp_dir, f.name), "wb") as stream:
+        with job.open_file(strategy.member_key(job.draft, f.name), "wb") as stream:
             w = write_dcp_file(stream, items, fsync=job.fsync)
         return _file_record(w)
 
@@ -207,9 +207,7 @@ def _write_dcp_rank_files(job: DcpWriteJob, staged: Any, strategy: CommitStrateg
         "files": {f.name: r for f, r in zip(files, records, strict=True)},
         "objects": job.objects,
     }
-    parts.write_sealed(
-        strategy, job.tmp_dir, parts.part_name(job.rank), parts.seal(body), job.fsync
-    )
+    parts.write_sealed(strategy, job.draft, parts.part_name(job.rank), parts.seal(body), job.fsync)
 
 
 DCP_PART_FORMAT = "quicksave-dcp-part"
@@ -228,18 +226,18 @@ def _file_record(w: Any) -> dict[str, Any]:
     return {"size": w.size, "xxh3_64": w.xxh3_64, "items": items}
 
 
-def read_dcp_part(strategy: CommitStrategy, tmp_dir: str, layout: DcpRankLayout) -> dict[str, Any]:
-    """One rank's DCP part under the staging ``tmp_dir``, checked against its layout.
+def read_dcp_part(strategy: CommitStrategy, draft: str, layout: DcpRankLayout) -> dict[str, Any]:
+    """One rank's DCP part under ``draft``, checked against its layout.
 
     Raises:
         CheckpointError: the rank recorded an error or left no part (its cause).
         CorruptCheckpointError: the part is damaged or does not match the layout.
     """
     rank = layout.rank
-    cause = read_error_part(strategy, tmp_dir, rank)
+    cause = read_error_part(strategy, draft, rank)
     if cause is not None:
-        raise CheckpointError(cause, path=strategy.backend.url(tmp_dir), rank=rank)
-    body, path = parts.read_sealed(strategy, tmp_dir, rank, DCP_PART_FORMAT)
+        raise CheckpointError(cause, path=strategy.backend.url(draft), rank=rank)
+    body, path = parts.read_sealed(strategy, draft, rank, DCP_PART_FORMAT)
     files = body.get("files")
     for f in layout.files:
         rec = files.get(f.name) if isinstance(files, dict) else None
@@ -275,7 +273,7 @@ def commit_dcp(
     metadata: Metadata,
     layout: SaveLayout,
     *,
-    tmp_dir: str,
+    draft: str,
     location: Location,
     step: int | None,
     user_metadata: dict[str, Any] | None,
@@ -285,7 +283,7 @@ def commit_dcp(
     """The coordinator's commit of a DCP-layout save: read every rank's part, build DCP's
     ``Metadata`` (``storage_data`` → each item's bytes) and quicksave's manifest, write
     ``.metadata`` = pickle | manifest | footer (FORMAT.md §8), check that every file is
-    whole, and commit the staging ``tmp_dir`` at ``location`` through ``strategy`` (a
+    whole, and commit ``draft`` at ``location`` through ``strategy`` (a
     rename of the temporary directory, replacing an older checkpoint there atomically
     when ``overwrite``).
 
@@ -299,7 +297,7 @@ def commit_dcp(
     for lay in layout.layouts:
         assert isinstance(lay, DcpRankLayout)
         try:
-            bodies[lay.rank] = read_dcp_part(strategy, tmp_dir, lay)
+            bodies[lay.rank] = read_dcp_part(strategy, draft, lay)
         except CheckpointError as e:
             causes[lay.rank] = e.message
     if causes:
@@ -327,7 +325,7 @@ def commit_dcp(
         rank_parts.append(parts.RankPart(lay.rank, digests, dict(body.get("objects", {}))))
     plans = layout.plans if len(layout.plans) > 1 else None
     skeleton = dcp_skeleton(metadata, files, placed, world_size=len(layout.layouts), plans=plans)
-    manifest = parts.manifest_from_parts(skeleton, chunk_keys_of(skeleton), rank_parts, tmp_dir)
+    manifest = parts.manifest_from_parts(skeleton, chunk_keys_of(skeleton), rank_parts, draft)
     manifest = dataclasses.replace(
         manifest, step=step, user_metadata=dict(user_metadata or {}), layout="dcp"
     )
@@ -336,5 +334,5 @@ def commit_dcp(
     dcp_md.planner_data = dcp_planner_data(metadata.planner_data)  # the pickle: DCP's only
     dcp_md.storage_meta = StorageMeta(checkpoint_id=path, save_id=save_id)
     data = encode_metadata(pickle.dumps(dcp_md), to_json_bytes(manifest))
-    clear_for_commit(strategy, tmp_dir, set(expected), len(layout.layouts))
-    strategy.commit(tmp_dir, location, {DCP_METADATA_NAME: data}, expected, replace=overwrite)
+    clear_for_commit(strategy, draft, set(expected), len(layout.layouts))
+    strategy.commit(draft, location, {DCP_METADATA_NAME: data}, expected, replace=overwrite)

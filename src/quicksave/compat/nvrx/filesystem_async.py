@@ -78,11 +78,11 @@ from quicksave.compat.nvrx.rank_write import (
     RankWritesFailed,
     SaveLayout,
     clear_for_commit,
+    draft_for,
     expected_files,
     failed_save_names,
     rank_part,
     rank_write_results,
-    temp_dir_for,
     write_rank_data,
 )
 from quicksave.compat.nvrx.staging import identity_preload, stage_to_pool
@@ -354,7 +354,7 @@ class FileSystemWriterAsync(NvrxDataPath, StorageWriter, FileSystemWriter):
                 path=self.path,
                 rank=self.rank,
             )
-        self.tmp_dir = temp_dir_for(self.location, rank_plan.plan_id, self.save_index)
+        self.draft = draft_for(self.location, rank_plan.plan_id, self.save_index)
         sources: dict[str, torch.Tensor] = {}
         objects: dict[str, Any] = {}
         byte_items: dict[str, bytes] = {}
@@ -375,7 +375,7 @@ class FileSystemWriterAsync(NvrxDataPath, StorageWriter, FileSystemWriter):
         if isinstance(rank_plan.layout, DcpRankLayout):
             self._job = DcpWriteJob(
                 self.rank,
-                self.tmp_dir,
+                self.draft,
                 self.location,
                 rank_plan.layout,
                 byte_items,
@@ -386,7 +386,7 @@ class FileSystemWriterAsync(NvrxDataPath, StorageWriter, FileSystemWriter):
             )
             return
         self._job = RankWriteJob(
-            self.rank, self.tmp_dir, rank_plan.layout, objects, self.fsync, self.location
+            self.rank, self.draft, rank_plan.layout, objects, self.fsync, self.location
         )
 
     def _stage_pool(self, sources: dict[str, torch.Tensor]) -> StagingPool:
@@ -395,7 +395,7 @@ class FileSystemWriterAsync(NvrxDataPath, StorageWriter, FileSystemWriter):
         self._pool = stage_to_pool(sources, PROCESS.spare_pool.take)
         return self._pool
 
-    def release_staging(self) -> None:
+    def release_pool(self) -> None:
         """This save's staging pool may be reused (its write is over: finalize)."""
         pool, self._pool = self._pool, None
         if pool is not None:
@@ -429,7 +429,7 @@ class FileSystemWriterAsync(NvrxDataPath, StorageWriter, FileSystemWriter):
         if self._job is None:
             raise CheckpointError("no write was prepared", path=self.path, rank=self.rank)
         if isinstance(self._job, DcpWriteJob):
-            body = read_dcp_part(self.strategy(), self._job.tmp_dir, self._job.layout)
+            body = read_dcp_part(self.strategy(), self._job.draft, self._job.layout)
             results = []
             for f in self._job.layout.files:
                 for it in f.items:
@@ -439,7 +439,7 @@ class FileSystemWriterAsync(NvrxDataPath, StorageWriter, FileSystemWriter):
                     )
             return results
         return rank_write_results(
-            self.strategy(), self._job.tmp_dir, self._job.layout, self._index_of
+            self.strategy(), self._job.draft, self._job.layout, self._index_of
         )
 
     def commit_parts(self, metadata: Metadata, layout: SaveLayout) -> None:
@@ -449,7 +449,7 @@ class FileSystemWriterAsync(NvrxDataPath, StorageWriter, FileSystemWriter):
             RankWritesFailed: ranks failed to write (every one named, with its cause).
             CheckpointError: the commit failed.
         """
-        if self.tmp_dir is None:
+        if self.draft is None:
             raise CheckpointError("finalize before prepare_write_data()", path=self.path)
         strategy = self.strategy()
         if all(isinstance(lay, DcpRankLayout) for lay in layout.layouts):
@@ -457,21 +457,21 @@ class FileSystemWriterAsync(NvrxDataPath, StorageWriter, FileSystemWriter):
                 strategy,
                 metadata,
                 layout,
-                tmp_dir=self.tmp_dir,
+                draft=self.draft,
                 location=self.location,
                 step=self.step,
                 user_metadata=self.user_metadata,
                 save_id=self.save_id,
                 overwrite=self._replaces(),
             )
-            self.tmp_dir = None
+            self.draft = None
             self.close()
             return
         rank_parts, causes = [], {}
         for lay in layout.layouts:
             assert isinstance(lay, RankLayout)
             try:
-                rank_parts.append(rank_part(strategy, self.tmp_dir, lay))
+                rank_parts.append(rank_part(strategy, self.draft, lay))
             except CheckpointError as e:
                 if isinstance(e, CorruptCheckpointError):
                     raise
@@ -479,14 +479,14 @@ class FileSystemWriterAsync(NvrxDataPath, StorageWriter, FileSystemWriter):
         if causes:
             raise RankWritesFailed(causes, self.path)
         keep = expected_files(layout.layouts)
-        clear_for_commit(strategy, self.tmp_dir, keep, len(layout.layouts))
+        clear_for_commit(strategy, self.draft, keep, len(layout.layouts))
         self.plans = layout.plans
         self.commit_parts_of(metadata, rank_parts, layout.layouts)  # type: ignore[arg-type]
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         """Coordinator: write ``.metadata`` and the manifest, then commit them through the
         location's strategy (a rename; on an object store the manifest, written last)."""
-        if self.tmp_dir is None:
+        if self.draft is None:
             raise CheckpointError("finish() before prepare_write_data()", path=self.path)
         layout = metadata.storage_data
         if isinstance(layout, SaveLayout):
@@ -497,23 +497,23 @@ class FileSystemWriterAsync(NvrxDataPath, StorageWriter, FileSystemWriter):
             return
         super().finish(metadata, results)
 
-    def staging_url(self) -> str:
-        """The path or URL of this save's staging (for messages): its temporary
+    def draft_url(self) -> str:
+        """The path or URL of this save's draft (for messages): its temporary
         directory, or on an object store the checkpoint's URL."""
-        if self.tmp_dir is None:
+        if self.draft is None:
             return self.path
-        return self.strategy().backend.url(self.tmp_dir)
+        return self.strategy().backend.url(self.draft)
 
     def discard(self, layout: SaveLayout | None = None) -> None:
         """Remove what this failed save wrote (the coordinator calls it; best effort):
         its temporary directory, or on an object store the objects of ``layout``
         (default: this writer's own planning) that it wrote
         (:func:`~quicksave.compat.nvrx.rank_write.failed_save_names`), nothing else."""
-        if self.tmp_dir is None:
+        if self.draft is None:
             return
         layouts = tuple(layout.layouts if layout is not None else (self.layouts or ()))
         s = self.strategy()
-        s.discard(self.tmp_dir, failed_save_names(layouts))
+        s.discard(self.draft, failed_save_names(layouts))
         self.close()
 
 

@@ -5,12 +5,12 @@ plan records of every layout, use this module. Order of calls:
 
 1. (every rank, trainer, while planning) the central plan carries a :class:`CentralRankPlan`
    (plan id and this rank's file layout); the coordinator keeps the :class:`SaveLayout`
-   of every rank in the global metadata; :func:`temp_dir_for` names the save's staging
+   of every rank in the global metadata; :func:`draft_for` names the save's draft
    (its location's commit strategy's: a temporary directory, or the checkpoint's own
    prefix on a store) on every rank without a collective;
 2. (every rank, checkpoint worker) :func:`write_rank_data` = ``save_fn``: the rank's
    data files and then its part, its "done" record; on failure an error part naming
-   the cause (both members of the staging, :meth:`CommitStrategy.write_member`);
+   the cause (both members of the draft, :meth:`CommitStrategy.write_member`);
 3. (coordinator, trainer, at finalize) :func:`rank_write_results` reads each rank's part
    back (:func:`read_error_part` for its cause when it failed; :class:`RankWritesFailed`
    names every failed rank), then :func:`clear_for_commit` leaves only the checkpoint's
@@ -71,12 +71,12 @@ class SaveLayout:
 class RankWriteJob:
     """The small, picklable description of one rank's background write.
 
-    ``tmp_dir`` is the save's staging key under the commit strategy of ``location`` (the
+    ``draft`` is the save's draft key under the commit strategy of ``location`` (the
     checkpoint's): a temporary directory on a filesystem, the checkpoint's own prefix on
     an object store, where the objects go directly."""
 
     rank: int
-    tmp_dir: str
+    draft: str
     layout: RankLayout
     objects: dict[str, Any]  # fqn -> typed JSON, encoded in the trainer
     fsync: bool
@@ -88,7 +88,7 @@ def error_part_name(rank: int) -> str:
 
 
 def rank_members(rank: int) -> list[str]:
-    """``rank``'s part and error part: staging members that a checkpoint never holds."""
+    """``rank``'s part and error part: draft members that a checkpoint never holds."""
     return [parts.part_name(rank), error_part_name(rank)]
 
 
@@ -97,13 +97,13 @@ def rank_member_names(world_size: int) -> list[str]:
     return [n for r in range(world_size) for n in rank_members(r)]
 
 
-def temp_dir_for(location: Location, plan_id: str, save_index: int) -> str:
-    """The staging key of save number ``save_index`` of plan ``plan_id`` at ``location``
-    (:meth:`CommitStrategy.staging`, without opening anything): a pure function of what
+def draft_for(location: Location, plan_id: str, save_index: int) -> str:
+    """The draft key of save number ``save_index`` of plan ``plan_id`` at ``location``
+    (:meth:`CommitStrategy.draft`, without opening anything): a pure function of what
     every rank knows, so no rank needs to be told."""
     key = f"{plan_id}|{location.url}|{save_index}".encode()
     token = hexdigest(xxhash.xxh3_64_intdigest(key))[:12]
-    return strategy_class(location).staging(location, token)
+    return strategy_class(location).draft(location, token)
 
 
 def worker_strategy(location: Location, fsync: bool, rank: int) -> CommitStrategy:
@@ -122,7 +122,7 @@ def write_rank_data(job: RankWriteJob, staged: StagingPool | dict[str, torch.Ten
     the worker).
 
     Runs in the ``AsyncCallsQueue`` worker process (or a thread). Files this rank left in
-    the same staging by an earlier, failed attempt are removed first, so nothing stale
+    the same draft by an earlier, failed attempt are removed first, so nothing stale
     is ever committed.
 
     Args:
@@ -131,28 +131,28 @@ def write_rank_data(job: RankWriteJob, staged: StagingPool | dict[str, torch.Ten
             (``preload_fn``'s result).
 
     Raises:
-        CheckpointError: naming the rank, the staging (its path or URL) and the cause; an
-            error part is left for the coordinator when the staging takes it.
+        CheckpointError: naming the rank, the draft (its path or URL) and the cause; an
+            error part is left for the coordinator when the draft takes it.
     """
     pool = staged  # keeps the pool's memory alive while its tensors are written
     staged = tensors_of(pool)
     strategy: CommitStrategy | None = None
     try:
         strategy = worker_strategy(job.location, job.fsync, job.rank)
-        strategy.prepare_staging(job.tmp_dir)
+        strategy.prepare_draft(job.draft)
         stale = [f.name for f in job.layout.files]
-        strategy.delete_members(job.tmp_dir, stale + rank_members(job.rank))
-        written = persist.write_rank(strategy.backend, job.tmp_dir, job.layout, staged)
+        strategy.delete_members(job.draft, stale + rank_members(job.rank))
+        written = persist.write_rank(strategy.backend, job.draft, job.layout, staged)
         chunks = {k: d for w in written for k, d in w.chunk_xxh3_64.items()}
         part = parts.RankPart(job.rank, chunks, job.objects)
-        parts.write_part(strategy, job.tmp_dir, part, job.fsync)
+        parts.write_part(strategy, job.draft, part, job.fsync)
     except Exception as e:  # noqa: BLE001 - recorded, then raised with the rank named
         cause = e.message if isinstance(e, CheckpointError) else f"{type(e).__name__}: {e}"
         where = job.location.url
         if strategy is not None:
-            where = strategy.backend.url(job.tmp_dir)
-            with contextlib.suppress(Exception):  # the staging itself may be the problem
-                write_error_part(strategy, job.tmp_dir, job.rank, cause)
+            where = strategy.backend.url(job.draft)
+            with contextlib.suppress(Exception):  # the draft itself may be the problem
+                write_error_part(strategy, job.draft, job.rank, cause)
         raise CheckpointError(
             f"rank {job.rank} failed to write its checkpoint data: {cause}",
             path=where,
@@ -163,18 +163,18 @@ def write_rank_data(job: RankWriteJob, staged: StagingPool | dict[str, torch.Ten
             strategy.close()
 
 
-def write_error_part(strategy: CommitStrategy, staging: str, rank: int, cause: str) -> None:
-    """Record ``rank``'s failure under ``staging`` for the coordinator (whole or not at
+def write_error_part(strategy: CommitStrategy, draft: str, rank: int, cause: str) -> None:
+    """Record ``rank``'s failure under ``draft`` for the coordinator (whole or not at
     all, durably: :meth:`CommitStrategy.write_member`)."""
     body = json.dumps({"rank": rank, "error": cause}).encode()
-    strategy.write_member(staging, error_part_name(rank), body)
+    strategy.write_member(draft, error_part_name(rank), body)
 
 
-def read_error_part(strategy: CommitStrategy, staging: str, rank: int) -> str | None:
-    """The cause recorded by ``rank``'s failed write under ``staging``, or None if it
+def read_error_part(strategy: CommitStrategy, draft: str, rank: int) -> str | None:
+    """The cause recorded by ``rank``'s failed write under ``draft``, or None if it
     recorded none."""
     try:
-        data = strategy.read_member(staging, error_part_name(rank), MAX_ERROR_PART_BYTES)
+        data = strategy.read_member(draft, error_part_name(rank), MAX_ERROR_PART_BYTES)
     except CheckpointNotFoundError:
         return None
     except CheckpointError as e:
@@ -203,24 +203,22 @@ class RankWritesFailed(CheckpointError):
         self.causes = dict(sorted(causes.items()))
 
 
-def clear_for_commit(
-    strategy: CommitStrategy, staging: str, keep: set[str], world_size: int
-) -> None:
+def clear_for_commit(strategy: CommitStrategy, draft: str, keep: set[str], world_size: int) -> None:
     """Only the checkpoint's files are committed: every rank's part and error part
-    (already read) are deleted, and where the staging is the save's own (a temporary
+    (already read) are deleted, and where the draft is the save's own (a temporary
     directory) anything else but ``keep`` that an earlier attempt left
-    (:meth:`CommitStrategy.prune_staging`). Never another save's files: on a store only
+    (:meth:`CommitStrategy.prune_draft`). Never another save's files: on a store only
     the named members go."""
-    strategy.delete_members(staging, rank_member_names(world_size))
-    strategy.prune_staging(staging, keep)
+    strategy.delete_members(draft, rank_member_names(world_size))
+    strategy.prune_draft(draft, keep)
 
 
-def rank_part(strategy: CommitStrategy, tmp_dir: str, layout: RankLayout) -> parts.RankPart:
+def rank_part(strategy: CommitStrategy, draft: str, layout: RankLayout) -> parts.RankPart:
     """One rank's part (its chunks' checksums, its values), checked against its layout.
 
     Args:
         strategy: the commit strategy of the checkpoint's location.
-        tmp_dir: the save's staging (an object store: the checkpoint's prefix).
+        draft: the save's draft (an object store: the checkpoint's prefix).
         layout: the rank's file layout (fixed at plan time).
 
     Raises:
@@ -229,11 +227,11 @@ def rank_part(strategy: CommitStrategy, tmp_dir: str, layout: RankLayout) -> par
         CorruptCheckpointError: the part does not match the layout.
     """
     rank = layout.rank
-    where = strategy.backend.url(tmp_dir)
-    cause = read_error_part(strategy, tmp_dir, rank)
+    where = strategy.backend.url(draft)
+    cause = read_error_part(strategy, draft, rank)
     if cause is not None:
         raise CheckpointError(f"rank {rank} failed to write: {cause}", path=where, rank=rank)
-    part = parts.read_part(strategy, tmp_dir, rank)
+    part = parts.read_part(strategy, draft, rank)
     expected = set()
     for f in layout.files:
         for e in f.entries:
@@ -257,14 +255,14 @@ def rank_part(strategy: CommitStrategy, tmp_dir: str, layout: RankLayout) -> par
 
 def rank_write_results(
     strategy: CommitStrategy,
-    tmp_dir: str,
+    draft: str,
     layout: RankLayout,
     index_of: dict[str, MetadataIndex] | None = None,
 ) -> list[WriteResult]:
     """One rank's DCP write results, from its part (:func:`rank_part`; raises as it
     does). ``index_of``: chunk key -> ``MetadataIndex``; derived from the layout when
     None."""
-    part = rank_part(strategy, tmp_dir, layout)
+    part = rank_part(strategy, draft, layout)
     results: list[WriteResult] = []
     for f in layout.files:
         for e in f.entries:
@@ -285,7 +283,7 @@ def expected_files(layouts: tuple[Any, ...]) -> set[str]:
 
 
 def failed_save_names(layouts: tuple[Any, ...]) -> list[str]:
-    """What a failed save of ``layouts`` may have left under its staging, for
+    """What a failed save of ``layouts`` may have left under its draft, for
     :meth:`CommitStrategy.discard` (which also takes an interrupted commit's
     ``.metadata``): every rank's data files, part and error part."""
     return sorted(expected_files(layouts)) + rank_member_names(len(layouts))

@@ -505,7 +505,7 @@ def save_state_dict_async_finalize(
             outcome = (str(e), {}, e.path)
     if use_dist:
         outcome = talk.broadcast_object(outcome, dist_wrapper.coordinator_rank, dist_wrapper.group)
-    storage_writer.release_staging()  # every rank's write is over
+    storage_writer.release_pool()  # every rank's write is over
     if outcome is None:
         return
     message, causes, path = outcome
@@ -533,9 +533,9 @@ def _commit(
         RankWritesFailed: ranks failed to write (every one of them named).
         CheckpointError: anything else; this save's temporary data is removed.
     """
-    tmp_dir = storage_writer.tmp_dir
+    draft = storage_writer.draft
     layout = getattr(global_metadata, "storage_data", None)
-    if tmp_dir is None or not isinstance(layout, SaveLayout):
+    if draft is None or not isinstance(layout, SaveLayout):
         raise CheckpointError(
             "save_state_dict_async_finalize needs the coordinator's global metadata from "
             "save_state_dict_async_plan (with FileSystemWriterAsync)",
@@ -547,7 +547,7 @@ def _commit(
             raise CheckpointError(
                 f"the plan is for {len(layout.layouts)} ranks, the group has "
                 f"{dist_wrapper.get_world_size()}",
-                path=storage_writer.staging_url(),
+                path=storage_writer.draft_url(),
                 rank=dist_wrapper.get_rank(),
             )
         storage_writer.commit_parts(global_metadata, layout)
