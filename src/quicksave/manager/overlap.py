@@ -10,7 +10,7 @@ by hand, clipping, a weight sync, an EMA swap — and is copied inside ``save()`
 on. A tensor is overlapped only once it has been seen through a whole interval between
 steps with no other writer; parameters that no registered optimizer holds never are.
 
-The engine's guard (``guard.py``) still checks every overlapped tensor at the end of its
+The engine's guard (``saving/guard.py``) still checks every overlapped tensor at the end of its
 copy: what the watch did not see coming fails that one save, never commits it.
 
 Call order (training thread): ``before_step`` / ``after_step`` from each optimizer's step

@@ -20,7 +20,7 @@ dicts) from ``state_dict()``, so a checkpoint is read back without unpickling an
 
 Anything else with ``state_dict()`` and ``load_state_dict()`` (LR schedulers, user
 objects) is saved as it is, under one name for all ranks: every rank must hold the same
-value there (a save whose ranks' values differ fails, ``dist/replicas.py``).
+value there (a save whose ranks' values differ fails, ``ranks/replicas.py``).
 """
 
 from __future__ import annotations

@@ -523,7 +523,7 @@ class AsyncSaver:
     ) -> threading.Thread | None:
         """Plan ``state_dict`` and build, populate and hand to the worker its staging
         pools now, so that the first ``save()`` of the same shapes pays no allocation
-        (~1 s/GiB) and no first-touch page faults.
+        and no first-touch page faults.
 
         Call from the training thread once the state is complete (optimizer states
         exist only after the first optimizer step, or after a checkpoint was loaded into

@@ -11,7 +11,7 @@ Two layouts, one pool:
   back, each at a 4 KiB-aligned base, exactly as the file will be on disk (header
   included, written at build), so persisting is a few large sequential writes — and
   O_DIRECT works, since bases and lengths are page-aligned.
-* **tensor slots** (a ``SlotLayout``, slots.py; the NVRx-compatible writer's): every
+* **tensor slots** (a ``SlotLayout``, tensor_slots.py; the NVRx-compatible writer's): every
   tensor at a 64-byte aligned offset, no headers. The trainer copies into the slots
   (:meth:`StagingPool.stage_slots`) and the writer reads them back as tensors
   (:meth:`StagingPool.tensors`). Such a pool travels to NVRx's persistent worker process
@@ -21,18 +21,18 @@ Two layouts, one pool:
   slots is reused by it (:meth:`StagingPool.adopt`).
 
 Memory is allocated and touched once (``fallocate``, then every page faulted in: a fresh
-page costs ~25x a warm one to write), reused by every save with the same plan, and rebuilt
-only when the plan changes. Who touches the pages matters on a busy machine: a pool built
-ahead of the first save (``populate=False``) is allocated here but its pages are cleared
-and mapped by the worker process (its ``MAP_POPULATE``, at the worker's lower CPU priority,
-in another address space), so that training threads neither pay for the page clearing nor
-wait on their own process's memory-map lock while it runs; the trainer's mapping then
-takes only cheap minor faults at the first copy. In thread mode :meth:`StagingPool.touch`
-does the clearing from a background thread. At start-up, when nothing competes, the pool
-is populated where it is built, behind :func:`shield_free_pages` so that it takes fresh
-pages rather than those the training loop recycles (see that function). On a CUDA
-machine the pool is also page-locked (``cudaHostRegister``) so device-to-host copies run
-asynchronously on a side stream.
+page costs a fault and a clearing on its first write), reused by every save with the
+same plan, and rebuilt only when the plan changes. Who touches the pages matters on a
+busy machine: a pool built ahead of the first save (``populate=False``) is allocated
+here but its pages are cleared and mapped by the worker process (its ``MAP_POPULATE``,
+at the worker's lower CPU priority, in another address space), so that training threads
+neither pay for the page clearing nor wait on their own process's memory-map lock while
+it runs; the trainer's mapping then takes only cheap minor faults at the first copy. In
+thread mode :meth:`StagingPool.touch` does the clearing from a background thread. At
+start-up, when nothing competes, the pool is populated where it is built, behind
+:func:`shield_free_pages` so that it takes fresh pages rather than those the training
+loop recycles (see that function). On a CUDA machine the pool is also page-locked
+(``cudaHostRegister``) so device-to-host copies run asynchronously on a side stream.
 
 Pool states: EMPTY → (build) → READY → (stage) → STAGED → (worker writing) → IN_USE
 → (worker done) → READY. A pool in IN_USE is never written: backpressure lives in the
@@ -141,7 +141,7 @@ class StagingPool:
     in slots (see the module docstring).
 
     Args:
-        layout: the rank's file layout (plan.py; the headers are written at build time),
+        layout: the rank's file layout (layout/plan.py; the headers are written at build time),
             or a slot layout (slots.py; nothing is written at build time).
         pin: page-lock for CUDA copies (default: when CUDA is available).
         populate: fault every page into this process now (``MAP_POPULATE``), behind a

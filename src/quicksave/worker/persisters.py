@@ -491,7 +491,7 @@ class ProcessPersister:
         ``wait=False`` (the worker is idle: every job is done) returns once the request is
         sent; a daemon thread waits for the exit (and kills after ``timeout``). The
         worker's exit, and the freeing of the pool pages it maps last, then cost the
-        caller nothing (~0.1 s per 1.6 GB pool, most of it the pages).
+        caller nothing.
         """
         if self._beat_fd < 0:
             return

@@ -1,6 +1,5 @@
 """A save driven by a DCP ``SavePlanner`` over quicksave's exchange: the steps of the
-NVRx-compatible API's planning (whose users pass DCP planners). ``quicksave.save`` plans
-with the engine's planner instead (``saving/sync_save.py``); a load's steps are the load
+NVRx-compatible API's planning (whose users pass DCP planners). A load's steps are the load
 engine's (``loading/steps.py``), whose one ``central_round`` per step these share.
 
 The NVRx API's planning, every rank of the group (its writes and commit run in the
