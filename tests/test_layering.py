@@ -207,3 +207,33 @@ def test_no_module_shadows_a_public_name() -> None:
 
     top = {n.split(".")[1] for n in LIB if n.count(".") >= 1}
     assert top & set(quicksave.__all__) == set()
+
+
+# one of each on the save and load paths: the function, defined at module level once
+ONE_DEFINITION = ("collect_local", "global_plan", "flatten_with_paths", "require_committed")
+
+
+def test_one_collector_one_planner_one_flattening_one_require_committed() -> None:
+    defined = {
+        name: sorted(
+            n
+            for n, m in LIB.items()
+            for node in m.tree.body
+            if isinstance(node, ast.FunctionDef) and node.name == name
+        )
+        for name in ONE_DEFINITION
+    }
+    assert defined == {
+        "collect_local": ["quicksave.saving.rank_plans"],
+        "global_plan": ["quicksave.saving.rank_plans"],
+        "flatten_with_paths": ["quicksave.saving.keypaths"],
+        "require_committed": ["quicksave.loading.checkpoint"],
+    }
+    # the single-rank engine plans with the same planner: no collector of its own
+    names = {
+        node.name
+        for m in LIB.values()
+        for node in ast.walk(m.tree)
+        if isinstance(node, ast.FunctionDef)
+    }
+    assert "collect_state" not in names and "validate_for_save" not in names
