@@ -286,6 +286,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("stage", "worker"),
     ("ranks",),
     ("saving", "loading"),
+    ("tiers",),
     ("adapters", "api", "compat", "async_api"),
     ("manager",),
     ("integrations", "tools", "cli"),
