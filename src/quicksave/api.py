@@ -154,6 +154,7 @@ def load(
     thread_count: int = 4,
     allow_dcp_pickle: bool = False,
     storage: StorageOptions | None = None,
+    no_dist: bool = False,
 ) -> None:
     """Load the checkpoint at ``path`` into ``state_dict`` in place.
 
@@ -181,6 +182,9 @@ def load(
             key of the checkpoint is asked for by some rank (each rank may load a
             subset: pipeline stages, per-rank entries). If False, the keys present in
             both are loaded and the others are left untouched.
+        no_dist: load in this process alone, with no collective, even when
+            torch.distributed is initialized (a rank's own checkpoint, e.g. its memory
+            tier snapshot); ``process_group`` is then ignored.
 
     Raises:
         CheckpointNotFoundError, NotCommittedError, CorruptCheckpointError,
@@ -193,8 +197,8 @@ def load(
         state = {"model": ModelState(model), "optim": OptimizerState(model, optim), "epoch": 0}
         quicksave.load(state, "ckpt/step-10")  # then epoch = state["epoch"]
     """
-    distributed = _dist_on()
-    group = _DistWrapper(process_group, distributed, 0)
+    distributed = _dist_on() and not no_dist
+    group = _DistWrapper(None if no_dist else process_group, distributed, 0)
     where = path.url if isinstance(path, (Location, Checkpoint)) else os.fspath(path)
     planner: LoadPlanner | None = None
     reader: Any = None

@@ -62,7 +62,7 @@ def test_ls_lists_sorted_by_step_with_status(tmp_path: Path, capsys) -> None:
     rc, out, err = run(capsys, "ls", str(tmp_path))
     assert rc == 0 and err == ""
     lines = out.splitlines()
-    assert lines[0].split() == ["NAME", "STEP", "STATUS", "FORMAT", "SIZE", "MODIFIED"]
+    assert lines[0].split() == ["NAME", "STEP", "STATUS", "FORMAT", "SIZE", "MODIFIED", "TIERS"]
     rows = [line.split()[:4] for line in lines[1:]]
     assert rows == [
         ["step-3", "3", "committed", "quicksave"],

@@ -60,7 +60,16 @@ def test_ls_of_a_parent_lists_each_runs_checkpoints(runs: Path, capsys) -> None:
     rc, out, err = run(capsys, "ls", str(runs))
     assert rc == 0 and err == ""
     lines = out.splitlines()
-    assert lines[0].split() == ["RUN", "NAME", "STEP", "STATUS", "FORMAT", "SIZE", "MODIFIED"]
+    assert lines[0].split() == [
+        "RUN",
+        "NAME",
+        "STEP",
+        "STATUS",
+        "FORMAT",
+        "SIZE",
+        "MODIFIED",
+        "TIERS",
+    ]
     assert [line.split()[:5] for line in lines[1:]] == [
         ["run-a", "step-10", "10", "committed", "quicksave"],
         ["run-a", "step-20", "20", "committed", "quicksave"],

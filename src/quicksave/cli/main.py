@@ -65,8 +65,23 @@ def _table(rows: list[list[str]], out: TextIO, right: Sequence[int] = ()) -> Non
 # --------------------------------------------------------------------------- ls
 def cmd_ls(args: argparse.Namespace) -> int:
     from quicksave.loading.catalog import list_checkpoints
+    from quicksave.storage import parse_location
+    from quicksave.tiers.listing import memory_holdings
 
     infos = list_checkpoints(args.root, depth=args.depth)
+    runs = any(i.run != "." for i in infos)  # a parent of run folders: say whose each is
+    # the node-memory tier of a run folder: the steps this node's memory holds of it
+    held = (
+        {}
+        if runs
+        else {h.step: h for h in memory_holdings(parse_location(args.root).url, args.memory_root)}
+    )
+    in_folder = {i.step for i in infos if i.committed}
+    only_memory = [h for step, h in held.items() if step not in in_folder]
+
+    def tiers(i) -> list[str]:
+        return ["folder"] + ["memory"] * (i.committed and i.step in held and held[i.step].complete)
+
     out = sys.stdout
     if args.json:
         _print_json(
@@ -84,20 +99,32 @@ def cmd_ls(args: argparse.Namespace) -> int:
                     "mtime": i.mtime,
                     "modified": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(i.mtime)),
                     "problem": i.problem,
+                    "tiers": tiers(i),
                 }
                 for i in infos
+            ]
+            + [
+                {
+                    "name": f"step-{h.step}",
+                    "step": h.step,
+                    "path": h.path,
+                    "committed": h.complete,
+                    "status": _memory_status(h),
+                    "tiers": ["memory"],
+                    "ranks": h.ranks,
+                    "world_size": h.world_size,
+                }
+                for h in only_memory
             ],
             out,
         )
         return 0
-    if not infos:
-        from quicksave.storage import parse_location
-
+    if not infos and not only_memory:
         levels = f"{args.depth} folder level{'s' if args.depth != 1 else ''}"
         _say(f"no checkpoints in {parse_location(args.root).url} ({levels} searched)", sys.stderr)
         return 0
-    runs = any(i.run != "." for i in infos)  # a parent of run folders: say whose each is
-    rows = [["RUN"] * runs + ["NAME", "STEP", "STATUS", "FORMAT", "SIZE", "MODIFIED"]]
+    header = ["NAME", "STEP", "STATUS", "FORMAT", "SIZE", "MODIFIED", "TIERS"]
+    rows = [["RUN"] * runs + header]
     for i in infos:
         status = i.status if i.problem is None else f"{i.status} (bad manifest: {_cut(i.problem)})"
         rows.append(
@@ -109,10 +136,20 @@ def cmd_ls(args: argparse.Namespace) -> int:
                 _format_label(i.format, i.layout),
                 str(i.size) if args.bytes else human_bytes(i.size),
                 time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(i.mtime)),
+                ",".join(tiers(i)),
             ]
+        )
+    for h in only_memory:
+        rows.append(
+            [f"step-{h.step}", str(h.step), _memory_status(h), "quicksave", "-", "-", "memory"]
         )
     _table(rows, out, right=(1 + runs, 4 + runs))
     return 0
+
+
+def _memory_status(h) -> str:
+    """A memory-only step's status: committed on every rank, or on how many."""
+    return "committed" if h.complete else f"partial ({h.ranks} of {h.world_size} ranks)"
 
 
 def _format_label(fmt: str, layout: str) -> str:
@@ -276,6 +313,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument("--bytes", action="store_true", help="exact sizes in bytes")
+    p.add_argument(
+        "--memory-root",
+        default="/dev/shm",
+        help="the tmpfs of the memory tier (MemoryTierConfig.root), whose steps of ROOT "
+        "this node holds are listed too (TIERS column; default /dev/shm)",
+    )
     p.set_defaults(func=cmd_ls)
 
     p = sub.add_parser(

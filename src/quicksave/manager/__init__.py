@@ -2,7 +2,7 @@
 and ``Stateful`` wrappers, over ``CheckpointSession`` (one job's use of one checkpoint
 folder, which the integrations share)."""
 
-from quicksave.manager.config import CheckpointConfig
+from quicksave.manager.config import CheckpointConfig, MemoryTierConfig
 from quicksave.manager.manager import CheckpointManager
 from quicksave.manager.policies import (
     EveryNSeconds,
@@ -29,6 +29,7 @@ __all__ = [
     "EveryNSeconds",
     "EveryNSteps",
     "KeepLatestK",
+    "MemoryTierConfig",
     "ModelState",
     "OptimizerState",
     "PerRank",

@@ -197,8 +197,12 @@ class AsyncWriter:
         path: str,
         step: int,
         metadata: dict[str, Any],
+        *,
+        local: bool = False,
     ) -> SaveHandle | None:
         """Start the save (engine ``save()``); None if skipped by backpressure.
+        ``local``: this rank's own snapshot (the memory tier's; see the engine's
+        ``save``): not tracked here, its caller follows the handle.
 
         Raises:
             CheckpointError: bad input, or the engine refused the save.
@@ -212,6 +216,7 @@ class AsyncWriter:
                 step=step,
                 deferred=deferred,
                 user_metadata=metadata,
+                local=local,
             )
 
         try:

@@ -27,6 +27,43 @@ LOG_LEVELS = ("debug", "info", "warning", "error")
 
 
 @dataclass(frozen=True)
+class MemoryTierConfig:
+    """The node-memory tier: each rank's newest snapshots kept in the node's memory
+    (a job-scoped tmpfs folder held by a per-node agent that outlives a crashed
+    trainer, :mod:`quicksave.tiers.node_memory`), read back before the folder when
+    they are newer.
+
+    Attributes:
+        every: a snapshot every ``every`` steps (steps the folder saves are not
+            snapshotted again: the folder holds them).
+        keep: snapshots kept per rank (the node holds ``keep`` × the rank's state
+            bytes per rank, plus one being written).
+        root: the tmpfs mount the job's folder is made under.
+        job_id: names the job's memory (a restarted trainer of the same job finds it;
+            another job cannot); None: from the launcher's environment
+            (``TORCHELASTIC_RUN_ID``, ``SLURM_JOB_ID``, ...), else from the folder.
+        idle_timeout_s: with no live trainer attached this long, the agent frees the
+            job's memory and exits (a restarted trainer must attach within it).
+    """
+
+    every: int = 1
+    keep: int = 2
+    root: str = "/dev/shm"
+    job_id: str | None = None
+    idle_timeout_s: float = 300.0
+
+    def __post_init__(self) -> None:
+        _check_int("memory.every", self.every, minimum=1)
+        _check_int("memory.keep", self.keep, minimum=1)
+        if not isinstance(self.root, str) or not os.path.isdir(self.root):
+            raise CheckpointError(f"memory.root must be an existing folder, got {self.root!r}")
+        if not (isinstance(self.idle_timeout_s, (int, float)) and self.idle_timeout_s > 0):
+            raise CheckpointError(
+                f"memory.idle_timeout_s must be a positive number, got {self.idle_timeout_s!r}"
+            )
+
+
+@dataclass(frozen=True)
 class CheckpointConfig:
     """How a :class:`~quicksave.manager.CheckpointManager` checkpoints.
 
@@ -125,6 +162,9 @@ class CheckpointConfig:
             ``export()`` or ``close()`` after it finished. A hook that raises is logged
             and ignored. ``None`` (default): no hook (``manager.metrics`` has the records
             either way).
+        memory: a node-memory tier in front of the folder (:class:`MemoryTierConfig`):
+            snapshots every few steps that a restarted trainer on the same node
+            resumes from without reading the folder. None (default): the folder only.
 
     Raises:
         CheckpointError: on construction, for any invalid value (message names it).
@@ -165,8 +205,13 @@ class CheckpointConfig:
     max_consecutive_failures: int = 3
     log_level: str | None = None
     on_metrics: MetricsHook | None = None
+    memory: MemoryTierConfig | None = None
 
     def __post_init__(self) -> None:
+        if self.memory is not None and not isinstance(self.memory, MemoryTierConfig):
+            raise CheckpointError(
+                f"memory must be a MemoryTierConfig or None, got {type(self.memory).__name__}"
+            )
         if isinstance(self.folder, os.PathLike):
             object.__setattr__(self, "folder", os.fspath(self.folder))
         if not isinstance(self.folder, str) or not self.folder:

@@ -44,6 +44,7 @@ from quicksave.manager.async_writer import AsyncWriter
 from quicksave.manager.config import CheckpointConfig
 from quicksave.manager.folder import check_step
 from quicksave.manager.folder_checks import check_not_behind
+from quicksave.manager.memory_tier import LoadRecord, MemoryTier
 from quicksave.manager.policies import (
     RetentionPolicy,
     SavePolicy,
@@ -135,6 +136,8 @@ class CheckpointManager:
         self._closed = False
         self._placed = False  # load() was called, or a save was checked against the folder
         self._shown = show_logs(config.log_level)  # undone by close()
+        self.memory_tier: MemoryTier | None = None  # config.memory's (memory_tier.py)
+        self.last_load: LoadRecord | None = None  # what the last load() restored
         if not config.enabled:
             return
         session = self.session
@@ -154,6 +157,8 @@ class CheckpointManager:
                 dist_context=ctx,
             )
             session.writer.prepare_if_due(background=False)  # start-up: build it now
+        if config.memory is not None:
+            self.memory_tier = MemoryTier(config, session, self._io)
         logger.log(
             session.info_level(),
             "quicksave: checkpointing to %s (%s, %s, %s)",
@@ -331,6 +336,9 @@ class CheckpointManager:
             session.settle()  # one rank: an earlier failure is raised before this call writes
         is_last = self.config.last_step is not None and step == self.config.last_step
         if not self.schedule.due(step, forced=force or is_last):
+            memory = self.memory_tier
+            if memory is not None and memory.due(step):
+                memory.save(step)  # this rank's own snapshot: no collective
             session.housekeep()  # no I/O here: asks the housekeeping thread, if due
             return False
         if not self._placed:  # a new run in an old run's folder? (folder_checks.py)
@@ -433,19 +441,53 @@ class CheckpointManager:
         finally:
             if self.read_only_reason is None:
                 self.session.settle()
+        begin = time.perf_counter()
         if step != -1:
             check_step(step, self.folder)
             checkpoint = self.session.require_committed(step)
             self._io.load_step(step, checkpoint, strict=strict)
             self._placed = True
+            self.last_load = LoadRecord(step, "folder", time.perf_counter() - begin)
             return step
+        if self.memory_tier is not None and (loaded := self._load_memory(strict)) is not None:
+            self._placed = True
+            self.last_load = LoadRecord(loaded, "memory", time.perf_counter() - begin)
+            return loaded
         loaded = self.session.load_newest(
             lambda candidate, checkpoint: self._io.load_step(candidate, checkpoint, strict=strict)
         )
         self._placed = True
         if loaded is None:
             logger.info("quicksave: no committed checkpoint in %s; starting fresh", self.folder)
+        else:
+            self.last_load = LoadRecord(loaded, "folder", time.perf_counter() - begin)
         return loaded
+
+    def _load_memory(self, strict: bool) -> int | None:
+        """Every rank alike: load the newest step that every rank's node memory holds
+        and that is not older than the folder's newest; a step that fails to load on
+        some rank is skipped (logged) and the next older one tried. None: none loaded
+        (the caller loads from the folder)."""
+        memory = self.memory_tier
+        assert memory is not None
+        folder = self.session.committed_steps()
+        for step in reversed(memory.steps_everywhere()):
+            if folder and folder[-1] > step:
+                break
+            error = None
+            try:
+                memory.load(step, self.states, strict=strict)
+            except CheckpointError as e:
+                error = e
+            error = self.session.agree_failure(error)
+            if error is None:
+                self.session.loaded(step)
+                logger.log(
+                    self.session.info_level(), "quicksave: resumed from node memory, step %d", step
+                )
+                return step
+            logger.warning("quicksave: skipped step %d of the memory tier: %s", step, error)
+        return None
 
     def close(self) -> None:
         """Finish: wait for saves in flight (up to ``close_timeout_s``), stop the
@@ -471,6 +513,8 @@ class CheckpointManager:
             return
         self._closed = True
         try:
+            if self.memory_tier is not None:  # (its snapshots in flight need the writer)
+                self.memory_tier.close(job_done=agree)
             self.session.close_writer(self.config.close_timeout_s)
             self.session.housekeep()
             if self.config.enabled and self.read_only_reason is None:
@@ -523,6 +567,8 @@ class CheckpointManager:
         finally:
             self.session.settle()
         self.session.housekeep(wait=True)
+        if self.memory_tier is not None:  # its snapshots too (their failures are logged)
+            self.memory_tier.poll(self.config.close_timeout_s if timeout is None else timeout)
 
     def _check_writable(self) -> None:
         if self.read_only_reason is not None:

@@ -159,6 +159,7 @@ class AsyncSaver:
         deferred: Deferred | None = None,
         user_metadata: dict[str, Any] | None = None,
         overwrite: bool = False,
+        local: bool = False,
     ) -> SaveHandle | None:
         """Start saving ``state_dict`` to the checkpoint directory ``path``.
 
@@ -175,6 +176,10 @@ class AsyncSaver:
                 commit (the rename commit exchanges the two directories): until
                 then, and if the save fails, the old one stays whole. Single-rank saves
                 to local paths only.
+            local: save from this rank alone, as a single-rank checkpoint of its own
+                (several ranks: no vote, no collective; each rank's snapshot of a
+                memory tier). Its failure is its handle's alone: no later ``save()`` or
+                ``finalize()`` raises it.
 
         Returns:
             a SaveHandle, or None if skipped by ``backpressure="skip"``.
@@ -195,13 +200,13 @@ class AsyncSaver:
             if self.config.mode == "process":
                 loc.check_shared("save with EngineConfig(mode='thread') instead")
             check_user_metadata(dict(user_metadata or {}), loc.url, self.rank)
-            if overwrite and self._dist is not None:
+            if overwrite and self._dist is not None and not local:
                 raise CheckpointError(
                     "overwrite=True is supported for single-rank saves only",
                     path=loc.url,
                     rank=self.rank,
                 )
-            planned = self._collect_and_plan(state_dict, loc, step, user_metadata, overwrite)
+            planned = self._collect_and_plan(state_dict, loc, step, user_metadata, overwrite, local)
             if planned is None:
                 return None
             slot = self._free_slot()
@@ -213,7 +218,7 @@ class AsyncSaver:
                 return None
             handle = SaveHandle(step, loc.url, t0)
             handle._saver = self
-            job, pool = self._new_job(slot, planned, handle, loc, step, overwrite)
+            job, pool = self._new_job(slot, planned, handle, loc, step, overwrite, local)
             self._stage(job, handle, pool, planned, deferred)
             handle.blocking_s = time.monotonic() - t0
             handle.trainer_cpu_s += time.thread_time() - cpu0
@@ -238,9 +243,11 @@ class AsyncSaver:
         step: int | None,
         user_metadata: dict[str, Any] | None,
         overwrite: bool,
+        local: bool,
     ) -> PlannedSave | None:
-        """Collect and plan (several ranks: through their vote; None: skipped)."""
-        if self._vote is not None:
+        """Collect and plan (several ranks: through their vote, unless ``local``;
+        None: skipped)."""
+        if self._vote is not None and not local:
             unreported = self._flights.unreported
             self._worker.replaced = False  # a dead worker is replaced once per save
             try:
@@ -252,7 +259,11 @@ class AsyncSaver:
                 self._flights.reported(e)  # this rank's reason not to save: raised once
                 raise
             return None if ds is None else PlannedSave.of_dist(ds)
-        self.finalize(blocking=False)  # raises an earlier failure, once
+        if not local:
+            self.finalize(blocking=False)  # raises an earlier failure, once
+        else:  # (one rank's own snapshot: an earlier failure is the next shared save's)
+            self._confirm_if_staged()
+            self._collect(0.0)
         if overwrite:  # no I/O: can this kind of location replace atomically?
             strategy_class(loc).check_replace(loc, self.rank)
         # The target itself is checked by the worker before it writes
@@ -302,6 +313,7 @@ class AsyncSaver:
         loc: Location,
         step: int | None,
         overwrite: bool,
+        local: bool = False,
     ) -> tuple[PersistJob, StagingPool]:
         """The slot's pool for the plan, and the save's job for the worker (registered
         in flight: the slot is busy from now on)."""
@@ -331,6 +343,7 @@ class AsyncSaver:
             tuple(f.name for f in job.files),
             planned.token if planned.dist is not None else "",
             overwrite,
+            local,
         )
         self._flights.add(job.job_id, fl)
         return job, pool
@@ -440,7 +453,7 @@ class AsyncSaver:
         self._collect(0.0)
         flights = self._flights
         self._worker.replace_dead(self._slots.pools(), bool(flights.jobs), self._closed)
-        oldest = flights.oldest() if flights.jobs else None
+        oldest = flights.oldest_shared()
         return RankState(
             pool_free=self._slots.any_free(),
             worker_warm=self._worker.warm(),

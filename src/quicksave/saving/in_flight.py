@@ -199,6 +199,7 @@ class InFlight:
     names: tuple[str, ...]  # the files this rank writes
     token: str = ""  # multi-rank: the save's commit records (see commit/rank_records.py)
     replace: bool = False  # overwrite: a committed checkpoint was there before the save
+    local: bool = False  # one rank's own snapshot: its failure is its handle's alone
 
 
 class InFlightSaves:
@@ -230,8 +231,10 @@ class InFlightSaves:
         """Forget a save that raised before its hand-off (the caller gets the error)."""
         self.jobs.pop(job_id).slot.busy = None
 
-    def oldest(self) -> InFlight:
-        return self.jobs[min(self.jobs)]
+    def oldest_shared(self) -> InFlight | None:
+        """The oldest save in flight that the ranks commit together (None: none)."""
+        shared = [job_id for job_id, fl in self.jobs.items() if fl.token]
+        return self.jobs[min(shared)] if shared else None
 
     def held_only(self, job_id: int | None) -> bool:
         """Whether no job but ``job_id`` (if any) is in the worker's hands."""
@@ -335,7 +338,8 @@ class InFlightSaves:
             if r.detail:
                 logger.error("quicksave: save of step %s failed:\n%s", h.step, r.detail)
             h._finish(None, err)
-            self.unreported.append(err)
+            if not fl.local:
+                self.unreported.append(err)
 
     def abandon(self, close_timeout_s: float) -> None:
         """``close()``: the writer is stopped; finish every save still in flight — as

@@ -1,0 +1,264 @@
+"""The manager's node-memory tier: each rank's newest snapshots in the node's memory,
+and the recovery that reads them before the folder.
+
+Each rank writes its own state, as it holds it (a DTensor as its local shard), to a
+single-rank checkpoint of quicksave's format under the node's job-scoped tmpfs folder
+(:class:`~quicksave.tiers.node_memory.NodeMemory`;
+``world-<W>/rank-<r>/step-<N>``), through the
+same engine and worker as the folder's saves (``local=True``: no vote, no collective).
+It commits there by the local rule (the draft directory renamed), keeps
+``MemoryTierConfig.keep`` snapshots, and outlives the trainer: the node's agent frees it
+when the job ends or no trainer is attached for ``idle_timeout_s``.
+
+Recovery (``load()`` with no step): every rank lists the steps its node holds for it;
+the steps that every rank holds and that are not older than the folder's newest are
+tried newest first, each rank loading its own snapshot (checksums verified as for any
+load); one that fails on any rank (torn, missing) is skipped on every rank, and when
+none loads every rank loads from the folder. A
+snapshot is only used by the same world size (the one it was written by: it cannot be
+resharded); a changed world size loads from the folder.
+
+A snapshot that fails to write is logged (naming the tier, rank and path) and counted in
+:attr:`MemoryTier.failures`; the folder's saves go on untouched, and recovery never
+trusts a snapshot that did not commit.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from quicksave import api
+from quicksave.errors import CheckpointError
+from quicksave.loading.run_folder import committed_steps
+from quicksave.manager.config import CheckpointConfig
+from quicksave.manager.folder import apply_retention
+from quicksave.manager.policies import KeepLatestK
+from quicksave.manager.session import CheckpointSession
+from quicksave.manager.states import OptimizerState
+from quicksave.manager.step_io import StepIO
+from quicksave.ranks import collectives
+from quicksave.saving.handle import SaveHandle
+from quicksave.storage import parse_location
+from quicksave.tiers.node_memory import NodeMemory, NodeMemoryConfig, job_key
+
+logger = logging.getLogger("quicksave")
+
+TIER = "memory"
+
+
+@dataclass
+class LoadRecord:
+    """What the last ``load()`` restored: the step, the tier it came from (``"memory"``
+    or ``"folder"``) and the seconds it took."""
+
+    step: int
+    tier: str
+    seconds: float
+
+
+def local_view(value: Any) -> Any:
+    """``value`` with every DTensor replaced by its local shard (the same storage: a
+    load into the view fills the DTensor); containers are rebuilt, leaves kept."""
+    if isinstance(value, DTensor):
+        return value._local_tensor
+    if isinstance(value, Mapping):
+        return {k: local_view(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(local_view(v) for v in value)
+    return value
+
+
+def _has_dtensor(value: Any) -> bool:
+    if isinstance(value, DTensor):
+        return True
+    if isinstance(value, Mapping):
+        return any(_has_dtensor(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return any(_has_dtensor(v) for v in value)
+    return False
+
+
+def _merge_plain(into: Any, loaded: Any) -> Any:
+    """``into`` with each non-tensor leaf taken from ``loaded`` (tensors were filled in
+    place through the view)."""
+    if isinstance(into, Mapping) and isinstance(loaded, Mapping):
+        return {k: _merge_plain(v, loaded.get(k, v)) for k, v in into.items()}
+    if isinstance(into, (list, tuple)) and isinstance(loaded, (list, tuple)):
+        return type(into)(_merge_plain(a, b) for a, b in zip(into, loaded, strict=False))
+    return into if isinstance(into, torch.Tensor) else loaded
+
+
+class MemoryTier:
+    """One rank's node-memory tier (see the module docstring).
+
+    Args:
+        config: the manager's config; ``config.memory`` is set.
+        session: the folder's session (rank, world size, the async writer).
+        io: the manager's step I/O (what a full checkpoint holds).
+    """
+
+    def __init__(self, config: CheckpointConfig, session: CheckpointSession, io: StepIO) -> None:
+        assert config.memory is not None
+        self.config = config
+        self.memory = config.memory
+        self.session = session
+        self.io = io
+        self.rank = session.rank() or 0
+        self.world_size = session.world_size()
+        url = session.location.url
+        node = NodeMemoryConfig(
+            root=self.memory.root,
+            job_id=self.memory.job_id,
+            idle_timeout_s=self.memory.idle_timeout_s,
+        )
+        self.node = NodeMemory.attach(node, key=job_key(self.memory.job_id, url), folder_url=url)
+        # the world size in the path: a snapshot is read back by the world that wrote it
+        where = self.node.path / f"world-{self.world_size}" / f"rank-{self.rank}"
+        where.mkdir(mode=0o700, parents=True, exist_ok=True)
+        self.folder = str(where)
+        self.location = parse_location(self.folder)
+        self.retention = KeepLatestK(self.memory.keep)
+        self.pending: dict[int, SaveHandle] = {}
+        self.failures = 0
+        self.last_error: CheckpointError | None = None
+
+    def path(self, step: int) -> str:
+        return f"{self.folder}/step-{step}"
+
+    def due(self, step: int) -> bool:
+        return step > 0 and step % self.memory.every == 0
+
+    def steps(self) -> list[int]:
+        """The steps committed in this rank's memory, ascending."""
+        return committed_steps(self.location, allow_dcp=False, backend=None)
+
+    def save(self, step: int) -> bool:
+        """Snapshot ``step`` into this rank's node memory (async modes: started, the
+        copy overlapped as the folder's saves are); False if it was not made (held
+        already, skipped by backpressure, or failed: logged)."""
+        self.poll()
+        if step in self.pending or step in self.steps():
+            return False
+        state = local_view(self.io.collect("full"))
+        metadata = {
+            "checkpoint_kind": "full",
+            "tier": TIER,
+            "world_size": self.world_size,
+            "rank": self.rank,
+        }
+        path = self.path(step)
+        writer = self.session.writer
+        try:
+            if writer is None:
+                api.save(state, path, step=step, user_metadata=metadata, no_dist=True)
+                self._retain()
+                return True
+            handle = writer.submit(state, path, step, metadata, local=True)
+        except CheckpointError as e:
+            self._failed(step, e)
+            return False
+        if handle is None:
+            return False
+        self.pending[step] = handle
+        return True
+
+    def poll(self, wait_s: float = 0.0) -> None:
+        """Collect the snapshots that finished (waiting up to ``wait_s`` for all of
+        them); a failed one is logged and counted; then the retention."""
+        deadline = time.monotonic() + wait_s
+        finished = False
+        for step, handle in list(self.pending.items()):
+            if not handle.done() and wait_s:
+                try:
+                    handle.wait(max(0.0, deadline - time.monotonic()))
+                except (CheckpointError, TimeoutError):
+                    pass  # its outcome is read below
+            if not handle.done():
+                continue
+            del self.pending[step]
+            finished = True
+            error = handle.exception()
+            if error is not None:
+                self._failed(step, error)
+        if finished:
+            self._retain()
+
+    def _failed(self, step: int, error: BaseException) -> None:
+        self.failures += 1
+        self.last_error = error if isinstance(error, CheckpointError) else None
+        logger.warning(
+            "quicksave: the memory tier's snapshot of step %d on rank %d (%s) failed: %s",
+            step,
+            self.rank,
+            self.path(step),
+            error,
+        )
+
+    def _retain(self) -> None:
+        try:
+            apply_retention(
+                self.location, self.retention, set(self.pending), allow_dcp=False, backend=None
+            )
+        except (OSError, CheckpointError) as e:
+            logger.warning("quicksave: the memory tier's retention in %s: %s", self.folder, e)
+
+    def steps_everywhere(self) -> list[int]:
+        """The steps every rank holds in memory, written by this world size, ascending
+        (collective with several ranks: every rank calls it alike)."""
+        mine = self.steps()
+        if self.world_size == 1:
+            return mine
+        everyone = collectives.all_gather_object(mine, self.session.checkpoint_group())
+        return sorted(set(everyone[0]).intersection(*everyone[1:]))
+
+    def load(self, step: int, states: Mapping[str, Any], *, strict: bool) -> None:
+        """Load this rank's snapshot of ``step`` into ``states`` (no collective).
+
+        Raises:
+            CheckpointError: the snapshot is missing, torn or does not fit the states.
+        """
+        path = self.path(step)
+        if not any(_has_dtensor(_peek(s)) for s in states.values()):
+            api.load(states, path, strict=strict, no_dist=True)
+            return
+        dicts = {}
+        for name, state in states.items():
+            if isinstance(state, OptimizerState):
+                _materialize(state)
+            dicts[name] = state.state_dict()
+        view = local_view(dicts)
+        api.load(view, path, strict=strict, no_dist=True)
+        merged = _merge_plain(dicts, view)
+        for name, state in states.items():
+            state.load_state_dict(merged[name])
+
+    def close(self, *, job_done: bool) -> None:
+        """Wait for the snapshots in flight (up to the close timeout), then detach from
+        the node's memory (``job_done``: the job ended; its memory is freed once no
+        trainer of it is attached)."""
+        self.poll(wait_s=self.config.close_timeout_s)
+        self.node.detach(job_done=job_done)
+
+
+def _peek(state: Any) -> Any:
+    """What ``state`` holds now (its state dict), to see whether it holds DTensors."""
+    if isinstance(state, OptimizerState):
+        return [p for part in state.parts for p in part.parameters()]
+    return state.state_dict() if hasattr(state, "state_dict") else state
+
+
+def _materialize(state: OptimizerState) -> None:
+    """An optimizer without state gets it (torch's own way: a step on zero gradients,
+    at learning rate 0), so that the snapshot's local shards load into it in place."""
+    from torch.distributed.checkpoint.state_dict import _init_optim_state
+
+    for optim in state.optimizers:
+        if not optim.state:
+            _init_optim_state(optim)

@@ -1,0 +1,172 @@
+"""The manager's node-memory tier (``CheckpointConfig(memory=...)``): a trainer killed
+with SIGKILL and restarted on the same node resumes from node memory, bit-exact,
+without the folder holding that step; the folder wins when it is newer; a torn
+snapshot is skipped, never trusted; the job's memory is freed when the job ends.
+
+Real processes, a real tmpfs folder (a private root under /dev/shm per test), real
+SIGKILL.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+SHM = Path("/dev/shm")
+
+TRAINER = textwrap.dedent(
+    """
+    import json, os, sys, time
+    import torch
+    from quicksave.manager import (CheckpointConfig, CheckpointManager, MemoryTierConfig,
+                                   ModelState, OptimizerState)
+
+    folder, root, mode, steps, interval, out, seed = sys.argv[1:8]
+    steps, interval, seed = int(steps), int(interval), int(seed)
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8))
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    memory = MemoryTierConfig(every=1, keep=2, root=root, job_id="job-a", idle_timeout_s=120)
+    config = CheckpointConfig(folder=folder, interval=interval, async_mode=mode, memory=memory)
+    manager = CheckpointManager(config, {"model": ModelState(model),
+                                         "optimizer": OptimizerState(model, optim)})
+    start = manager.load() or 0
+    record = manager.last_load
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(16, 64, generator=g), torch.randn(16, 8, generator=g)
+    for step in range(start + 1, steps + 1):
+        optim.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        optim.step()
+        manager.save(step)
+    manager.wait()  # the folder's saves and the memory tier's snapshots
+    state = {"model": {k: v.clone() for k, v in model.state_dict().items()},
+             "optim": {k: ({kk: vv.clone() if torch.is_tensor(vv) else vv for kk, vv in st.items()})
+                       for k, st in optim.state_dict()["state"].items()}}
+    torch.save(state, out + ".pt")
+    with open(out + ".json", "w") as f:
+        json.dump({"start": start, "tier": record.tier if record else None,
+                   "memory_steps": manager.memory_tier.steps(),
+                   "folder_steps": manager.committed_steps(),
+                   "job_dir": str(manager.memory_tier.node.path),
+                   "failures": manager.memory_tier.failures}, f)
+    if os.environ.get("QS_HANG"):
+        print("ready", flush=True)
+        time.sleep(600)
+    manager.close()
+    """
+)
+
+
+@pytest.fixture
+def shm_root():
+    if not SHM.is_dir():
+        pytest.skip("no /dev/shm (tmpfs) on this machine")
+    root = SHM / f"qs-test-{uuid.uuid4().hex[:12]}"
+    root.mkdir()
+    yield root
+    # the agents of the test: stop any left (a failed test), then the folder
+    for pidfile in root.rglob("agent.pid"):
+        try:
+            os.kill(int(pidfile.read_text().split()[0]), signal.SIGKILL)
+        except (OSError, ValueError):
+            pass
+    shutil.rmtree(root, ignore_errors=True)
+
+
+def _run(tmp_path, shm_root, name, *, steps, interval=100, seed=0, hang=False, mode="process"):
+    script = tmp_path / "trainer.py"
+    script.write_text(TRAINER)
+    out = tmp_path / name
+    args = [sys.executable, str(script), str(tmp_path / "ckpt"), str(shm_root), mode]
+    args += [str(steps), str(interval), str(out), str(seed)]
+    env = dict(os.environ, QS_HANG="1" if hang else "")
+    if not hang:
+        subprocess.run(args, env=env, check=True, timeout=600)
+        return json.loads(Path(f"{out}.json").read_text()), out
+    proc = subprocess.Popen(args, env=env, stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "ready"
+    proc.send_signal(signal.SIGKILL)  # the trainer dies; its node memory must not
+    proc.wait(timeout=60)
+    return json.loads(Path(f"{out}.json").read_text()), out
+
+
+def _same(a: Path, b: Path) -> None:
+    import torch
+
+    x, y = torch.load(f"{a}.pt"), torch.load(f"{b}.pt")
+    assert x["model"].keys() == y["model"].keys()
+    for k in x["model"]:
+        assert torch.equal(x["model"][k], y["model"][k]), k
+    assert x["optim"].keys() == y["optim"].keys()
+    for k in x["optim"]:
+        for kk, v in x["optim"][k].items():
+            assert torch.equal(torch.as_tensor(v), torch.as_tensor(y["optim"][k][kk])), (k, kk)
+
+
+def _gone(path: str, within_s: float = 60.0) -> bool:
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        if not os.path.exists(path):
+            return True
+        time.sleep(0.1)
+    return False
+
+
+@pytest.mark.parametrize("mode", ["process", "disabled"])
+def test_sigkilled_trainer_resumes_from_node_memory(tmp_path, shm_root, mode):
+    first, saved = _run(tmp_path, shm_root, "first", steps=7, hang=True, mode=mode)
+    assert first["start"] == 0 and first["failures"] == 0
+    assert first["memory_steps"] == [6, 7]  # keep=2
+    assert first["folder_steps"] == []  # interval 100: the folder holds no step
+    # `quicksave ls` says which tiers hold each step: node memory only, here
+    ls = subprocess.run(
+        [sys.executable, "-m", "quicksave", "ls", str(tmp_path / "ckpt"), "--json"]
+        + ["--memory-root", str(shm_root)],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    listed = json.loads(ls.stdout)
+    assert [(d["step"], d["tiers"], d["committed"]) for d in listed] == [
+        (6, ["memory"], True),
+        (7, ["memory"], True),
+    ]
+    # a new trainer (other initial weights, an optimizer without state) on the node
+    second, resumed = _run(tmp_path, shm_root, "second", steps=7, seed=5, mode=mode)
+    assert second["start"] == 7 and second["tier"] == "memory"
+    _same(saved, resumed)  # bit-exact: model and AdamW state
+    # its close() ended the job: the agent frees the job's memory
+    assert _gone(second["job_dir"])
+
+
+def test_newer_folder_wins_and_a_torn_snapshot_is_skipped(tmp_path, shm_root):
+    first, saved = _run(tmp_path, shm_root, "first", steps=5, interval=5, hang=True)
+    assert first["folder_steps"] == [5] and first["memory_steps"] == [3, 4]
+    second, resumed = _run(tmp_path, shm_root, "second", steps=5, interval=5, seed=3)
+    assert second["start"] == 5 and second["tier"] == "folder"
+    _same(saved, resumed)
+
+    # now memory holds 6 and 7, newer than the folder's 5; tear the newest
+    third, saved7 = _run(tmp_path, shm_root, "third", steps=7, interval=5, hang=True)
+    assert third["memory_steps"] == [6, 7]
+    snapshot = Path(third["job_dir"]) / "world-1" / "rank-0" / "step-7"
+    data = [p for p in snapshot.iterdir() if p.is_file() and p.name != "manifest.json"]
+    assert data
+    biggest = max(data, key=lambda p: p.stat().st_size)
+    with open(biggest, "r+b") as f:
+        f.seek(biggest.stat().st_size // 2)  # in the tensor data
+        f.write(b"\xff" * 8)  # bytes the manifest's checksums do not match
+    fourth, _ = _run(tmp_path, shm_root, "fourth", steps=5, interval=5, seed=9)
+    # step 7 fails its checksums and is skipped; 6 is the newest whole one
+    assert fourth["start"] == 6 and fourth["tier"] == "memory"
