@@ -327,6 +327,8 @@ def _ensure_agent(path: Path, idle_s: float, deadline: float) -> int:
     if _agent_alive(path):
         return _agent_pid(path)
     log = path / agent.AGENT_LOG
+    # close_fds (Popen's default): the agent holds none of the trainer's files, so a
+    # staging pool's memory is not kept alive by it
     with open(log, "ab") as err:
         proc = subprocess.Popen(
             agent.agent_command(path, idle_s),
