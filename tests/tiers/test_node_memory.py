@@ -175,6 +175,23 @@ def test_the_end_of_the_job_frees_the_memory_at_once(root, trainers) -> None:
     assert t.proc.poll() is None  # the trainer lives on: its end freed nothing
 
 
+def test_the_end_of_the_job_waits_for_the_trainers_still_attached(root, trainers) -> None:
+    first, second, third = (Trainer(root, "job1", "/ckpt/run", 3600.0) for _ in range(3))
+    trainers.extend((first, second, third))
+    job = Path(first.attached()["path"])
+    second.attached()
+    third.attached()
+    first.send("done")
+    assert first.line() == "detached" and (job / agent.ENDED).exists()
+    # the agent looks after the job's end was marked (it drops the killed third trainer)
+    # and keeps the memory: the second trainer is still attached
+    third.kill()
+    wait_until(lambda: len(os.listdir(job / agent.TRAINERS)) == 1, "the killed trainer dropped")
+    assert (job / "rank-0" / f"snap-{second.proc.pid}").exists()
+    second.kill()  # the last one gone: the job is over
+    wait_until(lambda: not job.exists(), "the job folder deleted")
+
+
 def test_trainers_attaching_at_once_start_one_agent(root, trainers) -> None:
     go = root / "go"
     trainers.extend(Trainer(root, "job1", "/ckpt/run", 300.0, str(go)) for _ in range(4))
