@@ -76,10 +76,10 @@ def shm_root():
     root.mkdir()
     yield root
     # the agents of the test: stop any left (a failed test), then the folder
-    for pidfile in root.rglob("agent.pid"):
+    for record in root.rglob("agent.json"):
         try:
-            os.kill(int(pidfile.read_text().split()[0]), signal.SIGKILL)
-        except (OSError, ValueError):
+            os.kill(int(json.loads(record.read_text())["pid"]), signal.SIGKILL)
+        except (OSError, ValueError, KeyError):
             pass
     shutil.rmtree(root, ignore_errors=True)
 

@@ -92,7 +92,9 @@ def test_ls_lists_sorted_by_step_with_status(tmp_path: Path, capsys) -> None:
         "mtime": 0,
         "modified": "",
         "problem": None,
+        "tiers": [],  # uncommitted: no tier holds it
     }
+    assert by_name["step-20"]["tiers"] == ["folder"]
 
     rc, out, _ = run(capsys, "ls", str(tmp_path), "--bytes")
     assert f" {size} " in next(line for line in out.splitlines() if line.startswith("step-20 "))

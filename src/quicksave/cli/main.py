@@ -79,8 +79,10 @@ def cmd_ls(args: argparse.Namespace) -> int:
     in_folder = {i.step for i in infos if i.committed}
     only_memory = [h for step, h in held.items() if step not in in_folder]
 
-    def tiers(i) -> list[str]:
-        return ["folder"] + ["memory"] * (i.committed and i.step in held and held[i.step].complete)
+    def tiers(i) -> list[str]:  # the tiers that hold it committed
+        if not i.committed:
+            return []
+        return ["folder"] + ["memory"] * (i.step in held and held[i.step].complete)
 
     out = sys.stdout
     if args.json:
