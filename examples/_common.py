@@ -60,7 +60,17 @@ def setup_cpu(distributed: bool = True) -> tuple[int, int]:
     torch.use_deterministic_algorithms(True)
     if not distributed:
         return 0, 1
-    dist.init_process_group("gloo")
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    if attempt == "0":
+        dist.init_process_group("gloo")
+    else:  # torchrun restarted the job: the ranks meet under keys of this attempt's own
+        # (gloo's rendezvous keys of the failed attempt are still in torchrun's store)
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        store = dist.TCPStore(
+            os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False
+        )
+        store = dist.PrefixStore(f"attempt-{attempt}", store)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
     return dist.get_rank(), dist.get_world_size()
 
 
@@ -91,14 +101,29 @@ def synthetic_batch(seed: int, step: int, size: int, dim: int) -> tuple[torch.Te
     return x, torch.sin(x.roll(1, dims=1)) * 0.5
 
 
-def sigkill_once_committed(manager: CheckpointManager, step: int) -> NoReturn:
-    """Collective (a barrier): wait until this rank's checkpoint of ``step`` is committed
-    and every rank got there, then crash as hard as a process can (SIGKILL itself)."""
+def sigkill_once_committed(
+    manager: CheckpointManager, step: int, ranks: list[int] | None = None
+) -> None:
+    """Collective (a barrier): wait until this rank's checkpoint of ``step`` (and its
+    memory snapshot) is committed and every rank got there, then crash as hard as a
+    process can (SIGKILL itself) on ``ranks`` (default: every rank); the others go on."""
     manager.wait()  # the checkpoint of this step is committed ...
     dist.barrier()  # ... on every rank: now crash
+    if ranks is not None and dist.get_rank() not in ranks:
+        return
     print(f"rank {dist.get_rank()}: SIGKILL after step {step}", flush=True)
     os.kill(os.getpid(), signal.SIGKILL)
     raise AssertionError("unreachable: SIGKILL was sent")
+
+
+def add_memory_options(p: argparse.ArgumentParser) -> None:
+    """``--memory-every N`` (a node-memory tier: a snapshot every N steps),
+    ``--memory-root`` (its tmpfs, default /dev/shm) and ``--kill-rank-at STEP`` (the last
+    rank SIGKILLs itself once the snapshot of STEP is committed, on torchrun's first
+    attempt only: the restarted job resumes from memory)."""
+    p.add_argument("--memory-every", type=int, default=None, metavar="N")
+    p.add_argument("--memory-root", default="/dev/shm")
+    p.add_argument("--kill-rank-at", type=int, default=None, metavar="STEP")
 
 
 def leaves(value: Any, prefix: str = "") -> Iterator[tuple[str, Any]]:

@@ -36,18 +36,31 @@ their data loader entries back, rank 2 starts a fresh one: ``on_resize="keep"``)
     torchrun --standalone --nproc-per-node 3 examples/fsdp2_quicksave.py --folder /tmp/qs-a \\
         --steps 10
 
+A rank dies, torchrun restarts the job, and it resumes from node memory: with
+``--memory-every N`` each rank also snapshots its state into the node's memory every N
+steps (a tmpfs folder kept by a per-node agent that outlives the trainer); with
+``--kill-rank-at STEP`` the last rank SIGKILLs itself once the snapshot of STEP is in
+every rank's memory (first attempt only). torchrun stops the other ranks and starts the
+job again, whose ``load()`` finds the step in node memory (newer than the folder's) and
+resumes from it without reading the folder; the final digest is the uninterrupted run's::
+
+    torchrun --standalone --nproc-per-node 2 --max-restarts 1 examples/fsdp2_quicksave.py \
+        --folder /tmp/qs-c --memory-every 1 --kill-rank-at 6
+
 Exit status: 0 on success, non-zero on any failure (and after ``--kill-at``).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from _common import (
+    add_memory_options,
     example_parser,
     exit_without_finalizing,
     full_state_digest,
@@ -64,6 +77,7 @@ from torch.optim.lr_scheduler import LambdaLR
 from quicksave import (
     CheckpointConfig,
     CheckpointManager,
+    MemoryTierConfig,
     ModelState,
     OptimizerState,
     PerRank,
@@ -78,6 +92,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--hidden", type=int, default=64)
     p.add_argument("--blocks", type=int, default=3)
     p.add_argument("--global-batch", type=int, default=12, help="split across the ranks")
+    add_memory_options(p)
     return p.parse_args(argv)
 
 
@@ -158,6 +173,9 @@ def main(argv: list[str] | None = None) -> int:
             keep_latest_k=2,
             last_step=args.steps,
             async_mode="process",
+            memory=None
+            if args.memory_every is None
+            else MemoryTierConfig(every=args.memory_every, root=args.memory_root),
         ),
         {
             "model": ModelState(model),
@@ -174,7 +192,8 @@ def main(argv: list[str] | None = None) -> int:
     resumed = manager.load()
     if resumed is not None:
         loaded = full_state_digest(model, optim, train_state.step)
-        print0(f"resumed from step {resumed} on {world} ranks, state digest: {loaded}")
+        tier = manager.last_load.tier  # "memory": node memory, "folder": the folder
+        print0(f"resumed from step {resumed} on {world} ranks ({tier}), state digest: {loaded}")
 
     model.train()
     for step in range(train_state.step + 1, args.steps + 1):
@@ -192,6 +211,8 @@ def main(argv: list[str] | None = None) -> int:
         print0(f"step {step} loss {train_state.losses[-1]:.6f}")
         if step == args.kill_at:
             sigkill_once_committed(manager, step)  # every rank, once the save is committed
+        if step == args.kill_rank_at and os.environ.get("TORCHELASTIC_RESTART_COUNT") == "0":
+            sigkill_once_committed(manager, step, ranks=[world - 1])  # one rank dies
 
     manager.close()  # waits for the last checkpoint
     final = full_state_digest(model, optim, train_state.step)

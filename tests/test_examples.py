@@ -14,10 +14,12 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import struct
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -32,10 +34,13 @@ FINAL = re.compile(r"^final state digest: ([0-9a-f]{64})$", re.MULTILINE)
 RESUMED = re.compile(r"^resumed from step (\d+)\b.*state digest: ([0-9a-f]{64})$", re.MULTILINE)
 
 
-def launch(script: str, nproc: int | None, *args: str) -> subprocess.CompletedProcess[str]:
+def launch(
+    script: str, nproc: int | None, *args: str, restarts: int = 0
+) -> subprocess.CompletedProcess[str]:
     """Run ``examples/<script>`` under torchrun with ``nproc`` ranks (``None``: as a
-    plain ``python`` process). On timeout, torchrun gets SIGTERM (it stops its ranks,
-    which stop their checkpoint workers), then everything left in its group SIGKILL."""
+    plain ``python`` process; ``restarts``: torchrun's ``--max-restarts``). On timeout,
+    torchrun gets SIGTERM (it stops its ranks, which stop their checkpoint workers),
+    then everything left in its group SIGKILL."""
     if nproc is None:
         cmd = [sys.executable, str(EXAMPLES / script), *args]
     else:
@@ -46,6 +51,8 @@ def launch(script: str, nproc: int | None, *args: str) -> subprocess.CompletedPr
             "--standalone",
             "--nproc-per-node",
             str(nproc),
+            "--max-restarts",
+            str(restarts),
             str(EXAMPLES / script),
             *args,
         ]
@@ -72,8 +79,8 @@ def launch(script: str, nproc: int | None, *args: str) -> subprocess.CompletedPr
     return subprocess.CompletedProcess(cmd, proc.returncode, out, None)
 
 
-def succeed(script: str, nproc: int | None, *args: str) -> str:
-    run = launch(script, nproc, *args)
+def succeed(script: str, nproc: int | None, *args: str, restarts: int = 0) -> str:
+    run = launch(script, nproc, *args, restarts=restarts)
     assert run.returncode == 0, f"{' '.join(run.args)} exited {run.returncode}:\n{run.stdout}"
     return run.stdout
 
@@ -122,6 +129,39 @@ def test_fsdp2_resume_after_sigkill_is_bit_exact_and_reshards_to_three_ranks(
     assert resumed(out) == (8, want)
     assert "step 10 loss" in out
     assert final_digest(out) != want
+
+
+def test_fsdp2_rank_killed_under_torchrun_restarts_resumes_from_node_memory(
+    tmp_path: Path,
+) -> None:
+    """torchrun --max-restarts 1: one rank SIGKILLs itself after the memory snapshot of
+    step 6 (the folder's newest is step 4); the restarted job resumes from node memory
+    at step 6 and ends where an uninterrupted run ends; its memory is freed at the end."""
+    script = "fsdp2_quicksave.py"
+    want = final_digest(succeed(script, 2, "--folder", str(tmp_path / "straight")))
+    shm = Path("/dev/shm")
+    if not shm.is_dir():
+        pytest.skip("no /dev/shm (tmpfs) on this machine")
+    root = shm / f"qs-example-{os.getpid()}-{tmp_path.name}"
+    root.mkdir()
+    try:
+        out = succeed(
+            script,
+            2,
+            *("--folder", str(tmp_path / "crashed"), "--memory-every", "1"),
+            *("--memory-root", str(root), "--kill-rank-at", "6"),
+            restarts=1,
+        )
+        assert "rank 1: SIGKILL after step 6" in out, out
+        assert "resumed from step 6 on 2 ranks (memory)" in out, out
+        assert final_digest(out) == want
+        jobs = root / f"quicksave-{os.getuid()}"
+        deadline = time.monotonic() + 60  # the agent frees the job's memory on close()
+        while any(jobs.iterdir()) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not any(jobs.iterdir()), list(jobs.rglob("*"))
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
 
 
 def test_tp_resume_after_sigkill_is_bit_exact_and_loads_in_a_plain_process(

@@ -176,10 +176,8 @@ class AsyncSaver:
                 commit (the rename commit exchanges the two directories): until
                 then, and if the save fails, the old one stays whole. Single-rank saves
                 to local paths only.
-            local: save from this rank alone, as a single-rank checkpoint of its own
-                (several ranks: no vote, no collective; each rank's snapshot of a
-                memory tier). Its failure is its handle's alone: no later ``save()`` or
-                ``finalize()`` raises it.
+            local: save this rank alone, as a one-rank checkpoint (no vote, no collective:
+                a memory tier's snapshot). Its failure is its handle's alone.
 
         Returns:
             a SaveHandle, or None if skipped by ``backpressure="skip"``.
@@ -269,17 +267,20 @@ class AsyncSaver:
         # The target itself is checked by the worker before it writes
         # (worker/execute.py): the training thread never waits on the store.
         with phase("save.collect"):
-            state = self._collect_whole(state_dict, loc.url)
+            # (a local save is a checkpoint of one rank: rank 0 of its own files)
+            state = self._collect_whole(state_dict, loc.url, 0 if local else self.rank)
         with phase("save.plan"):
             plan = single_rank_plan(self._plans, state, self.config.thread_count)
             manifest = single_rank_manifest(plan, state, step, user_metadata)
         return PlannedSave(plan, state.tensors, state.sources, manifest, new_token())
 
-    def _collect_whole(self, state_dict: Mapping[str, Any], final: str) -> LocalState:
+    def _collect_whole(
+        self, state_dict: Mapping[str, Any], final: str, rank: int | None = None
+    ) -> LocalState:
         """One rank: collect ``state_dict`` (every tensor whole here) for a save to
-        ``final`` (named in errors)."""
+        ``final`` (named in errors) as ``rank`` (default this saver's)."""
         try:
-            return self._collected.collect(state_dict, self.rank)
+            return self._collected.collect(state_dict, self.rank if rank is None else rank)
         except IncompatibleStateError as e:
             if e.path is None and final:
                 e.path = final
@@ -329,7 +330,7 @@ class AsyncSaver:
             loc,
             draft,
             step,
-            self.rank,
+            0 if local else self.rank,
             self.config,
             overwrite,
         )
