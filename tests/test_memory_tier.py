@@ -42,6 +42,13 @@ TRAINER = textwrap.dedent(
                                          "optimizer": OptimizerState(model, optim)})
     start = manager.load() or 0
     record = manager.last_load
+    try:
+        manager.wait()  # the optimizers' states, streamed in behind load()
+    except Exception as e:
+        with open(out + ".json", "w") as f:
+            json.dump({"start": start, "tier": record.tier, "error": str(e),
+                       "memory_steps": manager.memory_tier.steps()}, f)
+        os._exit(0)
     g = torch.Generator().manual_seed(1)
     x, y = torch.randn(16, 64, generator=g), torch.randn(16, 8, generator=g)
     for step in range(start + 1, steps + 1):
@@ -161,12 +168,33 @@ def test_newer_folder_wins_and_a_torn_snapshot_is_skipped(tmp_path, shm_root):
     third, saved7 = _run(tmp_path, shm_root, "third", steps=7, interval=5, hang=True)
     assert third["memory_steps"] == [6, 7]
     snapshot = Path(third["job_dir"]) / "world-1" / "rank-0" / "step-7"
-    data = [p for p in snapshot.iterdir() if p.is_file() and p.name != "manifest.json"]
-    assert data
-    biggest = max(data, key=lambda p: p.stat().st_size)
-    with open(biggest, "r+b") as f:
-        f.seek(biggest.stat().st_size // 2)  # in the tensor data
-        f.write(b"\xff" * 8)  # bytes the manifest's checksums do not match
+    _tear(snapshot, "model.0.weight")
     fourth, _ = _run(tmp_path, shm_root, "fourth", steps=5, interval=5, seed=9)
     # step 7 fails its checksums and is skipped; 6 is the newest whole one
     assert fourth["start"] == 6 and fourth["tier"] == "memory"
+
+
+def test_a_torn_optimizer_state_streamed_in_is_raised_and_never_picked_again(tmp_path, shm_root):
+    """The optimizers' states stream in after load() returned: a chunk of them that
+    fails its checksum is raised by the next manager call (here wait(); an optimizer
+    step would too), naming it, and the torn snapshot is removed, so that the next
+    resume takes the newest whole one."""
+    first, _ = _run(tmp_path, shm_root, "first", steps=7, hang=True)
+    snapshot = Path(first["job_dir"]) / "world-1" / "rank-0" / "step-7"
+    _tear(snapshot, "optimizer.state.0.weight.exp_avg")
+    second, _ = _run(tmp_path, shm_root, "second", steps=7, seed=5)
+    assert second["start"] == 7 and second["tier"] == "memory"
+    assert "checksum mismatch" in second["error"], second
+    assert "optimizer.state.0.weight.exp_avg" in second["error"], second
+    assert second["memory_steps"] == [6]  # step 7 is gone from memory
+    third, _ = _run(tmp_path, shm_root, "third", steps=7, seed=6)
+    assert third["start"] == 6 and third["tier"] == "memory" and "error" not in third
+
+
+def _tear(snapshot: Path, fqn: str) -> None:
+    """Overwrite 8 bytes in the middle of ``fqn``'s first chunk in ``snapshot``."""
+    manifest = json.loads((snapshot / "manifest.json").read_text())
+    chunk = manifest["tensors"][fqn]["chunks"][0]
+    with open(snapshot / chunk["file"], "r+b") as f:
+        f.seek(chunk["offset"] + chunk["length"] // 2)
+        f.write(b"\xff" * 8)  # bytes the manifest's checksum does not match

@@ -16,7 +16,7 @@ import contextlib
 import gc
 import os
 import warnings
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
 from typing import Any
 
 import torch.distributed as dist
@@ -155,6 +155,7 @@ def load(
     allow_dcp_pickle: bool = False,
     storage: StorageOptions | None = None,
     no_dist: bool = False,
+    leave: Collection[str] = (),
 ) -> None:
     """Load the checkpoint at ``path`` into ``state_dict`` in place.
 
@@ -185,6 +186,9 @@ def load(
         no_dist: load in this process alone, with no collective, even when
             torch.distributed is initialized (a rank's own checkpoint, e.g. its memory
             tier snapshot); ``process_group`` is then ignored.
+        leave: top-level names of the checkpoint that another load reads (e.g. the
+            optimizer's, streamed in after the model's): with ``strict``, their keys
+            are not unexpected here.
 
     Raises:
         CheckpointNotFoundError, NotCommittedError, CorruptCheckpointError,
@@ -213,7 +217,9 @@ def load(
                     else parse_location(path, options=storage)
                 )
                 where = loc.url
-                planner = LoadPlanner(strict=strict, path=where, allow_pickle=allow_dcp_pickle)
+                planner = LoadPlanner(
+                    strict=strict, path=where, allow_pickle=allow_dcp_pickle, leave=tuple(leave)
+                )
                 backend = loc.open()  # one client for the whole load
                 checkpoint = require_committed(
                     path, allow_dcp=True, backend=backend, storage=storage

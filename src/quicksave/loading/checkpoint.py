@@ -11,7 +11,8 @@ loaded" from "damaged" by a second look (:func:`not_loadable`).
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 from quicksave.commit import CheckpointKind, classify
 from quicksave.errors import CheckpointError, CheckpointNotFoundError, NotCommittedError
@@ -32,6 +33,9 @@ class Checkpoint:
 
     location: Location
     kind: CheckpointKind
+    # what a load read of it already (the manifest): a second load of the same
+    # classified checkpoint (the optimizers' states, streamed in after) reads it once
+    read: dict[str, Any] = field(default_factory=dict, compare=False, hash=False, repr=False)
 
     @property
     def url(self) -> str:

@@ -71,14 +71,23 @@ class LoadPlanner(RestrictedObjectsMixin, DefaultLoadPlanner):
     - unexpected: a key of the checkpoint that *no* rank asks for, found by the
       coordinator in DCP's global planning step from the key sets the ranks' local
       plans carry (``planner_data``). That rides on the plan exchange DCP makes anyway:
-      no extra collective.
+      no extra collective. Keys under a name of ``leave`` (top-level names another load
+      of the same checkpoint reads) are not unexpected.
     """
 
-    def __init__(self, *, strict: bool = True, path: str = "", allow_pickle: bool = False) -> None:
+    def __init__(
+        self,
+        *,
+        strict: bool = True,
+        path: str = "",
+        allow_pickle: bool = False,
+        leave: tuple[str, ...] = (),
+    ) -> None:
         super().__init__(allow_partial_load=not strict)
         self.strict = strict
         self.path = path
         self.allow_pickle = allow_pickle  # stock DCP objects (RestrictedObjectsMixin)
+        self.leave = tuple(f"{name}." for name in leave)
 
     def set_up_planner(
         self, state_dict, metadata: Metadata | None = None, is_coordinator: bool = False
@@ -104,7 +113,11 @@ class LoadPlanner(RestrictedObjectsMixin, DefaultLoadPlanner):
             for plan in global_plan:
                 if isinstance(plan.planner_data, _LoadedKeys):
                     loaded.update(plan.planner_data.fqns)
-            unexpected = sorted(set(self.metadata.state_dict_metadata) - loaded)
+            unexpected = sorted(
+                k
+                for k in set(self.metadata.state_dict_metadata) - loaded
+                if not k.startswith(self.leave)
+            )
             if unexpected:
                 who = "this process" if len(global_plan) == 1 else "any rank"
                 raise IncompatibleStateError(

@@ -117,6 +117,8 @@ class CheckpointReader:
                 checkpoint, or deleted since it was classified.
             CorruptCheckpointError: the manifest is damaged.
         """
+        if self.manifest is None and self.checkpoint is not None:
+            self.manifest = self.checkpoint.read.get("manifest")
         if self.manifest is None:
             with CheckpointDir(self.location, self._backend) as d:
                 target = self.checkpoint or self.location
@@ -126,6 +128,7 @@ class CheckpointReader:
                 except CorruptCheckpointError:
                     check_still_there(self.checkpoint, d.backend, fqn=None, rank=self.rank)
                     raise
+                self.checkpoint.read["manifest"] = self.manifest
         return self.manifest
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:

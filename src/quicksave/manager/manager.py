@@ -44,7 +44,7 @@ from quicksave.manager.async_writer import AsyncWriter
 from quicksave.manager.config import CheckpointConfig
 from quicksave.manager.folder import check_step
 from quicksave.manager.folder_checks import check_not_behind
-from quicksave.manager.memory_tier import LoadRecord, MemoryTier
+from quicksave.manager.memory_tier import LoadRecord, MemoryTier, load_from_memory
 from quicksave.manager.policies import (
     RetentionPolicy,
     SavePolicy,
@@ -447,11 +447,12 @@ class CheckpointManager:
             checkpoint = self.session.require_committed(step)
             self._io.load_step(step, checkpoint, strict=strict)
             self._placed = True
-            self.last_load = LoadRecord(step, "folder", time.perf_counter() - begin)
+            self.last_load = LoadRecord.now(step, "folder", begin, self._io.pending)
             return step
-        if self.memory_tier is not None and (loaded := self._load_memory(strict)) is not None:
+        memory = self.memory_tier
+        if memory is not None and (loaded := load_from_memory(memory, strict)) is not None:
             self._placed = True
-            self.last_load = LoadRecord(loaded, "memory", time.perf_counter() - begin)
+            self.last_load = LoadRecord.now(loaded, "memory", begin, self._io.pending)
             return loaded
         loaded = self.session.load_newest(
             lambda candidate, checkpoint: self._io.load_step(candidate, checkpoint, strict=strict)
@@ -460,34 +461,8 @@ class CheckpointManager:
         if loaded is None:
             logger.info("quicksave: no committed checkpoint in %s; starting fresh", self.folder)
         else:
-            self.last_load = LoadRecord(loaded, "folder", time.perf_counter() - begin)
+            self.last_load = LoadRecord.now(loaded, "folder", begin, self._io.pending)
         return loaded
-
-    def _load_memory(self, strict: bool) -> int | None:
-        """Every rank alike: load the newest step that every rank's node memory holds
-        and that is not older than the folder's newest; a step that fails to load on
-        some rank is skipped (logged) and the next older one tried. None: none loaded
-        (the caller loads from the folder)."""
-        memory = self.memory_tier
-        assert memory is not None
-        folder = self.session.committed_steps()
-        for step in reversed(memory.steps_everywhere()):
-            if folder and folder[-1] > step:
-                break
-            error = None
-            try:
-                memory.load(step, self.states, strict=strict)
-            except CheckpointError as e:
-                error = e
-            error = self.session.agree_failure(error)
-            if error is None:
-                self.session.loaded(step)
-                logger.log(
-                    self.session.info_level(), "quicksave: resumed from node memory, step %d", step
-                )
-                return step
-            logger.warning("quicksave: skipped step %d of the memory tier: %s", step, error)
-        return None
 
     def close(self) -> None:
         """Finish: wait for saves in flight (up to ``close_timeout_s``), stop the
@@ -513,6 +488,10 @@ class CheckpointManager:
             return
         self._closed = True
         try:
+            try:
+                self._io.join_optimizer_load()
+            except CheckpointError as e:  # the optimizers were never stepped on it
+                logger.error("quicksave: closing: %s", e)
             if self.memory_tier is not None:  # (its snapshots in flight need the writer)
                 self.memory_tier.close(job_done=agree)
             self.session.close_writer(self.config.close_timeout_s)
@@ -583,3 +562,4 @@ class CheckpointManager:
             raise CheckpointError(
                 "this CheckpointManager is closed", path=self.folder, rank=self.session.rank()
             )
+        self._io.join_optimizer_load()  # a resume's optimizer states, streamed in

@@ -25,10 +25,12 @@ trusts a snapshot that did not commit.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import shutil
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -36,6 +38,7 @@ from torch.distributed.tensor import DTensor
 
 from quicksave import api
 from quicksave.errors import CheckpointError
+from quicksave.loading.checkpoint import require_committed
 from quicksave.loading.run_folder import committed_steps
 from quicksave.manager.config import CheckpointConfig
 from quicksave.manager.folder import apply_retention
@@ -43,6 +46,7 @@ from quicksave.manager.policies import KeepLatestK
 from quicksave.manager.session import CheckpointSession
 from quicksave.manager.states import OptimizerState
 from quicksave.manager.step_io import StepIO
+from quicksave.manager.streamed_load import OptimizerStream, load_streamed
 from quicksave.ranks import collectives
 from quicksave.saving.handle import SaveHandle
 from quicksave.storage import parse_location
@@ -56,11 +60,29 @@ TIER = "memory"
 @dataclass
 class LoadRecord:
     """What the last ``load()`` restored: the step, the tier it came from (``"memory"``
-    or ``"folder"``) and the seconds it took."""
+    or ``"folder"``), the seconds until ``load()`` returned (training may start) and
+    :attr:`restored_s`, until every state was in place (later, where the optimizers'
+    states streamed in behind: ``streamed_load.py``)."""
 
     step: int
     tier: str
     seconds: float
+    started: float = field(default=0.0, repr=False)  # time.perf_counter() at the call
+    stream: OptimizerStream | None = field(default=None, repr=False)
+
+    @classmethod
+    def now(
+        cls, step: int, tier: str, started: float, stream: OptimizerStream | None
+    ) -> LoadRecord:
+        return cls(step, tier, time.perf_counter() - started, started, stream)
+
+    @property
+    def restored_s(self) -> float | None:
+        """Seconds from the call until every state was loaded (None: still loading)."""
+        if self.stream is None:
+            return self.seconds
+        done = self.stream.restored_at
+        return None if done is None else done - self.started
 
 
 def local_view(value: Any) -> Any:
@@ -225,8 +247,18 @@ class MemoryTier:
             CheckpointError: the snapshot is missing, torn or does not fit the states.
         """
         path = self.path(step)
+        checkpoint = require_committed(path, step=step, rank=self.rank)  # classified once
         if not any(_has_dtensor(_peek(s)) for s in states.values()):
-            api.load(states, path, strict=strict, no_dist=True)
+            self.io.pending = load_streamed(  # no collective: the optimizers' may stream
+                states,
+                lambda part, leave: api.load(
+                    part, checkpoint, strict=strict, no_dist=True, leave=leave
+                ),
+                stream=self.config.stream_load,
+                on_done=lambda: self.session.loaded(step),
+                # failed after load() returned: the snapshot is never picked again
+                on_error=lambda _: shutil.rmtree(path, ignore_errors=True),
+            )
             return
         dicts = {}
         for name, state in states.items():
@@ -234,10 +266,11 @@ class MemoryTier:
                 _materialize(state)
             dicts[name] = state.state_dict()
         view = local_view(dicts)
-        api.load(view, path, strict=strict, no_dist=True)
+        api.load(view, checkpoint, strict=strict, no_dist=True)
         merged = _merge_plain(dicts, view)
         for name, state in states.items():
             state.load_state_dict(merged[name])
+        self.session.loaded(step)  # the writer plans now: optimizer states exist
 
     def close(self, *, job_done: bool) -> None:
         """Wait for the snapshots in flight (up to the close timeout), then detach from
@@ -262,3 +295,30 @@ def _materialize(state: OptimizerState) -> None:
     for optim in state.optimizers:
         if not optim.state:
             _init_optim_state(optim)
+
+
+def load_from_memory(memory: MemoryTier, strict: bool) -> int | None:
+    """Every rank alike (``CheckpointManager.load()`` with no step): load the newest step
+    that every rank's node memory holds and that is not older than the folder's newest;
+    a step that fails to load on some rank is skipped on every rank (logged) and the next
+    older one tried. None: none loaded (the caller loads from the folder)."""
+    session = memory.session
+    folder = session.committed_steps()
+    for step in reversed(memory.steps_everywhere()):
+        if folder and folder[-1] > step:
+            break
+        error = None
+        try:
+            memory.load(step, memory.io.states, strict=strict)
+        except CheckpointError as e:
+            error = e
+        error = session.agree_failure(error)
+        if error is None:
+            logger.log(session.info_level(), "quicksave: resumed from node memory, step %d", step)
+            return step
+        stream, memory.io.pending = memory.io.pending, None
+        if stream is not None:  # another rank failed: this one's stream ends first
+            with contextlib.suppress(CheckpointError):
+                stream.wait()
+        logger.warning("quicksave: skipped step %d of the memory tier: %s", step, error)
+    return None

@@ -26,14 +26,21 @@ from typing import Any
 import torch
 
 from quicksave import api
-from quicksave.errors import CheckpointError, CheckpointExistsError, IncompatibleStateError
+from quicksave.errors import (
+    CheckpointError,
+    CheckpointExistsError,
+    CorruptCheckpointError,
+    IncompatibleStateError,
+)
 from quicksave.loading.checkpoint import Checkpoint
 from quicksave.manager.config import CheckpointConfig
 from quicksave.manager.failures import Key
+from quicksave.manager.folder import quarantine
 from quicksave.manager.folder_checks import explain_load_mismatch
 from quicksave.manager.records import SaveRecord
 from quicksave.manager.session import CheckpointSession
 from quicksave.manager.states import ModelState, PerRankLoad, PerRankState, payload_bytes
+from quicksave.manager.streamed_load import OptimizerStream, load_streamed
 from quicksave.saving.handle import SaveHandle
 from quicksave.saving.model_record import cast_floating, model_record
 from quicksave.trace import phase
@@ -57,6 +64,25 @@ class StepIO:
         self.config = config
         self.session = session
         self.states = states
+        self.pending: OptimizerStream | None = None  # a resume's optimizer states, streaming
+
+    def _streamed_failed(self, path: str, error: BaseException) -> None:
+        """The optimizers' states of ``path`` failed their checks after ``load()``
+        returned: a writer moves the checkpoint aside (as a corrupt one found by the
+        load itself), so that the next resume takes the newest whole one."""
+        session = self.session
+        if isinstance(error, CorruptCheckpointError) and session.lease is not None:
+            quarantine(session.where(path), str(error), session.backend())
+
+    def join_optimizer_load(self) -> None:
+        """Wait for the optimizer states a resume streams in (``streamed_load.py``).
+
+        Raises:
+            CheckpointError: that load failed (raised once).
+        """
+        stream, self.pending = self.pending, None
+        if stream is not None:
+            stream.wait()
 
     def model_state_names(self) -> list[str]:
         """The states that hold the model: the ModelState ones, else one named "model"."""
@@ -248,21 +274,33 @@ class StepIO:
                 k: PerRankLoad(k, v) if isinstance(v, PerRankState) else v
                 for k, v in states.items()
             }
-        try:
+
+        def load(part: Mapping[str, Any], leave: tuple[str, ...]) -> None:
             api.load(
-                states,
+                part,
                 checkpoint,
                 strict=strict,
                 process_group=self.session.process_group,
                 allow_dcp_pickle=self.config.allow_dcp_pickle,
                 storage=self.config.storage,
+                leave=leave,
+            )
+
+        # the optimizers' states stream in behind where the load has no collective
+        stream = self.config.stream_load and self.session.world_size() == 1
+        try:
+            self.pending = load_streamed(
+                states,
+                load,
+                stream=stream,
+                on_done=lambda: self.session.loaded(step),
+                on_error=lambda error: self._streamed_failed(path, error),
             )
         except IncompatibleStateError as e:  # another writer's checkpoint? say so
             pickle = self.config.allow_dcp_pickle
             if strict and (better := explain_load_mismatch(e, self.session, step, states, pickle)):
                 raise better from e
             raise
-        self.session.loaded(step)  # the writer plans now: optimizer states exist
         logger.log(
             self.session.info_level(),
             "quicksave: resumed from %s step %d in %.3f s",

@@ -1,0 +1,120 @@
+"""A resume that lets training start before the last byte: the model's states load
+first, and the optimizers' states (AdamW's two moments: about 2/3 of the bytes) stream
+in behind, in a background thread, while the first forward and backward run.
+
+Each optimizer's step waits (a step pre-hook) for what it has not yet received, so no
+optimizer step ever runs on partial state; so do its ``state_dict()`` and
+``load_state_dict()``, and every manager call that reads or writes the states
+(``save``, ``wait``, ``load``, ``export``, ``close``). A failure of the background load
+is raised there, on the training thread, once. Used only where the load needs no
+collective (one rank, or a rank's own memory snapshot): a background thread must not
+run collectives beside the training thread's.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from torch.utils.hooks import RemovableHandle
+
+from quicksave.errors import CheckpointError, IncompatibleStateError
+from quicksave.manager.states import OptimizerState
+
+Load = Callable[[Mapping[str, Any], tuple[str, ...]], None]  # (states, names left to another load)
+
+
+class OptimizerStream:
+    """The optimizers' states loading in a background thread (see the module docstring).
+
+    Call order (training thread): :func:`load_streamed` starts it → an optimizer's step,
+    or :meth:`wait`, joins it (``on_done()`` then runs on that thread) → its error, if
+    any, is raised there once.
+    """
+
+    def __init__(
+        self,
+        load: Callable[[], None],
+        optimizers: list[Any],
+        on_done: Callable[[], None],
+        on_error: Callable[[BaseException], None] | None = None,
+    ) -> None:
+        self._on_done = on_done
+        self._on_error = on_error
+        self._error: BaseException | None = None
+        self._joined = False
+        self.restored_at: float | None = None  # time.perf_counter() when it finished
+        self._thread = threading.Thread(
+            target=self._run, args=(load,), name="quicksave-optimizer-load", daemon=True
+        )
+        self._hooks: list[RemovableHandle] = []
+        for o in optimizers:  # its step, and reading or replacing its state, wait
+            self._hooks.append(o.register_step_pre_hook(lambda *_: self.wait()))
+            self._hooks.append(o.register_state_dict_pre_hook(lambda *_: self.wait()))
+            self._hooks.append(o.register_load_state_dict_pre_hook(lambda *_: self.wait()))
+        self._thread.start()
+
+    def _run(self, load: Callable[[], None]) -> None:
+        try:
+            load()
+        except BaseException as e:  # noqa: BLE001 - raised on the training thread
+            self._error = e
+        self.restored_at = time.perf_counter()
+
+    @property
+    def done(self) -> bool:
+        return self._joined
+
+    def wait(self) -> None:
+        """Block until the optimizers' states are loaded; raise the load's error (once).
+
+        Raises:
+            CheckpointError: the background load failed (the optimizers' states are not
+                the checkpoint's: resume again).
+        """
+        if self._joined or threading.current_thread() is self._thread:
+            return  # (the load itself reads and sets the optimizers' states)
+        self._thread.join()
+        self._joined = True
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
+        error, self._error = self._error, None
+        if error is None:
+            self._on_done()
+            return
+        if self._on_error is not None:  # e.g. move the torn checkpoint aside
+            self._on_error(error)
+        if isinstance(error, CheckpointError):
+            raise error
+        raise CheckpointError(f"loading the optimizer states failed: {error!r}") from error
+
+
+def load_streamed(
+    states: Mapping[str, Any],
+    load: Load,
+    *,
+    stream: bool,
+    on_done: Callable[[], None],
+    on_error: Callable[[BaseException], None] | None = None,
+) -> OptimizerStream | None:
+    """Load ``states`` with ``load``: all at once (``stream`` False, or nothing to
+    stream; ``on_done()`` runs before it returns and None is returned), or the
+    non-optimizer states now and the ``OptimizerState`` ones in the background (the
+    returned stream; ``on_done()`` runs when it is joined, or ``on_error(error)`` before
+    its error is raised, on the training thread)."""
+    later = {k: v for k, v in states.items() if isinstance(v, OptimizerState)}
+    if not stream or not later or len(later) == len(states):
+        load(states, ())
+        on_done()
+        return None
+    first = {k: v for k, v in states.items() if k not in later}
+    try:
+        load(first, tuple(later))
+    except IncompatibleStateError:
+        load(states, ())  # the states do not fit: the whole load's error names all of it
+        raise
+    optimizers = [o for state in later.values() for o in state.optimizers]
+    return OptimizerStream(lambda: load(later, tuple(first)), optimizers, on_done, on_error)
