@@ -8,14 +8,14 @@ Per shape (default: the training benchmark's ``mlp``, 1.6 GB with AdamW's state;
    folder, to an ``s3://`` folder on a SeaweedFS the bench starts on loopback, and with
    the memory tier (then dies unclosed, as a crashed trainer); DCP and
    torch_checkpointing to local folders. Every state tensor's xxh3 digest is recorded.
-2. the floors (:mod:`.recovery_floors`): memory (copy into a fresh job's destinations +
-   one xxh3 pass), disk (4-thread ``pread`` from a cold page cache, and ``O_DIRECT``),
-   peer (gloo send/recv between two processes on loopback), object store (8 parallel
-   boto3 ranged GETs).
+2. the floors (:mod:`.recovery_floors`), ``repeats`` times each: memory (copy into a
+   fresh job's destinations + one xxh3 pass), disk (4-thread ``pread`` from a cold page
+   cache, and ``O_DIRECT``), peer (gloo send/recv between two processes on loopback),
+   object store (8 parallel boto3 ranged GETs).
 3. the restores, each method twice in fresh jobs: time to fully restored (checked
    bit-exact against the digests) and time to the first training step (the restore plus
    the first step's extra over a steady step, so that lazily read bytes count). Local
-   folders are evicted from the page cache first (:data:`.recovery_state.COLD_CACHE` says how).
+   folders are evicted from the page cache first (how: :data:`.recovery_state.COLD_CACHE`).
 4. the loop overhead: steps with the memory tier every step and every ``--every``
    steps, against none and against the floor copy (memcpy + xxh3 of the state).
 
@@ -38,9 +38,11 @@ import contextlib
 import json
 import os
 import shutil
+import statistics
 import sys
 import tempfile
 import threading
+import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -51,6 +53,7 @@ from quicksave_tools.bench.recovery_child import (
     CHILD,
     LOCAL,
     METHODS,
+    QUICKSAVE_DISK,
     QUICKSAVE_MEMORY,
     QUICKSAVE_OBJECT_STORE,
 )
@@ -173,23 +176,46 @@ class _Run:
         self.count += 1
         spec["result"] = os.path.join(self.work, f"{self.count:03d}-result.json")
         path = os.path.join(self.work, f"{self.count:03d}-spec.json")
-        timeout = self.config.timeout_s
-        return run_in_fresh_process(CHILD, spec, path, timeout, {**self.env, **env})
+        t0 = time.perf_counter()
+        result = run_in_fresh_process(CHILD, spec, path, self.config.timeout_s, {**self.env, **env})
+        result["process_s"] = time.perf_counter() - t0  # the whole process, start to end
+        return result
 
 
 def _floors(run: _Run) -> dict[str, Any]:
+    """Every floor ``repeats`` times; each figure the median of its runs (``runs``: all)."""
     shm = "/dev/shm" if os.path.isdir("/dev/shm") else run.work
-    out = {
-        "memory": run.child(run.spec("floor", floor="memory", shm=shm)),
-        "disk": run.child(run.spec("floor", floor="disk", folder=run.locations["quicksave-disk"])),
-        "peer": _peer_floor(run),
-    }
+    disk = run.locations[QUICKSAVE_DISK]
+    if not os.path.isdir(disk):
+        disk = None  # not saved: no files to read
+    runs: dict[str, list[dict[str, Any]]] = {"memory": [], "disk": [], "peer": []}
+    runs["object_store"] = []
+    for _ in range(run.config.repeats):
+        runs["memory"].append(run.child(run.spec("floor", floor="memory", shm=shm)))
+        if disk is not None:
+            runs["disk"].append(run.child(run.spec("floor", floor="disk", folder=disk)))
+        runs["peer"].append(_peer_floor(run))
+        if run.target is not None:
+            prefix = f"{run.shape}/step-"
+            spec = run.spec("floor", floor="object_store", bucket=run.store.bucket, prefix=prefix)
+            runs["object_store"].append(run.child(spec))
+    out = {name: _medians(rows) for name, rows in runs.items() if rows}
+    if disk is None:
+        out["disk"] = {"unavailable": f"no {QUICKSAVE_DISK} checkpoint to read"}
     if run.target is None:
         out["object_store"] = {"unavailable": run.store.why}
-    else:
-        prefix = f"{run.shape}/step-"
-        spec = run.spec("floor", floor="object_store", bucket=run.store.bucket, prefix=prefix)
-        out["object_store"] = run.child(spec)
+    return out
+
+
+def _medians(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """One floor's runs as one row: a failure if any, else each number's median."""
+    for row in rows:
+        if "failed" in row or "unavailable" in row:
+            return row
+    out: dict[str, Any] = {**rows[0], "runs": rows}
+    for key, value in rows[0].items():
+        if isinstance(value, float):
+            out[key] = statistics.median(r[key] for r in rows if key in r)
     return out
 
 

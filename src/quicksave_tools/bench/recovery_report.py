@@ -162,7 +162,8 @@ def _why(row: dict[str, Any]) -> str | None:
 
 
 def format_table(report: dict[str, Any]) -> str:
-    """The report as a short text table (seconds; ratios as ``x``)."""
+    """The report as a short text table (seconds; ratios as ``x``; ``setup``: building
+    the method's loader or manager before the restore, not counted in it)."""
     lines = [
         f"{report['cpus']} CPUs, load average {report['load_average']:.2f}, torch "
         f"{report['torch']}; object store: {report['object_store']}",
@@ -185,7 +186,7 @@ def format_table(report: dict[str, Any]) -> str:
             lines.append(f"{label:<34}{why or _s(f.get(name, {}).get(key)):>9}")
         lines.append(
             f"{'restore':<24}{'fully':>8}{'1st step':>9}{'vs floor':>10}{'1st/fully':>10}"
-            "  bit-exact  tier"
+            f"{'setup':>8}  bit-exact  tier"
         )
         vs, fs = shape["ratios"]["vs_floor"], shape["ratios"]["first_step_over_fully_restored"]
         for m, r in shape["restores"].items():
@@ -196,6 +197,7 @@ def format_table(report: dict[str, Any]) -> str:
             lines.append(
                 f"{m:<24}{_s(r['fully_restored_s']):>8}{_s(r['time_to_first_step_s']):>9}"
                 f"{_x(vs.get(m, {}).get('fully_restored')):>10}{_x(fs.get(m)):>10}"
+                f"{_s(r['setup_s']):>8}"
                 f"  {'yes' if r['bit_exact'] else 'NO':<9}  {','.join(r.get('tiers', [])) or '-'}"
             )
         speed = shape["ratios"]["memory_speedup"]
