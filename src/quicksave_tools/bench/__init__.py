@@ -7,7 +7,9 @@
 scale, cached and uncached (:mod:`.planning`); ``quicksave bench --coordination ...`` the
 per-save coordination cost over real gloo ranks, vs stock DCP (:mod:`.coordination`);
 ``quicksave bench --hold`` how long a steady ``save()`` of thousands of small tensors
-holds the training thread (:mod:`.hold`); ``quicksave bench --storage ...`` save/load
+holds the training thread (:mod:`.hold`); ``quicksave bench --recovery`` how fast a
+fresh job resumes from each tier (memory, local disk, object store) beside each tier's
+raw floor (:mod:`.recovery`); ``quicksave bench --storage ...`` save/load
 throughput to S3 and what checkpointing to S3 costs a training loop (the package
 :mod:`.storage`, whose ``main`` the command line calls directly).
 
@@ -106,6 +108,13 @@ def main(argv: list[str] | None = None) -> int:
 
         argv.remove("--planning")
         return planning_main(argv)
+    if "--recovery" in argv:
+        from quicksave_tools.bench.recovery import (
+            main as recovery_main,  # imported only when asked for
+        )
+
+        argv.remove("--recovery")
+        return recovery_main(argv)
     if "--hold" in argv:
         from quicksave_tools.bench.hold import main as hold_main  # imported only when asked for
 
