@@ -113,7 +113,7 @@ def _save_one(method: str, spec: dict[str, Any], states: dict[str, Any], keep: l
         finally:
             manager.close()
     elif method == QUICKSAVE_MEMORY:
-        manager = CheckpointManager(memory_config(where, every=1, interval=1), states)
+        manager = CheckpointManager(memory_config(where, every=1, interval=10**9), states)
         manager.save(STEP)
         manager.wait()
         keep.append(manager)  # never closed: this trainer dies (see child_main)
@@ -160,7 +160,7 @@ def _restore_one(
     if method in (QUICKSAVE_DISK, QUICKSAVE_OBJECT_STORE, QUICKSAVE_MEMORY):
         t0 = time.perf_counter()
         if method == QUICKSAVE_MEMORY:
-            config = memory_config(where, every=1, interval=1)
+            config = memory_config(where, every=1, interval=10**9)
         else:
             config = CheckpointConfig(folder=where, interval=1, storage=_storage(spec))
         manager = CheckpointManager(config, states)
