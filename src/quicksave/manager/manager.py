@@ -451,7 +451,8 @@ class CheckpointManager:
             return step
         if self.memory_tier is not None and (loaded := self._load_memory(strict)) is not None:
             self._placed = True
-            self.last_load = LoadRecord(loaded, "memory", time.perf_counter() - begin)
+            tier = self.memory_tier.source  # "memory", or "peer" where fetched
+            self.last_load = LoadRecord(loaded, tier, time.perf_counter() - begin)
             return loaded
         loaded = self.session.load_newest(
             lambda candidate, checkpoint: self._io.load_step(candidate, checkpoint, strict=strict)

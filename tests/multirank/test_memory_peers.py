@@ -1,0 +1,212 @@
+"""Peer replicas of the memory tier on a simulated 2-node job: 4 gloo ranks as 2 nodes ×
+2 ranks, each node with its own tmpfs root (and so its own agent), an FSDP2 model with
+AdamW, a snapshot in node memory every step and a replica of each on the other node.
+
+- a trainer crash (every rank SIGKILLed) resumes from each rank's own node memory;
+- a node loss (node 1's ranks and agent SIGKILLed, its memory removed) resumes on the
+  replaced node from the replicas node 0 holds, the other ranks from their own memory;
+
+both bit-exact against fingerprints the first run took, and the job's end frees every
+node's memory. Functions whose name starts with ``_rank_`` run inside the spawned ranks.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import signal
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.nn as nn
+from launcher import LaunchConfig, run_ranks
+
+pytestmark = pytest.mark.slow
+
+SHM = Path("/dev/shm")
+WORLD = 4
+PER_NODE = 2
+STEPS = 5
+LAUNCH = LaunchConfig(timeout_s=300.0, collective_timeout_s=60.0, preload=("torch._dynamo",))
+CRASH = LaunchConfig(
+    timeout_s=300.0,
+    collective_timeout_s=60.0,
+    preload=("torch._dynamo",),
+    crash_after_result=True,
+)
+
+
+def _job(seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(seed)
+    # Linear(32, 3): 3 rows over 4 ranks, an uneven shard (one rank holds none)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 32), nn.Linear(32, 3))
+    mesh = init_device_mesh("cpu", (WORLD,))
+    for layer in model:
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model, torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.1)
+
+
+def _step(model: nn.Module, optim: torch.optim.Optimizer, step: int) -> None:
+    g = torch.Generator().manual_seed(step)
+    optim.zero_grad(set_to_none=True)
+    model(torch.randn(8, 16, generator=g)).square().mean().backward()
+    optim.step()
+
+
+def _digest(t: torch.Tensor) -> str:
+    local = t.to_local() if hasattr(t, "to_local") else t
+    local = local.detach().contiguous()
+    return (
+        f"{local.dtype}{list(local.shape)}:" + hashlib.sha256(local.numpy().tobytes()).hexdigest()
+    )
+
+
+def _fingerprints(model: nn.Module, optim: torch.optim.Optimizer) -> dict[str, str]:
+    """This rank's parameters and AdamW state as it holds them (its local shards)."""
+    names = {p: n for n, p in model.named_parameters()}
+    out = {f"param.{n}": _digest(p) for p, n in names.items()}
+    for param, entry in optim.state.items():
+        for key, value in entry.items():
+            out[f"state.{names[param]}.{key}"] = _digest(torch.as_tensor(value))
+    return out
+
+
+def _rank_run(rank: int, world_size: int, base: str, train_to: int, close: bool) -> dict[str, Any]:
+    import torch.distributed as dist
+
+    from quicksave.manager import (
+        CheckpointConfig,
+        CheckpointManager,
+        MemoryTierConfig,
+        ModelState,
+        OptimizerState,
+    )
+
+    assert world_size == WORLD
+    root = os.path.join(base, f"node-{rank // PER_NODE}")
+    memory = MemoryTierConfig(
+        every=1,
+        keep=2,
+        root=root,
+        job_id="peers",
+        idle_timeout_s=120,
+        replicas=1,
+        ranks_per_node=PER_NODE,
+    )
+    # the folder's interval is far away: only the memory tier holds the steps
+    config = CheckpointConfig(folder=os.path.join(base, "ckpt"), interval=1000, memory=memory)
+    model, optim = _job(seed=rank + 100 * train_to)  # other weights each run
+    manager = CheckpointManager(
+        config, {"model": ModelState(model), "optimizer": OptimizerState(model, optim)}
+    )
+    start = manager.load() or 0
+    record = manager.last_load
+    loaded = _fingerprints(model, optim)
+    for step in range(start + 1, train_to + 1):
+        _step(model, optim, step)
+        manager.save(step)
+    manager.wait()  # the snapshots, and their replicas
+    tier = manager.memory_tier
+    assert tier is not None and tier.replicas is not None
+    log = tier.replicas.log
+    result = {
+        "start": start,
+        "tier": record.tier if record else None,
+        "loaded": loaded,
+        "trained": _fingerprints(model, optim),
+        "own": tier.steps(),
+        "held": {str(k): v for k, v in tier.replicas.held().items()},
+        "replicated_steps": [s.step for s in log],
+        "bytes_sent": [s.sent for s in log],
+        "seconds": [s.seconds for s in log],
+        "job_dir": str(tier.node.path),
+        "failures": tier.failures,
+        "replica_error": None if tier.replicas.error is None else str(tier.replicas.error),
+    }
+    dist.barrier()
+    if close:
+        manager.close()  # the job's end: each node's agent frees its memory
+    return result
+
+
+@pytest.fixture
+def nodes():
+    if not SHM.is_dir():
+        pytest.skip("no /dev/shm (tmpfs) on this machine")
+    base = SHM / f"qs-peers-{uuid.uuid4().hex[:12]}"
+    for node in range(WORLD // PER_NODE):
+        (base / f"node-{node}").mkdir(parents=True)
+    yield base
+    _kill_agents(base)
+    shutil.rmtree(base, ignore_errors=True)
+
+
+def _kill_agents(where: Path) -> None:
+    for record in where.rglob("agent.json"):
+        try:
+            os.kill(int(json.loads(record.read_text())["pid"]), signal.SIGKILL)
+        except (OSError, ValueError, KeyError):
+            pass
+
+
+def _gone(path: str, within_s: float = 60.0) -> bool:
+    import time
+
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        if not os.path.exists(path):
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def test_trainer_crash_then_node_loss_resume_bit_exact(nodes, tmp_path) -> None:
+    base = str(nodes)
+    first = run_ranks(_rank_run, WORLD, base, STEPS, False, config=CRASH)
+    for rank, r in enumerate(first):
+        assert r["start"] == 0 and r["failures"] == 0 and r["replica_error"] is None
+        assert r["own"] == [STEPS - 1, STEPS]  # keep=2
+        # rank r holds the replicas of the rank in its position on the other node
+        assert r["held"] == {str((rank + PER_NODE) % WORLD): [STEPS - 1, STEPS]}
+        assert r["replicated_steps"] == list(range(1, STEPS + 1))
+    print(
+        "replication per step (bytes sent by rank 0, seconds):",
+        [
+            (b, round(s, 4))
+            for b, s in zip(first[0]["bytes_sent"], first[0]["seconds"], strict=True)
+        ],
+    )
+
+    # a trainer crash: every rank resumes from its own node's memory
+    second = run_ranks(_rank_run, WORLD, base, STEPS, False, config=CRASH)
+    for rank, r in enumerate(second):
+        assert (r["start"], r["tier"]) == (STEPS, "memory"), rank
+        assert r["loaded"] == first[rank]["trained"], f"rank {rank} not bit-exact"
+
+    # node 1 is lost: its ranks (dead already), its agent and its memory
+    lost = nodes / "node-1"
+    _kill_agents(lost)
+    shutil.rmtree(lost)
+    lost.mkdir()  # the replacement node's empty tmpfs
+
+    third = run_ranks(_rank_run, WORLD, base, STEPS + 2, True, config=LAUNCH)
+    assert [r["tier"] for r in third] == ["memory", "memory", "peer", "peer"]
+    for rank, r in enumerate(third):
+        assert r["start"] == STEPS, rank
+        assert r["loaded"] == first[rank]["trained"], f"rank {rank} not bit-exact"
+        assert r["failures"] == 0 and r["replica_error"] is None
+        # training went on and replicated again, node 1 included
+        assert r["held"] == {str((rank + PER_NODE) % WORLD): [STEPS + 1, STEPS + 2]}
+    # the job ended (close): no node keeps its memory
+    for r in third:
+        assert _gone(r["job_dir"]), r["job_dir"]
