@@ -44,6 +44,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from quicksave import api
+from quicksave.commit.files import remove_tree
 from quicksave.errors import CheckpointError
 from quicksave.loading.run_folder import committed_steps
 from quicksave.manager.config import CheckpointConfig
@@ -125,6 +126,11 @@ class MemoryTier:
         self.rank = session.rank() or 0
         self.world_size = session.world_size()
         url = session.location.url
+        placement = None  # checked before anything is made
+        if self.memory.replicas:
+            placement = Placement.resolve(
+                self.memory.replicas, self.memory.ranks_per_node, self.world_size
+            )
         node = NodeMemoryConfig(
             root=self.memory.root,
             job_id=self.memory.job_id,
@@ -145,10 +151,7 @@ class MemoryTier:
         self._outbox: dict[int, bool] = {}  # steps to offer the replicas, in order: made?
         self._holders: dict[int, list[int]] = {}  # recovery: step -> each rank's holder
         self.replicas: PeerReplicas | None = None
-        if self.memory.replicas:
-            placement = Placement.resolve(
-                self.memory.replicas, self.memory.ranks_per_node, self.world_size
-            )
+        if placement is not None:
             group = collectives.new_gloo_group(
                 collectives.group_ranks(session.checkpoint_group()), config.commit_timeout_s
             )
@@ -287,6 +290,14 @@ class MemoryTier:
             own = Path(self.folder)
             fetched = peer_recovery.fetch(step, holders, self.rank, self.world_dir, own, group)
         self.source = "peer" if fetched else TIER
+        try:
+            self._load_own(step, states, strict=strict)
+        except CheckpointError:
+            if fetched:  # a torn copy: not kept as this rank's own
+                remove_tree(self.path(step))
+            raise
+
+    def _load_own(self, step: int, states: Mapping[str, Any], *, strict: bool) -> None:
         path = self.path(step)
         if not any(_has_dtensor(_peek(s)) for s in states.values()):
             api.load(states, path, strict=strict, no_dist=True)
