@@ -112,8 +112,10 @@ def _rank_run(rank: int, world_size: int, base: str, train_to: int, close: bool)
     start = manager.load() or 0
     record = manager.last_load
     loaded = _fingerprints(model, optim)
+    by_step = {}
     for step in range(start + 1, train_to + 1):
         _step(model, optim, step)
+        by_step[str(step)] = _fingerprints(model, optim)
         manager.save(step)
     manager.wait()  # the snapshots, and their replicas
     tier = manager.memory_tier
@@ -124,6 +126,8 @@ def _rank_run(rank: int, world_size: int, base: str, train_to: int, close: bool)
         "tier": record.tier if record else None,
         "loaded": loaded,
         "trained": _fingerprints(model, optim),
+        "by_step": by_step,
+        "load_s": record.seconds if record else None,
         "own": tier.steps(),
         "held": {str(k): v for k, v in tier.replicas.held().items()},
         "replicated_steps": [s.step for s in log],
@@ -200,6 +204,7 @@ def test_trainer_crash_then_node_loss_resume_bit_exact(nodes, tmp_path) -> None:
     lost.mkdir()  # the replacement node's empty tmpfs
 
     third = run_ranks(_rank_run, WORLD, base, STEPS + 2, True, config=LAUNCH)
+    print("load() seconds by rank (memory, memory, peer, peer):", [r["load_s"] for r in third])
     assert [r["tier"] for r in third] == ["memory", "memory", "peer", "peer"]
     for rank, r in enumerate(third):
         assert r["start"] == STEPS, rank
@@ -210,3 +215,80 @@ def test_trainer_crash_then_node_loss_resume_bit_exact(nodes, tmp_path) -> None:
     # the job ended (close): no node keeps its memory
     for r in third:
         assert _gone(r["job_dir"]), r["job_dir"]
+
+
+def _lose_node(nodes: Path, node: int) -> None:
+    """Node ``node`` is lost: its agent killed, its memory gone (its ranks are dead
+    already); the replacement node comes with an empty tmpfs."""
+    lost = nodes / f"node-{node}"
+    _kill_agents(lost)
+    shutil.rmtree(lost)
+    lost.mkdir()
+
+
+def test_a_torn_replica_is_skipped_for_the_older_step(nodes) -> None:
+    base = str(nodes)
+    first = run_ranks(_rank_run, WORLD, base, STEPS, False, config=CRASH)
+    # node 0's replica of rank 2's newest snapshot loses bytes; then node 1 is lost
+    replica = next(nodes.glob(f"node-0/*/*/world-{WORLD}/replica-of-2/step-{STEPS}"))
+    data = max(
+        (p for p in replica.iterdir() if p.name.endswith(".safetensors")),
+        key=lambda p: p.stat().st_size,
+    )
+    with open(data, "r+b") as f:
+        f.seek(data.stat().st_size - 64)  # in the tensor data
+        f.write(b"\xff" * 8)
+    _lose_node(nodes, 1)
+    second = run_ranks(_rank_run, WORLD, base, STEPS, True, config=LAUNCH)
+    assert [r["tier"] for r in second] == ["memory", "memory", "peer", "peer"]
+    for rank, r in enumerate(second):
+        # step 5 fails its checksums on rank 2, so every rank loads step 4
+        assert r["start"] == STEPS - 1, rank
+        assert r["loaded"] == first[rank]["by_step"][str(STEPS - 1)], f"rank {rank}"
+        assert r["trained"] == first[rank]["trained"], f"rank {rank} trained on differently"
+
+
+def _rank_lonely(rank: int, world_size: int, base: str) -> dict[str, Any]:
+    """Rank 1 stops replicating after step 2; rank 0's exchange of step 3 then fails
+    at the group's timeout, and rank 0 goes on with its own snapshots."""
+    import torch.distributed as dist
+
+    from quicksave.manager import CheckpointConfig, CheckpointManager, MemoryTierConfig, ModelState
+
+    memory = MemoryTierConfig(
+        every=1, keep=2, root=base, job_id="lonely", replicas=1, ranks_per_node=1
+    )
+    config = CheckpointConfig(
+        folder=os.path.join(base, "ckpt"), interval=1000, memory=memory, commit_timeout_s=5
+    )
+    torch.manual_seed(0)
+    model = nn.Linear(8, 8)
+    manager = CheckpointManager(config, {"model": ModelState(model)})
+    tier = manager.memory_tier
+    assert tier is not None and tier.replicas is not None
+    for step in range(1, 6):
+        with torch.no_grad():
+            model.weight.add_(1.0)
+        manager.save(step)
+        if step == 2:
+            manager.wait()
+            if rank == 1:
+                tier.replicas.close(60)  # this rank's thread ends: no more exchanges
+    manager.wait()
+    result = {
+        "own": tier.steps(),
+        "held": {str(k): v for k, v in tier.replicas.held().items()},
+        "error": None if tier.replicas.error is None else str(tier.replicas.error),
+    }
+    dist.barrier()
+    manager.close()
+    return result
+
+
+def test_a_peer_that_stops_replicating_never_stops_the_training(nodes) -> None:
+    lonely, other = run_ranks(_rank_lonely, 2, str(nodes / "node-0"), config=LAUNCH)
+    assert lonely["own"] == other["own"] == [4, 5]  # the snapshots went on
+    assert lonely["held"] == {"1": [1, 2]} and other["held"] == {"0": [1, 2]}
+    assert lonely["error"] is not None  # rank 0 stopped replicating, and said why
+    print("rank 0 stopped replicating:", lonely["error"].splitlines()[0])
+    assert other["error"] is None

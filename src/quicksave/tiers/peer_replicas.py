@@ -188,11 +188,11 @@ class PeerReplicas:
             self._cond.notify_all()
 
     def drain(self, timeout: float) -> bool:
-        """Wait until every offer so far is exchanged (or replication stopped); False if
-        some were still waiting after ``timeout`` seconds."""
+        """Wait until every offer so far is exchanged (or replication stopped, or was
+        closed); False if some were still waiting after ``timeout`` seconds."""
         deadline = time.monotonic() + timeout
         with self._cond:
-            while (self._queue or self._busy) and self.error is None:
+            while (self._queue or self._busy) and self.error is None and self._thread.is_alive():
                 left = deadline - time.monotonic()
                 if left <= 0:
                     return False
