@@ -47,8 +47,9 @@ class MemoryTierConfig:
         replicas: copies of each rank's snapshot kept in the memory of ranks on other
             nodes (:mod:`quicksave.tiers.peer_replicas`): rank ``r``'s ``k``-th goes to
             rank ``(r + k * ranks_per_node) % world_size``; each node then holds
-            ``keep`` × (1 + ``replicas``) snapshots per rank. Must be below the number
-            of nodes; 0: none.
+            ``keep`` × (1 + ``replicas``) snapshots per rank (and, while the copies lag,
+            up to ``keep`` more that retention removed but are still being sent). Must be
+            below the number of nodes; 0: none.
         ranks_per_node: the ranks of one node (consecutive ranks share a node); None:
             the launcher's ``LOCAL_WORLD_SIZE``, else every rank on one node (so no
             replica can be placed).
