@@ -292,3 +292,69 @@ def test_a_peer_that_stops_replicating_never_stops_the_training(nodes) -> None:
     assert lonely["error"] is not None  # rank 0 stopped replicating, and said why
     print("rank 0 stopped replicating:", lonely["error"].splitlines()[0])
     assert other["error"] is None
+
+
+def _rank_plain(rank: int, world_size: int, base: str, train_to: int) -> dict[str, Any]:
+    """One node per rank, a replica on each other node (``replicas=2`` of 3 nodes); a
+    plain model whose weights differ per rank (each rank's snapshot is its own)."""
+    import torch.distributed as dist
+
+    from quicksave.manager import (
+        CheckpointConfig,
+        CheckpointManager,
+        MemoryTierConfig,
+        ModelState,
+        OptimizerState,
+    )
+
+    memory = MemoryTierConfig(
+        every=1,
+        keep=2,
+        root=os.path.join(base, f"node-{rank}"),
+        job_id="three",
+        replicas=2,
+        ranks_per_node=1,
+    )
+    config = CheckpointConfig(folder=os.path.join(base, "ckpt"), interval=1000, memory=memory)
+    torch.manual_seed(rank + 10 * train_to)
+    model = nn.Linear(16, 16)
+    optim = torch.optim.AdamW(model.parameters(), lr=0.01)
+    manager = CheckpointManager(
+        config, {"model": ModelState(model), "optimizer": OptimizerState(model, optim)}
+    )
+    start = manager.load() or 0
+    record = manager.last_load
+    loaded = _fingerprints(model, optim)
+    for step in range(start + 1, train_to + 1):
+        g = torch.Generator().manual_seed(step * 10 + rank)
+        optim.zero_grad()
+        model(torch.randn(4, 16, generator=g)).square().mean().backward()
+        optim.step()
+        manager.save(step)
+    manager.wait()
+    tier = manager.memory_tier
+    assert tier is not None and tier.replicas is not None
+    result = {
+        "start": start,
+        "tier": record.tier if record else None,
+        "loaded": loaded,
+        "trained": _fingerprints(model, optim),
+        "held": {str(k): v for k, v in sorted(tier.replicas.held().items())},
+    }
+    dist.barrier()
+    return result
+
+
+def test_two_replicas_on_three_nodes_survive_the_loss_of_two(nodes) -> None:
+    base = str(nodes)
+    (nodes / "node-2").mkdir()
+    first = run_ranks(_rank_plain, 3, base, 3, config=CRASH)
+    for rank, r in enumerate(first):
+        others = sorted(str(o) for o in range(3) if o != rank)
+        assert r["held"] == dict.fromkeys(others, [2, 3]), rank
+    _lose_node(nodes, 1)
+    _lose_node(nodes, 2)
+    second = run_ranks(_rank_plain, 3, base, 3, config=CRASH)
+    assert [r["tier"] for r in second] == ["memory", "peer", "peer"]
+    for rank, r in enumerate(second):
+        assert r["start"] == 3 and r["loaded"] == first[rank]["trained"], rank
