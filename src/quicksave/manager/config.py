@@ -49,7 +49,9 @@ class MemoryTierConfig:
             rank ``(r + k * ranks_per_node) % world_size``; each node then holds
             ``keep`` × (1 + ``replicas``) snapshots per rank (and, while the copies lag,
             up to ``keep`` more that retention removed but are still being sent). Must be
-            below the number of nodes; 0: none.
+            below the number of nodes; 0: none. The copies go in a background thread over
+            a gloo group of their own; a peer that does not answer within
+            ``commit_timeout_s`` stops the replication (logged), never the training.
         ranks_per_node: the ranks of one node (consecutive ranks share a node); None:
             the launcher's ``LOCAL_WORLD_SIZE``, else every rank on one node (so no
             replica can be placed).
