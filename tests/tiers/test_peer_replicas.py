@@ -116,3 +116,21 @@ def test_a_peers_file_list_names_plain_files_only() -> None:
     for bad in (["../x", 1], ["a/b", 1], ["..", 1], ["x", -1], ["x", "1"], "x"):
         with pytest.raises(CheckpointError, match="a peer sent a bad file entry"):
             check_names([bad])
+
+
+def test_a_node_holding_every_ranks_snapshot_or_a_replica_lists_the_step(tmp_path) -> None:
+    import json
+
+    from quicksave.tiers.listing import memory_holdings
+
+    url = "file:///runs/a"
+    job = tmp_path / f"quicksave-{os.getuid()}" / "job-a"
+    job.mkdir(parents=True)
+    (job / "job.json").write_text(json.dumps({"folder_url": url}))
+    world = job / "world-4"
+    for held, steps in (("rank-0", [4, 5]), ("rank-1", [5]), ("replica-of-2", [4, 5])):
+        for step in steps:
+            api.save({"x": torch.ones(2)}, str(world / held / f"step-{step}"), no_dist=True)
+    api.save({"x": torch.ones(2)}, str(world / "replica-of-3" / "step-5"), no_dist=True)
+    got = [(h.step, h.ranks, h.complete) for h in memory_holdings(url, str(tmp_path))]
+    assert got == [(4, 2, False), (5, 4, True)]
