@@ -134,3 +134,15 @@ def test_a_node_holding_every_ranks_snapshot_or_a_replica_lists_the_step(tmp_pat
     api.save({"x": torch.ones(2)}, str(world / "replica-of-3" / "step-5"), no_dist=True)
     got = [(h.step, h.ranks, h.complete) for h in memory_holdings(url, str(tmp_path))]
     assert got == [(4, 2, False), (5, 4, True)]
+
+
+def test_replicas_on_a_single_node_job_are_refused_before_any_memory_is_made(tmp_path) -> None:
+    from quicksave.manager import CheckpointConfig, CheckpointManager, ModelState
+
+    root = tmp_path / "shm"
+    root.mkdir()
+    memory = MemoryTierConfig(root=str(root), job_id="one", replicas=1)
+    config = CheckpointConfig(folder=str(tmp_path / "ckpt"), async_mode="disabled", memory=memory)
+    with pytest.raises(CheckpointError, match="memory.replicas is 1 but the job has 1 node"):
+        CheckpointManager(config, {"model": ModelState(torch.nn.Linear(2, 2))})
+    assert list(root.iterdir()) == []  # no job folder, no agent
