@@ -72,6 +72,9 @@ class LaunchConfig:
         env: extra environment variables for the ranks.
         preload: modules the zygote imports before forking, so that no rank pays for
             them (e.g. ``torch._dynamo``, which DTensor imports on first use: ~1.3 s).
+        crash_after_result: each rank SIGKILLs itself once its result is written (no
+            teardown, no exit handlers): a trainer crash, for the tests of what outlives
+            it.
     """
 
     timeout_s: float = 120.0
@@ -79,6 +82,7 @@ class LaunchConfig:
     collective_timeout_s: float = 60.0
     env: dict[str, str] = field(default_factory=dict)
     preload: tuple[str, ...] = ()
+    crash_after_result: bool = False
 
 
 @dataclass(frozen=True)
@@ -94,6 +98,7 @@ class _GroupSpec:
     grace_s: float
     collective_timeout_s: float
     preload: tuple[str, ...]
+    crash_after_result: bool
     args: tuple[Any, ...]
     kwargs: dict[str, Any]
 
@@ -167,6 +172,7 @@ def run_ranks(
             grace_s=config.grace_s,
             collective_timeout_s=config.collective_timeout_s,
             preload=tuple(config.preload),
+            crash_after_result=config.crash_after_result,
             args=args,
             kwargs=kwargs,
         )
@@ -342,6 +348,8 @@ def _rank_main(spec: _GroupSpec, fn: Callable[..., Any], rank: int) -> int:
         # could block on them; the zygote kills them after the grace period.
         return 1
     _write_result(spec.result_path(rank), {"ok": True, "value": value})
+    if spec.crash_after_result:
+        os.kill(os.getpid(), signal.SIGKILL)
     dist.destroy_process_group()
     return 0
 

@@ -44,6 +44,17 @@ class MemoryTierConfig:
             (``TORCHELASTIC_RUN_ID``, ``SLURM_JOB_ID``, ...), else from the folder.
         idle_timeout_s: with no live trainer attached this long, the agent frees the
             job's memory and exits (a restarted trainer must attach within it).
+        replicas: copies of each rank's snapshot kept in the memory of ranks on other
+            nodes (:mod:`quicksave.tiers.peer_replicas`): rank ``r``'s ``k``-th goes to
+            rank ``(r + k * ranks_per_node) % world_size``; each node then holds
+            ``keep`` × (1 + ``replicas``) snapshots per rank (and, while the copies lag,
+            up to ``keep`` more that retention removed but are still being sent). Must be
+            below the number of nodes; 0: none. The copies go in a background thread over
+            a gloo group of their own; a peer that does not answer within
+            ``commit_timeout_s`` stops the replication (logged), never the training.
+        ranks_per_node: the ranks of one node (consecutive ranks share a node); None:
+            the launcher's ``LOCAL_WORLD_SIZE``, else every rank on one node (so no
+            replica can be placed).
     """
 
     every: int = 1
@@ -51,10 +62,15 @@ class MemoryTierConfig:
     root: str = "/dev/shm"
     job_id: str | None = None
     idle_timeout_s: float = 300.0
+    replicas: int = 0
+    ranks_per_node: int | None = None
 
     def __post_init__(self) -> None:
         _check_int("memory.every", self.every, minimum=1)
         _check_int("memory.keep", self.keep, minimum=1)
+        _check_int("memory.replicas", self.replicas, minimum=0)
+        if self.ranks_per_node is not None:
+            _check_int("memory.ranks_per_node", self.ranks_per_node, minimum=1)
         if not isinstance(self.root, str) or not os.path.isdir(self.root):
             raise CheckpointError(f"memory.root must be an existing folder, got {self.root!r}")
         if not (isinstance(self.idle_timeout_s, (int, float)) and self.idle_timeout_s > 0):

@@ -452,7 +452,8 @@ class CheckpointManager:
         memory = self.memory_tier
         if memory is not None and (loaded := load_from_memory(memory, strict)) is not None:
             self._placed = True
-            self.last_load = LoadRecord.now(loaded, "memory", begin, self._io.pending)
+            # "memory", or "peer" where this rank fetched its snapshot from a peer
+            self.last_load = LoadRecord.now(loaded, memory.source, begin, self._io.pending)
             return loaded
         loaded = self.session.load_newest(
             lambda candidate, checkpoint: self._io.load_step(candidate, checkpoint, strict=strict)

@@ -18,6 +18,14 @@ none loads every rank loads from the folder. A
 snapshot is only used by the same world size (the one it was written by: it cannot be
 resharded); a changed world size loads from the folder.
 
+Peer replicas (``MemoryTierConfig.replicas``): each committed snapshot is offered, in
+step order, to :class:`~quicksave.tiers.peer_replicas.PeerReplicas`, which copies it in
+the background into the memory of ranks on other nodes. Recovery then counts a step as
+held by a rank when its own memory or a peer's replica holds it; a rank whose own
+memory lacks the step tried gets it from the peer first
+(:mod:`quicksave.tiers.peer_recovery`), and its :attr:`MemoryTier.source` is
+``"peer"`` (``"memory"`` on the ranks that read their own): the label is per rank.
+
 A snapshot that fails to write is logged (naming the tier, rank and path) and counted in
 :attr:`MemoryTier.failures`; the folder's saves go on untouched, and recovery never
 trusts a snapshot that did not commit.
@@ -27,16 +35,17 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import shutil
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch.distributed.tensor import DTensor
 
 from quicksave import api
+from quicksave.commit.files import remove_tree
 from quicksave.errors import CheckpointError
 from quicksave.loading.checkpoint import require_committed
 from quicksave.loading.run_folder import committed_steps
@@ -50,7 +59,9 @@ from quicksave.manager.streamed_load import OptimizerStream, load_streamed
 from quicksave.ranks import collectives
 from quicksave.saving.handle import SaveHandle
 from quicksave.storage import parse_location
+from quicksave.tiers import peer_recovery
 from quicksave.tiers.node_memory import NodeMemory, NodeMemoryConfig, job_key
+from quicksave.tiers.peer_replicas import PeerReplicas, Placement
 
 logger = logging.getLogger("quicksave")
 
@@ -59,8 +70,9 @@ TIER = "memory"
 
 @dataclass
 class LoadRecord:
-    """What the last ``load()`` restored: the step, the tier it came from (``"memory"``
-    or ``"folder"``), the seconds until ``load()`` returned (training may start) and
+    """What the last ``load()`` restored: the step, the tier it came from on this rank
+    (``"memory"``: its node's memory; ``"peer"``: fetched from a peer's replica;
+    ``"folder"``), the seconds until ``load()`` returned (training may start) and
     :attr:`restored_s`, until every state was in place (later, where the optimizers'
     states streamed in behind: ``streamed_load.py``)."""
 
@@ -135,6 +147,11 @@ class MemoryTier:
         self.rank = session.rank() or 0
         self.world_size = session.world_size()
         url = session.location.url
+        placement = None  # checked before anything is made
+        if self.memory.replicas:
+            placement = Placement.resolve(
+                self.memory.replicas, self.memory.ranks_per_node, self.world_size
+            )
         node = NodeMemoryConfig(
             root=self.memory.root,
             job_id=self.memory.job_id,
@@ -142,7 +159,8 @@ class MemoryTier:
         )
         self.node = NodeMemory.attach(node, key=job_key(self.memory.job_id, url), folder_url=url)
         # the world size in the path: a snapshot is read back by the world that wrote it
-        where = self.node.path / f"world-{self.world_size}" / f"rank-{self.rank}"
+        self.world_dir = self.node.path / f"world-{self.world_size}"
+        where = self.world_dir / f"rank-{self.rank}"
         where.mkdir(mode=0o700, parents=True, exist_ok=True)
         self.folder = str(where)
         self.location = parse_location(self.folder)
@@ -150,6 +168,17 @@ class MemoryTier:
         self.pending: dict[int, SaveHandle] = {}
         self.failures = 0
         self.last_error: CheckpointError | None = None
+        self.source = TIER  # where the last load() read this rank's snapshot from
+        self._outbox: dict[int, bool] = {}  # steps to offer the replicas, in order: made?
+        self._holders: dict[int, list[int]] = {}  # recovery: step -> each rank's holder
+        self.replicas: PeerReplicas | None = None
+        if placement is not None:
+            group = collectives.new_gloo_group(
+                collectives.group_ranks(session.checkpoint_group()), config.commit_timeout_s
+            )
+            self.replicas = PeerReplicas(
+                self.world_dir, self.rank, placement, self.memory.keep, group
+            )
 
     def path(self, step: int) -> str:
         return f"{self.folder}/step-{step}"
@@ -166,7 +195,11 @@ class MemoryTier:
         copy overlapped as the folder's saves are); False if it was not made (held
         already, skipped by backpressure, or failed: logged)."""
         self.poll()
-        if step in self.pending or step in self.steps():
+        if step in self._outbox or step in self.pending:
+            return False
+        self._outbox[step] = True  # offered to the replicas once its outcome is known
+        if step in self.steps():
+            self._offer()
             return False
         state = local_view(self.io.collect("full"))
         metadata = {
@@ -180,13 +213,17 @@ class MemoryTier:
         try:
             if writer is None:
                 api.save(state, path, step=step, user_metadata=metadata, no_dist=True)
+                self._offer()
                 self._retain()
                 return True
             handle = writer.submit(state, path, step, metadata, local=True)
         except CheckpointError as e:
             self._failed(step, e)
+            self._offer()
             return False
         if handle is None:
+            self._outbox[step] = False
+            self._offer()
             return False
         self.pending[step] = handle
         return True
@@ -209,10 +246,25 @@ class MemoryTier:
             error = handle.exception()
             if error is not None:
                 self._failed(step, error)
+        self._offer()
         if finished:
             self._retain()
+        if wait_s and self.replicas is not None:
+            self.replicas.drain(max(0.0, deadline - time.monotonic()))
+
+    def _offer(self, *, abandon: bool = False) -> None:
+        """Offer the replicas the steps whose snapshots are settled, in step order (a
+        step still being written holds back the later ones; ``abandon``: offered as not
+        made)."""
+        for step in sorted(self._outbox):
+            if step in self.pending and not abandon:
+                break
+            made = self._outbox.pop(step) and step not in self.pending
+            if self.replicas is not None:
+                self.replicas.offer(step, self.path(step) if made else None)
 
     def _failed(self, step: int, error: BaseException) -> None:
+        self._outbox[step] = False
         self.failures += 1
         self.last_error = error if isinstance(error, CheckpointError) else None
         logger.warning(
@@ -232,20 +284,41 @@ class MemoryTier:
             logger.warning("quicksave: the memory tier's retention in %s: %s", self.folder, e)
 
     def steps_everywhere(self) -> list[int]:
-        """The steps every rank holds in memory, written by this world size, ascending
-        (collective with several ranks: every rank calls it alike)."""
+        """The steps every rank can get, in its own memory or from a peer's replica,
+        written by this world size, ascending (collective with several ranks: every
+        rank calls it alike)."""
         mine = self.steps()
         if self.world_size == 1:
             return mine
-        everyone = collectives.all_gather_object(mine, self.session.checkpoint_group())
-        return sorted(set(everyone[0]).intersection(*everyone[1:]))
+        held = {} if self.replicas is None else self.replicas.held()
+        reports = collectives.all_gather_object((mine, held), self.session.checkpoint_group())
+        self._holders = peer_recovery.holders_by_step(reports)
+        return sorted(self._holders)
 
     def load(self, step: int, states: Mapping[str, Any], *, strict: bool) -> None:
-        """Load this rank's snapshot of ``step`` into ``states`` (no collective).
+        """Load this rank's snapshot of ``step`` into ``states``; first, when some rank's
+        own memory lacks it (see :meth:`steps_everywhere`), the transfers from the
+        replicas' holders (every rank calls it alike then).
 
         Raises:
-            CheckpointError: the snapshot is missing, torn or does not fit the states.
+            CheckpointError: the snapshot is missing, torn or does not fit the states, or
+                its transfer from a peer failed.
         """
+        holders = self._holders.get(step, [])
+        fetched = False
+        if any(h != r for r, h in enumerate(holders)):
+            group = self.session.checkpoint_group()
+            own = Path(self.folder)
+            fetched = peer_recovery.fetch(step, holders, self.rank, self.world_dir, own, group)
+        self.source = "peer" if fetched else TIER
+        try:
+            self._load_own(step, states, strict=strict)
+        except CheckpointError:
+            if fetched:  # a torn copy: not kept as this rank's own
+                remove_tree(self.path(step))
+            raise
+
+    def _load_own(self, step: int, states: Mapping[str, Any], *, strict: bool) -> None:
         path = self.path(step)
         checkpoint = require_committed(path, step=step, rank=self.rank)  # classified once
         if not any(_has_dtensor(_peek(s)) for s in states.values()):
@@ -257,7 +330,7 @@ class MemoryTier:
                 stream=self.config.stream_load,
                 on_done=lambda: self.session.loaded(step),
                 # failed after load() returned: the snapshot is never picked again
-                on_error=lambda _: shutil.rmtree(path, ignore_errors=True),
+                on_error=lambda _: remove_tree(path),
             )
             return
         dicts = {}
@@ -277,6 +350,9 @@ class MemoryTier:
         the node's memory (``job_done``: the job ended; its memory is freed once no
         trainer of it is attached)."""
         self.poll(wait_s=self.config.close_timeout_s)
+        if self.replicas is not None:
+            self._offer(abandon=True)  # the peers expect every step: unsettled as none
+            self.replicas.close(self.config.close_timeout_s)
         self.node.detach(job_done=job_done)
 
 

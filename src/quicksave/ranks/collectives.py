@@ -6,14 +6,17 @@ each cross-rank step of a save or a load is one named call here, made by orchest
 code (the engine, the manager, the NVRx-compatible queue, the integrations).
 
 Every function is a collective of ``group`` (None: the default group): **every rank of
-the group must call it, in the same order**, or the job deadlocks. Integers travel as
+the group must call it, in the same order**, or the job deadlocks; except the point to
+point ones (``exchange_*``), which a pair of ranks calls, each naming the other. Integers travel as
 one small int64 tensor on the group's device (CUDA for NCCL groups, else CPU); Python
 objects are pickled by ``torch.distributed`` and must be small.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
+from datetime import timedelta
 from typing import Any, Literal
 
 import torch
@@ -94,3 +97,66 @@ def broadcast_object(obj: Any, src: int, group: Any = None) -> Any:
     out: list[Any] = [obj]
     dist.broadcast_object_list(out, group=group, group_src=src)
     return out[0]
+
+
+def new_gloo_group(ranks: Sequence[int] | None, timeout_s: float) -> Any:
+    """A new gloo group over the global ``ranks`` (None: the world) whose operations give
+    up after ``timeout_s``. Creating a group is collective: every rank of the world calls
+    it, in the same order as its other group creations."""
+    return dist.new_group(
+        ranks=None if ranks is None else list(ranks),
+        backend="gloo",
+        timeout=timedelta(seconds=timeout_s),
+    )
+
+
+def group_ranks(group: Any) -> list[int]:
+    """The global ranks of ``group`` (None: the world), in group-rank order."""
+    if group is None:
+        return list(range(dist.get_world_size()))
+    return dist.get_process_group_ranks(group)
+
+
+def exchange_tensors(
+    sends: Sequence[torch.Tensor],
+    send_to: int | None,
+    recvs: Sequence[torch.Tensor],
+    recv_from: int | None,
+    group: Any,
+    tag: int = 0,
+) -> None:
+    """Point to point, not a collective of the whole group: send ``sends`` to the group
+    rank ``send_to`` and receive ``recvs`` (filled in place, their sizes agreed
+    beforehand) from the group rank ``recv_from``, all at once; returns when every
+    transfer is done. ``send_to`` must make the matching call with this rank as its
+    ``recv_from`` (same tensors' sizes, same ``tag``), and so must ``recv_from``;
+    a peer that never does fails this call after the group's timeout (a
+    ``RuntimeError``). The ``i``-th tensor travels with tag ``tag + i``."""
+    works = []
+    if send_to is not None:
+        for i, t in enumerate(sends):
+            works.append(dist.isend(t, group=group, group_dst=send_to, tag=tag + i))
+    if recv_from is not None:
+        for i, t in enumerate(recvs):
+            works.append(dist.irecv(t, group=group, group_src=recv_from, tag=tag + i))
+    for work in works:
+        work.wait()
+
+
+def exchange_objects(
+    obj: Any, send_to: int | None, recv_from: int | None, group: Any, tag: int = 0
+) -> Any:
+    """Point to point (as :func:`exchange_tensors`): send the JSON value ``obj`` to the
+    group rank ``send_to`` and return the one ``recv_from`` sends (None without
+    ``recv_from``). Two transfers each way: the length, then the bytes (tags ``tag``
+    and ``tag + 1``)."""
+    data = json.dumps(obj).encode()
+    length_in = torch.zeros(1, dtype=torch.int64)
+    length_out = torch.tensor([len(data)], dtype=torch.int64)
+    exchange_tensors([length_out], send_to, [length_in], recv_from, group, tag)
+    payload_in = torch.empty(int(length_in.item()), dtype=torch.uint8)
+    payload_out = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    exchange_tensors([payload_out], send_to, [payload_in], recv_from, group, tag + 1)
+    if recv_from is None:
+        return None
+    return json.loads(payload_in.numpy().tobytes())

@@ -176,8 +176,10 @@ class AsyncSaver:
                 commit (the rename commit exchanges the two directories): until
                 then, and if the save fails, the old one stays whole. Single-rank saves
                 to local paths only.
-            local: save this rank alone, as a one-rank checkpoint (no vote, no collective:
-                a memory tier's snapshot). Its failure is its handle's alone.
+            local: save from this rank alone, as a single-rank checkpoint of its own
+                (several ranks: no vote, no collective; each rank's snapshot of a
+                memory tier). Its failure is its handle's alone: no later ``save()`` or
+                ``finalize()`` raises it.
 
         Returns:
             a SaveHandle, or None if skipped by ``backpressure="skip"``.
@@ -267,23 +269,21 @@ class AsyncSaver:
         # The target itself is checked by the worker before it writes
         # (worker/execute.py): the training thread never waits on the store.
         with phase("save.collect"):
-            # (a local save is a checkpoint of one rank: rank 0 of its own files)
             state = self._collect_whole(state_dict, loc.url, 0 if local else self.rank)
         with phase("save.plan"):
             plan = single_rank_plan(self._plans, state, self.config.thread_count)
             manifest = single_rank_manifest(plan, state, step, user_metadata)
         return PlannedSave(plan, state.tensors, state.sources, manifest, new_token())
 
-    def _collect_whole(
-        self, state_dict: Mapping[str, Any], final: str, rank: int | None = None
-    ) -> LocalState:
-        """One rank: collect ``state_dict`` (every tensor whole here) for a save to
-        ``final`` (named in errors) as ``rank`` (default this saver's)."""
+    def _collect_whole(self, state_dict: Mapping[str, Any], final: str, rank: int) -> LocalState:
+        """One rank: collect ``state_dict`` (every tensor whole here) as ``rank``'s files
+        (0 for a local snapshot) for a save to ``final``; errors name it and this rank."""
         try:
-            return self._collected.collect(state_dict, self.rank if rank is None else rank)
+            return self._collected.collect(state_dict, rank)
         except IncompatibleStateError as e:
             if e.path is None and final:
                 e.path = final
+            e.rank = self.rank
             raise
 
     def _free_slot(self) -> InFlightPool | None:
@@ -330,7 +330,7 @@ class AsyncSaver:
             loc,
             draft,
             step,
-            0 if local else self.rank,
+            self.rank,
             self.config,
             overwrite,
         )
@@ -566,7 +566,7 @@ class AsyncSaver:
             if self._closed:
                 return None
             try:
-                state = self._collect_whole(state_dict, "")
+                state = self._collect_whole(state_dict, "", self.rank)
                 plan = single_rank_plan(self._plans, state, self.config.thread_count)
             except CheckpointError as e:
                 logger.debug("quicksave: nothing prepared: %s", e)

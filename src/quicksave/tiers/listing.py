@@ -2,8 +2,10 @@
 
 The memory tier's snapshots live under ``<root>/quicksave-<uid>/<key>/`` (one job
 folder per job, :mod:`.node_memory`), whose ``job.json`` names the checkpoint folder
-they belong to, in ``world-<W>/rank-<r>/step-<N>`` (one single-rank checkpoint per rank).
-A step counts as held when it is committed there for every rank of its world size.
+they belong to, in ``world-<W>/rank-<r>/step-<N>`` (one single-rank checkpoint per rank)
+and, for the peer replicas this node keeps of other nodes' ranks,
+``world-<W>/replica-of-<r>/step-<N>``. A step counts as held when it is committed there
+for every rank of its world size, as the rank's own snapshot or a replica of it.
 Only this user's job folders are read.
 """
 
@@ -18,12 +20,13 @@ from pathlib import Path
 from quicksave.loading.run_folder import committed_steps
 
 _WORLD = re.compile(r"world-(\d+)")
-_RANK = re.compile(r"rank-(\d+)")
+_HOLDS = re.compile(r"(?:rank|replica-of)-(\d+)")  # a rank's own snapshots, or a replica
 
 
 @dataclass(frozen=True)
 class MemoryHolding:
-    """One step in this node's memory: the ranks holding it, of ``world_size``."""
+    """One step in this node's memory: the ranks whose snapshot of it this node holds
+    (own or replica), of ``world_size``."""
 
     step: int
     ranks: int
@@ -39,7 +42,7 @@ def memory_holdings(folder_url: str, root: str = "/dev/shm") -> list[MemoryHoldi
     """The steps of the checkpoint folder ``folder_url`` that this node's memory holds
     (``root``: the tmpfs the memory tier uses), by step; [] if none (or no tmpfs)."""
     base = Path(root) / f"quicksave-{os.getuid()}"
-    found: dict[tuple[int, int], list[str]] = {}
+    found: dict[tuple[int, int], dict[int, str]] = {}
     try:
         jobs = sorted(p for p in base.iterdir() if p.is_dir())
     except OSError:
@@ -53,12 +56,13 @@ def memory_holdings(folder_url: str, root: str = "/dev/shm") -> list[MemoryHoldi
             continue
         for world in _children(job, _WORLD):
             size = int(_WORLD.fullmatch(world.name).group(1))  # type: ignore[union-attr]
-            for rank in _children(world, _RANK):
-                for step in committed_steps(str(rank), allow_dcp=False):
-                    found.setdefault((step, size), []).append(str(job))
+            for held in _children(world, _HOLDS):
+                rank = int(_HOLDS.fullmatch(held.name).group(1))  # type: ignore[union-attr]
+                for step in committed_steps(str(held), allow_dcp=False):
+                    found.setdefault((step, size), {}).setdefault(rank, str(job))
     return [
-        MemoryHolding(step, len(paths), size, paths[0])
-        for (step, size), paths in sorted(found.items())
+        MemoryHolding(step, len(ranks), size, next(iter(ranks.values())))
+        for (step, size), ranks in sorted(found.items())
     ]
 
 

@@ -1,0 +1,360 @@
+"""Peer replicas of the memory tier on a simulated 2-node job: 4 gloo ranks as 2 nodes ×
+2 ranks, each node with its own tmpfs root (and so its own agent), an FSDP2 model with
+AdamW, a snapshot in node memory every step and a replica of each on the other node.
+
+- a trainer crash (every rank SIGKILLed) resumes from each rank's own node memory;
+- a node loss (node 1's ranks and agent SIGKILLed, its memory removed) resumes on the
+  replaced node from the replicas node 0 holds, the other ranks from their own memory;
+
+both bit-exact against fingerprints the first run took, and the job's end frees every
+node's memory. Functions whose name starts with ``_rank_`` run inside the spawned ranks.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import signal
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.nn as nn
+from launcher import LaunchConfig, run_ranks
+
+pytestmark = pytest.mark.slow
+
+SHM = Path("/dev/shm")
+WORLD = 4
+PER_NODE = 2
+STEPS = 5
+LAUNCH = LaunchConfig(timeout_s=300.0, collective_timeout_s=60.0, preload=("torch._dynamo",))
+CRASH = LaunchConfig(
+    timeout_s=300.0,
+    collective_timeout_s=60.0,
+    preload=("torch._dynamo",),
+    crash_after_result=True,
+)
+
+
+def _job(seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(seed)
+    # Linear(32, 3): 3 rows over 4 ranks, an uneven shard (one rank holds none)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 32), nn.Linear(32, 3))
+    mesh = init_device_mesh("cpu", (WORLD,))
+    for layer in model:
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model, torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.1)
+
+
+def _step(model: nn.Module, optim: torch.optim.Optimizer, step: int) -> None:
+    g = torch.Generator().manual_seed(step)
+    optim.zero_grad(set_to_none=True)
+    model(torch.randn(8, 16, generator=g)).square().mean().backward()
+    optim.step()
+
+
+def _digest(t: torch.Tensor) -> str:
+    local = t.to_local() if hasattr(t, "to_local") else t
+    local = local.detach().contiguous()
+    return (
+        f"{local.dtype}{list(local.shape)}:" + hashlib.sha256(local.numpy().tobytes()).hexdigest()
+    )
+
+
+def _fingerprints(model: nn.Module, optim: torch.optim.Optimizer) -> dict[str, str]:
+    """This rank's parameters and AdamW state as it holds them (its local shards)."""
+    names = {p: n for n, p in model.named_parameters()}
+    out = {f"param.{n}": _digest(p) for p, n in names.items()}
+    for param, entry in optim.state.items():
+        for key, value in entry.items():
+            out[f"state.{names[param]}.{key}"] = _digest(torch.as_tensor(value))
+    return out
+
+
+def _rank_run(rank: int, world_size: int, base: str, train_to: int, close: bool) -> dict[str, Any]:
+    import torch.distributed as dist
+
+    from quicksave.manager import (
+        CheckpointConfig,
+        CheckpointManager,
+        MemoryTierConfig,
+        ModelState,
+        OptimizerState,
+    )
+
+    assert world_size == WORLD
+    root = os.path.join(base, f"node-{rank // PER_NODE}")
+    memory = MemoryTierConfig(
+        every=1,
+        keep=2,
+        root=root,
+        job_id="peers",
+        idle_timeout_s=120,
+        replicas=1,
+        ranks_per_node=PER_NODE,
+    )
+    # the folder's interval is far away: only the memory tier holds the steps
+    config = CheckpointConfig(folder=os.path.join(base, "ckpt"), interval=1000, memory=memory)
+    model, optim = _job(seed=rank + 100 * train_to)  # other weights each run
+    manager = CheckpointManager(
+        config, {"model": ModelState(model), "optimizer": OptimizerState(model, optim)}
+    )
+    start = manager.load() or 0
+    record = manager.last_load
+    loaded = _fingerprints(model, optim)
+    by_step = {}
+    for step in range(start + 1, train_to + 1):
+        _step(model, optim, step)
+        by_step[str(step)] = _fingerprints(model, optim)
+        manager.save(step)
+    manager.wait()  # the snapshots, and their replicas
+    tier = manager.memory_tier
+    assert tier is not None and tier.replicas is not None
+    log = tier.replicas.log
+    result = {
+        "start": start,
+        "tier": record.tier if record else None,
+        "loaded": loaded,
+        "trained": _fingerprints(model, optim),
+        "by_step": by_step,
+        "load_s": record.seconds if record else None,
+        "own": tier.steps(),
+        "held": {str(k): v for k, v in tier.replicas.held().items()},
+        "replicated_steps": [s.step for s in log],
+        "bytes_sent": [s.sent for s in log],
+        "seconds": [s.seconds for s in log],
+        "job_dir": str(tier.node.path),
+        "failures": tier.failures,
+        "replica_error": None if tier.replicas.error is None else str(tier.replicas.error),
+    }
+    dist.barrier()
+    if close:
+        manager.close()  # the job's end: each node's agent frees its memory
+    return result
+
+
+@pytest.fixture
+def nodes():
+    if not SHM.is_dir():
+        pytest.skip("no /dev/shm (tmpfs) on this machine")
+    base = SHM / f"qs-peers-{uuid.uuid4().hex[:12]}"
+    for node in range(WORLD // PER_NODE):
+        (base / f"node-{node}").mkdir(parents=True)
+    yield base
+    _kill_agents(base)
+    shutil.rmtree(base, ignore_errors=True)
+
+
+def _kill_agents(where: Path) -> None:
+    for record in where.rglob("agent.json"):
+        try:
+            os.kill(int(json.loads(record.read_text())["pid"]), signal.SIGKILL)
+        except (OSError, ValueError, KeyError):
+            pass
+
+
+def _gone(path: str, within_s: float = 60.0) -> bool:
+    import time
+
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        if not os.path.exists(path):
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def test_trainer_crash_then_node_loss_resume_bit_exact(nodes, tmp_path) -> None:
+    base = str(nodes)
+    first = run_ranks(_rank_run, WORLD, base, STEPS, False, config=CRASH)
+    for rank, r in enumerate(first):
+        assert r["start"] == 0 and r["failures"] == 0 and r["replica_error"] is None
+        assert r["own"] == [STEPS - 1, STEPS]  # keep=2
+        # rank r holds the replicas of the rank in its position on the other node
+        assert r["held"] == {str((rank + PER_NODE) % WORLD): [STEPS - 1, STEPS]}
+        assert r["replicated_steps"] == list(range(1, STEPS + 1))
+    print(
+        "replication per step (bytes sent by rank 0, seconds):",
+        [
+            (b, round(s, 4))
+            for b, s in zip(first[0]["bytes_sent"], first[0]["seconds"], strict=True)
+        ],
+    )
+
+    # a trainer crash: every rank resumes from its own node's memory
+    second = run_ranks(_rank_run, WORLD, base, STEPS, False, config=CRASH)
+    for rank, r in enumerate(second):
+        assert (r["start"], r["tier"]) == (STEPS, "memory"), rank
+        assert r["loaded"] == first[rank]["trained"], f"rank {rank} not bit-exact"
+
+    # node 1 is lost: its ranks (dead already), its agent and its memory
+    lost = nodes / "node-1"
+    _kill_agents(lost)
+    shutil.rmtree(lost)
+    lost.mkdir()  # the replacement node's empty tmpfs
+
+    third = run_ranks(_rank_run, WORLD, base, STEPS + 2, True, config=LAUNCH)
+    print("load() seconds by rank (memory, memory, peer, peer):", [r["load_s"] for r in third])
+    assert [r["tier"] for r in third] == ["memory", "memory", "peer", "peer"]
+    for rank, r in enumerate(third):
+        assert r["start"] == STEPS, rank
+        assert r["loaded"] == first[rank]["trained"], f"rank {rank} not bit-exact"
+        assert r["failures"] == 0 and r["replica_error"] is None
+        # training went on and replicated again, node 1 included
+        assert r["held"] == {str((rank + PER_NODE) % WORLD): [STEPS + 1, STEPS + 2]}
+    # the job ended (close): no node keeps its memory
+    for r in third:
+        assert _gone(r["job_dir"]), r["job_dir"]
+
+
+def _lose_node(nodes: Path, node: int) -> None:
+    """Node ``node`` is lost: its agent killed, its memory gone (its ranks are dead
+    already); the replacement node comes with an empty tmpfs."""
+    lost = nodes / f"node-{node}"
+    _kill_agents(lost)
+    shutil.rmtree(lost)
+    lost.mkdir()
+
+
+def test_a_torn_replica_is_skipped_for_the_older_step(nodes) -> None:
+    base = str(nodes)
+    first = run_ranks(_rank_run, WORLD, base, STEPS, False, config=CRASH)
+    # node 0's replica of rank 2's newest snapshot loses bytes; then node 1 is lost
+    replica = next(nodes.glob(f"node-0/*/*/world-{WORLD}/replica-of-2/step-{STEPS}"))
+    data = max(
+        (p for p in replica.iterdir() if p.name.endswith(".safetensors")),
+        key=lambda p: p.stat().st_size,
+    )
+    with open(data, "r+b") as f:
+        f.seek(data.stat().st_size - 64)  # in the tensor data
+        f.write(b"\xff" * 8)
+    _lose_node(nodes, 1)
+    second = run_ranks(_rank_run, WORLD, base, STEPS, True, config=LAUNCH)
+    assert [r["tier"] for r in second] == ["memory", "memory", "peer", "peer"]
+    for rank, r in enumerate(second):
+        # step 5 fails its checksums on rank 2, so every rank loads step 4
+        assert r["start"] == STEPS - 1, rank
+        assert r["loaded"] == first[rank]["by_step"][str(STEPS - 1)], f"rank {rank}"
+        assert r["trained"] == first[rank]["trained"], f"rank {rank} trained on differently"
+
+
+def _rank_lonely(rank: int, world_size: int, base: str) -> dict[str, Any]:
+    """Rank 1 stops replicating after step 2; rank 0's exchange of step 3 then fails
+    at the group's timeout, and rank 0 goes on with its own snapshots."""
+    import torch.distributed as dist
+
+    from quicksave.manager import CheckpointConfig, CheckpointManager, MemoryTierConfig, ModelState
+
+    memory = MemoryTierConfig(
+        every=1, keep=2, root=base, job_id="lonely", replicas=1, ranks_per_node=1
+    )
+    config = CheckpointConfig(
+        folder=os.path.join(base, "ckpt"), interval=1000, memory=memory, commit_timeout_s=5
+    )
+    torch.manual_seed(0)
+    model = nn.Linear(8, 8)
+    manager = CheckpointManager(config, {"model": ModelState(model)})
+    tier = manager.memory_tier
+    assert tier is not None and tier.replicas is not None
+    for step in range(1, 6):
+        with torch.no_grad():
+            model.weight.add_(1.0)
+        manager.save(step)
+        if step == 2:
+            manager.wait()
+            if rank == 1:
+                tier.replicas.close(60)  # this rank's thread ends: no more exchanges
+    manager.wait()
+    result = {
+        "own": tier.steps(),
+        "held": {str(k): v for k, v in tier.replicas.held().items()},
+        "error": None if tier.replicas.error is None else str(tier.replicas.error),
+    }
+    dist.barrier()
+    manager.close()
+    return result
+
+
+def test_a_peer_that_stops_replicating_never_stops_the_training(nodes) -> None:
+    lonely, other = run_ranks(_rank_lonely, 2, str(nodes / "node-0"), config=LAUNCH)
+    assert lonely["own"] == other["own"] == [4, 5]  # the snapshots went on
+    assert lonely["held"] == {"1": [1, 2]} and other["held"] == {"0": [1, 2]}
+    assert lonely["error"] is not None  # rank 0 stopped replicating, and said why
+    print("rank 0 stopped replicating:", lonely["error"].splitlines()[0])
+    assert other["error"] is None
+
+
+def _rank_plain(rank: int, world_size: int, base: str, train_to: int) -> dict[str, Any]:
+    """One node per rank, a replica on each other node (``replicas=2`` of 3 nodes); a
+    plain model whose weights differ per rank (each rank's snapshot is its own)."""
+    import torch.distributed as dist
+
+    from quicksave.manager import (
+        CheckpointConfig,
+        CheckpointManager,
+        MemoryTierConfig,
+        ModelState,
+        OptimizerState,
+    )
+
+    memory = MemoryTierConfig(
+        every=1,
+        keep=2,
+        root=os.path.join(base, f"node-{rank}"),
+        job_id="three",
+        replicas=2,
+        ranks_per_node=1,
+    )
+    config = CheckpointConfig(folder=os.path.join(base, "ckpt"), interval=1000, memory=memory)
+    torch.manual_seed(rank + 10 * train_to)
+    model = nn.Linear(16, 16)
+    optim = torch.optim.AdamW(model.parameters(), lr=0.01)
+    manager = CheckpointManager(
+        config, {"model": ModelState(model), "optimizer": OptimizerState(model, optim)}
+    )
+    start = manager.load() or 0
+    record = manager.last_load
+    loaded = _fingerprints(model, optim)
+    for step in range(start + 1, train_to + 1):
+        g = torch.Generator().manual_seed(step * 10 + rank)
+        optim.zero_grad()
+        model(torch.randn(4, 16, generator=g)).square().mean().backward()
+        optim.step()
+        manager.save(step)
+    manager.wait()
+    tier = manager.memory_tier
+    assert tier is not None and tier.replicas is not None
+    result = {
+        "start": start,
+        "tier": record.tier if record else None,
+        "loaded": loaded,
+        "trained": _fingerprints(model, optim),
+        "held": {str(k): v for k, v in sorted(tier.replicas.held().items())},
+    }
+    dist.barrier()
+    return result
+
+
+def test_two_replicas_on_three_nodes_survive_the_loss_of_two(nodes) -> None:
+    base = str(nodes)
+    (nodes / "node-2").mkdir()
+    first = run_ranks(_rank_plain, 3, base, 3, config=CRASH)
+    for rank, r in enumerate(first):
+        others = sorted(str(o) for o in range(3) if o != rank)
+        assert r["held"] == dict.fromkeys(others, [2, 3]), rank
+    _lose_node(nodes, 1)
+    _lose_node(nodes, 2)
+    second = run_ranks(_rank_plain, 3, base, 3, config=CRASH)
+    assert [r["tier"] for r in second] == ["memory", "peer", "peer"]
+    for rank, r in enumerate(second):
+        assert r["start"] == 3 and r["loaded"] == first[rank]["trained"], rank
