@@ -234,19 +234,12 @@ class LocalBackend:
         except FileNotFoundError:
             return False
         try:
-            deadline = time.monotonic() + _LOCK_WAIT_S
-            while True:
-                try:
-                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                    break
-                except BlockingIOError:
-                    if time.monotonic() > deadline:
-                        raise CheckpointError(
-                            f"conditional write: the file stayed locked for {_LOCK_WAIT_S:g} s",
-                            path=key,
-                            rank=self.rank,
-                        ) from None
-                    time.sleep(0.01)
+            if not lock_within(fd, time.monotonic() + _LOCK_WAIT_S):
+                raise CheckpointError(
+                    f"conditional write: the file stayed locked for {_LOCK_WAIT_S:g} s",
+                    path=key,
+                    rank=self.rank,
+                )
             st = os.fstat(fd)
             try:
                 now = os.lstat(key)
@@ -292,3 +285,16 @@ def dir_files(path: str) -> dict[str, int]:
             except OSError:
                 pass
     return found
+
+
+def lock_within(fd: int, deadline: float) -> bool:
+    """Take an exclusive ``flock`` on ``fd``, trying until ``deadline``
+    (``time.monotonic()``); False if another holder kept it that long."""
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.01)

@@ -53,6 +53,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from quicksave.errors import CheckpointError
+from quicksave.storage.local import lock_within
 from quicksave.tiers import agent
 from quicksave.worker.main import environment
 
@@ -252,18 +253,12 @@ def _attach_lock(path: Path, deadline: float) -> Iterator[bool]:
         yield False
         return
     try:
-        while True:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if time.monotonic() > deadline:
-                    raise CheckpointError(
-                        f"node memory: waited {WAIT_S:.0f} s for the attach lock that "
-                        "another process holds",
-                        path=path,
-                    ) from None
-                time.sleep(0.01)
+        if not lock_within(fd, deadline):
+            raise CheckpointError(
+                f"node memory: waited {WAIT_S:.0f} s for the attach lock that "
+                "another process holds",
+                path=path,
+            )
         try:
             st = os.stat(path)
         except FileNotFoundError:
