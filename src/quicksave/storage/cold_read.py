@@ -20,7 +20,6 @@ Torch-free: the worker process imports the storage layer.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import errno
 import mmap
 import os
@@ -42,8 +41,7 @@ class _Libc:
     ``mincore``), or None where they are not available."""
 
     def __init__(self) -> None:
-        name = ctypes.util.find_library("c")
-        lib = ctypes.CDLL(name, use_errno=True)
+        lib = ctypes.CDLL(None, use_errno=True)  # the process's own symbols: libc's
         lib.mmap.restype = ctypes.c_void_p
         lib.mmap.argtypes = [
             ctypes.c_void_p,
@@ -76,8 +74,6 @@ class _Libc:
 
 
 def _libc() -> _Libc | None:
-    if not sys.platform.startswith("linux") or not hasattr(os, "O_DIRECT"):
-        return None
     try:
         return _Libc()
     except (OSError, AttributeError):
@@ -98,9 +94,9 @@ class ColdReader:
 
     def __init__(self, fd: int, size: int) -> None:
         self.fd, self.size = fd, size
-        self._libc = _libc()
+        self._libc: _Libc | None = None  # loaded by the first range worth asking about
         self._direct: int | None = None  # the O_DIRECT descriptor, opened on first use
-        self._off = self._libc is None  # O_DIRECT refused here: buffered reads only
+        self._off = not sys.platform.startswith("linux") or not hasattr(os, "O_DIRECT")
         self._lock = threading.Lock()
         self._local = threading.local()
         self._buffers: list[mmap.mmap] = []
@@ -108,8 +104,13 @@ class ColdReader:
     def resident(self, offset: int, length: int) -> bool:
         """Whether ``offset .. offset+length`` is best read buffered: cached (or small,
         or ``O_DIRECT`` is not available here)."""
-        if self._off or length < COLD_MIN or self._libc is None:
+        if self._off or length < COLD_MIN:
             return True
+        if self._libc is None:
+            self._libc = _libc()
+            if self._libc is None:
+                self._off = True
+                return True
         return self._libc.resident(self.fd, offset, length) is not False
 
     def read_into(self, view: memoryview, offset: int, seen: Seen | None) -> int:
