@@ -88,14 +88,13 @@ def _page_aligned(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     checkpoint's chunks do in their files: a cold load then reads each one straight
     into it with ``O_DIRECT`` (:mod:`quicksave.storage.cold_read`), with no copy through
     a buffer. The memory is a private anonymous mapping owned by the tensor's storage
-    (freed with it), in huge pages where the kernel offers them on request (one fault
-    per 2 MiB instead of per 4 KiB); a small tensor gets ordinary memory."""
+    (freed with it); a small tensor gets ordinary memory."""
     nbytes = math.prod(shape) * dtype.itemsize
     if nbytes < COLD_MIN:
         return torch.empty(shape, dtype=dtype)
+    # Not MADV_HUGEPAGE: fewer faults, but where memory is fragmented the kernel
+    # compacts it first, which costs far more than the faults saved (docs/benchmarks.md).
     memory = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE)  # as malloc's: not shared
-    if hasattr(mmap, "MADV_HUGEPAGE"):  # fewer faults where the kernel leaves it to us
-        memory.madvise(mmap.MADV_HUGEPAGE)
     pages = torch.frombuffer(memory, dtype=torch.uint8)  # page-aligned
     return torch.empty(0, dtype=dtype).set_(pages.untyped_storage(), 0, shape)
 

@@ -201,15 +201,15 @@ def _load(spec: dict[str, Any], model: Any, optim: Any) -> dict[str, float]:
         from quicksave.manager import CheckpointConfig, CheckpointManager
         from quicksave.manager.states import ModelState, OptimizerState
 
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), _cpu_s()
         states = {"model": ModelState(model), "optimizer": OptimizerState(model, optim)}
         config = CheckpointConfig(folder=spec["dirs"]["quicksave"], async_mode=spec["async_mode"])
         manager = CheckpointManager(config, states)
-        t1 = time.perf_counter()
+        t1, cpu1 = time.perf_counter(), _cpu_s()
         manager.load()
         t2 = time.perf_counter()
         manager.close()
-        return {"setup_s": t1 - t0, "load_s": t2 - t1}
+        return {"setup_s": t1 - t0, "setup_cpu_s": cpu1 - cpu0, "load_s": t2 - t1}
     if method == "dcp":
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
@@ -246,10 +246,13 @@ def run_child(spec: dict[str, Any]) -> dict[str, Any]:
     evict(root)
     out["resident_before_bytes"] = resident_bytes(root)
     out["bytes"] = sum(os.path.getsize(p) for p in _files(root))
+    cpu0 = _cpu_s()
     if method == "floor":
         out["load_s"] = _floor(root, spec["threads"])
+        out["load_cpu_s"] = _cpu_s() - cpu0
         return out
     out.update(_load(spec, model, optim))
+    out["load_cpu_s"] = _cpu_s() - cpu0 - out.get("setup_cpu_s", 0.0)
     if _fingerprint(_tensors(model, optim)) != spec["expected"]:
         raise RuntimeError(f"{method}: the restored state differs from the saved one")
     steps = [step() for _ in range(spec["steps"])]
@@ -257,6 +260,15 @@ def run_child(spec: dict[str, Any]) -> dict[str, Any]:
     out["first_step_extra_s"] = steps[0] - statistics.median(steps[1:])
     out["resume_s"] = out["load_s"] + out["first_step_extra_s"]
     return out
+
+
+def _cpu_s() -> float:
+    """CPU seconds of this process so far, user and system (on a busy machine a steadier
+    measure of the work than the wall clock)."""
+    import resource
+
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
 
 
 def child_main(argv: list[str]) -> int:
@@ -321,7 +333,7 @@ def run_cold_restore(
     median: dict[str, dict[str, float]] = {}
     for m, rs in runs.items():
         ok = [r for r in rs if "failed" not in r]
-        keys = ("load_s", "setup_s", "first_step_extra_s", "resume_s")
+        keys = ("load_s", "setup_s", "load_cpu_s", "first_step_extra_s", "resume_s")
         median[m] = {k: statistics.median(r[k] for r in ok) for k in keys if ok and k in ok[0]}
     floor = median.get("floor", {}).get("load_s")
     ratio = {
