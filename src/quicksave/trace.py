@@ -25,9 +25,11 @@ range                           thread                 what
 ``quicksave.load.plan``         calling                the reads of every rank (exchange)
 ``quicksave.load.read``         calling                this rank's reads, and the round
                                                        in which every rank hears of them
-``quicksave.load.verify``       reading threads        xxh3 of a chunk just read (one
-                                                       range per chunk: checks run
-                                                       chunk by chunk as bytes arrive)
+``quicksave.load.verify``       reading threads        xxh3 check of a chunk just read
+                                                       (one range per chunk; a chunk
+                                                       read piece by piece is hashed
+                                                       as the pieces land, inside the
+                                                       read, and only compared here)
 ``quicksave.load.restore``      calling                ``load_state_dict`` of each state
 =============================== ====================== ====================================
 

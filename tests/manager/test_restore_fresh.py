@@ -307,3 +307,32 @@ def test_a_load_reads_the_manifest_once(tmp_path: Path, monkeypatch: pytest.Monk
         reads[0] = 0
         assert manager.load() == 1
     assert reads[0] == 1
+
+
+def test_a_large_moment_is_page_aligned_memory_of_its_own(tmp_path: Path) -> None:
+    """A moment of a megabyte or more is allocated on a page (a cold load reads it
+    straight in with O_DIRECT): a plain tensor, its storage exactly its bytes, holding
+    the saved values; the job trains on exactly like the one that saved."""
+    from quicksave.storage.cold_read import ALIGN
+
+    torch.manual_seed(0)
+    model = nn.Linear(1024, 512)
+    optim = torch.optim.AdamW(model.parameters(), lr=0.01)
+    x = torch.randn(2, 1024)
+    model(x).square().sum().backward()
+    optim.step()
+    quicksave.save(_states(model, optim), tmp_path / "ck")
+    fresh = nn.Linear(1024, 512)
+    fresh_optim = torch.optim.AdamW(fresh.parameters(), lr=0.01)
+    quicksave.load(_states(fresh, fresh_optim), tmp_path / "ck")
+    _assert_exact(_everything(fresh, fresh_optim), _everything(model, optim))
+    for key in ("exp_avg", "exp_avg_sq"):
+        t = fresh_optim.state[fresh.weight][key]
+        assert type(t) is torch.Tensor and t._base is None, key
+        assert t.data_ptr() % ALIGN == 0 and t.storage_offset() == 0, key
+        assert t.untyped_storage().nbytes() == t.numel() * t.element_size(), key
+    for m, o in ((model, optim), (fresh, fresh_optim)):
+        o.zero_grad()
+        m(x).square().sum().backward()
+        o.step()
+    _assert_exact(_everything(fresh, fresh_optim), _everything(model, optim))

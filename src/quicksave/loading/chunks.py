@@ -25,7 +25,8 @@ from quicksave.format.manifest import ChunkEntry
 from quicksave.loading.checkpoint import Checkpoint, check_still_there
 from quicksave.storage import Location
 from quicksave.storage.backend import Backend
-from quicksave.storage.checkpoint_dir import CheckpointDir, Member
+from quicksave.storage.checkpoint_dir import CheckpointDir, Member, fill
+from quicksave.storage.cold_read import Seen
 from quicksave.trace import phase
 
 Where = tuple[str, str]  # (the URL of the checkpoint holding a file, the file's name)
@@ -140,26 +141,28 @@ def read_chunk_into(
 ) -> None:
     """Fill ``view`` with the bytes of ``entry`` from the open data file ``fd`` (at
     ``path``; a :class:`~quicksave.storage.checkpoint_dir.Member` on any backend) and
-    check their xxh3-64.
+    check their xxh3-64, computed piece by piece as the bytes land (while a piece read
+    through a buffer is still in the CPU's cache).
 
     Raises:
         CorruptCheckpointError: the file ends before the chunk does, or the checksum
             does not match; names the file, the fqn and the rank.
     """
-    got = 0
-    while got < entry.length:
-        n = fd.pread_into(view[got:], entry.offset + got)
-        if n == 0:
-            raise CorruptCheckpointError(
-                f"data file is truncated: chunk needs bytes {entry.offset}.."
-                f"{entry.offset + entry.length}, file ends at {entry.offset + got}",
-                path=path,
-                fqn=fqn,
-                rank=rank,
-            )
-        got += n
-    if verify:
-        check_chunk_digest(view, entry, path=path, fqn=fqn, rank=rank)
+    hasher = xxhash.xxh3_64() if verify else None
+    got = fd.read_into(
+        view[: entry.length], entry.offset, None if hasher is None else hasher.update
+    )
+    if got < entry.length:
+        raise CorruptCheckpointError(
+            f"data file is truncated: chunk needs bytes {entry.offset}.."
+            f"{entry.offset + entry.length}, file ends at {entry.offset + got}",
+            path=path,
+            fqn=fqn,
+            rank=rank,
+        )
+    if hasher is not None:
+        with phase("load.verify"):
+            _check_digest(hasher.intdigest(), entry, path=path, fqn=fqn, rank=rank)
 
 
 def check_chunk_digest(
@@ -167,7 +170,11 @@ def check_chunk_digest(
 ) -> None:
     """Raise if the bytes of chunk ``entry`` read into ``view`` fail its xxh3-64."""
     with phase("load.verify"):  # per chunk: chunks are checked as they arrive
-        actual = hexdigest(xxhash.xxh3_64_intdigest(view))
+        _check_digest(xxhash.xxh3_64_intdigest(view), entry, path=path, fqn=fqn, rank=rank)
+
+
+def _check_digest(digest: int, entry: ChunkEntry, *, path: str, fqn: str, rank: int | None) -> None:
+    actual = hexdigest(digest)
     if actual != entry.xxh3_64:
         raise CorruptCheckpointError(
             f"checksum mismatch in chunk at offsets {list(entry.offsets)} "
@@ -252,6 +259,9 @@ class Span:
             if n < len(v):
                 break
         return got
+
+    def read_into(self, view: memoryview, offset: int, seen: Seen | None = None) -> int:
+        return fill(self, view, offset, seen)
 
     def close(self) -> None:
         pass

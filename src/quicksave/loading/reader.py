@@ -6,8 +6,9 @@ Nothing from the checkpoint is unpickled: the DCP metadata is rebuilt from the m
 (``manifest.json``, or the one inside a DCP-layout ``.metadata``, whose chunks lie at
 unaligned offsets inside DCP's own ``.distcp`` files and are read the same way). Reads
 go straight into the destination tensors when a stored chunk maps onto a contiguous
-piece of one (``preadv`` into its memory), otherwise through one buffer per stored
-chunk; every chunk's xxh3-64 is checked as it is read. Each chunk is read from the
+piece of one (``preadv`` into its memory; from a local file whose bytes are not in the
+page cache, ``O_DIRECT``: ``storage/cold_read.py``), otherwise through one buffer per
+stored chunk; every chunk's xxh3-64 is checked as it is read. Each chunk is read from the
 checkpoint that holds it (:class:`~.chunks.ChunkSource`).
 
 Call order: ``read_metadata`` (all ranks) → ``set_up_storage_reader`` →

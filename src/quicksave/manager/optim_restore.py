@@ -26,6 +26,8 @@ load takes torch's own way (the zero-gradient step): slower, equally exact.
 from __future__ import annotations
 
 import logging
+import math
+import mmap
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -34,6 +36,7 @@ import torch.nn as nn
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from quicksave.errors import IncompatibleStateError, rank_of_this_process
+from quicksave.storage.cold_read import COLD_MIN
 
 logger = logging.getLogger("quicksave")
 
@@ -68,6 +71,8 @@ def _allocate(param: torch.Tensor, md: TensorStorageMetadata) -> torch.Tensor | 
     optimizer would have it; None when its layout cannot be known."""
     dtype, shape = md.properties.dtype, tuple(md.size)
     if shape == tuple(param.shape):  # a moment, a momentum buffer: like the parameter
+        if type(param) is torch.Tensor and param.device.type == "cpu" and param.is_contiguous():
+            return _page_aligned(shape, dtype)
         return torch.empty_like(param, dtype=dtype, memory_format=torch.preserve_format)
     if not shape:
         # A scalar (``step``): optimizers keep it on the CPU unless capturable or
@@ -76,6 +81,22 @@ def _allocate(param: torch.Tensor, md: TensorStorageMetadata) -> torch.Tensor | 
     if _is_dtensor(param):
         return None  # a sharded parameter's odd-shaped state: its placement is unknown
     return torch.empty(shape, dtype=dtype, device=param.device)
+
+
+def _page_aligned(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialised CPU tensor whose memory starts on a page (``ALIGN``), as a
+    checkpoint's chunks do in their files: a cold load then reads each one straight
+    into it with ``O_DIRECT`` (:mod:`quicksave.storage.cold_read`), with no copy through
+    a buffer. The memory is a private anonymous mapping owned by the tensor's storage
+    (freed with it); a small tensor gets ordinary memory."""
+    nbytes = math.prod(shape) * dtype.itemsize
+    if nbytes < COLD_MIN:
+        return torch.empty(shape, dtype=dtype)
+    # Not MADV_HUGEPAGE: fewer faults, but where memory is fragmented the kernel
+    # compacts it first, which costs far more than the faults saved (docs/benchmarks.md).
+    memory = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE)  # as malloc's: not shared
+    pages = torch.frombuffer(memory, dtype=torch.uint8)  # page-aligned
+    return torch.empty(0, dtype=dtype).set_(pages.untyped_storage(), 0, shape)
 
 
 def _in_creation_order(entries: dict[str, Any]) -> dict[str, Any]:

@@ -18,6 +18,7 @@ from typing import Protocol
 
 from quicksave.errors import CheckpointNotFoundError, CorruptCheckpointError
 from quicksave.storage.backend import Backend
+from quicksave.storage.cold_read import ColdReader, Seen
 from quicksave.storage.local import dir_files, preadv_full
 from quicksave.storage.location import Location, parse_location
 from quicksave.storage.safeio import member_path, open_regular, read_regular
@@ -37,20 +38,35 @@ class Member(Protocol):
         the bytes read, fewer only where the file ends."""
         ...
 
+    def read_into(self, view: memoryview, offset: int, seen: Seen | None = None) -> int:
+        """Fill ``view`` from ``offset``, handing each piece to ``seen`` (a checksum's
+        ``update``) in order as it lands; returns the bytes read, fewer only where the
+        file ends. A local file's bytes not in the page cache come with ``O_DIRECT``
+        (:mod:`~quicksave.storage.cold_read`)."""
+        ...
+
     def close(self) -> None: ...
 
 
 class _LocalMember:
     def __init__(self, fd: int, size: int) -> None:
         self.fd, self.size = fd, size
+        self._cold = ColdReader(fd, size)
 
     def pread_into(self, view: memoryview, offset: int) -> int:
         return os.preadv(self.fd, [view], offset)
+
+    def read_into(self, view: memoryview, offset: int, seen: Seen | None = None) -> int:
+        got = 0
+        if not self._cold.resident(offset, len(view)):
+            got = self._cold.read_into(view, offset, seen)  # short: O_DIRECT refused, or EOF
+        return got + fill(self, view[got:], offset + got, seen)
 
     def read_scatter(self, views: list[memoryview], offset: int) -> int:
         return preadv_full(self.fd, views, offset)
 
     def close(self) -> None:
+        self._cold.close()
         os.close(self.fd)
 
 
@@ -71,8 +87,25 @@ class _StoreMember:
         self.backend.read_scatter(self.key, offset, views)
         return min(want, max(0, self.size - offset))
 
+    def read_into(self, view: memoryview, offset: int, seen: Seen | None = None) -> int:
+        return fill(self, view, offset, seen)
+
     def close(self) -> None:
         pass
+
+
+def fill(f: Member, view: memoryview, offset: int, seen: Seen | None = None) -> int:
+    """:meth:`Member.read_into` through ``f.pread_into``: ``view`` filled from
+    ``offset`` (fewer bytes only where the file ends), then handed to ``seen`` whole."""
+    got = 0
+    while got < len(view):
+        n = f.pread_into(view[got:], offset + got)
+        if n == 0:
+            break
+        got += n
+    if got and seen is not None:
+        seen(view[:got])
+    return got
 
 
 def read_range(
