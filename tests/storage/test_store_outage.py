@@ -271,6 +271,7 @@ def _rank_outage(
         job.step()
         manager.save(step)  # after the outage every save commits ("log" and "raise")
     manager.close()
+    _after_every_close()
     return {
         "raised": raised,
         "during": during,
@@ -282,6 +283,14 @@ def _rank_outage(
         "longest_save_s": longest,
         "retention_failed": any("retention or clean-up in" in w for w in warnings),
     }
+
+
+def _after_every_close() -> None:
+    """A barrier: the lease holder's close (its last retention included) is done before
+    any rank lists the folder."""
+    import torch.distributed as dist
+
+    dist.barrier()
 
 
 def _rank_resume(rank: int, world: int, folder: str, env: dict[str, str]) -> dict[str, Any]:
@@ -483,6 +492,7 @@ def _rank_training_thread(
         elif step == TT_STEPS - 1:
             manager.wait()  # (a save due while the last one still retries is skipped)
     manager.close()
+    _after_every_close()
     return {
         "times": times,
         "connects": connects.count,
