@@ -37,7 +37,8 @@ TRAINER = textwrap.dedent(
     model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8))
     optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
     memory = MemoryTierConfig(every=1, keep=2, root=root, job_id="job-a", idle_timeout_s=120)
-    config = CheckpointConfig(folder=folder, interval=interval, async_mode=mode, memory=memory)
+    config = CheckpointConfig(folder=folder, interval=interval, async_mode=mode, memory=memory,
+                              stream_load=True)
     manager = CheckpointManager(config, {"model": ModelState(model),
                                          "optimizer": OptimizerState(model, optim)})
     start = manager.load() or 0

@@ -83,7 +83,7 @@ def test_a_torn_optimizer_chunk_is_raised_after_load_and_moved_aside(tmp_path):
         f.seek(chunk["offset"] + chunk["length"] // 2)
         f.write(b"\xff" * 8)
 
-    config = CheckpointConfig(folder=str(folder), async_mode="disabled")
+    config = CheckpointConfig(folder=str(folder), async_mode="disabled", stream_load=True)
     model, optim = _job(3)
     manager = CheckpointManager(config, _states(model, optim))
     assert manager.load() == 2  # the model's part is whole: training may start

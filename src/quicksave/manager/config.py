@@ -181,12 +181,14 @@ class CheckpointConfig:
         memory: a node-memory tier in front of the folder (:class:`MemoryTierConfig`):
             snapshots every few steps that a restarted trainer on the same node
             resumes from without reading the folder. None (default): the folder only.
-        stream_load: a resume's ``load()`` returns once every state but the optimizers'
-            is in place, and the optimizers' states (usually 2/3 of the bytes) load in
-            the background while the first forward and backward run; each optimizer's
-            ``step()`` (and every manager call) waits for them. Only where the load needs
-            no collective (one rank, or a rank's memory snapshot). False: ``load()``
-            returns with everything in place.
+        stream_load: True: a resume's ``load()`` returns once every state but the
+            optimizers' is in place, and the optimizers' states (usually 2/3 of the bytes)
+            load in the background while the first forward and backward run; each
+            optimizer's ``step()``, ``state_dict()`` and ``load_state_dict()`` (and every
+            manager call) wait for them, but code reading ``optimizer.state`` directly
+            would see values still arriving. Only where the load needs no collective (one
+            rank, or a rank's memory snapshot). False (default): ``load()`` returns with
+            everything in place.
 
     Raises:
         CheckpointError: on construction, for any invalid value (message names it).
@@ -228,7 +230,7 @@ class CheckpointConfig:
     log_level: str | None = None
     on_metrics: MetricsHook | None = None
     memory: MemoryTierConfig | None = None
-    stream_load: bool = True
+    stream_load: bool = False
 
     def __post_init__(self) -> None:
         if self.memory is not None and not isinstance(self.memory, MemoryTierConfig):

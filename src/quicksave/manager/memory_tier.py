@@ -327,6 +327,7 @@ class MemoryTier:
                 lambda part, leave: api.load(
                     part, checkpoint, strict=strict, no_dist=True, leave=leave
                 ),
+                checkpoint,
                 stream=self.config.stream_load,
                 on_done=lambda: self.session.loaded(step),
                 # failed after load() returned: the snapshot is never picked again

@@ -292,6 +292,7 @@ class StepIO:
             self.pending = load_streamed(
                 states,
                 load,
+                checkpoint,
                 stream=stream,
                 on_done=lambda: self.session.loaded(step),
                 on_error=lambda error: self._streamed_failed(path, error),

@@ -2,8 +2,10 @@
 first, and the optimizers' states (AdamW's two moments: about 2/3 of the bytes) stream
 in behind, in a background thread, while the first forward and backward run.
 
-Each optimizer's step waits (a step pre-hook) for what it has not yet received, so no
-optimizer step ever runs on partial state; so do its ``state_dict()`` and
+Opt-in (``CheckpointConfig(stream_load=True)``): code that reads ``optimizer.state``
+directly right after ``load()`` would see values still arriving. Each optimizer's step
+waits (a step pre-hook) for what it has not yet received, so no optimizer step ever runs
+on partial state; so do its ``state_dict()`` and
 ``load_state_dict()``, and every manager call that reads or writes the states
 (``save``, ``wait``, ``load``, ``export``, ``close``). A failure of the background load
 is raised there, on the training thread, once. Used only where the load needs no
@@ -21,6 +23,8 @@ from typing import Any
 from torch.utils.hooks import RemovableHandle
 
 from quicksave.errors import CheckpointError, IncompatibleStateError
+from quicksave.layout.dcp_metadata import manifest_to_metadata
+from quicksave.loading.checkpoint import Checkpoint
 from quicksave.manager.states import OptimizerState
 
 Load = Callable[[Mapping[str, Any], tuple[str, ...]], None]  # (states, names left to another load)
@@ -95,16 +99,23 @@ class OptimizerStream:
 def load_streamed(
     states: Mapping[str, Any],
     load: Load,
+    checkpoint: Checkpoint,
     *,
     stream: bool,
     on_done: Callable[[], None],
     on_error: Callable[[BaseException], None] | None = None,
 ) -> OptimizerStream | None:
-    """Load ``states`` with ``load``: all at once (``stream`` False, or nothing to
-    stream; ``on_done()`` runs before it returns and None is returned), or the
-    non-optimizer states now and the ``OptimizerState`` ones in the background (the
-    returned stream; ``on_done()`` runs when it is joined, or ``on_error(error)`` before
-    its error is raised, on the training thread)."""
+    """Load ``states`` from ``checkpoint`` with ``load``: all at once (``stream``
+    False, or nothing to stream; ``on_done()`` runs before it returns and None is
+    returned), or the non-optimizer states now and the ``OptimizerState`` ones in the
+    background (the returned stream; ``on_done()`` runs when it is joined, or
+    ``on_error(error)`` before its error is raised, on the training thread).
+
+    Before the stream starts, an optimizer without state gets its state tensors
+    allocated here, from the manifest the first load read: nothing that looks at
+    ``optimizer.state`` meanwhile finds it empty (DCP's state-dict functions would then
+    run an optimizer step to create it). Where that cannot be done (a stock DCP
+    checkpoint), the optimizers' states load now too."""
     later = {k: v for k, v in states.items() if isinstance(v, OptimizerState)}
     if not stream or not later or len(later) == len(states):
         load(states, ())
@@ -116,5 +127,19 @@ def load_streamed(
     except IncompatibleStateError:
         load(states, ())  # the states do not fit: the whole load's error names all of it
         raise
+    manifest = checkpoint.read.get("manifest")
+    if manifest is None:
+        load(later, tuple(first))
+        on_done()
+        return None
+    stored = manifest_to_metadata(manifest, checkpoint.url).state_dict_metadata
+    undos = [u for n, s in later.items() if (u := s.prepare_load(stored, f"{n}.")) is not None]
+
+    def failed(error: BaseException) -> None:
+        for undo in undos:  # uninitialised state: never trained with
+            undo()
+        if on_error is not None:
+            on_error(error)
+
     optimizers = [o for state in later.values() for o in state.optimizers]
-    return OptimizerStream(lambda: load(later, tuple(first)), optimizers, on_done, on_error)
+    return OptimizerStream(lambda: load(later, tuple(first)), optimizers, on_done, failed)

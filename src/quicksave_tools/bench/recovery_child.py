@@ -71,7 +71,9 @@ def memory_config(folder: str, every: int, interval: int) -> CheckpointConfig:
         from quicksave.manager import MemoryTierConfig  # type: ignore[attr-defined]
 
         memory = MemoryTierConfig(every=every, keep=2)
-        return CheckpointConfig(folder=folder, interval=interval, memory=memory)  # type: ignore[call-arg]
+        return CheckpointConfig(  # type: ignore[call-arg]
+            folder=folder, interval=interval, memory=memory, stream_load=True
+        )
     except (ImportError, TypeError) as e:
         raise Unavailable(f"this quicksave has no memory tier ({type(e).__name__}: {e})") from e
 
@@ -162,7 +164,9 @@ def _restore_one(
         if method == QUICKSAVE_MEMORY:
             config = memory_config(where, every=1, interval=10**9)
         else:
-            config = CheckpointConfig(folder=where, interval=1, storage=_storage(spec))
+            config = CheckpointConfig(
+                folder=where, interval=1, storage=_storage(spec), stream_load=True
+            )
         manager = CheckpointManager(config, states)
         setup = time.perf_counter() - t0
         t0 = time.perf_counter()
