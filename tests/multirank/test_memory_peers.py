@@ -231,12 +231,12 @@ def test_a_torn_replica_is_skipped_for_the_older_step(nodes) -> None:
     first = run_ranks(_rank_run, WORLD, base, STEPS, False, config=CRASH)
     # node 0's replica of rank 2's newest snapshot loses bytes; then node 1 is lost
     replica = next(nodes.glob(f"node-0/*/*/world-{WORLD}/replica-of-2/step-{STEPS}"))
-    data = max(
-        (p for p in replica.iterdir() if p.name.endswith(".safetensors")),
-        key=lambda p: p.stat().st_size,
+    manifest = json.loads((replica / "manifest.json").read_text())
+    chunk = max(
+        (c for t in manifest["tensors"].values() for c in t["chunks"]), key=lambda c: c["length"]
     )
-    with open(data, "r+b") as f:
-        f.seek(data.stat().st_size - 64)  # in the tensor data
+    with open(replica / chunk["file"], "r+b") as f:
+        f.seek(chunk["offset"] + chunk["length"] // 2)  # in the largest tensor's bytes
         f.write(b"\xff" * 8)
     _lose_node(nodes, 1)
     second = run_ranks(_rank_run, WORLD, base, STEPS, True, config=LAUNCH)

@@ -199,10 +199,11 @@ class AsyncWriter:
         metadata: dict[str, Any],
         *,
         local: bool = False,
+        in_place: int = 0,
     ) -> SaveHandle | None:
         """Start the save (engine ``save()``); None if skipped by backpressure.
         ``local``: this rank's own snapshot (the memory tier's; see the engine's
-        ``save``): not tracked here, its caller follows the handle.
+        ``save``, and its ``in_place``): not tracked here, its caller follows the handle.
 
         Raises:
             CheckpointError: bad input, or the engine refused the save.
@@ -217,6 +218,7 @@ class AsyncWriter:
                 deferred=deferred,
                 user_metadata=metadata,
                 local=local,
+                in_place=in_place,
             )
 
         try:

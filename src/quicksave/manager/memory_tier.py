@@ -58,6 +58,7 @@ from quicksave.manager.step_io import StepIO
 from quicksave.manager.streamed_load import OptimizerStream, load_streamed
 from quicksave.ranks import collectives
 from quicksave.saving.handle import SaveHandle
+from quicksave.saving.in_flight import POOL_PREFIX
 from quicksave.storage import parse_location
 from quicksave.tiers import peer_recovery
 from quicksave.tiers.node_memory import NodeMemory, NodeMemoryConfig, job_key
@@ -163,7 +164,12 @@ class MemoryTier:
         where = self.world_dir / f"rank-{self.rank}"
         where.mkdir(mode=0o700, parents=True, exist_ok=True)
         self.folder = str(where)
+        for stale in where.glob(f"{POOL_PREFIX}*"):  # a dead trainer's staging buffers
+            stale.unlink(missing_ok=True)
         self.location = parse_location(self.folder)
+        # The snapshots are their staging buffers (the engine's ``in_place``): the kept
+        # ones, those in flight and the one being staged.
+        self.buffers = self.memory.keep + config.max_in_flight + 1
         self.retention = KeepLatestK(self.memory.keep)
         self.pending: dict[int, SaveHandle] = {}
         self.failures = 0
@@ -216,7 +222,7 @@ class MemoryTier:
                 self._offer()
                 self._retain()
                 return True
-            handle = writer.submit(state, path, step, metadata, local=True)
+            handle = writer.submit(state, path, step, metadata, local=True, in_place=self.buffers)
         except CheckpointError as e:
             self._failed(step, e)
             self._offer()

@@ -37,6 +37,7 @@ and its guard; ``wait()`` returns what the saver then does under its lock), ``ra
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import itertools
 import logging
 import os
@@ -145,9 +146,7 @@ class AsyncSaver:
         """PID of the worker process (process mode), for monitoring and tests."""
         return self._worker.pid
 
-    @property
-    def in_flight(self) -> int:
-        return len(self._flights)
+    in_flight = property(lambda self: len(self._flights))
 
     # --------------------------------------------------------------------- save
     def save(
@@ -160,6 +159,7 @@ class AsyncSaver:
         user_metadata: dict[str, Any] | None = None,
         overwrite: bool = False,
         local: bool = False,
+        in_place: int = 0,
     ) -> SaveHandle | None:
         """Start saving ``state_dict`` to the checkpoint directory ``path``.
 
@@ -180,6 +180,10 @@ class AsyncSaver:
                 (several ranks: no vote, no collective; each rank's snapshot of a
                 memory tier). Its failure is its handle's alone: no later ``save()`` or
                 ``finalize()`` raises it.
+            in_place: a ``local`` snapshot whose one data file IS its staging memory, a
+                file of ``path``'s folder (a tmpfs) linked at the commit: no copy after
+                staging. Up to ``in_place`` such pools, each reused once no snapshot
+                links it; while all are held, the save is skipped (None, logged).
 
         Returns:
             a SaveHandle, or None if skipped by ``backpressure="skip"``.
@@ -206,15 +210,12 @@ class AsyncSaver:
                     path=loc.url,
                     rank=self.rank,
                 )
-            planned = self._collect_and_plan(state_dict, loc, step, user_metadata, overwrite, local)
-            if planned is None:
-                return None
-            slot = self._free_slot()
+            local = local or bool(in_place)
+            planned = self._collect_and_plan(
+                state_dict, loc, step, user_metadata, overwrite, local, in_place
+            )
+            slot = None if planned is None else self._free_slot(planned, loc, in_place, step)
             if slot is None:
-                logger.warning(
-                    "quicksave: skipped the save of step %s: the previous save is still in flight",
-                    step,
-                )
                 return None
             handle = SaveHandle(step, loc.url, t0)
             handle._saver = self
@@ -244,9 +245,10 @@ class AsyncSaver:
         user_metadata: dict[str, Any] | None,
         overwrite: bool,
         local: bool,
+        in_place: int = 0,
     ) -> PlannedSave | None:
         """Collect and plan (several ranks: through their vote, unless ``local``;
-        None: skipped)."""
+        ``in_place``: one data file; None: skipped)."""
         if self._vote is not None and not local:
             unreported = self._flights.unreported
             self._worker.replaced = False  # a dead worker is replaced once per save
@@ -264,14 +266,12 @@ class AsyncSaver:
         else:  # (one rank's own snapshot: an earlier failure is the next shared save's)
             self._confirm_if_staged()
             self._collect(0.0)
-        if overwrite:  # no I/O: can this kind of location replace atomically?
+        if overwrite:  # no I/O (the worker checks the target: never the training thread)
             strategy_class(loc).check_replace(loc, self.rank)
-        # The target itself is checked by the worker before it writes
-        # (worker/execute.py): the training thread never waits on the store.
         with phase("save.collect"):
             state = self._collect_whole(state_dict, loc.url, 0 if local else self.rank)
         with phase("save.plan"):
-            plan = single_rank_plan(self._plans, state, self.config.thread_count)
+            plan = single_rank_plan(self._plans, state, 1 if in_place else self.config.thread_count)
             manifest = single_rank_manifest(plan, state, step, user_metadata)
         return PlannedSave(plan, state.tensors, state.sources, manifest, new_token())
 
@@ -286,23 +286,29 @@ class AsyncSaver:
             e.rank = self.rank
             raise
 
-    def _free_slot(self) -> InFlightPool | None:
-        """A free slot: waits for one (``backpressure="wait"``), or None (``"skip"``, or
-        the save that holds the slot is stuck on a store that does not answer: the
-        training thread never waits on the store; logged)."""
+    def _free_slot(
+        self, planned: PlannedSave, loc: Location, in_place: int, step: int | None
+    ) -> InFlightPool | None:
+        """A free slot (``in_place``: ``InFlightPools.in_place_slot``): waits for one
+        (``backpressure="wait"``), or None, logged (``"skip"``, every in-place pool held,
+        or the save in flight is stuck on a store: training never waits on a store)."""
+        folder = os.path.dirname(loc.key.rstrip("/"))
         while True:
-            slot = self._slots.free()
-            if slot is not None:
+            if not in_place and (slot := self._slots.free()) is not None:
                 return slot
-            if self.config.backpressure == "skip":
-                return None
+            if in_place and self._slots.in_place_busy(folder) < self.config.max_in_flight:
+                slot = self._slots.in_place_slot(folder, in_place, planned.plan, self._worker)
+                if slot is None:
+                    logger.warning("quicksave: skipped step %s: every in-place pool is held", step)
+                return slot
             failing = self._worker.store_failing_for()
-            if failing is not None:
-                logger.warning(
-                    "quicksave: the store has not answered the save in flight for %.1f s "
-                    "(it retries up to retry_deadline_s)",
-                    failing,
+            if self.config.backpressure == "skip" or failing is not None:
+                why = (
+                    f"the store has not answered the save in flight for {failing or 0:.1f} s "
+                    "(it retries up to retry_deadline_s)"
                 )
+                why = "the previous save is still in flight" if failing is None else why
+                logger.warning("quicksave: skipped the save of step %s: %s", step, why)
                 return None
             self._collect(0.02)  # wait: a buffer the worker still reads is never overwritten
 
@@ -334,6 +340,8 @@ class AsyncSaver:
             self.config,
             overwrite,
         )
+        if pool.file is not None:  # in place: the commit links the pool's file
+            job = dataclasses.replace(job, linked=pool.file)
         fl = InFlight(
             handle,
             slot,
@@ -552,12 +560,7 @@ class AsyncSaver:
                 returning — for start-up, when nothing else competes for the CPU.
 
         Returns:
-            the thread building the pools, or None if there was nothing to build or it
-            was built before returning.
-
-        Example::
-
-            saver.prepare(state_dict)  # after step 1; save(state_dict, ...) at step 100
+            the thread building the pools; None: nothing to build, or built already.
         """
         self.wait_prepared()
         if self._dist is not None:
@@ -580,17 +583,14 @@ class AsyncSaver:
         self._preparer.build(plan, n, False)
         return None
 
-    def _install_prepared(
-        self, plan: EnginePlan, pools: list[StagingPool], background: bool
-    ) -> None:
-        """Install pools built ahead (``PoolPreparer``) under the saver's lock
-        (``InFlightPools.install``); once closed, they are freed."""
+    def _install_prepared(self, plan: EnginePlan, pools: list[StagingPool], bg: bool) -> None:
+        """Install pools built ahead (``PoolPreparer``); once closed, they are freed."""
         with self._lock:
             if self._closed:
                 for pool in pools:
                     pool.close()
                 return
-            sync_s = None if background else self.config.worker.start_timeout_s
+            sync_s = None if bg else self.config.worker.start_timeout_s
             failed = self._slots.install(plan, pools, self._worker, sync_s)
             if failed is not None:
                 self._worker_failed(failed)

@@ -42,6 +42,9 @@ from quicksave.worker.persisters import ProcessPersister
 
 logger = logging.getLogger("quicksave")
 
+# An in-place pool's file name in its folder (``.`` first: never a checkpoint's name).
+POOL_PREFIX = ".quicksave-pool-"
+
 
 @dataclass
 class InFlightPool:
@@ -51,6 +54,11 @@ class InFlightPool:
     plan_key: tuple | None = None
     pool_id: int = -1
     busy: int | None = None  # job id using the pool
+    folder: str | None = None  # an in-place slot's: its pool is a file of this folder
+
+    def held(self) -> bool:
+        """Busy with a save, or (in place) its pool is a committed checkpoint's file."""
+        return self.busy is not None or (self.pool is not None and self.pool.linked())
 
 
 class InFlightPools(Sequence[InFlightPool]):
@@ -65,6 +73,7 @@ class InFlightPools(Sequence[InFlightPool]):
 
     def __init__(self, count: int, ids: itertools.count, pin: bool | None) -> None:
         self._slots = [InFlightPool() for _ in range(count)]
+        self._in_place: list[InFlightPool] = []  # see in_place_slot()
         self._ids = ids
         self.pin = pin
 
@@ -82,8 +91,44 @@ class InFlightPools(Sequence[InFlightPool]):
         return next((s for s in self._slots if s.busy is None), None)
 
     def pools(self) -> list[tuple[int, StagingPool]]:
-        """(pool id, pool) of every slot that has a pool."""
-        return [(s.pool_id, s.pool) for s in self._slots if s.pool is not None]
+        """(pool id, pool) of every slot that has a pool (in-place ones included)."""
+        return [(s.pool_id, s.pool) for s in self._all() if s.pool is not None]
+
+    def _all(self) -> list[InFlightPool]:
+        return self._slots + self._in_place
+
+    def in_place_busy(self, folder: str) -> int:
+        """In-place saves into ``folder`` in flight."""
+        return sum(s.busy is not None for s in self._in_place if s.folder == folder)
+
+    def in_place_slot(
+        self, folder: str, count: int, plan: EnginePlan, worker: WorkerSupervisor
+    ) -> InFlightPool | None:
+        """A slot for an in-place snapshot into ``folder``: its pool is a file there that
+        the snapshot's commit hard-links as its data file (no copy after staging), so a
+        pool is free again only once no checkpoint links it (retention removed that
+        snapshot). Up to ``count`` such pools: one of ``plan`` first, then one that takes
+        ``plan``'s images, then a new slot, then any free one (rebuilt by
+        :meth:`pool_for`). None: every one is busy or a kept snapshot's."""
+        free = [s for s in self._in_place if s.folder == folder and not s.held()]
+        for s in free:
+            if s.plan_key == plan.key:
+                return s
+        for s in free:
+            if s.pool is not None and s.pool.adopt(plan.layout):
+                s.plan_key = plan.key
+                return s
+        gone = [s for s in self._in_place if s.folder != folder and s.busy is None]
+        for s in gone:  # another folder's (a rebuilt tier): freed, their files unnamed
+            self._in_place.remove(s)
+            if s.pool is not None:
+                if worker.persister is not None:
+                    worker.persister.unmap_pool(s.pool_id)
+                s.pool.close()
+        if len(self._in_place) < count:
+            self._in_place.append(InFlightPool(folder=folder))
+            return self._in_place[-1]
+        return free[0] if free else None
 
     def any_free(self) -> bool:
         return self.free() is not None
@@ -91,7 +136,7 @@ class InFlightPools(Sequence[InFlightPool]):
     @property
     def nbytes(self) -> int:
         """Bytes of host memory held by the pools now."""
-        return sum(s.pool.nbytes for s in self._slots if s.pool is not None)
+        return sum(s.pool.nbytes for s in self._all() if s.pool is not None)
 
     def pool_for(
         self, slot: InFlightPool, plan: EnginePlan, worker: WorkerSupervisor
@@ -105,15 +150,18 @@ class InFlightPools(Sequence[InFlightPool]):
             if slot.pool is not None:
                 persister.unmap_pool(slot.pool_id)
                 slot.pool.close()
-            slot.pool = self.new_pool(plan)
-            slot.plan_key = plan.key
             slot.pool_id = next(self._ids)
+            file = None if slot.folder is None else f"{slot.folder}/{POOL_PREFIX}{slot.pool_id}"
+            slot.pool = self.new_pool(plan, file=file)
+            slot.plan_key = plan.key
         worker.map(slot.pool_id, slot.pool)
         return slot.pool
 
-    def new_pool(self, plan: EnginePlan, populate: bool = True) -> StagingPool:
+    def new_pool(
+        self, plan: EnginePlan, populate: bool = True, file: str | None = None
+    ) -> StagingPool:
         """A new pool shaped for ``plan`` (not in a slot yet; see ``StagingPool``)."""
-        return StagingPool(plan.layout, pin=self.pin, populate=populate)
+        return StagingPool(plan.layout, pin=self.pin, populate=populate, file=file)
 
     def adopt(self, plan: EnginePlan) -> None:
         """Free pools of another plan whose file images match ``plan``'s are kept for it
@@ -179,8 +227,8 @@ class InFlightPools(Sequence[InFlightPool]):
         return None
 
     def close(self) -> None:
-        """Free every pool."""
-        for slot in self._slots:
+        """Free every pool (an in-place pool's bytes stay with the snapshot linking them)."""
+        for slot in self._all():
             if slot.pool is not None:
                 slot.pool.close()
                 slot.pool = None

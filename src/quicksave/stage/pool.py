@@ -149,21 +149,46 @@ class StagingPool:
             recycles. False: the pages are allocated (``fallocate``: running out of
             memory is an error here, never a ``SIGBUS`` later) but left for another
             process or :meth:`touch`.
+        file: back the pool with a new file at this path (on a tmpfs: a memory tier's
+            folder) instead of an anonymous memfd, for a layout of at most one data
+            file, which then lies at the file's offset 0 with the file's exact size: a
+            checkpoint can take the pool's bytes as its data file by a hard link (no
+            copy), and :meth:`linked` says whether one still does. :meth:`close`
+            removes the pool's own name; a link keeps the bytes.
 
     Raises:
         CheckpointError: the memory cannot be allocated (names the size).
     """
 
     def __init__(
-        self, layout: RankLayout | SlotLayout, *, pin: bool | None = None, populate: bool = True
+        self,
+        layout: RankLayout | SlotLayout,
+        *,
+        pin: bool | None = None,
+        populate: bool = True,
+        file: str | None = None,
     ) -> None:
         self._init_state(layout, pool_layout(layout).nbytes)
+        size = self.nbytes
+        if file is not None:
+            if len(self.pool.files) > 1:
+                raise CheckpointError(
+                    f"a pool backed by a file holds one data file, not {len(self.pool.files)}",
+                    path=file,
+                )
+            # the data file's exact size, and so the pool's (not whole pages)
+            size = self.nbytes = self.pool.files[0].size if self.pool.files else self.nbytes
         shield = shield_free_pages(self.nbytes) if populate else contextlib.nullcontext()
         try:
             with shield:
-                self.fd = os.memfd_create(f"quicksave-pool-{os.getpid()}", os.MFD_CLOEXEC)
-                os.ftruncate(self.fd, self.nbytes)
-                os.posix_fallocate(self.fd, 0, self.nbytes)  # allocate now, not at first write
+                if file is None:
+                    self.fd = os.memfd_create(f"quicksave-pool-{os.getpid()}", os.MFD_CLOEXEC)
+                else:
+                    flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
+                    self.fd = os.open(file, flags, 0o600)
+                    self.file = file
+                os.ftruncate(self.fd, size)
+                os.posix_fallocate(self.fd, 0, size)  # allocate now, not at first write
                 mm = mmap.mmap(
                     self.fd,
                     self.nbytes,
@@ -173,7 +198,8 @@ class StagingPool:
             self.close()
             raise CheckpointError(
                 f"cannot allocate a {self.nbytes / 2**20:.1f} MiB staging pool in shared "
-                f"memory: {e.strerror}; lower max_in_flight or free memory"
+                f"memory: {e.strerror}; lower max_in_flight or free memory",
+                path=file,
             ) from e
         self._attach(mm)
         self._write_headers()
@@ -186,6 +212,7 @@ class StagingPool:
         self.pool = pool_layout(layout)
         self.nbytes = nbytes  # the memory's size (a slot layout adopted may use less)
         self.fd = -1
+        self.file: str | None = None  # the backing file's path (None: a memfd)
         self._mm: mmap.mmap | None = None
         self._bytes: memoryview | None = None
         self._typed: dict[tuple, torch.Tensor] = {}
@@ -274,6 +301,11 @@ class StagingPool:
     @property
     def pinned(self) -> bool:
         return self._registered
+
+    def linked(self) -> bool:
+        """Whether a checkpoint holds this file-backed pool's bytes as its data file (a
+        hard link besides the pool's own name): the pool must not be staged into then."""
+        return self.fd >= 0 and self.file is not None and os.fstat(self.fd).st_nlink > 1
 
     def view(self, file: str, offset: int, length: int) -> torch.Tensor:
         """The pool bytes of ``file[offset:offset+length]`` as a uint8 tensor."""
@@ -451,6 +483,10 @@ class StagingPool:
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
+        if self.file is not None:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.file)  # a checkpoint linking the bytes keeps them
+            self.file = None
 
 
 def _map_sent_pool(handle: Any, nbytes: int, layout: RankLayout | SlotLayout) -> StagingPool:

@@ -91,6 +91,9 @@ class PersistJob:
     digests: dict[str, str] = field(default_factory=dict)
     # Bytes per second each writer thread writes at most (local files; None: no limit).
     write_rate: float | None = None
+    # In place (a memory tier's snapshot): the pool is this file, holding the job's one
+    # data file whole; the file is hard-linked into the draft instead of written.
+    linked: str | None = None
 
 
 @dataclass(frozen=True)

@@ -37,6 +37,7 @@ import struct
 import sys
 import threading
 import time
+from collections.abc import Callable
 from multiprocessing.connection import Connection
 from multiprocessing.reduction import recv_handle
 from typing import Any
@@ -194,6 +195,16 @@ def _serve(
     backends: dict[tuple, Backend] = {}  # object stores' clients, kept from job to job
     health = StoreHealth(heartbeat, HEALTH_OFFSET)  # the trainer reads it (persisters.py)
     held: dict[str, Any] = {}  # what a call keeps for a later one (calls.uses_held)
+    lock = threading.Lock()  # in-place jobs answer from their own threads
+
+    def send(msg: tuple) -> bool:
+        try:
+            with lock:
+                conn.send(msg)
+            return True
+        except OSError:
+            return False
+
     while not stopping.is_set():
         try:
             if not conn.poll(0.2):
@@ -214,31 +225,23 @@ def _serve(
                 _unmap(*entry)
         elif kind == "job":
             job: PersistJob = msg[1]
-            result = execute_job(
-                job, pools[job.pool_id][1], store_for(job, stores), backends, health
-            )
-            try:
-                conn.send(("result", result))
-            except OSError:
+            run = _job_runner(job, pools[job.pool_id][1], stores, backends, health, send)
+            if job.linked is not None:  # in place: a link and a commit, beside a long write
+                threading.Thread(target=run, name="quicksave-in-place", daemon=True).start()
+            elif not run():
                 break
         elif kind == "warm":  # connected before answering: its first job pays no import
             _, address, timeout_s = msg
             if address is not None:  # None: only answer
                 stores.get(address, timeout_s)  # a failure: the first job reports it
-            try:
-                conn.send(("warm", None))
-            except OSError:
+            if not send(("warm", None)):
                 break
         elif kind == "status":
-            try:
-                conn.send(("status", stores.status()))
-            except OSError:
+            if not send(("status", stores.status())):
                 break
         elif kind == "call":
             _, job_id, payload, sys_path = msg
-            try:
-                conn.send(("result", run_pickled_call(job_id, payload, sys_path, held)))
-            except OSError:
+            if not send(("result", run_pickled_call(job_id, payload, sys_path, held))):
                 break
         elif kind == "auth":
             # The trainer's key, so that torch's shared-memory tensors (whose file
@@ -248,6 +251,22 @@ def _serve(
             break
     for mm, view in pools.values():
         _unmap(mm, view)
+
+
+def _job_runner(
+    job: PersistJob,
+    pool: memoryview,
+    stores: Any,
+    backends: dict,
+    health: StoreHealth,
+    send: Callable[[tuple], bool],
+) -> Callable[[], bool]:
+    """``job`` run and its result sent (False: the pipe is gone)."""
+
+    def run() -> bool:
+        return send(("result", execute_job(job, pool, store_for(job, stores), backends, health)))
+
+    return run
 
 
 def _lower_priority(nice: int) -> None:
