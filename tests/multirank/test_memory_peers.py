@@ -109,7 +109,11 @@ def _rank_run(rank: int, world_size: int, base: str, train_to: int, close: bool)
     manager = CheckpointManager(
         config, {"model": ModelState(model), "optimizer": OptimizerState(model, optim)}
     )
+    stepped = []  # optimizer steps inside load(): none (its state is allocated, not stepped)
+    hook = optim.register_step_pre_hook(lambda *_: stepped.append(1))
     start = manager.load() or 0
+    hook.remove()
+    assert not stepped, f"rank {rank}: load() ran {len(stepped)} optimizer step(s)"
     record = manager.last_load
     loaded = _fingerprints(model, optim)
     by_step = {}
@@ -322,7 +326,11 @@ def _rank_plain(rank: int, world_size: int, base: str, train_to: int) -> dict[st
     manager = CheckpointManager(
         config, {"model": ModelState(model), "optimizer": OptimizerState(model, optim)}
     )
+    stepped = []  # optimizer steps inside load(): none (its state is allocated, not stepped)
+    hook = optim.register_step_pre_hook(lambda *_: stepped.append(1))
     start = manager.load() or 0
+    hook.remove()
+    assert not stepped, f"rank {rank}: load() ran {len(stepped)} optimizer step(s)"
     record = manager.last_load
     loaded = _fingerprints(model, optim)
     for step in range(start + 1, train_to + 1):

@@ -46,7 +46,9 @@ from torch.distributed.tensor import DTensor
 
 from quicksave import api
 from quicksave.commit.files import remove_tree
+from quicksave.commit.manifest_reader import read_manifest
 from quicksave.errors import CheckpointError
+from quicksave.layout.dcp_metadata import manifest_to_metadata
 from quicksave.loading.checkpoint import require_committed
 from quicksave.loading.run_folder import committed_steps
 from quicksave.manager.config import CheckpointConfig
@@ -341,12 +343,20 @@ class MemoryTier:
             )
             return
         dicts = {}
+        undos = []  # a failed load takes the allocated (uninitialised) state back
+        manifest = checkpoint.read["manifest"] = read_manifest(checkpoint.location)
+        stored = manifest_to_metadata(manifest, path)
         for name, state in states.items():
             if isinstance(state, OptimizerState):
-                _materialize(state)
+                undos += _materialize(state, stored.state_dict_metadata, f"{name}.")
             dicts[name] = state.state_dict()
         view = local_view(dicts)
-        api.load(view, checkpoint, strict=strict, no_dist=True)
+        try:
+            api.load(view, checkpoint, strict=strict, no_dist=True)
+        except BaseException:
+            for undo in undos:
+                undo()
+            raise
         merged = _merge_plain(dicts, view)
         for name, state in states.items():
             state.load_state_dict(merged[name])
@@ -370,14 +380,18 @@ def _peek(state: Any) -> Any:
     return state.state_dict() if hasattr(state, "state_dict") else state
 
 
-def _materialize(state: OptimizerState) -> None:
-    """An optimizer without state gets it (torch's own way: a step on zero gradients,
-    at learning rate 0), so that the snapshot's local shards load into it in place."""
+def _materialize(state: OptimizerState, stored: Mapping[str, Any], prefix: str) -> list:
+    """An optimizer without state gets it, so that the snapshot's local shards load
+    into it in place: allocated from the snapshot's metadata (local shapes; returned:
+    the function that takes it back), or where that cannot be done, torch's own way (a
+    step on zero gradients, at learning rate 0)."""
     from torch.distributed.checkpoint.state_dict import _init_optim_state
 
+    undo = state.prepare_load(stored, prefix, local=True)
     for optim in state.optimizers:
         if not optim.state:
             _init_optim_state(optim)
+    return [] if undo is None else [undo]
 
 
 def load_from_memory(memory: MemoryTier, strict: bool) -> int | None:

@@ -66,11 +66,16 @@ def _is_dtensor(t: torch.Tensor) -> bool:
     return hasattr(t, "placements") and hasattr(t, "to_local")
 
 
-def _allocate(param: torch.Tensor, md: TensorStorageMetadata) -> torch.Tensor | None:
+def _allocate(
+    param: torch.Tensor, md: TensorStorageMetadata, local: bool = False
+) -> torch.Tensor | None:
     """An uninitialised tensor for one stored state tensor of ``param``, where the
-    optimizer would have it; None when its layout cannot be known."""
+    optimizer would have it; None when its layout cannot be known. ``local``: the
+    checkpoint holds this rank's local shards (a memory tier's snapshot), so a DTensor
+    parameter's state is recognised by its local shape."""
     dtype, shape = md.properties.dtype, tuple(md.size)
-    if shape == tuple(param.shape):  # a moment, a momentum buffer: like the parameter
+    like = param.to_local() if local and _is_dtensor(param) else param
+    if shape == tuple(like.shape):  # a moment, a momentum buffer: like the parameter
         if type(param) is torch.Tensor and param.device.type == "cpu" and param.is_contiguous():
             return _page_aligned(shape, dtype)
         return torch.empty_like(param, dtype=dtype, memory_format=torch.preserve_format)
@@ -172,9 +177,11 @@ def allocate_optimizer_state(
     optimizer: torch.optim.Optimizer,
     stored: Mapping[str, Any],
     prefix: str,
+    local: bool = False,
 ) -> Callable[[], None] | None:
     """Give ``optimizer`` (without state) the state tensors the checkpoint holds for
-    it, uninitialised, so that a load fills them in place.
+    it, uninitialised, so that a load fills them in place (``local``: the checkpoint
+    holds this rank's local shards, see :func:`_allocate`).
 
     Args:
         model: the model part ``optimizer`` optimizes.
@@ -203,7 +210,7 @@ def allocate_optimizer_state(
             entries: dict[str, Any] = {}
             for key, md in held.get(fqn, {}).items() if fqn is not None else ():
                 if isinstance(md, TensorStorageMetadata):
-                    value = _allocate(param.detach(), md)
+                    value = _allocate(param.detach(), md, local)
                     if value is None:
                         logger.debug(
                             "quicksave: %s%s.%s has no known layout; the optimizer state "

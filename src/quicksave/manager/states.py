@@ -156,7 +156,9 @@ class OptimizerState:
             "OptimizerState",
         )
 
-    def prepare_load(self, stored: Mapping[str, Any], prefix: str) -> Callable[[], None] | None:
+    def prepare_load(
+        self, stored: Mapping[str, Any], prefix: str, local: bool = False
+    ) -> Callable[[], None] | None:
         """Before a load (the loader calls it): each optimizer without state gets the
         state tensors the checkpoint holds for it, allocated from the checkpoint's
         metadata, so that the load reads into them and no optimizer step is run to
@@ -165,6 +167,8 @@ class OptimizerState:
         Args:
             stored: the checkpoint's fqns mapped to their DCP storage metadata.
             prefix: this state's name in the checkpoint plus a dot.
+            local: the checkpoint holds this rank's local shards of DTensors (a memory
+                tier's snapshot).
 
         Returns:
             A function that takes the allocated state back (the load failed), or None
@@ -178,7 +182,7 @@ class OptimizerState:
         undos = [
             undo
             for part, optim in zip(self.parts, self.optimizers, strict=True)
-            if (undo := allocate_optimizer_state(part, optim, stored, prefix)) is not None
+            if (undo := allocate_optimizer_state(part, optim, stored, prefix, local)) is not None
         ]
         if not undos:
             return None
