@@ -199,3 +199,51 @@ def _tear(snapshot: Path, fqn: str) -> None:
     with open(snapshot / chunk["file"], "r+b") as f:
         f.seek(chunk["offset"] + chunk["length"] // 2)
         f.write(b"\xff" * 8)  # bytes the manifest's checksum does not match
+
+
+def test_a_memory_tier_that_cannot_attach_leaves_nothing_started(tmp_path, shm_root) -> None:
+    """The node's memory for this job id belongs to another checkpoint folder: the
+    manager raises naming both, and what its construction had taken (the folder's
+    writer lease, the worker process) is given back, so that another manager can take
+    the folder at once."""
+    import psutil
+    import torch
+
+    from quicksave.errors import CheckpointError
+    from quicksave.manager import (
+        CheckpointConfig,
+        CheckpointManager,
+        MemoryTierConfig,
+        ModelState,
+    )
+
+    model = torch.nn.Linear(4, 4)
+    memory = MemoryTierConfig(every=1, keep=1, root=str(shm_root), job_id="shared-id")
+    first = CheckpointManager(
+        CheckpointConfig(folder=str(tmp_path / "a"), async_mode="thread", memory=memory),
+        {"model": ModelState(model)},
+    )
+    try:
+        before = {p.pid for p in _children()}
+        folder = str(tmp_path / "b")
+        config = CheckpointConfig(folder=folder, async_mode="process", memory=memory)
+        with pytest.raises(CheckpointError) as raised:
+            CheckpointManager(config, {"model": ModelState(model)})
+        assert str(tmp_path / "a") in str(raised.value) and folder in str(raised.value)
+        # no worker process left behind (its exit is reaped in the background)
+        extra = [p for p in _children() if p.pid not in before]
+        _, alive = psutil.wait_procs(extra, timeout=60)
+        assert not alive, [p.cmdline() for p in alive]
+        # the folder's lease was given back: a manager without the tier takes it
+        manager = CheckpointManager(
+            CheckpointConfig(folder=folder, async_mode="thread"), {"model": ModelState(model)}
+        )
+        manager.close()
+    finally:
+        first.close()
+
+
+def _children():
+    import psutil
+
+    return psutil.Process().children(recursive=True)

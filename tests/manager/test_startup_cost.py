@@ -83,8 +83,8 @@ def build_pools_lazily() -> None:
     clearing to the first save (the control of the test below)."""
     real = StagingPool.__init__
 
-    def lazy(self, layout, *, pin=None, populate=True):  # noqa: ANN001
-        real(self, layout, pin=pin, populate=False)
+    def lazy(self, layout, *, pin=None, populate=True, file=None):  # noqa: ANN001
+        real(self, layout, pin=pin, populate=False, file=file)
 
     StagingPool.__init__ = lazy
     StagingPool.touch = lambda self: None

@@ -158,7 +158,11 @@ class CheckpointManager:
             )
             session.writer.prepare_if_due(background=False)  # start-up: build it now
         if config.memory is not None:
-            self.memory_tier = MemoryTier(config, session, self._io)
+            try:
+                self.memory_tier = MemoryTier(config, session, self._io)
+            except BaseException:
+                self._close(agree=False)  # the writer and the folder's lease taken above
+                raise
         logger.log(
             session.info_level(),
             "quicksave: checkpointing to %s (%s, %s, %s)",
