@@ -234,8 +234,8 @@ def test_the_optimizer_holds_the_tensors_the_checkpoint_was_read_into(
     allocated: dict[int, torch.Tensor] = {}
     allocate = states_module.allocate_optimizer_state
 
-    def spy(model, optimizer, stored, prefix):  # type: ignore[no-untyped-def]
-        undo = allocate(model, optimizer, stored, prefix)
+    def spy(model, optimizer, stored, prefix, local=False):  # type: ignore[no-untyped-def]
+        undo = allocate(model, optimizer, stored, prefix, local)
         for entry in optimizer.state.values():
             allocated.update({id(v): v for v in entry.values() if isinstance(v, torch.Tensor)})
         return undo
