@@ -54,6 +54,7 @@ from quicksave.manager.schedule import SaveSchedule
 from quicksave.manager.session import CheckpointSession
 from quicksave.manager.states import check_states
 from quicksave.manager.step_io import StepIO
+from quicksave.manager.upload_tier import UploadTier, load_from_store
 from quicksave.manager.verbosity import show_logs
 from quicksave.saving.model_record import floating_dtype
 
@@ -138,6 +139,7 @@ class CheckpointManager:
         self._shown = show_logs(config.log_level)  # undone by close()
         self.memory_tier: MemoryTier | None = None  # config.memory's (memory_tier.py)
         self.last_load: LoadRecord | None = None  # what the last load() restored
+        self.upload_tier: UploadTier | None = None  # config.upload's (upload_tier.py)
         if not config.enabled:
             return
         session = self.session
@@ -159,6 +161,8 @@ class CheckpointManager:
             session.writer.prepare_if_due(background=False)  # start-up: build it now
         if config.memory is not None:
             self.memory_tier = MemoryTier(config, session, self._io)
+        if config.upload is not None:
+            self.upload_tier = UploadTier(config, session)
         logger.log(
             session.info_level(),
             "quicksave: checkpointing to %s (%s, %s, %s)",
@@ -332,6 +336,8 @@ class CheckpointManager:
         if session.writer is not None:
             session.writer.prepare_if_due()
         session.poll()
+        if self.upload_tier is not None:
+            self.upload_tier.poll()  # committed steps due for upload: to its thread
         if session.world_size() == 1:
             session.settle()  # one rank: an earlier failure is raised before this call writes
         is_last = self.config.last_step is not None and step == self.config.last_step
@@ -455,6 +461,11 @@ class CheckpointManager:
             # "memory", or "peer" where this rank fetched its snapshot from a peer
             self.last_load = LoadRecord.now(loaded, memory.source, begin, self._io.pending)
             return loaded
+        upload = self.upload_tier  # the object store, where it holds a newer step
+        if upload is not None and (loaded := load_from_store(upload, self._io, strict)):
+            self._placed = True
+            self.last_load = LoadRecord.now(loaded, "object-store", begin, self._io.pending)
+            return loaded
         loaded = self.session.load_newest(
             lambda candidate, checkpoint: self._io.load_step(candidate, checkpoint, strict=strict)
         )
@@ -496,6 +507,8 @@ class CheckpointManager:
             if self.memory_tier is not None:  # (its snapshots in flight need the writer)
                 self.memory_tier.close(job_done=agree)
             self.session.close_writer(self.config.close_timeout_s)
+            if self.upload_tier is not None:  # the upload in flight, and the newest due
+                self.upload_tier.close()
             self.session.housekeep()
             if self.config.enabled and self.read_only_reason is None:
                 self.session.settle(agree=agree)
