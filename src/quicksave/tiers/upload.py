@@ -44,7 +44,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from quicksave.commit import CheckpointKind, open_strategy
+from quicksave.commit import COMMITTED, CheckpointKind, open_strategy
 from quicksave.commit.manifest_reader import read_manifest
 from quicksave.commit.outputs import upload_file
 from quicksave.errors import CheckpointError
@@ -256,10 +256,10 @@ class Uploader:
         try:
             with open_strategy(dest, self.backend) as s:
                 kind = s.classify(dest)
-                if kind is CheckpointKind.COMMITTED:
+                if kind in COMMITTED:
                     logger.info("quicksave: %s holds step %d already", self.target.url, step)
                     return "committed"
-                if kind is not CheckpointKind.MISSING:
+                if kind is CheckpointKind.UNCOMMITTED:
                     s.remove(dest)  # objects without a manifest: a crashed copy's
         except CheckpointError as e:
             self._failed(step, dest, e)
