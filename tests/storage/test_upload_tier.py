@@ -8,6 +8,7 @@ folder is lost resumes from the store, bit-exact."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import signal
 import subprocess
@@ -19,6 +20,7 @@ from typing import Any
 import pytest
 import torch
 
+from quicksave.cli.main import main as cli_main
 from quicksave.errors import CheckpointError
 from quicksave.loading.run_folder import committed_steps
 from quicksave.manager import (
@@ -122,7 +124,7 @@ def test_upload_copies_a_local_folder_to_a_store(tmp_path) -> None:
 
 
 def test_due_steps_upload_commit_and_resume_from_the_store_bit_exact(
-    s3_server, s3_bucket, tmp_path
+    s3_server, s3_bucket, tmp_path, monkeypatch, capsys
 ) -> None:
     options = _options(s3_server)
     url = f"s3://{s3_bucket}/run"
@@ -151,6 +153,13 @@ def test_due_steps_upload_commit_and_resume_from_the_store_bit_exact(
     assert _store_steps(url, options) == [8, 12]  # keep=2
     assert committed_steps(str(tmp_path / "ckpt")) == [10, 12]  # the folder's own
     assert [t.location.url for t in manager.session.tiers] == [str(tmp_path / "ckpt"), url]
+
+    # quicksave ls says which tiers hold each step
+    for k, v in s3_server.env().items():
+        monkeypatch.setenv(k, v)
+    assert cli_main(["ls", str(tmp_path / "ckpt"), "--upload", url, "--json"]) == 0
+    listed = {e["step"]: e["tiers"] for e in json.loads(capsys.readouterr().out)}
+    assert listed == {8: ["object-store"], 10: ["folder"], 12: ["folder", "object-store"]}
 
     # the local folder is lost: a new job resumes from the store
     fresh = _Job(seed=7)
