@@ -21,7 +21,7 @@ calls, in the same order; "collective" marks the calls that talk to the other ra
 
 The folder's layout is :mod:`quicksave.manager.folder`'s; where its checkpoints live,
 with what commits, leases, retains and reads them there, is the session's
-:class:`~quicksave.manager.tiers.Tier` (one today).
+:class:`~quicksave.manager.tiers.Tier` (the folder's first).
 
 Ownership: one job writes a folder. The coordinator of a writing session holds the
 folder's writer lease from :meth:`~CheckpointSession.take_folder` to
