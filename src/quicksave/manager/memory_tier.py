@@ -72,9 +72,10 @@ TIER = "memory"
 class LoadRecord:
     """What the last ``load()`` restored: the step, the tier it came from on this rank
     (``"memory"``: its node's memory; ``"peer"``: fetched from a peer's replica;
-    ``"folder"``; ``"object-store"``: the upload tier's store), the seconds until ``load()`` returned (training may start) and
-    :attr:`restored_s`, until every state was in place (later, where the optimizers'
-    states streamed in behind: ``streamed_load.py``)."""
+    ``"folder"``; ``"object-store"``: the upload tier's store), the seconds until
+    ``load()`` returned (training may start) and :attr:`restored_s`, until every
+    state was in place (later, where the optimizers' states streamed in behind:
+    ``streamed_load.py``)."""
 
     step: int
     tier: str
