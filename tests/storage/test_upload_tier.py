@@ -305,3 +305,40 @@ def test_a_trainer_killed_mid_upload_leaves_no_visible_step(s3_server, s3_bucket
     manager.close()
     assert _store_steps(url, options) == [2, 4]
     client.close()
+
+
+def test_the_folder_keeps_a_step_while_its_upload_runs(s3_server, s3_bucket, tmp_path) -> None:
+    url = f"s3://{s3_bucket}/run"
+    folder = str(tmp_path / "ckpt")
+    with FaultProxy("127.0.0.1", s3_server.ports["s3"]) as proxy:
+        options = _options(s3_server, proxy.endpoint_url)
+        config = CheckpointConfig(
+            folder=folder,
+            interval=2,
+            keep_latest_k=1,
+            async_mode="thread",
+            storage=options,
+            upload=UploadTierConfig(url, every=4),
+        )
+        torch.manual_seed(0)
+        model = torch.nn.Linear(1024, 1024)  # 4 MiB: a copy of seconds through the proxy
+        manager = CheckpointManager(config, {"model": ModelState(model)})
+        tier = manager.upload_tier
+        assert tier is not None and tier.uploader is not None
+        proxy.set_mode("delay", delay_s=0.05)
+        kept_while_uploading = []
+        for step in range(1, 9):
+            with torch.no_grad():
+                model.weight.add_(1.0)
+            manager.save(step)
+            manager.wait()  # committed, and the folder's retention (keep 1) done
+            if 4 in tier.uploader.holding():
+                kept_while_uploading.append((step, committed_steps(folder)))
+        # step 4's copy outlived the saves of 6 and 8, and the folder kept it meanwhile
+        assert (8, [4, 8]) in kept_while_uploading, kept_while_uploading
+        proxy.mode = "pass"
+        manager.close()  # waits for step 4's upload, then step 8's
+        assert tier.uploader.log.committed == [4, 8] and tier.uploader.failures == 0
+        assert _store_steps(url, options) == [4, 8]
+        # released, step 4 is the folder's retention's again, after its next commit
+        assert committed_steps(folder) == [4, 8]
