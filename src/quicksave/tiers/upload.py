@@ -7,8 +7,9 @@ files its manifest entry names as its own (``FileEntry.rank``); rank 0 also the 
 no rank, and then commits by the object store's own rule
 (:class:`~quicksave.commit.manifest_last.ManifestLastCommit`: one listing checks every
 object of the manifest with its size, then the manifest, written last, is the commit).
-A copy cut short (an error, a killed trainer) leaves objects without a manifest: never
-listed, loaded or kept, and removed by the next round that copies that step.
+A copy cut short leaves objects without a manifest: never listed, loaded or kept;
+removed by rank 0 after a failed round, and (a killed trainer's) by the next round
+that copies that step or the lease holder's clean-up of stale leftovers.
 
 **When** (:class:`Uploader`): the training thread :meth:`~Uploader.offer`\\ s each step
 due for upload once it sees it commit; a background thread copies it. At most one
@@ -226,7 +227,7 @@ class Uploader:
         if error is None:
             try:
                 sent = self._copy(step, dest)
-            except (CheckpointError, OSError) as e:
+            except Exception as e:  # any failure of the copy is this round's
                 error = f"rank {self.rank}: {e}"
                 self._failed(step, dest, e)
         errors = [error]
@@ -242,6 +243,7 @@ class Uploader:
                     dest.url,
                     "; ".join(failed),
                 )
+                self._discard(dest)
             else:
                 self._commit(step, dest)
         elif not failed:
@@ -265,6 +267,17 @@ class Uploader:
             self._failed(step, dest, e)
             return f"rank 0: {e}"
         return None
+
+    def _discard(self, dest: Location) -> None:
+        """Rank 0, after a failed round (every rank's copy has ended): remove what was
+        copied, best effort (objects without a manifest are invisible anyway, and the
+        next copy of the step, or the lease holder's clean-up, removes what stays)."""
+        try:
+            with open_strategy(dest, self.backend) as s:
+                if s.classify(dest) is CheckpointKind.UNCOMMITTED:
+                    s.remove(dest)
+        except CheckpointError as e:
+            logger.warning("quicksave: could not remove the failed copy at %s: %s", dest.url, e)
 
     def _files(self, step: int) -> tuple[str, dict[str, int], list[str]]:
         """The local checkpoint's directory, every file of it the store must hold but
@@ -306,7 +319,7 @@ class Uploader:
                 manifest = f.read()
             with open_strategy(dest, self.backend) as s:
                 s.commit(dest.key, dest, {MANIFEST_NAME: manifest}, expected)
-        except (CheckpointError, OSError) as e:
+        except Exception as e:  # logged, counted; the next round goes on
             self._failed(step, dest, e)
             return
         self.log.committed.append(step)
@@ -314,7 +327,7 @@ class Uploader:
         if self.after_commit is not None:
             try:
                 self.after_commit(step)
-            except (CheckpointError, OSError) as e:
+            except Exception as e:  # it runs again after the next commit
                 logger.warning(
                     "quicksave: the %s tier's retention in %s failed: %s",
                     TIER,
