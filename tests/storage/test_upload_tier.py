@@ -10,11 +10,15 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import os
+import shutil
 import signal
 import subprocess
 import sys
 import textwrap
 import time
+import uuid
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -26,6 +30,7 @@ from quicksave.loading.run_folder import committed_steps
 from quicksave.manager import (
     CheckpointConfig,
     CheckpointManager,
+    MemoryTierConfig,
     ModelState,
     OptimizerState,
     UploadTierConfig,
@@ -342,3 +347,54 @@ def test_the_folder_keeps_a_step_while_its_upload_runs(s3_server, s3_bucket, tmp
         assert _store_steps(url, options) == [4, 8]
         # released, step 4 is the folder's retention's again, after its next commit
         assert committed_steps(folder) == [4, 8]
+
+
+def _kill_agents(where: Path) -> None:
+    for record in where.rglob("agent.json"):
+        try:
+            os.kill(int(json.loads(record.read_text())["pid"]), signal.SIGKILL)
+        except (OSError, ValueError, KeyError):
+            pass
+
+
+def test_a_newer_step_on_the_store_wins_over_older_node_memory(
+    s3_server, s3_bucket, tmp_path
+) -> None:
+    if not Path("/dev/shm").is_dir():
+        pytest.skip("no /dev/shm (tmpfs) on this machine")
+    root = Path("/dev/shm") / f"qs-upload-{uuid.uuid4().hex[:12]}"
+    root.mkdir()
+    options = _options(s3_server)
+    url = f"s3://{s3_bucket}/run"
+    folder = tmp_path / "ckpt"
+    memory = MemoryTierConfig(every=3, keep=1, root=str(root), job_id=root.name)
+    config = CheckpointConfig(
+        folder=str(folder),
+        interval=2,
+        async_mode="thread",
+        storage=options,
+        memory=memory,
+        upload=UploadTierConfig(url, every=4),
+    )
+    try:
+        job = _Job()
+        manager = CheckpointManager(config, job.states())
+        with pytest.raises(RuntimeError, match="the trainer fails"), manager:
+            for step in range(1, 9):
+                job.step(step)
+                manager.save(step)
+                _settle(manager)
+            assert manager.memory_tier is not None and manager.memory_tier.steps() == [3]
+            saved = job.snapshot()
+            raise RuntimeError("the trainer fails")  # the node's memory outlives it
+        shutil.rmtree(folder)  # and the folder is lost
+        fresh = _Job(seed=3)
+        again = CheckpointManager(config, fresh.states())
+        assert again.load() == 8  # the store's step 8, not node memory's step 3
+        assert again.last_load is not None and again.last_load.tier == "object-store"
+        got = fresh.snapshot()
+        assert all(torch.equal(got[k], v) for k, v in saved.items())
+        again.close()
+    finally:
+        _kill_agents(root)
+        shutil.rmtree(root, ignore_errors=True)

@@ -54,7 +54,7 @@ from quicksave.manager.schedule import SaveSchedule
 from quicksave.manager.session import CheckpointSession
 from quicksave.manager.states import check_states
 from quicksave.manager.step_io import StepIO
-from quicksave.manager.upload_tier import UploadTier, load_from_store
+from quicksave.manager.upload_tier import UploadTier, load_from_store, newer_steps
 from quicksave.manager.verbosity import show_logs
 from quicksave.saving.model_record import floating_dtype
 
@@ -455,14 +455,16 @@ class CheckpointManager:
             self._placed = True
             self.last_load = LoadRecord.now(step, "folder", begin, self._io.pending)
             return step
+        upload = self.upload_tier  # the object store's steps newer than the folder's
+        stored = newer_steps(upload) if upload is not None else []
         memory = self.memory_tier
-        if memory is not None and (loaded := load_from_memory(memory, strict)) is not None:
+        floor = stored[-1] if stored else -1
+        if memory is not None and (loaded := load_from_memory(memory, strict, floor)) is not None:
             self._placed = True
             # "memory", or "peer" where this rank fetched its snapshot from a peer
             self.last_load = LoadRecord.now(loaded, memory.source, begin, self._io.pending)
             return loaded
-        upload = self.upload_tier  # the object store, where it holds a newer step
-        if upload is not None and (loaded := load_from_store(upload, self._io, strict)):
+        if upload is not None and (loaded := load_from_store(upload, self._io, strict, stored)):
             self._placed = True
             self.last_load = LoadRecord.now(loaded, "object-store", begin, self._io.pending)
             return loaded

@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 import time
 
-from quicksave.errors import CheckpointError
+from quicksave.errors import CheckpointError, CorruptCheckpointError
 from quicksave.manager.config import CheckpointConfig
 from quicksave.manager.folder import load_newest
 from quicksave.manager.lease import WriterLease, take_writer_lease
@@ -139,11 +139,10 @@ class UploadTier:
             self._lease = None
 
 
-def load_from_store(tier: UploadTier, io: StepIO, strict: bool) -> int | None:
-    """Every rank alike (``load()`` with no step, after the memory tier): load the newest
-    step committed on the store when it is newer than the folder's newest (rank 0 lists
-    both and tells the others: one broadcast); an older one after a step that fails its
-    checks. None: the store holds nothing newer (the caller loads from the folder)."""
+def newer_steps(tier: UploadTier) -> list[int]:
+    """Every rank alike (``load()`` with no step, before the memory tier): the steps
+    committed on the store that are newer than the folder's newest, ascending (rank 0
+    lists both and tells the others: one broadcast). [] where it cannot list (logged)."""
     session = tier.session
     steps: list[int] = []
     if tier.rank == 0:
@@ -155,6 +154,15 @@ def load_from_store(tier: UploadTier, io: StepIO, strict: bool) -> int | None:
             logger.warning("quicksave: cannot list %s: %s", tier.location.url, e)
     if session.world_size() > 1:
         steps = collectives.broadcast_object(steps, 0, session.checkpoint_group())
+    return steps
+
+
+def load_from_store(tier: UploadTier, io: StepIO, strict: bool, steps: list[int]) -> int | None:
+    """Every rank alike: load the newest of ``steps`` (:func:`newer_steps`) from the
+    store, an older one after a step that fails its checks. None: none loaded (``steps``
+    is empty, or none passes its checks: logged, each named); the caller loads from the
+    folder."""
+    session = tier.session
     if not steps:
         return None
 
@@ -166,7 +174,11 @@ def load_from_store(tier: UploadTier, io: StepIO, strict: bool) -> int | None:
         io.load_step(step, checkpoint, strict=strict)
 
     begin = time.perf_counter()
-    loaded = load_newest(lambda: steps, load, None, tier.location.url, session.rank())
+    try:
+        loaded = load_newest(lambda: steps, load, None, tier.location.url, session.rank())
+    except CorruptCheckpointError as e:
+        logger.error("quicksave: nothing loaded from the %s tier: %s", TIER, e)
+        return None
     if loaded is not None:
         logger.log(
             session.info_level(),
