@@ -76,6 +76,7 @@ _LAZY: dict[str, str] = {
             "SaveRecord",
             "StatefulList",
             "TrainState",
+            "UploadTierConfig",
         )
     },
 }
@@ -121,6 +122,7 @@ __all__ = [
     "StorageWriter",
     "TorchAsyncCheckpoint",
     "TrainState",
+    "UploadTierConfig",
     "WorkerFailedError",
     "async_save",
     "export_hf",
@@ -180,6 +182,7 @@ if TYPE_CHECKING:
         SaveRecord,
         StatefulList,
         TrainState,
+        UploadTierConfig,
     )
     from quicksave.saving.async_save import async_save
     from quicksave.saving.config import EngineConfig

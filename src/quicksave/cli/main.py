@@ -66,7 +66,7 @@ def _table(rows: list[list[str]], out: TextIO, right: Sequence[int] = ()) -> Non
 def cmd_ls(args: argparse.Namespace) -> int:
     from quicksave.loading.catalog import list_checkpoints
     from quicksave.storage import parse_location
-    from quicksave.tiers.listing import memory_holdings
+    from quicksave.tiers.listing import memory_holdings, store_steps
 
     infos = list_checkpoints(args.root, depth=args.depth)
     runs = any(i.run != "." for i in infos)  # a parent of run folders: say whose each is
@@ -76,13 +76,20 @@ def cmd_ls(args: argparse.Namespace) -> int:
         if runs
         else {h.step: h for h in memory_holdings(parse_location(args.root).url, args.memory_root)}
     )
+    uploaded = set(store_steps(args.upload)) if args.upload else set()  # the store tier's
     in_folder = {i.step for i in infos if i.committed}
     only_memory = [h for step, h in held.items() if step not in in_folder]
+    only_store = sorted(s for s in uploaded if s not in in_folder)
 
     def tiers(i) -> list[str]:  # the tiers that hold it committed
         if not i.committed:
             return []
-        return ["folder"] + ["memory"] * (i.step in held and held[i.step].complete)
+        memory = ["memory"] * (i.step in held and held[i.step].complete)
+        return ["folder", *memory] + ["object-store"] * (i.step in uploaded)
+
+    def elsewhere(step: int) -> list[str]:  # the tiers of a step the folder lacks
+        memory = ["memory"] * (step in held and held[step].complete)
+        return memory + ["object-store"] * (step in uploaded)
 
     out = sys.stdout
     if args.json:
@@ -112,16 +119,28 @@ def cmd_ls(args: argparse.Namespace) -> int:
                     "path": h.path,
                     "committed": h.complete,
                     "status": _memory_status(h),
-                    "tiers": ["memory"],
+                    "tiers": elsewhere(h.step) if h.complete else ["memory"],
                     "ranks": h.ranks,
                     "world_size": h.world_size,
                 }
                 for h in only_memory
+            ]
+            + [
+                {
+                    "name": f"step-{s}",
+                    "step": s,
+                    "path": f"{args.upload.rstrip('/')}/step-{s}",
+                    "committed": True,
+                    "status": "committed",
+                    "tiers": ["object-store"],
+                }
+                for s in only_store
+                if s not in held
             ],
             out,
         )
         return 0
-    if not infos and not only_memory:
+    if not infos and not only_memory and not only_store:
         levels = f"{args.depth} folder level{'s' if args.depth != 1 else ''}"
         _say(f"no checkpoints in {parse_location(args.root).url} ({levels} searched)", sys.stderr)
         return 0
@@ -142,9 +161,13 @@ def cmd_ls(args: argparse.Namespace) -> int:
             ]
         )
     for h in only_memory:
+        where = ",".join(elsewhere(h.step)) if h.complete else "memory"
         rows.append(
-            [f"step-{h.step}", str(h.step), _memory_status(h), "quicksave", "-", "-", "memory"]
+            [f"step-{h.step}", str(h.step), _memory_status(h), "quicksave", "-", "-", where]
         )
+    for s in only_store:
+        if s not in held:
+            rows.append([f"step-{s}", str(s), "committed", "quicksave", "-", "-", "object-store"])
     _table(rows, out, right=(1 + runs, 4 + runs))
     return 0
 
@@ -320,6 +343,12 @@ def build_parser() -> argparse.ArgumentParser:
         default="/dev/shm",
         help="the tmpfs of the memory tier (MemoryTierConfig.root), whose steps of ROOT "
         "this node holds are listed too (TIERS column; default /dev/shm)",
+    )
+    p.add_argument(
+        "--upload",
+        metavar="URL",
+        help="the object-store tier's URL (UploadTierConfig.url), whose committed steps are "
+        "listed too (TIERS column: object-store)",
     )
     p.set_defaults(func=cmd_ls)
 

@@ -2,7 +2,7 @@
 and ``Stateful`` wrappers, over ``CheckpointSession`` (one job's use of one checkpoint
 folder, which the integrations share)."""
 
-from quicksave.manager.config import CheckpointConfig, MemoryTierConfig
+from quicksave.manager.config import CheckpointConfig, MemoryTierConfig, UploadTierConfig
 from quicksave.manager.manager import CheckpointManager
 from quicksave.manager.policies import (
     EveryNSeconds,
@@ -39,4 +39,5 @@ __all__ = [
     "SaveRecord",
     "StatefulList",
     "TrainState",
+    "UploadTierConfig",
 ]

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from quicksave.commit import strategy_class
 from quicksave.errors import CheckpointError
 from quicksave.manager.records import MetricsHook
 from quicksave.saving.config import EngineConfig
@@ -76,6 +77,65 @@ class MemoryTierConfig:
         if not (isinstance(self.idle_timeout_s, (int, float)) and self.idle_timeout_s > 0):
             raise CheckpointError(
                 f"memory.idle_timeout_s must be a positive number, got {self.idle_timeout_s!r}"
+            )
+
+
+@dataclass(frozen=True)
+class UploadTierConfig:
+    """The object-store tier: checkpoints of the (local) folder copied to an object
+    store in the background (:mod:`quicksave.tiers.upload`): every rank copies the files
+    it wrote, from the committed local checkpoint (never from the trainer's tensors),
+    and the checkpoint commits there by the store's rule (the manifest written last).
+
+    Attributes:
+        url: the store's folder (``s3://bucket/prefix``, ``msc://profile/path``):
+            step ``N`` goes to ``<url>/step-<N>``.
+        every: upload every ``every`` steps: a multiple of the folder's ``interval``
+            (``interval_type="steps"``), so that each such step has a local checkpoint.
+        keep: the newest ``keep`` uploads are kept on the store; 0 keeps all.
+        storage: how to reach the store; None: ``CheckpointConfig.storage``.
+
+    At most one upload runs per rank, and one more step waits; a newer due step replaces
+    the waiting one (the store lags the folder by at most one upload and the step being
+    copied is kept in the folder until it is done).
+    """
+
+    url: str
+    every: int
+    keep: int = 0
+    storage: StorageOptions | None = None
+
+    def __post_init__(self) -> None:
+        _check_int("upload.every", self.every, minimum=1)
+        _check_int("upload.keep", self.keep, minimum=0)
+        if self.storage is not None and not isinstance(self.storage, StorageOptions):
+            raise CheckpointError(
+                f"upload.storage must be a StorageOptions or None, "
+                f"got {type(self.storage).__name__}"
+            )
+        if not isinstance(self.url, str) or not self.url:
+            raise CheckpointError(f"upload.url must be a non-empty URL, got {self.url!r}")
+
+    def check(
+        self, folder: str, interval: float, interval_type: str, storage: StorageOptions
+    ) -> None:
+        """Raise unless the tier can be fed by the folder ``folder`` saved every
+        ``interval`` ``interval_type``."""
+        target = parse_location(self.url, what="upload URL", options=self.storage or storage)
+        source = parse_location(folder, what="checkpoint folder", options=storage)
+        # read as files, committed on the store by the manifest written last: asked of
+        # the locations' commit strategies (a rename means a filesystem)
+        if strategy_class(source).writes_in_place or not strategy_class(target).writes_in_place:
+            raise CheckpointError(
+                f"the upload tier copies a local folder to an object store: folder "
+                f"{source.url!r} must be a local path and upload.url {target.url!r} a store's "
+                "URL (s3://, msc://)"
+            )
+        if interval_type != "steps" or self.every % interval:
+            raise CheckpointError(
+                f"upload.every ({self.every}) must be a multiple of the folder's interval "
+                f"({interval:g} {interval_type}; interval_type must be 'steps'): only steps "
+                "the folder saves can be uploaded"
             )
 
 
@@ -189,6 +249,9 @@ class CheckpointConfig:
             would see values still arriving. Only where the load needs no collective (one
             rank, or a rank's memory snapshot). False (default): ``load()`` returns with
             everything in place.
+        upload: an object-store tier behind the folder (:class:`UploadTierConfig`):
+            due steps copied from the local folder in the background; ``load()`` reads
+            it when it holds a newer step than the folder. None (default): none.
 
     Raises:
         CheckpointError: on construction, for any invalid value (message names it).
@@ -231,6 +294,7 @@ class CheckpointConfig:
     on_metrics: MetricsHook | None = None
     memory: MemoryTierConfig | None = None
     stream_load: bool = False
+    upload: UploadTierConfig | None = None
 
     def __post_init__(self) -> None:
         if self.memory is not None and not isinstance(self.memory, MemoryTierConfig):
@@ -317,6 +381,12 @@ class CheckpointConfig:
             or rate <= 0
         ):
             raise CheckpointError(f"write_rate_mbps must be a positive number or None: {rate!r}")
+        if self.upload is not None:
+            if not isinstance(self.upload, UploadTierConfig):
+                raise CheckpointError(
+                    f"upload must be an UploadTierConfig or None, got {type(self.upload).__name__}"
+                )
+            self.upload.check(self.folder, self.interval, self.interval_type, self.storage)
         if self.worker_cpus is not None:
             object.__setattr__(self, "worker_cpus", _check_cpus(self.worker_cpus))
             if self.async_mode != "process":

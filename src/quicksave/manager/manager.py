@@ -54,6 +54,7 @@ from quicksave.manager.schedule import SaveSchedule
 from quicksave.manager.session import CheckpointSession
 from quicksave.manager.states import check_states
 from quicksave.manager.step_io import StepIO
+from quicksave.manager.upload_tier import UploadTier, load_from_store, newer_steps
 from quicksave.manager.verbosity import show_logs
 from quicksave.saving.model_record import floating_dtype
 
@@ -138,6 +139,7 @@ class CheckpointManager:
         self._shown = show_logs(config.log_level)  # undone by close()
         self.memory_tier: MemoryTier | None = None  # config.memory's (memory_tier.py)
         self.last_load: LoadRecord | None = None  # what the last load() restored
+        self.upload_tier: UploadTier | None = None  # config.upload's (upload_tier.py)
         if not config.enabled:
             return
         session = self.session
@@ -157,12 +159,14 @@ class CheckpointManager:
                 dist_context=ctx,
             )
             session.writer.prepare_if_due(background=False)  # start-up: build it now
-        if config.memory is not None:
-            try:
+        try:
+            if config.memory is not None:
                 self.memory_tier = MemoryTier(config, session, self._io)
-            except BaseException:
-                self._close(agree=False)  # the writer and the folder's lease taken above
-                raise
+            if config.upload is not None:
+                self.upload_tier = UploadTier(config, session)
+        except BaseException:
+            self._close(agree=False)  # the writer and the folder's lease taken above
+            raise
         logger.log(
             session.info_level(),
             "quicksave: checkpointing to %s (%s, %s, %s)",
@@ -336,6 +340,8 @@ class CheckpointManager:
         if session.writer is not None:
             session.writer.prepare_if_due()
         session.poll()
+        if self.upload_tier is not None:
+            self.upload_tier.poll()  # committed steps due for upload: to its thread
         if session.world_size() == 1:
             session.settle()  # one rank: an earlier failure is raised before this call writes
         is_last = self.config.last_step is not None and step == self.config.last_step
@@ -453,11 +459,18 @@ class CheckpointManager:
             self._placed = True
             self.last_load = LoadRecord.now(step, "folder", begin, self._io.pending)
             return step
+        upload = self.upload_tier  # the object store's steps newer than the folder's
+        stored = newer_steps(upload) if upload is not None else []
         memory = self.memory_tier
-        if memory is not None and (loaded := load_from_memory(memory, strict)) is not None:
+        floor = stored[-1] if stored else -1
+        if memory is not None and (loaded := load_from_memory(memory, strict, floor)) is not None:
             self._placed = True
             # "memory", or "peer" where this rank fetched its snapshot from a peer
             self.last_load = LoadRecord.now(loaded, memory.source, begin, self._io.pending)
+            return loaded
+        if upload is not None and (loaded := load_from_store(upload, self._io, strict, stored)):
+            self._placed = True
+            self.last_load = LoadRecord.now(loaded, "object-store", begin, self._io.pending)
             return loaded
         loaded = self.session.load_newest(
             lambda candidate, checkpoint: self._io.load_step(candidate, checkpoint, strict=strict)
@@ -500,6 +513,8 @@ class CheckpointManager:
             if self.memory_tier is not None:  # (its snapshots in flight need the writer)
                 self.memory_tier.close(job_done=agree)
             self.session.close_writer(self.config.close_timeout_s)
+            if self.upload_tier is not None:  # the upload in flight, and the newest due
+                self.upload_tier.close()
             self.session.housekeep()
             if self.config.enabled and self.read_only_reason is None:
                 self.session.settle(agree=agree)

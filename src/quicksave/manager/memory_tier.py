@@ -75,9 +75,10 @@ TIER = "memory"
 class LoadRecord:
     """What the last ``load()`` restored: the step, the tier it came from on this rank
     (``"memory"``: its node's memory; ``"peer"``: fetched from a peer's replica;
-    ``"folder"``), the seconds until ``load()`` returned (training may start) and
-    :attr:`restored_s`, until every state was in place (later, where the optimizers'
-    states streamed in behind: ``streamed_load.py``)."""
+    ``"folder"``; ``"object-store"``: the upload tier's store), the seconds until
+    ``load()`` returned (training may start) and :attr:`restored_s`, until every
+    state was in place (later, where the optimizers' states streamed in behind:
+    ``streamed_load.py``)."""
 
     step: int
     tier: str
@@ -394,15 +395,16 @@ def _materialize(state: OptimizerState, stored: Mapping[str, Any], prefix: str) 
     return [] if undo is None else [undo]
 
 
-def load_from_memory(memory: MemoryTier, strict: bool) -> int | None:
+def load_from_memory(memory: MemoryTier, strict: bool, floor: int = -1) -> int | None:
     """Every rank alike (``CheckpointManager.load()`` with no step): load the newest step
-    that every rank's node memory holds and that is not older than the folder's newest;
-    a step that fails to load on some rank is skipped on every rank (logged) and the next
-    older one tried. None: none loaded (the caller loads from the folder)."""
+    that every rank's node memory holds and that is not older than the folder's newest
+    (nor than ``floor``: a newer step held by a tier behind the folder); a step that fails
+    to load on some rank is skipped on every rank (logged) and the next older one tried.
+    None: none loaded (the caller loads from the folder)."""
     session = memory.session
     folder = session.committed_steps()
     for step in reversed(memory.steps_everywhere()):
-        if folder and folder[-1] > step:
+        if (folder and folder[-1] > step) or floor > step:
             break
         error = None
         try:

@@ -21,7 +21,7 @@ calls, in the same order; "collective" marks the calls that talk to the other ra
 
 The folder's layout is :mod:`quicksave.manager.folder`'s; where its checkpoints live,
 with what commits, leases, retains and reads them there, is the session's
-:class:`~quicksave.manager.tiers.Tier` (one today).
+:class:`~quicksave.manager.tiers.Tier` (the folder's first).
 
 Ownership: one job writes a folder. The coordinator of a writing session holds the
 folder's writer lease from :meth:`~CheckpointSession.take_folder` to
@@ -85,7 +85,7 @@ class CheckpointSession:
 
     Attributes:
         tiers: where the checkpoints live, each with its commit strategy, writer lease,
-            retention and reader (``tiers.py``); one today: the folder.
+            retention and reader (``tiers.py``): the folder, then any tier behind it.
         location: the folder as a :class:`~quicksave.storage.Location`.
         folder: its path or URL.
         metrics: one :class:`SaveRecord` per checkpoint written, completed when it commits.
@@ -119,6 +119,7 @@ class CheckpointSession:
         )
         self.outcome_vote = OutcomeVote(self.ledger)  # rides on each save's vote
         self.writer: AsyncWriter | None = None
+        self.held: frozenset[int] = frozenset()  # a tier behind copies them: retention keeps
         self._lease: WriterLease | None = None  # held by a writing coordinator
         self._store: Backend | None = None  # the folder's backend (see backend())
         self._group: dist.ProcessGroup | None = None  # see checkpoint_group()
@@ -129,7 +130,7 @@ class CheckpointSession:
 
     @property
     def tier(self) -> Tier:
-        """The folder's tier (the only one today)."""
+        """The folder's tier (the first)."""
         return self.tiers[0]
 
     @property
@@ -530,7 +531,7 @@ class CheckpointSession:
                 name = f"quicksave-housekeeper-{self.folder}"
                 self._keeper = Housekeeper(self._housekeep_now, name)
             # the steps in flight now (the thread never reads the writer's state itself)
-            self._keeper.request((protect or set()) | self.in_flight)
+            self._keeper.request((protect or set()) | self.in_flight | self.held)
         if wait and self._keeper is not None:
             self._keeper.wait_idle(self.config.close_timeout_s)
 
@@ -562,7 +563,7 @@ class CheckpointSession:
         """Apply the retention policy now (lease holder only; raises what the deletion
         raises). Keeps the steps in flight, ``protect`` and :attr:`last_good`; nothing
         is deleted before some checkpoint is known to pass its checks."""
-        self._retain(protect | self.in_flight)
+        self._retain(protect | self.in_flight | self.held)
 
     def _retain(self, keep_steps: set[int]) -> None:
         if self._lease is not None:  # only the lease holder deletes

@@ -3,9 +3,10 @@ commits, owns, prunes and reads them there.
 
 A :class:`Tier` bundles a location with its commit strategy, its writer lease, its
 retention and its reader. A :class:`~quicksave.manager.session.CheckpointSession` holds
-a list of them, one today (the folder of ``CheckpointConfig.folder``); a memory or peer
-tier in front of it is one more entry of that list, with its own strategy, lease,
-retention and reader, and nothing in the tier above it changes. Each part is chosen
+a list of them: the folder of ``CheckpointConfig.folder`` first, then the object store
+of ``CheckpointConfig.upload`` (:mod:`quicksave.manager.upload_tier`) when there is
+one, with its own strategy, lease, retention and reader; nothing in the folder's tier
+changes for it. Each part is chosen
 where it lives: the strategy and the lease by the location's scheme
 (:func:`~quicksave.commit.strategy_class`, :func:`~quicksave.manager.lease.lease_kind`),
 the retention by the caller.

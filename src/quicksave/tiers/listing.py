@@ -1,4 +1,5 @@
-"""Which steps of a checkpoint folder this node's memory holds (for ``quicksave ls``).
+"""Which steps of a checkpoint folder this node's memory holds, and which its
+object-store tier holds (for ``quicksave ls``).
 
 The memory tier's snapshots live under ``<root>/quicksave-<uid>/<key>/`` (one job
 folder per job, :mod:`.node_memory`), whose ``job.json`` names the checkpoint folder
@@ -6,7 +7,8 @@ they belong to, in ``world-<W>/rank-<r>/step-<N>`` (one single-rank checkpoint p
 and, for the peer replicas this node keeps of other nodes' ranks,
 ``world-<W>/replica-of-<r>/step-<N>``. A step counts as held when it is committed there
 for every rank of its world size, as the rank's own snapshot or a replica of it.
-Only this user's job folders are read.
+Only this user's job folders are read. The object-store tier's steps are the
+checkpoints committed under its URL (``UploadTierConfig.url``: ``<url>/step-<N>``).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from quicksave.loading.run_folder import committed_steps
+from quicksave.storage import parse_location
 
 _WORLD = re.compile(r"world-(\d+)")
 _HOLDS = re.compile(r"(?:rank|replica-of)-(\d+)")  # a rank's own snapshots, or a replica
@@ -71,3 +74,9 @@ def _children(folder: Path, pattern: re.Pattern[str]) -> list[Path]:
         return sorted(p for p in folder.iterdir() if p.is_dir() and pattern.fullmatch(p.name))
     except OSError:
         return []
+
+
+def store_steps(url: str) -> list[int]:
+    """The steps committed in the object-store tier at ``url``, ascending (credentials
+    and endpoint from the environment's standard chain)."""
+    return committed_steps(parse_location(url, what="upload URL"), allow_dcp=False)
