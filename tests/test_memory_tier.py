@@ -16,11 +16,12 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 import uuid
 from pathlib import Path
 
 import pytest
+
+from helpers.node_sim import gone
 
 SHM = Path("/dev/shm")
 
@@ -122,15 +123,6 @@ def _same(a: Path, b: Path) -> None:
             assert torch.equal(torch.as_tensor(v), torch.as_tensor(y["optim"][k][kk])), (k, kk)
 
 
-def _gone(path: str, within_s: float = 60.0) -> bool:
-    deadline = time.monotonic() + within_s
-    while time.monotonic() < deadline:
-        if not os.path.exists(path):
-            return True
-        time.sleep(0.1)
-    return False
-
-
 @pytest.mark.parametrize("mode", ["process", "disabled"])
 def test_sigkilled_trainer_resumes_from_node_memory(tmp_path, shm_root, mode):
     first, saved = _run(tmp_path, shm_root, "first", steps=7, hang=True, mode=mode)
@@ -155,7 +147,7 @@ def test_sigkilled_trainer_resumes_from_node_memory(tmp_path, shm_root, mode):
     assert second["start"] == 7 and second["tier"] == "memory"
     _same(saved, resumed)  # bit-exact: model and AdamW state
     # its close() ended the job: the agent frees the job's memory
-    assert _gone(second["job_dir"])
+    assert gone(second["job_dir"])
 
 
 def test_newer_folder_wins_and_a_torn_snapshot_is_skipped(tmp_path, shm_root):

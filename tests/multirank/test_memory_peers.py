@@ -12,11 +12,9 @@ node's memory. Functions whose name starts with ``_rank_`` run inside the spawne
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
-import signal
 import uuid
 from pathlib import Path
 from typing import Any
@@ -25,6 +23,8 @@ import pytest
 import torch
 import torch.nn as nn
 from launcher import LaunchConfig, run_ranks
+
+from helpers.node_sim import fingerprints, fsdp_job, gone, kill_agents, train_step
 
 pytestmark = pytest.mark.slow
 
@@ -39,46 +39,6 @@ CRASH = LaunchConfig(
     preload=("torch._dynamo",),
     crash_after_result=True,
 )
-
-
-def _job(seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
-    torch.manual_seed(seed)
-    # Linear(32, 3): 3 rows over 4 ranks, an uneven shard (one rank holds none)
-    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 32), nn.Linear(32, 3))
-    mesh = init_device_mesh("cpu", (WORLD,))
-    for layer in model:
-        if isinstance(layer, nn.Linear):
-            fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    return model, torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.1)
-
-
-def _step(model: nn.Module, optim: torch.optim.Optimizer, step: int) -> None:
-    g = torch.Generator().manual_seed(step)
-    optim.zero_grad(set_to_none=True)
-    model(torch.randn(8, 16, generator=g)).square().mean().backward()
-    optim.step()
-
-
-def _digest(t: torch.Tensor) -> str:
-    local = t.to_local() if hasattr(t, "to_local") else t
-    local = local.detach().contiguous()
-    return (
-        f"{local.dtype}{list(local.shape)}:" + hashlib.sha256(local.numpy().tobytes()).hexdigest()
-    )
-
-
-def _fingerprints(model: nn.Module, optim: torch.optim.Optimizer) -> dict[str, str]:
-    """This rank's parameters and AdamW state as it holds them (its local shards)."""
-    names = {p: n for n, p in model.named_parameters()}
-    out = {f"param.{n}": _digest(p) for p, n in names.items()}
-    for param, entry in optim.state.items():
-        for key, value in entry.items():
-            out[f"state.{names[param]}.{key}"] = _digest(torch.as_tensor(value))
-    return out
 
 
 def _rank_run(rank: int, world_size: int, base: str, train_to: int, close: bool) -> dict[str, Any]:
@@ -105,7 +65,7 @@ def _rank_run(rank: int, world_size: int, base: str, train_to: int, close: bool)
     )
     # the folder's interval is far away: only the memory tier holds the steps
     config = CheckpointConfig(folder=os.path.join(base, "ckpt"), interval=1000, memory=memory)
-    model, optim = _job(seed=rank + 100 * train_to)  # other weights each run
+    model, optim = fsdp_job(rank + 100 * train_to, WORLD)  # other weights each run
     manager = CheckpointManager(
         config, {"model": ModelState(model), "optimizer": OptimizerState(model, optim)}
     )
@@ -115,11 +75,11 @@ def _rank_run(rank: int, world_size: int, base: str, train_to: int, close: bool)
     hook.remove()
     assert not stepped, f"rank {rank}: load() ran {len(stepped)} optimizer step(s)"
     record = manager.last_load
-    loaded = _fingerprints(model, optim)
+    loaded = fingerprints(model, optim)
     by_step = {}
     for step in range(start + 1, train_to + 1):
-        _step(model, optim, step)
-        by_step[str(step)] = _fingerprints(model, optim)
+        train_step(model, optim, step)
+        by_step[str(step)] = fingerprints(model, optim)
         manager.save(step)
     manager.wait()  # the snapshots, and their replicas
     tier = manager.memory_tier
@@ -129,7 +89,7 @@ def _rank_run(rank: int, world_size: int, base: str, train_to: int, close: bool)
         "start": start,
         "tier": record.tier if record else None,
         "loaded": loaded,
-        "trained": _fingerprints(model, optim),
+        "trained": fingerprints(model, optim),
         "by_step": by_step,
         "load_s": record.seconds if record else None,
         "own": tier.steps(),
@@ -155,27 +115,8 @@ def nodes():
     for node in range(WORLD // PER_NODE):
         (base / f"node-{node}").mkdir(parents=True)
     yield base
-    _kill_agents(base)
+    kill_agents(base)
     shutil.rmtree(base, ignore_errors=True)
-
-
-def _kill_agents(where: Path) -> None:
-    for record in where.rglob("agent.json"):
-        try:
-            os.kill(int(json.loads(record.read_text())["pid"]), signal.SIGKILL)
-        except (OSError, ValueError, KeyError):
-            pass
-
-
-def _gone(path: str, within_s: float = 60.0) -> bool:
-    import time
-
-    deadline = time.monotonic() + within_s
-    while time.monotonic() < deadline:
-        if not os.path.exists(path):
-            return True
-        time.sleep(0.1)
-    return False
 
 
 def test_trainer_crash_then_node_loss_resume_bit_exact(nodes, tmp_path) -> None:
@@ -203,7 +144,7 @@ def test_trainer_crash_then_node_loss_resume_bit_exact(nodes, tmp_path) -> None:
 
     # node 1 is lost: its ranks (dead already), its agent and its memory
     lost = nodes / "node-1"
-    _kill_agents(lost)
+    kill_agents(lost)
     shutil.rmtree(lost)
     lost.mkdir()  # the replacement node's empty tmpfs
 
@@ -218,14 +159,14 @@ def test_trainer_crash_then_node_loss_resume_bit_exact(nodes, tmp_path) -> None:
         assert r["held"] == {str((rank + PER_NODE) % WORLD): [STEPS + 1, STEPS + 2]}
     # the job ended (close): no node keeps its memory
     for r in third:
-        assert _gone(r["job_dir"]), r["job_dir"]
+        assert gone(r["job_dir"]), r["job_dir"]
 
 
 def _lose_node(nodes: Path, node: int) -> None:
     """Node ``node`` is lost: its agent killed, its memory gone (its ranks are dead
     already); the replacement node comes with an empty tmpfs."""
     lost = nodes / f"node-{node}"
-    _kill_agents(lost)
+    kill_agents(lost)
     shutil.rmtree(lost)
     lost.mkdir()
 
@@ -332,7 +273,7 @@ def _rank_plain(rank: int, world_size: int, base: str, train_to: int) -> dict[st
     hook.remove()
     assert not stepped, f"rank {rank}: load() ran {len(stepped)} optimizer step(s)"
     record = manager.last_load
-    loaded = _fingerprints(model, optim)
+    loaded = fingerprints(model, optim)
     for step in range(start + 1, train_to + 1):
         g = torch.Generator().manual_seed(step * 10 + rank)
         optim.zero_grad()
@@ -346,7 +287,7 @@ def _rank_plain(rank: int, world_size: int, base: str, train_to: int) -> dict[st
         "start": start,
         "tier": record.tier if record else None,
         "loaded": loaded,
-        "trained": _fingerprints(model, optim),
+        "trained": fingerprints(model, optim),
         "held": {str(k): v for k, v in sorted(tier.replicas.held().items())},
     }
     dist.barrier()

@@ -14,11 +14,8 @@ whose name starts with ``_rank_`` run inside the spawned ranks.
 
 from __future__ import annotations
 
-import hashlib
-import json
 import os
 import shutil
-import signal
 import time
 import uuid
 from collections.abc import Iterator
@@ -26,10 +23,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
-import torch.nn as nn
 from launcher import LaunchConfig, run_ranks
 
+from helpers.node_sim import fingerprints, fsdp_job, kill_agents, train_step
 from quicksave_tools.testing.seaweed import SeaweedServer
 from quicksave_tools.testing.seaweed_process import SeaweedError
 
@@ -70,56 +66,8 @@ def nodes() -> Iterator[Path]:
     for node in range(WORLD // PER_NODE):
         (base / f"node-{node}").mkdir(parents=True)
     yield base
-    _kill_agents(base)
+    kill_agents(base)
     shutil.rmtree(base, ignore_errors=True)
-
-
-def _kill_agents(where: Path) -> None:
-    for record in where.rglob("agent.json"):
-        try:
-            os.kill(int(json.loads(record.read_text())["pid"]), signal.SIGKILL)
-        except (OSError, ValueError, KeyError):
-            pass
-
-
-def _job(seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
-    torch.manual_seed(seed)
-    # Linear(32, 3): 3 rows over 4 ranks, an uneven shard (one rank holds none)
-    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 32), nn.Linear(32, 3))
-    mesh = init_device_mesh("cpu", (WORLD,))
-    for layer in model:
-        if isinstance(layer, nn.Linear):
-            fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    return model, torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.1)
-
-
-def _step(model: nn.Module, optim: torch.optim.Optimizer, step: int) -> None:
-    g = torch.Generator().manual_seed(step)
-    optim.zero_grad(set_to_none=True)
-    model(torch.randn(8, 16, generator=g)).square().mean().backward()
-    optim.step()
-
-
-def _digest(t: torch.Tensor) -> str:
-    local = t.to_local() if hasattr(t, "to_local") else t
-    local = local.detach().contiguous()
-    return (
-        f"{local.dtype}{list(local.shape)}:" + hashlib.sha256(local.numpy().tobytes()).hexdigest()
-    )
-
-
-def _fingerprints(model: nn.Module, optim: torch.optim.Optimizer) -> dict[str, str]:
-    """This rank's parameters and AdamW state as it holds them (its local shards)."""
-    names = {p: n for n, p in model.named_parameters()}
-    out = {f"param.{n}": _digest(p) for p, n in names.items()}
-    for param, entry in optim.state.items():
-        for key, value in entry.items():
-            out[f"state.{names[param]}.{key}"] = _digest(torch.as_tensor(value))
-    return out
 
 
 def _rank_run(
@@ -157,19 +105,19 @@ def _rank_run(
         memory=memory,
         upload=UploadTierConfig(store["url"], every=2, keep=2),
     )
-    model, optim = _job(seed=rank + 100 * train_to)  # other weights each run
+    model, optim = fsdp_job(rank + 100 * train_to, WORLD)  # other weights each run
     manager = CheckpointManager(
         config, {"model": ModelState(model), "optimizer": OptimizerState(model, optim)}
     )
     start = manager.load() or 0
     record = manager.last_load
-    loaded = _fingerprints(model, optim)
+    loaded = fingerprints(model, optim)
     by_step = {}
     tier = manager.upload_tier
     assert tier is not None and tier.uploader is not None
     for step in range(start + 1, train_to + 1):
-        _step(model, optim, step)
-        by_step[str(step)] = _fingerprints(model, optim)
+        train_step(model, optim, step)
+        by_step[str(step)] = fingerprints(model, optim)
         manager.save(step)
         manager.wait()  # the folder's save: committed, so that its upload is offered now
         tier.poll()
@@ -214,7 +162,7 @@ def test_everything_lost_but_the_object_store_resumes_from_it_bit_exact(server, 
 
     # everything is lost but the object store: the ranks (dead already), each node's
     # agent and memory, the folder
-    _kill_agents(nodes)
+    kill_agents(nodes)
     for node in range(WORLD // PER_NODE):
         shutil.rmtree(nodes / f"node-{node}")
         (nodes / f"node-{node}").mkdir()  # the replacement nodes' empty tmpfs
