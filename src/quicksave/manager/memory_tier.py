@@ -179,6 +179,7 @@ class MemoryTier:
         self.last_error: CheckpointError | None = None
         self.source = TIER  # where the last load() read this rank's snapshot from
         self._outbox: dict[int, bool] = {}  # steps to offer the replicas, in order: made?
+        self._unsent: set[int] = set()  # the replicas' unsent steps at the last retention
         self._holders: dict[int, list[int]] = {}  # recovery: step -> each rank's holder
         self.replicas: PeerReplicas | None = None
         if placement is not None:
@@ -223,7 +224,7 @@ class MemoryTier:
             if writer is None:
                 api.save(state, path, step=step, user_metadata=metadata, no_dist=True)
                 self._offer()
-                self._retain()
+                self._retain(set() if self.replicas is None else self.replicas.unsent())
                 return True
             handle = writer.submit(state, path, step, metadata, local=True, in_place=self.buffers)
         except CheckpointError as e:
@@ -256,10 +257,11 @@ class MemoryTier:
             if error is not None:
                 self._failed(step, error)
         self._offer()
-        if finished:
-            self._retain()
         if wait_s and self.replicas is not None:
             self.replicas.drain(max(0.0, deadline - time.monotonic()))
+        unsent = set() if self.replicas is None else self.replicas.unsent()
+        if finished or unsent != self._unsent:  # a snapshot done, or one no longer read
+            self._retain(unsent)
 
     def _offer(self, *, abandon: bool = False) -> None:
         """Offer the replicas the steps whose snapshots are settled, in step order (a
@@ -284,11 +286,14 @@ class MemoryTier:
             error,
         )
 
-    def _retain(self) -> None:
+    def _retain(self, unsent: set[int]) -> None:
+        """The memory tier's retention: ``keep`` snapshots, besides those in flight and
+        those the replicas still read (``unsent``: their files are staging buffers, not
+        to be staged into while read)."""
+        self._unsent = unsent
+        held = set(self.pending) | unsent
         try:
-            apply_retention(
-                self.location, self.retention, set(self.pending), allow_dcp=False, backend=None
-            )
+            apply_retention(self.location, self.retention, held, allow_dcp=False, backend=None)
         except (OSError, CheckpointError) as e:
             logger.warning("quicksave: the memory tier's retention in %s: %s", self.folder, e)
 

@@ -146,6 +146,7 @@ class PeerReplicas:
         self.error: BaseException | None = None  # why the thread stopped replicating
         self._queue: deque[Any] = deque()
         self._busy = False
+        self._sending: int | None = None  # the step whose files are being sent
         self._cond = threading.Condition()
         for source in placement.sources(rank):  # what a crashed receiver left
             commit_files.clean_stale_temporaries(str(replica_dir(world_dir, source)))
@@ -162,6 +163,14 @@ class PeerReplicas:
             if steps:
                 out[source] = steps
         return out
+
+    def unsent(self) -> set[int]:
+        """The steps of this rank's snapshots still to send (queued or being sent): the
+        memory tier keeps them, so that their files (its staging buffers) are not staged
+        into again while they are read."""
+        with self._cond:
+            out = {step for step, item in self._queue if isinstance(item, Outgoing)}
+            return out if self._sending is None else out | {self._sending}
 
     def offer(self, step: int, path: str | None) -> None:
         """Replicate this rank's committed snapshot of ``step`` at ``path`` (None: it was
@@ -213,6 +222,7 @@ class PeerReplicas:
                     self._cond.wait()
                 step, outgoing = self._queue.popleft()
                 self._busy = True
+                self._sending = step if isinstance(outgoing, Outgoing) else None
             if outgoing is _STOP:
                 break
             try:
@@ -225,9 +235,11 @@ class PeerReplicas:
                     outgoing.close()
                 with self._cond:
                     self._busy = False
+                    self._sending = None
                     self._cond.notify_all()
         with self._cond:
             self._busy = False
+            self._sending = None
             self._cond.notify_all()
 
     def _stop(self, step: int, error: BaseException) -> None:
