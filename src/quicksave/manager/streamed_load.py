@@ -20,12 +20,17 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
+import torch
 from torch.utils.hooks import RemovableHandle
 
+from quicksave.commit import CheckpointKind
 from quicksave.errors import CheckpointError, IncompatibleStateError
 from quicksave.layout.dcp_metadata import manifest_to_metadata
 from quicksave.loading.checkpoint import Checkpoint
+from quicksave.loading.reader import CheckpointReader
 from quicksave.manager.states import OptimizerState
+from quicksave.storage.cold_read import COLD_MIN
+from quicksave.storage.pages import Libc, libc
 
 Load = Callable[[Mapping[str, Any], tuple[str, ...]], None]  # (states, names left to another load)
 
@@ -55,9 +60,9 @@ class OptimizerStream:
         )
         self._hooks: list[RemovableHandle] = []
         for o in optimizers:  # its step, and reading or replacing its state, wait
-            self._hooks.append(o.register_step_pre_hook(lambda *_: self.wait()))
-            self._hooks.append(o.register_state_dict_pre_hook(lambda *_: self.wait()))
-            self._hooks.append(o.register_load_state_dict_pre_hook(lambda *_: self.wait()))
+            self._hooks.append(o.register_step_pre_hook(lambda *_: self._join()))
+            self._hooks.append(o.register_state_dict_pre_hook(lambda *_: self._join()))
+            self._hooks.append(o.register_load_state_dict_pre_hook(lambda *_: self._join()))
         self._thread.start()
 
     def _run(self, load: Callable[[], None]) -> None:
@@ -73,18 +78,27 @@ class OptimizerStream:
 
     def wait(self) -> None:
         """Block until the optimizers' states are loaded; raise the load's error (once).
+        Takes the optimizers' hooks away (a hook joins without: torch is iterating its
+        hooks while one runs, and one taken away then breaks that iteration; until a
+        ``wait()``, a joined stream's hooks do nothing).
 
         Raises:
             CheckpointError: the background load failed (the optimizers' states are not
                 the checkpoint's: resume again).
         """
+        try:
+            self._join()
+        finally:
+            if threading.current_thread() is not self._thread:
+                for hook in self._hooks:
+                    hook.remove()
+                self._hooks = []
+
+    def _join(self) -> None:
         if self._joined or threading.current_thread() is self._thread:
             return  # (the load itself reads and sets the optimizers' states)
         self._thread.join()
         self._joined = True
-        for hook in self._hooks:
-            hook.remove()
-        self._hooks = []
         error, self._error = self._error, None
         if error is None:
             self._on_done()
@@ -111,35 +125,110 @@ def load_streamed(
     background (the returned stream; ``on_done()`` runs when it is joined, or
     ``on_error(error)`` before its error is raised, on the training thread).
 
-    Before the stream starts, an optimizer without state gets its state tensors
-    allocated here, from the manifest the first load read: nothing that looks at
-    ``optimizer.state`` meanwhile finds it empty (DCP's state-dict functions would then
-    run an optimizer step to create it). Where that cannot be done (a stock DCP
-    checkpoint), the optimizers' states load now too."""
+    Before the first load, an optimizer without state gets its state tensors allocated
+    here, from the checkpoint's manifest: nothing that looks at ``optimizer.state``
+    meanwhile finds it empty (DCP's state-dict functions would then run an optimizer
+    step to create it). Their memory is faulted in on a thread of its own
+    (:class:`_Prefault`) while the first load reads the model's states, so that the
+    stream, running beside the first forward and backward, only copies bytes. Where the
+    state cannot be allocated from a manifest (a stock DCP checkpoint), the optimizers'
+    states load now too."""
     later = {k: v for k, v in states.items() if isinstance(v, OptimizerState)}
     if not stream or not later or len(later) == len(states):
         load(states, ())
         on_done()
         return None
     first = {k: v for k, v in states.items() if k not in later}
-    try:
-        load(first, tuple(later))
-    except IncompatibleStateError:
-        load(states, ())  # the states do not fit: the whole load's error names all of it
-        raise
-    manifest = checkpoint.read.get("manifest")
+    manifest = _manifest(checkpoint)
     if manifest is None:
-        load(later, tuple(first))
+        load(states, ())
         on_done()
         return None
     stored = manifest_to_metadata(manifest, checkpoint.url).state_dict_metadata
-    undos = [u for n, s in later.items() if (u := s.prepare_load(stored, f"{n}.")) is not None]
+    undos: list[Callable[[], None]] = []
 
-    def failed(error: BaseException) -> None:
+    def undo_all() -> None:
         for undo in undos:  # uninitialised state: never trained with
             undo()
+        undos.clear()
+
+    prefault: _Prefault | None = None
+    try:
+        for n, s in later.items():
+            if (undo := s.prepare_load(stored, f"{n}.")) is not None:
+                undos.append(undo)
+        optimizers = [o for state in later.values() for o in state.optimizers]
+        prefault = _Prefault(optimizers)
+        load(first, tuple(later))
+    except IncompatibleStateError:
+        if prefault is not None:
+            prefault.stop()
+        undo_all()
+        load(states, ())  # the states do not fit: the whole load's error names all of it
+        raise
+    except BaseException:
+        if prefault is not None:
+            prefault.stop()
+        undo_all()
+        raise
+
+    def failed(error: BaseException) -> None:
+        undo_all()
         if on_error is not None:
             on_error(error)
 
-    optimizers = [o for state in later.values() for o in state.optimizers]
     return OptimizerStream(lambda: load(later, tuple(first)), optimizers, on_done, failed)
+
+
+def _manifest(checkpoint: Checkpoint) -> Any:
+    """The manifest of a quicksave checkpoint (read once: the loads that follow reuse
+    it), or None for a stock DCP one."""
+    if checkpoint.kind is not CheckpointKind.QUICKSAVE:
+        return None
+    return CheckpointReader(checkpoint).read_manifest()
+
+
+class _Prefault:
+    """The memory of the optimizers' CPU state tensors faulted in, tensor by tensor in
+    the optimizers' order (the order they were allocated and stored in), on a thread
+    of its own (``madvise``, without the GIL: :meth:`quicksave.storage.pages.Libc.populate`).
+    Contents are kept, so the stream may write a tensor while it is faulted in. The
+    tensors are held until it is done: memory taken back meanwhile is not unmapped
+    under it. Where the kernel cannot (before Linux 5.14) it stops at the first tensor,
+    and the stream's own writes fault the pages in as before."""
+
+    def __init__(self, optimizers: list[Any]) -> None:
+        tensors = [
+            v
+            for o in optimizers
+            for entry in o.state.values()
+            for v in _tensors(entry)
+            if type(v) is torch.Tensor  # (not a DTensor's shard: its own storage)
+            and v.device.type == "cpu"
+            and v.numel() * v.element_size() >= COLD_MIN
+        ]
+        self._stopped = threading.Event()
+        self.thread: threading.Thread | None = None
+        if tensors and (lib := libc()) is not None:
+            self.thread = threading.Thread(
+                target=self._run, args=(lib, tensors), name="quicksave-prefault", daemon=True
+            )
+            self.thread.start()
+
+    def _run(self, lib: Libc, tensors: list[torch.Tensor]) -> None:
+        for t in tensors:
+            storage = t.untyped_storage()
+            if self._stopped.is_set() or not lib.populate(storage.data_ptr(), storage.nbytes()):
+                break
+
+    def stop(self) -> None:
+        self._stopped.set()
+
+
+def _tensors(entry: Any) -> list[torch.Tensor]:
+    """The tensors of one parameter's optimizer state (nested dicts: some optimizers')."""
+    if isinstance(entry, torch.Tensor):
+        return [entry]
+    if isinstance(entry, Mapping):
+        return [t for v in entry.values() for t in _tensors(v)]
+    return []
