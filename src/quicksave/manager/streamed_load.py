@@ -15,6 +15,7 @@ run collectives beside the training thread's.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -31,6 +32,9 @@ from quicksave.loading.reader import CheckpointReader
 from quicksave.manager.states import OptimizerState
 from quicksave.storage.cold_read import COLD_MIN
 from quicksave.storage.pages import Libc, libc
+
+_PREFAULT_PIECE = 8 << 20  # memory faulted in per madvise call
+_NICE = 19  # the prefault thread's: it uses what CPU the load leaves idle
 
 Load = Callable[[Mapping[str, Any], tuple[str, ...]], None]  # (states, names left to another load)
 
@@ -191,7 +195,9 @@ def _manifest(checkpoint: Checkpoint) -> Any:
 class _Prefault:
     """The memory of the optimizers' CPU state tensors faulted in, tensor by tensor in
     the optimizers' order (the order they were allocated and stored in), on a thread
-    of its own (``madvise``, without the GIL: :meth:`quicksave.storage.pages.Libc.populate`).
+    of its own at the lowest priority (``madvise``, without the GIL:
+    :meth:`quicksave.storage.pages.Libc.populate`): it takes the CPU the first load, which
+    waits on its reads, leaves idle.
     Contents are kept, so the stream may write a tensor while it is faulted in. The
     tensors are held until it is done: memory taken back meanwhile is not unmapped
     under it. Where the kernel cannot (before Linux 5.14) it stops at the first tensor,
@@ -216,10 +222,18 @@ class _Prefault:
             self.thread.start()
 
     def _run(self, lib: Libc, tensors: list[torch.Tensor]) -> None:
+        try:  # idle CPU only: never ahead of the load it works for (Linux: per thread)
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), _NICE)
+        except (OSError, AttributeError):
+            pass
         for t in tensors:
             storage = t.untyped_storage()
-            if self._stopped.is_set() or not lib.populate(storage.data_ptr(), storage.nbytes()):
-                break
+            start, size = storage.data_ptr(), storage.nbytes()
+            for at in range(0, size, _PREFAULT_PIECE):  # short holds of the mm's lock
+                if self._stopped.is_set():
+                    return
+                if not lib.populate(start + at, min(_PREFAULT_PIECE, size - at)):
+                    return
 
     def stop(self) -> None:
         self._stopped.set()
