@@ -15,13 +15,11 @@ run collectives beside the training thread's.
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
-import torch
 from torch.utils.hooks import RemovableHandle
 
 from quicksave.commit import CheckpointKind
@@ -30,11 +28,6 @@ from quicksave.layout.dcp_metadata import manifest_to_metadata
 from quicksave.loading.checkpoint import Checkpoint
 from quicksave.loading.reader import CheckpointReader
 from quicksave.manager.states import OptimizerState
-from quicksave.storage.cold_read import COLD_MIN
-from quicksave.storage.pages import Libc, libc
-
-_PREFAULT_PIECE = 8 << 20  # memory faulted in per madvise call
-_NICE = 19  # the prefault thread's: it uses what CPU the load leaves idle
 
 Load = Callable[[Mapping[str, Any], tuple[str, ...]], None]  # (states, names left to another load)
 
@@ -133,8 +126,8 @@ def load_streamed(
     here, from the checkpoint's manifest: nothing that looks at ``optimizer.state``
     meanwhile finds it empty (DCP's state-dict functions would then run an optimizer
     step to create it). Their memory is faulted in on a thread of its own
-    (:class:`_Prefault`) while the first load reads the model's states, so that the
-    stream, running beside the first forward and backward, only copies bytes. Where the
+    (``optim_restore.Prefault``) while the first load reads the model's states, so that
+    the stream, running beside the first forward and backward, only copies bytes. Where the
     state cannot be allocated from a manifest (a stock DCP checkpoint), the optimizers'
     states load now too."""
     later = {k: v for k, v in states.items() if isinstance(v, OptimizerState)}
@@ -156,23 +149,16 @@ def load_streamed(
             undo()
         undos.clear()
 
-    prefault: _Prefault | None = None
     try:
-        for n, s in later.items():
+        for n, s in later.items():  # (their memory faulted in while the model's load reads)
             if (undo := s.prepare_load(stored, f"{n}.")) is not None:
                 undos.append(undo)
-        optimizers = [o for state in later.values() for o in state.optimizers]
-        prefault = _Prefault(optimizers)
         load(first, tuple(later))
     except IncompatibleStateError:
-        if prefault is not None:
-            prefault.stop()
         undo_all()
         load(states, ())  # the states do not fit: the whole load's error names all of it
         raise
     except BaseException:
-        if prefault is not None:
-            prefault.stop()
         undo_all()
         raise
 
@@ -181,6 +167,7 @@ def load_streamed(
         if on_error is not None:
             on_error(error)
 
+    optimizers = [o for state in later.values() for o in state.optimizers]
     return OptimizerStream(lambda: load(later, tuple(first)), optimizers, on_done, failed)
 
 
@@ -190,59 +177,3 @@ def _manifest(checkpoint: Checkpoint) -> Any:
     if checkpoint.kind is not CheckpointKind.QUICKSAVE:
         return None
     return CheckpointReader(checkpoint).read_manifest()
-
-
-class _Prefault:
-    """The memory of the optimizers' CPU state tensors faulted in, tensor by tensor in
-    the optimizers' order (the order they were allocated and stored in), on a thread
-    of its own at the lowest priority (``madvise``, without the GIL:
-    :meth:`quicksave.storage.pages.Libc.populate`): it takes the CPU the first load, which
-    waits on its reads, leaves idle.
-    Contents are kept, so the stream may write a tensor while it is faulted in. The
-    tensors are held until it is done: memory taken back meanwhile is not unmapped
-    under it. Where the kernel cannot (before Linux 5.14) it stops at the first tensor,
-    and the stream's own writes fault the pages in as before."""
-
-    def __init__(self, optimizers: list[Any]) -> None:
-        tensors = [
-            v
-            for o in optimizers
-            for entry in o.state.values()
-            for v in _tensors(entry)
-            if type(v) is torch.Tensor  # (not a DTensor's shard: its own storage)
-            and v.device.type == "cpu"
-            and v.numel() * v.element_size() >= COLD_MIN
-        ]
-        self._stopped = threading.Event()
-        self.thread: threading.Thread | None = None
-        if tensors and (lib := libc()) is not None:
-            self.thread = threading.Thread(
-                target=self._run, args=(lib, tensors), name="quicksave-prefault", daemon=True
-            )
-            self.thread.start()
-
-    def _run(self, lib: Libc, tensors: list[torch.Tensor]) -> None:
-        try:  # idle CPU only: never ahead of the load it works for (Linux: per thread)
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), _NICE)
-        except (OSError, AttributeError):
-            pass
-        for t in tensors:
-            storage = t.untyped_storage()
-            start, size = storage.data_ptr(), storage.nbytes()
-            for at in range(0, size, _PREFAULT_PIECE):  # short holds of the mm's lock
-                if self._stopped.is_set():
-                    return
-                if not lib.populate(start + at, min(_PREFAULT_PIECE, size - at)):
-                    return
-
-    def stop(self) -> None:
-        self._stopped.set()
-
-
-def _tensors(entry: Any) -> list[torch.Tensor]:
-    """The tensors of one parameter's optimizer state (nested dicts: some optimizers')."""
-    if isinstance(entry, torch.Tensor):
-        return [entry]
-    if isinstance(entry, Mapping):
-        return [t for v in entry.values() for t in _tensors(v)]
-    return []
