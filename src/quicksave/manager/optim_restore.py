@@ -239,8 +239,8 @@ def allocate_optimizer_state(
 
 
 def _fresh(entries: Mapping[str, Any]) -> list[torch.Tensor]:
-    """The page-aligned tensors among one parameter's allocated state (nested dicts:
-    some optimizers')."""
+    """The CPU tensors of ``COLD_MIN`` bytes or more among one parameter's allocated
+    state (nested dicts: some optimizers'): new memory worth faulting in ahead."""
     out: list[torch.Tensor] = []
     for v in entries.values():
         if isinstance(v, Mapping):
