@@ -99,3 +99,59 @@ def test_a_torn_optimizer_chunk_is_raised_after_load_and_moved_aside(tmp_path):
     with CheckpointManager(config, _states(model, optim)) as manager:
         assert manager.load() == 1
         assert optim.state_dict()["state"]  # loaded whole
+
+
+def test_forward_and_backward_run_while_the_optimizer_states_stream_and_step_waits(tmp_path):
+    """The model's states are in place and the optimizers' state allocated before
+    ``load_streamed`` returns; a forward and backward then run while the stream is held
+    back, and the step runs only once the stream's load has finished (an order of
+    events, not a timing)."""
+    import threading
+
+    import quicksave
+    from quicksave.loading.checkpoint import require_committed
+    from quicksave.manager.streamed_load import load_streamed
+
+    saved_model, saved_optim = _save(tmp_path / "ckpt", [1])
+    checkpoint = require_committed(tmp_path / "ckpt" / "step-1")
+    model, optim = _job(3)
+    events: list[str] = []
+    stepping, release = threading.Event(), threading.Event()
+
+    def load(part, leave):
+        if "optim" in part:  # the stream: held back until the training thread steps
+            assert release.wait(60), "the step never came to wait for the stream"
+        elif optim.state:  # allocated before the model's load, to fault it in meanwhile
+            events.append("allocated")
+        quicksave.load(part, checkpoint, leave=leave)
+        events.append("optim loaded" if "optim" in part else "model loaded")
+
+    stream = load_streamed(
+        _states(model, optim), load, checkpoint, stream=True, on_done=lambda: None
+    )
+    assert stream is not None and not stream.done
+    assert events == ["allocated", "model loaded"]
+    for a, b in zip(model.state_dict().values(), saved_model.state_dict().values(), strict=True):
+        assert torch.equal(a, b)
+    optim.register_step_pre_hook(lambda *_: events.append("step"))  # after the stream's
+    g = torch.Generator().manual_seed(7)
+    x, y = torch.randn(8, 32, generator=g), torch.randn(8, 4, generator=g)
+    optim.zero_grad()
+    torch.nn.functional.mse_loss(model(x), y).backward()
+    events.append("forward and backward")
+    helper = threading.Thread(target=lambda: (stepping.wait(60), release.set()))
+    helper.start()
+    stepping.set()
+    optim.step()
+    helper.join()
+    assert events == [
+        "allocated",
+        "model loaded",
+        "forward and backward",
+        "optim loaded",
+        "step",
+    ]
+    assert stream.done
+    _train(saved_model, saved_optim, 1)  # the same step on the saved job: equal weights
+    for a, b in zip(model.parameters(), saved_model.parameters(), strict=True):
+        assert torch.equal(a, b)

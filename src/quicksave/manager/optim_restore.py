@@ -14,9 +14,11 @@ its parameter (``empty_like``: a DTensor parameter gives a DTensor with the same
 placements, so each rank allocates only its local shard), or a plain tensor for
 anything else (AdamW's 0-dim ``step``). The loader then reads the checkpoint straight
 into those tensors, and ``set_optimizer_state_dict`` hands the same tensors to
-``optimizer.load_state_dict``: no step, no second copy. Driven by the checkpoint, not
-by a table of optimizers, so any ``torch.optim`` optimizer whose flattened state the
-checkpoint holds is covered.
+``optimizer.load_state_dict``: no step, no second copy. The new memory is faulted in
+meanwhile by a thread at the lowest priority (:class:`Prefault`), so that neither the
+load's reads nor, in a streamed resume, the first training step take its page faults.
+Driven by the checkpoint, not by a table of optimizers, so any ``torch.optim``
+optimizer whose flattened state the checkpoint holds is covered.
 
 Where the layout cannot be known exactly (FSDP1's flat parameters, a non-scalar state
 tensor of a DTensor parameter that is not shaped like it), nothing is allocated and the
@@ -28,6 +30,8 @@ from __future__ import annotations
 import logging
 import math
 import mmap
+import os
+import threading
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -37,9 +41,12 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from quicksave.errors import IncompatibleStateError, rank_of_this_process
 from quicksave.storage.cold_read import COLD_MIN
+from quicksave.storage.pages import Libc, libc
 
 logger = logging.getLogger("quicksave")
 
+_PREFAULT_PIECE = 8 << 20  # memory faulted in per madvise call
+_NICE = 19  # the prefault thread's niceness: it uses what CPU the load leaves idle
 STATE = "state"  # the flattened optimizer state dict's sections (DCP's names)
 GROUPS = "param_groups"
 
@@ -228,9 +235,66 @@ def allocate_optimizer_state(
     if not state:
         return None
     optimizer.state.update(state)
+    prefault = Prefault([t for entries in state.values() for t in _fresh(entries)])
 
     def undo() -> None:
+        prefault.stop()
         for param in state:
             optimizer.state.pop(param, None)
 
     return undo
+
+
+def _fresh(entries: Mapping[str, Any]) -> list[torch.Tensor]:
+    """The CPU tensors of ``COLD_MIN`` bytes or more among one parameter's allocated
+    state (nested dicts: some optimizers'): new memory worth faulting in ahead."""
+    out: list[torch.Tensor] = []
+    for v in entries.values():
+        if isinstance(v, Mapping):
+            out += _fresh(v)
+        elif (
+            type(v) is torch.Tensor
+            and v.device.type == "cpu"
+            and v.numel() * v.element_size() >= COLD_MIN
+        ):
+            out.append(v)
+    return out
+
+
+class Prefault:
+    """Fresh state tensors' memory faulted in, in the optimizer's order (the order the
+    load reads them in), on a thread of its own at the lowest priority: it takes the
+    CPU that the load, waiting on its reads, leaves idle (``madvise``, without the GIL:
+    :meth:`quicksave.storage.pages.Libc.populate`). A first touch of new memory costs
+    the kernel a fault per page; taken here, it is not taken by the load's reads (an
+    ``O_DIRECT`` read into unfaulted memory is much slower), nor, in a streamed resume,
+    beside the first forward and backward. Contents are kept, so the load may write a
+    tensor while it is faulted in; the tensors are held until it is done (memory taken
+    back meanwhile is not unmapped under it). Where the kernel cannot (before Linux
+    5.14) it stops at once, and the load's writes fault the pages in as before."""
+
+    def __init__(self, tensors: list[torch.Tensor]) -> None:
+        self._stopped = threading.Event()
+        lib = libc() if tensors else None
+        if lib is not None:
+            threading.Thread(
+                target=self._run, args=(lib, tensors), name="quicksave-prefault", daemon=True
+            ).start()
+
+    def _run(self, lib: Libc, tensors: list[torch.Tensor]) -> None:
+        try:  # idle CPU only: never ahead of the load it works for (Linux: per thread)
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), _NICE)
+        except (OSError, AttributeError):
+            pass
+        for t in tensors:
+            storage = t.untyped_storage()
+            start, size = storage.data_ptr(), storage.nbytes()
+            for at in range(0, size, _PREFAULT_PIECE):  # short holds of the mm's lock
+                if self._stopped.is_set() or not lib.populate(
+                    start + at, min(_PREFAULT_PIECE, size - at)
+                ):
+                    return
+
+    def stop(self) -> None:
+        """Fault no more in (a failed load takes the memory back)."""
+        self._stopped.set()

@@ -22,9 +22,11 @@ from typing import Any
 
 from torch.utils.hooks import RemovableHandle
 
+from quicksave.commit import CheckpointKind
 from quicksave.errors import CheckpointError, IncompatibleStateError
 from quicksave.layout.dcp_metadata import manifest_to_metadata
 from quicksave.loading.checkpoint import Checkpoint
+from quicksave.loading.reader import CheckpointReader
 from quicksave.manager.states import OptimizerState
 
 Load = Callable[[Mapping[str, Any], tuple[str, ...]], None]  # (states, names left to another load)
@@ -55,9 +57,9 @@ class OptimizerStream:
         )
         self._hooks: list[RemovableHandle] = []
         for o in optimizers:  # its step, and reading or replacing its state, wait
-            self._hooks.append(o.register_step_pre_hook(lambda *_: self.wait()))
-            self._hooks.append(o.register_state_dict_pre_hook(lambda *_: self.wait()))
-            self._hooks.append(o.register_load_state_dict_pre_hook(lambda *_: self.wait()))
+            self._hooks.append(o.register_step_pre_hook(lambda *_: self._join()))
+            self._hooks.append(o.register_state_dict_pre_hook(lambda *_: self._join()))
+            self._hooks.append(o.register_load_state_dict_pre_hook(lambda *_: self._join()))
         self._thread.start()
 
     def _run(self, load: Callable[[], None]) -> None:
@@ -73,18 +75,27 @@ class OptimizerStream:
 
     def wait(self) -> None:
         """Block until the optimizers' states are loaded; raise the load's error (once).
+        Takes the optimizers' hooks away (a hook joins without: torch is iterating its
+        hooks while one runs, and one taken away then breaks that iteration; until a
+        ``wait()``, a joined stream's hooks do nothing).
 
         Raises:
             CheckpointError: the background load failed (the optimizers' states are not
                 the checkpoint's: resume again).
         """
+        try:
+            self._join()
+        finally:
+            if threading.current_thread() is not self._thread:
+                for hook in self._hooks:
+                    hook.remove()
+                self._hooks = []
+
+    def _join(self) -> None:
         if self._joined or threading.current_thread() is self._thread:
             return  # (the load itself reads and sets the optimizers' states)
         self._thread.join()
         self._joined = True
-        for hook in self._hooks:
-            hook.remove()
-        self._hooks = []
         error, self._error = self._error, None
         if error is None:
             self._on_done()
@@ -111,35 +122,58 @@ def load_streamed(
     background (the returned stream; ``on_done()`` runs when it is joined, or
     ``on_error(error)`` before its error is raised, on the training thread).
 
-    Before the stream starts, an optimizer without state gets its state tensors
-    allocated here, from the manifest the first load read: nothing that looks at
-    ``optimizer.state`` meanwhile finds it empty (DCP's state-dict functions would then
-    run an optimizer step to create it). Where that cannot be done (a stock DCP
-    checkpoint), the optimizers' states load now too."""
+    Before the first load, an optimizer without state gets its state tensors allocated
+    here, from the checkpoint's manifest: nothing that looks at ``optimizer.state``
+    meanwhile finds it empty (DCP's state-dict functions would then run an optimizer
+    step to create it). Their memory is faulted in on a thread of its own
+    (``optim_restore.Prefault``) while the first load reads the model's states, so that
+    the stream, running beside the first forward and backward, only copies bytes. Where the
+    state cannot be allocated from a manifest (a stock DCP checkpoint), the optimizers'
+    states load now too."""
     later = {k: v for k, v in states.items() if isinstance(v, OptimizerState)}
     if not stream or not later or len(later) == len(states):
         load(states, ())
         on_done()
         return None
     first = {k: v for k, v in states.items() if k not in later}
-    try:
-        load(first, tuple(later))
-    except IncompatibleStateError:
-        load(states, ())  # the states do not fit: the whole load's error names all of it
-        raise
-    manifest = checkpoint.read.get("manifest")
+    manifest = _manifest(checkpoint)
     if manifest is None:
-        load(later, tuple(first))
+        load(states, ())
         on_done()
         return None
     stored = manifest_to_metadata(manifest, checkpoint.url).state_dict_metadata
-    undos = [u for n, s in later.items() if (u := s.prepare_load(stored, f"{n}.")) is not None]
+    undos: list[Callable[[], None]] = []
 
-    def failed(error: BaseException) -> None:
+    def undo_all() -> None:
         for undo in undos:  # uninitialised state: never trained with
             undo()
+        undos.clear()
+
+    try:
+        for n, s in later.items():  # (their memory faulted in while the model's load reads)
+            if (undo := s.prepare_load(stored, f"{n}.")) is not None:
+                undos.append(undo)
+        load(first, tuple(later))
+    except IncompatibleStateError:
+        undo_all()
+        load(states, ())  # the states do not fit: the whole load's error names all of it
+        raise
+    except BaseException:
+        undo_all()
+        raise
+
+    def failed(error: BaseException) -> None:
+        undo_all()
         if on_error is not None:
             on_error(error)
 
     optimizers = [o for state in later.values() for o in state.optimizers]
     return OptimizerStream(lambda: load(later, tuple(first)), optimizers, on_done, failed)
+
+
+def _manifest(checkpoint: Checkpoint) -> Any:
+    """The manifest of a quicksave checkpoint (read once: the loads that follow reuse
+    it), or None for a stock DCP one."""
+    if checkpoint.kind is not CheckpointKind.QUICKSAVE:
+        return None
+    return CheckpointReader(checkpoint).read_manifest()

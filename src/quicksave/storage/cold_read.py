@@ -10,7 +10,8 @@ aligned buffer per thread, from which they are copied while still in the CPU's c
 (and handed to ``seen``, a checksum's ``update``, on the same pass).
 
 Bytes already in the page cache are read buffered (a copy from memory beats any
-device): :meth:`ColdReader.resident` asks the kernel (``mincore``) before each range.
+device): :meth:`ColdReader.resident` asks the kernel (``mincore``,
+:mod:`quicksave.storage.pages`) before each range.
 On a filesystem without ``O_DIRECT`` (tmpfs) or where the reopen fails, every read is
 buffered, as before.
 
@@ -27,57 +28,14 @@ import sys
 import threading
 from collections.abc import Callable
 
+from quicksave.storage.pages import Libc, libc
+
 ALIGN = 4096  # O_DIRECT: offsets, lengths and addresses (covers 512 and 4096 devices)
 BOUNCE = 4 << 20  # one thread's aligned buffer: fits the CPU's cache with its copy
 DIRECT_MAX = 64 << 20  # a straight read into the destination, at most, per call
 COLD_MIN = 1 << 20  # ranges shorter than this are read buffered (no reopen, no check)
 
 Seen = Callable[[memoryview], object]
-_LOW_BIT = bytes(b & 1 for b in range(256))  # mincore: bit 0 of each page's byte
-
-
-class _Libc:
-    """``mmap`` / ``mincore`` / ``munmap`` through ctypes (the stdlib's ``mmap`` has no
-    ``mincore``), or None where they are not available."""
-
-    def __init__(self) -> None:
-        lib = ctypes.CDLL(None, use_errno=True)  # the process's own symbols: libc's
-        lib.mmap.restype = ctypes.c_void_p
-        lib.mmap.argtypes = [
-            ctypes.c_void_p,
-            ctypes.c_size_t,
-            ctypes.c_int,
-            ctypes.c_int,
-            ctypes.c_int,
-            ctypes.c_long,
-        ]
-        lib.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-        lib.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
-        self.lib = lib
-
-    def resident(self, fd: int, offset: int, length: int) -> bool | None:
-        """Whether every page of ``fd``'s ``offset .. offset+length`` is in the page
-        cache; None when the kernel cannot tell."""
-        page = mmap.PAGESIZE
-        start = offset - offset % page
-        size = offset + length - start
-        addr = self.lib.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, start)
-        if addr is None or addr == ctypes.c_void_p(-1).value:
-            return None
-        try:
-            vec = ctypes.create_string_buffer((size + page - 1) // page)
-            if self.lib.mincore(addr, size, vec) != 0:
-                return None
-            return vec.raw.translate(_LOW_BIT).count(0) == 0
-        finally:
-            self.lib.munmap(addr, size)
-
-
-def _libc() -> _Libc | None:
-    try:
-        return _Libc()
-    except (OSError, AttributeError):
-        return None
 
 
 def _address(view: memoryview) -> int:
@@ -94,7 +52,7 @@ class ColdReader:
 
     def __init__(self, fd: int, size: int) -> None:
         self.fd, self.size = fd, size
-        self._libc: _Libc | None = None  # loaded by the first range worth asking about
+        self._libc: Libc | None = None  # loaded by the first range worth asking about
         self._direct: int | None = None  # the O_DIRECT descriptor, opened on first use
         self._off = not sys.platform.startswith("linux") or not hasattr(os, "O_DIRECT")
         self._lock = threading.Lock()
@@ -107,11 +65,12 @@ class ColdReader:
         if self._off or length < COLD_MIN:
             return True
         if self._libc is None:
-            self._libc = _libc()
+            self._libc = libc()
             if self._libc is None:
                 self._off = True
                 return True
-        return self._libc.resident(self.fd, offset, length) is not False
+        counts = self._libc.resident_pages(self.fd, offset, length)
+        return counts is None or counts[0] == counts[1]
 
     def read_into(self, view: memoryview, offset: int, seen: Seen | None) -> int:
         """Fill ``view`` from ``offset`` with ``O_DIRECT``, handing each piece to

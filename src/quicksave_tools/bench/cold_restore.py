@@ -27,8 +27,6 @@ Run: ``python -m quicksave_tools.bench.cold_restore --dir /path/on/local/disk``.
 from __future__ import annotations
 
 import argparse
-import ctypes
-import ctypes.util
 import json
 import os
 import shutil
@@ -39,7 +37,9 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-__all__ = ["METHODS", "evict", "resident_bytes", "run_cold_restore"]
+from quicksave_tools.bench.page_cache import evict, files_under, resident_bytes
+
+__all__ = ["METHODS", "run_cold_restore"]
 
 METHODS = ("floor", "quicksave", "dcp", "torch_checkpointing")
 _PIECE = 64 << 20
@@ -49,68 +49,13 @@ _CHILD = (
 )
 
 
-def _files(root: str) -> list[str]:
-    out = []
-    for dirpath, _dirs, names in os.walk(root):
-        out += [os.path.join(dirpath, n) for n in sorted(names)]
-    return sorted(out)
-
-
-def evict(root: str) -> None:
-    """Write back and drop from the page cache every file under ``root``."""
-    for path in _files(root):
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
-
-
-def resident_bytes(root: str) -> int:
-    """Bytes of the files under ``root`` that are in the page cache (``mincore``)."""
-    libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
-    libc.mmap.restype = ctypes.c_void_p
-    libc.mmap.argtypes = [
-        ctypes.c_void_p,
-        ctypes.c_size_t,
-        ctypes.c_int,
-        ctypes.c_int,
-        ctypes.c_int,
-        ctypes.c_long,
-    ]
-    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
-    page = os.sysconf("SC_PAGE_SIZE")
-    total = 0
-    for path in _files(root):
-        size = os.path.getsize(path)
-        if size == 0:
-            continue
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            addr = libc.mmap(None, size, 1, 1, fd, 0)  # PROT_READ, MAP_SHARED
-            if addr in (None, ctypes.c_void_p(-1).value):
-                raise OSError(ctypes.get_errno(), f"mmap of {path} failed")
-            try:
-                vec = ctypes.create_string_buffer((size + page - 1) // page)
-                if libc.mincore(addr, size, vec) != 0:
-                    raise OSError(ctypes.get_errno(), f"mincore of {path} failed")
-                total += sum(b & 1 for b in vec.raw) * page
-            finally:
-                libc.munmap(addr, size)
-        finally:
-            os.close(fd)
-    return total
-
-
 def _floor(root: str, threads: int) -> float:
     """Seconds to ``pread`` every file under ``root`` into fresh memory on ``threads``
     threads (64 MiB pieces, spread over the threads)."""
     import torch
 
     pieces = []
-    for path in _files(root):
+    for path in files_under(root):
         size = os.path.getsize(path)
         pieces += [(path, off, min(_PIECE, size - off)) for off in range(0, size, _PIECE)]
     t0 = time.perf_counter()
@@ -245,7 +190,7 @@ def run_child(spec: dict[str, Any]) -> dict[str, Any]:
         gc.collect()
     evict(root)
     out["resident_before_bytes"] = resident_bytes(root)
-    out["bytes"] = sum(os.path.getsize(p) for p in _files(root))
+    out["bytes"] = sum(os.path.getsize(p) for p in files_under(root))
     cpu0 = _cpu_s()
     if method == "floor":
         out["load_s"] = _floor(root, spec["threads"])

@@ -1,16 +1,13 @@
 """What every process of ``quicksave bench --recovery`` shares: the trainer of a shape
 (:func:`trainer`), the checkpoint's tensors in a fixed order and their xxh3 digests
 (:func:`digests`: how every restore is checked bit-exact against the saved state), and
-the cold page cache (:func:`evict`, :func:`cached_fraction`; how: :data:`COLD_CACHE`).
+the cold page cache (:func:`evict`, :func:`cached_fraction` of :mod:`.page_cache`; how:
+:data:`COLD_CACHE`).
 """
 
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import ctypes.util
-import mmap
-import os
 from collections.abc import Callable
 from typing import Any
 
@@ -18,7 +15,21 @@ import torch
 import torch.nn as nn
 import xxhash
 
+from quicksave_tools.bench.page_cache import cached_fraction, evict, files_under
 from quicksave_tools.bench.shapes import build
+
+__all__ = [  # the cold page cache's helpers with the rest: one import for every process
+    "COLD_CACHE",
+    "STEP",
+    "cached_fraction",
+    "differences",
+    "digests",
+    "evict",
+    "files_under",
+    "nbytes",
+    "state_items",
+    "trainer",
+]
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 STEP = 100  # the step every method saves and every restore asks for
@@ -99,54 +110,3 @@ def digests(model: nn.Module, optim: torch.optim.Optimizer) -> dict[str, str]:
 def differences(expected: dict[str, str], got: dict[str, str]) -> list[str]:
     """Names whose digest differs, is missing or is extra (empty: bit-exact)."""
     return sorted(k for k in expected.keys() | got.keys() if expected.get(k) != got.get(k))
-
-
-def files_under(folder: str) -> list[str]:
-    """Every regular file under ``folder`` (sorted), the checkpoint's bytes."""
-    out = []
-    for root, _, names in os.walk(folder):
-        out += [os.path.join(root, n) for n in names]
-    return sorted(p for p in out if os.path.isfile(p))
-
-
-def evict(folder: str) -> None:
-    """Drop ``folder``'s files from the page cache (see the module doc)."""
-    for path in files_under(folder):
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
-
-
-def cached_fraction(folder: str) -> float | None:
-    """The fraction of ``folder``'s file pages in the page cache (None: no ``mincore``)."""
-    libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
-    libc.mmap.restype = ctypes.c_void_p
-    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
-                          ctypes.c_int, ctypes.c_long]  # fmt: skip
-    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
-    resident = total = 0
-    for path in files_under(folder):
-        size = os.path.getsize(path)
-        if size == 0:
-            continue
-        pages = -(-size // mmap.PAGESIZE)
-        vec = (ctypes.c_ubyte * pages)()
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            addr = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
-            if addr in (None, ctypes.c_void_p(-1).value):
-                return None
-            try:
-                if libc.mincore(addr, size, vec) != 0:
-                    return None
-            finally:
-                libc.munmap(addr, size)
-        finally:
-            os.close(fd)
-        resident += sum(b & 1 for b in vec)
-        total += pages
-    return resident / total if total else 0.0
