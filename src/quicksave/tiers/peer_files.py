@@ -48,11 +48,15 @@ def check_names(listed: object) -> FileList:
     return out
 
 
-def _map(fd: int, size: int, access: int) -> torch.Tensor:
+def _map(fd: int, size: int, access: int, populate: bool = False) -> torch.Tensor:
     """The file as a uint8 tensor; the tensor holds the map (it is unmapped when the
-    last reference goes, never under a transfer still in flight)."""
+    last reference goes, never under a transfer still in flight). ``populate``: its
+    pages mapped now (``MAP_POPULATE``), in one call rather than one fault each."""
     if size == 0:
         return torch.empty(0, dtype=torch.uint8)
+    if populate and hasattr(mmap, "MAP_POPULATE"):
+        flags = mmap.MAP_SHARED | mmap.MAP_POPULATE
+        return torch.frombuffer(mmap.mmap(fd, size, flags=flags), dtype=torch.uint8)
     return torch.frombuffer(mmap.mmap(fd, size, access=access), dtype=torch.uint8)
 
 
@@ -115,8 +119,9 @@ class Incoming:
                 fd = os.open(os.path.join(self.draft, name), os.O_RDWR | os.O_CREAT, 0o600)
                 try:
                     os.ftruncate(fd, size)
-                    if size:
-                        self._tensors.append(_map(fd, size, mmap.ACCESS_WRITE))
+                    if size:  # allocated and mapped now, not page by page under the receive
+                        os.posix_fallocate(fd, 0, size)
+                        self._tensors.append(_map(fd, size, mmap.ACCESS_WRITE, populate=True))
                 finally:
                     os.close(fd)
         except (OSError, ValueError):
