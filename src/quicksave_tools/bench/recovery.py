@@ -355,20 +355,18 @@ def _loop_variants(every: int) -> list[tuple[str, str, int]]:
 
 
 def _shape_loops(run: _Run) -> dict[str, Any]:
-    """One shape's loops: ``loop_repeats`` rounds, each every loop once in a fresh
+    """One shape's loops: ``loop_repeats`` rounds, each every loop once in one fresh
     process, the order rotated by one each round (no loop always runs after another)."""
     variants = _loop_variants(run.config.every)
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name, _, _ in variants}
     for i in range(run.config.loop_repeats):
-        for name, variant, n in variants[i % len(variants) :] + variants[: i % len(variants)]:
-            folder = os.path.join(run.work, f"loop-{name}")
-            steps = run.config.loop_steps
-            result = run.child(run.spec("loop", variant=variant, every=n, steps=steps,
-                                        folder=folder, round=i))  # fmt: skip
-            shutil.rmtree(folder, ignore_errors=True)
-            if "unavailable" in result:  # no memory tier: nothing to hold the floor against
-                return {"runs": runs, "unavailable": result["unavailable"]}
-            runs[name].append(result)
+        order = variants[i % len(variants) :] + variants[: i % len(variants)]
+        spec = run.spec("loops", variants=order, steps=run.config.loop_steps, round=i)
+        result = run.child(spec)
+        if "unavailable" in result:  # no memory tier: nothing to hold the floor against
+            return {"runs": runs, "unavailable": result["unavailable"]}
+        for name, _, _ in variants:
+            runs[name].append(result.get("runs", {}).get(name, {"failed": result.get("failed")}))
     return {"runs": runs}
 
 
@@ -461,7 +459,7 @@ def main(argv: list[str] | None = None) -> int:
         loop_steps=args.loop_steps,
         every=args.every,
         loop_shapes=tuple(s for s in args.loop_shapes.split(",") if s),
-        loop_repeats=args.loop_repeats or (1 if args.quick else 3),
+        loop_repeats=(1 if args.quick else 3) if args.loop_repeats is None else args.loop_repeats,
         object_store=not args.no_object_store,
         directory=args.dir,
         threads=args.threads,

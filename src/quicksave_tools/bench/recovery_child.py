@@ -19,9 +19,10 @@ Kinds (``spec["kind"]``):
   first-call costs do not count), then times the first training step after it and three
   steady ones (time to first step: the restore plus the first step's extra over the
   median steady step, at least zero).
-* ``loop`` — a training loop of ``steps`` steps: without checkpoints, with the floor
-  copy (:mod:`.floor_cost`: memcpy + xxh3 of the state on a thread) or with the memory
-  tier every ``every`` steps.
+* ``loops`` — one round of the loop part: training loops of ``steps`` steps, one after
+  the other, each on a freshly built trainer: without checkpoints, with the floor copy
+  (:mod:`.floor_cost`: memcpy + xxh3 of the state on a thread) or with the memory tier
+  every ``every`` steps.
 * ``floor`` — one floor of :mod:`.recovery_floors`.
 
 A memory-tier method that the installed quicksave does not have reports itself
@@ -32,6 +33,7 @@ from __future__ import annotations
 
 import gc
 import os
+import shutil
 import statistics
 import sys
 import time
@@ -317,6 +319,30 @@ def run_loop(spec: dict[str, Any], keep: list) -> dict[str, Any]:
         manager.close()
 
 
+def run_loops(spec: dict[str, Any], keep: list) -> dict[str, Any]:
+    """One round of a shape's loops (``spec["variants"]``: ``[name, variant, every]``),
+    one after the other in this process, each from a freshly built trainer; a loop that
+    fails is reported as failed, the others still run. An untimed loop first: the
+    process's first training steps pay one-time costs that would fall on whichever loop
+    runs first."""
+    run_loop({**spec, "variant": "none", "every": 1, "steps": 2}, keep)
+    gc.collect()
+    runs: dict[str, Any] = {}
+    for name, variant, every in spec["variants"]:
+        folder = os.path.join(spec["work"], f"loop-{name}")
+        try:
+            runs[name] = run_loop({**spec, "variant": variant, "every": every,
+                                   "folder": folder}, keep)  # fmt: skip
+        except Unavailable:
+            raise
+        except Exception as e:  # noqa: BLE001 - one loop's failure is reported
+            runs[name] = {"failed": f"{type(e).__name__}: {e}"[:400]}
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)
+            gc.collect()
+    return {"runs": runs}
+
+
 # -------------------------------------------------------------------------------- entry
 def _run(spec: dict[str, Any], keep: list) -> dict[str, Any]:
     kind = spec["kind"]
@@ -325,7 +351,7 @@ def _run(spec: dict[str, Any], keep: list) -> dict[str, Any]:
 
         torch.set_num_threads(spec["threads"])
         return FLOORS[spec["floor"]](spec)
-    run = {"save": run_save, "restore": run_restore, "loop": run_loop}[kind]
+    run = {"save": run_save, "restore": run_restore, "loops": run_loops}[kind]
     try:
         return run(spec, keep)
     except Unavailable as e:
