@@ -16,8 +16,14 @@ Per shape (default: the training benchmark's ``mlp``, 1.6 GB with AdamW's state;
    bit-exact against the digests) and time to the first training step (the restore plus
    the first step's extra over a steady step, so that lazily read bytes count). Local
    folders are evicted from the page cache first (how: :data:`.recovery_state.COLD_CACHE`).
-4. the loop overhead: steps with the memory tier every step and every ``--every``
-   steps, against none and against the floor copy (memcpy + xxh3 of the state).
+   The peer restore (``quicksave-peer``, :mod:`.recovery_peer`) runs two ranks as two
+   nodes: they save with one peer replica each, node 1's memory is lost, and rank 1's
+   restore (fetched from rank 0's replica) is the one measured, beside the peer floor.
+4. the loop overhead, on each of ``--loop-shapes`` (default all three of
+   :mod:`.shapes`): steps with the memory tier every step and every ``--every`` steps,
+   against none and against the floor copy (memcpy + xxh3 of the state); in
+   ``--loop-repeats`` rounds, each round one fresh process that runs every loop once
+   (the order rotated round to round), the figures medians over the rounds.
 
 A method or floor this installation cannot run (no memory tier yet, no ``weed`` binary,
 no torch_checkpointing) is reported unavailable, not failed. The report is JSON
@@ -29,6 +35,7 @@ Example::
     quicksave bench --recovery --json > recovery.json
     quicksave bench --recovery --quick
     quicksave bench --recovery --shapes mlp,transformer --no-object-store
+    quicksave bench --recovery --methods quicksave-peer --loop-shapes mlp
 """
 
 from __future__ import annotations
