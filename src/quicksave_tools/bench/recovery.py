@@ -366,15 +366,17 @@ def _shape_loops(run: _Run) -> dict[str, Any]:
     process, the order rotated by one each round (no loop always runs after another)."""
     variants = _loop_variants(run.config.every)
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name, _, _ in variants}
+    rounds: list[dict[str, Any]] = []
     for i in range(run.config.loop_repeats):
         order = variants[i % len(variants) :] + variants[: i % len(variants)]
         spec = run.spec("loops", variants=order, steps=run.config.loop_steps, round=i)
         result = run.child(spec)
         if "unavailable" in result:  # no memory tier: nothing to hold the floor against
             return {"runs": runs, "unavailable": result["unavailable"]}
+        rounds.append({"order": [name for name, _, _ in order], "process_s": result["process_s"]})
         for name, _, _ in variants:
             runs[name].append(result.get("runs", {}).get(name, {"failed": result.get("failed")}))
-    return {"runs": runs}
+    return {"runs": runs, "rounds": rounds}
 
 
 def _loops(config: RecoveryBenchConfig, store: _Store) -> dict[str, Any]:
