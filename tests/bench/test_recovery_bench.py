@@ -102,7 +102,7 @@ def test_recovery_quick_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) 
         assert {r["rank_0_tier"] for r in shape["raw_restores"][QUICKSAVE_PEER]} == {"memory"}
         moved = shape["ratios"]["peer_bytes"]
         assert moved["state"] == moved["floor"] == shape["bytes"]  # the floor's same bytes
-        assert moved["replica_sent"] == moved["snapshot_files"] >= moved["state"]
+        assert moved["replica_sent"] >= moved["state"] and moved["snapshot_files"] >= moved["state"]
         assert shape["saves"][QUICKSAVE_PEER]["held_by_rank_0"] == {"1": [STEP]}
         for name, row in loop["shapes"].items():
             assert set(row["extra_s_per_step"]) == {
