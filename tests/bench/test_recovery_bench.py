@@ -18,8 +18,10 @@ from quicksave_tools.bench.recovery_child import (
     QUICKSAVE_DISK,
     QUICKSAVE_MEMORY,
     QUICKSAVE_OBJECT_STORE,
+    QUICKSAVE_PEER,
 )
 from quicksave_tools.bench.recovery_state import (
+    STEP,
     cached_fraction,
     differences,
     digests,
@@ -46,7 +48,7 @@ def _weed_installed() -> bool:
 
 @pytest.mark.slow  # a dozen fresh processes and a SeaweedFS
 def test_recovery_quick_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    methods = [QUICKSAVE_DISK, QUICKSAVE_MEMORY, QUICKSAVE_OBJECT_STORE, DCP]
+    methods = [QUICKSAVE_DISK, QUICKSAVE_MEMORY, QUICKSAVE_PEER, QUICKSAVE_OBJECT_STORE, DCP]
     argv = ["--recovery", "--quick", "--methods", ",".join(methods), "--loop-steps", "2"]
     rc = bench_main([*argv, "--every", "2", "--dir", str(tmp_path), "--json"])
     captured = capsys.readouterr()
@@ -87,19 +89,42 @@ def test_recovery_quick_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) 
         assert "no S3 test server" in restores[QUICKSAVE_OBJECT_STORE]["unavailable"]
         assert "unavailable" in floors["object_store"]
 
-    memory, loop = restores[QUICKSAVE_MEMORY], shape["loop"]
+    memory, peer, loop = restores[QUICKSAVE_MEMORY], restores[QUICKSAVE_PEER], report["loop"]
+    assert (loop["steps"], loop["every"], loop["repeats"]) == (2, 2, 1)
+    assert list(loop["shapes"]) == ["mlp", "transformer", "embedding"] and loop["problems"] == []
     if _has_memory_tier():
         assert memory["bit_exact"] is True and memory["tiers"] == ["memory"], memory
         assert shape["ratios"]["memory_speedup"]["vs_disk"] > 0
-        assert set(loop["extra_s_per_step"]) == {
-            "memory-every-1",
-            "memory-every-2",
-            "floor-every-1",
-            "floor-every-2",
-        }
+        # rank 1 restored from rank 0's replica of its snapshot, bit-exact
+        assert peer["bit_exact"] is True and peer["tiers"] == ["peer"], peer
+        assert peer["jobs"] == 2 and peer["fully_restored_s"] > 0
+        assert shape["ratios"]["vs_floor"][QUICKSAVE_PEER]["fully_restored"] > 0
+        assert {r["rank_0_tier"] for r in shape["raw_restores"][QUICKSAVE_PEER]} == {"memory"}
+        moved = shape["ratios"]["peer_bytes"]
+        assert moved["state"] == moved["floor"] == shape["bytes"]  # the floor's same bytes
+        assert moved["replica_sent"] >= moved["state"] and moved["snapshot_files"] >= moved["state"]
+        assert shape["saves"][QUICKSAVE_PEER]["held_by_rank_0"] == {"1": [STEP]}
+        for name, row in loop["shapes"].items():
+            assert set(row["extra_s_per_step"]) == {
+                "memory-every-1",
+                "memory-every-2",
+                "floor-every-1",
+                "floor-every-2",
+            }, name
+            assert set(row["step_s"]) == {"none", *row["extra_s_per_step"]}, name
+            assert all(len(runs) == 1 for runs in row["runs"].values()), name
+            assert (
+                set(row["over_floor"])
+                == set(row["step_over_floor_step"])
+                == {
+                    "every-1",
+                    "every-2",
+                }
+            ), name
     else:
         assert "no memory tier" in memory["unavailable"]
-        assert "no memory tier" in loop["unavailable"]
+        assert "no memory tier" in peer["unavailable"]
+        assert all("no memory tier" in r["unavailable"] for r in loop["shapes"].values())
         assert shape["ratios"]["memory_speedup"] == {"vs_disk": None, "vs_object_store": None}
     assert list(tmp_path.iterdir()) == []  # its folders are removed
 

@@ -16,8 +16,14 @@ Per shape (default: the training benchmark's ``mlp``, 1.6 GB with AdamW's state;
    bit-exact against the digests) and time to the first training step (the restore plus
    the first step's extra over a steady step, so that lazily read bytes count). Local
    folders are evicted from the page cache first (how: :data:`.recovery_state.COLD_CACHE`).
-4. the loop overhead: steps with the memory tier every step and every ``--every``
-   steps, against none and against the floor copy (memcpy + xxh3 of the state).
+   The peer restore (``quicksave-peer``, :mod:`.recovery_peer`) runs two ranks as two
+   nodes: they save with one peer replica each, node 1's memory is lost, and rank 1's
+   restore (fetched from rank 0's replica) is the one measured, beside the peer floor.
+4. the loop overhead, on each of ``--loop-shapes`` (default all three of
+   :mod:`.shapes`): steps with the memory tier every step and every ``--every`` steps,
+   against none and against the floor copy (memcpy + xxh3 of the state); in
+   ``--loop-repeats`` rounds, each round one fresh process that runs every loop once
+   (the order rotated round to round), the figures medians over the rounds.
 
 A method or floor this installation cannot run (no memory tier yet, no ``weed`` binary,
 no torch_checkpointing) is reported unavailable, not failed. The report is JSON
@@ -29,6 +35,7 @@ Example::
     quicksave bench --recovery --json > recovery.json
     quicksave bench --recovery --quick
     quicksave bench --recovery --shapes mlp,transformer --no-object-store
+    quicksave bench --recovery --methods quicksave-peer --loop-shapes mlp
 """
 
 from __future__ import annotations
@@ -38,6 +45,7 @@ import contextlib
 import json
 import os
 import shutil
+import signal
 import statistics
 import sys
 import tempfile
@@ -56,8 +64,10 @@ from quicksave_tools.bench.recovery_child import (
     QUICKSAVE_DISK,
     QUICKSAVE_MEMORY,
     QUICKSAVE_OBJECT_STORE,
+    QUICKSAVE_PEER,
 )
-from quicksave_tools.bench.recovery_report import format_table, summarize
+from quicksave_tools.bench.recovery_peer import PEER_CHILD
+from quicksave_tools.bench.recovery_report import format_table, summarize, summarize_loops
 from quicksave_tools.bench.recovery_state import COLD_CACHE
 from quicksave_tools.bench.shapes import SHAPES
 
@@ -73,6 +83,9 @@ class RecoveryBenchConfig:
         repeats: fresh jobs per restore pass and method.
         loop_steps: timed steps per loop of the overhead part (0: no loops).
         every: the memory tier's sparser interval in the loop part.
+        loop_shapes: the shapes the loop part runs on (each at its ``quick`` size).
+        loop_repeats: rounds of the loop part per shape (each round runs every loop
+            once, in a rotated order; the figures are medians over the rounds).
         object_store: start SeaweedFS and measure the object store (unavailable if no
             ``weed`` binary).
         directory: where the folders go (default: the temp dir; a disk, not tmpfs).
@@ -87,6 +100,8 @@ class RecoveryBenchConfig:
     repeats: int = 1
     loop_steps: int = 10
     every: int = 5
+    loop_shapes: tuple[str, ...] = tuple(SHAPES)
+    loop_repeats: int = 3
     object_store: bool = True
     directory: str | None = None
     threads: int = 2
@@ -95,13 +110,15 @@ class RecoveryBenchConfig:
 
 
 def check_config(config: RecoveryBenchConfig) -> None:
-    unknown = [s for s in config.shapes if s not in SHAPES]
+    unknown = [s for s in (*config.shapes, *config.loop_shapes) if s not in SHAPES]
     if unknown or not config.shapes:
         raise ValueError(f"unknown shape {unknown}; known: {', '.join(SHAPES)}")
     if not config.methods or any(m not in METHODS for m in config.methods):
         raise ValueError(f"methods must be some of {', '.join(METHODS)}")
-    if config.repeats < 1 or config.loop_steps < 0 or config.every < 2 or config.threads < 1:
-        raise ValueError("repeats and threads must be at least 1, every at least 2")
+    if min(config.repeats, config.loop_repeats, config.threads) < 1 or config.every < 2:
+        raise ValueError("repeats, loop repeats and threads must be at least 1, every at least 2")
+    if config.loop_steps < 0:
+        raise ValueError("loop steps must be at least 0")
 
 
 @dataclass(frozen=True)
@@ -171,15 +188,33 @@ class _Run:
             spec.update(endpoint_url=self.target.endpoint_url, region=self.target.region)
         return spec
 
-    def child(self, spec: dict[str, Any], **env: str) -> dict[str, Any]:
-        """Run ``spec`` in a fresh process (``env``: more environment variables)."""
+    def child(self, spec: dict[str, Any], entry: str = CHILD, **env: str) -> dict[str, Any]:
+        """Run ``spec`` in a fresh process (``entry``: its ``python -c`` code; ``env``:
+        more environment variables)."""
         self.count += 1
         spec["result"] = os.path.join(self.work, f"{self.count:03d}-result.json")
         path = os.path.join(self.work, f"{self.count:03d}-spec.json")
         t0 = time.perf_counter()
-        result = run_in_fresh_process(CHILD, spec, path, self.config.timeout_s, {**self.env, **env})
+        env = {**self.env, **env}
+        result = run_in_fresh_process(entry, spec, path, self.config.timeout_s, env)
         result["process_s"] = time.perf_counter() - t0  # the whole process, start to end
         return result
+
+    def pair(self, specs: list[dict[str, Any]], entry: str = CHILD) -> list[dict[str, Any]]:
+        """Two ranks' specs run side by side in fresh processes (gloo on loopback); their
+        results, by rank."""
+        loopback = {"GLOO_SOCKET_IFNAME": "lo"} if os.path.isdir("/sys/class/net/lo") else {}
+        results: list[dict[str, Any]] = [{}, {}]
+
+        def go(rank: int) -> None:
+            results[rank] = self.child(specs[rank], entry, **loopback)
+
+        threads = [threading.Thread(target=go, args=(r,)) for r in (0, 1)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        return results
 
 
 def _floors(run: _Run) -> dict[str, Any]:
@@ -222,19 +257,7 @@ def _medians(rows: list[dict[str, Any]]) -> dict[str, Any]:
 def _peer_floor(run: _Run) -> dict[str, Any]:
     """The two ranks of the peer floor, side by side; the receiver's result."""
     store = os.path.join(run.work, f"peer-{uuid.uuid4().hex[:8]}.store")
-    specs = [run.spec("floor", floor="peer", rank=r, store=store) for r in (0, 1)]
-    results: list[dict[str, Any]] = [{}, {}]
-
-    loopback = {"GLOO_SOCKET_IFNAME": "lo"} if os.path.isdir("/sys/class/net/lo") else {}
-
-    def go(rank: int) -> None:
-        results[rank] = run.child(specs[rank], **loopback)
-
-    threads = [threading.Thread(target=go, args=(r,)) for r in (0, 1)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    results = run.pair([run.spec("floor", floor="peer", rank=r, store=store) for r in (0, 1)])
     if "failed" in results[0] and "failed" not in results[1]:
         return {"failed": f"sender: {results[0]['failed']}"}
     return {**results[1], "backend": "gloo", "transport": "loopback TCP"}
@@ -242,7 +265,7 @@ def _peer_floor(run: _Run) -> dict[str, Any]:
 
 def _restores(run: _Run, methods: list[str], expected: dict[str, str]) -> dict[str, list]:
     out: dict[str, list] = {m: [] for m in methods}
-    passes = [p for _ in range(run.config.repeats) for p in ("full", "first_step")]
+    passes = _passes(run.config)
     memory_jobs = len(passes)
     for i, p in enumerate(passes):
         for method in methods:
@@ -253,20 +276,121 @@ def _restores(run: _Run, methods: list[str], expected: dict[str, str]) -> dict[s
     return out
 
 
-def _loops(run: _Run) -> dict[str, Any]:
-    steps, every = run.config.loop_steps, run.config.every
-    if steps == 0:
-        return {}
-    out: dict[str, Any] = {"steps": steps, "every": every, "runs": {}}
-    variants = (("memory", 1), ("memory", every), ("none", 1), ("floor", 1), ("floor", every))
-    for variant, n in variants:
-        name = variant if variant == "none" else f"{variant}-every-{n}"
-        folder = os.path.join(run.work, f"loop-{name}")
-        spec = run.spec("loop", variant=variant, every=n, steps=steps, folder=folder)
-        result = out["runs"][name] = run.child(spec)
-        shutil.rmtree(folder, ignore_errors=True)
+def _passes(config: RecoveryBenchConfig) -> list[str]:
+    return [p for _ in range(config.repeats) for p in ("full", "first_step")]
+
+
+def _kill_agents(base: str) -> None:
+    """SIGKILL the node-memory agents the bench's trainers started under ``base`` (each
+    named by its ``agent.json``; a pid no longer running quicksave's agent is left)."""
+    for root, _, names in os.walk(base):
+        if "agent.json" not in names:
+            continue
+        try:
+            with open(os.path.join(root, "agent.json")) as f:
+                pid = int(json.load(f)["pid"])
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if b"quicksave.tiers.agent" not in f.read():
+                    continue
+            os.kill(pid, signal.SIGKILL)
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+
+
+def _lose_node(base: str, node: int) -> str:
+    """Node ``node`` is lost: its agent killed, its memory removed; the replacement comes
+    with an empty memory root (returned)."""
+    root = os.path.join(base, f"node-{node}")
+    _kill_agents(root)
+    shutil.rmtree(root, ignore_errors=True)
+    os.makedirs(root)
+    return root
+
+
+def _peer_restores(run: _Run) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """The ``quicksave-peer`` method (:mod:`.recovery_peer`): its save's row and rank 1's
+    restores, each after node 1's memory was lost. The nodes' memory roots lie in a
+    folder of ``/dev/shm`` removed at the end, their agents killed."""
+    shm = "/dev/shm" if os.path.isdir("/dev/shm") else run.work
+    base = tempfile.mkdtemp(prefix="qs-recovery-peer-", dir=shm)
+    common = {
+        "node_roots": [_lose_node(base, n) for n in (0, 1)],
+        "job_id": f"bench-peer-{uuid.uuid4().hex[:12]}",
+        "folder": os.path.join(run.work, QUICKSAVE_PEER),
+        "idle_timeout_s": run.config.timeout_s * 2,
+        "timeout_s": run.config.timeout_s,
+    }
+
+    def both(kind: str, **more: Any) -> list[dict[str, Any]]:
+        store = os.path.join(run.work, f"peer-{uuid.uuid4().hex[:8]}.store")
+        specs = [run.spec(kind, rank=r, store=store, **common, **more) for r in (0, 1)]
+        return run.pair(specs, PEER_CHILD)
+
+    try:
+        saves = both("peer_save")
+        why = next((r for r in saves if "failed" in r or "unavailable" in r), None)
+        if why is not None:
+            return why, [why]
+        sender, receiver = saves
+        row = {
+            "seconds": max(r["seconds"] for r in saves),
+            "state_bytes": receiver["bytes"],
+            "snapshot_bytes": receiver["snapshot_bytes"],
+            "replica_sent_bytes": sum(e["sent"] for e in receiver["replicated"]),
+            "held_by_rank_0": sender["held"],
+        }
+        rows = []
+        for p in _passes(run.config):
+            _lose_node(base, 1)
+            spec = {"method": QUICKSAVE_PEER, "expected": receiver["digests"], "pass": p}
+            rank0, rank1 = both("peer_restore", **spec)
+            if "failed" in rank0 and "failed" not in rank1:
+                rank1 = {"failed": f"rank 0: {rank0['failed']}"}
+            rows.append({**rank1, "rank_0_tier": rank0.get("tier")})
+        return row, rows
+    finally:
+        _kill_agents(base)
+        shutil.rmtree(base, ignore_errors=True)
+
+
+def _loop_variants(every: int) -> list[tuple[str, str, int]]:
+    """The loops of one round: (name, variant, interval)."""
+    out = [("none", "none", 1)]
+    for n in (1, every):
+        out += [(f"{v}-every-{n}", v, n) for v in ("floor", "memory")]
+    return out
+
+
+def _shape_loops(run: _Run) -> dict[str, Any]:
+    """One shape's loops: ``loop_repeats`` rounds, each every loop once in one fresh
+    process, the order rotated by one each round (no loop always runs after another)."""
+    variants = _loop_variants(run.config.every)
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name, _, _ in variants}
+    rounds: list[dict[str, Any]] = []
+    for i in range(run.config.loop_repeats):
+        order = variants[i % len(variants) :] + variants[: i % len(variants)]
+        spec = run.spec("loops", variants=order, steps=run.config.loop_steps, round=i)
+        result = run.child(spec)
         if "unavailable" in result:  # no memory tier: nothing to hold the floor against
-            return {**out, "unavailable": result["unavailable"]}
+            return {"runs": runs, "unavailable": result["unavailable"]}
+        rounds.append({"order": [name for name, _, _ in order], "process_s": result["process_s"]})
+        for name, _, _ in variants:
+            runs[name].append(result.get("runs", {}).get(name, {"failed": result.get("failed")}))
+    return {"runs": runs, "rounds": rounds}
+
+
+def _loops(config: RecoveryBenchConfig, store: _Store) -> dict[str, Any]:
+    """The loop part (module doc) on each of ``config.loop_shapes``; {} if no steps."""
+    if config.loop_steps == 0:
+        return {}
+    out: dict[str, Any] = {"steps": config.loop_steps, "every": config.every,
+                           "repeats": config.loop_repeats, "shapes": {}}  # fmt: skip
+    for shape in config.loop_shapes:
+        work = tempfile.mkdtemp(prefix=f"qs-recovery-loop-{shape}-", dir=config.directory)
+        try:
+            out["shapes"][shape] = _shape_loops(_Run(config, shape, work, store))
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
     return out
 
 
@@ -275,6 +399,7 @@ def _one_shape(config: RecoveryBenchConfig, shape: str, store: _Store) -> dict[s
     try:
         run = _Run(config, shape, work, store)
         methods = [m for m in config.methods if store.target or m != QUICKSAVE_OBJECT_STORE]
+        methods = [m for m in methods if m != QUICKSAVE_PEER]  # two ranks: its own part
         save_order = sorted(methods, key=lambda m: m == QUICKSAVE_MEMORY)  # memory last
         saved = run.child(run.spec("save", methods=save_order))
         if "failed" in saved:
@@ -287,9 +412,9 @@ def _one_shape(config: RecoveryBenchConfig, shape: str, store: _Store) -> dict[s
                 restores[m] = [saved["saves"].get(m, {"unavailable": "not saved"})]
         if store.target is None and QUICKSAVE_OBJECT_STORE in config.methods:
             restores[QUICKSAVE_OBJECT_STORE] = [{"unavailable": store.why}]
-        floors = _floors(run)
-        loops = _loops(run)
-        return summarize(shape, saved, floors, restores, loops)
+        if QUICKSAVE_PEER in config.methods:
+            saved["saves"][QUICKSAVE_PEER], restores[QUICKSAVE_PEER] = _peer_restores(run)
+        return summarize(shape, saved, _floors(run), restores)
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
@@ -301,6 +426,7 @@ def run_recovery_benchmark(config: RecoveryBenchConfig) -> dict[str, Any]:
 
     with _object_store(config.object_store) as store:
         shapes = [_one_shape(config, s, store) for s in config.shapes]
+    loops = summarize_loops(_loops(config, _Store(why="the loop part saves to memory")))
     return {
         "cpus": os.cpu_count(),
         "load_average": os.getloadavg()[0],
@@ -310,6 +436,7 @@ def run_recovery_benchmark(config: RecoveryBenchConfig) -> dict[str, Any]:
         "object_store": store.target.kind if store.target else f"unavailable: {store.why}",
         "cold_cache": COLD_CACHE,
         "shapes": shapes,
+        "loop": loops,
     }
 
 
@@ -325,6 +452,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=1, help="fresh jobs per restore and pass")
     p.add_argument("--loop-steps", type=int, default=10, help="timed steps per loop (0: none)")
     p.add_argument("--every", type=int, default=5, help="the memory tier's sparser interval")
+    p.add_argument("--loop-shapes", default=",".join(SHAPES), help="the loop part's shapes")
+    p.add_argument("--loop-repeats", type=int, default=None,
+                   help="rounds of the loop part (default 3; 1 with --quick)")  # fmt: skip
     p.add_argument("--no-object-store", action="store_true", help="skip SeaweedFS")
     p.add_argument("--dir", default=None, help="folder to write in (default: the temp dir)")
     p.add_argument("--threads", type=int, default=2, help="torch threads per process")
@@ -337,6 +467,8 @@ def main(argv: list[str] | None = None) -> int:
         repeats=args.repeats,
         loop_steps=args.loop_steps,
         every=args.every,
+        loop_shapes=tuple(s for s in args.loop_shapes.split(",") if s),
+        loop_repeats=(1 if args.quick else 3) if args.loop_repeats is None else args.loop_repeats,
         object_store=not args.no_object_store,
         directory=args.dir,
         threads=args.threads,
@@ -349,4 +481,5 @@ def main(argv: list[str] | None = None) -> int:
     print(format_table(report), file=sys.stderr)
     if args.json:
         print(json.dumps(report, indent=2))
-    return 1 if any(s.get("failed") or s.get("problems") for s in report["shapes"]) else 0
+    failed = any(s.get("failed") or s.get("problems") for s in report["shapes"])
+    return 1 if failed or report["loop"].get("problems") else 0

@@ -19,9 +19,10 @@ Kinds (``spec["kind"]``):
   first-call costs do not count), then times the first training step after it and three
   steady ones (time to first step: the restore plus the first step's extra over the
   median steady step, at least zero).
-* ``loop`` — a training loop of ``steps`` steps: without checkpoints, with the floor
-  copy (:mod:`.floor_cost`: memcpy + xxh3 of the state on a thread) or with the memory
-  tier every ``every`` steps.
+* ``loops`` — one round of the loop part: training loops of ``steps`` steps, one after
+  the other, each on a freshly built trainer: without checkpoints, with the floor copy
+  (:mod:`.floor_cost`: memcpy + xxh3 of the state on a thread) or with the memory tier
+  every ``every`` steps.
 * ``floor`` — one floor of :mod:`.recovery_floors`.
 
 A memory-tier method that the installed quicksave does not have reports itself
@@ -32,6 +33,7 @@ from __future__ import annotations
 
 import gc
 import os
+import shutil
 import statistics
 import sys
 import time
@@ -59,20 +61,23 @@ CHILD = (
 QUICKSAVE_DISK = "quicksave-disk"
 QUICKSAVE_OBJECT_STORE = "quicksave-object-store"
 QUICKSAVE_MEMORY = "quicksave-memory"
+QUICKSAVE_PEER = "quicksave-peer"  # two ranks: :mod:`.recovery_peer`
 DCP = "dcp"
-METHODS = (QUICKSAVE_DISK, QUICKSAVE_MEMORY, QUICKSAVE_OBJECT_STORE, DCP, TORCH_CHECKPOINTING)
+METHODS = (QUICKSAVE_DISK, QUICKSAVE_MEMORY, QUICKSAVE_PEER, QUICKSAVE_OBJECT_STORE, DCP,
+           TORCH_CHECKPOINTING)  # fmt: skip
 LOCAL = (QUICKSAVE_DISK, DCP, TORCH_CHECKPOINTING)  # read from a local folder: evicted
 
 
-def memory_config(folder: str, every: int, interval: int) -> CheckpointConfig:
+def memory_config(folder: str, every: int, interval: int, **memory: Any) -> CheckpointConfig:
     """A configuration with the memory tier every ``every`` steps (and the folder every
-    ``interval`` steps), or :class:`Unavailable` if this quicksave has no memory tier."""
+    ``interval`` steps; ``memory``: more of ``MemoryTierConfig``, as its root or
+    replicas), or :class:`Unavailable` if this quicksave has no such memory tier."""
     try:
         from quicksave.manager import MemoryTierConfig  # type: ignore[attr-defined]
 
-        memory = MemoryTierConfig(every=every, keep=2)
+        tier = MemoryTierConfig(every=every, keep=2, **memory)
         return CheckpointConfig(  # type: ignore[call-arg]
-            folder=folder, interval=interval, memory=memory, stream_load=True
+            folder=folder, interval=interval, memory=tier, stream_load=True
         )
     except (ImportError, TypeError) as e:
         raise Unavailable(f"this quicksave has no memory tier ({type(e).__name__}: {e})") from e
@@ -87,7 +92,7 @@ def _storage(spec: dict[str, Any]) -> Any:
     return quicksave.StorageOptions(s3=s3)  # credentials: the AWS chain (this env)
 
 
-def _states(model: torch.nn.Module, optim: torch.optim.Optimizer) -> dict[str, Any]:
+def states_of(model: torch.nn.Module, optim: torch.optim.Optimizer) -> dict[str, Any]:
     return {"model": ModelState(model), "optimizer": OptimizerState(model, optim)}
 
 
@@ -132,7 +137,7 @@ def run_save(spec: dict[str, Any], keep: list) -> dict[str, Any]:
     _start(spec)
     model, optim, steps = trainer(spec, seed=spec["seed"])
     steps.step()  # AdamW's state exists from here on
-    states = _states(model, optim)
+    states = states_of(model, optim)
     items = state_items(model, optim)
     result: dict[str, Any] = {
         "bytes": nbytes(items),
@@ -155,35 +160,48 @@ def run_save(spec: dict[str, Any], keep: list) -> dict[str, Any]:
 
 
 # ----------------------------------------------------------------------------- restore
+def quicksave_restore(
+    config: CheckpointConfig, states: dict[str, Any], keep: list | None
+) -> dict[str, Any]:
+    """A fresh manager of ``config`` loads the newest step into ``states``, timed.
+    ``keep``: the manager is kept there unclosed (this job dies too: its node memory
+    stays for the next job); None: ``out["close"]`` closes it."""
+    t0 = time.perf_counter()
+    manager = CheckpointManager(config, states)
+    setup = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    loaded = manager.load()
+    out: dict[str, Any] = {"restore_s": time.perf_counter() - t0, "setup_s": setup}
+    last = getattr(manager, "last_load", None)
+    if last is not None:
+        out["tier"] = getattr(last, "tier", None)
+        out["tier_seconds"] = getattr(last, "seconds", None)
+        out["last_load"] = last  # (popped: restored_s, once streamed states are in)
+    if keep is not None:
+        keep.append(manager)
+    else:
+        out["close"] = manager.close
+    if loaded != STEP:
+        raise RuntimeError(f"the fresh manager loaded step {loaded}, not {STEP}")
+    return out
+
+
 def _restore_one(
     method: str, spec: dict[str, Any], states: dict[str, Any], keep: list
 ) -> dict[str, Any]:
     where = spec["locations"][method]
     if method in (QUICKSAVE_DISK, QUICKSAVE_OBJECT_STORE, QUICKSAVE_MEMORY):
-        t0 = time.perf_counter()
         if method == QUICKSAVE_MEMORY:
             config = memory_config(where, every=1, interval=10**9)
         else:
             config = CheckpointConfig(
                 folder=where, interval=1, storage=_storage(spec), stream_load=True
             )
-        manager = CheckpointManager(config, states)
-        setup = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        loaded = manager.load()
-        out: dict[str, Any] = {"restore_s": time.perf_counter() - t0, "setup_s": setup}
-        last = getattr(manager, "last_load", None)
-        if last is not None:
-            out["tier"] = getattr(last, "tier", None)
-            out["tier_seconds"] = getattr(last, "seconds", None)
-            out["last_load"] = last  # (popped: restored_s, once streamed states are in)
-        if method == QUICKSAVE_MEMORY and spec.get("crash"):
-            keep.append(manager)  # this job dies too: the next one finds node memory
-        else:
-            out["close"] = manager.close
-        if loaded != STEP:
-            raise RuntimeError(f"{method}: the fresh manager loaded step {loaded}, not {STEP}")
-        return out
+        crashes = method == QUICKSAVE_MEMORY and spec.get("crash")
+        try:
+            return quicksave_restore(config, states, keep if crashes else None)
+        except RuntimeError as e:
+            raise RuntimeError(f"{method}: {e}") from e
     saver = make_saver("dcp.save" if method == DCP else method, where, states, 1)
     try:
         times = saver.restore_fresh(STEP, states)
@@ -198,23 +216,24 @@ def _timed_digests(model: torch.nn.Module, optim: torch.optim.Optimizer) -> tupl
     return d, time.perf_counter() - t0
 
 
-def run_restore(spec: dict[str, Any], keep: list) -> dict[str, Any]:
-    _start(spec)
-    method = spec["method"]
-    model, optim, steps = trainer(spec, seed=spec["seed"] + 1)
+def fresh_job(spec: dict[str, Any], seed: int) -> tuple[torch.nn.Module, Any, Any]:
+    """A restore's fresh job: a model of other weights (``seed``), an AdamW without
+    state; on the ``first_step`` pass its kernels warmed by a forward and backward (so
+    that their first-call costs do not count)."""
+    model, optim, steps = trainer(spec, seed=seed)
     if spec["pass"] == "first_step":
         steps.forward_backward()
         optim.zero_grad(set_to_none=True)
-    states = _states(model, optim)
-    result: dict[str, Any] = {"method": method, "pass": spec["pass"]}
-    if method in LOCAL or method == QUICKSAVE_MEMORY:
-        evict(spec["locations"][method])
-        result["cached_before"] = cached_fraction(spec["locations"][method])
-    gc.collect()
-    try:
-        out = _restore_one(method, spec, states, keep)
-    except Unavailable as e:
-        return {**result, "unavailable": str(e)}
+    return model, optim, steps
+
+
+def after_restore(
+    spec: dict[str, Any], result: dict[str, Any], out: dict[str, Any], job: tuple
+) -> dict[str, Any]:
+    """``result`` with the restore's figures (``out``: :func:`quicksave_restore`'s) and
+    its pass measured on ``job`` (:func:`fresh_job`'s): ``full``, the bit-exact check and
+    time to fully restored; ``first_step``, time to first step (module doc)."""
+    model, optim, steps = job
     close = out.pop("close", None)
     last = out.pop("last_load", None)
     result.update(out)
@@ -251,6 +270,23 @@ def run_restore(spec: dict[str, Any], keep: list) -> dict[str, Any]:
     return result
 
 
+def run_restore(spec: dict[str, Any], keep: list) -> dict[str, Any]:
+    _start(spec)
+    method = spec["method"]
+    job = fresh_job(spec, seed=spec["seed"] + 1)
+    states = states_of(*job[:2])
+    result: dict[str, Any] = {"method": method, "pass": spec["pass"]}
+    if method in LOCAL or method == QUICKSAVE_MEMORY:
+        evict(spec["locations"][method])
+        result["cached_before"] = cached_fraction(spec["locations"][method])
+    gc.collect()
+    try:
+        out = _restore_one(method, spec, states, keep)
+    except Unavailable as e:
+        return {**result, "unavailable": str(e)}
+    return after_restore(spec, result, out, job)
+
+
 # -------------------------------------------------------------------------------- loop
 def run_loop(spec: dict[str, Any], keep: list) -> dict[str, Any]:
     """One loop (``variant``: ``none``, ``floor`` or ``memory``, every ``every`` steps)."""
@@ -267,7 +303,7 @@ def run_loop(spec: dict[str, Any], keep: list) -> dict[str, Any]:
                                         "quick": bool(spec.get("quick"))})  # fmt: skip
     step()
     config = memory_config(spec["folder"], every=every, interval=10**9)
-    manager = CheckpointManager(config, _states(model, optim))
+    manager = CheckpointManager(config, states_of(model, optim))
     try:
         for s in range(1, every + 1):  # untimed: the first snapshots build the tier's pools
             step()
@@ -283,6 +319,30 @@ def run_loop(spec: dict[str, Any], keep: list) -> dict[str, Any]:
         manager.close()
 
 
+def run_loops(spec: dict[str, Any], keep: list) -> dict[str, Any]:
+    """One round of a shape's loops (``spec["variants"]``: ``[name, variant, every]``),
+    one after the other in this process, each from a freshly built trainer; a loop that
+    fails is reported as failed, the others still run. An untimed loop first: the
+    process's first training steps pay one-time costs that would fall on whichever loop
+    runs first."""
+    run_loop({**spec, "variant": "none", "every": 1, "steps": 2}, keep)
+    gc.collect()
+    runs: dict[str, Any] = {}
+    for name, variant, every in spec["variants"]:
+        folder = os.path.join(spec["work"], f"loop-{name}")
+        try:
+            runs[name] = run_loop({**spec, "variant": variant, "every": every,
+                                   "folder": folder}, keep)  # fmt: skip
+        except Unavailable:
+            raise
+        except Exception as e:  # noqa: BLE001 - one loop's failure is reported
+            runs[name] = {"failed": f"{type(e).__name__}: {e}"[:400]}
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)
+            gc.collect()
+    return {"runs": runs}
+
+
 # -------------------------------------------------------------------------------- entry
 def _run(spec: dict[str, Any], keep: list) -> dict[str, Any]:
     kind = spec["kind"]
@@ -291,7 +351,7 @@ def _run(spec: dict[str, Any], keep: list) -> dict[str, Any]:
 
         torch.set_num_threads(spec["threads"])
         return FLOORS[spec["floor"]](spec)
-    run = {"save": run_save, "restore": run_restore, "loop": run_loop}[kind]
+    run = {"save": run_save, "restore": run_restore, "loops": run_loops}[kind]
     try:
         return run(spec, keep)
     except Unavailable as e:

@@ -6,12 +6,17 @@ Ratios (``ratios``; a figure is ``None`` where a side is unavailable):
 
 * ``vs_floor`` — each restore's time to fully restored and time to first step over its
   tier's floor: local folders over the cold 4-thread ``pread``, the memory tier over the
-  memory floor (copy + xxh3), the object store over the parallel GETs;
+  memory floor (copy + xxh3), the restore from a peer's replica over the gloo
+  send/recv of the same bytes (+ xxh3), the object store over the parallel GETs;
+* ``peer_bytes`` — what the peer restore moved beside its floor: the state's bytes of
+  the rank that fetched, its snapshot's file bytes, what its replication sent, and the
+  floor's bytes (the same as the state's, else a problem);
 * ``memory_speedup`` — the memory tier's time to fully restored against quicksave's from
   local disk and from the object store (how many times faster);
 * ``first_step_over_fully_restored`` — per restore;
-* the loop part's ``extra_s_per_step`` against none and ``over_floor``: the memory
-  tier's extra per step over the floor copy's at the same interval.
+* the loop part (:func:`summarize_loops`, per loop shape): ``extra_s_per_step``
+  against none, ``over_floor`` (the memory tier's extra per step over the floor copy's
+  at the same interval) and ``step_over_floor_step`` (its whole step over the floor's).
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ FLOOR_OF = {  # restore method -> (floor, its figure)
     "dcp": ("disk", "pread_s"),
     "torch_checkpointing": ("disk", "pread_s"),
     "quicksave-memory": ("memory", "seconds"),
+    "quicksave-peer": ("peer", "seconds"),
     "quicksave-object-store": ("object_store", "seconds"),
 }
 
@@ -69,21 +75,57 @@ def _floor_s(floors: dict[str, Any], name: str, key: str) -> float | None:
     return value if isinstance(value, (int, float)) else None
 
 
-def _loops(loops: dict[str, Any]) -> dict[str, Any]:
-    if not loops or "unavailable" in loops:
+def _paired_extra(runs: dict[str, list[dict[str, Any]]], name: str, steps: int) -> float | None:
+    """``name``'s extra seconds per step over no checkpoint: the median over the rounds
+    of its loop's time less the same round's loop without checkpoints (a round's noise
+    hits both)."""
+    pairs = zip(runs.get(name, []), runs.get("none", []), strict=False)
+    diffs = [(a["loop_s"] - b["loop_s"]) / steps for a, b in pairs
+             if "loop_s" in a and "loop_s" in b]  # fmt: skip
+    return statistics.median(diffs) if diffs else None
+
+
+def _shape_loops(loops: dict[str, Any], steps: int, every: int) -> dict[str, Any]:
+    if "unavailable" in loops:
         return loops
-    runs, steps = loops["runs"], loops["steps"]
-    base = runs.get("none", {}).get("loop_s")
-    extra: dict[str, float | None] = {}
-    for name, r in runs.items():
-        if name != "none" and base is not None and "loop_s" in r:
-            extra[name] = (r["loop_s"] - base) / steps
-    n = loops["every"]
-    over = {
-        f"every-{k}": _ratio(extra.get(f"memory-every-{k}"), extra.get(f"floor-every-{k}"))
-        for k in (1, n)
+    runs = loops["runs"]
+    names = [n for n in runs if n != "none"]
+    per_step = {n: _median(rows, "loop_s") for n, rows in runs.items()}
+    per_step = {n: None if v is None else v / steps for n, v in per_step.items()}
+    extra = {n: _paired_extra(runs, n, steps) for n in names}
+
+    def memory_over_floor(figures: dict[str, float | None]) -> dict[str, float | None]:
+        return {
+            f"every-{k}": _ratio(figures.get(f"memory-every-{k}"), figures.get(f"floor-every-{k}"))
+            for k in (1, every)
+        }
+
+    return {
+        **loops,
+        "step_s": per_step,
+        "extra_s_per_step": extra,
+        "over_floor": memory_over_floor(extra),
+        "step_over_floor_step": memory_over_floor(per_step),
     }
-    return {**loops, "extra_s_per_step": extra, "over_floor": over}
+
+
+def summarize_loops(loops: dict[str, Any]) -> dict[str, Any]:
+    """The loop part per shape: each loop's median seconds per step (``step_s``), its
+    extra per step over no checkpoint (``extra_s_per_step``), the memory tier's extra
+    over the floor copy's at the same interval (``over_floor``) and its whole step over
+    the floor's (``step_over_floor_step``); ``problems``: loops that failed."""
+    if not loops:
+        return loops
+    steps, every = loops["steps"], loops["every"]
+    shapes = {s: _shape_loops(r, steps, every) for s, r in loops["shapes"].items()}
+    problems = [
+        f"loop {shape} {name}: {row['failed']}"
+        for shape, r in shapes.items()
+        for name, rows in r.get("runs", {}).items()
+        for row in rows
+        if "failed" in row
+    ]
+    return {**loops, "shapes": shapes, "problems": problems}
 
 
 def summarize(
@@ -91,7 +133,6 @@ def summarize(
     saved: dict[str, Any],
     floors: dict[str, Any],
     restores: dict[str, list[dict[str, Any]]],
-    loops: dict[str, Any],
 ) -> dict[str, Any]:
     """One shape's part of the report (see the module doc). ``problems`` lists the
     restores that failed or were not bit-exact (the exit code is 1 if any)."""
@@ -126,12 +167,23 @@ def summarize(
         for m, r in summary.items()
         if "bit_exact" in r and not r["bit_exact"]
     ]
-    problems += [
-        f"loop {name}: {r['failed']}" for name, r in loops.get("runs", {}).items() if "failed" in r
-    ]
-    tiers = summary.get("quicksave-memory", {}).get("tiers", ["memory"])
-    if tiers != ["memory"]:
-        problems.append(f"quicksave-memory: restored from {', '.join(tiers)}, not memory")
+    for method, tier in (("quicksave-memory", "memory"), ("quicksave-peer", "peer")):
+        tiers = summary.get(method, {}).get("tiers", [tier])
+        if tiers != [tier]:
+            problems.append(f"{method}: restored from {', '.join(tiers)}, not {tier}")
+    peer = saved["saves"].get("quicksave-peer", {})
+    if "state_bytes" in peer:
+        ratios["peer_bytes"] = {
+            "state": peer["state_bytes"],
+            "snapshot_files": peer["snapshot_bytes"],
+            "replica_sent": peer["replica_sent_bytes"],
+            "floor": floors.get("peer", {}).get("bytes"),
+        }
+        if ratios["peer_bytes"]["floor"] not in (None, peer["state_bytes"]):
+            problems.append(
+                f"peer floor sent {ratios['peer_bytes']['floor']} bytes, the peer "
+                f"restore's state holds {peer['state_bytes']}"
+            )
     return {
         "shape": shape,
         "bytes": saved["bytes"],
@@ -140,7 +192,6 @@ def summarize(
         "floors": floors,
         "restores": summary,
         "raw_restores": restores,
-        "loop": _loops(loops),
         "ratios": ratios,
         "problems": problems,
     }
@@ -205,18 +256,25 @@ def format_table(report: dict[str, Any]) -> str:
             f"memory tier faster than disk {_x(speed['vs_disk'])}, than object store "
             f"{_x(speed['vs_object_store'])}"
         )
-        loop = shape["loop"]
-        if "unavailable" in loop:
-            lines.append(f"loop overhead: {_why(loop)}")
-        elif loop:
-            parts = [f"{k} {_s(v)}" for k, v in loop["extra_s_per_step"].items()]
-            lines.append(f"loop extra s/step vs none ({loop['steps']} steps): " + ", ".join(parts))
-            unavailable = [k for k, r in loop["runs"].items() if _why(r)]
-            if unavailable:
-                lines.append(f"  unavailable/failed: {', '.join(unavailable)}: "
-                             f"{_why(loop['runs'][unavailable[0]])}")  # fmt: skip
-            lines.append("  memory tier over floor: " + ", ".join(
-                f"{k} {_x(v)}" for k, v in loop["over_floor"].items()))  # fmt: skip
         for p in shape["problems"]:
             lines.append(f"PROBLEM {p}")
-    return "\n".join(lines)
+    return "\n".join(lines + _loop_lines(report.get("loop", {})))
+
+
+def _loop_lines(loop: dict[str, Any]) -> list[str]:
+    if not loop:
+        return []
+    lines = ["", f"loop: s/step, median of {loop['repeats']} round(s) of {loop['steps']} steps; "
+             "memory tier over floor: extra per step, and whole step"]  # fmt: skip
+    for shape, r in loop["shapes"].items():
+        if "unavailable" in r:
+            lines.append(f"{shape:<12}{_why(r)}")
+            continue
+        parts = [f"{k} {_s(v)}" for k, v in r["step_s"].items()]
+        lines.append(f"{shape:<12}" + ", ".join(parts))
+        over = [f"{k} {_x(v)}" for k, v in r["over_floor"].items()]
+        step = [f"{k} {_x(v)}" for k, v in r["step_over_floor_step"].items()]
+        lines.append(f"{'':<12}extra over floor: {', '.join(over)}; step over floor step: "
+                     + ", ".join(step))  # fmt: skip
+    lines += [f"PROBLEM {p}" for p in loop["problems"]]
+    return lines
