@@ -304,13 +304,16 @@ def run_loop(spec: dict[str, Any], keep: list) -> dict[str, Any]:
     step()
     config = memory_config(spec["folder"], every=every, interval=10**9)
     manager = CheckpointManager(config, states_of(model, optim))
+    # Untimed: the first snapshots build the tier's buffers (as the floor's buffer is
+    # allocated untimed), one per snapshot until each of them exists.
+    warm = every * getattr(manager.memory_tier, "buffers", 1)
     try:
-        for s in range(1, every + 1):  # untimed: the first snapshots build the tier's pools
+        for s in range(1, warm + 1):
             step()
             manager.save(s)
         manager.wait()
         t0 = time.perf_counter()
-        for s in range(every + 1, every + steps + 1):
+        for s in range(warm + 1, warm + steps + 1):
             step()
             manager.save(s)
         manager.wait()
