@@ -169,6 +169,8 @@ class PeerReplicas:
         memory tier keeps them, so that their files (its staging buffers) are not staged
         into again while they are read."""
         with self._cond:
+            if self.error is not None:  # stopped: nothing is read any more
+                return set()
             out = {step for step, item in self._queue if isinstance(item, Outgoing)}
             return out if self._sending is None else out | {self._sending}
 
@@ -253,6 +255,7 @@ class PeerReplicas:
         )
         with self._cond:
             self.error = error
+            self._sending = None  # its exchange failed: its files are read no more
             for _, item in self._queue:
                 if isinstance(item, Outgoing):
                     item.close()
