@@ -1,6 +1,7 @@
 """Peer replicas without other ranks: the placement by node, the recovery's choice of
 where each rank's snapshot comes from, and a snapshot's files as they travel (mapped on
-one side, received into a draft that commits by one rename on the other)."""
+one side, received into a draft that commits by one rename on the other), and a
+replica read by the receiver's load straight into its destinations."""
 
 from __future__ import annotations
 
@@ -11,8 +12,14 @@ import pytest
 import torch
 
 from quicksave import api
+from quicksave.commit import CheckpointKind
 from quicksave.errors import CheckpointError
+from quicksave.format import MANIFEST_NAME
+from quicksave.format.manifest import from_json_bytes
+from quicksave.loading.checkpoint import Checkpoint
 from quicksave.manager import MemoryTierConfig
+from quicksave.storage import parse_location
+from quicksave.tiers import peer_recovery
 from quicksave.tiers.peer_files import Incoming, Outgoing, check_names
 from quicksave.tiers.peer_recovery import holders_by_step
 from quicksave.tiers.peer_replicas import Placement
@@ -146,3 +153,69 @@ def test_replicas_on_a_single_node_job_are_refused_before_any_memory_is_made(tmp
     with pytest.raises(CheckpointError, match="memory.replicas is 1 but the job has 1 node"):
         CheckpointManager(config, {"model": ModelState(torch.nn.Linear(2, 2))})
     assert list(root.iterdir()) == []  # no job folder, no agent
+
+
+class _Served:
+    """A holder's replica answering reads in this process (what the transfer of
+    ``peer_recovery`` does across ranks): its files' maps, sliced as the holder does."""
+
+    def __init__(self, outgoing: Outgoing, tear: bool = False) -> None:
+        self.maps = outgoing.by_name()
+        self.sizes = dict(outgoing.files)
+        self.tear = tear
+        self.asked: list[list[tuple[str, int, int]]] = []
+
+    def read(self, reads: list[tuple[str, int, memoryview]]) -> None:
+        slices, error = peer_recovery._slices(
+            self.maps, [[name, offset, len(view)] for name, offset, view in reads]
+        )
+        assert error is None
+        self.asked.append([(name, offset, len(view)) for name, offset, view in reads])
+        into = [torch.frombuffer(view, dtype=torch.uint8) for _, _, view in reads if len(view)]
+        for src, dst in zip(slices, into, strict=True):
+            dst.copy_(src)
+            if self.tear and dst.numel() > 4096:
+                dst[-16:] = 0xFF
+
+
+def _remote(path: str, served: _Served) -> Checkpoint:
+    manifest = from_json_bytes(served.maps[MANIFEST_NAME].numpy().tobytes(), path)
+    return Checkpoint(
+        parse_location(path), CheckpointKind.QUICKSAVE, read={"manifest": manifest}, remote=served
+    )
+
+
+def test_a_replica_loads_through_reads_straight_into_the_destinations(tmp_path) -> None:
+    path = str(tmp_path / "replica-of-1" / "step-3")
+    state = _snapshot(path)
+    served = _Served(Outgoing.open(path))
+    shutil.rmtree(path)  # the receiver reads nothing at the path: only the holder's maps
+    loaded = {k: torch.zeros_like(v) for k, v in state.items()}
+    api.load(loaded, _remote(path, served), no_dist=True)
+    for k in state:
+        assert torch.equal(loaded[k], state[k]), k
+    # one exchange; each non-empty tensor's bytes asked once, as many as it holds
+    assert len(served.asked) == 1
+    lengths = sorted(n for _, _, n in served.asked[0] if n)
+    assert lengths == sorted(v.numel() * v.element_size() for v in state.values() if v.numel())
+
+
+def test_a_replica_torn_on_the_way_fails_its_checksums(tmp_path) -> None:
+    path = str(tmp_path / "replica-of-1" / "step-3")
+    state = _snapshot(path)
+    served = _Served(Outgoing.open(path), tear=True)
+    with pytest.raises(CheckpointError, match="checksum"):
+        api.load({k: torch.zeros_like(v) for k, v in state.items()}, _remote(path, served),
+                 no_dist=True)  # fmt: skip
+
+
+def test_a_holder_serves_only_bytes_its_replica_has(tmp_path) -> None:
+    path = str(tmp_path / "step-3")
+    _snapshot(path)
+    maps = Outgoing.open(path).by_name()
+    data = next(name for name in maps if name.endswith(".safetensors"))
+    size = maps[data].numel()
+    assert peer_recovery._slices(maps, [[data, 0, size]])[1] is None
+    for bad in ([data, 1, size], ["../x", 0, 1], [data, -1, 2], [data, 0], "x"):
+        slices, error = peer_recovery._slices(maps, [bad])
+        assert slices == [] and "no such bytes" in error, bad

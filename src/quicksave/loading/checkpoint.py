@@ -11,14 +11,31 @@ loaded" from "damaged" by a second look (:func:`not_loadable`).
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from quicksave.commit import CheckpointKind, classify
 from quicksave.errors import CheckpointError, CheckpointNotFoundError, NotCommittedError
 from quicksave.loading.run_folder import committed_steps, not_a_checkpoint
 from quicksave.storage import Location, StorageOptions, parse_location
 from quicksave.storage.backend import Backend
+
+
+class RemoteFiles(Protocol):
+    """The data files of a checkpoint that another process holds and answers reads of
+    (a peer rank's replica of this rank's memory snapshot: ``tiers/peer_recovery.py``),
+    instead of files at the checkpoint's location."""
+
+    sizes: Mapping[str, int]  # each data file's size, by name
+
+    def read(self, reads: list[tuple[str, int, memoryview]]) -> None:
+        """Fill each ``view`` with the bytes of file ``name`` from ``offset`` on, for
+        every ``(name, offset, view)``, in one exchange with the holder.
+
+        Raises:
+            CheckpointError: the holder refused the reads or the transfer failed."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -29,13 +46,18 @@ class Checkpoint:
         location: where it is.
         kind: ``CheckpointKind.QUICKSAVE`` (either layout) or ``CheckpointKind.DCP`` (a
             stock ``torch.distributed.checkpoint`` directory).
+        read: what a load read of it already (the manifest): a second load of the same
+            classified checkpoint (the optimizers' states, streamed in after) reads it
+            once.
+        remote: its data files are held by another process, which answers the reads
+            (then ``read`` holds the manifest, received from it); None: they are at
+            ``location``.
     """
 
     location: Location
     kind: CheckpointKind
-    # what a load read of it already (the manifest): a second load of the same
-    # classified checkpoint (the optimizers' states, streamed in after) reads it once
     read: dict[str, Any] = field(default_factory=dict, compare=False, hash=False, repr=False)
+    remote: RemoteFiles | None = field(default=None, compare=False, hash=False, repr=False)
 
     @property
     def url(self) -> str:

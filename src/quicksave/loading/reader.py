@@ -40,7 +40,12 @@ from quicksave.format import objects as objcodec
 from quicksave.format.dtypes import dtype_from_name
 from quicksave.format.manifest import ChunkEntry, Manifest, ObjectEntry
 from quicksave.layout.dcp_metadata import manifest_to_metadata
-from quicksave.loading.checkpoint import Checkpoint, check_still_there, require_committed
+from quicksave.loading.checkpoint import (
+    Checkpoint,
+    RemoteFiles,
+    check_still_there,
+    require_committed,
+)
 from quicksave.loading.chunks import (
     OWN_CHECKPOINT,
     ChunkFiles,
@@ -166,7 +171,10 @@ class CheckpointReader:
         files = ChunkFiles(checkpoint, self._backend, self.chunks, self.rank)
         try:
             chunks = self._chunks(plan, planner, files)
-            self._read(files, chunks)
+            if checkpoint.remote is None:
+                self._read(files, chunks)
+            else:
+                self._read_remote(checkpoint.remote, files, chunks)
         finally:
             files.close()
         for c in chunks.values():
@@ -226,6 +234,29 @@ class CheckpointReader:
         ) as pool:
             for f in [pool.submit(read, files, task) for task in tasks]:
                 f.result()
+
+    def _read_remote(
+        self, remote: RemoteFiles, files: ChunkFiles, chunks: dict[MetadataIndex, _Chunk]
+    ) -> None:
+        """Every chunk in one exchange with the process that holds the files, straight
+        into its destination (or its buffer), then each one checked."""
+        work = sorted(chunks.values(), key=lambda c: (c.where, c.entry.offset))
+        for c in work:
+            url = files.url(c.where)
+            size = remote.sizes.get(c.where[1])
+            if c.where[0] != self.path or size is None:
+                raise CorruptCheckpointError(
+                    "data file is missing from the peer's copy", path=url, fqn=c.fqn, rank=self.rank
+                )
+            check_chunk_within(c.entry, size, url, c.fqn, self.rank)
+        targets = [(c, *self._target(c)) for c in work]
+        remote.read([(c.where[1], c.entry.offset, view) for c, view, _ in targets])
+        for c, view, finish in targets:
+            if self.verify:
+                url = files.url(c.where)
+                check_chunk_digest(view, c.entry, path=url, fqn=c.fqn, rank=self.rank)
+            self.bytes_read += c.entry.length
+            finish()
 
     def _read_run(self, files: ChunkFiles, run: list[_Chunk]) -> None:
         """One chunk, or on object stores one ranged read for a run of neighbouring

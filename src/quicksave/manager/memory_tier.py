@@ -35,10 +35,10 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -49,7 +49,7 @@ from quicksave.commit.files import remove_tree
 from quicksave.commit.manifest_reader import read_manifest
 from quicksave.errors import CheckpointError
 from quicksave.layout.dcp_metadata import manifest_to_metadata
-from quicksave.loading.checkpoint import require_committed
+from quicksave.loading.checkpoint import Checkpoint, require_committed
 from quicksave.loading.run_folder import committed_steps
 from quicksave.manager.config import CheckpointConfig
 from quicksave.manager.folder import apply_retention
@@ -310,31 +310,68 @@ class MemoryTier:
         return sorted(self._holders)
 
     def load(self, step: int, states: Mapping[str, Any], *, strict: bool) -> None:
-        """Load this rank's snapshot of ``step`` into ``states``; first, when some rank's
-        own memory lacks it (see :meth:`steps_everywhere`), the transfers from the
-        replicas' holders (every rank calls it alike then).
+        """Load this rank's snapshot of ``step`` into ``states``: from this node's
+        memory, or (a rank whose memory lacks it: see :meth:`steps_everywhere`) read from
+        the replica's holder straight into ``states`` (every rank calls it alike then).
 
         Raises:
             CheckpointError: the snapshot is missing, torn or does not fit the states, or
                 its transfer from a peer failed.
         """
         holders = self._holders.get(step, [])
-        fetched = False
-        if any(h != r for r, h in enumerate(holders)):
-            group = self.session.checkpoint_group()
-            own = Path(self.folder)
-            fetched = peer_recovery.fetch(step, holders, self.rank, self.world_dir, own, group)
-        self.source = "peer" if fetched else TIER
+        self.source = TIER
+        if not any(h != r for r, h in enumerate(holders)):
+            self._load_own(step, states, strict=strict)
+            return
+        group = self.session.checkpoint_group()
+
+        def load(checkpoint: Checkpoint) -> None:  # all of it while the holder serves
+            self._load_checkpoint(step, checkpoint, states, strict=strict, stream=False)
+
+        def fetch() -> bool:
+            return peer_recovery.fetch(step, holders, self.rank, self.world_dir, group, load)
+
+        if holders[self.rank] != self.rank:
+            if not fetch():
+                raise CheckpointError(
+                    f"rank {holders[self.rank]} no longer holds this rank's snapshot of step "
+                    f"{step}",
+                    path=self.path(step),
+                    rank=self.rank,
+                )
+            self.source = "peer"
+            return
+        # A rank that reads its own memory serves its part of the fetch (if any) on a
+        # thread meanwhile; the group is not used by this thread until it is joined.
+        serving = _Serving(fetch)
         try:
             self._load_own(step, states, strict=strict)
-        except CheckpointError:
-            if fetched:  # a torn copy: not kept as this rank's own
-                remove_tree(self.path(step))
-            raise
+        finally:
+            serving.join()
 
     def _load_own(self, step: int, states: Mapping[str, Any], *, strict: bool) -> None:
         path = self.path(step)
         checkpoint = require_committed(path, step=step, rank=self.rank)  # classified once
+        self._load_checkpoint(
+            step,
+            checkpoint,
+            states,
+            strict=strict,
+            stream=self.config.stream_load,
+            # failed after load() returned: the snapshot is never picked again
+            on_error=lambda _: remove_tree(path),
+        )
+
+    def _load_checkpoint(
+        self,
+        step: int,
+        checkpoint: Checkpoint,
+        states: Mapping[str, Any],
+        *,
+        strict: bool,
+        stream: bool,
+        on_error: Callable[[BaseException], None] | None = None,
+    ) -> None:
         if not any(_has_dtensor(_peek(s)) for s in states.values()):
             self.io.pending = load_streamed(  # no collective: the optimizers' may stream
                 states,
@@ -342,16 +379,16 @@ class MemoryTier:
                     part, checkpoint, strict=strict, no_dist=True, leave=leave
                 ),
                 checkpoint,
-                stream=self.config.stream_load,
+                stream=stream,
                 on_done=lambda: self.session.loaded(step),
-                # failed after load() returned: the snapshot is never picked again
-                on_error=lambda _: remove_tree(path),
+                on_error=on_error,
             )
             return
         dicts = {}
         undos = []  # a failed load takes the allocated (uninitialised) state back
-        manifest = checkpoint.read["manifest"] = read_manifest(checkpoint.location)
-        stored = manifest_to_metadata(manifest, path)
+        manifest = checkpoint.read.get("manifest") or read_manifest(checkpoint.location)
+        checkpoint.read["manifest"] = manifest
+        stored = manifest_to_metadata(manifest, checkpoint.url)
         for name, state in states.items():
             if isinstance(state, OptimizerState):
                 undos += _materialize(state, stored.state_dict_metadata, f"{name}.")
@@ -377,6 +414,27 @@ class MemoryTier:
             self._offer(abandon=True)  # the peers expect every step: unsettled as none
             self.replicas.close(self.config.close_timeout_s)
         self.node.detach(job_done=job_done)
+
+
+class _Serving:
+    """A function run on a thread of its own; :meth:`join` waits for it and raises its
+    error, if any."""
+
+    def __init__(self, run: Callable[[], Any]) -> None:
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, args=(run,), name="quicksave-serve")
+        self._thread.start()
+
+    def _run(self, run: Callable[[], Any]) -> None:
+        try:
+            run()
+        except BaseException as e:  # noqa: BLE001 - raised by join()
+            self._error = e
+
+    def join(self) -> None:
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
 
 
 def _peek(state: Any) -> Any:

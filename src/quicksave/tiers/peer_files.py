@@ -99,6 +99,10 @@ class Outgoing:
         """One uint8 tensor per non-empty file, in ``files`` order."""
         return [t for t in self._tensors if t.numel()]
 
+    def by_name(self) -> dict[str, torch.Tensor]:
+        """Each file's uint8 tensor, by name."""
+        return {name: t for (name, _), t in zip(self.files, self._tensors, strict=True)}
+
     def close(self) -> None:
         """Drop the maps (each is unmapped once no transfer holds its tensor)."""
         self._tensors = []

@@ -11,19 +11,36 @@ Call order (every rank alike, on the training thread; the memory tier does it):
    holds a replica), for the steps every rank can get;
 3. for the step tried, :func:`fetch`: every rank walks the same list of transfers (holder
    → rank, in rank order) and takes part in those that name it, so each transfer is
-   matched and none waits on a rank busy with a later one; the receiver commits the
-   snapshot into its own memory by the local rule, then loads it as its own.
+   matched and none waits on a rank busy with a later one. The holder sends the
+   snapshot's manifest, then answers the receiver's reads until it is told the load is
+   over; the receiver loads the snapshot with those reads as its data files
+   (:class:`~quicksave.loading.checkpoint.RemoteFiles`): each stored chunk travels once,
+   straight into the destination tensor that wants it, and is checked against the
+   manifest's xxh3 where it landed. Nothing is written to the receiver's memory; its
+   next snapshot is its own again.
+
+Transfers of one fetch (tags from ``_TAG``): header (holder → receiver: step, file names
+and sizes), the manifest's bytes, then per load of the receiver (its states, or each of
+their streamed parts) a read list (receiver → holder), the holder's answer (whether it
+serves them) and the bytes; last the receiver's "done".
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import torch
+
+from quicksave.commit import CheckpointKind
 from quicksave.errors import CheckpointError
+from quicksave.format import MANIFEST_NAME
+from quicksave.format.manifest import LAYOUT_QUICKSAVE, from_json_bytes
+from quicksave.loading.checkpoint import Checkpoint
 from quicksave.ranks import collectives
-from quicksave.tiers.peer_files import Incoming, Outgoing, check_names, scratch
+from quicksave.storage import parse_location
+from quicksave.tiers.peer_files import Outgoing, check_names
 from quicksave.tiers.peer_replicas import replica_dir
 
 Report = tuple[list[int], Mapping[int, list[int]]]  # (own steps, {source: steps})
@@ -62,9 +79,14 @@ def holders_by_step(reports: Sequence[Report]) -> dict[int, list[int]]:
 
 
 def fetch(
-    step: int, holders: Sequence[int], rank: int, world_dir: Path, own: Path, group: Any
+    step: int,
+    holders: Sequence[int],
+    rank: int,
+    world_dir: Path,
+    group: Any,
+    load: Callable[[Checkpoint], None],
 ) -> bool:
-    """Move the snapshots of ``step`` that ranks lack to them from their holders (module
+    """Load the snapshots of ``step`` that ranks lack from their holders (module
     docstring, 3.): every rank calls it alike, with the same ``holders``.
 
     Args:
@@ -72,65 +94,127 @@ def fetch(
         holders: ``holders_by_step(...)[step]``.
         rank: this rank.
         world_dir: this node's ``<job folder>/world-<W>`` (where its replicas are).
-        own: this rank's own snapshots' folder (a fetched one is committed there).
         group: a gloo group of every rank (point to point transfers).
+        load: on a rank that lacks its snapshot: loads the given checkpoint (its data
+            files the holder's, read through ``checkpoint.remote``) into the states, all
+            of it before it returns.
 
     Returns:
-        Whether this rank received its snapshot from a peer.
+        Whether this rank loaded its snapshot from a peer.
 
     Raises:
         CheckpointError: a transfer that names this rank failed (a peer died or timed
-            out); the ranks then agree on the failure as for any failed load.
+            out), or the load did (a torn replica fails its checksums); the ranks then
+            agree on the failure as for any failed load.
     """
-    received = False
+    loaded = False
     for target, holder in enumerate(holders):
         if holder == target or rank not in (holder, target):
             continue
         try:
             if rank == holder:
-                _send(replica_dir(world_dir, target) / f"step-{step}", step, target, group)
+                _serve(replica_dir(world_dir, target) / f"step-{step}", step, target, group)
             else:
-                received = _receive(own / f"step-{step}", step, holder, group)
+                loaded = _load_from(step, holder, group, load)
         except RuntimeError as e:
             raise CheckpointError(
                 f"fetching rank {target}'s snapshot of step {step} from the replica on rank "
                 f"{holder} failed: {e}",
                 rank=rank,
             ) from e
-    return received
+    return loaded
 
 
-def _send(path: Path, step: int, target: int, group: Any) -> None:
-    try:
-        outgoing: Outgoing | None = Outgoing.open(str(path))
-    except CheckpointError:
-        outgoing = None  # the receiver hears "none": its load fails, every rank skips
-    header = {"step": step, "files": None if outgoing is None else outgoing.files}
-    collectives.exchange_objects(header, target, None, group, _TAG)
-    if outgoing is not None:
-        collectives.exchange_tensors(outgoing.tensors(), target, [], None, group, _TAG + 2)
-        outgoing.close()
+class _Reads:
+    """A holder's replica as the data files of the receiver's load (``RemoteFiles``)."""
+
+    def __init__(self, holder: int, group: Any, sizes: dict[str, int], path: str) -> None:
+        self.holder = holder
+        self.group = group
+        self.sizes = sizes
+        self.path = path
+
+    def read(self, reads: list[tuple[str, int, memoryview]]) -> None:
+        asked = [[name, offset, len(view)] for name, offset, view in reads]
+        collectives.exchange_objects({"reads": asked}, self.holder, None, self.group, _TAG + 4)
+        answer = collectives.exchange_objects(None, None, self.holder, self.group, _TAG + 6)
+        if not isinstance(answer, dict) or answer.get("error") is not None:
+            error = answer.get("error") if isinstance(answer, dict) else repr(answer)
+            raise CheckpointError(f"rank {self.holder} refused the reads: {error}", path=self.path)
+        into = [torch.frombuffer(view, dtype=torch.uint8) for _, _, view in reads if len(view)]
+        collectives.exchange_tensors([], None, into, self.holder, self.group, _TAG + 8)
 
 
-def _receive(final: Path, step: int, holder: int, group: Any) -> bool:
+def _load_from(step: int, holder: int, group: Any, load: Callable[[Checkpoint], None]) -> bool:
     header = collectives.exchange_objects(None, None, holder, group, _TAG)
     if not isinstance(header, dict) or header.get("step") != step:
         raise CheckpointError(f"rank {holder} sent {header!r} for step {step}'s snapshot")
     if header.get("files") is None:
-        return False
-    listed = check_names(header["files"])
+        return False  # the holder lost it: the load from this rank's memory fails
+    sizes = dict(check_names(header["files"]))
+    path = str(header.get("path"))
+    manifest = torch.empty(sizes.get(MANIFEST_NAME, 0), dtype=torch.uint8)
+    collectives.exchange_tensors([], None, [manifest] if manifest.numel() else [], holder, group,
+                                 _TAG + 2)  # fmt: skip
     try:
-        incoming: Incoming | None = Incoming(final, listed)
-    except OSError:
-        incoming = None  # the bytes are taken and dropped; the load then fails
-    recvs = scratch(listed) if incoming is None else incoming.tensors()
-    try:
-        collectives.exchange_tensors([], None, recvs, holder, group, _TAG + 2)
-    except BaseException:
-        if incoming is not None:
-            incoming.discard()
-        raise
-    if incoming is None:
-        return False
-    incoming.commit()
+        if not manifest.numel():
+            raise CheckpointError("the peer's copy has no manifest", path=path)
+        parsed = from_json_bytes(manifest.numpy().tobytes(), path, layout=LAYOUT_QUICKSAVE)
+        checkpoint = Checkpoint(
+            parse_location(path),
+            CheckpointKind.QUICKSAVE,
+            read={"manifest": parsed},
+            remote=_Reads(holder, group, sizes, path),
+        )
+        load(checkpoint)
+    finally:  # the holder serves until it hears this, whatever the load's outcome
+        collectives.exchange_objects({"done": True}, holder, None, group, _TAG + 4)
     return True
+
+
+def _serve(path: Path, step: int, target: int, group: Any) -> None:
+    try:
+        outgoing: Outgoing | None = Outgoing.open(str(path))
+    except CheckpointError:
+        outgoing = None  # the receiver hears "none": its load fails, every rank skips
+    files = None if outgoing is None else outgoing.files
+    header = {"step": step, "files": files, "path": str(path)}
+    collectives.exchange_objects(header, target, None, group, _TAG)
+    if outgoing is None:
+        return
+    try:
+        maps = outgoing.by_name()
+        manifest = maps.get(MANIFEST_NAME)
+        sends = [] if manifest is None or not manifest.numel() else [manifest]
+        collectives.exchange_tensors(sends, target, [], None, group, _TAG + 2)
+        while True:
+            asked = collectives.exchange_objects(None, None, target, group, _TAG + 4)
+            if not isinstance(asked, dict) or "reads" not in asked:
+                return  # done (or nonsense: the receiver's load is over either way)
+            slices, error = _slices(maps, asked["reads"])
+            collectives.exchange_objects({"error": error}, target, None, group, _TAG + 6)
+            if error is None:
+                collectives.exchange_tensors(slices, target, [], None, group, _TAG + 8)
+    finally:
+        outgoing.close()
+
+
+def _slices(maps: Mapping[str, torch.Tensor], reads: Any) -> tuple[list[torch.Tensor], Any]:
+    """The bytes ``reads`` asks for, as views of the mapped files (empty ones left out,
+    as the receiver leaves them out), or the reason they cannot be served."""
+    out = []
+    for read in reads if isinstance(reads, list) else [None]:
+        name, offset, length = read if isinstance(read, list) and len(read) == 3 else (None,) * 3
+        data = maps.get(name) if isinstance(name, str) else None
+        if (
+            data is None
+            or not isinstance(offset, int)
+            or not isinstance(length, int)
+            or offset < 0
+            or length < 0
+            or offset + length > data.numel()
+        ):
+            return [], f"no such bytes in the replica: {read!r}"
+        if length:
+            out.append(data[offset : offset + length])
+    return out, None
