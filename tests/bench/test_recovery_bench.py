@@ -16,6 +16,7 @@ from quicksave_tools.bench import main as bench_main
 from quicksave_tools.bench.recovery_child import (
     DCP,
     QUICKSAVE_DISK,
+    QUICKSAVE_DISK_WHOLE,
     QUICKSAVE_MEMORY,
     QUICKSAVE_OBJECT_STORE,
     QUICKSAVE_PEER,
@@ -48,7 +49,8 @@ def _weed_installed() -> bool:
 
 @pytest.mark.slow  # a dozen fresh processes and a SeaweedFS
 def test_recovery_quick_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    methods = [QUICKSAVE_DISK, QUICKSAVE_MEMORY, QUICKSAVE_PEER, QUICKSAVE_OBJECT_STORE, DCP]
+    methods = [QUICKSAVE_DISK, QUICKSAVE_DISK_WHOLE, QUICKSAVE_MEMORY, QUICKSAVE_PEER,
+               QUICKSAVE_OBJECT_STORE, DCP]  # fmt: skip
     argv = ["--recovery", "--quick", "--methods", ",".join(methods), "--loop-steps", "2"]
     rc = bench_main([*argv, "--every", "2", "--dir", str(tmp_path), "--json"])
     captured = capsys.readouterr()
@@ -72,13 +74,18 @@ def test_recovery_quick_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) 
 
     restores = shape["restores"]
     assert set(restores) == set(methods)
-    for method in (QUICKSAVE_DISK, DCP):
+    for method in (QUICKSAVE_DISK, QUICKSAVE_DISK_WHOLE, DCP):
         row = restores[method]
         assert row["bit_exact"] is True and row["wrong"] == [], method
         assert row["jobs"] == 2 and row["cached_before"] == 0.0, method
         assert row["fully_restored_s"] > 0 and row["restore_s"] > 0, method
         assert row["time_to_first_step_s"] is not None and row["steady_step_s"] > 0, method
         assert shape["ratios"]["vs_floor"][method]["fully_restored"] > 0
+    # the same checkpoint, read once: restored all at once, nothing left to stream
+    assert shape["saves"][QUICKSAVE_DISK_WHOLE] == shape["saves"][QUICKSAVE_DISK]
+    for r in shape["raw_restores"][QUICKSAVE_DISK_WHOLE]:
+        if r["pass"] == "full":  # every state in place when load() returned
+            assert r["streamed_restored_s"] <= r["restore_s"], r
 
     if _weed_installed():
         row = restores[QUICKSAVE_OBJECT_STORE]

@@ -62,6 +62,7 @@ from quicksave_tools.bench.recovery_child import (
     LOCAL,
     METHODS,
     QUICKSAVE_DISK,
+    QUICKSAVE_DISK_WHOLE,
     QUICKSAVE_MEMORY,
     QUICKSAVE_OBJECT_STORE,
     QUICKSAVE_PEER,
@@ -170,6 +171,7 @@ class _Run:
         self.count = 0
         self.env = {**os.environ, **(target.env() if target is not None else {})}
         self.locations = {m: os.path.join(work, m) for m in METHODS}
+        self.locations[QUICKSAVE_DISK_WHOLE] = self.locations[QUICKSAVE_DISK]
         if target is not None:
             self.locations[QUICKSAVE_OBJECT_STORE] = f"s3://{store.bucket}/{shape}"
 

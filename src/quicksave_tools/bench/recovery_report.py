@@ -26,6 +26,7 @@ from typing import Any
 
 FLOOR_OF = {  # restore method -> (floor, its figure)
     "quicksave-disk": ("disk", "pread_s"),
+    "quicksave-disk-whole": ("disk", "pread_s"),
     "dcp": ("disk", "pread_s"),
     "torch_checkpointing": ("disk", "pread_s"),
     "quicksave-memory": ("memory", "seconds"),
