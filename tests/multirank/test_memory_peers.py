@@ -307,3 +307,80 @@ def test_two_replicas_on_three_nodes_survive_the_loss_of_two(nodes) -> None:
     assert [r["tier"] for r in second] == ["memory", "peer", "peer"]
     for rank, r in enumerate(second):
         assert r["start"] == 3 and r["loaded"] == first[rank]["trained"], rank
+
+
+def _rank_streamed(rank: int, world_size: int, base: str, train_to: int) -> dict[str, Any]:
+    """A plain (unsharded) model per rank, one rank per node, the optimizer state
+    streamed in behind the model's at a resume (``stream_load``)."""
+    import threading
+
+    import torch.distributed as dist
+
+    from quicksave.manager import (
+        CheckpointConfig,
+        CheckpointManager,
+        MemoryTierConfig,
+        ModelState,
+        OptimizerState,
+    )
+
+    memory = MemoryTierConfig(
+        every=1,
+        keep=2,
+        root=os.path.join(base, f"node-{rank}"),
+        job_id="streamed",
+        idle_timeout_s=120,
+        replicas=1,
+        ranks_per_node=1,
+    )
+    config = CheckpointConfig(
+        folder=os.path.join(base, "ckpt"), interval=1000, memory=memory, stream_load=True
+    )
+    torch.manual_seed(rank + 100 * train_to)  # each rank, each run: other weights
+    model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 64))
+    optim = torch.optim.AdamW(model.parameters(), lr=0.01)
+    manager = CheckpointManager(
+        config, {"model": ModelState(model), "optimizer": OptimizerState(model, optim)}
+    )
+    start = manager.load() or 0
+    record = manager.last_load
+    streamed = record is not None and record.stream is not None
+    optim.state_dict()  # waits for the optimizer's state (a streamed resume)
+    loaded = fingerprints(model, optim)
+    for step in range(start + 1, train_to + 1):
+        train_step_plain(model, optim, step + rank)
+        manager.save(step)
+    manager.wait()
+    result = {
+        "start": start,
+        "tier": record.tier if record else None,
+        "streamed": streamed,
+        "loaded": loaded,
+        "trained": fingerprints(model, optim),
+    }
+    dist.barrier()
+    if train_to > STEPS:
+        manager.close()
+        result["serving"] = [t.name for t in threading.enumerate() if "serve" in t.name]
+    return result
+
+
+def train_step_plain(model: nn.Module, optim: torch.optim.Optimizer, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    optim.zero_grad(set_to_none=True)
+    model(torch.randn(8, 64, generator=g)).square().mean().backward()
+    optim.step()
+
+
+def test_a_replaced_node_streams_its_optimizer_state_from_the_peer(nodes) -> None:
+    base = str(nodes)
+    first = run_ranks(_rank_streamed, 2, base, STEPS, config=CRASH)
+    _lose_node(nodes, 1)
+    second = run_ranks(_rank_streamed, 2, base, STEPS + 2, config=LAUNCH)
+    assert [r["tier"] for r in second] == ["memory", "peer"]
+    # both resumed with load() returning before the optimizer's state was in
+    assert [r["streamed"] for r in second] == [True, True]
+    for rank, r in enumerate(second):
+        assert r["start"] == STEPS, rank
+        assert r["loaded"] == first[rank]["trained"], f"rank {rank} not bit-exact"
+        assert r["serving"] == [], rank  # the holder's serving ended with the stream

@@ -37,6 +37,10 @@ class RemoteFiles(Protocol):
             CheckpointError: the holder refused the reads or the transfer failed."""
         ...
 
+    def close(self) -> None:
+        """No more reads: the holder may stop answering (once; later calls do nothing)."""
+        ...
+
 
 @dataclass(frozen=True)
 class Checkpoint:

@@ -178,6 +178,7 @@ class MemoryTier:
         self.failures = 0
         self.last_error: CheckpointError | None = None
         self.source = TIER  # where the last load() read this rank's snapshot from
+        self._serving: _Serving | None = None  # a past fetch still serving peers
         self._outbox: dict[int, bool] = {}  # steps to offer the replicas, in order: made?
         self._unsent: set[int] = set()  # the replicas' unsent steps at the last retention
         self._holders: dict[int, list[int]] = {}  # recovery: step -> each rank's holder
@@ -320,16 +321,26 @@ class MemoryTier:
         """
         holders = self._holders.get(step, [])
         self.source = TIER
+        self._end_serving()
         if not any(h != r for r, h in enumerate(holders)):
             self._load_own(step, states, strict=strict)
             return
         group = self.session.checkpoint_group()
+        serves = any(h == self.rank != t for t, h in enumerate(holders))
 
-        def load(checkpoint: Checkpoint) -> None:  # all of it while the holder serves
-            self._load_checkpoint(step, checkpoint, states, strict=strict, stream=False)
+        def load(checkpoint: Checkpoint) -> bool:  # whether its optimizers' reads go on
+            stream = self.config.stream_load and not serves  # (a holder serves after)
+            remote = checkpoint.remote
+            end = None if remote is None else remote.close
+            self._load_checkpoint(
+                step, checkpoint, states, strict=strict, stream=stream, on_stream_end=end
+            )
+            return stream and self.io.pending is not None
 
-        def fetch() -> bool:
-            return peer_recovery.fetch(step, holders, self.rank, self.world_dir, group, load)
+        def fetch(served: threading.Event | None = None) -> bool:
+            return peer_recovery.fetch(
+                step, holders, self.rank, self.world_dir, group, load, served
+            )
 
         if holders[self.rank] != self.rank:
             if not fetch():
@@ -342,12 +353,23 @@ class MemoryTier:
             self.source = "peer"
             return
         # A rank that reads its own memory serves its part of the fetch (if any) on a
-        # thread meanwhile; the group is not used by this thread until it is joined.
-        serving = _Serving(fetch)
+        # thread meanwhile. It waits until the receivers' first loads are in (their
+        # failure is then this load's), not for their streams: those are served on.
+        serving = self._serving = _Serving(fetch)
         try:
             self._load_own(step, states, strict=strict)
         finally:
-            serving.join()
+            serving.settle()
+
+    def _end_serving(self, timeout: float | None = None) -> None:
+        """Wait for the serving of a past fetch (the receivers' streams) to end."""
+        serving, self._serving = self._serving, None
+        if serving is None:
+            return
+        try:
+            serving.join(timeout)
+        except (CheckpointError, TimeoutError) as e:
+            logger.warning("quicksave: serving a peer's recovery on rank %d: %s", self.rank, e)
 
     def _load_own(self, step: int, states: Mapping[str, Any], *, strict: bool) -> None:
         path = self.path(step)
@@ -371,6 +393,7 @@ class MemoryTier:
         strict: bool,
         stream: bool,
         on_error: Callable[[BaseException], None] | None = None,
+        on_stream_end: Callable[[], None] | None = None,
     ) -> None:
         if not any(_has_dtensor(_peek(s)) for s in states.values()):
             self.io.pending = load_streamed(  # no collective: the optimizers' may stream
@@ -382,6 +405,7 @@ class MemoryTier:
                 stream=stream,
                 on_done=lambda: self.session.loaded(step),
                 on_error=on_error,
+                on_stream_end=on_stream_end,
             )
             return
         dicts = {}
@@ -410,6 +434,7 @@ class MemoryTier:
         the node's memory (``job_done``: the job ended; its memory is freed once no
         trainer of it is attached)."""
         self.poll(wait_s=self.config.close_timeout_s)
+        self._end_serving(self.config.close_timeout_s)
         if self.replicas is not None:
             self._offer(abandon=True)  # the peers expect every step: unsettled as none
             self.replicas.close(self.config.close_timeout_s)
@@ -417,24 +442,42 @@ class MemoryTier:
 
 
 class _Serving:
-    """A function run on a thread of its own; :meth:`join` waits for it and raises its
-    error, if any."""
+    """A holder's part of a fetch (``run(served)``), on a thread of its own.
 
-    def __init__(self, run: Callable[[], Any]) -> None:
+    Call order: start (``__init__``) → :meth:`settle` (training thread: the receivers'
+    first loads are in, or the serving ended: its error raised) → :meth:`join` (the
+    receivers' streams are served too)."""
+
+    def __init__(self, run: Callable[[threading.Event], Any]) -> None:
+        self.served = threading.Event()
         self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, args=(run,), name="quicksave-serve")
+        self._ended = False
+        self._thread = threading.Thread(
+            target=self._run, args=(run,), name="quicksave-serve", daemon=True
+        )
         self._thread.start()
 
-    def _run(self, run: Callable[[], Any]) -> None:
+    def _run(self, run: Callable[[threading.Event], Any]) -> None:
         try:
-            run()
-        except BaseException as e:  # noqa: BLE001 - raised by join()
+            run(self.served)
+        except BaseException as e:  # noqa: BLE001 - raised by settle() or join()
             self._error = e
+        finally:
+            self._ended = True
+            self.served.set()
 
-    def join(self) -> None:
-        self._thread.join()
-        if self._error is not None:
-            raise self._error
+    def settle(self) -> None:
+        self.served.wait()
+        if self._ended:
+            self.join()
+
+    def join(self, timeout: float | None = None) -> None:
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            raise TimeoutError(f"still serving after {timeout} s")
+        error, self._error = self._error, None
+        if error is not None:
+            raise error
 
 
 def _peek(state: Any) -> Any:

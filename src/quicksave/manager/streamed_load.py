@@ -115,6 +115,7 @@ def load_streamed(
     stream: bool,
     on_done: Callable[[], None],
     on_error: Callable[[BaseException], None] | None = None,
+    on_stream_end: Callable[[], None] | None = None,
 ) -> OptimizerStream | None:
     """Load ``states`` from ``checkpoint`` with ``load``: all at once (``stream``
     False, or nothing to stream; ``on_done()`` runs before it returns and None is
@@ -129,7 +130,9 @@ def load_streamed(
     (``optim_restore.Prefault``) while the first load reads the model's states, so that
     the stream, running beside the first forward and backward, only copies bytes. Where the
     state cannot be allocated from a manifest (a stock DCP checkpoint), the optimizers'
-    states load now too."""
+    states load now too. ``on_stream_end()``: runs on the stream's thread once its load
+    ended, either way (the last read of the checkpoint is done: a peer serving it may
+    stop)."""
     later = {k: v for k, v in states.items() if isinstance(v, OptimizerState)}
     if not stream or not later or len(later) == len(states):
         load(states, ())
@@ -167,8 +170,15 @@ def load_streamed(
         if on_error is not None:
             on_error(error)
 
+    def rest() -> None:
+        try:
+            load(later, tuple(first))
+        finally:
+            if on_stream_end is not None:
+                on_stream_end()
+
     optimizers = [o for state in later.values() for o in state.optimizers]
-    return OptimizerStream(lambda: load(later, tuple(first)), optimizers, on_done, failed)
+    return OptimizerStream(rest, optimizers, on_done, failed)
 
 
 def _manifest(checkpoint: Checkpoint) -> Any:

@@ -27,6 +27,8 @@ serves them) and the bytes; last the receiver's "done".
 
 from __future__ import annotations
 
+import logging
+import threading
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -43,6 +45,7 @@ from quicksave.storage import parse_location
 from quicksave.tiers.peer_files import Outgoing, check_names
 from quicksave.tiers.peer_replicas import replica_dir
 
+logger = logging.getLogger("quicksave")
 Report = tuple[list[int], Mapping[int, list[int]]]  # (own steps, {source: steps})
 _TAG = 1 << 16  # the fetch's tags (apart from any exchange of the replication thread)
 
@@ -84,7 +87,8 @@ def fetch(
     rank: int,
     world_dir: Path,
     group: Any,
-    load: Callable[[Checkpoint], None],
+    load: Callable[[Checkpoint], bool],
+    served: threading.Event | None = None,
 ) -> bool:
     """Load the snapshots of ``step`` that ranks lack from their holders (module
     docstring, 3.): every rank calls it alike, with the same ``holders``.
@@ -96,8 +100,12 @@ def fetch(
         world_dir: this node's ``<job folder>/world-<W>`` (where its replicas are).
         group: a gloo group of every rank (point to point transfers).
         load: on a rank that lacks its snapshot: loads the given checkpoint (its data
-            files the holder's, read through ``checkpoint.remote``) into the states, all
-            of it before it returns.
+            files the holder's, read through ``checkpoint.remote``) into the states;
+            returns whether reads go on after it returned (the optimizers' states
+            streaming in: the stream calls ``checkpoint.remote.close()`` once its last
+            read is done).
+        served: set on a holder once a receiver's first load has its bytes (it may
+            train; later reads of its stream are served on).
 
     Returns:
         Whether this rank loaded its snapshot from a peer.
@@ -107,13 +115,15 @@ def fetch(
             out), or the load did (a torn replica fails its checksums); the ranks then
             agree on the failure as for any failed load.
     """
+    served = served or threading.Event()
     loaded = False
     for target, holder in enumerate(holders):
         if holder == target or rank not in (holder, target):
             continue
         try:
             if rank == holder:
-                _serve(replica_dir(world_dir, target) / f"step-{step}", step, target, group)
+                path = replica_dir(world_dir, target) / f"step-{step}"
+                _serve(path, step, target, group, served)
             else:
                 loaded = _load_from(step, holder, group, load)
         except RuntimeError as e:
@@ -133,19 +143,44 @@ class _Reads:
         self.group = group
         self.sizes = sizes
         self.path = path
+        self._lock = threading.Lock()  # one exchange at a time (the stream's thread too)
+        self._closed = False
 
     def read(self, reads: list[tuple[str, int, memoryview]]) -> None:
         asked = [[name, offset, len(view)] for name, offset, view in reads]
-        collectives.exchange_objects({"reads": asked}, self.holder, None, self.group, _TAG + 4)
-        answer = collectives.exchange_objects(None, None, self.holder, self.group, _TAG + 6)
+        into = [torch.frombuffer(view, dtype=torch.uint8) for _, _, view in reads if len(view)]
+        with self._lock:
+            if self._closed:
+                raise CheckpointError("the peer's replica is no longer served", path=self.path)
+            try:
+                self._exchange(asked, into)
+            except RuntimeError as e:
+                raise CheckpointError(
+                    f"reading from the replica on rank {self.holder} failed: {e}", path=self.path
+                ) from e
+
+    def _exchange(self, asked: list, into: list[torch.Tensor]) -> None:
+        group = self.group
+        collectives.exchange_objects({"reads": asked}, self.holder, None, group, _TAG + 4)
+        answer = collectives.exchange_objects(None, None, self.holder, group, _TAG + 6)
         if not isinstance(answer, dict) or answer.get("error") is not None:
             error = answer.get("error") if isinstance(answer, dict) else repr(answer)
             raise CheckpointError(f"rank {self.holder} refused the reads: {error}", path=self.path)
-        into = [torch.frombuffer(view, dtype=torch.uint8) for _, _, view in reads if len(view)]
-        collectives.exchange_tensors([], None, into, self.holder, self.group, _TAG + 8)
+        collectives.exchange_tensors([], None, into, self.holder, group, _TAG + 8)
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            try:
+                collectives.exchange_objects({"done": True}, self.holder, None, self.group,
+                                             _TAG + 4)  # fmt: skip
+            except RuntimeError as e:  # the holder is gone: it serves nobody anyway
+                logger.warning("quicksave: telling rank %d the reads are done: %s", self.holder, e)
 
 
-def _load_from(step: int, holder: int, group: Any, load: Callable[[Checkpoint], None]) -> bool:
+def _load_from(step: int, holder: int, group: Any, load: Callable[[Checkpoint], bool]) -> bool:
     header = collectives.exchange_objects(None, None, holder, group, _TAG)
     if not isinstance(header, dict) or header.get("step") != step:
         raise CheckpointError(f"rank {holder} sent {header!r} for step {step}'s snapshot")
@@ -156,23 +191,23 @@ def _load_from(step: int, holder: int, group: Any, load: Callable[[Checkpoint], 
     manifest = torch.empty(sizes.get(MANIFEST_NAME, 0), dtype=torch.uint8)
     collectives.exchange_tensors([], None, [manifest] if manifest.numel() else [], holder, group,
                                  _TAG + 2)  # fmt: skip
+    reads = _Reads(holder, group, sizes, path)
+    streaming = False
     try:
         if not manifest.numel():
             raise CheckpointError("the peer's copy has no manifest", path=path)
         parsed = from_json_bytes(manifest.numpy().tobytes(), path, layout=LAYOUT_QUICKSAVE)
         checkpoint = Checkpoint(
-            parse_location(path),
-            CheckpointKind.QUICKSAVE,
-            read={"manifest": parsed},
-            remote=_Reads(holder, group, sizes, path),
+            parse_location(path), CheckpointKind.QUICKSAVE, read={"manifest": parsed}, remote=reads
         )
-        load(checkpoint)
-    finally:  # the holder serves until it hears this, whatever the load's outcome
-        collectives.exchange_objects({"done": True}, holder, None, group, _TAG + 4)
+        streaming = load(checkpoint)
+    finally:  # the holder serves until it hears "done", whatever the load's outcome
+        if not streaming:
+            reads.close()
     return True
 
 
-def _serve(path: Path, step: int, target: int, group: Any) -> None:
+def _serve(path: Path, step: int, target: int, group: Any, served: threading.Event) -> None:
     try:
         outgoing: Outgoing | None = Outgoing.open(str(path))
     except CheckpointError:
@@ -195,6 +230,7 @@ def _serve(path: Path, step: int, target: int, group: Any) -> None:
             collectives.exchange_objects({"error": error}, target, None, group, _TAG + 6)
             if error is None:
                 collectives.exchange_tensors(slices, target, [], None, group, _TAG + 8)
+            served.set()  # the receiver's first load is in: it may train
     finally:
         outgoing.close()
 
