@@ -309,9 +309,12 @@ def test_two_replicas_on_three_nodes_survive_the_loss_of_two(nodes) -> None:
         assert r["start"] == 3 and r["loaded"] == first[rank]["trained"], rank
 
 
-def _rank_streamed(rank: int, world_size: int, base: str, train_to: int) -> dict[str, Any]:
-    """A plain (unsharded) model per rank, one rank per node, the optimizer state
-    streamed in behind the model's at a resume (``stream_load``)."""
+def _rank_streamed(
+    rank: int, world_size: int, base: str, train_to: int, replicas: int = 1
+) -> dict[str, Any]:
+    """A plain (unsharded) model per rank, one rank per node, ``replicas`` replicas of
+    each snapshot, the optimizer state streamed in behind the model's at a resume
+    (``stream_load``)."""
     import threading
 
     import torch.distributed as dist
@@ -330,7 +333,7 @@ def _rank_streamed(rank: int, world_size: int, base: str, train_to: int) -> dict
         root=os.path.join(base, f"node-{rank}"),
         job_id="streamed",
         idle_timeout_s=120,
-        replicas=1,
+        replicas=replicas,
         ranks_per_node=1,
     )
     config = CheckpointConfig(
@@ -384,3 +387,19 @@ def test_a_replaced_node_streams_its_optimizer_state_from_the_peer(nodes) -> Non
         assert r["start"] == STEPS, rank
         assert r["loaded"] == first[rank]["trained"], f"rank {rank} not bit-exact"
         assert r["serving"] == [], rank  # the holder's serving ended with the stream
+
+
+def test_one_surviving_node_serves_every_lost_rank_in_turn(nodes) -> None:
+    """3 nodes × 1 rank, 2 replicas of each snapshot; nodes 1 and 2 are lost: node 0
+    holds the replicas of both and serves them one after the other, each streamed."""
+    base = str(nodes)
+    (nodes / "node-2").mkdir()
+    first = run_ranks(_rank_streamed, 3, base, STEPS, 2, config=CRASH)
+    _lose_node(nodes, 1)
+    _lose_node(nodes, 2)
+    second = run_ranks(_rank_streamed, 3, base, STEPS + 2, 2, config=LAUNCH)
+    assert [r["tier"] for r in second] == ["memory", "peer", "peer"]
+    for rank, r in enumerate(second):
+        assert r["start"] == STEPS, rank
+        assert r["loaded"] == first[rank]["trained"], f"rank {rank} not bit-exact"
+        assert r["serving"] == [], rank
