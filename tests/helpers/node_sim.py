@@ -8,13 +8,18 @@ agent); a node is lost by killing its ranks and agents and removing its root.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
+import shutil
 import signal
 import time
+import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
+import pytest
 import torch
 import torch.nn as nn
 
@@ -79,3 +84,21 @@ def gone(path: str, within_s: float = 60.0) -> bool:
             return True
         time.sleep(0.1)
     return False
+
+
+@contextlib.contextmanager
+def node_roots(prefix: str, nodes: int) -> Iterator[Path]:
+    """A fresh folder on ``/dev/shm`` with ``node-<i>`` in it for each of ``nodes`` nodes
+    (each node's tmpfs root); afterwards every agent under it killed and it removed. A
+    machine without ``/dev/shm`` skips the test (a tmpfs is what the tier needs)."""
+    shm = Path("/dev/shm")
+    if not shm.is_dir():
+        pytest.skip("no /dev/shm (tmpfs) on this machine")
+    base = shm / f"{prefix}-{uuid.uuid4().hex[:12]}"
+    for node in range(nodes):
+        (base / f"node-{node}").mkdir(parents=True)
+    try:
+        yield base
+    finally:
+        kill_agents(base)
+        shutil.rmtree(base, ignore_errors=True)

@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import uuid
 from pathlib import Path
 from typing import Any
 
@@ -24,11 +23,10 @@ import torch
 import torch.nn as nn
 from launcher import LaunchConfig, run_ranks
 
-from helpers.node_sim import fingerprints, fsdp_job, gone, kill_agents, train_step
+from helpers.node_sim import fingerprints, fsdp_job, gone, kill_agents, node_roots, train_step
 
 pytestmark = pytest.mark.slow
 
-SHM = Path("/dev/shm")
 WORLD = 4
 PER_NODE = 2
 STEPS = 5
@@ -109,14 +107,8 @@ def _rank_run(rank: int, world_size: int, base: str, train_to: int, close: bool)
 
 @pytest.fixture
 def nodes():
-    if not SHM.is_dir():
-        pytest.skip("no /dev/shm (tmpfs) on this machine")
-    base = SHM / f"qs-peers-{uuid.uuid4().hex[:12]}"
-    for node in range(WORLD // PER_NODE):
-        (base / f"node-{node}").mkdir(parents=True)
-    yield base
-    kill_agents(base)
-    shutil.rmtree(base, ignore_errors=True)
+    with node_roots("qs-peers", WORLD // PER_NODE) as base:
+        yield base
 
 
 def test_trainer_crash_then_node_loss_resume_bit_exact(nodes, tmp_path) -> None:

@@ -25,13 +25,12 @@ from typing import Any
 import pytest
 from launcher import LaunchConfig, run_ranks
 
-from helpers.node_sim import fingerprints, fsdp_job, kill_agents, train_step
+from helpers.node_sim import fingerprints, fsdp_job, kill_agents, node_roots, train_step
+from helpers.s3_server import seaweed_server
 from quicksave_tools.testing.seaweed import SeaweedServer
-from quicksave_tools.testing.seaweed_process import SeaweedError
 
 pytestmark = pytest.mark.slow
 
-SHM = Path("/dev/shm")
 WORLD = 4
 PER_NODE = 2
 STEPS = 4
@@ -47,27 +46,14 @@ LEASE_EXPIRY_S = 2.0  # the killed job's store lease: expired before the next jo
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[SeaweedServer]:
-    s = SeaweedServer()
-    try:
-        s.start()
-    except SeaweedError as e:
-        pytest.fail(f"could not start the SeaweedFS S3 server: {e}", pytrace=False)
-    try:
+    with seaweed_server() as s:
         yield s
-    finally:
-        s.stop()
 
 
 @pytest.fixture
 def nodes() -> Iterator[Path]:
-    if not SHM.is_dir():
-        pytest.skip("no /dev/shm (tmpfs) on this machine")
-    base = SHM / f"qs-upload-{uuid.uuid4().hex[:12]}"
-    for node in range(WORLD // PER_NODE):
-        (base / f"node-{node}").mkdir(parents=True)
-    yield base
-    kill_agents(base)
-    shutil.rmtree(base, ignore_errors=True)
+    with node_roots("qs-upload", WORLD // PER_NODE) as base:
+        yield base
 
 
 def _rank_run(

@@ -13,30 +13,16 @@ from collections.abc import Iterator
 
 import pytest
 
+from helpers.s3_server import seaweed_server
 from quicksave_tools.testing.faultproxy import FaultProxy
 from quicksave_tools.testing.seaweed import SeaweedServer
-from quicksave_tools.testing.seaweed_process import SeaweedError
 
 
 @pytest.fixture(scope="session")
 def s3_server() -> Iterator[SeaweedServer]:
     """A SeaweedFS S3 server for the whole session (started once, stopped at the end)."""
-    try:
-        import boto3  # noqa: F401
-    except ImportError as e:
-        pytest.fail(
-            f"the S3 tests need boto3 ({e}); install the dev extra: pip install -e .[dev]",
-            pytrace=False,
-        )
-    server = SeaweedServer()
-    try:
-        server.start()
-    except SeaweedError as e:
-        pytest.fail(f"could not start the SeaweedFS S3 server: {e}", pytrace=False)
-    try:
+    with seaweed_server() as server:
         yield server
-    finally:
-        server.stop()
 
 
 @pytest.fixture

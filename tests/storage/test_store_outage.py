@@ -30,12 +30,12 @@ from typing import Any
 import pytest
 import torch
 
+from helpers.s3_server import seaweed_server
 from quicksave.errors import CheckpointError
 from quicksave.storage.backend import S3Options
 from quicksave.storage.s3 import S3Backend
 from quicksave_tools.testing.faultproxy import FaultProxy
 from quicksave_tools.testing.seaweed import SeaweedServer
-from quicksave_tools.testing.seaweed_process import SeaweedError
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "multirank"))
 from launcher import LaunchConfig, run_ranks  # noqa: E402
@@ -53,15 +53,8 @@ MARK_TIMEOUT_S = 120.0
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[SeaweedServer]:
-    s = SeaweedServer()
-    try:
-        s.start()
-    except SeaweedError as e:
-        pytest.fail(f"could not start the SeaweedFS S3 server: {e}", pytrace=False)
-    try:
+    with seaweed_server() as s:
         yield s
-    finally:
-        s.stop()
 
 
 @pytest.fixture
