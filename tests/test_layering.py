@@ -145,7 +145,7 @@ def test_one_manifest_builder() -> None:
     builders = {(n, f) for n, m in LIB.items() for _, f in manifest_builds(m)}
     assert builders == {
         ("quicksave.layout.skeleton", "manifest_skeleton"),
-        ("quicksave.format.manifest", "from_json_bytes"),
+        ("quicksave.format.manifest_parse", "from_json_bytes"),
     }
 
 

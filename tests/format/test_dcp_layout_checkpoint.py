@@ -28,7 +28,8 @@ from quicksave.errors import (
 )
 from quicksave.format import dcp_layout
 from quicksave.format.dcp_layout import FOOTER_SIZE, parse_footer
-from quicksave.format.manifest import LAYOUT_DCP, from_json_bytes, to_json_bytes
+from quicksave.format.manifest import LAYOUT_DCP, to_json_bytes
+from quicksave.format.manifest_parse import from_json_bytes
 from quicksave.loading.catalog import list_checkpoints
 from quicksave.loading.checkpoint import require_committed
 from quicksave.loading.verify import verify_checkpoint

@@ -21,7 +21,8 @@ from quicksave.errors import CorruptCheckpointError, IncompatibleStateError
 from quicksave.format import strict_json
 from quicksave.format.dtype_names import ELEMENT_SIZES
 from quicksave.format.dtypes import dtype_from_name, dtype_name, known_dtype
-from quicksave.format.manifest import from_json_bytes, to_json_bytes
+from quicksave.format.manifest import to_json_bytes
+from quicksave.format.manifest_parse import from_json_bytes
 from quicksave.format.objects import MAX_VALUE_DEPTH, decode, encode
 from quicksave.format.safetensors_header import (
     ExpectedChunk,

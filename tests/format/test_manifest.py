@@ -40,9 +40,9 @@ from quicksave.format.manifest import (
     Manifest,
     ObjectEntry,
     TensorEntry,
-    from_json_bytes,
     to_json_bytes,
 )
+from quicksave.format.manifest_parse import from_json_bytes
 
 FIXTURE = Path(__file__).parent / "fixtures" / "manifest_v1.json"
 
@@ -297,12 +297,19 @@ def test_rejects_invalid_json_with_valid_checksum():
 
 def test_rejects_other_format_version():
     doc = _golden_doc()
-    doc["format_version"] = 2
+    doc["format_version"] = 3
     err = _parse_error(seal_manifest(doc))
     assert err.message == (
-        "manifest format_version 2 is not supported by this quicksave (reads version 1); "
-        "upgrade quicksave"
+        "manifest format_version 3 is not supported by this quicksave (reads versions 1 "
+        "and 2); upgrade quicksave"
     )
+
+
+def test_version_2_needs_a_chunk_reference():
+    doc = _golden_doc()
+    doc["format_version"] = 2
+    err = _parse_error(seal_manifest(doc))
+    assert err.message == "manifest: format_version 2 must be 1: no chunk has a base"
 
 
 def test_rejects_other_format_name():
@@ -387,7 +394,7 @@ def test_rejects_malformed_members(mutate, message: str):
 
 
 def test_rejects_oversized_manifest(monkeypatch):
-    from quicksave.format import manifest as manifest_module
+    from quicksave.format import manifest_parse as manifest_module
 
     monkeypatch.setattr(manifest_module, "MAX_MANIFEST_BYTES", 100)
     assert _parse_error(FIXTURE.read_bytes()).message == "manifest larger than 1 GiB"

@@ -15,9 +15,9 @@ from quicksave.errors import CorruptCheckpointError
 from quicksave.format.manifest import (
     PlannedChunk,
     RankPlan,
-    from_json_bytes,
     to_json_bytes,
 )
+from quicksave.format.manifest_parse import from_json_bytes
 
 FIXTURE = Path(__file__).parent / "fixtures" / "manifest_v1.json"
 

@@ -129,7 +129,7 @@ def manifest_parse_error(data: bytes, path: str = "/ckpt/manifest.json") -> Any:
     import pytest
 
     from quicksave.errors import CorruptCheckpointError
-    from quicksave.format.manifest import from_json_bytes
+    from quicksave.format.manifest_parse import from_json_bytes
 
     with pytest.raises(CorruptCheckpointError) as info:
         from_json_bytes(data, path)

@@ -65,7 +65,7 @@ def _summary(planned: Any, log: CollectiveLog, before: int) -> dict[str, Any]:
 
 def _rank_plan_saves(rank: int, world_size: int, seed_manifest: bytes) -> dict[str, Any]:
     from quicksave.errors import CheckpointError, IncompatibleStateError
-    from quicksave.format.manifest import from_json_bytes
+    from quicksave.format.manifest_parse import from_json_bytes
     from quicksave.saving.plan_cache import PlanCache
     from quicksave.saving.plan_vote import plan_save
     from quicksave.saving.rank_plans import seeded_cache

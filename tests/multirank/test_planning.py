@@ -10,7 +10,8 @@ import torch
 from tests.helpers.manifests import committed_json
 
 from quicksave.errors import IncompatibleStateError
-from quicksave.format.manifest import from_json_bytes, to_json_bytes
+from quicksave.format.manifest import to_json_bytes
+from quicksave.format.manifest_parse import from_json_bytes
 from quicksave.layout.plan import ItemSpec
 from quicksave.saving.rank_plans import (
     LocalPlan,

@@ -114,7 +114,7 @@ def _state(rank: int, pos: int) -> dict[str, Any]:
 
 
 def _rank_vote(rank: int, world_size: int, seed_manifest: bytes) -> dict[str, Any]:
-    from quicksave.format.manifest import from_json_bytes
+    from quicksave.format.manifest_parse import from_json_bytes
     from quicksave.saving.plan_cache import PlanCache
     from quicksave.saving.plan_vote import plan_save
     from quicksave.saving.rank_plans import seeded_cache

@@ -12,7 +12,7 @@ import torch
 import quicksave
 from quicksave.errors import CorruptCheckpointError
 from quicksave.format import MANIFEST_NAME
-from quicksave.format.manifest import from_json_bytes
+from quicksave.format.manifest_parse import from_json_bytes
 from quicksave.storage import StorageOptions
 from quicksave.storage.local import LocalBackend
 from quicksave.storage.location import parse_location

@@ -15,7 +15,7 @@ from quicksave import api
 from quicksave.commit import CheckpointKind
 from quicksave.errors import CheckpointError
 from quicksave.format import MANIFEST_NAME
-from quicksave.format.manifest import from_json_bytes
+from quicksave.format.manifest_parse import from_json_bytes
 from quicksave.loading.checkpoint import Checkpoint
 from quicksave.manager import MemoryTierConfig
 from quicksave.storage import parse_location

@@ -14,8 +14,8 @@ from quicksave.format.manifest import (
     LAYOUT_QUICKSAVE,
     MAX_MANIFEST_BYTES,
     Manifest,
-    from_json_bytes,
 )
+from quicksave.format.manifest_parse import from_json_bytes
 from quicksave.storage.checkpoint_dir import CheckpointDir, read_range
 
 

@@ -38,7 +38,8 @@ import torch
 from quicksave.commit import CheckpointKind
 from quicksave.errors import CheckpointError
 from quicksave.format import MANIFEST_NAME
-from quicksave.format.manifest import LAYOUT_QUICKSAVE, from_json_bytes
+from quicksave.format.manifest import LAYOUT_QUICKSAVE
+from quicksave.format.manifest_parse import from_json_bytes
 from quicksave.loading.checkpoint import Checkpoint
 from quicksave.ranks import collectives
 from quicksave.storage import parse_location
