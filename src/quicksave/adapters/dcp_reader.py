@@ -105,7 +105,7 @@ class StorageReader(CheckpointReader, _DCPStorageReader):
             default one is opened per step.
         chunks: where each chunk's bytes are (a
             :class:`~quicksave.loading.chunks.ChunkSource`; default: the checkpoint's
-            own files).
+            own files, and for a chunk reference those of the checkpoint it names).
     """
 
     def __init__(self, path: Any, **kwargs: Any) -> None:

@@ -1,11 +1,14 @@
 """The read steps of one chunk: where its bytes are, reading them into memory, checking
 them.
 
-- :class:`ChunkSource` resolves a chunk to the checkpoint that holds its file (the seam
-  for chunks stored in an earlier checkpoint); :class:`OwnCheckpoint`, the one
-  implementation, answers the checkpoint being read.
+- :class:`ChunkSource` resolves a chunk to the checkpoint that holds its file:
+  :class:`RunFolder` (what every read uses by default) follows a chunk reference
+  (``base``, FORMAT.md §9) to the checkpoint ``step-<base>`` beside the one being read;
+  :class:`OwnCheckpoint` answers the checkpoint being read for every chunk.
 - :class:`ChunkFiles` opens the data files a read needs, each once, in whichever
-  checkpoint holds them, and closes them together.
+  checkpoint holds them (a committed one: else the read fails naming both), and closes
+  them together; :meth:`ChunkFiles.naming` makes an error about a chunk read from
+  another checkpoint name the one being read too.
 - :func:`read_chunk_into`, :func:`check_chunk_digest`, :func:`check_chunk_within`: the
   bytes of one chunk into a buffer, its xxh3-64, its bounds in its file.
 - :func:`runs`: neighbouring small chunks of one file grouped for one ranged read each
@@ -14,15 +17,17 @@ them.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Protocol, TypeVar
 
 import xxhash
 
 from quicksave.checksum import hexdigest
-from quicksave.errors import CorruptCheckpointError
+from quicksave.errors import CheckpointError, CorruptCheckpointError
 from quicksave.format.manifest import ChunkEntry
-from quicksave.loading.checkpoint import Checkpoint, check_still_there
+from quicksave.loading.checkpoint import Checkpoint, check_still_there, require_committed
 from quicksave.storage import Location
 from quicksave.storage.backend import Backend
 from quicksave.storage.checkpoint_dir import CheckpointDir, Member, fill
@@ -53,15 +58,33 @@ class OwnCheckpoint:
 OWN_CHECKPOINT = OwnCheckpoint()
 
 
+@dataclass(frozen=True)
+class RunFolder:
+    """A chunk with a ``base`` is in the file of the same name of the checkpoint
+    ``step-<base>`` in the folder of the checkpoint being read (its sibling: a step, never
+    a path, so never outside that folder; FORMAT.md §9); every other chunk is in the
+    checkpoint itself."""
+
+    def locate(self, checkpoint: Location, fqn: str, entry: ChunkEntry) -> tuple[Location, str]:
+        if entry.base is None:
+            return checkpoint, entry.file
+        return checkpoint.parent().child(f"step-{entry.base}"), entry.file
+
+
+RUN_FOLDER = RunFolder()
+
+
 class ChunkFiles:
     """The data files one read opens, each once: in the checkpoint being read, or in
     the one ``source`` names for a chunk (reached through ``backend`` when it serves
-    that location too, else through a backend of its own); all closed by :meth:`close`.
+    that location too, else through a backend of its own; it must be a committed
+    checkpoint, classified once per read); all closed by :meth:`close`.
 
     Args:
         checkpoint: the checkpoint being read.
         backend: an open backend serving it (kept open), or None (one is opened).
-        source: where each chunk is (default: its own checkpoint).
+        source: where each chunk is (default: its own checkpoint, or the one its
+            reference names).
         rank: named in errors.
     """
 
@@ -69,7 +92,7 @@ class ChunkFiles:
         self,
         checkpoint: Checkpoint,
         backend: Backend | None,
-        source: ChunkSource = OWN_CHECKPOINT,
+        source: ChunkSource = RUN_FOLDER,
         rank: int | None = None,
     ) -> None:
         self.checkpoint = checkpoint
@@ -80,13 +103,51 @@ class ChunkFiles:
         self._open: dict[Where, Member] = {}
 
     def where(self, fqn: str, entry: ChunkEntry) -> Where:
-        """The checkpoint and file that hold ``entry``."""
+        """The checkpoint and file that hold ``entry``.
+
+        Raises:
+            CorruptCheckpointError: another checkpoint holds it, and that one is not a
+                committed checkpoint (missing, uncommitted, unreadable); names both.
+            CheckpointNotFoundError, NotCommittedError: the checkpoint being read was
+                deleted meanwhile.
+        """
         loc, name = self.source.locate(self.checkpoint.location, fqn, entry)
         if loc.url not in self._dirs:
             shared = loc.backend_id() == self.checkpoint.location.backend_id()
             backend = self.dir.backend if shared else None
-            self._dirs[loc.url] = CheckpointDir(loc, backend, rank=self.rank)
+            d = CheckpointDir(loc, backend, rank=self.rank)
+            try:
+                require_committed(loc, backend=d.backend, rank=self.rank)
+            except CheckpointError as e:
+                d.close()
+                # Deleted as a whole meanwhile (another job's retention)? Then not damage.
+                check_still_there(self.checkpoint, self.dir.backend, fqn=fqn, rank=self.rank)
+                raise CorruptCheckpointError(
+                    f"a chunk of this checkpoint is stored in {loc.url}, which is not a "
+                    f"committed checkpoint: {e.message}",
+                    path=self.checkpoint.url,
+                    fqn=fqn,
+                    rank=self.rank,
+                ) from None
+            self._dirs[loc.url] = d
         return loc.url, name
+
+    @contextmanager
+    def naming(self, where: Where) -> Iterator[None]:
+        """Within: a ``CorruptCheckpointError`` about a chunk at ``where`` (a file of
+        another checkpoint) names the checkpoint being read too (it names the file)."""
+        try:
+            yield
+        except CorruptCheckpointError as e:
+            if where[0] == self.checkpoint.url:
+                raise
+            raise CorruptCheckpointError(
+                f"{e.message}; in the checkpoint that {self.checkpoint.url} refers to "
+                "for this chunk",
+                path=e.path,
+                fqn=e.fqn,
+                rank=e.rank,
+            ) from None
 
     def url(self, where: Where) -> str:
         """The file's path or URL, for errors."""
@@ -104,14 +165,15 @@ class ChunkFiles:
         if f is not None:
             return f
         d = self._dirs[where[0]]
-        try:
-            f = d.open(where[1], what="data file", fqn=fqn, rank=rank)
-        except FileNotFoundError:
-            if d is self.dir:  # retention of another job? then not damage
-                check_still_there(self.checkpoint, d.backend, fqn=fqn, rank=rank)
-            raise CorruptCheckpointError(
-                "data file is missing", path=d.member_url(where[1]), fqn=fqn, rank=rank
-            ) from None
+        with self.naming(where):
+            try:
+                f = d.open(where[1], what="data file", fqn=fqn, rank=rank)
+            except FileNotFoundError:
+                # retention of another job? then not damage
+                check_still_there(self.checkpoint, self.dir.backend, fqn=fqn, rank=rank)
+                raise CorruptCheckpointError(
+                    "data file is missing", path=d.member_url(where[1]), fqn=fqn, rank=rank
+                ) from None
         self._open[where] = f
         return f
 

@@ -9,7 +9,9 @@ go straight into the destination tensors when a stored chunk maps onto a contigu
 piece of one (``preadv`` into its memory; from a local file whose bytes are not in the
 page cache, ``O_DIRECT``: ``storage/cold_read.py``), otherwise through one buffer per
 stored chunk; every chunk's xxh3-64 is checked as it is read. Each chunk is read from the
-checkpoint that holds it (:class:`~.chunks.ChunkSource`).
+checkpoint that holds it (:class:`~.chunks.ChunkSource`: by default the checkpoint
+itself, or for a chunk reference the earlier checkpoint of the same run folder that it
+names, FORMAT.md §9).
 
 Call order: ``read_metadata`` (all ranks) → ``set_up_storage_reader`` →
 ``prepare_local_plan`` / ``prepare_global_plan`` (identity) → ``read_data`` (all ranks,
@@ -47,7 +49,7 @@ from quicksave.loading.checkpoint import (
     require_committed,
 )
 from quicksave.loading.chunks import (
-    OWN_CHECKPOINT,
+    RUN_FOLDER,
     ChunkFiles,
     ChunkSource,
     Span,
@@ -85,7 +87,8 @@ class CheckpointReader:
         storage: how to reach an object store (default: the environment's chain).
         backend: an open backend serving ``path`` to read through (kept open); by
             default one is opened per step.
-        chunks: where each chunk's bytes are (default: the checkpoint's own files).
+        chunks: where each chunk's bytes are (default: the checkpoint's own files, and
+            for a chunk reference those of the checkpoint it names).
     """
 
     def __init__(
@@ -96,7 +99,7 @@ class CheckpointReader:
         verify: bool = True,
         storage: StorageOptions | None = None,
         backend: Backend | None = None,
-        chunks: ChunkSource = OWN_CHECKPOINT,
+        chunks: ChunkSource = RUN_FOLDER,
     ) -> None:
         self.checkpoint = path if isinstance(path, Checkpoint) else None
         self.location = (
@@ -219,8 +222,9 @@ class CheckpointReader:
             by_file[c.where].append(c)
         for where, file_chunks in by_file.items():
             f = files.open(where, file_chunks[0].fqn, self.rank)
-            for c in file_chunks:  # before any read or buffer: the file holds it all
-                check_chunk_within(c.entry, f.size, files.url(where), c.fqn, self.rank)
+            with files.naming(where):
+                for c in file_chunks:  # before any read or buffer: the file holds it all
+                    check_chunk_within(c.entry, f.size, files.url(where), c.fqn, self.rank)
         work = sorted(chunks.values(), key=lambda c: (c.where, c.entry.offset))
         read: Callable[[ChunkFiles, list[_Chunk]], None] = self._read_run
         tasks = runs(work) if files.dir.reads_in_runs else [[c] for c in work]
@@ -260,9 +264,13 @@ class CheckpointReader:
 
     def _read_run(self, files: ChunkFiles, run: list[_Chunk]) -> None:
         """One chunk, or on object stores one ranged read for a run of neighbouring
-        chunks (many small tensors would otherwise cost one request each), its body
-        scattered straight into each chunk's destination (the bytes between chunks
-        into scratch), then every chunk checked."""
+        chunks of one file (many small tensors would otherwise cost one request each),
+        its body scattered straight into each chunk's destination (the bytes between
+        chunks into scratch), then every chunk checked."""
+        with files.naming(run[0].where):
+            self._read_run_of(files, run)
+
+    def _read_run_of(self, files: ChunkFiles, run: list[_Chunk]) -> None:
         fd = files.open(run[0].where, run[0].fqn, self.rank)
         url = files.url(run[0].where)
         if len(run) == 1:

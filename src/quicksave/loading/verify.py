@@ -13,7 +13,11 @@
   between chunks) is zero;
 - other files (``.metadata``): the digest of all their bytes;
 - the manifest's internal consistency (chunk lengths, alignment, overlaps, coverage) and
-  that every stored object decodes.
+  that every stored object decodes;
+- chunk references (FORMAT.md §9): the base is a committed checkpoint of the same run
+  folder whose manifest lists the chunk stored in itself, and the chunk's bytes there
+  match its checksum (:mod:`.verify_refs`); in the checkpoint's own data file the
+  referenced chunk's bytes are padding (zero).
 
 In the DCP layout (FORMAT.md §8; no ``manifest.json``, the manifest inside
 ``.metadata``): the footer's structure and the manifest (read by ``read_manifest``), the
@@ -49,6 +53,7 @@ from quicksave.format.dcp_layout import FOOTER_SIZE, parse_footer
 from quicksave.format.manifest import LAYOUT_DCP
 from quicksave.loading.checkpoint import require_committed
 from quicksave.loading.progress import byte_progress
+from quicksave.loading.verify_refs import reference_problems
 from quicksave.loading.verify_regions import Region, check_file, regions_for
 from quicksave.loading.verify_report import Problem, VerifyReport
 from quicksave.loading.verify_structure import header_problems, manifest_problems
@@ -161,11 +166,16 @@ def _verify(d: CheckpointDir, progress: bool) -> VerifyReport:
                 problems += header_problems(f, name, entry, f.size, m, fpath, prefixes)
             plan[-1][2].extend(regions_for(name, entry, m, problems, prefixes))
 
-        total = sum(limit for *_, limit in plan)
+        referred = sum(c.length for t in m.tensors.values() for c in t.chunks if c.base is not None)
+        total = sum(limit for *_, limit in plan) + referred
         buf = memoryview(bytearray(min(READ_BLOCK, max(total, 1))))
         with byte_progress(total, "verify", progress) as bar:
             for name, fd, regions, limit in plan:
                 checked += check_file(fd, name, regions, limit, problems, bar, buf)
+            if referred:
+                found, n = reference_problems(d, m, bar, buf)
+                problems += found
+                checked += n
     finally:
         for _, fd, _, _ in plan:
             fd.close()

@@ -18,7 +18,8 @@ class Problem:
         fqn: the tensor or object concerned, if any.
         kind: a short category: ``manifest``, ``missing-file``, ``unexpected-file``,
             ``size``, ``header``, ``chunk``, ``prefix``, ``padding``, ``checksum``,
-            ``truncated``, ``unreadable``, ``object``.
+            ``truncated``, ``unreadable``, ``object``, ``reference`` (a chunk that refers to
+            an earlier checkpoint, FORMAT.md §9: ``file`` is ``../step-<base>/<name>``).
         message: what is wrong, in words.
     """
 

@@ -33,8 +33,9 @@ from quicksave.errors import (
 )
 from quicksave.loading.checkpoint import require_committed
 from quicksave.loading.reader import reader_for
-from quicksave.loading.run_folder import committed_steps
+from quicksave.loading.run_folder import committed_kinds, committed_steps  # noqa: F401 (re-exported)
 from quicksave.manager.policies import RetentionPolicy
+from quicksave.manager.references import BaseCache, referenced
 from quicksave.storage import Location, parse_location
 from quicksave.storage.backend import Backend
 
@@ -176,19 +177,35 @@ def apply_retention(
     *,
     allow_dcp: bool = True,
     backend: Backend | None = None,
+    bases: BaseCache | None = None,
 ) -> None:
     """Delete the committed checkpoints ``retention`` chooses, except the newest one and
     the steps in ``keep`` (in flight, just written, the last one known good): those are
-    refused even if the policy picks them. Call on the lease holder only."""
-    committed = committed_steps(folder, allow_dcp=allow_dcp, backend=backend)
+    refused even if the policy picks them; and except those that a checkpoint left in
+    the folder refers to (chunk references, closed over: :mod:`.references`; ``bases``
+    caches what their manifests say). Newest first, so that no checkpoint still listed
+    ever refers to one already deleted (a crash between two deletions included). Call on
+    the lease holder only."""
+    kinds = committed_kinds(folder, allow_dcp=allow_dcp, backend=backend)
+    committed = sorted(kinds)
     if not committed:
         return
+    doomed = []
     for step in retention.to_delete(committed, set(keep)):
-        if step in keep or step == committed[-1] or step not in committed:
+        if step in keep or step == committed[-1] or step not in kinds:
             # A policy must never pick these; refuse rather than lose a checkpoint.
             logger.warning("quicksave: retention chose step %d, which must be kept; ignored", step)
             continue
-        delete_checkpoint(parse_location(folder).child(f"step-{step}"), backend)
+        doomed.append(step)
+    if not doomed:
+        return
+    loc = parse_location(folder)
+    held = referenced(loc, kinds, set(committed) - set(doomed), backend, bases)
+    for step in sorted(doomed, reverse=True):
+        if step in held:
+            logger.info("quicksave: kept step %d: a kept checkpoint refers to it", step)
+            continue
+        delete_checkpoint(loc.child(f"step-{step}"), backend)
 
 
 def replace_uncommitted(path: str | Location, backend: Backend | None = None) -> None:

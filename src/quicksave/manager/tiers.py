@@ -15,7 +15,7 @@ the retention by the caller.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from quicksave.commit import CommitStrategy, strategy_class
@@ -24,6 +24,7 @@ from quicksave.loading.run_folder import committed_steps
 from quicksave.manager.folder import apply_retention
 from quicksave.manager.lease import WriterLease, clean_folder, lease_kind
 from quicksave.manager.policies import RetentionPolicy
+from quicksave.manager.references import BaseCache
 from quicksave.storage import Location
 from quicksave.storage.backend import Backend
 
@@ -88,6 +89,8 @@ class Tier:
         retention: which of its committed checkpoints to keep (a front end may set a
             new one).
         reader: which of its steps are committed.
+        bases: which steps its checkpoints refer to, as read so far (retention keeps
+            those).
     """
 
     location: Location
@@ -95,6 +98,7 @@ class Tier:
     lease: Callable[[Location], WriterLease]
     retention: RetentionPolicy
     reader: TierReader
+    bases: BaseCache = field(default_factory=BaseCache)
 
     @classmethod
     def at(cls, location: Location, retention: RetentionPolicy) -> Tier:
@@ -137,4 +141,5 @@ class Tier:
                 keep | {last_good},
                 allow_dcp=allow_dcp,
                 backend=backend,
+                bases=self.bases,
             )

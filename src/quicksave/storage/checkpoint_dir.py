@@ -246,6 +246,10 @@ class CheckpointDir:
     def member_url(self, name: str) -> str:
         return self.backend.url(self._key(name, None))
 
+    def member_key(self, name: str) -> str:
+        """The backend's key of the member ``name`` (a plain name: checked)."""
+        return self._key(name, None)
+
     def _key(self, name: str, fqn: str | None) -> str:
         if self.is_local:
             return member_path(self.location.key, name, fqn=fqn)

@@ -18,7 +18,7 @@ from quicksave.format.dtypes import dtype_from_name, element_size
 from quicksave.format.manifest import Manifest
 from quicksave.loading.checkpoint import Checkpoint, require_committed
 from quicksave.loading.chunks import (
-    OWN_CHECKPOINT,
+    RUN_FOLDER,
     ChunkFiles,
     ChunkSource,
     Where,
@@ -44,7 +44,8 @@ def _open_data_files(files: ChunkFiles, m: Manifest) -> None:
             where = files.where(fqn, c)
             if where not in sizes:
                 sizes[where] = files.open(where, fqn, rank).size
-            check_chunk_within(c, sizes[where], files.url(where), fqn, rank)
+            with files.naming(where):
+                check_chunk_within(c, sizes[where], files.url(where), fqn, rank)
     need = sum(
         volume(t.shape) * element_size(dtype_from_name(t.dtype, path=path, fqn=fqn))
         for fqn, t in m.tensors.items()
@@ -66,13 +67,15 @@ def read_flat(
     progress: bool,
     select: Select | None = None,
     *,
-    chunks: ChunkSource = OWN_CHECKPOINT,
+    chunks: ChunkSource = RUN_FOLDER,
 ) -> tuple[Flat, Manifest]:
     """The entries of the committed checkpoint at ``loc`` (classified here unless it is
     a :class:`~quicksave.loading.checkpoint.Checkpoint` already): all of them, or those that
     ``select`` picks once the manifest is read (the returned manifest then lists only
     those; nothing else is opened, allocated or read). Each chunk is read from the
-    checkpoint that ``chunks`` says holds it."""
+    checkpoint that ``chunks`` says holds it (by default the checkpoint itself, or for a
+    chunk reference the earlier checkpoint of its run folder: the result holds every
+    byte, referring to nothing)."""
     with CheckpointDir(loc.location if isinstance(loc, Checkpoint) else loc) as d:
         checkpoint = require_committed(loc, backend=d.backend)
         m = read_manifest(d)
@@ -119,7 +122,8 @@ def _read_flat(
                         rank=rank,
                     )
                 fd = files.open(where, fqn, rank)
-                read_chunk_into(fd, view, c, path=fpath, fqn=fqn, rank=rank)
+                with files.naming(where):
+                    read_chunk_into(fd, view, c, path=fpath, fqn=fqn, rank=rank)
                 if not whole:
                     box = full
                     for dim, (o, s) in enumerate(zip(c.offsets, c.sizes, strict=True)):
