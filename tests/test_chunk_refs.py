@@ -390,3 +390,28 @@ def test_convert_writes_a_standalone_copy(run, tmp_path: Path, to: str) -> None:
     _assert_all(loaded, expected)
     with pytest.raises(CheckpointError):
         quicksave.load(_zeros(expected), folder / "step-3")
+
+
+def test_the_base_cache_reads_a_manifest_once_and_again_when_the_step_is_saved_again(
+    run, monkeypatch
+) -> None:
+    from quicksave.manager import references
+
+    folder, _ = run
+    reads: list[str] = []
+    real = references.read_manifest
+
+    def counting(d):
+        reads.append(d.url)
+        return real(d)
+
+    monkeypatch.setattr(references, "read_manifest", counting)
+    cache = BaseCache()
+    loc = parse_location(folder)
+    assert cache.bases(loc, 3, None) == {1}
+    assert cache.bases(loc, 3, None) == {1}
+    assert cache.bases(loc, 1, None) == frozenset()  # version 1: its first bytes say so
+    assert reads == [str(folder / "step-3")]
+    shutil.rmtree(folder / "step-3")
+    quicksave.save(_state(4), folder / "step-3", step=3)  # saved again, standalone
+    assert cache.bases(loc, 3, None) == frozenset()

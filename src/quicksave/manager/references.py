@@ -5,7 +5,9 @@ A checkpoint's references are the ``base`` steps of its manifest's chunks. The s
 protect are closed over references: a base that is kept must stay loadable too, so its
 own bases are protected, and so on. A manifest is immutable once committed, so its bases
 are cached by the step and the identity (size, modification time) of the file holding
-the manifest: a step saved again (after a quarantine) is read again.
+the manifest: a step saved again (after a quarantine) is read again. Most manifests have
+no references, and say so in their first bytes (``"format_version":1``, which may hold
+none; the DCP layout holds none either): only those are read whole.
 """
 
 from __future__ import annotations
@@ -19,11 +21,13 @@ from quicksave.errors import CheckpointError
 from quicksave.format import DCP_METADATA_NAME, MANIFEST_NAME
 from quicksave.storage import Location
 from quicksave.storage.backend import Backend
-from quicksave.storage.checkpoint_dir import CheckpointDir
+from quicksave.storage.checkpoint_dir import CheckpointDir, read_range
 
 logger = logging.getLogger("quicksave")
 
 UNKNOWN = None  # the bases of a checkpoint whose manifest cannot be read
+# How quicksave's writers begin a manifest without references (deterministic layout).
+_PLAIN = b'{"format":"quicksave","format_version":1,'
 
 
 class BaseCache:
@@ -43,8 +47,8 @@ class BaseCache:
             if identity is not None and cached is not None and cached[0] == identity:
                 return cached[1]
             try:
-                found = frozenset(read_manifest(d).bases())
-            except CheckpointError as e:
+                found = _bases(d, identity)
+            except (CheckpointError, OSError) as e:  # damaged, or vanished meanwhile
                 logger.warning(
                     "quicksave: retention cannot read the manifest of %s (%s); keeping every "
                     "older checkpoint it might refer to",
@@ -61,6 +65,20 @@ class BaseCache:
         keep = set(steps)
         for step in [s for s in self._bases if s not in keep]:
             del self._bases[step]
+
+
+def _bases(d: CheckpointDir, identity: tuple | None) -> frozenset[int]:
+    if identity is not None and identity[0] == DCP_METADATA_NAME:
+        return frozenset()  # the DCP layout has no references (FORMAT.md §9)
+    if identity is not None and identity[1] >= len(_PLAIN):
+        f = d.open(MANIFEST_NAME, what="manifest")
+        try:
+            head = read_range(f, 0, len(_PLAIN), path=d.member_url(MANIFEST_NAME))
+        finally:
+            f.close()
+        if head == _PLAIN:
+            return frozenset()
+    return frozenset(read_manifest(d).bases())
 
 
 def _identity(d: CheckpointDir) -> tuple | None:
