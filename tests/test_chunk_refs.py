@@ -20,7 +20,7 @@ import torch.distributed.checkpoint as dcp
 
 import quicksave
 from helpers.checks import seal_manifest
-from helpers.chunk_refs import damage_chunks, manifest_of, refer
+from helpers.chunk_refs import damage_chunks, manifest_of, refer, unchanged
 from helpers.state import assert_bit_equal, random_tensor
 from quicksave.errors import CheckpointError, CorruptCheckpointError
 from quicksave.format import MANIFEST_NAME
@@ -415,3 +415,63 @@ def test_the_base_cache_reads_a_manifest_once_and_again_when_the_step_is_saved_a
     shutil.rmtree(folder / "step-3")
     quicksave.save(_state(4), folder / "step-3", step=3)  # saved again, standalone
     assert cache.bases(loc, 3, None) == frozenset()
+
+
+def test_the_verify_command_reports_a_damaged_base(run, capsys) -> None:
+    from quicksave.cli.main import main
+
+    folder, _ = run
+    assert main(["verify", str(folder / "step-3")]) == 0
+    damage_chunks(folder / "step-1", "frozen")
+    assert main(["verify", str(folder / "step-3")]) == 1
+    out = capsys.readouterr().out
+    assert "../step-1/" in out and "frozen: reference: checksum mismatch" in out
+    assert str(folder / "step-1") in out
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_resume_of_a_partly_frozen_model_streams_from_an_incremental_checkpoint(
+    tmp_path: Path, stream: bool
+) -> None:
+    """A frozen first layer (no gradient, no optimizer state): step 2 refers to step 1
+    for everything that did not change; the resume, streamed or not, is bit-exact."""
+    from quicksave.manager import ModelState, OptimizerState
+
+    def job(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+        torch.manual_seed(seed)
+        model = torch.nn.Sequential(
+            torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4)
+        )
+        model[0].requires_grad_(False)
+        return model, torch.optim.AdamW([p for p in model.parameters() if p.requires_grad])
+
+    def train(model: torch.nn.Module, optim: torch.optim.Optimizer) -> None:
+        g = torch.Generator().manual_seed(7)
+        x, y = torch.randn(8, 32, generator=g), torch.randn(8, 4, generator=g)
+        optim.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        optim.step()
+
+    def states(model, optim) -> dict:
+        return {"model": ModelState(model), "optim": OptimizerState(model, optim)}
+
+    folder = tmp_path / "ckpt"
+    model, optim = job(0)
+    config = CheckpointConfig(folder=str(folder), async_mode="disabled")
+    with CheckpointManager(config, states(model, optim)) as manager:
+        for step in (1, 2):
+            train(model, optim)
+            manager.save(step, force=True)
+    same = unchanged(folder / "step-2", 1)
+    assert {"model.0.weight", "model.0.bias"} <= set(same)
+    refer(folder / "step-2", 1, same)
+    loaded, loaded_optim = job(3)
+    config = CheckpointConfig(folder=str(folder), async_mode="disabled", stream_load=stream)
+    with CheckpointManager(config, states(loaded, loaded_optim)) as manager:
+        assert manager.load() == 2
+        for a, b in zip(loaded.state_dict().values(), model.state_dict().values(), strict=True):
+            assert_bit_equal(a, b)
+        train(loaded, loaded_optim)  # waits for the streamed optimizer state
+    train(model, optim)
+    for a, b in zip(loaded.parameters(), model.parameters(), strict=True):
+        assert_bit_equal(a, b)

@@ -65,3 +65,15 @@ def damage_chunks(checkpoint: Path, fqn: str) -> None:
             with open(checkpoint / c.file, "r+b") as f:
                 f.seek(c.offset)
                 f.write(b"\xff" * c.length)
+
+
+def unchanged(checkpoint: Path, base: int) -> list[str]:
+    """The tensors of ``checkpoint`` whose every chunk ``step-<base>`` beside it holds
+    unchanged (what an incremental save would refer to)."""
+    m = manifest_of(checkpoint)
+    held = manifest_of(checkpoint.parent / f"step-{base}").tensors
+    return sorted(
+        fqn
+        for fqn, t in m.tensors.items()
+        if fqn in held and all(any(_same_bytes(b, c) for b in held[fqn].chunks) for c in t.chunks)
+    )
