@@ -475,3 +475,24 @@ def test_a_resume_of_a_partly_frozen_model_streams_from_an_incremental_checkpoin
     train(model, optim)
     for a, b in zip(loaded.parameters(), model.parameters(), strict=True):
         assert_bit_equal(a, b)
+
+
+def test_the_json_schema_knows_references(run) -> None:
+    import jsonschema
+
+    from helpers.checks import validate_against_schema
+
+    folder, _ = run
+    doc = json.loads((folder / "step-3" / MANIFEST_NAME).read_bytes())
+    validate_against_schema(doc)
+    validate_against_schema(json.loads((folder / "step-1" / MANIFEST_NAME).read_bytes()))
+    for bad in (
+        {**doc, "format_version": 1},  # a reference in version 1
+        json.loads((folder / "step-1" / MANIFEST_NAME).read_bytes()) | {"format_version": 2},
+        {**doc, "layout": "dcp"},
+    ):
+        with pytest.raises(jsonschema.ValidationError):
+            validate_against_schema(bad)
+    doc["tensors"]["frozen"]["chunks"][0]["base"] = "../step-1"
+    with pytest.raises(jsonschema.ValidationError):
+        validate_against_schema(doc)
