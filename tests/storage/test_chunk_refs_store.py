@@ -79,3 +79,40 @@ def test_a_damaged_or_missing_base_on_a_store_names_both(store_run, s3_bucket) -
     with pytest.raises(CorruptCheckpointError, match="not a committed checkpoint") as info:
         quicksave.load(out, f"{url}/step-3")
     assert info.value.path == f"{url}/step-3" and f"{url}/step-1" in info.value.message
+
+
+def test_the_upload_tier_copies_a_step_only_once_the_store_holds_its_bases(
+    s3_server, s3_bucket, tmp_path, monkeypatch, caplog
+) -> None:
+    import logging
+
+    from quicksave.loading.run_folder import committed_steps
+    from quicksave.storage import parse_location
+    from quicksave.tiers.upload import Uploader
+
+    for k, v in s3_server.env().items():
+        monkeypatch.setenv(k, v)
+    folder = tmp_path / "run"
+    quicksave.save(_state(3), folder / "step-1", step=1)
+    quicksave.save(_state(4), folder / "step-3", step=3)
+    refer(folder / "step-3", 1, ["frozen"])
+    target = parse_location(f"s3://{s3_bucket}/up")
+
+    def upload(step: int) -> Uploader:
+        with target.open() as backend:
+            uploader = Uploader(parse_location(folder), target, 0, 1, None, backend)
+            uploader.offer(step)
+            assert uploader.close(60)
+        return uploader
+
+    with caplog.at_level(logging.ERROR, logger="quicksave"):
+        assert upload(3).failures == 1
+    assert "refers to steps [1] for some of its chunks" in caplog.text
+    assert committed_steps(target) == []
+    assert upload(1).failures == 0
+    assert upload(3).failures == 0
+    assert committed_steps(target) == [1, 3]
+    out = {k: torch.zeros_like(v) for k, v in _state(0).items()}
+    quicksave.load(out, f"s3://{s3_bucket}/up/step-3")
+    for k, v in _state(4).items():
+        assert_bit_equal(out[k], v, k)

@@ -263,10 +263,29 @@ class Uploader:
                     return "committed"
                 if kind is CheckpointKind.UNCOMMITTED:
                     s.remove(dest)  # objects without a manifest: a crashed copy's
+                missing = [
+                    b
+                    for b in sorted(self._bases(step))
+                    if s.classify(self.target.child(f"step-{b}")) not in COMMITTED
+                ]
         except CheckpointError as e:
             self._failed(step, dest, e)
             return f"rank 0: {e}"
+        if missing:  # its copy would refer to bytes the store does not hold
+            why = (
+                f"step {step} refers to steps {missing} for some of its chunks (FORMAT.md "
+                f"§9), which {self.target.url} does not hold; not copied"
+            )
+            self._failed(step, dest, CheckpointError(why, path=dest.url, rank=self.rank))
+            return f"rank 0: {why}"
         return None
+
+    def _bases(self, step: int) -> set[int]:
+        """The steps the local checkpoint of ``step`` refers to (chunk references)."""
+        where = self.source.child(f"step-{step}").key
+        if not os.path.isfile(os.path.join(where, MANIFEST_NAME)):
+            return set()  # not copied: _files says why
+        return read_manifest(where).bases()
 
     def _discard(self, dest: Location) -> None:
         """Rank 0, after a failed round (every rank's copy has ended): remove what was
