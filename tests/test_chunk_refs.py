@@ -496,3 +496,22 @@ def test_the_json_schema_knows_references(run) -> None:
     doc["tensors"]["frozen"]["chunks"][0]["base"] = "../step-1"
     with pytest.raises(jsonschema.ValidationError):
         validate_against_schema(doc)
+
+
+def test_a_data_file_of_the_base_need_not_be_listed_or_present_here(tmp_path: Path) -> None:
+    """Saved into two data files: the one of step 3 left holding only referenced chunks
+    is deleted and no longer listed; its chunks are read from step 1's file."""
+    folder = tmp_path / "run"
+    quicksave.save(_state(3), folder / "step-1", step=1, thread_count=2)
+    quicksave.save(_state(4), folder / "step-3", step=3, thread_count=2)
+    files_before = set(manifest_of(folder / "step-3").files)
+    m = refer(folder / "step-3", 1, FROZEN, drop_files=True)
+    dropped = files_before - set(m.files)
+    assert dropped, "the saves are expected to put frozen/emb and head in different files"
+    assert any(c.file in dropped for k in FROZEN for c in m.tensors[k].chunks)
+    out = _zeros(_state(4))
+    quicksave.load(out, folder / "step-3")
+    _assert_all(out, _state(4))
+    flat, _ = read_flat(parse_location(folder / "step-3"), False)
+    assert_bit_equal(flat["frozen"][1], _state(4)["frozen"], "frozen")
+    assert verify_checkpoint(folder / "step-3").ok

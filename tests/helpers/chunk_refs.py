@@ -31,11 +31,15 @@ def _same_bytes(a: ChunkEntry, b: ChunkEntry) -> bool:
     )
 
 
-def refer(checkpoint: Path, base: int, fqns: Iterable[str]) -> Manifest:
+def refer(
+    checkpoint: Path, base: int, fqns: Iterable[str], *, drop_files: bool = False
+) -> Manifest:
     """Make the chunks of ``fqns`` in ``checkpoint`` refer to the checkpoint ``step-<base>``
     beside it, which must hold the same chunks (same box, file, offset, length and
     checksum: the tensors did not change); a chunk that the base itself refers to
-    further names the ultimate base (references are depth 1). Returns the new manifest.
+    further names the ultimate base (references are depth 1). ``drop_files``: a data
+    file left holding no chunk of its own is deleted and no longer listed. Returns the
+    new manifest.
     """
     m = manifest_of(checkpoint)
     held = manifest_of(checkpoint.parent / f"step-{base}")
@@ -53,6 +57,13 @@ def refer(checkpoint: Path, base: int, fqns: Iterable[str]) -> Manifest:
             chunks.append(dataclasses.replace(c, base=target))
         tensors[fqn] = dataclasses.replace(m.tensors[fqn], chunks=tuple(chunks))
     new = dataclasses.replace(m, tensors=tensors)
+    if drop_files:
+        own = {c.file for t in tensors.values() for c in t.chunks if c.base is None}
+        gone = {n for n, f in m.files.items() if f.data_start is not None and n not in own}
+        for name in gone:
+            (checkpoint / name).unlink()
+        files = {n: f for n, f in m.files.items() if n not in gone}
+        new = dataclasses.replace(new, files=files)
     (checkpoint / MANIFEST_NAME).write_bytes(to_json_bytes(new))
     return new
 

@@ -15,7 +15,7 @@ from quicksave.commit.manifest_reader import read_manifest
 from quicksave.errors import CorruptCheckpointError
 from quicksave.format import objects as objcodec
 from quicksave.format.dtypes import dtype_from_name, element_size
-from quicksave.format.manifest import Manifest
+from quicksave.format.manifest import ChunkEntry, Manifest
 from quicksave.loading.checkpoint import Checkpoint, require_committed
 from quicksave.loading.chunks import (
     RUN_FOLDER,
@@ -40,7 +40,7 @@ def _open_data_files(files: ChunkFiles, m: Manifest) -> None:
     sizes: dict[Where, int] = {}
     for fqn, t in sorted(m.tensors.items()):
         for c in t.chunks:
-            rank = m.files[c.file].rank
+            rank = _rank_of(m, c)
             where = files.where(fqn, c)
             if where not in sizes:
                 sizes[where] = files.open(where, fqn, rank).size
@@ -107,7 +107,7 @@ def _read_flat(
                 else torch.zeros(t.shape, dtype=dtype)
             )
             for c in t.chunks:
-                rank = m.files[c.file].rank
+                rank = _rank_of(m, c)
                 where = files.where(fqn, c)
                 fpath = files.url(where)
                 whole = tuple(c.sizes) == tuple(t.shape)
@@ -134,6 +134,13 @@ def _read_flat(
     for fqn, o in sorted(m.objects.items()):
         flat[fqn] = (o.path or (fqn,), objcodec.decode(o.value, fqn=fqn, path=path))
     return flat, m
+
+
+def _rank_of(m: Manifest, c: ChunkEntry) -> int | None:
+    """The rank that wrote the file of chunk ``c``, for errors (a file of a base that
+    ``m`` does not list: unknown)."""
+    entry = m.files.get(c.file)
+    return None if entry is None else entry.rank
 
 
 def volume(sizes: tuple[int, ...]) -> int:
