@@ -148,9 +148,9 @@ def plain_optimizer_state_dict(
     for group in optim.param_groups:
         settings = [(k, v) for k, v in group.items() if k != "params"]
         for param in group["params"]:
-            prefix = f"param_groups.{grouped[id(param)]}."
+            fqn = grouped[id(param)]
             for key, value in settings:
-                flat[prefix + key] = value
+                flat[f"param_groups.{fqn}.{key}"] = value
     return flat or None
 
 
