@@ -23,7 +23,7 @@ wrapper, has state-dict hooks or its own ``state_dict`` / ``_save_to_state_dict`
 DTensor parameters (FSDP2, tensor parallel), an optimizer with state-dict hooks, its
 own ``state_dict``, no state yet (DCP creates it), a parameter that appears twice or
 is not the model's, or a state value DCP refuses to flatten; DCP then returns its
-result or raises its error, as before.
+result or raises its error.
 """
 
 from __future__ import annotations
