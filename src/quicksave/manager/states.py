@@ -72,16 +72,15 @@ def _merge(parts: Iterable[dict[str, Any]], what: str) -> dict[str, Any]:
     """Merge per-part state dicts; a key in two parts would silently lose one of them."""
     merged: dict[str, Any] = {}
     for i, sd in enumerate(parts):
-        for key, value in sd.items():
-            if key in merged:
-                raise IncompatibleStateError(
-                    f"{what}: part {i} has a key that an earlier part also has; give the parts "
-                    "distinct parameter names (e.g. split one model, do not reuse one class "
-                    "at the top level)",
-                    fqn=key,
-                    rank=rank_of_this_process(),
-                )
-            merged[key] = value
+        if merged and not merged.keys().isdisjoint(sd):  # (whole dicts: no loop per key)
+            raise IncompatibleStateError(
+                f"{what}: part {i} has a key that an earlier part also has; give the parts "
+                "distinct parameter names (e.g. split one model, do not reuse one class "
+                "at the top level)",
+                fqn=next(key for key in sd if key in merged),
+                rank=rank_of_this_process(),
+            )
+        merged.update(sd)
     return merged
 
 
