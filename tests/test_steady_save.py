@@ -295,6 +295,32 @@ def test_values_are_encoded_again_unless_the_same_immutable_object() -> None:
     assert cache.misses == 1
 
 
+def test_a_tuple_is_encoded_again_unless_all_it_holds_is_immutable(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from quicksave.saving import collect_cache
+
+    encoded: list[str] = []
+    encode = collect_cache.objcodec.encode
+    monkeypatch.setattr(
+        collect_cache.objcodec, "encode", lambda v, fqn: encoded.append(fqn) or encode(v, fqn)
+    )
+    betas = (0.9, (0.999, "x"))
+    held = [1]
+    mixed = (0.5, held)
+    cache = CollectCache()
+    for _ in range(2):  # (the first two encode every value: no earlier one to keep)
+        cache.collect({"t": torch.ones(1), "betas": betas, "mixed": mixed}, 0)
+    encoded.clear()
+    for _ in range(2):
+        cache.collect({"t": torch.ones(1), "betas": betas, "mixed": mixed}, 0)
+    assert encoded == ["mixed", "mixed"]
+    held.append(2)  # the same tuple object, another value
+    got = cache.collect({"t": torch.ones(1), "betas": betas, "mixed": mixed}, 0)
+    assert got.values == _whole({"betas": betas, "mixed": mixed}).values
+    assert cache.misses == 1
+
+
 def test_an_encoding_is_kept_only_when_it_is_the_same_json() -> None:
     cases = [
         ([1, "a"], [1, "a"], True),

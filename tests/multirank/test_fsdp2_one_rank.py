@@ -151,3 +151,52 @@ def test_a_two_rank_fsdp2_checkpoint_resumes_and_keeps_saving_on_one_rank(tmp_pa
     again = run_ranks(_rank_resume, 2, root, "process", 0, config=LAUNCH)
     assert [a["loaded"] for a in again] == [6, 6]
     assert again[0]["loaded_digest"] == resumed["digests"][6]
+
+
+def _rank_dcp_path(rank: int, world_size: int, root: str) -> dict[str, Any]:
+    """FSDP2's DTensor parameters take DCP's path (plain_state_dict.py): the states'
+    dicts are DCP's own."""
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        get_optimizer_state_dict,
+    )
+
+    from quicksave.manager.plain_state_dict import (
+        FLAT,
+        plain_model_state_dict,
+        plain_optimizer_state_dict,
+    )
+
+    model, optim, _, states, manager = _job(world_size, root, "disabled")
+    with manager:
+        _step(model, optim, 1)
+        ours = {k: states[k].state_dict() for k in ("model", "optimizer")}
+        dcp = {
+            "model": get_model_state_dict(model),
+            "optimizer": get_optimizer_state_dict(model, optim, options=FLAT),
+        }
+        same = {
+            name: list(ours[name]) == list(dcp[name])
+            and all(_same_value(v, dcp[name][k]) for k, v in ours[name].items())
+            for name in ours
+        }
+        return {
+            "plain": [plain_model_state_dict(model), plain_optimizer_state_dict(model, optim)],
+            "same": same,
+        }
+
+
+def _same_value(a: Any, b: Any) -> bool:
+    """The same type and value; a tensor (a DTensor's local shard) in the same memory."""
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, torch.Tensor):
+        a, b = (t.to_local() if hasattr(t, "to_local") else t for t in (a, b))
+        return a.data_ptr() == b.data_ptr() and torch.equal(a, b)
+    return a == b
+
+
+def test_fsdp2_state_dicts_take_dcp_s_path(tmp_path) -> None:
+    [out] = run_ranks(_rank_dcp_path, 1, str(tmp_path), config=LAUNCH)
+    assert out["plain"] == [None, None]
+    assert out["same"] == {"model": True, "optimizer": True}

@@ -114,13 +114,18 @@ def local_view(value: Any) -> Any:
 
 
 def _has_dtensor(value: Any) -> bool:
+    """Whether ``value`` holds a DTensor (the leaves of the types in ``_NOT_DTENSOR``
+    are passed over without a call: a state dict holds thousands of them)."""
     if isinstance(value, DTensor):
         return True
     if isinstance(value, Mapping):
-        return any(_has_dtensor(v) for v in value.values())
-    if isinstance(value, (list, tuple)):
-        return any(_has_dtensor(v) for v in value)
-    return False
+        value = value.values()
+    elif not isinstance(value, (list, tuple)):
+        return False
+    return any(_has_dtensor(v) for v in value if type(v) not in _NOT_DTENSOR)
+
+
+_NOT_DTENSOR = frozenset({torch.Tensor, torch.nn.Parameter, int, float, str, bool, type(None)})
 
 
 def _merge_plain(into: Any, loaded: Any) -> Any:
@@ -212,7 +217,9 @@ class MemoryTier:
         if step in self.steps():
             self._offer()
             return False
-        state = local_view(self.io.collect("full"))
+        state = self.io.collect("full")
+        if _has_dtensor(state):  # (else the collected dict is the view: no copy)
+            state = local_view(state)
         metadata = {
             "checkpoint_kind": "full",
             "tier": TIER,

@@ -37,18 +37,15 @@ import torch.nn as nn
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
-    get_model_state_dict,
-    get_optimizer_state_dict,
     set_model_state_dict,
     set_optimizer_state_dict,
 )
 
 from quicksave.errors import IncompatibleStateError, rank_of_this_process
 from quicksave.manager.optim_restore import allocate_optimizer_state, check_flattened
+from quicksave.manager.plain_state_dict import FLAT, model_state_dict, optimizer_state_dict
 
 logger = logging.getLogger("quicksave")
-
-_FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
 def is_stateful(obj: Any) -> bool:
@@ -75,16 +72,15 @@ def _merge(parts: Iterable[dict[str, Any]], what: str) -> dict[str, Any]:
     """Merge per-part state dicts; a key in two parts would silently lose one of them."""
     merged: dict[str, Any] = {}
     for i, sd in enumerate(parts):
-        for key, value in sd.items():
-            if key in merged:
-                raise IncompatibleStateError(
-                    f"{what}: part {i} has a key that an earlier part also has; give the parts "
-                    "distinct parameter names (e.g. split one model, do not reuse one class "
-                    "at the top level)",
-                    fqn=key,
-                    rank=rank_of_this_process(),
-                )
-            merged[key] = value
+        if merged and not merged.keys().isdisjoint(sd):  # (whole dicts: no loop per key)
+            raise IncompatibleStateError(
+                f"{what}: part {i} has a key that an earlier part also has; give the parts "
+                "distinct parameter names (e.g. split one model, do not reuse one class "
+                "at the top level)",
+                fqn=next(key for key in sd if key in merged),
+                rank=rank_of_this_process(),
+            )
+        merged.update(sd)
     return merged
 
 
@@ -107,7 +103,7 @@ class ModelState:
         self.parts: list[nn.Module] = _as_list(model, nn.Module, "ModelState")
 
     def state_dict(self) -> dict[str, Any]:
-        return _merge((get_model_state_dict(p) for p in self.parts), "ModelState")
+        return _merge((model_state_dict(p) for p in self.parts), "ModelState")
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         # Each part takes its own keys out of the merged dict; strict=False because the
@@ -149,10 +145,7 @@ class OptimizerState:
 
     def state_dict(self) -> dict[str, Any]:
         return _merge(
-            (
-                get_optimizer_state_dict(p, o, options=_FLAT)
-                for p, o in zip(self.parts, self.optimizers, strict=True)
-            ),
+            (optimizer_state_dict(p, o) for p, o in zip(self.parts, self.optimizers, strict=True)),
             "OptimizerState",
         )
 
@@ -195,7 +188,7 @@ class OptimizerState:
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         for part, optim in zip(self.parts, self.optimizers, strict=True):
-            set_optimizer_state_dict(part, optim, state_dict, options=_FLAT)
+            set_optimizer_state_dict(part, optim, state_dict, options=FLAT)
             # DCP gives every parameter an entry, {} where the checkpoint holds none (a
             # parameter that never had a gradient); a flattened checkpoint cannot hold
             # an empty entry, so none is state: drop them, as the saved optimizer had.

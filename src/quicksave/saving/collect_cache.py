@@ -12,11 +12,12 @@ every value, every list kept whole still kept whole; per tensor (one ``map`` ove
 of them, no object kept per tensor) the same dtype, shape, layout and ``meta``-ness.
 Anything else — a new or missing key, another type, dtype or shape, a tensor subclass
 such as a DTensor — is collected by ``collect_local`` again, and that answer is kept
-instead. Plain values are encoded at every save (their value now), but
-for an ``int``, ``float``, ``str``, ``bool`` or ``None`` that is the very object of the
-last save (it cannot have changed); a small value whose new encoding is the same JSON
-keeps the last encoding object, so that what is made from the encodings downstream
-(the manifest's entries, their pickled bytes) is seen unchanged and reused.
+instead. Plain values are encoded at every save (their value now), but for an ``int``,
+``float``, ``str``, ``bool`` or ``None``, or a tuple of such values (an optimizer's
+``betas``), that is the very object of the last save (it cannot have changed); a small
+value whose new encoding is the same JSON keeps the last encoding object, so that what
+is made from the encodings downstream (the manifest's entries, their pickled bytes) is
+seen unchanged and reused.
 
 Call order: the engine's training thread calls :meth:`CollectCache.collect` at each
 save (and ``prepare()``), under the saver's lock. Pure: no I/O, no collective.
@@ -45,6 +46,7 @@ _FACTS = operator.attrgetter("dtype", "shape", "layout", "is_meta")
 _GRAD = operator.attrgetter("requires_grad")
 # plain values whose object cannot change: the same object encodes the same
 _IMMUTABLE = frozenset({int, float, str, bool, type(None)})
+_IMMUTABLE_OR_TUPLE = _IMMUTABLE | {tuple}  # a tuple: if what it holds is (_frozen)
 _SMALL = 64  # values of a container compared with the last encoding (see _encode)
 _NONE = object()
 
@@ -71,6 +73,7 @@ class _Entry:
     tensor_at: tuple[int, ...]  # positions of the tensor leaves
     object_at: tuple[int, ...]  # positions of the other leaves
     immutable: tuple[bool, ...]  # per other leaf: of a type whose object never changes
+    tuple_at: tuple[int, ...]  # which other leaves are tuples (immutable if what they hold is)
     facts: tuple[tuple, ...]  # per tensor leaf: _FACTS
     paths: tuple[tuple[str, tuple], ...]  # as LocalState's (no tensor is kept here)
     empty: tuple[tuple, ...]
@@ -142,7 +145,9 @@ def _reuse(
     old_values, old_objects = last if last is not None else ([], {})
     objects = old_objects if len(old_values) == len(values) else {}
     if objects:  # an immutable value that is the same object is encoded alike
-        kept = map(operator.and_, map(operator.is_, values, old_values), entry.immutable)
+        kept = list(map(operator.and_, map(operator.is_, values, old_values), entry.immutable))
+        for j in entry.tuple_at:  # (a tuple is immutable where all it holds is)
+            kept[j] = kept[j] and _frozen(values[j])
         at = zip(entry.object_at, values, kept, strict=True)
         redo = [(fqns[i], v) for i, v, keep in at if not keep]
     else:
@@ -170,6 +175,12 @@ def _encode(value: Any, fqn: str, last: dict[str, Any]) -> Any:
     encoded = objcodec.encode(value, fqn)
     old = last.get(fqn, _NONE)
     return old if _same_json(encoded, old, _SMALL) else encoded
+
+
+def _frozen(value: Any) -> bool:
+    """Whether ``value`` can never change: of an immutable type, or a tuple of such
+    values (an optimizer's ``betas``), however nested."""
+    return type(value) in _IMMUTABLE or (type(value) is tuple and all(map(_frozen, value)))
 
 
 def _same_json(a: Any, b: Any, budget: int) -> bool:
@@ -239,8 +250,9 @@ def _entry_of(nested: Mapping[str, Any], state: LocalState) -> _Entry | None:
     for i, fqn in zip(object_at, state.values, strict=True):
         order[i] = fqn
     facts = tuple(_FACTS(leaves[i]) for i in tensor_at)
-    immutable = tuple(type(leaves[i]) in _IMMUTABLE for i in object_at)
-    at = (tensor_at, object_at, immutable, facts)
+    immutable = tuple(type(leaves[i]) in _IMMUTABLE_OR_TUPLE for i in object_at)
+    tuple_at = tuple(j for j, i in enumerate(object_at) if type(leaves[i]) is tuple)
+    at = (tensor_at, object_at, immutable, tuple_at, facts)
     return _Entry(root, tuple(order), *at, state.paths, state.empty, state.shape_key)
 
 
