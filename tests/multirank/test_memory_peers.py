@@ -233,7 +233,8 @@ def test_a_peer_that_stops_replicating_never_stops_the_training(nodes) -> None:
 
 def _rank_plain(rank: int, world_size: int, base: str, train_to: int) -> dict[str, Any]:
     """One node per rank, a replica on each other node (``replicas=2`` of 3 nodes); a
-    plain model whose weights differ per rank (each rank's snapshot is its own)."""
+    plain model whose weights differ per rank (each rank's snapshot is its own); the
+    optimizer state streamed in behind the model's at a resume."""
     import torch.distributed as dist
 
     from quicksave.manager import (
@@ -252,7 +253,9 @@ def _rank_plain(rank: int, world_size: int, base: str, train_to: int) -> dict[st
         replicas=2,
         ranks_per_node=1,
     )
-    config = CheckpointConfig(folder=os.path.join(base, "ckpt"), interval=1000, memory=memory)
+    config = CheckpointConfig(
+        folder=os.path.join(base, "ckpt"), interval=1000, memory=memory, stream_load=True
+    )
     torch.manual_seed(rank + 10 * train_to)
     model = nn.Linear(16, 16)
     optim = torch.optim.AdamW(model.parameters(), lr=0.01)
@@ -265,6 +268,7 @@ def _rank_plain(rank: int, world_size: int, base: str, train_to: int) -> dict[st
     hook.remove()
     assert not stepped, f"rank {rank}: load() ran {len(stepped)} optimizer step(s)"
     record = manager.last_load
+    optim.state_dict()  # waits for the optimizer's state (a streamed resume)
     loaded = fingerprints(model, optim)
     for step in range(start + 1, train_to + 1):
         g = torch.Generator().manual_seed(step * 10 + rank)
@@ -301,12 +305,9 @@ def test_two_replicas_on_three_nodes_survive_the_loss_of_two(nodes) -> None:
         assert r["start"] == 3 and r["loaded"] == first[rank]["trained"], rank
 
 
-def _rank_streamed(
-    rank: int, world_size: int, base: str, train_to: int, replicas: int = 1
-) -> dict[str, Any]:
-    """A plain (unsharded) model per rank, one rank per node, ``replicas`` replicas of
-    each snapshot, the optimizer state streamed in behind the model's at a resume
-    (``stream_load``)."""
+def _rank_streamed(rank: int, world_size: int, base: str, train_to: int) -> dict[str, Any]:
+    """A plain (unsharded) model per rank, one rank per node, the optimizer state
+    streamed in behind the model's at a resume (``stream_load``)."""
     import threading
 
     import torch.distributed as dist
@@ -325,7 +326,7 @@ def _rank_streamed(
         root=os.path.join(base, f"node-{rank}"),
         job_id="streamed",
         idle_timeout_s=120,
-        replicas=replicas,
+        replicas=1,
         ranks_per_node=1,
     )
     config = CheckpointConfig(
@@ -337,6 +338,12 @@ def _rank_streamed(
     manager = CheckpointManager(
         config, {"model": ModelState(model), "optimizer": OptimizerState(model, optim)}
     )
+    import logging
+
+    warned: list[str] = []  # a step skipped at load() says why here
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: warned.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("quicksave").addHandler(handler)
     start = manager.load() or 0
     record = manager.last_load
     streamed = record is not None and record.stream is not None
@@ -345,11 +352,12 @@ def _rank_streamed(
     for step in range(start + 1, train_to + 1):
         train_step_plain(model, optim, step + rank)
         manager.save(step)
-    manager.wait()
+        manager.wait()  # every step snapshotted (a save finding every buffer held is skipped)
     result = {
         "start": start,
         "tier": record.tier if record else None,
         "streamed": streamed,
+        "warned": warned,
         "loaded": loaded,
         "trained": fingerprints(model, optim),
     }
@@ -376,22 +384,6 @@ def test_a_replaced_node_streams_its_optimizer_state_from_the_peer(nodes) -> Non
     # both resumed with load() returning before the optimizer's state was in
     assert [r["streamed"] for r in second] == [True, True]
     for rank, r in enumerate(second):
-        assert r["start"] == STEPS, rank
+        assert r["start"] == STEPS, (rank, r["warned"])
         assert r["loaded"] == first[rank]["trained"], f"rank {rank} not bit-exact"
         assert r["serving"] == [], rank  # the holder's serving ended with the stream
-
-
-def test_one_surviving_node_serves_every_lost_rank_in_turn(nodes) -> None:
-    """3 nodes × 1 rank, 2 replicas of each snapshot; nodes 1 and 2 are lost: node 0
-    holds the replicas of both and serves them one after the other, each streamed."""
-    base = str(nodes)
-    (nodes / "node-2").mkdir()
-    first = run_ranks(_rank_streamed, 3, base, STEPS, 2, config=CRASH)
-    _lose_node(nodes, 1)
-    _lose_node(nodes, 2)
-    second = run_ranks(_rank_streamed, 3, base, STEPS + 2, 2, config=LAUNCH)
-    assert [r["tier"] for r in second] == ["memory", "peer", "peer"]
-    for rank, r in enumerate(second):
-        assert r["start"] == STEPS, rank
-        assert r["loaded"] == first[rank]["trained"], f"rank {rank} not bit-exact"
-        assert r["serving"] == [], rank
