@@ -210,3 +210,35 @@ def manifest_from_parts(
         for fqn, t in skeleton.tensors.items()
     }
     return dataclasses.replace(skeleton, tensors=tensors, objects=objects)
+
+
+def with_bases(
+    manifest: Manifest, chunk_keys: Mapping[str, tuple[str, int]], bases: Mapping[str, int]
+) -> Manifest:
+    """``manifest`` with the chunks of ``bases`` (safetensors key -> step) referring to
+    that earlier checkpoint of the same run folder for their bytes (FORMAT.md §9; their
+    checksums are already filled in, from the writer's part). The manifest is then
+    written as version 2.
+
+    Raises:
+        CorruptCheckpointError: a key the plan does not have, or a step not below the
+            checkpoint's own.
+    """
+    if not bases:
+        return manifest
+    chunks = {fqn: list(t.chunks) for fqn, t in manifest.tensors.items()}
+    for key, step in bases.items():
+        where = chunk_keys.get(key)
+        if where is None or manifest.step is None or not 0 <= step < manifest.step:
+            raise CorruptCheckpointError(
+                f"chunk {key!r} cannot refer to step {step} in the checkpoint of step "
+                f"{manifest.step}",
+                fqn=None if where is None else where[0],
+            )
+        fqn, i = where
+        chunks[fqn][i] = dataclasses.replace(chunks[fqn][i], base=step)
+    tensors = {
+        fqn: dataclasses.replace(t, chunks=tuple(chunks[fqn]))
+        for fqn, t in manifest.tensors.items()
+    }
+    return dataclasses.replace(manifest, tensors=tensors)

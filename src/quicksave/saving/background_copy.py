@@ -141,7 +141,10 @@ class BackgroundCopy:
             return
         overlap = self._overlap
         if overlap is not None and overlap.handle is handle:
-            overlap.job = dataclasses.replace(overlap.job, digests=digests)
+            # (the digests save() took are kept: chunks referred to, and copied then)
+            overlap.job = dataclasses.replace(
+                overlap.job, digests={**overlap.job.digests, **digests}
+            )
         handle.bytes_copied += copied
         handle.bytes_hashed += copied
         handle.staging_s = time.monotonic() - handle.started

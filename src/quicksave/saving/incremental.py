@@ -1,0 +1,356 @@
+"""Incremental saves (``IncrementalConfig``, docs/FORMAT.md §9): a block of a tensor whose
+bytes are those of the last checkpoint this saver committed in the same run folder is
+neither copied into the staging pool nor written; the new checkpoint's manifest refers to
+the checkpoint that holds the block's bytes (its ``base``).
+
+Two pieces, for a single-rank ``AsyncSaver`` (``saving/engine.py``):
+
+- :func:`blocked` (collect/plan): every tensor of at least ``min_bytes`` is *tracked*;
+  one larger than ``block_bytes`` becomes row blocks along dim 0 of about that size,
+  each a chunk of its own. The split depends on names, dtypes and shapes only, so the
+  layout, the plan cache's entry and the staging pool are the same at every save,
+  whatever changed.
+- :class:`Increments` (stage → settle): per save, which tracked blocks are unchanged
+  since the base, i.e. the last save of this saver that committed in the same folder.
+
+**Never stale.** A block is referred to only when the xxh3-64 of its bytes now equals
+the digest that the base's manifest records for the same chunk (same fqn, box, dtype,
+place: the plan key is the base's). CPU blocks are hashed where they lie (no copy);
+other blocks (CUDA, non-contiguous) are staged and hashed from the pool, and an
+unchanged one is then only not written. Torch's version counters never decide that a
+block is unchanged (they miss writes through ``.data``, numpy and DLPack views, fused
+kernels); they only spare the hash of a tensor kept whole that is certainly changed:
+its counter moved since the last save (a write with the same values also moves it, so
+this can cost a write, never a stale block). The digest taken here becomes the chunk's
+checksum only where the bytes are copied right after, on the same thread, from the
+tensor hashed; a block copied later by the background copy is hashed from its copy.
+
+**Which save is full.** The first save of a saver, a save whose layout (plan key),
+folder or naming differs from the base's, a save while another save of this saver is
+in flight (its commit could make the base older than the newest step, which retention
+may then delete), a save after a failed one, an ``overwrite`` and every
+``full_every``-th save of a chain: each refers to nothing. Once a referring save
+commits, retention keeps its bases (``manager/references.py``).
+
+Call order (the saver's training thread, under its lock): :func:`blocked` at collect
+(``save()`` and ``prepare()``) → :meth:`Increments.stage` at the start of staging →
+:meth:`Increments.settled` for every job result → :meth:`Increments.forget` when a
+worker fails or the manager loads. No I/O, no collective.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Hashable
+from dataclasses import dataclass
+
+import torch
+import xxhash
+
+from quicksave.checksum import hexdigest, tensor_view
+from quicksave.format.dtypes import dtype_name, element_size
+from quicksave.layout.plan import ItemSpec, chunk_key
+from quicksave.saving.config import IncrementalConfig
+from quicksave.saving.engine_plan import PlannedSave
+from quicksave.saving.rank_plans import LocalState
+from quicksave.saving.staging import PoolCopier
+from quicksave.stage.pool import StagingPool
+from quicksave.worker.calls import CallResult
+from quicksave.worker.job import JobResult, PersistJob
+
+_PENDING = 16  # candidates kept for saves whose result has not come (the oldest go)
+
+
+@dataclass(frozen=True)
+class _Split:
+    """The tracked chunks of one structure (its ``shape_key``)."""
+
+    items: tuple[ItemSpec, ...]  # every chunk of the save, blocks included
+    rows: dict[str, tuple[tuple[str, int, int], ...]]  # fqn -> its blocks (key, start, end)
+    tracked: dict[str, str]  # chunk key -> fqn of every tracked chunk
+
+
+def _split_of(state: LocalState, config: IncrementalConfig) -> _Split:
+    items: list[ItemSpec] = []
+    rows: dict[str, tuple[tuple[str, int, int], ...]] = {}
+    tracked: dict[str, str] = {}
+    for fqn, t in state.tensors.items():
+        shape = tuple(int(s) for s in t.shape)
+        size = element_size(t.dtype)
+        nbytes = math.prod(shape) * size
+        name = dtype_name(t.dtype)
+        if nbytes <= config.block_bytes or len(shape) == 0 or shape[0] < 2:
+            items.append(ItemSpec(fqn, (0,) * len(shape), shape, shape, name, nbytes))
+            if nbytes >= config.min_bytes:
+                tracked[fqn] = fqn
+            continue
+        row = nbytes // shape[0]
+        per = max(1, config.block_bytes // max(row, 1))
+        blocks = []
+        for start in range(0, shape[0], per):
+            end = min(start + per, shape[0])
+            offsets = (start,) + (0,) * (len(shape) - 1)
+            sizes = (end - start, *shape[1:])
+            key = chunk_key(fqn, offsets, sizes, shape)
+            items.append(ItemSpec(fqn, offsets, sizes, shape, name, (end - start) * row))
+            blocks.append((key, start, end))
+            tracked[key] = fqn
+        rows[fqn] = tuple(blocks)
+    return _Split(tuple(items), rows, tracked)
+
+
+class Blocks:
+    """The tracked split of the latest structure (one entry, like the plan cache)."""
+
+    def __init__(self, config: IncrementalConfig) -> None:
+        self.config = config
+        self._memo: tuple[tuple, _Split] | None = None
+
+    def blocked(self, state: LocalState) -> LocalState:
+        """``state`` (collected whole) with its tracked tensors as chunks of their own:
+        the large ones as row blocks (views, no copy). Its ``shape_key`` names the
+        split, so a plan made from it is never taken for a plan of whole tensors."""
+        key = state.shape_key
+        memo = self._memo
+        if memo is None or memo[0] != key:
+            memo = (key, _split_of(state, self.config))
+            self._memo = memo
+        split = memo[1]
+        tensors: dict[str, torch.Tensor] = {}
+        sources: dict[str, torch.Tensor] = {}
+        with torch.no_grad():  # (views of parameters: no autograd graph)
+            for fqn, t in state.tensors.items():
+                blocks = split.rows.get(fqn)
+                if blocks is None:
+                    tensors[fqn] = t
+                    sources[fqn] = state.sources[fqn]
+                    continue
+                src = state.sources[fqn]
+                for k, start, end in blocks:
+                    tensors[k] = t[start:end]
+                    sources[k] = src[start:end]  # (a view shares its base's counter)
+        cfg = self.config
+        return dataclasses.replace(
+            state,
+            tensors=tensors,
+            sources=sources,
+            items=split.items,
+            shape=(key, "blocks", cfg.block_bytes, cfg.min_bytes),
+            tracked=split.tracked,
+        )
+
+
+@dataclass(frozen=True)
+class _Held:
+    """The base: the last save of this saver that committed, as its manifest has it."""
+
+    folder: str
+    step: int
+    plan_key: Hashable
+    chain: int  # saves since the last full one (0: this one is full)
+    digests: dict[str, str]  # tracked chunk key -> xxh3-64 of its bytes
+    holders: dict[str, int]  # tracked chunk key -> the step whose files hold it
+    versions: dict[str, tuple[int, int]]  # tracked whole tensor -> (data_ptr, _version)
+
+
+@dataclass(frozen=True)
+class _Candidate:
+    """A save in flight that becomes the base once it commits."""
+
+    folder: str
+    step: int
+    plan_key: Hashable
+    chain: int
+    tracked: frozenset[str]
+    bases: dict[str, int]
+    versions: dict[str, tuple[int, int]]
+
+
+def _folder_of(url: str) -> tuple[str, str]:
+    """(the run folder, the checkpoint's name) of a checkpoint's URL."""
+    head, _, name = url.rstrip("/").rpartition("/")
+    return head, name
+
+
+def digest_of(t: torch.Tensor) -> str:
+    """xxh3-64 of a contiguous CPU tensor's bytes, read where they lie."""
+    return hexdigest(xxhash.xxh3_64_intdigest(tensor_view(t)))
+
+
+class Increments:
+    """One saver's incremental state: the base, and the saves that may become it.
+
+    Args:
+        config: the saver's ``IncrementalConfig``.
+        copier: stages the blocks hashed from the pool (the saver's ``PoolCopier``).
+        unguarded: addresses the background copy saw written (``BackgroundCopy``'s
+            set): never deferred again.
+
+    Attributes:
+        cost: ``(bytes copied, bytes hashed)`` by the latest :meth:`stage`.
+    """
+
+    def __init__(self, config: IncrementalConfig, copier: PoolCopier, unguarded: set[int]) -> None:
+        self.config = config
+        self._blocks = Blocks(config)
+        self._copier = copier
+        self._unguarded = unguarded
+        self._base: _Held | None = None
+        self._pending: dict[int, _Candidate] = {}
+        self.cost = (0, 0)
+
+    def blocked(self, state: LocalState) -> LocalState:
+        """``state`` as an incremental save plans it (:meth:`Blocks.blocked`); as it is
+        where incremental saves are off."""
+        return self._blocks.blocked(state) if self.config.enabled else state
+
+    def base_step(self) -> int | None:
+        """The step of the current base (None: the next save is full)."""
+        return None if self._base is None else self._base.step
+
+    def forget(self) -> None:
+        """The next save is full: a worker failed (a save may have committed unseen),
+        or the folder may have changed under this saver (a load, a quarantine)."""
+        self._base = None
+        self._pending.clear()
+
+    def _base_for(self, job: PersistJob, plan_key: Hashable, idle: bool) -> _Held | None:
+        base = self._base
+        if base is None or job.step is None or job.replace or not idle:
+            return None
+        folder, name = _folder_of(job.final_path)
+        if (
+            name != f"step-{job.step}"
+            or folder != base.folder
+            or not base.step < job.step
+            or base.plan_key != plan_key
+            or base.chain + 1 >= self.config.full_every
+        ):
+            return None
+        return base
+
+    def stage(
+        self,
+        job: PersistJob,
+        planned: PlannedSave,
+        now: list[str],
+        later: list[str],
+        pool: StagingPool,
+        ready: torch.cuda.Event | None,
+        idle: bool,
+    ) -> tuple[PersistJob, list[str], list[str]]:
+        """Decide which tracked blocks of this save are unchanged since the base.
+
+        Args:
+            job: the save's job (``bases`` and ``digests`` are set on the copy returned).
+            planned: the save (its ``tracked`` chunks; none: nothing to do).
+            now / later: ``split``'s names copied in ``save()`` / in the background.
+            pool, ready: where and after what the blocks hashed from the pool are staged.
+            idle: no other save of this saver is in flight.
+
+        Returns:
+            ``(job, now, later)``: the names left to copy (a block of a tensor whose
+            first block is deferred is deferred too); :attr:`cost` says what this cost.
+        """
+        tracked = planned.tracked
+        self.cost = (0, 0)
+        if not tracked or job.dist is not None:
+            return job, now, later
+        tensors, sources, plan = planned.tensors, planned.sources, planned.plan
+        base = self._base_for(job, plan.key, idle)
+        digests: dict[str, str] = {}
+        bases: dict[str, int] = {}
+        versions: dict[str, tuple[int, int]] = {}
+        copied = hashed = 0
+
+        def unchanged(name: str, digest: str) -> bool:
+            digests[name] = digest
+            if base is not None and base.digests.get(name) == digest:
+                bases[name] = base.holders[name]
+                return True
+            return False
+
+        def moved(name: str) -> bool:
+            # a whole tensor whose counter moved since the base was certainly written
+            src = sources[name]
+            seen = (src.data_ptr(), src._version)
+            if tracked[name] == name:
+                versions[name] = seen
+            last = None if base is None else base.versions.get(name)
+            return last is not None and last[0] == seen[0] and last[1] != seen[1]
+
+        later_set = set(later)
+        deferred_fqns = {tracked[n] for n in later if n in tracked}
+        keep_now: list[str] = []
+        from_pool: list[str] = []
+        for name in now:
+            fqn = tracked.get(name)
+            t = tensors[name]
+            if fqn is None or moved(name):
+                keep_now.append(name)
+            elif t.device.type != "cpu" or not t.is_contiguous():
+                from_pool.append(name)
+            else:
+                hashed += t.numel() * t.element_size()
+                if unchanged(name, digest_of(t)):
+                    continue
+                if fqn in deferred_fqns and not t.is_inference():
+                    if t.data_ptr() not in self._unguarded:
+                        later_set.add(name)  # its tensor's other blocks are deferred
+                        del digests[name]  # (hashed again from its copy)
+                        continue
+                keep_now.append(name)  # copied right below: its digest is the copy's
+        keep_later: list[str] = []
+        for name in later:
+            t = tensors[name]
+            cpu = t.device.type == "cpu" and t.is_contiguous()
+            if name in tracked and not moved(name) and cpu:
+                hashed += t.numel() * t.element_size()
+                if unchanged(name, digest_of(t)):
+                    continue
+                del digests[name]  # copied later: the background copy hashes its copy
+            keep_later.append(name)
+        keep_later += [n for n in now if n in later_set and n not in keep_later]
+        if from_pool:  # staged and hashed there; an unchanged one is only not written
+            pooled: dict[str, str] = {}
+            copied = self._copier.stage(pool, plan, tensors, from_pool, pooled, ready=ready)
+            hashed += copied
+            for name in from_pool:
+                unchanged(name, pooled[name])
+        job = dataclasses.replace(
+            job, digests={**job.digests, **digests}, bases=bases, report_digests=True
+        )
+        folder, _ = _folder_of(job.final_path)
+        if job.step is not None:
+            chain = 0 if base is None else base.chain + 1
+            while len(self._pending) >= _PENDING:
+                del self._pending[next(iter(self._pending))]
+            self._pending[job.job_id] = _Candidate(
+                folder, job.step, plan.key, chain, frozenset(tracked), bases, versions
+            )
+        self.cost = (copied, hashed)
+        return job, keep_now, keep_later
+
+    def settled(self, result: JobResult | CallResult) -> None:
+        """A job's result: a committed save with every tracked digest known becomes
+        the base; a failed one leaves none (the next save is full)."""
+        candidate = self._pending.pop(result.job_id, None)
+        if candidate is None or not isinstance(result, JobResult):
+            return
+        if not result.ok:
+            self._base = None
+            return
+        digests = result.digests
+        if not candidate.tracked <= digests.keys():
+            self._base = None
+            return
+        self._base = _Held(
+            candidate.folder,
+            candidate.step,
+            candidate.plan_key,
+            candidate.chain,
+            {k: digests[k] for k in candidate.tracked},
+            {k: candidate.bases.get(k, candidate.step) for k in candidate.tracked},
+            candidate.versions,
+        )
