@@ -63,6 +63,8 @@ class Saver:
     """
 
     suffix = ""
+    # whether a restore gives back the whole state (the loop then times restores)
+    restorable = True
 
     def __init__(self, folder: str, states: dict[str, Any]) -> None:
         self.folder, self.states = folder, states
@@ -398,10 +400,12 @@ def make_saver(method: str, folder: str, states: dict[str, Any], interval: int) 
         return _DcpAsyncSaver(folder, states, DCP_ASYNC[method])
     if method in QUICKSAVE_MODES:
         return _QuicksaveSaver(folder, states, interval, QUICKSAVE_MODES[method])
-    if method == TRAINABLE:
-        states = {**states, "model": _Trainable(states["model"])}
     if method in EXTRA_QUICKSAVE_MODES:
-        return _QuicksaveSaver(folder, states, interval, EXTRA_QUICKSAVE_MODES[method])
+        if method == TRAINABLE:
+            states = {**states, "model": _Trainable(states["model"])}
+        saver = _QuicksaveSaver(folder, states, interval, EXTRA_QUICKSAVE_MODES[method])
+        saver.restorable = method != TRAINABLE  # (the frozen base is not in it)
+        return saver
     if method == TORCH_CHECKPOINTING:
         return _TorchCheckpointingSaver(folder, states)
     raise ValueError(f"unknown method {method!r}")

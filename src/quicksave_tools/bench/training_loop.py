@@ -391,7 +391,7 @@ def run_child(spec: dict[str, Any]) -> dict[str, Any]:
                 result["manager_records"] = records
             result["disk_bytes"] = _disk_bytes(saver, [e["step"] for e in result["events"]])
             result["trainable_bytes"] = _trainable_bytes(model, optim)
-            if result["events"]:
+            if result["events"] and saver.restorable:
                 last = result["events"][-1]["step"]
                 expected = _fingerprint(tensors)
                 result["restore_s"] = _restore_times(
