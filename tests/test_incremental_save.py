@@ -302,3 +302,38 @@ def test_off_by_default(tmp_path: Path, job: Job) -> None:
 def test_bad_config_is_refused(bad: dict[str, Any]) -> None:
     with pytest.raises(CheckpointError, match="IncrementalConfig"):
         quicksave.IncrementalConfig(**bad)
+
+
+# ------------------------------------------------------------------- the engine alone
+
+
+def test_a_save_after_a_failed_one_is_full(tmp_path: Path) -> None:
+    """A failed save leaves no base (it might have committed unseen): the next is full."""
+    config = quicksave.EngineConfig(
+        mode="thread",
+        fsync=False,
+        incremental=quicksave.IncrementalConfig(enabled=True, block_bytes=BLOCK),
+    )
+    folder = tmp_path / "run"
+    state = {"w": torch.arange(ROWS * COLS, dtype=torch.float32).reshape(ROWS, COLS)}
+    folder.mkdir()
+    (folder / "step-2").write_text("in the way")
+    with quicksave.AsyncSaver(config) as saver:
+        saver.save(state, folder / "step-1", step=1).wait()  # type: ignore[union-attr]
+        failed = saver.save(state, folder / "step-2", step=2)
+        assert failed is not None
+        with pytest.raises(CheckpointError):
+            failed.wait()
+        for step in (3, 4):
+            saver.save(state, folder / f"step-{step}", step=step).wait()  # type: ignore[union-attr]
+    assert _manifest(folder, 3)["format_version"] == 1
+    assert _bases(_manifest(folder, 4), "w") == [3] * 8
+    _assert_loads_plain(folder / "step-4", state)
+
+
+def _assert_loads_plain(checkpoint: Path, expected: dict[str, torch.Tensor]) -> None:
+    assert verify_checkpoint(checkpoint).ok
+    out = {k: torch.zeros_like(v) for k, v in expected.items()}
+    quicksave.load(out, checkpoint)
+    for fqn, value in expected.items():
+        assert_bit_equal(out[fqn], value, fqn)
