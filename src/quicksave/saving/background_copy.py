@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -46,6 +47,9 @@ class Overlap:
     snapshot: Snapshot
     tensors: dict[str, torch.Tensor]  # staged name -> the tensor copied
     fqn_of: dict[str, str]  # staged name -> fqn, where they differ (several ranks)
+    # incremental saves: drops the deferred blocks that did not change, before the copy
+    # (``incremental._Sift``: (names, digests, bases found) -> (names left, bytes hashed))
+    sift: Callable[[list[str], dict[str, str], dict[str, int]], tuple[list[str], int]] | None = None
 
 
 @dataclass(frozen=True)
@@ -102,7 +106,7 @@ class BackgroundCopy:
         self._error = None
         self.thread = threading.Thread(
             target=self._run,
-            args=(pool, plan, overlap.tensors, fqns, overlap.handle, ready),
+            args=(pool, plan, overlap.tensors, fqns, overlap.handle, ready, overlap.sift),
             name="quicksave-stage",
             daemon=True,
         )
@@ -126,6 +130,8 @@ class BackgroundCopy:
         fqns: list[str],
         handle: SaveHandle,
         ready: torch.cuda.Event | None,
+        sift: Callable[[list[str], dict[str, str], dict[str, int]], tuple[list[str], int]]
+        | None = None,
     ) -> None:
         # Runs beside training: copies on one thread, hashing each block while it is in
         # the cache, so that the writer only writes (see ARCHITECTURE.md). The save is
@@ -133,8 +139,12 @@ class BackgroundCopy:
         # wrote these tensors meanwhile (wait).
         cpu0 = time.thread_time()
         digests: dict[str, str] = {}
+        found: dict[str, int] = {}  # chunks referred to (incremental: ``sift``)
+        hashed = 0
         try:
             with phase("save.stage"):
+                if sift is not None:
+                    fqns, hashed = sift(fqns, digests, found)
                 copied = self.copier.stage(pool, plan, tensors, fqns, digests, ready=ready)
         except BaseException as e:  # noqa: BLE001 - reported at the next wait/save
             self._error = e
@@ -142,11 +152,11 @@ class BackgroundCopy:
         overlap = self._overlap
         if overlap is not None and overlap.handle is handle:
             # (the digests save() took are kept: chunks referred to, and copied then)
-            overlap.job = dataclasses.replace(
-                overlap.job, digests={**overlap.job.digests, **digests}
-            )
+            job = overlap.job
+            bases = {**job.bases, **found} if found else job.bases
+            overlap.job = dataclasses.replace(job, digests={**job.digests, **digests}, bases=bases)
         handle.bytes_copied += copied
-        handle.bytes_hashed += copied
+        handle.bytes_hashed += copied + hashed
         handle.staging_s = time.monotonic() - handle.started
         handle.trainer_cpu_s += time.thread_time() - cpu0
 

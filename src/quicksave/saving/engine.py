@@ -389,9 +389,8 @@ class AsyncSaver:
         if later:
             fqn_of = {} if self._dist is None else fqns_of(plan.layout)
             snapshot = Snapshot.take(planned.sources, later)
-            self._background.start(
-                Overlap(job, handle, snapshot, tensors, fqn_of), pool, plan, later, ready
-            )
+            overlap = Overlap(job, handle, snapshot, tensors, fqn_of, self._incr.sift)
+            self._background.start(overlap, pool, plan, later, ready)
         else:
             handle.staging_s = time.monotonic() - handle.started
             self._submit(job, handle)

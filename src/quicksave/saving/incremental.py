@@ -178,6 +178,44 @@ def digest_of(t: torch.Tensor) -> str:
     return hexdigest(xxhash.xxh3_64_intdigest(tensor_view(t)))
 
 
+def _hashable(t: torch.Tensor) -> bool:
+    """Whether ``t``'s bytes can be hashed where they lie."""
+    return t.device.type == "cpu" and t.is_contiguous()
+
+
+@dataclass(frozen=True)
+class _Sift:
+    """The deferred blocks of one save that may be unchanged: the background copy hashes
+    them (off the training thread) and copies only those that changed (their copies are
+    hashed again, as every background copy's: the bytes hashed here are not provably the
+    bytes copied). Called once, on the ``quicksave-stage`` thread, before the guard
+    confirms the save."""
+
+    names: set[str]
+    tensors: dict[str, torch.Tensor]
+    base: _Held
+    bases: dict[str, int]  # the save's candidate's: the references found are added
+
+    def __call__(
+        self, names: list[str], digests: dict[str, str], found: dict[str, int]
+    ) -> tuple[list[str], int]:
+        """``names`` less the unchanged blocks, whose digests and bases go into
+        ``digests`` and ``found``; and the bytes hashed."""
+        keep: list[str] = []
+        hashed = 0
+        for name in names:
+            if name in self.names:
+                t = self.tensors[name]
+                hashed += t.numel() * t.element_size()
+                digest = digest_of(t)
+                if self.base.digests.get(name) == digest:
+                    digests[name] = digest
+                    found[name] = self.bases[name] = self.base.holders[name]
+                    continue
+            keep.append(name)
+        return keep, hashed
+
+
 class Increments:
     """One saver's incremental state: the base, and the saves that may become it.
 
@@ -189,6 +227,8 @@ class Increments:
 
     Attributes:
         cost: ``(bytes copied, bytes hashed)`` by the latest :meth:`stage`.
+        sift: what the latest save's background copy hashes before it copies (the
+            deferred blocks that may be unchanged); None: nothing.
     """
 
     def __init__(self, config: IncrementalConfig, copier: PoolCopier, unguarded: set[int]) -> None:
@@ -199,6 +239,7 @@ class Increments:
         self._base: _Held | None = None
         self._pending: dict[int, _Candidate] = {}
         self.cost = (0, 0)
+        self.sift: _Sift | None = None
 
     def blocked(self, state: LocalState) -> LocalState:
         """``state`` as an incremental save plans it (:meth:`Blocks.blocked`); as it is
@@ -255,6 +296,7 @@ class Increments:
         """
         tracked = planned.tracked
         self.cost = (0, 0)
+        self.sift = None
         if not tracked or job.dist is not None:
             return job, now, later
         tensors, sources, plan = planned.tensors, planned.sources, planned.plan
@@ -280,38 +322,35 @@ class Increments:
             last = None if base is None else base.versions.get(name)
             return last is not None and last[0] == seen[0] and last[1] != seen[1]
 
-        later_set = set(later)
+        def deferrable(t: torch.Tensor) -> bool:
+            return not t.is_inference() and t.data_ptr() not in self._unguarded
+
         deferred_fqns = {tracked[n] for n in later if n in tracked}
+        to_sift: set[str] = set()  # hashed by the background copy, before it copies
         keep_now: list[str] = []
+        moved_later: list[str] = []
         from_pool: list[str] = []
         for name in now:
             fqn = tracked.get(name)
             t = tensors[name]
             if fqn is None or moved(name):
                 keep_now.append(name)
-            elif t.device.type != "cpu" or not t.is_contiguous():
+            elif fqn in deferred_fqns and deferrable(t):
+                moved_later.append(name)  # its tensor's other blocks are deferred
+                if base is not None and _hashable(t):
+                    to_sift.add(name)
+            elif not _hashable(t):
                 from_pool.append(name)
             else:
                 hashed += t.numel() * t.element_size()
-                if unchanged(name, digest_of(t)):
-                    continue
-                if fqn in deferred_fqns and not t.is_inference():
-                    if t.data_ptr() not in self._unguarded:
-                        later_set.add(name)  # its tensor's other blocks are deferred
-                        del digests[name]  # (hashed again from its copy)
-                        continue
-                keep_now.append(name)  # copied right below: its digest is the copy's
-        keep_later: list[str] = []
+                if not unchanged(name, digest_of(t)):
+                    keep_now.append(name)  # copied right below: its digest is the copy's
         for name in later:
-            t = tensors[name]
-            cpu = t.device.type == "cpu" and t.is_contiguous()
-            if name in tracked and not moved(name) and cpu:
-                hashed += t.numel() * t.element_size()
-                if unchanged(name, digest_of(t)):
-                    continue
-                del digests[name]  # copied later: the background copy hashes its copy
-            keep_later.append(name)
-        keep_later += [n for n in now if n in later_set and n not in keep_later]
+            if name in tracked and not moved(name) and base is not None:
+                if _hashable(tensors[name]):
+                    to_sift.add(name)
+        keep_later = later + moved_later
+        self.sift = None if not to_sift else _Sift(to_sift, tensors, base, bases)  # type: ignore[arg-type]
         if from_pool:  # staged and hashed there; an unchanged one is only not written
             pooled: dict[str, str] = {}
             copied = self._copier.stage(pool, plan, tensors, from_pool, pooled, ready=ready)
@@ -319,7 +358,7 @@ class Increments:
             for name in from_pool:
                 unchanged(name, pooled[name])
         job = dataclasses.replace(
-            job, digests={**job.digests, **digests}, bases=bases, report_digests=True
+            job, digests={**job.digests, **digests}, bases=dict(bases), report_digests=True
         )
         folder, _ = _folder_of(job.final_path)
         if job.step is not None:
