@@ -153,8 +153,10 @@ class BackgroundCopy:
         if overlap is not None and overlap.handle is handle:
             # (the digests save() took are kept: chunks referred to, and copied then)
             job = overlap.job
-            bases = {**job.bases, **found} if found else job.bases
-            overlap.job = dataclasses.replace(job, digests={**job.digests, **digests}, bases=bases)
+            job = dataclasses.replace(job, digests={**job.digests, **digests})
+            if found:  # (incremental: the blocks the sift found unchanged are referred to)
+                job = dataclasses.replace(job, bases={**job.bases, **found})
+            overlap.job = job
         handle.bytes_copied += copied
         handle.bytes_hashed += copied + hashed
         handle.staging_s = time.monotonic() - handle.started
