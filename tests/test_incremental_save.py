@@ -337,3 +337,43 @@ def _assert_loads_plain(checkpoint: Path, expected: dict[str, torch.Tensor]) -> 
     quicksave.load(out, checkpoint)
     for fqn, value in expected.items():
         assert_bit_equal(out[fqn], value, fqn)
+
+
+# ------------------------------------------------------------- trusting the counters
+
+
+def test_trusted_counters_refer_without_hashing_and_a_miss_fails_that_save_only(
+    tmp_path: Path, job: Job
+) -> None:
+    """``trust_counters``: an untouched frozen block is referred to on its version
+    counter's word and checked by the background copy; a ``.data`` write (which the
+    counter misses) fails that save, never committed, and the next save writes it."""
+    folder = tmp_path / "run"
+    incremental = quicksave.IncrementalConfig(
+        enabled=True, block_bytes=BLOCK, min_bytes=1024, trust_counters=True
+    )
+    config = CheckpointConfig(
+        folder=str(folder), interval=1, async_mode="thread", incremental=incremental
+    )
+    snaps: dict[int, dict[str, torch.Tensor]] = {}
+    with CheckpointManager(config, job.states()) as manager:
+        for step in (1, 2, 3):
+            job.step()
+            manager.save(step)
+            manager.wait()
+            snaps[step] = job.snapshot()
+        job.model.base.weight.data[70] += 1.0  # block 1: its counter does not move
+        job.step()
+        manager.save(4)  # refers to the old block 1 on the counter's word...
+        with pytest.raises(CheckpointError, match="version counters did not move") as info:
+            manager.wait()  # ...and the background copy's check fails the save
+        assert info.value.fqn == "model.base.weight@64,0"
+        job.step()
+        manager.save(5)
+        manager.wait()
+        snaps[5] = job.snapshot()
+    assert not (folder / "step-4").exists()
+    assert _bases(_manifest(folder, 3), "model.base.weight") == [1] * 8
+    assert _bases(_manifest(folder, 5), "model.base.weight") == [1, None, 1, 1, 1, 1, 1, 1]
+    for step, snap in snaps.items():
+        _assert_loads(folder / f"step-{step}", snap)

@@ -61,9 +61,11 @@ class CopyDone:
             save awaited the copy.
         handle: that save's handle (None with ``job``).
         error: None: the save may be handed to the writer. Else why it fails.
-        torn: ``error`` is the guard's (a deferred tensor was written during the copy):
-            only this save fails. Otherwise the copy itself failed: every save not yet
-            handed to the writer fails.
+        torn: ``error`` is the guard's (a deferred tensor was written during the copy)
+            or an incremental save's check (a block referred to on its version
+            counter's word changed, ``incremental._Sift``): only this save fails.
+            Otherwise the copy itself failed: every save not yet handed to the writer
+            fails.
     """
 
     job: PersistJob | None
@@ -91,6 +93,7 @@ class BackgroundCopy:
         self.thread: threading.Thread | None = None
         self.unguarded: set[int] = set()
         self._error: BaseException | None = None
+        self._refused: CheckpointError | None = None  # the sift's: this save only fails
         self._overlap: Overlap | None = None  # the copy's save, unconfirmed
 
     def start(
@@ -104,6 +107,7 @@ class BackgroundCopy:
         """Copy ``fqns`` of ``overlap``'s save into ``pool`` in a new thread."""
         self._overlap = overlap
         self._error = None
+        self._refused = None
         self.thread = threading.Thread(
             target=self._run,
             args=(pool, plan, overlap.tensors, fqns, overlap.handle, ready, overlap.sift),
@@ -144,7 +148,11 @@ class BackgroundCopy:
         try:
             with phase("save.stage"):
                 if sift is not None:
-                    fqns, hashed = sift(fqns, digests, found)
+                    try:
+                        fqns, hashed = sift(fqns, digests, found)
+                    except CheckpointError as e:  # (a block changed behind its counter)
+                        self._refused = e
+                        return
                 copied = self.copier.stage(pool, plan, tensors, fqns, digests, ready=ready)
         except BaseException as e:  # noqa: BLE001 - reported at the next wait/save
             self._error = e
@@ -187,6 +195,9 @@ class BackgroundCopy:
                 return CopyDone(job, handle, failed)
             if overlap is None:
                 return None
+            if self._refused is not None:
+                refused, self._refused = self._refused, None
+                return CopyDone(job, handle, refused, torn=True)
             changed = overlap.snapshot.changed()
             if not changed:
                 return CopyDone(job, handle)

@@ -37,12 +37,20 @@ class IncrementalConfig:
         full_every: every ``full_every``-th save of a chain is full (refers to
             nothing), so that a chain of references is at most ``full_every - 1``
             checkpoints long; 1: every save is full.
+        trust_counters: a tracked CPU block whose tensor's version counter and address
+            are those of the last save is referred to without hashing it in
+            ``save()``; the background copy hashes it before the save is handed to the
+            writer, and a block that changed anyway (a write the counters miss:
+            through ``.data``, a numpy or DLPack view, a fused kernel, another
+            process) fails that save, never committed, and the saver hashes every
+            block from then on. Off (default): every block is hashed in ``save()``.
     """
 
     enabled: bool = False
     block_bytes: int = 4 << 20
     min_bytes: int = 64 << 10
     full_every: int = 8
+    trust_counters: bool = False
 
     def __post_init__(self) -> None:
         for name in ("block_bytes", "min_bytes", "full_every"):

@@ -42,13 +42,14 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 
 import torch
 import xxhash
 
 from quicksave.checksum import hexdigest, tensor_view
+from quicksave.errors import CheckpointError
 from quicksave.format.dtypes import dtype_name, element_size
 from quicksave.layout.plan import ItemSpec, chunk_key
 from quicksave.saving.config import IncrementalConfig
@@ -185,16 +186,25 @@ def _hashable(t: torch.Tensor) -> bool:
 
 @dataclass(frozen=True)
 class _Sift:
-    """The deferred blocks of one save that may be unchanged: the background copy hashes
-    them (off the training thread) and copies only those that changed (their copies are
-    hashed again, as every background copy's: the bytes hashed here are not provably the
-    bytes copied). Called once, on the ``quicksave-stage`` thread, before the guard
-    confirms the save."""
+    """What the background copy of one save hashes (off the training thread) before it
+    copies: the deferred blocks that may be unchanged, of which it copies only those
+    that changed (their copies are hashed again, as every background copy's: the bytes
+    hashed here are not provably the bytes copied); and (``trust_counters``) the blocks
+    already referred to on their version counters' word, which must be unchanged.
+    Called once, on the ``quicksave-stage`` thread, before the guard confirms the save.
+
+    Raises:
+        CheckpointError: a block referred to on its counter's word changed (the save is
+            not committed; ``distrust`` is called first).
+    """
 
     names: set[str]
     tensors: dict[str, torch.Tensor]
     base: _Held
     bases: dict[str, int]  # the save's candidate's: the references found are added
+    presumed: frozenset[str] = frozenset()
+    distrust: Callable[[], None] | None = None
+    where: tuple[int | None, str, int] = (None, "", 0)  # step, path, rank (for errors)
 
     def __call__(
         self, names: list[str], digests: dict[str, str], found: dict[str, int]
@@ -202,18 +212,41 @@ class _Sift:
         """``names`` less the unchanged blocks, whose digests and bases go into
         ``digests`` and ``found``; and the bytes hashed."""
         keep: list[str] = []
+        missed: list[str] = []
         hashed = 0
         for name in names:
-            if name in self.names:
+            if name in self.names or name in self.presumed:
                 t = self.tensors[name]
                 hashed += t.numel() * t.element_size()
-                digest = digest_of(t)
-                if self.base.digests.get(name) == digest:
-                    digests[name] = digest
+                same = self.base.digests.get(name) == digest_of(t)
+                if name in self.presumed:
+                    if not same:
+                        missed.append(name)
+                    continue
+                if same:
+                    digests[name] = self.base.digests[name]
                     found[name] = self.bases[name] = self.base.holders[name]
                     continue
             keep.append(name)
+        if missed:
+            if self.distrust is not None:
+                self.distrust()
+            raise _missed_error(missed, *self.where)
         return keep, hashed
+
+
+def _missed_error(names: list[str], step: int | None, path: str, rank: int) -> CheckpointError:
+    shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+    return CheckpointError(
+        f"the save of step {step} was not committed: {len(names)} block(s) ({shown}) changed "
+        "although torch's version counters did not move (a write through .data, a numpy or "
+        "DLPack view, a fused kernel or another process), and IncrementalConfig("
+        "trust_counters=True) would have kept their old bytes. This saver hashes every "
+        "block from now on: the next save writes what changed",
+        path=path,
+        fqn=names[0],
+        rank=rank,
+    )
 
 
 class Increments:
@@ -238,6 +271,7 @@ class Increments:
         self._unguarded = unguarded
         self._base: _Held | None = None
         self._pending: dict[int, _Candidate] = {}
+        self._trusted = config.trust_counters  # until a block changes behind a counter
         self.cost = (0, 0)
         self.sift: _Sift | None = None
 
@@ -249,6 +283,10 @@ class Increments:
     def base_step(self) -> int | None:
         """The step of the current base (None: the next save is full)."""
         return None if self._base is None else self._base.step
+
+    def _distrust(self) -> None:
+        """A block changed behind its version counter: hash every block from now on."""
+        self._trusted = False
 
     def forget(self) -> None:
         """The next save is full: a worker failed (a save may have committed unseen),
@@ -313,14 +351,23 @@ class Increments:
                 return True
             return False
 
+        trust = self._trusted and base is not None
+        presumed: set[str] = set()
+
         def moved(name: str) -> bool:
             # a whole tensor whose counter moved since the base was certainly written
             src = sources[name]
             seen = (src.data_ptr(), src._version)
-            if tracked[name] == name:
+            if trust or tracked[name] == name:
                 versions[name] = seen
             last = None if base is None else base.versions.get(name)
-            return last is not None and last[0] == seen[0] and last[1] != seen[1]
+            if trust and last == seen and _hashable(tensors[name]):
+                presumed.add(name)  # (checked by the background copy: _Sift)
+                digests[name] = base.digests[name]  # type: ignore[union-attr]
+                bases[name] = base.holders[name]  # type: ignore[union-attr]
+                return False
+            whole = tracked[name] == name
+            return whole and last is not None and last[0] == seen[0] and last[1] != seen[1]
 
         def deferrable(t: torch.Tensor) -> bool:
             return not t.is_inference() and t.data_ptr() not in self._unguarded
@@ -335,6 +382,8 @@ class Increments:
             t = tensors[name]
             if fqn is None or moved(name):
                 keep_now.append(name)
+            elif name in presumed:
+                moved_later.append(name)  # referred to; the background copy checks it
             elif fqn in deferred_fqns and deferrable(t):
                 moved_later.append(name)  # its tensor's other blocks are deferred
                 if base is not None and _hashable(t):
@@ -347,10 +396,20 @@ class Increments:
                     keep_now.append(name)  # copied right below: its digest is the copy's
         for name in later:
             if name in tracked and not moved(name) and base is not None:
-                if _hashable(tensors[name]):
+                if _hashable(tensors[name]) and name not in presumed:
                     to_sift.add(name)
         keep_later = later + moved_later
-        self.sift = None if not to_sift else _Sift(to_sift, tensors, base, bases)  # type: ignore[arg-type]
+        if to_sift or presumed:
+            where = (job.step, job.final_path, job.rank)
+            self.sift = _Sift(
+                to_sift,
+                tensors,
+                base,
+                bases,
+                frozenset(presumed),
+                self._distrust,
+                where,  # type: ignore[arg-type]
+            )
         if from_pool:  # staged and hashed there; an unchanged one is only not written
             pooled: dict[str, str] = {}
             copied = self._copier.stage(pool, plan, tensors, from_pool, pooled, ready=ready)
