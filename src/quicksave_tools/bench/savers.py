@@ -32,7 +32,8 @@ QUICKSAVE_MODES = {  # method -> CheckpointConfig arguments
         "write_rate_mbps": 300,
     },
 }
-# Run when asked for (``--methods``): incremental saves (``lora``, ``embedding``), and the
+# Run when asked for (``--methods``): incremental saves (``lora``, ``embedding``; with
+# ``-counters``, trusting unmoved version counters, checked in the background), and the
 # default's save of the trainable state alone (the model's parameters that require a
 # gradient, and the optimizer), what an incremental save of a partly frozen model is
 # measured against.
@@ -45,6 +46,11 @@ EXTRA_QUICKSAVE_MODES = {
         "incremental": IncrementalConfig(enabled=True),
     },
     TRAINABLE: {"async_mode": "process", "staging": "overlap"},
+    INCREMENTAL + "-counters": {
+        "async_mode": "process",
+        "staging": "overlap",
+        "incremental": IncrementalConfig(enabled=True, trust_counters=True),
+    },
 }
 DCP_ASYNC = {"dcp.async_save-thread": "THREAD", "dcp.async_save-process": "PROCESS"}
 TORCH_CHECKPOINTING = "torch_checkpointing"  # its CheckpointManager, async (the default)
