@@ -5,7 +5,7 @@ the checkpoint that holds the block's bytes (its ``base``).
 
 Two pieces, for a single-rank ``AsyncSaver`` (``saving/engine.py``):
 
-- :func:`blocked` (collect/plan): every tensor of at least ``min_bytes`` is *tracked*;
+- :class:`Blocks` (collect/plan): every tensor of at least ``min_bytes`` is *tracked*;
   one larger than ``block_bytes`` becomes row blocks along dim 0 of about that size,
   each a chunk of its own. The split depends on names, dtypes and shapes only, so the
   layout, the plan cache's entry and the staging pool are the same at every save,
@@ -17,13 +17,17 @@ Two pieces, for a single-rank ``AsyncSaver`` (``saving/engine.py``):
 the digest that the base's manifest records for the same chunk (same fqn, box, dtype,
 place: the plan key is the base's). CPU blocks are hashed where they lie (no copy);
 other blocks (CUDA, non-contiguous) are staged and hashed from the pool, and an
-unchanged one is then only not written. Torch's version counters never decide that a
-block is unchanged (they miss writes through ``.data``, numpy and DLPack views, fused
-kernels); they only spare the hash of a tensor kept whole that is certainly changed:
-its counter moved since the last save (a write with the same values also moves it, so
-this can cost a write, never a stale block). The digest taken here becomes the chunk's
-checksum only where the bytes are copied right after, on the same thread, from the
-tensor hashed; a block copied later by the background copy is hashed from its copy.
+unchanged one is then only not written; deferred blocks (overlap) are hashed by the
+background copy before it copies (:class:`_Sift`). By default torch's version counters
+never decide that a block is unchanged (they miss writes through ``.data``, numpy and
+DLPack views, fused kernels, other processes); they only spare the hash of a tensor
+kept whole that is certainly changed: its counter moved since the last save (a write
+with the same values also moves it, so this can cost a write, never a stale block).
+With ``trust_counters`` a block whose counter did not move is referred to unhashed and
+checked by the background copy before the save reaches the writer: a miss fails that
+save and ends the trust. The digest taken here becomes the chunk's checksum only where
+the bytes are copied right after, on the same thread, from the tensor hashed; a block
+copied later by the background copy is hashed from its copy.
 
 **Which save is full.** The first save of a saver, a save whose layout (plan key),
 folder or naming differs from the base's, a save while another save of this saver is
@@ -32,10 +36,12 @@ may then delete), a save after a failed one, an ``overwrite`` and every
 ``full_every``-th save of a chain: each refers to nothing. Once a referring save
 commits, retention keeps its bases (``manager/references.py``).
 
-Call order (the saver's training thread, under its lock): :func:`blocked` at collect
-(``save()`` and ``prepare()``) → :meth:`Increments.stage` at the start of staging →
+Call order (the saver's training thread, under its lock): :meth:`Increments.blocked`
+at collect (``save()`` and ``prepare()``) → :meth:`Increments.stage` at the start of
+staging (its :attr:`Increments.sift`, if any, runs on the background copy's thread) →
 :meth:`Increments.settled` for every job result → :meth:`Increments.forget` when a
-worker fails or the manager loads. No I/O, no collective.
+worker fails. A load needs nothing: a save after it at a step not above the base's is
+full. No I/O, no collective.
 """
 
 from __future__ import annotations
