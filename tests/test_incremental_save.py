@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -29,6 +30,8 @@ from quicksave.format import MANIFEST_NAME
 from quicksave.loading.verify import verify_checkpoint
 from quicksave.manager import CheckpointConfig, CheckpointManager, ModelState, OptimizerState
 from quicksave.tools.convert import convert
+from quicksave.worker import persisters
+from quicksave.worker.job import JobResult, PersistJob
 
 BLOCK = 64 << 10  # small blocks: a small model spans several of them
 ROWS, COLS = 512, 256  # the frozen weight: 512 KiB of float32, 8 blocks of 64 rows
@@ -377,3 +380,57 @@ def test_trusted_counters_refer_without_hashing_and_a_miss_fails_that_save_only(
     assert _bases(_manifest(folder, 5), "model.base.weight") == [1, None, 1, 1, 1, 1, 1, 1]
     for step, snap in snaps.items():
         _assert_loads(folder / f"step-{step}", snap)
+
+
+def _engine(**kw: Any) -> quicksave.EngineConfig:
+    incremental = quicksave.IncrementalConfig(enabled=True, block_bytes=BLOCK)
+    return quicksave.EngineConfig(
+        mode="thread", staging="blocking", fsync=False, incremental=incremental, **kw
+    )
+
+
+def test_a_save_while_another_is_in_flight_is_full(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The save in flight could commit first and become the newest step, after which
+    retention may delete the older base: a save that starts beside it refers to nothing."""
+    gate = threading.Event()
+    original = persisters.execute_job
+
+    def gated(job: PersistJob, pool: memoryview, *rest: object) -> JobResult:
+        if job.step == 2:
+            assert gate.wait(60)
+        return original(job, pool, *rest)
+
+    monkeypatch.setattr(persisters, "execute_job", gated)
+    folder = tmp_path / "run"
+    state = {"w": torch.arange(ROWS * COLS, dtype=torch.float32).reshape(ROWS, COLS)}
+    with quicksave.AsyncSaver(_engine(max_in_flight=2)) as saver:
+        saver.save(state, folder / "step-1", step=1).wait()  # type: ignore[union-attr]
+        second = saver.save(state, folder / "step-2", step=2)  # held by its writer
+        third = saver.save(state, folder / "step-3", step=3)  # beside it: full
+        gate.set()
+        second.wait()  # type: ignore[union-attr]
+        third.wait()  # type: ignore[union-attr]
+        saver.save(state, folder / "step-4", step=4).wait()  # type: ignore[union-attr]
+    assert _bases(_manifest(folder, 2), "w") == [1] * 8
+    assert _manifest(folder, 3)["format_version"] == 1
+    assert _bases(_manifest(folder, 4), "w") == [3] * 8
+    for step in (2, 3, 4):
+        _assert_loads_plain(folder / f"step-{step}", state)
+
+
+def test_non_contiguous_blocks_are_hashed_from_the_pool(tmp_path: Path) -> None:
+    """A block that cannot be hashed where it lies is staged and hashed from the pool;
+    an unchanged one is then only not written."""
+    folder = tmp_path / "run"
+    weight = torch.arange(ROWS * COLS, dtype=torch.float32).reshape(COLS, ROWS)
+    state = {"w": weight.t()}  # (ROWS, COLS), not contiguous: every block is strided
+    with quicksave.AsyncSaver(_engine()) as saver:
+        for step in (1, 2, 3):
+            if step == 3:
+                weight[5, 300] = -1.0  # row 300 of w: block 4
+            saver.save(state, folder / f"step-{step}", step=step).wait()  # type: ignore[union-attr]
+            _assert_loads_plain(folder / f"step-{step}", {"w": state["w"].contiguous()})
+    assert _bases(_manifest(folder, 2), "w") == [1] * 8
+    assert _bases(_manifest(folder, 3), "w") == [1, 1, 1, 1, None, 1, 1, 1]

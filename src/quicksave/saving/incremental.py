@@ -438,13 +438,17 @@ class Increments:
 
     def settled(self, result: JobResult | CallResult) -> None:
         """A job's result: a committed save with every tracked digest known becomes
-        the base; a failed one leaves none (the next save is full)."""
+        the base, unless a newer step is the base already (the base is always the
+        newest step committed: retention never deletes that one); a failed one leaves
+        none (the next save is full)."""
         candidate = self._pending.pop(result.job_id, None)
         if candidate is None or not isinstance(result, JobResult):
             return
         if not result.ok:
             self._base = None
             return
+        if self._base is not None and self._base.step > candidate.step:
+            return  # a newer step committed first: it stays the base (the newest one)
         digests = result.digests
         if not candidate.tracked <= digests.keys():
             self._base = None
