@@ -150,7 +150,7 @@ class Blocks:
 
 @dataclass(frozen=True)
 class _Held:
-    """The base: the last save of this saver that committed, as its manifest has it."""
+    """The base: the newest save of this saver that committed, as its manifest has it."""
 
     folder: str
     step: int
@@ -158,7 +158,8 @@ class _Held:
     chain: int  # saves since the last full one (0: this one is full)
     digests: dict[str, str]  # tracked chunk key -> xxh3-64 of its bytes
     holders: dict[str, int]  # tracked chunk key -> the step whose files hold it
-    versions: dict[str, tuple[int, int]]  # tracked whole tensor -> (data_ptr, _version)
+    # tracked whole tensor (every tracked block, trust_counters) -> (data_ptr, _version)
+    versions: dict[str, tuple[int, int]]
 
 
 @dataclass(frozen=True)
