@@ -43,7 +43,10 @@ class IncrementalConfig:
             writer, and a block that changed anyway (a write the counters miss:
             through ``.data``, a numpy or DLPack view, a fused kernel, another
             process) fails that save, never committed, and the saver hashes every
-            block from then on. Off (default): every block is hashed in ``save()``.
+            block from then on. The check runs after ``save()`` returns, with
+            ``staging="blocking"`` too (until ``maybe_wait_for_staging()``): such a
+            write to a block meanwhile also fails the save. Off (default): every block
+            is hashed in ``save()``.
     """
 
     enabled: bool = False
