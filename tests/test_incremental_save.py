@@ -434,3 +434,19 @@ def test_non_contiguous_blocks_are_hashed_from_the_pool(tmp_path: Path) -> None:
             _assert_loads_plain(folder / f"step-{step}", {"w": state["w"].contiguous()})
     assert _bases(_manifest(folder, 2), "w") == [1] * 8
     assert _bases(_manifest(folder, 3), "w") == [1, 1, 1, 1, None, 1, 1, 1]
+
+
+def test_a_restarted_job_saves_full_first(tmp_path: Path, job: Job) -> None:
+    """A new manager knows no base committed by itself: its first save refers to
+    nothing, the next ones to it."""
+    folder = tmp_path / "run"
+    _train_and_save(folder, job, range(1, 3))
+    resumed = Job()
+    with CheckpointManager(_config(folder), resumed.states()) as manager:
+        assert manager.load() == 2
+        for step in (3, 4):
+            resumed.step()
+            manager.save(step)
+            manager.wait()
+    assert _manifest(folder, 3)["format_version"] == 1
+    assert _bases(_manifest(folder, 4), "model.base.weight") == [3] * 8
