@@ -1,6 +1,8 @@
 """Incremental saves on several ranks (``IncrementalConfig`` on a multi-rank manager):
-every save is full — no rank refers to an earlier checkpoint, so no rank can disagree
-with another about a base — and every step loads bit-exactly on every rank.
+the replicated frozen weight is planned in blocks that the ranks share out, each rank
+refers to the last committed step for the blocks it writes that did not change (its
+part carries the references to the coordinator's commit), and every step verifies and
+loads bit-exactly on every rank.
 
 Functions whose name starts with ``_rank_`` run inside the spawned ranks.
 """
@@ -17,6 +19,7 @@ import torch.nn as nn
 from launcher import LaunchConfig, run_ranks
 
 import quicksave
+from quicksave.loading.verify import verify_checkpoint
 from quicksave.manager import CheckpointConfig, CheckpointManager, ModelState, OptimizerState
 
 pytestmark = pytest.mark.slow
@@ -55,10 +58,19 @@ def _rank_saves(rank: int, world_size: int, root: str) -> list[bool]:
     return same
 
 
-def test_several_ranks_write_full_checkpoints_that_load(tmp_path: Any) -> None:
+def test_several_ranks_refer_to_the_last_step_and_load(tmp_path: Any) -> None:
     results = run_ranks(_rank_saves, 2, str(tmp_path), config=LAUNCH)
     assert results == [[True, True, True]] * 2
+    docs = {}
     for step in (1, 2, 3):
-        with open(tmp_path / "ckpt" / f"step-{step}" / "manifest.json", "rb") as f:
-            doc = json.loads(f.read())
-        assert doc["format_version"] == 1 and doc["world_size"] == 2
+        path = tmp_path / "ckpt" / f"step-{step}"
+        docs[step] = json.loads((path / "manifest.json").read_bytes())
+        assert docs[step]["world_size"] == 2
+        assert verify_checkpoint(path).ok
+    assert docs[1]["format_version"] == 1
+    frozen = docs[2]["tensors"]["model.0.weight"]["chunks"]
+    assert len(frozen) == 8 and [c.get("base") for c in frozen] == [1] * 8
+    # the blocks are shared out: both ranks' files hold some of them at step 1
+    assert len({c["file"][:10] for c in docs[1]["tensors"]["model.0.weight"]["chunks"]}) == 2
+    assert [c.get("base") for c in docs[3]["tensors"]["model.0.weight"]["chunks"]] == [1] * 8
+    assert all("base" not in c for c in docs[3]["tensors"]["model.1.weight"]["chunks"])

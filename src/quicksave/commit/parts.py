@@ -43,6 +43,9 @@ class RankPart:
     rank: int
     chunks: dict[str, str]  # safetensors key -> xxh3-64 hex of the chunk as written
     objects: dict[str, Any]  # fqn -> typed JSON value (objects this rank owns)
+    # safetensors key -> the earlier step holding the chunk (an incremental save's
+    # references, FORMAT.md §9; their digests are in ``chunks``)
+    bases: dict[str, int] = dataclasses.field(default_factory=dict)
 
 
 def seal(body: dict[str, Any]) -> bytes:
@@ -54,9 +57,15 @@ def seal(body: dict[str, Any]) -> bytes:
 
 
 def _encode(part: RankPart) -> bytes:
-    return seal(
-        {"format": PART_FORMAT, "rank": part.rank, "chunks": part.chunks, "objects": part.objects}
-    )
+    body = {
+        "format": PART_FORMAT,
+        "rank": part.rank,
+        "chunks": part.chunks,
+        "objects": part.objects,
+    }
+    if part.bases:
+        body["bases"] = part.bases
+    return seal(body)
 
 
 def write_sealed(
@@ -83,15 +92,18 @@ def read_part(strategy: CommitStrategy, draft: str, rank: int) -> RankPart:
     """
     body, path = read_sealed(strategy, draft, rank, PART_FORMAT)
     chunks, objects = body.get("chunks"), body.get("objects")
+    bases = body.get("bases", {})
     if (
         not isinstance(chunks, dict)
         or not isinstance(objects, dict)
         or not all(isinstance(v, str) for v in chunks.values())
+        or not isinstance(bases, dict)
+        or not all(type(v) is int and k in chunks for k, v in bases.items())
     ):
         raise CorruptCheckpointError(
-            "the part's chunks and objects are malformed", path=path, rank=rank
+            "the part's chunks, objects and bases are malformed", path=path, rank=rank
         )
-    return RankPart(rank, dict(chunks), dict(objects))
+    return RankPart(rank, dict(chunks), dict(objects), dict(bases))
 
 
 def read_sealed(

@@ -109,18 +109,19 @@ class AsyncSaver:
     ) -> None:
         self.config = config or EngineConfig()
         self.rank = dist_context.rank if dist_context is not None else rank
-        # Multi-rank: plans through the plan cache, commits through parts and records.
-        self._dist = DistSaving(dist_context) if dist_context is not None else None
         self._lock = threading.RLock()
         self._ids = itertools.count()  # pool and job ids
         self._slots = InFlightPools(self.config.max_in_flight, self._ids, self.config.pin_memory)
         self._plans: PlanCache[EnginePlan] = PlanCache()  # single rank (several: DistSaving's)
         self._collected = CollectCache()  # single rank
-        self._flights = InFlightSaves(self.rank, self._dist)
-        self._worker = WorkerSupervisor(self.config, self.rank, self._dist)
         self._copier = PoolCopier()
         self._background = BackgroundCopy(self._copier, self.rank)
         self._incr = Increments(self.config.incremental, self._copier, self._background.unguarded)
+        # Multi-rank: plans through the plan cache, commits through parts and records.
+        blocked = self._incr.blocked if self.config.incremental.enabled else None
+        self._dist = DistSaving(dist_context, blocked) if dist_context is not None else None
+        self._flights = InFlightSaves(self.rank, self._dist)
+        self._worker = WorkerSupervisor(self.config, self.rank, self._dist)
         self._vote = (
             None if self._dist is None else RankVote(self._dist, self.config, self._poll_rank)
         )

@@ -139,7 +139,7 @@ class PlannedSave:
     @classmethod
     def of_dist(cls, ds: DistSave) -> PlannedSave:
         plan = EnginePlan.of_dist(ds)
-        return cls(plan, ds.tensors, ds.sources, ds.manifest, ds.dist.token, ds.dist)
+        return cls(plan, ds.tensors, ds.sources, ds.manifest, ds.dist.token, ds.dist, ds.tracked)
 
     def job(
         self,

@@ -57,7 +57,7 @@ import xxhash
 from quicksave.checksum import hexdigest, tensor_view
 from quicksave.errors import CheckpointError
 from quicksave.format.dtypes import dtype_name, element_size
-from quicksave.layout.plan import ItemSpec, chunk_key
+from quicksave.layout.plan import ItemSpec
 from quicksave.saving.config import IncrementalConfig
 from quicksave.saving.engine_plan import PlannedSave
 from quicksave.saving.rank_plans import LocalState
@@ -78,32 +78,43 @@ class _Split:
     tracked: dict[str, str]  # chunk key -> fqn of every tracked chunk
 
 
+def _specs(state: LocalState) -> list[tuple[ItemSpec, torch.Tensor]]:
+    """Every chunk of ``state`` with its local tensor (a whole tensor: one chunk)."""
+    if state.items is not None:
+        return [(spec, state.tensors[spec.key]) for spec in state.items]
+    out = []
+    for fqn, t in state.tensors.items():
+        shape = tuple(int(s) for s in t.shape)
+        nbytes = math.prod(shape) * element_size(t.dtype)
+        out.append((ItemSpec(fqn, (0,) * len(shape), shape, shape, dtype_name(t.dtype), nbytes), t))
+    return out
+
+
 def _split_of(state: LocalState, config: IncrementalConfig) -> _Split:
     items: list[ItemSpec] = []
     rows: dict[str, tuple[tuple[str, int, int], ...]] = {}
     tracked: dict[str, str] = {}
-    for fqn, t in state.tensors.items():
-        shape = tuple(int(s) for s in t.shape)
-        size = element_size(t.dtype)
-        nbytes = math.prod(shape) * size
-        name = dtype_name(t.dtype)
-        if nbytes <= config.block_bytes or len(shape) == 0 or shape[0] < 2:
-            items.append(ItemSpec(fqn, (0,) * len(shape), shape, shape, name, nbytes))
+    for spec, _ in _specs(state):
+        sizes, nbytes = spec.sizes, spec.nbytes
+        if nbytes <= config.block_bytes or len(sizes) == 0 or sizes[0] < 2:
+            items.append(spec)
             if nbytes >= config.min_bytes:
-                tracked[fqn] = fqn
+                tracked[spec.key] = spec.fqn
             continue
-        row = nbytes // shape[0]
+        row = nbytes // sizes[0]
         per = max(1, config.block_bytes // max(row, 1))
         blocks = []
-        for start in range(0, shape[0], per):
-            end = min(start + per, shape[0])
-            offsets = (start,) + (0,) * (len(shape) - 1)
-            sizes = (end - start, *shape[1:])
-            key = chunk_key(fqn, offsets, sizes, shape)
-            items.append(ItemSpec(fqn, offsets, sizes, shape, name, (end - start) * row))
-            blocks.append((key, start, end))
-            tracked[key] = fqn
-        rows[fqn] = tuple(blocks)
+        for start in range(0, sizes[0], per):
+            end = min(start + per, sizes[0])
+            offsets = (spec.offsets[0] + start, *spec.offsets[1:])
+            sub = (end - start, *sizes[1:])
+            block = ItemSpec(
+                spec.fqn, offsets, sub, spec.global_shape, spec.dtype, (end - start) * row
+            )
+            items.append(block)
+            blocks.append((block.key, start, end))
+            tracked[block.key] = spec.fqn
+        rows[spec.key] = tuple(blocks)
     return _Split(tuple(items), rows, tracked)
 
 
@@ -112,13 +123,14 @@ class Blocks:
 
     def __init__(self, config: IncrementalConfig) -> None:
         self.config = config
-        self._memo: tuple[tuple, _Split] | None = None
+        self._memo: tuple[object, _Split] | None = None
 
     def blocked(self, state: LocalState) -> LocalState:
-        """``state`` (collected whole) with its tracked tensors as chunks of their own:
-        the large ones as row blocks (views, no copy). Its ``shape_key`` names the
-        split, so a plan made from it is never taken for a plan of whole tensors."""
-        key = state.shape_key
+        """``state`` with its tracked chunks as chunks of their own: the large ones as
+        row blocks (views, no copy). Its ``shape_key`` (whole tensors) or its items
+        (chunks: several ranks) name the split, so a plan made from it is never taken
+        for a plan of the chunks unsplit."""
+        key = state.shape_key if state.items is None else state.items
         memo = self._memo
         if memo is None or memo[0] != key:
             memo = (key, _split_of(state, self.config))
@@ -127,23 +139,26 @@ class Blocks:
         tensors: dict[str, torch.Tensor] = {}
         sources: dict[str, torch.Tensor] = {}
         with torch.no_grad():  # (views of parameters: no autograd graph)
-            for fqn, t in state.tensors.items():
-                blocks = split.rows.get(fqn)
+            for name, t in state.tensors.items():
+                blocks = split.rows.get(name)
+                src = state.sources.get(name, t)
                 if blocks is None:
-                    tensors[fqn] = t
-                    sources[fqn] = state.sources[fqn]
+                    tensors[name] = t
+                    sources[name] = src
                     continue
-                src = state.sources[fqn]
+                sliced = type(src).__name__ != "DTensor"  # (its shape is the global one)
                 for k, start, end in blocks:
                     tensors[k] = t[start:end]
-                    sources[k] = src[start:end]  # (a view shares its base's counter)
+                    # (a view shares its base's counter; a DTensor's own counter is kept)
+                    sources[k] = src[start:end] if sliced else src
         cfg = self.config
+        shape = state.shape_key if state.items is None else state.shape
         return dataclasses.replace(
             state,
             tensors=tensors,
             sources=sources,
             items=split.items,
-            shape=(key, "blocks", cfg.block_bytes, cfg.min_bytes),
+            shape=None if shape is None else (shape, "blocks", cfg.block_bytes, cfg.min_bytes),
             tracked=split.tracked,
         )
 
@@ -339,12 +354,13 @@ class Increments:
             ``(job, now, later)``: the names left to copy (a block of a tensor whose
             first block is deferred is deferred too); :attr:`cost` says what this cost.
         """
-        tracked = planned.tracked
+        tensors, sources, plan = planned.tensors, planned.sources, planned.plan
         self.cost = (0, 0)
         self.sift = None
-        if not tracked or job.dist is not None:
+        # (several ranks: the chunks this rank writes)
+        tracked = {k: f for k, f in planned.tracked.items() if k in tensors}
+        if not tracked:
             return job, now, later
-        tensors, sources, plan = planned.tensors, planned.sources, planned.plan
         base = self._base_for(job, plan.key, idle)
         digests: dict[str, str] = {}
         bases: dict[str, int] = {}
@@ -358,7 +374,8 @@ class Increments:
                 return True
             return False
 
-        trust = self._trusted and base is not None
+        # (not with several ranks: a DTensor's in-place ops move its own counter only)
+        trust = self._trusted and base is not None and job.dist is None
         presumed: set[str] = set()
 
         def moved(name: str) -> bool:
