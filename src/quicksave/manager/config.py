@@ -254,7 +254,8 @@ class CheckpointConfig:
             it when it holds a newer step than the folder. None (default): none.
         incremental: incremental saves (:class:`~quicksave.IncrementalConfig`): blocks
             unchanged since the last checkpoint are referred to, not written again
-            (one rank, ``async_mode`` ``"thread"`` or ``"process"``; FORMAT.md §9).
+            (``async_mode`` ``"thread"`` or ``"process"``, any number of ranks;
+            FORMAT.md §9).
             Off by default.
 
     Raises:

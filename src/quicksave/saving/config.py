@@ -93,8 +93,8 @@ class EngineConfig:
             :class:`~quicksave.worker.persisters.Persister` (e.g. one that attaches to a
             writer process that outlives the trainer); None: the built-in one of
             ``mode`` (``quicksave.worker.persisters.PERSISTERS``).
-        incremental: :class:`IncrementalConfig` (single-rank savers; a multi-rank
-            saver writes every byte).
+        incremental: :class:`IncrementalConfig` (one rank or several; ``local``
+            saves write every byte).
     """
 
     mode: Literal["process", "thread"] = "process"

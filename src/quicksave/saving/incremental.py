@@ -3,7 +3,7 @@ bytes are those of the last checkpoint this saver committed in the same run fold
 neither copied into the staging pool nor written; the new checkpoint's manifest refers to
 the checkpoint that holds the block's bytes (its ``base``).
 
-Two pieces, for a single-rank ``AsyncSaver`` (``saving/engine.py``):
+Two pieces, for an ``AsyncSaver`` (``saving/engine.py``) of one rank or several:
 
 - :class:`Blocks` (collect/plan): every tensor of at least ``min_bytes`` is *tracked*;
   one larger than ``block_bytes`` becomes row blocks along dim 0 of about that size,
@@ -28,6 +28,15 @@ checked by the background copy before the save reaches the writer: a miss fails 
 save and ends the trust. The digest taken here becomes the chunk's checksum only where
 the bytes are copied right after, on the same thread, from the tensor hashed; a block
 copied later by the background copy is hashed from its copy.
+
+**Several ranks** decide alone, each for the chunks it writes, from its own view: a
+rank refers only to the newest step committed and only when none of its saves is in
+flight (then it has every outcome, the newest commit's included), so whatever another
+rank decided, every reference names a step that retention keeps. The ranks may differ
+on which blocks are written (one rank's save full, another's not); the checkpoint is
+valid either way. Its part carries its references (``RankPart.bases``) to the
+coordinator's commit. Version counters are never trusted there (a DTensor's in-place
+ops move its own counter, not its local tensor's).
 
 **Which save is full.** The first save of a saver, a save whose layout (plan key),
 folder or naming differs from the base's, a save while another save of this saver is
