@@ -74,3 +74,65 @@ def test_several_ranks_refer_to_the_last_step_and_load(tmp_path: Any) -> None:
     assert len({c["file"][:10] for c in docs[1]["tensors"]["model.0.weight"]["chunks"]}) == 2
     assert [c.get("base") for c in docs[3]["tensors"]["model.0.weight"]["chunks"]] == [1] * 8
     assert all("base" not in c for c in docs[3]["tensors"]["model.1.weight"]["chunks"])
+
+
+def _rank_dtensors(rank: int, world_size: int, root: str) -> list[bool]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    full = {
+        "rows": torch.arange(512 * 256, dtype=torch.float32).reshape(512, 256),
+        "cols": -torch.arange(256 * 512, dtype=torch.float32).reshape(256, 512),
+    }
+    state = {
+        "rows": distribute_tensor(full["rows"].clone(), mesh, [Shard(0)]),
+        "cols": distribute_tensor(full["cols"].clone(), mesh, [Shard(1)]),
+    }
+
+    class Holder:
+        def state_dict(self) -> dict[str, Any]:
+            return dict(state)
+
+        def load_state_dict(self, sd: dict[str, Any]) -> None:
+            state.update(sd)
+
+    incremental = quicksave.IncrementalConfig(enabled=True, block_bytes=64 << 10)
+    config = CheckpointConfig(
+        folder=os.path.join(root, "ckpt"), interval=1, async_mode="thread", incremental=incremental
+    )
+    expected = {}
+    with CheckpointManager(config, {"m": Holder()}) as manager:
+        for step in (1, 2, 3):
+            if step == 3:
+                if rank == 1:  # row 300: rank 1's shard holds rows 256..511
+                    state["rows"].to_local()[300 - 256] += 1.0
+                full["rows"][300] += 1.0
+            manager.save(step)
+            manager.wait()
+            expected[step] = {k: v.clone() for k, v in full.items()}
+    same = []
+    for step in (1, 2, 3):  # read back replicated: another placement than the saved one
+        out = {
+            k: distribute_tensor(torch.zeros_like(v), mesh, [Replicate()]) for k, v in full.items()
+        }
+        quicksave.load({"m": out}, os.path.join(root, "ckpt", f"step-{step}"))
+        same.append(all(torch.equal(out[k].to_local(), expected[step][k]) for k in full))
+    return same
+
+
+def test_dtensor_shards_refer_block_by_block(tmp_path: Any) -> None:
+    results = run_ranks(_rank_dtensors, 2, str(tmp_path), config=LAUNCH)
+    assert results == [[True, True, True]] * 2
+    docs = {
+        s: json.loads((tmp_path / "ckpt" / f"step-{s}" / "manifest.json").read_bytes())
+        for s in (1, 2, 3)
+    }
+    for step in (1, 2, 3):
+        assert verify_checkpoint(tmp_path / "ckpt" / f"step-{step}").ok
+    rows = {tuple(c["offsets"]): c.get("base") for c in docs[3]["tensors"]["m.rows"]["chunks"]}
+    # 8 blocks of 64 rows (each rank's 256 rows in 4); row 300 is in the block at 256
+    assert len(rows) == 8 and rows[(256, 0)] is None
+    assert all(base == 1 for at, base in rows.items() if at != (256, 0))
+    cols = docs[2]["tensors"]["m.cols"]["chunks"]
+    assert {c.get("base") for c in cols} == {1}
