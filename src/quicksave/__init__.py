@@ -40,6 +40,7 @@ _LAZY: dict[str, str] = {
     "verify_checkpoint": "quicksave.loading.verify",
     "AsyncSaver": "quicksave.saving.engine",
     "EngineConfig": "quicksave.saving.config",
+    "IncrementalConfig": "quicksave.saving.config",
     "SaveHandle": "quicksave.saving.handle",
     "SaveResult": "quicksave.saving.handle",
     "async_save": "quicksave.saving.async_save",
@@ -102,6 +103,7 @@ __all__ = [
     "EveryNSeconds",
     "EveryNSteps",
     "IncompatibleStateError",
+    "IncrementalConfig",
     "KeepLatestK",
     "MemoryTierConfig",
     "LoadPlanner",
@@ -185,7 +187,7 @@ if TYPE_CHECKING:
         UploadTierConfig,
     )
     from quicksave.saving.async_save import async_save
-    from quicksave.saving.config import EngineConfig
+    from quicksave.saving.config import EngineConfig, IncrementalConfig
     from quicksave.saving.engine import AsyncSaver
     from quicksave.saving.handle import SaveHandle, SaveResult
     from quicksave.storage import S3Options, StorageOptions

@@ -167,3 +167,24 @@ def test_a_baseline_without_a_package_is_refused(tmp_path, capsys) -> None:
     rc = main(["--training", "--quick", "--baseline", str(tmp_path), "--dir", str(tmp_path)])
     assert rc == 2
     assert "holds no quicksave package" in capsys.readouterr().err
+
+
+def test_quick_lora_run_reports_bytes_on_disk_per_save(tmp_path, capsys) -> None:
+    methods = "quicksave-process,quicksave-incremental,quicksave-trainable"
+    argv = ["--training", "--quick", "--shapes", "lora", "--methods", methods]
+    rc = main([*argv, "--dir", str(tmp_path), "--json"])
+    captured = capsys.readouterr()
+    assert rc == 0, captured.err
+    report = json.loads(captured.out)
+    ms = report["shapes"]["lora"]["methods"]
+    full, incr, trainable = (ms[m] for m in methods.split(","))
+    # every byte at every save; the incremental saves write the frozen base once
+    assert full["disk_later_vs_first"] == 1.0
+    assert incr["disk_first_bytes"] == full["disk_first_bytes"]
+    assert incr["disk_later_median_bytes"] < full["disk_later_median_bytes"] / 4
+    # the trainable state alone is what changes; it is restored nowhere (the base is not in it)
+    assert trainable["disk_first_bytes"] < full["disk_first_bytes"] / 4
+    assert (
+        incr["restore_median_s"] and incr["fresh_restore_median_s"] and not trainable["restore_s"]
+    )
+    assert "| bytes on disk |" in format_training_report(report)

@@ -43,6 +43,9 @@ class RankPart:
     rank: int
     chunks: dict[str, str]  # safetensors key -> xxh3-64 hex of the chunk as written
     objects: dict[str, Any]  # fqn -> typed JSON value (objects this rank owns)
+    # safetensors key -> the earlier step holding the chunk (an incremental save's
+    # references, FORMAT.md §9; their digests are in ``chunks``)
+    bases: dict[str, int] = dataclasses.field(default_factory=dict)
 
 
 def seal(body: dict[str, Any]) -> bytes:
@@ -54,9 +57,15 @@ def seal(body: dict[str, Any]) -> bytes:
 
 
 def _encode(part: RankPart) -> bytes:
-    return seal(
-        {"format": PART_FORMAT, "rank": part.rank, "chunks": part.chunks, "objects": part.objects}
-    )
+    body = {
+        "format": PART_FORMAT,
+        "rank": part.rank,
+        "chunks": part.chunks,
+        "objects": part.objects,
+    }
+    if part.bases:
+        body["bases"] = part.bases
+    return seal(body)
 
 
 def write_sealed(
@@ -83,15 +92,18 @@ def read_part(strategy: CommitStrategy, draft: str, rank: int) -> RankPart:
     """
     body, path = read_sealed(strategy, draft, rank, PART_FORMAT)
     chunks, objects = body.get("chunks"), body.get("objects")
+    bases = body.get("bases", {})
     if (
         not isinstance(chunks, dict)
         or not isinstance(objects, dict)
         or not all(isinstance(v, str) for v in chunks.values())
+        or not isinstance(bases, dict)
+        or not all(type(v) is int and k in chunks for k, v in bases.items())
     ):
         raise CorruptCheckpointError(
-            "the part's chunks and objects are malformed", path=path, rank=rank
+            "the part's chunks, objects and bases are malformed", path=path, rank=rank
         )
-    return RankPart(rank, dict(chunks), dict(objects))
+    return RankPart(rank, dict(chunks), dict(objects), dict(bases))
 
 
 def read_sealed(
@@ -210,3 +222,35 @@ def manifest_from_parts(
         for fqn, t in skeleton.tensors.items()
     }
     return dataclasses.replace(skeleton, tensors=tensors, objects=objects)
+
+
+def with_bases(
+    manifest: Manifest, chunk_keys: Mapping[str, tuple[str, int]], bases: Mapping[str, int]
+) -> Manifest:
+    """``manifest`` with the chunks of ``bases`` (safetensors key -> step) referring to
+    that earlier checkpoint of the same run folder for their bytes (FORMAT.md §9; their
+    checksums are already filled in, from the writer's part). The manifest is then
+    written as version 2.
+
+    Raises:
+        CorruptCheckpointError: a key the plan does not have, or a step not below the
+            checkpoint's own.
+    """
+    if not bases:
+        return manifest
+    chunks = {fqn: list(t.chunks) for fqn, t in manifest.tensors.items()}
+    for key, step in bases.items():
+        where = chunk_keys.get(key)
+        if where is None or manifest.step is None or not 0 <= step < manifest.step:
+            raise CorruptCheckpointError(
+                f"chunk {key!r} cannot refer to step {step} in the checkpoint of step "
+                f"{manifest.step}",
+                fqn=None if where is None else where[0],
+            )
+        fqn, i = where
+        chunks[fqn][i] = dataclasses.replace(chunks[fqn][i], base=step)
+    tensors = {
+        fqn: dataclasses.replace(t, chunks=tuple(chunks[fqn]))
+        for fqn, t in manifest.tensors.items()
+    }
+    return dataclasses.replace(manifest, tensors=tensors)

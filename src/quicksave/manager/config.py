@@ -15,7 +15,7 @@ import torch
 from quicksave.commit import strategy_class
 from quicksave.errors import CheckpointError
 from quicksave.manager.records import MetricsHook
-from quicksave.saving.config import EngineConfig
+from quicksave.saving.config import EngineConfig, IncrementalConfig
 from quicksave.storage import StorageOptions, parse_location
 from quicksave.worker.config import WorkerConfig
 
@@ -252,6 +252,11 @@ class CheckpointConfig:
         upload: an object-store tier behind the folder (:class:`UploadTierConfig`):
             due steps copied from the local folder in the background; ``load()`` reads
             it when it holds a newer step than the folder. None (default): none.
+        incremental: incremental saves (:class:`~quicksave.IncrementalConfig`): blocks
+            unchanged since the last checkpoint are referred to, not written again
+            (``async_mode`` ``"thread"`` or ``"process"``, any number of ranks;
+            FORMAT.md §9).
+            Off by default.
 
     Raises:
         CheckpointError: on construction, for any invalid value (message names it).
@@ -295,8 +300,13 @@ class CheckpointConfig:
     memory: MemoryTierConfig | None = None
     stream_load: bool = False
     upload: UploadTierConfig | None = None
+    incremental: IncrementalConfig = field(default_factory=IncrementalConfig)
 
     def __post_init__(self) -> None:
+        if not isinstance(self.incremental, IncrementalConfig):
+            raise CheckpointError(
+                f"incremental must be an IncrementalConfig, got {type(self.incremental).__name__}"
+            )
         if self.memory is not None and not isinstance(self.memory, MemoryTierConfig):
             raise CheckpointError(
                 f"memory must be a MemoryTierConfig or None, got {type(self.memory).__name__}"
@@ -428,6 +438,7 @@ class CheckpointConfig:
             close_timeout_s=float(self.close_timeout_s),
             storage=self.storage,
             write_rate_mbps=(None if self.write_rate_mbps is None else float(self.write_rate_mbps)),
+            incremental=self.incremental,
         )
 
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -46,6 +47,9 @@ class Overlap:
     snapshot: Snapshot
     tensors: dict[str, torch.Tensor]  # staged name -> the tensor copied
     fqn_of: dict[str, str]  # staged name -> fqn, where they differ (several ranks)
+    # incremental saves: drops the deferred blocks that did not change, before the copy
+    # (``incremental._Sift``: (names, digests, bases found) -> (names left, bytes hashed))
+    sift: Callable[[list[str], dict[str, str], dict[str, int]], tuple[list[str], int]] | None = None
 
 
 @dataclass(frozen=True)
@@ -57,9 +61,11 @@ class CopyDone:
             save awaited the copy.
         handle: that save's handle (None with ``job``).
         error: None: the save may be handed to the writer. Else why it fails.
-        torn: ``error`` is the guard's (a deferred tensor was written during the copy):
-            only this save fails. Otherwise the copy itself failed: every save not yet
-            handed to the writer fails.
+        torn: ``error`` is the guard's (a deferred tensor was written during the copy)
+            or an incremental save's check (a block referred to on its version
+            counter's word changed, ``incremental._Sift``): only this save fails.
+            Otherwise the copy itself failed: every save not yet handed to the writer
+            fails.
     """
 
     job: PersistJob | None
@@ -87,6 +93,7 @@ class BackgroundCopy:
         self.thread: threading.Thread | None = None
         self.unguarded: set[int] = set()
         self._error: BaseException | None = None
+        self._refused: CheckpointError | None = None  # the sift's: this save only fails
         self._overlap: Overlap | None = None  # the copy's save, unconfirmed
 
     def start(
@@ -100,9 +107,10 @@ class BackgroundCopy:
         """Copy ``fqns`` of ``overlap``'s save into ``pool`` in a new thread."""
         self._overlap = overlap
         self._error = None
+        self._refused = None
         self.thread = threading.Thread(
             target=self._run,
-            args=(pool, plan, overlap.tensors, fqns, overlap.handle, ready),
+            args=(pool, plan, overlap.tensors, fqns, overlap.handle, ready, overlap.sift),
             name="quicksave-stage",
             daemon=True,
         )
@@ -126,6 +134,8 @@ class BackgroundCopy:
         fqns: list[str],
         handle: SaveHandle,
         ready: torch.cuda.Event | None,
+        sift: Callable[[list[str], dict[str, str], dict[str, int]], tuple[list[str], int]]
+        | None = None,
     ) -> None:
         # Runs beside training: copies on one thread, hashing each block while it is in
         # the cache, so that the writer only writes (see ARCHITECTURE.md). The save is
@@ -133,17 +143,30 @@ class BackgroundCopy:
         # wrote these tensors meanwhile (wait).
         cpu0 = time.thread_time()
         digests: dict[str, str] = {}
+        found: dict[str, int] = {}  # chunks referred to (incremental: ``sift``)
+        hashed = 0
         try:
             with phase("save.stage"):
+                if sift is not None:
+                    try:
+                        fqns, hashed = sift(fqns, digests, found)
+                    except CheckpointError as e:  # (a block changed behind its counter)
+                        self._refused = e
+                        return
                 copied = self.copier.stage(pool, plan, tensors, fqns, digests, ready=ready)
         except BaseException as e:  # noqa: BLE001 - reported at the next wait/save
             self._error = e
             return
         overlap = self._overlap
         if overlap is not None and overlap.handle is handle:
-            overlap.job = dataclasses.replace(overlap.job, digests=digests)
+            # (the digests save() took are kept: chunks referred to, and copied then)
+            job = overlap.job
+            job = dataclasses.replace(job, digests={**job.digests, **digests})
+            if found:  # (incremental: the blocks the sift found unchanged are referred to)
+                job = dataclasses.replace(job, bases={**job.bases, **found})
+            overlap.job = job
         handle.bytes_copied += copied
-        handle.bytes_hashed += copied
+        handle.bytes_hashed += copied + hashed
         handle.staging_s = time.monotonic() - handle.started
         handle.trainer_cpu_s += time.thread_time() - cpu0
 
@@ -172,6 +195,9 @@ class BackgroundCopy:
                 return CopyDone(job, handle, failed)
             if overlap is None:
                 return None
+            if self._refused is not None:
+                refused, self._refused = self._refused, None
+                return CopyDone(job, handle, refused, torn=True)
             changed = overlap.snapshot.changed()
             if not changed:
                 return CopyDone(job, handle)

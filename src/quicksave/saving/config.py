@@ -1,5 +1,6 @@
 """The engine's configuration: :class:`EngineConfig`, how an ``AsyncSaver`` works (worker
-mode, staging mode, writer threads, backpressure, pools in flight, durability, limits).
+mode, staging mode, writer threads, backpressure, pools in flight, durability, limits,
+incremental saves: :class:`IncrementalConfig`).
 
 Built once by the caller (or by the manager from its own config) and passed to
 ``AsyncSaver``; validated at construction, read-only afterwards.
@@ -17,6 +18,50 @@ from quicksave.worker.config import WorkerConfig
 
 if TYPE_CHECKING:  # the persisters' module is the engine's to import, when it starts one
     from quicksave.worker.persisters import Persister, PersisterStart
+
+
+@dataclass(frozen=True)
+class IncrementalConfig:
+    """Incremental saves (docs/FORMAT.md §9): a block of a tensor whose bytes are those
+    of the last checkpoint this saver committed in the same run folder is neither
+    copied nor written again; the new checkpoint refers to that one for it
+    (``saving/incremental.py``).
+
+    Attributes:
+        enabled: off (default): every save writes every byte, as without this option.
+        block_bytes: tensors larger than this are tracked in row blocks (along dim 0)
+            of about this many bytes, each a chunk of its own in every save, changed
+            or not (the layout never depends on what changed).
+        min_bytes: tensors smaller than this are always written (tracking them costs
+            more manifest than it saves).
+        full_every: every ``full_every``-th save of a chain is full (refers to
+            nothing), so that a chain of references is at most ``full_every - 1``
+            checkpoints long; 1: every save is full.
+        trust_counters: a tracked CPU block whose tensor's version counter and address
+            are those of the last save is referred to without hashing it in
+            ``save()``; the background copy hashes it before the save is handed to the
+            writer, and a block that changed anyway (a write the counters miss:
+            through ``.data``, a numpy or DLPack view, a fused kernel, another
+            process) fails that save, never committed, and the saver hashes every
+            block from then on. The check runs after ``save()`` returns, with
+            ``staging="blocking"`` too (until ``maybe_wait_for_staging()``): such a
+            write to a block meanwhile also fails the save. Off (default): every block
+            is hashed in ``save()``.
+    """
+
+    enabled: bool = False
+    block_bytes: int = 4 << 20
+    min_bytes: int = 64 << 10
+    full_every: int = 8
+    trust_counters: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("block_bytes", "min_bytes", "full_every"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise CheckpointError(
+                    f"IncrementalConfig.{name} must be a positive integer, got {value!r}"
+                )
 
 
 @dataclass(frozen=True)
@@ -48,6 +93,8 @@ class EngineConfig:
             :class:`~quicksave.worker.persisters.Persister` (e.g. one that attaches to a
             writer process that outlives the trainer); None: the built-in one of
             ``mode`` (``quicksave.worker.persisters.PERSISTERS``).
+        incremental: :class:`IncrementalConfig` (one rank or several; ``local``
+            saves write every byte).
     """
 
     mode: Literal["process", "thread"] = "process"
@@ -64,6 +111,7 @@ class EngineConfig:
     write_rate_mbps: float | None = None
     clear_uncommitted: bool = False
     persister: Callable[[PersisterStart], Persister] | None = None
+    incremental: IncrementalConfig = field(default_factory=IncrementalConfig)
 
     def __post_init__(self) -> None:
         rate = self.write_rate_mbps
@@ -78,5 +126,10 @@ class EngineConfig:
                 raise CheckpointError(
                     f"EngineConfig.{name} must be one of {allowed}, got {value!r}"
                 )
+        if not isinstance(self.incremental, IncrementalConfig):
+            raise CheckpointError(
+                "EngineConfig.incremental must be an IncrementalConfig, got "
+                f"{type(self.incremental).__name__}"
+            )
         if self.thread_count < 1 or self.max_in_flight < 1:
             raise CheckpointError("EngineConfig.thread_count and max_in_flight must be >= 1")

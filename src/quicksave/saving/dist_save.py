@@ -24,6 +24,7 @@ from quicksave.layout.plan import RankLayout
 from quicksave.layout.skeleton import chunk_keys_of
 from quicksave.saving.plan_cache import PlanCache
 from quicksave.saving.plan_vote import Rider, plan_save
+from quicksave.saving.rank_plans import LocalState
 from quicksave.worker.job import DistCommit
 
 
@@ -66,13 +67,17 @@ class DistSave:
     dcp_metadata: bytes  # the coordinator's .metadata, else b""
     dist: DistCommit
     collectives: int
+    tracked: Mapping[str, str] = dataclasses.field(default_factory=dict)  # (incremental)
 
 
 class DistSaving:
     """Plans multi-rank saves for one AsyncSaver; holds its plan cache."""
 
-    def __init__(self, ctx: DistContext) -> None:
+    def __init__(
+        self, ctx: DistContext, blocked: Callable[[LocalState], LocalState] | None = None
+    ) -> None:
         self.ctx = ctx
+        self.blocked = blocked  # incremental saves: the collect's split (plan_vote.plan_save)
         self.cache = PlanCache()
         self.address = records.store_address(ctx.store)
         # The records live in the base store, where the workers (connected from
@@ -114,6 +119,7 @@ class DistSaving:
                 go,
                 ready,
                 ctx.rider,
+                self.blocked,
             )
         except CheckpointError as e:
             if e.path is None:  # planning knows no path; this save's is worth naming
@@ -168,6 +174,7 @@ class DistSaving:
                 timeout_s=ctx.commit_timeout_s,
             ),
             collectives=planned.collectives,
+            tracked=planned.tracked,
         )
 
     def settled(self, token: str) -> bool:

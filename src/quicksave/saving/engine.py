@@ -20,11 +20,10 @@ A pool the worker still reads is never written: each pool is "busy" from its sub
 its result (``max_in_flight`` pools allow that many saves in flight).
 
 This module wires the stages together; each lives in its own module of ``saving/``:
-``config`` (EngineConfig), ``handle`` (SaveHandle, SaveResult), ``rank_plans``
-(``collect_local``, the one collector), ``collect_cache`` (its answer, kept while the
-structure holds), ``engine_plan`` (the single-rank plan and its cache), ``staging`` (the
-copies into a pool), ``in_flight`` (the staging pools, the
-saves in flight and their outcomes), ``worker_supervision`` (the persister).
+``config``, ``handle``, ``rank_plans`` (the one collector), ``collect_cache``,
+``engine_plan`` (the single-rank plan), ``staging`` (copies into a pool),
+``incremental`` (what an incremental save neither copies nor writes), ``in_flight``
+(pools and saves in flight), ``worker_supervision`` (the persister).
 
 The saver owns that state, under one lock (``_lock``). Its collaborators own theirs and
 never take the saver's lock: ``background_copy`` (overlap mode: the copy beside training
@@ -46,7 +45,7 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from quicksave.commit import CommitStrategy, new_token, strategy_class, strategy_for
+from quicksave.commit import new_token, strategy_class
 from quicksave.errors import CheckpointError, IncompatibleStateError
 from quicksave.format.manifest import check_user_metadata
 from quicksave.saving.background_copy import BackgroundCopy, Overlap
@@ -63,11 +62,13 @@ from quicksave.saving.engine_plan import (
 from quicksave.saving.guard import Snapshot
 from quicksave.saving.handle import SaveHandle, SaveResult
 from quicksave.saving.in_flight import InFlight, InFlightPool, InFlightPools, InFlightSaves
+from quicksave.saving.incremental import Increments
 from quicksave.saving.plan_cache import PlanCache
 from quicksave.saving.prepare import PoolPreparer
 from quicksave.saving.rank_plans import LocalState
 from quicksave.saving.rank_vote import RankState, RankVote
 from quicksave.saving.staging import Deferred, PoolCopier, cuda_ready, split
+from quicksave.saving.trainer_strategies import TrainerStrategies
 from quicksave.saving.worker_supervision import WorkerSupervisor
 from quicksave.stage.pool import StagingPool
 from quicksave.storage import Location, parse_location
@@ -108,22 +109,23 @@ class AsyncSaver:
     ) -> None:
         self.config = config or EngineConfig()
         self.rank = dist_context.rank if dist_context is not None else rank
-        # Multi-rank: plans through the plan cache, commits through parts and records.
-        self._dist = DistSaving(dist_context) if dist_context is not None else None
         self._lock = threading.RLock()
         self._ids = itertools.count()  # pool and job ids
         self._slots = InFlightPools(self.config.max_in_flight, self._ids, self.config.pin_memory)
         self._plans: PlanCache[EnginePlan] = PlanCache()  # single rank (several: DistSaving's)
         self._collected = CollectCache()  # single rank
-        self._flights = InFlightSaves(self.rank, self._dist)
-        self._worker = WorkerSupervisor(self.config, self.rank, self._dist)
         self._copier = PoolCopier()
         self._background = BackgroundCopy(self._copier, self.rank)
+        self._incr = Increments(self.config.incremental, self._copier, self._background.unguarded)
+        # Multi-rank: plans through the plan cache, commits through parts and records.
+        blocked = self._incr.blocked if self.config.incremental.enabled else None
+        self._dist = DistSaving(dist_context, blocked) if dist_context is not None else None
+        self._flights = InFlightSaves(self.rank, self._dist)
+        self._worker = WorkerSupervisor(self.config, self.rank, self._dist)
         self._vote = (
             None if self._dist is None else RankVote(self._dist, self.config, self._poll_rank)
         )
-        # the trainer side's commit strategies (checks before a save), by container
-        self._strategies: dict[tuple, CommitStrategy] = {}
+        self._strategies = TrainerStrategies(self.rank, self.config.worker.save_timeout_s)
         self._closed = False
         self._preparer = PoolPreparer(
             self.config, self._slots, self._worker, self._install_prepared
@@ -269,17 +271,21 @@ class AsyncSaver:
         if overwrite:  # no I/O (the worker checks the target: never the training thread)
             strategy_class(loc).check_replace(loc, self.rank)
         with phase("save.collect"):
-            state = self._collect_whole(state_dict, loc.url, 0 if local else self.rank)
+            state = self._collect_whole(state_dict, loc.url, 0 if local else self.rank, local)
         with phase("save.plan"):
             plan = single_rank_plan(self._plans, state, 1 if in_place else self.config.thread_count)
             manifest = single_rank_manifest(plan, state, step, user_metadata)
-        return PlannedSave(plan, state.tensors, state.sources, manifest, new_token())
+        return PlannedSave.of_state(plan, state, manifest, new_token())
 
-    def _collect_whole(self, state_dict: Mapping[str, Any], final: str, rank: int) -> LocalState:
-        """One rank: collect ``state_dict`` (every tensor whole here) as ``rank``'s files
-        (0 for a local snapshot) for a save to ``final``; errors name it and this rank."""
+    def _collect_whole(
+        self, state_dict: Mapping[str, Any], final: str, rank: int, local: bool = False
+    ) -> LocalState:
+        """One rank: collect ``state_dict`` (every tensor whole here; incremental saves
+        but ``local`` ones: tracked in blocks) as ``rank``'s files (0 for a local
+        snapshot) for a save to ``final``; errors name it and this rank."""
         try:
-            return self._collected.collect(state_dict, rank)
+            state = self._collected.collect(state_dict, rank)
+            return state if local else self._incr.blocked(state)
         except IncompatibleStateError as e:
             if e.path is None and final:
                 e.path = final
@@ -328,7 +334,7 @@ class AsyncSaver:
         self._worker.for_submit(idle=self._flights.held_only(None))
         plan = planned.plan
         pool = self._slots.pool_for(slot, plan, self._worker)
-        strategy = self._strategy_for(loc)
+        strategy = self._strategies.of(loc)
         draft = strategy.draft(loc, planned.token)
         job = planned.job(
             next(self._ids),
@@ -374,16 +380,19 @@ class AsyncSaver:
         ready = cuda_ready(tensors)
         try:
             with phase("save.stage"):
-                handle.bytes_copied = self._copier.stage(pool, plan, tensors, now, ready=ready)
+                if planned.tracked:  # incremental: the unchanged is neither copied nor written
+                    idle = self._flights.only_local_besides(job.job_id)
+                    job, now, later = self._incr.stage(job, planned, now, later, pool, ready, idle)
+                    handle.bytes_copied, handle.bytes_hashed = self._incr.cost
+                handle.bytes_copied += self._copier.stage(pool, plan, tensors, now, ready=ready)
         except BaseException:
             self._flights.drop(job.job_id)
             raise
         if later:
             fqn_of = {} if self._dist is None else fqns_of(plan.layout)
             snapshot = Snapshot.take(planned.sources, later)
-            self._background.start(
-                Overlap(job, handle, snapshot, tensors, fqn_of), pool, plan, later, ready
-            )
+            overlap = Overlap(job, handle, snapshot, tensors, fqn_of, self._incr.sift)
+            self._background.start(overlap, pool, plan, later, ready)
         else:
             handle.staging_s = time.monotonic() - handle.started
             self._submit(job, handle)
@@ -395,16 +404,6 @@ class AsyncSaver:
                 self._worker.for_submit(idle=self._flights.held_only(job.job_id)).submit(job)
         except CheckpointError as e:
             self._worker_failed(e)
-
-    def _strategy_for(self, loc: Location) -> CommitStrategy:
-        """The trainer side's commit strategy of ``loc`` (checks before a save, clean-up
-        of a save the writer never finished), kept until :meth:`close`. Its calls run on
-        the training thread: a store's are bounded by ``save_timeout_s``."""
-        key = loc.backend_id()
-        if key not in self._strategies:
-            bounded = loc.bounded(self.config.worker.save_timeout_s)
-            self._strategies[key] = strategy_for(bounded, bounded.open(rank=self.rank), owned=True)
-        return self._strategies[key]
 
     # ------------------------------------------------------------ overlap staging
     def maybe_wait_for_staging(self) -> None:
@@ -452,6 +451,7 @@ class AsyncSaver:
                 return
             for r in results:
                 self._flights.complete(r)
+                self._incr.settled(r)
 
     def _poll_rank(self, timeout: float) -> RankState:
         """This rank, for its vote (``RankVote``, inside ``save()``): news from the worker
@@ -473,7 +473,9 @@ class AsyncSaver:
         )
 
     def _worker_failed(self, err: BaseException) -> None:
-        """The persister is gone: fail every save in flight, free the pools."""
+        """The persister is gone: fail every save in flight, free the pools (the next
+        save is full: one of them may have committed unseen)."""
+        self._incr.forget()
         self._worker.kill()
         self._flights.fail_all(err)
 
@@ -524,9 +526,7 @@ class AsyncSaver:
             self._slots.close()
             self._copier.forget()
             atexit.unregister(self._atexit)
-            for strategy in self._strategies.values():
-                strategy.close()
-            self._strategies.clear()
+            self._strategies.close()
 
     def _atexit(self) -> None:
         try:

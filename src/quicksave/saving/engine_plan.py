@@ -12,6 +12,7 @@ by the training thread (and by ``prepare()``), under the saver's lock.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -125,11 +126,20 @@ class PlannedSave:
     manifest: Manifest | None  # None: a multi-rank save's non-coordinator rank
     token: str  # names the save's temporary directory (and its commit records)
     dist: DistCommit | None = None  # several ranks: how this rank's part commits
+    # staged name -> fqn of the chunks an incremental save may refer to (incremental.py)
+    tracked: Mapping[str, str] = field(default_factory=dict)
+
+    @classmethod
+    def of_state(
+        cls, plan: EnginePlan, state: LocalState, manifest: Manifest, token: str
+    ) -> PlannedSave:
+        """A single-rank save of ``state`` (collected whole, or tracked in blocks)."""
+        return cls(plan, state.tensors, state.sources, manifest, token, None, state.tracked)
 
     @classmethod
     def of_dist(cls, ds: DistSave) -> PlannedSave:
         plan = EnginePlan.of_dist(ds)
-        return cls(plan, ds.tensors, ds.sources, ds.manifest, ds.dist.token, ds.dist)
+        return cls(plan, ds.tensors, ds.sources, ds.manifest, ds.dist.token, ds.dist, ds.tracked)
 
     def job(
         self,

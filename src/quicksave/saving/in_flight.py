@@ -288,6 +288,11 @@ class InFlightSaves:
         """Whether no job but ``job_id`` (if any) is in the worker's hands."""
         return set(self.jobs) <= (set() if job_id is None else {job_id})
 
+    def only_local_besides(self, job_id: int) -> bool:
+        """Whether every save in flight but ``job_id`` is a ``local`` one (a memory
+        tier's snapshot, in a folder of its own)."""
+        return all(fl.local for j, fl in self.jobs.items() if j != job_id)
+
     def lost_pending(self) -> bool:
         """Several ranks: whether a save whose job this rank lost with its worker still
         awaits its outcome on every rank (those posted, or past their time, are

@@ -94,6 +94,7 @@ class PlannedSave:
         tensors: chunk key -> this rank's local tensor holding it (every chunk it holds).
         values: fqn -> typed-JSON value of each object in ``objects``, taken at the call.
         sources: chunk key -> the tensor whose version counter tracks its writes.
+        tracked: chunk key -> fqn of the chunks an incremental save may refer to.
     """
 
     layout: RankLayout
@@ -105,6 +106,7 @@ class PlannedSave:
     tensors: dict[str, torch.Tensor]
     values: dict[str, Any]
     sources: dict[str, torch.Tensor] = field(default_factory=dict)
+    tracked: Mapping[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -337,6 +339,7 @@ def plan_save(
     go: bool = True,
     ready: Callable[[], bool | None] | None = None,
     rider: Rider | None = None,
+    blocked: Callable[[LocalState], LocalState] | None = None,
 ) -> PlannedSave | None:
     """Plan one multi-rank save; every rank of ``group`` calls it for every save.
 
@@ -357,6 +360,8 @@ def plan_save(
             new worker); a collective past the group's timeout would break the group for
             every later save. None: always ready.
         rider: integers of the caller's own that ride on the vote (see ``Rider``).
+        blocked: applied to this rank's collect before it is planned (incremental
+            saves: ``Increments.blocked``, the same on every rank); None: nothing.
 
     Returns:
         This rank's ``PlannedSave``, or None if some rank said it cannot save.
@@ -381,6 +386,8 @@ def plan_save(
         try:
             with phase("save.collect"):
                 state = collect_local(state_dict, rank)
+                if blocked is not None:
+                    state = blocked(state)
             hit_key = reusable_key(cache, state.plan, rank, context)
             if hit_key is not None:
                 shared = _shared_on_hit(cache, hit_key, rank)
@@ -434,7 +441,16 @@ def plan_save(
     ) -> PlannedSave:
         values = {fqn: state.values[fqn] for fqn in objects}
         return PlannedSave(
-            layout, objects, skeleton, token, key, n, state.tensors, values, state.sources
+            layout,
+            objects,
+            skeleton,
+            token,
+            key,
+            n,
+            state.tensors,
+            values,
+            state.sources,
+            state.tracked,
         )
 
     if agreed.reuse and agreed.same_copies:

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
 
@@ -170,6 +170,8 @@ class LocalState:
             one chunk each, its key its fqn, and its spec made with :attr:`plan`.
         shape: :attr:`shape_key`, where the collector knows it already (the collect
             cache keeps it with the structure); None: made from the tensors.
+        tracked: chunk key -> fqn of the chunks an incremental save may refer to
+            instead of writing (``saving/incremental.py``); empty: none.
     """
 
     rank: int
@@ -180,6 +182,7 @@ class LocalState:
     empty: tuple[Path, ...] = ()
     items: tuple[ItemSpec, ...] | None = None
     shape: tuple | None = None
+    tracked: Mapping[str, str] = field(default_factory=dict)
 
     @cached_property
     def plan(self) -> LocalPlan:

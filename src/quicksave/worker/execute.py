@@ -17,7 +17,7 @@ from typing import Any
 
 from quicksave.commit import rank_records as records
 from quicksave.commit import strategy_for
-from quicksave.commit.parts import RankPart, manifest_from_parts
+from quicksave.commit.parts import RankPart, manifest_from_parts, with_bases
 from quicksave.storage.backend import Backend
 from quicksave.storage.retry import StoreHealth
 from quicksave.worker.files import (
@@ -75,19 +75,24 @@ def execute_job(
                 strategy_for(job.location, backend),
                 job.draft,
                 job.location,
-                manifest_from_parts(
-                    job.manifest,
+                with_bases(
+                    manifest_from_parts(
+                        job.manifest,
+                        job.chunk_keys,
+                        [RankPart(job.rank, digests, {})],
+                        job.draft,
+                        objects_in_parts=False,
+                    ),
                     job.chunk_keys,
-                    [RankPart(job.rank, digests, {})],
-                    job.draft,
-                    objects_in_parts=False,
+                    job.bases,
                 ),
                 job.dcp_metadata,
                 replace=job.replace,
-                staged=staged_files(job, pool),
+                # (a pool holds no bytes of the chunks referred to: never taken from it)
+                staged=None if job.bases else staged_files(job, pool),
             )
         t2 = time.monotonic()
-        return done(job, t0, t1, t2, usage)
+        return done(job, t0, t1, t2, usage, digests)
     except BaseException as e:  # noqa: BLE001 - every failure must reach the trainer
         discard(job, backend)
         return failure(job, e)

@@ -94,6 +94,10 @@ def write_files(
     def one(f: FileJob) -> tuple[dict[str, str], float]:
         cpu0 = time.thread_time()
         key = join(job.draft, f.name)
+        if job.bases and any(e[0] in job.bases for e in f.entries):
+            image = pool[f.base : f.base + f.size]
+            pieces = _pieces_around(f, image, job.bases, job.digests)
+            return backend.put_pieces(key, f.size, pieces), time.thread_time() - cpu0
         todo = tuple(e for e in f.entries if e[0] not in job.digests)
         # the pool lays every image out to whole pages past its end (for O_DIRECT)
         image = pool[f.base : f.base + f.size + (-f.size % PAGE)]
@@ -110,6 +114,33 @@ def write_files(
                 digests.update(d)
                 usage.helpers_cpu_s += cpu
     return digests
+
+
+def _pieces_around(
+    f: FileJob, image: memoryview, bases: dict[str, int], digests: dict[str, str]
+) -> list[tuple[str | None, int, memoryview]]:
+    """The pieces of ``f``'s image that are written (``Backend.put_pieces``): everything
+    but the chunks that refer to an earlier checkpoint, whose ranges stay holes (zeros,
+    FORMAT.md §9; the pool holds no bytes of theirs). A chunk is named (hashed on the
+    way) unless its digest is known; neighbouring unnamed pieces are merged."""
+    spans: list[tuple[str | None, int, int]] = []  # (name, start, end)
+
+    def add(name: str | None, start: int, end: int) -> None:
+        if end <= start:
+            return
+        if name is None and spans and spans[-1][0] is None and spans[-1][2] == start:
+            spans[-1] = (None, spans[-1][1], end)
+        else:
+            spans.append((name, start, end))
+
+    cur = 0
+    for key, offset, length in sorted(f.entries, key=lambda e: e[1]):
+        add(None, cur, offset)  # header, padding
+        if key not in bases:
+            add(None if key in digests else key, offset, offset + length)
+        cur = offset + length
+    add(None, cur, f.size)
+    return [(name, start, image[start:end]) for name, start, end in spans]
 
 
 def _link_file(job: PersistJob, pool: memoryview, usage: Usage) -> dict[str, str]:

@@ -94,6 +94,20 @@ class PersistJob:
     # In place (a memory tier's snapshot): the pool is this file, holding the job's one
     # data file whole; the file is hard-linked into the draft instead of written.
     linked: str | None = None
+    # Chunk references (FORMAT.md §9): safetensors key -> the earlier step of the same
+    # run folder that holds its bytes (their digest in ``digests``). The writer leaves
+    # their ranges of the file unwritten (holes: zeros) and the manifest names the step.
+    bases: dict[str, int] = field(default_factory=dict)
+    # Send the checksum of every chunk back in the result (``JobResult.digests``): an
+    # incremental saver compares the next save's blocks with them.
+    report_digests: bool = False
+
+    def referenced_bytes(self) -> int:
+        """Bytes of the chunks this job refers to instead of writing."""
+        bases = self.bases
+        if not bases:
+            return 0
+        return sum(e[2] for f in self.files for e in f.entries if e[0] in bases)
 
 
 @dataclass(frozen=True)
@@ -129,6 +143,7 @@ class JobResult:
     pid: int = 0  # the writer's process
     cpu_s: float = 0.0  # CPU seconds of the job's thread and its writer threads
     bytes_hashed: int = 0  # chunk bytes the writer hashed (not given by the trainer)
+    digests: dict[str, str] = field(default_factory=dict)  # job.report_digests: every chunk's
     error_type: str = ""
     error_message: str = ""
     error_path: str | None = None
@@ -171,14 +186,20 @@ def untraced(name: str) -> AbstractContextManager[Any]:
 
 
 def done(
-    job: PersistJob, began: float, written: float, committed: float, usage: Usage
+    job: PersistJob,
+    began: float,
+    written: float,
+    committed: float,
+    usage: Usage,
+    digests: dict[str, str] | None = None,
 ) -> JobResult:
-    """A job's success: its files written at ``written``, committed at ``committed``."""
+    """A job's success: its files written at ``written``, committed at ``committed``
+    (``digests``: every chunk's, sent back where the job asks for them)."""
     return JobResult(
         job.job_id,
         job.step,
         True,
-        bytes_written=sum(f.size for f in job.files),
+        bytes_written=sum(f.size for f in job.files) - job.referenced_bytes(),
         write_s=written - began,
         commit_s=committed - written,
         finished_at=committed,
@@ -186,6 +207,7 @@ def done(
         pid=os.getpid(),
         cpu_s=usage.cpu_s(),
         bytes_hashed=usage.bytes_hashed,
+        digests=dict(digests) if digests is not None and job.report_digests else {},
     )
 
 

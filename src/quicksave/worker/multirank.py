@@ -20,7 +20,14 @@ from typing import Any
 
 from quicksave.commit import CommitStrategy, strategy_for
 from quicksave.commit import rank_records as records
-from quicksave.commit.parts import RankPart, manifest_from_parts, part_name, read_part, write_part
+from quicksave.commit.parts import (
+    RankPart,
+    manifest_from_parts,
+    part_name,
+    read_part,
+    with_bases,
+    write_part,
+)
 from quicksave.commit.strategy import StagedFiles
 from quicksave.errors import CheckpointError
 from quicksave.storage.backend import Backend
@@ -64,7 +71,7 @@ def execute_multirank_job(
             check_target(job, strategy)
             with phase("save.persist"):
                 digests = write_files(job, pool, backend, usage)
-                part = RankPart(job.rank, digests, d.objects)
+                part = RankPart(job.rank, digests, d.objects, job.bases)
                 write_part(strategy, job.draft, part, job.fsync)
         except BaseException as e:  # noqa: BLE001 - told to the others, then reported here
             result = failure(job, e)
@@ -77,21 +84,25 @@ def execute_multirank_job(
         records.post_rank(store, d.token, job.rank)
         t1 = time.monotonic()
         with phase("save.commit"):
+            # (a pool holds no bytes of the chunks referred to: never taken from it)
+            staged = None if job.bases else staged_files(job, pool)
             failed = (
-                _commit(job, store, backend, strategy, staged_files(job, pool))
-                if coordinator
-                else _wait(job, store)
+                _commit(job, store, backend, strategy, staged) if coordinator else _wait(job, store)
             )
         if failed is not None:
             return failed
         t2 = time.monotonic()
-        return done(job, t0, t1, t2, usage)
+        return done(job, t0, t1, t2, usage, digests)
     except BaseException as e:  # noqa: BLE001 - e.g. the store went away
         return failure(job, e)
 
 
 def _commit(
-    job: PersistJob, store: Any, backend: Backend, strategy: CommitStrategy, staged: StagedFiles
+    job: PersistJob,
+    store: Any,
+    backend: Backend,
+    strategy: CommitStrategy,
+    staged: StagedFiles | None,
 ) -> JobResult | None:
     """The coordinator: wait for every rank's record, merge the parts, commit (``staged``:
     its own files in its pool), post the commit record; the result of a save not
@@ -105,6 +116,8 @@ def _commit(
             parts = [read_part(strategy, job.draft, r) for r in ranks]
             assert job.manifest is not None
             manifest = manifest_from_parts(job.manifest, job.chunk_keys, parts, job.draft)
+            bases = {k: step for part in parts for k, step in part.bases.items()}
+            manifest = with_bases(manifest, job.chunk_keys, bases)
             # merged: the checkpoint holds no parts
             strategy.delete_members(job.draft, [part_name(r) for r in ranks])
             commit_files(

@@ -17,7 +17,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 import quicksave.api as quicksave_api
-from quicksave.manager import CheckpointConfig, CheckpointManager
+from quicksave.manager import CheckpointConfig, CheckpointManager, ModelState
+from quicksave.saving.config import IncrementalConfig
 
 QUICKSAVE_MODES = {  # method -> CheckpointConfig arguments
     "quicksave-sync": {"async_mode": "disabled"},
@@ -29,6 +30,26 @@ QUICKSAVE_MODES = {  # method -> CheckpointConfig arguments
         "async_mode": "process",
         "staging": "overlap",
         "write_rate_mbps": 300,
+    },
+}
+# Run when asked for (``--methods``): incremental saves (``lora``, ``embedding``; with
+# ``-counters``, trusting unmoved version counters, checked in the background), and the
+# default's save of the trainable state alone (the model's parameters that require a
+# gradient, and the optimizer), what an incremental save of a partly frozen model is
+# measured against.
+INCREMENTAL = "quicksave-incremental"
+TRAINABLE = "quicksave-trainable"
+EXTRA_QUICKSAVE_MODES = {
+    INCREMENTAL: {
+        "async_mode": "process",
+        "staging": "overlap",
+        "incremental": IncrementalConfig(enabled=True),
+    },
+    TRAINABLE: {"async_mode": "process", "staging": "overlap"},
+    INCREMENTAL + "-counters": {
+        "async_mode": "process",
+        "staging": "overlap",
+        "incremental": IncrementalConfig(enabled=True, trust_counters=True),
     },
 }
 DCP_ASYNC = {"dcp.async_save-thread": "THREAD", "dcp.async_save-process": "PROCESS"}
@@ -48,6 +69,8 @@ class Saver:
     """
 
     suffix = ""
+    # whether a restore gives back the whole state (the loop then times restores)
+    restorable = True
 
     def __init__(self, folder: str, states: dict[str, Any]) -> None:
         self.folder, self.states = folder, states
@@ -347,6 +370,30 @@ class _QuicksaveSaver(Saver):
         ]
 
 
+class _Trainable:
+    """A model's trainable state (the parameters that require a gradient), as a
+    ``Stateful``: what a fine-tune of a frozen base must keep besides the base."""
+
+    def __init__(self, model: ModelState) -> None:
+        self.model = model
+
+    def _params(self) -> dict[str, torch.Tensor]:
+        return {
+            name: p
+            for part in self.model.parts
+            for name, p in part.named_parameters()
+            if p.requires_grad
+        }
+
+    def state_dict(self) -> dict[str, Any]:
+        return {name: p.detach() for name, p in self._params().items()}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        with torch.no_grad():
+            for name, p in self._params().items():
+                p.copy_(state_dict[name])
+
+
 def make_saver(method: str, folder: str, states: dict[str, Any], interval: int) -> Saver:
     """The saver of one benchmark method (``none`` saves nothing)."""
     if method == "none":
@@ -359,6 +406,12 @@ def make_saver(method: str, folder: str, states: dict[str, Any], interval: int) 
         return _DcpAsyncSaver(folder, states, DCP_ASYNC[method])
     if method in QUICKSAVE_MODES:
         return _QuicksaveSaver(folder, states, interval, QUICKSAVE_MODES[method])
+    if method in EXTRA_QUICKSAVE_MODES:
+        if method == TRAINABLE:
+            states = {**states, "model": _Trainable(states["model"])}
+        saver = _QuicksaveSaver(folder, states, interval, EXTRA_QUICKSAVE_MODES[method])
+        saver.restorable = method != TRAINABLE  # (the frozen base is not in it)
+        return saver
     if method == TORCH_CHECKPOINTING:
         return _TorchCheckpointingSaver(folder, states)
     raise ValueError(f"unknown method {method!r}")

@@ -10,6 +10,12 @@ tensors decides the result.
   (102M parameters: 1.23 GB of the state with its moments) whose gradient is non-zero
   only in the rows a batch looks up (≈ 4k of 200k per step), plus a small dense MLP.
 
+One more shape is not of that state: ``lora`` — a LoRA-style fine-tune, a frozen base of
+``size_mb`` MB (default 1536: 24 × Linear(4096, 4096), float32) with rank-16 adapters
+beside every layer, the only tensors AdamW trains (~12 MB of state with their moments).
+The frozen base is the same whatever the seed (pretrained weights), so a resumed job
+that restores the adapters alone gets the same model.
+
 Each shape is ``(model, batches, loss)`` with seeded weights and data, so every method
 of one run trains exactly the same thing.
 """
@@ -23,7 +29,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-__all__ = ["SHAPES", "Shape", "build", "mlp"]
+__all__ = ["LORA_MB", "SHAPES", "Shape", "build", "mlp"]
 
 
 @dataclass(frozen=True)
@@ -32,7 +38,10 @@ class Shape:
 
     name: str
     about: str
-    build: Callable[[int, bool], tuple[nn.Module, list[tuple[torch.Tensor, torch.Tensor]], Any]]
+    # (seed, quick, size_mb: the state's size where the shape has one, None: its default)
+    build: Callable[
+        [int, bool, int | None], tuple[nn.Module, list[tuple[torch.Tensor, torch.Tensor]], Any]
+    ]
 
 
 def mlp(hidden: int, layers: int, seed: int) -> nn.Module:
@@ -47,7 +56,7 @@ def mlp(hidden: int, layers: int, seed: int) -> nn.Module:
     return nn.Sequential(*mods)
 
 
-def _mlp(seed: int, quick: bool) -> tuple[nn.Module, list, Callable]:
+def _mlp(seed: int, quick: bool, size_mb: int | None = None) -> tuple[nn.Module, list, Callable]:
     hidden, layers, batch = (256, 4, 8) if quick else (4096, 8, 32)
     model = mlp(hidden, layers, seed)
     g = torch.Generator().manual_seed(seed + 1)
@@ -97,7 +106,9 @@ def _lm_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1))
 
 
-def _transformer(seed: int, quick: bool) -> tuple[nn.Module, list, Callable]:
+def _transformer(
+    seed: int, quick: bool, size_mb: int | None = None
+) -> tuple[nn.Module, list, Callable]:
     vocab, d, layers, heads, batch, seq = (
         (512, 64, 24, 4, 2, 16) if quick else (32000, 640, 24, 10, 2, 32)
     )
@@ -125,7 +136,9 @@ class _Recommender(nn.Module):
         return self.dense(self.table(ids)).squeeze(-1)
 
 
-def _embedding(seed: int, quick: bool) -> tuple[nn.Module, list, Callable]:
+def _embedding(
+    seed: int, quick: bool, size_mb: int | None = None
+) -> tuple[nn.Module, list, Callable]:
     rows, dim, hidden, depth, batch, bag = (
         (5000, 32, 64, 2, 16, 4) if quick else (200_000, 512, 2048, 7, 256, 16)
     )
@@ -138,6 +151,37 @@ def _embedding(seed: int, quick: bool) -> tuple[nn.Module, list, Callable]:
         u = torch.rand(batch, bag, generator=g)
         ids = (rows * u.pow(3)).long().clamp_(max=rows - 1)
         data.append((ids, torch.randn(batch, generator=g)))
+    return model, data, nn.functional.mse_loss
+
+
+class _LoraLayer(nn.Module):
+    def __init__(self, d: int, rank: int) -> None:
+        super().__init__()
+        self.base = nn.Linear(d, d)
+        self.base.requires_grad_(False)
+        self.down = nn.Linear(d, rank, bias=False)
+        self.up = nn.Linear(rank, d, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.base(x) + self.up(self.down(x)))
+
+
+LORA_MB = 1536  # the frozen base of the ``lora`` shape, by default
+
+
+def _lora(seed: int, quick: bool, size_mb: int | None = None) -> tuple[nn.Module, list, Callable]:
+    d, rank, batch = (256, 4, 4) if quick else (4096, 16, 4)
+    mb = 1 if quick else (size_mb or LORA_MB)
+    layers = max(1, round(mb * 2**20 / (d * d * 4)))
+    torch.manual_seed(0)  # the pretrained base: the same in every job
+    model = nn.Sequential(*(_LoraLayer(d, rank) for _ in range(layers)))
+    torch.manual_seed(seed)
+    for layer in model:
+        nn.init.normal_(layer.down.weight, std=d**-0.5)
+        nn.init.normal_(layer.up.weight, std=0.01)
+    g = torch.Generator().manual_seed(seed + 1)
+    data = [(torch.randn(batch, d, generator=g), torch.randn(batch, d, generator=g))]
+    data += [(torch.randn(batch, d, generator=g), torch.randn(batch, d, generator=g))]
     return model, data, nn.functional.mse_loss
 
 
@@ -155,13 +199,21 @@ SHAPES: dict[str, Shape] = {
             "EmbeddingBag 200k × 512 (sparse gradients) + 8-layer MLP of width 2048",
             _embedding,
         ),
+        Shape(
+            "lora",
+            "frozen base of N × Linear(4096, 4096) with rank-16 adapters (AdamW on them)",
+            _lora,
+        ),
     )
 }
 
 
-def build(shape: str, seed: int, quick: bool = False) -> tuple[nn.Module, list, Callable]:
-    """The seeded model, its batches (inputs, targets) and its loss function."""
+def build(
+    shape: str, seed: int, quick: bool = False, size_mb: int | None = None
+) -> tuple[nn.Module, list, Callable]:
+    """The seeded model, its batches (inputs, targets) and its loss function
+    (``size_mb``: the size of a shape that has one, e.g. ``lora``'s frozen base)."""
     try:
-        return SHAPES[shape].build(seed, quick)
+        return SHAPES[shape].build(seed, quick, size_mb)
     except KeyError:
         raise ValueError(f"unknown shape {shape!r}; known: {', '.join(SHAPES)}") from None

@@ -77,8 +77,13 @@ from quicksave_tools.bench.baseline import (
     plain,
 )
 from quicksave_tools.bench.child import run_in_fresh_process
-from quicksave_tools.bench.savers import DCP_ASYNC, QUICKSAVE_MODES, TORCH_CHECKPOINTING
-from quicksave_tools.bench.shapes import SHAPES
+from quicksave_tools.bench.savers import (
+    DCP_ASYNC,
+    EXTRA_QUICKSAVE_MODES,
+    QUICKSAVE_MODES,
+    TORCH_CHECKPOINTING,
+)
+from quicksave_tools.bench.shapes import LORA_MB, SHAPES
 from quicksave_tools.bench.training_loop import median
 from quicksave_tools.bench.training_report import format_training_report, plot_training_report
 from quicksave_tools.bench.training_summary import DEFAULT, REFERENCE, acceptance, shape_report
@@ -92,6 +97,8 @@ __all__ = [
 ]
 
 METHODS = ("torch.save", "dcp.save", *DCP_ASYNC, TORCH_CHECKPOINTING, *QUICKSAVE_MODES)
+KNOWN_METHODS = (*METHODS, *EXTRA_QUICKSAVE_MODES)  # (the extra ones when asked for)
+DEFAULT_SHAPES = ("mlp", "transformer", "embedding")  # (``lora`` when asked for)
 BUILDS = ("cold", "warm")
 _CHILD = (
     "import sys; from quicksave_tools.bench.training_loop import child_main; "
@@ -130,7 +137,7 @@ class TrainingBenchConfig:
 
     steps: int = 30
     interval: int = 5
-    shapes: tuple[str, ...] = tuple(SHAPES)
+    shapes: tuple[str, ...] = DEFAULT_SHAPES
     quick: bool = False
     repeats: int = 2
     methods: tuple[str, ...] = METHODS
@@ -144,6 +151,7 @@ class TrainingBenchConfig:
     seed: int = 0
     timeout_s: float = 1800.0
     baseline: str | None = None
+    lora_mb: int = LORA_MB
 
 
 QUICK = {
@@ -184,9 +192,10 @@ def schedule(config: TrainingBenchConfig) -> list[tuple[str, str]]:
 
 
 def _check(config: TrainingBenchConfig, parent: str) -> None:
-    unknown = [m for m in config.methods if m not in METHODS]
+    unknown = [m for m in config.methods if m not in KNOWN_METHODS]
     if unknown:
-        raise ValueError(f"unknown method(s) {', '.join(unknown)}; known: {', '.join(METHODS)}")
+        known = ", ".join(KNOWN_METHODS)
+        raise ValueError(f"unknown method(s) {', '.join(unknown)}; known: {known}")
     bad = [s for s in config.shapes if s not in SHAPES]
     if bad or not config.shapes:
         raise ValueError(
@@ -196,7 +205,7 @@ def _check(config: TrainingBenchConfig, parent: str) -> None:
         check_baseline(config.baseline)
     if config.build not in BUILDS:
         raise ValueError(f"unknown build {config.build!r}; known: {', '.join(BUILDS)}")
-    for name in ("steps", "interval", "repeats", "threads"):
+    for name in ("steps", "interval", "repeats", "threads", "lora_mb"):
         if getattr(config, name) < 1:
             raise ValueError(f"{name} must be at least 1")
     if config.interval > config.steps:
@@ -357,6 +366,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument(
+        "--lora-mb",
+        type=int,
+        default=d.lora_mb,
+        help=f"the frozen base of the lora shape, in MB ({d.lora_mb})",
+    )
+    p.add_argument(
         "--baseline",
         metavar="SRC",
         help="a folder holding another quicksave package (an earlier commit's src): "
@@ -393,6 +408,7 @@ def main(argv: list[str] | None = None) -> int:
         build=args.build,
         seed=args.seed,
         baseline=args.baseline,
+        lora_mb=args.lora_mb,
     )
     if args.quick:
         config = replace(config, restore_repeats=1, raw_repeats=1, **QUICK)

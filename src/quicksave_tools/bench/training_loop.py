@@ -169,7 +169,8 @@ def build_trainer(
     need its lock there)."""
     seed = spec["seed"] if seed is None else seed
     if spec.get("shape"):
-        model, batches, loss_fn = build(spec["shape"], seed, bool(spec.get("quick")))
+        size = spec.get("lora_mb") if spec["shape"] == "lora" else None
+        model, batches, loss_fn = build(spec["shape"], seed, bool(spec.get("quick")), size)
     else:
         model = mlp(spec["hidden"], spec["layers"], seed)
         g = torch.Generator().manual_seed(seed + 1)
@@ -388,7 +389,9 @@ def run_child(spec: dict[str, Any]) -> dict[str, Any]:
             records = saver.records()
             if records is not None:
                 result["manager_records"] = records
-            if result["events"]:
+            result["disk_bytes"] = _disk_bytes(saver, [e["step"] for e in result["events"]])
+            result["trainable_bytes"] = _trainable_bytes(model, optim)
+            if result["events"] and saver.restorable:
                 last = result["events"][-1]["step"]
                 expected = _fingerprint(tensors)
                 result["restore_s"] = _restore_times(
@@ -405,6 +408,28 @@ def run_child(spec: dict[str, Any]) -> dict[str, Any]:
         return result
     finally:
         dist.destroy_process_group()
+
+
+def _disk_bytes(saver: Saver, steps: list[int]) -> dict[str, int]:
+    """Bytes each step's checkpoint occupies on disk (``st_blocks``: the holes of an
+    incremental checkpoint take none), by step; steps that left no folder are absent."""
+    out = {}
+    for step in steps:
+        path = saver.path(step)
+        if os.path.isdir(path):
+            out[str(step)] = sum(
+                os.stat(os.path.join(path, n)).st_blocks * 512 for n in os.listdir(path)
+            )
+        elif os.path.isfile(path):
+            out[str(step)] = os.stat(path).st_blocks * 512
+    return out
+
+
+def _trainable_bytes(model: nn.Module, optim: torch.optim.Optimizer) -> int:
+    """Bytes of the state that training changes: the parameters that require a gradient
+    and the optimizer's state."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    return _nbytes(params) + _nbytes([t for st in optim.state.values() for t in _tensors(st)])
 
 
 def _nbytes(tensors: list[torch.Tensor]) -> int:

@@ -60,6 +60,25 @@ def format_training_report(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _disk_rows(methods: dict[str, Any]) -> list[str]:
+    """Bytes each checkpoint takes on disk (the holes of an incremental one take none)."""
+    rows = [
+        f"| {name} | {s['disk_first_bytes'] / 1e6:.1f} | "
+        f"{s['disk_later_median_bytes'] / 1e6:.1f} | "
+        f"{_fmt(s.get('disk_later_vs_first'), '.3f', '×')} | "
+        f"{_fmt(s.get('disk_later_vs_trainable'), '.2f', '×')} |"
+        for name, s in methods.items()
+        if s.get("disk_first_bytes") is not None and s.get("disk_later_median_bytes") is not None
+    ]
+    if not rows:
+        return []
+    head = (
+        "| bytes on disk | 1st save MB | later saves MB (median) | later vs 1st | "
+        "later vs trainable state |"
+    )
+    return ["", head, "|---|---:|---:|---:|---:|", *rows]
+
+
 def _format_shape(name: str, sh: dict[str, Any], build: str) -> list[str]:
     st, raw, fl, base = sh["state"], sh["raw"], sh["floor"], sh["baseline"]
     gb = st["bytes"] / 1e9
@@ -130,6 +149,7 @@ def _format_shape(name: str, sh: dict[str, Any], build: str) -> list[str]:
                 f"{_fmt(s.get('fresh_restore_median_s'), '.3f')} "
                 f"({_fmt(s.get('fresh_restore_vs_others'), '.2f', '×')}) |"
             )
+    lines += _disk_rows(sh["methods"])
     lines += _baseline_rows(sh["methods"])
     diverged = [n for n, s in sh["methods"].items() if s.get("same_loss_as_baseline") is False]
     if diverged:

@@ -178,6 +178,7 @@ def _summarize(method: str, runs: list[dict], base: _Baseline) -> dict[str, Any]
     }
     out["restore_median_s"] = median(out["restore_s"])
     out["fresh_restore_median_s"] = median(out["fresh_restore_s"])
+    out.update(_disk_bytes(ok))
     if "manager_records" in ok[0]:
         out["manager_records"] = ok[0]["manager_records"]
         recs = [rec for r in ok for rec in r.get("manager_records", [])]
@@ -185,6 +186,25 @@ def _summarize(method: str, runs: list[dict], base: _Baseline) -> dict[str, Any]
             values = [rec[key] for rec in recs if rec.get(key) is not None]
             out[f"save_{key}_median"] = median(values)
     return out
+
+
+def _disk_bytes(ok: list[dict]) -> dict[str, Any]:
+    """Bytes on disk per checkpoint: the first save's, the later ones' median (an
+    incremental save's), and those against the trainable state's bytes."""
+    disk = [r["disk_bytes"] for r in ok if r.get("disk_bytes")]
+    if not disk:
+        return {}
+    ordered = [[d[k] for k in sorted(d, key=int)] for d in disk]
+    first = median([o[0] for o in ordered])
+    later = median([x for o in ordered for x in o[1:]])
+    trainable = ok[0].get("trainable_bytes")
+    return {
+        "disk_first_bytes": first,
+        "disk_later_median_bytes": later,
+        "trainable_bytes": trainable,
+        "disk_later_vs_trainable": later / trainable if later and trainable else None,
+        "disk_later_vs_first": later / first if later and first else None,
+    }
 
 
 def shape_report(

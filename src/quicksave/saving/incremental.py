@@ -1,0 +1,491 @@
+"""Incremental saves (``IncrementalConfig``, docs/FORMAT.md §9): a block of a tensor whose
+bytes are those of the last checkpoint this saver committed in the same run folder is
+neither copied into the staging pool nor written; the new checkpoint's manifest refers to
+the checkpoint that holds the block's bytes (its ``base``).
+
+Two pieces, for an ``AsyncSaver`` (``saving/engine.py``) of one rank or several:
+
+- :class:`Blocks` (collect/plan): every tensor of at least ``min_bytes`` is *tracked*;
+  one larger than ``block_bytes`` becomes row blocks along dim 0 of about that size,
+  each a chunk of its own. The split depends on names, dtypes and shapes only, so the
+  layout, the plan cache's entry and the staging pool are the same at every save,
+  whatever changed.
+- :class:`Increments` (stage → settle): per save, which tracked blocks are unchanged
+  since the base, i.e. the last save of this saver that committed in the same folder.
+
+**Never stale.** A block is referred to only when the xxh3-64 of its bytes now equals
+the digest that the base's manifest records for the same chunk (same fqn, box, dtype,
+place: the plan key is the base's). CPU blocks are hashed where they lie (no copy);
+other blocks (CUDA, non-contiguous) are staged and hashed from the pool, and an
+unchanged one is then only not written; deferred blocks (overlap) are hashed by the
+background copy before it copies (:class:`_Sift`). By default torch's version counters
+never decide that a block is unchanged (they miss writes through ``.data``, numpy and
+DLPack views, fused kernels, other processes); they only spare the hash of a tensor
+kept whole that is certainly changed: its counter moved since the last save (a write
+with the same values also moves it, so this can cost a write, never a stale block).
+With ``trust_counters`` a block whose counter did not move is referred to unhashed and
+checked by the background copy before the save reaches the writer: a miss fails that
+save and ends the trust. The digest taken here becomes the chunk's checksum only where
+the bytes are copied right after, on the same thread, from the tensor hashed; a block
+copied later by the background copy is hashed from its copy.
+
+**Several ranks** decide alone, each for the chunks it writes, from its own view: a
+rank refers only to the newest step committed and only when none of its saves is in
+flight (then it has every outcome, the newest commit's included), so whatever another
+rank decided, every reference names a step that retention keeps. The ranks may differ
+on which blocks are written (one rank's save full, another's not); the checkpoint is
+valid either way. Its part carries its references (``RankPart.bases``) to the
+coordinator's commit. Version counters are never trusted there (a DTensor's in-place
+ops move its own counter, not its local tensor's).
+
+**Which save is full.** The first save of a saver, a save whose layout (plan key),
+folder or naming differs from the base's, a save while another save of this saver is
+in flight (its commit could make the base older than the newest step, which retention
+may then delete), a save after a failed one, an ``overwrite`` and every
+``full_every``-th save of a chain: each refers to nothing. Once a referring save
+commits, retention keeps its bases (``manager/references.py``).
+
+Call order (the saver's training thread, under its lock): :meth:`Increments.blocked`
+at collect (``save()`` and ``prepare()``) → :meth:`Increments.stage` at the start of
+staging (its :attr:`Increments.sift`, if any, runs on the background copy's thread) →
+:meth:`Increments.settled` for every job result → :meth:`Increments.forget` when a
+worker fails. A load needs nothing: a save after it at a step not above the base's is
+full. No I/O, no collective.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass
+
+import torch
+import xxhash
+
+from quicksave.checksum import hexdigest, tensor_view
+from quicksave.errors import CheckpointError
+from quicksave.format.dtypes import dtype_name, element_size
+from quicksave.layout.plan import ItemSpec
+from quicksave.saving.config import IncrementalConfig
+from quicksave.saving.engine_plan import PlannedSave
+from quicksave.saving.rank_plans import LocalState
+from quicksave.saving.staging import PoolCopier
+from quicksave.stage.pool import StagingPool
+from quicksave.worker.calls import CallResult
+from quicksave.worker.job import JobResult, PersistJob
+
+_PENDING = 16  # candidates kept for saves whose result has not come (the oldest go)
+
+
+@dataclass(frozen=True)
+class _Split:
+    """The tracked chunks of one structure (its ``shape_key``)."""
+
+    items: tuple[ItemSpec, ...]  # every chunk of the save, blocks included
+    rows: dict[str, tuple[tuple[str, int, int], ...]]  # fqn -> its blocks (key, start, end)
+    tracked: dict[str, str]  # chunk key -> fqn of every tracked chunk
+
+
+def _specs(state: LocalState) -> list[tuple[ItemSpec, torch.Tensor]]:
+    """Every chunk of ``state`` with its local tensor (a whole tensor: one chunk)."""
+    if state.items is not None:
+        return [(spec, state.tensors[spec.key]) for spec in state.items]
+    out = []
+    for fqn, t in state.tensors.items():
+        shape = tuple(int(s) for s in t.shape)
+        nbytes = math.prod(shape) * element_size(t.dtype)
+        out.append((ItemSpec(fqn, (0,) * len(shape), shape, shape, dtype_name(t.dtype), nbytes), t))
+    return out
+
+
+def _split_of(state: LocalState, config: IncrementalConfig) -> _Split:
+    items: list[ItemSpec] = []
+    rows: dict[str, tuple[tuple[str, int, int], ...]] = {}
+    tracked: dict[str, str] = {}
+    for spec, _ in _specs(state):
+        sizes, nbytes = spec.sizes, spec.nbytes
+        if nbytes <= config.block_bytes or len(sizes) == 0 or sizes[0] < 2:
+            items.append(spec)
+            if nbytes >= config.min_bytes:
+                tracked[spec.key] = spec.fqn
+            continue
+        row = nbytes // sizes[0]
+        per = max(1, config.block_bytes // max(row, 1))
+        blocks = []
+        for start in range(0, sizes[0], per):
+            end = min(start + per, sizes[0])
+            offsets = (spec.offsets[0] + start, *spec.offsets[1:])
+            sub = (end - start, *sizes[1:])
+            block = ItemSpec(
+                spec.fqn, offsets, sub, spec.global_shape, spec.dtype, (end - start) * row
+            )
+            items.append(block)
+            blocks.append((block.key, start, end))
+            tracked[block.key] = spec.fqn
+        rows[spec.key] = tuple(blocks)
+    return _Split(tuple(items), rows, tracked)
+
+
+class Blocks:
+    """The tracked split of the latest structure (one entry, like the plan cache)."""
+
+    def __init__(self, config: IncrementalConfig) -> None:
+        self.config = config
+        self._memo: tuple[object, _Split] | None = None
+
+    def blocked(self, state: LocalState) -> LocalState:
+        """``state`` with its tracked chunks as chunks of their own: the large ones as
+        row blocks (views, no copy). Its ``shape_key`` (whole tensors) or its items
+        (chunks: several ranks) name the split, so a plan made from it is never taken
+        for a plan of the chunks unsplit."""
+        key = state.shape_key if state.items is None else state.items
+        memo = self._memo
+        if memo is None or memo[0] != key:
+            memo = (key, _split_of(state, self.config))
+            self._memo = memo
+        split = memo[1]
+        tensors: dict[str, torch.Tensor] = {}
+        sources: dict[str, torch.Tensor] = {}
+        with torch.no_grad():  # (views of parameters: no autograd graph)
+            for name, t in state.tensors.items():
+                blocks = split.rows.get(name)
+                src = state.sources.get(name, t)
+                if blocks is None:
+                    tensors[name] = t
+                    sources[name] = src
+                    continue
+                sliced = type(src).__name__ != "DTensor"  # (its shape is the global one)
+                for k, start, end in blocks:
+                    tensors[k] = t[start:end]
+                    # (a view shares its base's counter; a DTensor's own counter is kept)
+                    sources[k] = src[start:end] if sliced else src
+        cfg = self.config
+        shape = state.shape_key if state.items is None else state.shape
+        return dataclasses.replace(
+            state,
+            tensors=tensors,
+            sources=sources,
+            items=split.items,
+            shape=None if shape is None else (shape, "blocks", cfg.block_bytes, cfg.min_bytes),
+            tracked=split.tracked,
+        )
+
+
+@dataclass(frozen=True)
+class _Held:
+    """The base: the newest save of this saver that committed, as its manifest has it."""
+
+    folder: str
+    step: int
+    plan_key: Hashable
+    chain: int  # saves since the last full one (0: this one is full)
+    digests: dict[str, str]  # tracked chunk key -> xxh3-64 of its bytes
+    holders: dict[str, int]  # tracked chunk key -> the step whose files hold it
+    # tracked whole tensor (every tracked block, trust_counters) -> (data_ptr, _version)
+    versions: dict[str, tuple[int, int]]
+
+
+@dataclass(frozen=True)
+class _Candidate:
+    """A save in flight that becomes the base once it commits."""
+
+    folder: str
+    step: int
+    plan_key: Hashable
+    chain: int
+    tracked: frozenset[str]
+    bases: dict[str, int]
+    versions: dict[str, tuple[int, int]]
+
+
+def _folder_of(url: str) -> tuple[str, str]:
+    """(the run folder, the checkpoint's name) of a checkpoint's URL."""
+    head, _, name = url.rstrip("/").rpartition("/")
+    return head, name
+
+
+def digest_of(t: torch.Tensor) -> str:
+    """xxh3-64 of a contiguous CPU tensor's bytes, read where they lie."""
+    return hexdigest(xxhash.xxh3_64_intdigest(tensor_view(t)))
+
+
+def _hashable(t: torch.Tensor) -> bool:
+    """Whether ``t``'s bytes can be hashed where they lie."""
+    return t.device.type == "cpu" and t.is_contiguous()
+
+
+@dataclass(frozen=True)
+class _Sift:
+    """What the background copy of one save hashes (off the training thread) before it
+    copies: the deferred blocks that may be unchanged, of which it copies only those
+    that changed (their copies are hashed again, as every background copy's: the bytes
+    hashed here are not provably the bytes copied); and (``trust_counters``) the blocks
+    already referred to on their version counters' word, which must be unchanged.
+    Called once, on the ``quicksave-stage`` thread, before the guard confirms the save.
+
+    Raises:
+        CheckpointError: a block referred to on its counter's word changed (the save is
+            not committed; ``distrust`` is called first).
+    """
+
+    names: set[str]
+    tensors: dict[str, torch.Tensor]
+    base: _Held
+    bases: dict[str, int]  # the save's candidate's: the references found are added
+    presumed: frozenset[str] = frozenset()
+    distrust: Callable[[], None] | None = None
+    where: tuple[int | None, str, int] = (None, "", 0)  # step, path, rank (for errors)
+
+    def __call__(
+        self, names: list[str], digests: dict[str, str], found: dict[str, int]
+    ) -> tuple[list[str], int]:
+        """``names`` less the unchanged blocks, whose digests and bases go into
+        ``digests`` and ``found``; and the bytes hashed."""
+        keep: list[str] = []
+        missed: list[str] = []
+        hashed = 0
+        for name in names:
+            if name in self.names or name in self.presumed:
+                t = self.tensors[name]
+                hashed += t.numel() * t.element_size()
+                same = self.base.digests.get(name) == digest_of(t)
+                if name in self.presumed:
+                    if not same:
+                        missed.append(name)
+                    continue
+                if same:
+                    digests[name] = self.base.digests[name]
+                    found[name] = self.bases[name] = self.base.holders[name]
+                    continue
+            keep.append(name)
+        if missed:
+            if self.distrust is not None:
+                self.distrust()
+            raise _missed_error(missed, *self.where)
+        return keep, hashed
+
+
+def _missed_error(names: list[str], step: int | None, path: str, rank: int) -> CheckpointError:
+    shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+    return CheckpointError(
+        f"the save of step {step} was not committed: {len(names)} block(s) ({shown}) changed "
+        "although torch's version counters did not move (a write through .data, a numpy or "
+        "DLPack view, a fused kernel or another process), and IncrementalConfig("
+        "trust_counters=True) would have kept their old bytes. This saver hashes every "
+        "block from now on: the next save writes what changed",
+        path=path,
+        fqn=names[0],
+        rank=rank,
+    )
+
+
+class Increments:
+    """One saver's incremental state: the base, and the saves that may become it.
+
+    Args:
+        config: the saver's ``IncrementalConfig``.
+        copier: stages the blocks hashed from the pool (the saver's ``PoolCopier``).
+        unguarded: addresses the background copy saw written (``BackgroundCopy``'s
+            set): never deferred again.
+
+    Attributes:
+        cost: ``(bytes copied, bytes hashed)`` by the latest :meth:`stage`.
+        sift: what the latest save's background copy hashes before it copies (the
+            deferred blocks that may be unchanged); None: nothing.
+    """
+
+    def __init__(self, config: IncrementalConfig, copier: PoolCopier, unguarded: set[int]) -> None:
+        self.config = config
+        self._blocks = Blocks(config)
+        self._copier = copier
+        self._unguarded = unguarded
+        self._base: _Held | None = None
+        self._pending: dict[int, _Candidate] = {}
+        self._trusted = config.trust_counters  # until a block changes behind a counter
+        self.cost = (0, 0)
+        self.sift: _Sift | None = None
+
+    def blocked(self, state: LocalState) -> LocalState:
+        """``state`` as an incremental save plans it (:meth:`Blocks.blocked`); as it is
+        where incremental saves are off."""
+        return self._blocks.blocked(state) if self.config.enabled else state
+
+    def base_step(self) -> int | None:
+        """The step of the current base (None: the next save is full)."""
+        return None if self._base is None else self._base.step
+
+    def _distrust(self) -> None:
+        """A block changed behind its version counter: hash every block from now on."""
+        self._trusted = False
+
+    def forget(self) -> None:
+        """The next save is full: a worker failed (a save may have committed unseen),
+        or the folder may have changed under this saver (a load, a quarantine)."""
+        self._base = None
+        self._pending.clear()
+
+    def _base_for(self, job: PersistJob, plan_key: Hashable, idle: bool) -> _Held | None:
+        base = self._base
+        if base is None or job.step is None or job.replace or not idle:
+            return None
+        folder, name = _folder_of(job.final_path)
+        if (
+            name != f"step-{job.step}"
+            or folder != base.folder
+            or not base.step < job.step
+            or base.plan_key != plan_key
+            or base.chain + 1 >= self.config.full_every
+        ):
+            return None
+        return base
+
+    def stage(
+        self,
+        job: PersistJob,
+        planned: PlannedSave,
+        now: list[str],
+        later: list[str],
+        pool: StagingPool,
+        ready: torch.cuda.Event | None,
+        idle: bool,
+    ) -> tuple[PersistJob, list[str], list[str]]:
+        """Decide which tracked blocks of this save are unchanged since the base.
+
+        Args:
+            job: the save's job (``bases`` and ``digests`` are set on the copy returned).
+            planned: the save (its ``tracked`` chunks; none: nothing to do).
+            now / later: ``split``'s names copied in ``save()`` / in the background.
+            pool, ready: where and after what the blocks hashed from the pool are staged.
+            idle: no other save of this saver is in flight.
+
+        Returns:
+            ``(job, now, later)``: the names left to copy (a block of a tensor whose
+            first block is deferred is deferred too); :attr:`cost` says what this cost.
+        """
+        tensors, sources, plan = planned.tensors, planned.sources, planned.plan
+        self.cost = (0, 0)
+        self.sift = None
+        # (several ranks: the chunks this rank writes)
+        tracked = {k: f for k, f in planned.tracked.items() if k in tensors}
+        if not tracked:
+            return job, now, later
+        base = self._base_for(job, plan.key, idle)
+        digests: dict[str, str] = {}
+        bases: dict[str, int] = {}
+        versions: dict[str, tuple[int, int]] = {}
+        copied = hashed = 0
+
+        def unchanged(name: str, digest: str) -> bool:
+            digests[name] = digest
+            if base is not None and base.digests.get(name) == digest:
+                bases[name] = base.holders[name]
+                return True
+            return False
+
+        # (not with several ranks: a DTensor's in-place ops move its own counter only)
+        trust = self._trusted and base is not None and job.dist is None
+        presumed: set[str] = set()
+
+        def moved(name: str) -> bool:
+            # a whole tensor whose counter moved since the base was certainly written
+            src = sources[name]
+            seen = (src.data_ptr(), src._version)
+            if trust or tracked[name] == name:
+                versions[name] = seen
+            last = None if base is None else base.versions.get(name)
+            if trust and last == seen and _hashable(tensors[name]):
+                presumed.add(name)  # (checked by the background copy: _Sift)
+                digests[name] = base.digests[name]  # type: ignore[union-attr]
+                bases[name] = base.holders[name]  # type: ignore[union-attr]
+                return False
+            whole = tracked[name] == name
+            return whole and last is not None and last[0] == seen[0] and last[1] != seen[1]
+
+        def deferrable(t: torch.Tensor) -> bool:
+            return not t.is_inference() and t.data_ptr() not in self._unguarded
+
+        deferred_fqns = {tracked[n] for n in later if n in tracked}
+        to_sift: set[str] = set()  # hashed by the background copy, before it copies
+        keep_now: list[str] = []
+        moved_later: list[str] = []
+        from_pool: list[str] = []
+        for name in now:
+            fqn = tracked.get(name)
+            t = tensors[name]
+            if fqn is None or moved(name):
+                keep_now.append(name)
+            elif name in presumed:
+                moved_later.append(name)  # referred to; the background copy checks it
+            elif fqn in deferred_fqns and deferrable(t):
+                moved_later.append(name)  # its tensor's other blocks are deferred
+                if base is not None and _hashable(t):
+                    to_sift.add(name)
+            elif not _hashable(t):
+                from_pool.append(name)
+            else:
+                hashed += t.numel() * t.element_size()
+                if not unchanged(name, digest_of(t)):
+                    keep_now.append(name)  # copied right below: its digest is the copy's
+        for name in later:
+            if name in tracked and not moved(name) and base is not None:
+                if _hashable(tensors[name]) and name not in presumed:
+                    to_sift.add(name)
+        keep_later = later + moved_later
+        if to_sift or presumed:
+            where = (job.step, job.final_path, job.rank)
+            self.sift = _Sift(
+                to_sift,
+                tensors,
+                base,
+                bases,
+                frozenset(presumed),
+                self._distrust,
+                where,  # type: ignore[arg-type]
+            )
+        if from_pool:  # staged and hashed there; an unchanged one is only not written
+            pooled: dict[str, str] = {}
+            copied = self._copier.stage(pool, plan, tensors, from_pool, pooled, ready=ready)
+            hashed += copied
+            for name in from_pool:
+                unchanged(name, pooled[name])
+        job = dataclasses.replace(
+            job, digests={**job.digests, **digests}, bases=dict(bases), report_digests=True
+        )
+        folder, _ = _folder_of(job.final_path)
+        if job.step is not None:
+            chain = 0 if base is None else base.chain + 1
+            while len(self._pending) >= _PENDING:
+                del self._pending[next(iter(self._pending))]
+            self._pending[job.job_id] = _Candidate(
+                folder, job.step, plan.key, chain, frozenset(tracked), bases, versions
+            )
+        self.cost = (copied, hashed)
+        return job, keep_now, keep_later
+
+    def settled(self, result: JobResult | CallResult) -> None:
+        """A job's result: a committed save with every tracked digest known becomes
+        the base, unless a newer step is the base already (the base is always the
+        newest step committed: retention never deletes that one); a failed one leaves
+        none (the next save is full)."""
+        candidate = self._pending.pop(result.job_id, None)
+        if candidate is None or not isinstance(result, JobResult):
+            return
+        if not result.ok:
+            self._base = None
+            return
+        if self._base is not None and self._base.step > candidate.step:
+            return  # a newer step committed first: it stays the base (the newest one)
+        digests = result.digests
+        if not candidate.tracked <= digests.keys():
+            self._base = None
+            return
+        self._base = _Held(
+            candidate.folder,
+            candidate.step,
+            candidate.plan_key,
+            candidate.chain,
+            {k: digests[k] for k in candidate.tracked},
+            {k: candidate.bases.get(k, candidate.step) for k in candidate.tracked},
+            candidate.versions,
+        )
