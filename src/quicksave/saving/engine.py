@@ -16,8 +16,7 @@ The persister writes the files from the pool, checksums them, fsyncs and commits
 rank). ``finalize()`` collects outcomes; a worker that died or hung becomes a
 ``WorkerFailedError`` there (or in ``save()``), and the next save starts a new worker.
 
-A pool the worker still reads is never written: each pool is "busy" from its submit to
-its result (``max_in_flight`` pools allow that many saves in flight).
+A pool the worker still reads is never written: it is busy from its submit to its result.
 
 This module wires the stages together; each lives in its own module of ``saving/``:
 ``config``, ``handle``, ``rank_plans`` (the one collector), ``collect_cache``,
