@@ -315,8 +315,10 @@ def run_loop(spec: dict[str, Any], keep: list) -> dict[str, Any]:
     config = memory_config(spec["folder"], every=every, interval=10**9)
     manager = CheckpointManager(config, states_of(model, optim))
     # Untimed: the first snapshots build the tier's buffers (as the floor's buffer is
-    # allocated untimed), one per snapshot until each of them exists.
-    warm = every * getattr(manager.memory_tier, "buffers", 1)
+    # allocated untimed). A snapshot takes a new buffer only while none is free, so the
+    # last one may be built a snapshot or two after the others (a commit, or the
+    # retention that frees a buffer, that lags a step): two snapshots more than buffers.
+    warm = every * (getattr(manager.memory_tier, "buffers", 1) + 2)
     try:
         for s in range(1, warm + 1):
             step()
