@@ -70,7 +70,7 @@ from quicksave_tools.bench.recovery_child import (
 from quicksave_tools.bench.recovery_peer import PEER_CHILD
 from quicksave_tools.bench.recovery_report import format_table, summarize, summarize_loops
 from quicksave_tools.bench.recovery_state import COLD_CACHE
-from quicksave_tools.bench.shapes import SHAPES
+from quicksave_tools.bench.shapes import DEFAULT_SHAPES, SHAPES
 
 
 @dataclass(frozen=True)
@@ -101,7 +101,7 @@ class RecoveryBenchConfig:
     repeats: int = 1
     loop_steps: int = 10
     every: int = 5
-    loop_shapes: tuple[str, ...] = tuple(SHAPES)
+    loop_shapes: tuple[str, ...] = DEFAULT_SHAPES
     loop_repeats: int = 3
     object_store: bool = True
     directory: str | None = None
@@ -454,7 +454,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=1, help="fresh jobs per restore and pass")
     p.add_argument("--loop-steps", type=int, default=10, help="timed steps per loop (0: none)")
     p.add_argument("--every", type=int, default=5, help="the memory tier's sparser interval")
-    p.add_argument("--loop-shapes", default=",".join(SHAPES), help="the loop part's shapes")
+    p.add_argument("--loop-shapes", default=",".join(DEFAULT_SHAPES), help="the loop part's shapes")
     p.add_argument("--loop-repeats", type=int, default=None,
                    help="rounds of the loop part (default 3; 1 with --quick)")  # fmt: skip
     p.add_argument("--no-object-store", action="store_true", help="skip SeaweedFS")

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-__all__ = ["LORA_MB", "SHAPES", "Shape", "build", "mlp"]
+__all__ = ["DEFAULT_SHAPES", "LORA_MB", "SHAPES", "Shape", "build", "mlp"]
 
 
 @dataclass(frozen=True)
@@ -184,6 +184,9 @@ def _lora(seed: int, quick: bool, size_mb: int | None = None) -> tuple[nn.Module
     data += [(torch.randn(batch, d, generator=g), torch.randn(batch, d, generator=g))]
     return model, data, nn.functional.mse_loss
 
+
+# The shapes a run takes when none are named (``lora`` only when asked for).
+DEFAULT_SHAPES = ("mlp", "transformer", "embedding")
 
 SHAPES: dict[str, Shape] = {
     s.name: s

@@ -83,7 +83,7 @@ from quicksave_tools.bench.savers import (
     QUICKSAVE_MODES,
     TORCH_CHECKPOINTING,
 )
-from quicksave_tools.bench.shapes import LORA_MB, SHAPES
+from quicksave_tools.bench.shapes import DEFAULT_SHAPES, LORA_MB, SHAPES
 from quicksave_tools.bench.training_loop import median
 from quicksave_tools.bench.training_report import format_training_report, plot_training_report
 from quicksave_tools.bench.training_summary import DEFAULT, REFERENCE, acceptance, shape_report
@@ -98,7 +98,6 @@ __all__ = [
 
 METHODS = ("torch.save", "dcp.save", *DCP_ASYNC, TORCH_CHECKPOINTING, *QUICKSAVE_MODES)
 KNOWN_METHODS = (*METHODS, *EXTRA_QUICKSAVE_MODES)  # (the extra ones when asked for)
-DEFAULT_SHAPES = ("mlp", "transformer", "embedding")  # (``lora`` when asked for)
 BUILDS = ("cold", "warm")
 _CHILD = (
     "import sys; from quicksave_tools.bench.training_loop import child_main; "
