@@ -234,7 +234,6 @@ class MemoryTier:
                 self._offer()
                 self._retain(set() if self.replicas is None else self.replicas.unsent())
                 return True
-            self._settle_older(step)
             handle = writer.submit(state, path, step, metadata, local=True, in_place=self.buffers)
         except CheckpointError as e:
             self._failed(step, e)
@@ -246,21 +245,6 @@ class MemoryTier:
             return False
         self.pending[step] = handle
         return True
-
-    def _settle_older(self, step: int) -> None:
-        """Before ``step`` takes a buffer: while ``max_in_flight`` older snapshots are
-        still committing beside the newest one (staged, perhaps not yet handed over),
-        wait for the oldest, then collect it and apply the retention, so that its
-        retired snapshot's buffer is free (the buffers count one being staged beside
-        those in flight); past ``commit_timeout_s`` the engine's backpressure decides."""
-        busy = sorted(s for s, h in self.pending.items() if s < step and not h.done())
-        if len(busy) <= self.config.max_in_flight:
-            return
-        try:
-            self.pending[busy[0]].wait(self.config.commit_timeout_s)
-        except (CheckpointError, TimeoutError):
-            pass  # its outcome is read by poll()
-        self.poll()
 
     def poll(self, wait_s: float = 0.0) -> None:
         """Collect the snapshots that finished (waiting up to ``wait_s`` for all of
