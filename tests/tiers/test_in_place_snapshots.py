@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import threading
 import uuid
 from pathlib import Path
 
@@ -72,6 +73,7 @@ def test_each_snapshot_is_its_staging_buffer_and_kept_ones_are_never_overwritten
     states = {"model": ModelState(model), "optimizer": OptimizerState(model, optim)}
     manager = CheckpointManager(config, states)
     tier = manager.memory_tier
+    tier.replicas = offers = _Offers()  # what the replicas would be handed, and when
     x = torch.randn(8, 32)
     saved: dict[int, dict[str, torch.Tensor]] = {}
     inodes: dict[int, int] = {}
@@ -121,3 +123,85 @@ def test_a_dead_trainers_buffers_are_removed_when_the_next_attaches(tmp_path, sh
         assert not stale.exists()
     finally:
         second.close()
+
+
+def test_a_snapshot_stages_beside_one_still_committing_and_none_is_skipped(
+    tmp_path, shm_root, monkeypatch
+) -> None:
+    """While a snapshot's commit lags (held here until the next ``save()`` has
+    returned), the next snapshot stages into another buffer instead of waiting in
+    ``save()``; a later save waits for the lagging commit and its retention, so no
+    step is skipped for want of a buffer, and every kept snapshot loads bit-exactly."""
+    from quicksave.worker import execute
+
+    release = threading.Event()
+    commit = execute.commit_files
+
+    def lagging_commit(strategy, draft, loc, manifest, *args, **kwargs):
+        if manifest.step == 3:
+            release.wait(60)  # the test's own safety net: never a hang
+        return commit(strategy, draft, loc, manifest, *args, **kwargs)
+
+    monkeypatch.setattr(execute, "commit_files", lagging_commit)
+    model, optim = _trainer()
+    memory = MemoryTierConfig(every=1, keep=2, root=str(shm_root), job_id="lagging")
+    config = CheckpointConfig(
+        folder=str(tmp_path / "ckpt"), interval=10**6, async_mode="thread", memory=memory
+    )
+    manager = CheckpointManager(
+        config, {"model": ModelState(model), "optimizer": OptimizerState(model, optim)}
+    )
+    tier = manager.memory_tier
+    tier.replicas = offers = _Offers()  # what the replicas would be handed, and when
+    x = torch.randn(8, 32)
+    saved: dict[int, dict[str, torch.Tensor]] = {}
+    try:
+        for step in range(1, 9):
+            _step(model, optim, x)
+            manager.save(step)
+            # started (or done): not skipped for want of a buffer
+            assert step in tier.pending or step in tier.steps(), (step, tier.steps())
+            saved[step] = {k: v.clone() for k, v in model.state_dict().items()}
+            if step == 4:  # step 4 was staged while step 3's commit was still held
+                assert not release.is_set() and 3 not in tier.steps(), tier.steps()
+                assert 4 in tier.pending, "step 4's snapshot was not started"
+                threading.Timer(0.2, release.set).start()
+        tier.poll(wait_s=60)
+        assert release.is_set()
+        assert tier.failures == 0
+        assert tier.steps() == [7, 8]
+        # every step offered once, in order, each as a committed snapshot (none offered
+        # before its commit, none retired before it was offered)
+        assert [step for step, _ in offers.seen] == list(range(1, 9))
+        assert all(committed for _, committed in offers.seen), offers.seen
+        for kept in tier.steps():
+            loaded = {k: torch.zeros_like(v) for k, v in saved[kept].items()}
+            api.load({"model": loaded}, tier.path(kept), no_dist=True, strict=False)
+            for k, v in saved[kept].items():
+                assert torch.equal(loaded[k], v), (kept, k)
+    finally:
+        release.set()
+        manager.close()
+
+
+class _Offers:
+    """Stands in for a rank's peer replicas: records each offer and whether the
+    snapshot offered was committed then (``quicksave.tiers.peer_replicas``)."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[int, bool]] = []
+
+    def offer(self, step: int, path: str | None) -> None:
+        self.seen.append((step, path is not None and (Path(path) / "manifest.json").is_file()))
+
+    def unsent(self) -> set[int]:
+        return set()
+
+    def drain(self, timeout: float) -> bool:
+        return True
+
+    def held(self) -> dict[int, list[int]]:
+        return {}
+
+    def close(self, timeout: float) -> None:
+        pass

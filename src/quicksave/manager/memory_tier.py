@@ -213,6 +213,8 @@ class MemoryTier:
         self.poll()
         if step in self._outbox or step in self.pending:
             return False
+        if self.session.writer is not None:
+            self._settle_older(step)  # (before the step is in the outbox: not offered yet)
         self._outbox[step] = True  # offered to the replicas once its outcome is known
         if step in self.steps():
             self._offer()
@@ -245,6 +247,21 @@ class MemoryTier:
             return False
         self.pending[step] = handle
         return True
+
+    def _settle_older(self, step: int) -> None:
+        """Before ``step`` takes a buffer: while ``max_in_flight`` older snapshots are
+        still committing beside the newest one (staged, perhaps not yet handed over),
+        wait for the oldest, then collect it and apply the retention, so that its
+        retired snapshot's buffer is free (the buffers count one being staged beside
+        those in flight); past ``commit_timeout_s`` the engine's backpressure decides."""
+        busy = sorted(s for s, h in self.pending.items() if s < step and not h.done())
+        if len(busy) <= self.config.max_in_flight:
+            return
+        try:
+            self.pending[busy[0]].wait(self.config.commit_timeout_s)
+        except (CheckpointError, TimeoutError):
+            pass  # its outcome is read by poll()
+        self.poll()
 
     def poll(self, wait_s: float = 0.0) -> None:
         """Collect the snapshots that finished (waiting up to ``wait_s`` for all of
@@ -297,9 +314,11 @@ class MemoryTier:
     def _retain(self, unsent: set[int]) -> None:
         """The memory tier's retention: ``keep`` snapshots, besides those in flight and
         those the replicas still read (``unsent``: their files are staging buffers, not
-        to be staged into while read)."""
+        to be staged into while read) or are still to be offered (an older snapshot's
+        commit holds them back)."""
         self._unsent = unsent
-        held = set(self.pending) | unsent
+        unoffered = {step for step, made in self._outbox.items() if made}
+        held = set(self.pending) | unsent | unoffered
         try:
             apply_retention(self.location, self.retention, held, allow_dcp=False, backend=None)
         except (OSError, CheckpointError) as e:

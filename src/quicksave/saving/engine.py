@@ -294,14 +294,15 @@ class AsyncSaver:
     def _free_slot(
         self, planned: PlannedSave, loc: Location, in_place: int, step: int | None
     ) -> InFlightPool | None:
-        """A free slot (``in_place``: ``InFlightPools.in_place_slot``): waits for one
+        """A free slot (``in_place``: ``InFlightPools.in_place_slot``, beside up to
+        ``max_in_flight`` in-place snapshots still committing): waits for one
         (``backpressure="wait"``), or None, logged (``"skip"``, every in-place pool held,
         or the save in flight is stuck on a store: training never waits on a store)."""
         folder = os.path.dirname(loc.key.rstrip("/"))
         while True:
             if not in_place and (slot := self._slots.free()) is not None:
                 return slot
-            if in_place and self._slots.in_place_busy(folder) < self.config.max_in_flight:
+            if in_place and self._slots.in_place_busy(folder) <= self.config.max_in_flight:
                 slot = self._slots.in_place_slot(folder, in_place, planned.plan, self._worker)
                 if slot is None:
                     logger.warning("quicksave: skipped step %s: every in-place pool is held", step)
