@@ -73,7 +73,6 @@ def test_each_snapshot_is_its_staging_buffer_and_kept_ones_are_never_overwritten
     states = {"model": ModelState(model), "optimizer": OptimizerState(model, optim)}
     manager = CheckpointManager(config, states)
     tier = manager.memory_tier
-    tier.replicas = offers = _Offers()  # what the replicas would be handed, and when
     x = torch.randn(8, 32)
     saved: dict[int, dict[str, torch.Tensor]] = {}
     inodes: dict[int, int] = {}
