@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from quicksave_tools.bench.training_incremental import incremental_table
 from quicksave_tools.bench.training_loop import median
 
 
@@ -57,6 +58,9 @@ def format_training_report(report: dict[str, Any]) -> str:
             f"| {row['shape']} | {row['target']} | {shown} | {limit} | "
             f"{'yes' if row['met'] else 'NO'} |"
         )
+    side = incremental_table(report.get("incremental", []), c.get("incremental_block_kb"))
+    if side:
+        lines += ["", *side]
     return "\n".join(lines)
 
 
@@ -66,7 +70,10 @@ def _disk_rows(methods: dict[str, Any]) -> list[str]:
         f"| {name} | {s['disk_first_bytes'] / 1e6:.1f} | "
         f"{s['disk_later_median_bytes'] / 1e6:.1f} | "
         f"{_fmt(s.get('disk_later_vs_first'), '.3f', '×')} | "
-        f"{_fmt(s.get('disk_later_vs_trainable'), '.2f', '×')} |"
+        f"{_fmt(s.get('disk_later_vs_trainable'), '.2f', '×')} | "
+        f"{_fmt((s.get('changed_later_median_bytes') or 0) / 1e6 or None, '.2f')} "
+        f"({_fmt(s.get('rows_touched_later_median'), '.0f')}) | "
+        f"{_fmt(s.get('disk_later_vs_changed'), '.2f', '×')} |"
         for name, s in methods.items()
         if s.get("disk_first_bytes") is not None and s.get("disk_later_median_bytes") is not None
     ]
@@ -74,9 +81,10 @@ def _disk_rows(methods: dict[str, Any]) -> list[str]:
         return []
     head = (
         "| bytes on disk | 1st save MB | later saves MB (median) | later vs 1st | "
-        "later vs trainable state |"
+        "later vs trainable state | changed state MB per later save (rows looked up) | "
+        "later vs changed |"
     )
-    return ["", head, "|---|---:|---:|---:|---:|", *rows]
+    return ["", head, "|---|---:|---:|---:|---:|---:|---:|", *rows]
 
 
 def _format_shape(name: str, sh: dict[str, Any], build: str) -> list[str]:
