@@ -138,3 +138,10 @@ def test_side_by_side_ratios_and_their_targets() -> None:
     assert incremental_rows("mlp", dense)[1]["met"] is True
     # without a full save or an incremental one, nothing to set side by side
     assert incremental_rows("mlp", {"methods": {"quicksave-process": _method(0.4, 1.0)}}) == []
+
+
+def test_bench_recovery_refuses_a_shape_with_its_own_optimizer() -> None:
+    from quicksave_tools.bench.recovery import RecoveryBenchConfig, check_config
+
+    with pytest.raises(ValueError, match="embedding-sparse train with an optimizer other than"):
+        check_config(RecoveryBenchConfig(loop_shapes=("mlp", "embedding-sparse")))
