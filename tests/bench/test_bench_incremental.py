@@ -103,6 +103,7 @@ def _method(overhead: float | None, later: float, **extra: float) -> dict:
 
 def test_side_by_side_ratios_and_their_targets() -> None:
     lora = {
+        "state": {"bytes": 1000},
         "methods": {
             "quicksave-process": _method(0.5, 1000.0),
             "quicksave-incremental": _method(
@@ -110,7 +111,7 @@ def test_side_by_side_ratios_and_their_targets() -> None:
             ),
             "quicksave-trainable": _method(0.1, 95.0),
             "quicksave-incremental-counters": {"failed": "boom"},
-        }
+        },
     }
     rows = incremental_rows("lora", lora)
     by = {r["what"]: r for r in rows}
@@ -136,6 +137,11 @@ def test_side_by_side_ratios_and_their_targets() -> None:
     assert incremental_rows("mlp", dense)[1]["met"] is False  # 1.075× > 1.05×
     dense["methods"]["quicksave-incremental"]["overhead_per_checkpoint_s"] = 0.41
     assert incremental_rows("mlp", dense)[1]["met"] is True
+    # every tensor trainable: the trainable state's save is the full one, not compared
+    dense["methods"]["quicksave-trainable"] = _method(0.4, 100.0)
+    dense["methods"]["quicksave-incremental"]["trainable_bytes"] = 100.0
+    dense["state"] = {"bytes": 100}
+    assert len(incremental_rows("mlp", dense)) == 2
     # without a full save or an incremental one, nothing to set side by side
     assert incremental_rows("mlp", {"methods": {"quicksave-process": _method(0.4, 1.0)}}) == []
 

@@ -10,7 +10,7 @@ with the issue's targets:
   tensor changes at every step (nothing to skip: the cost of looking);
 * loop overhead per checkpoint, incremental / trainable state alone: ≤ 1.2×, and bytes
   on disk per later save / (the trainable state + the incremental manifest): ≤ 1.1×
-  (``lora``);
+  (a shape with frozen state: ``lora``);
 * bytes on disk per later save / bytes of the state that changed since the previous
   save (shapes that count their changed rows; no target: what block tracking costs
   beyond the rows).
@@ -110,7 +110,9 @@ def incremental_rows(shape: str, report: dict[str, Any]) -> list[dict[str, Any]]
                     timing=True,
                 )
             )
-        if trainable is not None:
+        state = report.get("state", {}).get("bytes")
+        frozen = bool(state and m.get("trainable_bytes") and m["trainable_bytes"] < state)
+        if trainable is not None and frozen:  # (else the trainable state is the state)
             rows.append(
                 _row(
                     shape,
