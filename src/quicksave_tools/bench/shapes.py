@@ -304,7 +304,7 @@ SHAPES: dict[str, Shape] = {
         ),
         Shape(
             "embedding-sparse",
-            "EmbeddingBag 100k × 128 (sparse=True) + 2-layer MLP, Adagrad; each step looks "
+            "EmbeddingBag 100k × 128 (sparse=True) + 3-layer MLP, Adagrad; each step looks "
             "up ~1 % of the rows, in a window of the newest 2 % moving on 0.2 % a step",
             _embedding_sparse("window"),
             _adagrad,
@@ -312,7 +312,7 @@ SHAPES: dict[str, Shape] = {
         ),
         Shape(
             "embedding-sparse-zipf",
-            "EmbeddingBag 100k × 128 (sparse=True) + 2-layer MLP, Adagrad; each step looks "
+            "EmbeddingBag 100k × 128 (sparse=True) + 3-layer MLP, Adagrad; each step looks "
             f"up ~1 % of the rows, Zipf ({SPARSE_ZIPF}) over rows sorted by popularity",
             _embedding_sparse("zipf"),
             _adagrad,
