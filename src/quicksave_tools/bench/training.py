@@ -49,9 +49,18 @@ staging memory against the state's bytes. The ``acceptance`` rows check quicksav
 default mode against its targets (:mod:`.training_summary`); every save, the first one
 included, counts in the loop overhead.
 
+Incremental saves (issue 30): the shapes ``lora``, ``embedding-sparse`` and
+``embedding-sparse-zipf`` and the methods ``quicksave-incremental``, ``-counters`` and
+``quicksave-trainable`` run when named; ``--incremental-block-kb`` sets the incremental
+methods' block size. The report then sets bytes on disk per save against the full save,
+the trainable state and the state that changed, and each incremental method's loop
+overhead against the full save's and the trainable state's (:mod:`.training_incremental`).
+
 Example::
 
     quicksave bench --training --json > report.json
+    quicksave bench --training --shapes embedding-sparse --incremental-block-kb 1024 \
+        --methods quicksave-process,quicksave-incremental
     quicksave bench --training --quick --methods torch.save,quicksave-sync
     quicksave bench --training --build warm   # the saver built after a warm-up step
 """
