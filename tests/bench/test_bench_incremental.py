@@ -87,6 +87,7 @@ def test_quick_sparse_embedding_run_sets_bytes_against_the_full_save_and_the_cha
     over = rows[("embedding-sparse", "loop overhead per checkpoint: this / quicksave-process")]
     assert over["limit"] is None and over["met"] is None
     text = format_training_report(report)
+    assert text.splitlines()[0].endswith("; incremental blocks 16 KiB")
     assert "Incremental saves side by side (IncrementalConfig.block_bytes 16 KiB" in text
     assert "| embedding-sparse | quicksave-incremental | bytes on disk per later save" in text
     assert "later vs changed" in text

@@ -27,8 +27,10 @@ _BUILT = {
 
 
 def format_training_report(report: dict[str, Any]) -> str:
-    """The report as Markdown: one line about the run; per shape its state, raw figures
-    and floor, the loop table and the restore table; then the acceptance table."""
+    """The report as Markdown: one line about the run (with the incremental methods'
+    block size, where they ran); per shape its state, raw figures and floor, the loop
+    table, the restore table and the bytes on disk; then the acceptance table and the
+    incremental methods side by side."""
     c, m = report["config"], report["machine"]
     lines = [
         f"{len(c['shapes'])} model shape(s), {c['steps']} steps, checkpoint every "
@@ -37,6 +39,9 @@ def format_training_report(report: dict[str, Any]) -> str:
         f"CPUs, torch {m['torch']}, load average {m['loadavg_before'][0]} → "
         f"{m['loadavg_after'][0]}",
     ]
+    if any("incremental" in x for x in c["methods"]):
+        kb = c.get("incremental_block_kb")
+        lines[0] += f"; incremental blocks {f'{kb} KiB' if kb else '4096 KiB (the default)'}"
     for name, sh in report["shapes"].items():
         lines += ["", *_format_shape(name, sh, c.get("build", "warm"))]
     lines += [
