@@ -187,4 +187,20 @@ def test_quick_lora_run_reports_bytes_on_disk_per_save(tmp_path, capsys) -> None
     assert (
         incr["restore_median_s"] and incr["fresh_restore_median_s"] and not trainable["restore_s"]
     )
-    assert "| bytes on disk |" in format_training_report(report)
+    # side by side: the overhead against the trainable state's save (≤ 1.2× is the goal)
+    # and the bytes against the trainable state plus the manifest (≤ 1.1×), as ratios
+    rows = {r["what"]: r for r in report["incremental"] if r["method"] == "quicksave-incremental"}
+    over = rows["loop overhead per checkpoint: this / quicksave-trainable"]
+    assert over["limit"] == 1.2 and over["values"] == [
+        incr["overhead_per_checkpoint_s"],
+        trainable["overhead_per_checkpoint_s"],
+    ]
+    lora_bytes = rows["bytes on disk per later save / (trainable state + this manifest)"]
+    want = incr["disk_later_median_bytes"] / (
+        incr["trainable_bytes"] + incr["manifest_later_median_bytes"]
+    )
+    assert lora_bytes["limit"] == 1.1 and lora_bytes["value"] == pytest.approx(want, rel=1e-3)
+    text = format_training_report(report)
+    assert "| bytes on disk |" in text
+    row = "| lora | quicksave-incremental | loop overhead per checkpoint: this / "
+    assert row + "quicksave-trainable |" in text

@@ -2,10 +2,17 @@
 save every 4, keep the latest 2) is killed at random moments and restarted in the same
 folder; after every kill, every listed checkpoint verifies and loads bit-exactly (its
 bases kept by retention, whatever the kill interrupted: a write, a commit, a deletion),
-and the restarted trainer resumes from the newest one."""
+and the restarted trainer resumes from the newest one. The campaign checks that retention
+did delete older checkpoints and did keep one beyond the latest 2 because a kept one
+refers to it.
+
+``QUICKSAVE_INCREMENTAL_KILLS`` sets the number of kills (default 5); the acceptance
+campaign is ``QUICKSAVE_INCREMENTAL_KILLS=100 pytest tests/faults/test_incremental_kills.py``
+(``QUICKSAVE_CAMPAIGN_SEED`` picks the kill moments)."""
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import signal
@@ -51,7 +58,7 @@ def test_every_listed_checkpoint_loads_after_each_kill(tmp_path: Path) -> None:
     folder = tmp_path / "run"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
     newest = 0
-    incremental_seen = False
+    incremental_seen = deleted_seen = kept_as_base_seen = False
     for _ in range(KILLS):
         child = subprocess.Popen(
             [sys.executable, "-u", str(CHILD), str(folder)],
@@ -73,4 +80,25 @@ def test_every_listed_checkpoint_loads_after_each_kill(tmp_path: Path) -> None:
         incremental_seen = incremental_seen or any(
             b'"base":' in (folder / f"step-{s}" / "manifest.json").read_bytes() for s in steps
         )
-    assert incremental_seen
+        # retention ran: steps are gone (the loads above are after it deleted them) ...
+        deleted_seen = deleted_seen or len(steps) < newest
+        # ... and kept one beyond the latest 2 that a kept checkpoint refers to
+        kept_as_base_seen = kept_as_base_seen or any(
+            _refers_to(folder / f"step-{s}", old) for s in steps[-2:] for old in steps[:-2]
+        )
+    assert incremental_seen and deleted_seen and kept_as_base_seen
+
+
+def _bases(value: object) -> set[int]:
+    """Every chunk entry's ``base`` in a parsed manifest (docs/FORMAT.md §9)."""
+    if isinstance(value, dict):
+        found = {value["base"]} if isinstance(value.get("base"), int) else set()
+        return found.union(*(_bases(v) for v in value.values()))
+    if isinstance(value, list):
+        return set().union(*(_bases(v) for v in value))
+    return set()
+
+
+def _refers_to(path: Path, step: int) -> bool:
+    """Whether the checkpoint at ``path`` refers to the one of ``step`` for some bytes."""
+    return step in _bases(json.loads((path / "manifest.json").read_text()))

@@ -114,6 +114,9 @@ def check_config(config: RecoveryBenchConfig) -> None:
     unknown = [s for s in (*config.shapes, *config.loop_shapes) if s not in SHAPES]
     if unknown or not config.shapes:
         raise ValueError(f"unknown shape {unknown}; known: {', '.join(SHAPES)}")
+    own = [s for s in (*config.shapes, *config.loop_shapes) if SHAPES[s].optimizer is not None]
+    if own:  # (its trainer is AdamW's, whose state the first step creates)
+        raise ValueError(f"shape(s) {', '.join(own)} train with an optimizer other than AdamW")
     if not config.methods or any(m not in METHODS for m in config.methods):
         raise ValueError(f"methods must be some of {', '.join(METHODS)}")
     if min(config.repeats, config.loop_repeats, config.threads) < 1 or config.every < 2:

@@ -11,6 +11,7 @@ import contextlib
 import os
 import threading
 import time
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -394,8 +395,15 @@ class _Trainable:
                 p.copy_(state_dict[name])
 
 
-def make_saver(method: str, folder: str, states: dict[str, Any], interval: int) -> Saver:
-    """The saver of one benchmark method (``none`` saves nothing)."""
+def make_saver(
+    method: str,
+    folder: str,
+    states: dict[str, Any],
+    interval: int,
+    block_bytes: int | None = None,
+) -> Saver:
+    """The saver of one benchmark method (``none`` saves nothing); ``block_bytes``: the
+    incremental methods' ``IncrementalConfig.block_bytes`` (None: its default)."""
     if method == "none":
         return Saver(folder, states)
     if method == "torch.save":
@@ -409,7 +417,10 @@ def make_saver(method: str, folder: str, states: dict[str, Any], interval: int) 
     if method in EXTRA_QUICKSAVE_MODES:
         if method == TRAINABLE:
             states = {**states, "model": _Trainable(states["model"])}
-        saver = _QuicksaveSaver(folder, states, interval, EXTRA_QUICKSAVE_MODES[method])
+        mode = EXTRA_QUICKSAVE_MODES[method]
+        if block_bytes is not None and "incremental" in mode:
+            mode = {**mode, "incremental": replace(mode["incremental"], block_bytes=block_bytes)}
+        saver = _QuicksaveSaver(folder, states, interval, mode)
         saver.restorable = method != TRAINABLE  # (the frozen base is not in it)
         return saver
     if method == TORCH_CHECKPOINTING:

@@ -10,11 +10,20 @@ tensors decides the result.
   (102M parameters: 1.23 GB of the state with its moments) whose gradient is non-zero
   only in the rows a batch looks up (≈ 4k of 200k per step), plus a small dense MLP.
 
-One more shape is not of that state: ``lora`` — a LoRA-style fine-tune, a frozen base of
-``size_mb`` MB (default 1536: 24 × Linear(4096, 4096), float32) with rank-16 adapters
-beside every layer, the only tensors AdamW trains (~12 MB of state with their moments).
-The frozen base is the same whatever the seed (pretrained weights), so a resumed job
-that restores the adapters alone gets the same model.
+More shapes are not of that state, for incremental saves (run only when named):
+
+* ``lora`` — a LoRA-style fine-tune, a frozen base of ``size_mb`` MB (default 1536:
+  24 × Linear(4096, 4096), float32) with rank-16 adapters beside every layer, the only
+  tensors AdamW trains (~12 MB of state with their moments). The frozen base is the
+  same whatever the seed (pretrained weights), so a resumed job that restores the
+  adapters alone gets the same model.
+* ``embedding-sparse`` / ``embedding-sparse-zipf`` — an EmbeddingBag(100,000 × 128)
+  with ``sparse=True`` (48.8 MiB) and a small MLP, trained by Adagrad, which changes
+  only the rows a step looked up (and their rows of its ``sum``): ~1 % of the rows per
+  step, in a moving window of the newest rows, or Zipf-distributed over rows sorted by
+  popularity (:func:`_sparse_ids`). The model counts the rows it looked up
+  (``take_touched()``), so the benchmark can set the bytes an incremental save writes
+  against the bytes that changed.
 
 Each shape is ``(model, batches, loss)`` with seeded weights and data, so every method
 of one run trains exactly the same thing.
@@ -29,7 +38,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-__all__ = ["DEFAULT_SHAPES", "LORA_MB", "SHAPES", "Shape", "build", "mlp"]
+__all__ = ["DEFAULT_SHAPES", "LORA_MB", "SHAPES", "Shape", "build", "mlp", "optimizer"]
 
 
 @dataclass(frozen=True)
@@ -42,6 +51,11 @@ class Shape:
     build: Callable[
         [int, bool, int | None], tuple[nn.Module, list[tuple[torch.Tensor, torch.Tensor]], Any]
     ]
+    # the shape's optimizer (None: AdamW, lr 1e-4)
+    optimizer: Callable[[nn.Module], torch.optim.Optimizer] | None = None
+    # whether every tensor of the state changes at every step (what an incremental
+    # save must then cost no more than a full one for)
+    every_tensor_changes: bool = True
 
 
 def mlp(hidden: int, layers: int, seed: int) -> nn.Module:
@@ -123,9 +137,9 @@ def _transformer(
 
 
 class _Recommender(nn.Module):
-    def __init__(self, rows: int, dim: int, hidden: int, depth: int) -> None:
+    def __init__(self, rows: int, dim: int, hidden: int, depth: int, sparse: bool = False) -> None:
         super().__init__()
-        self.table = nn.EmbeddingBag(rows, dim, mode="sum")
+        self.table = nn.EmbeddingBag(rows, dim, mode="sum", sparse=sparse)
         layers: list[nn.Module] = [nn.Linear(dim, hidden), nn.ReLU()]
         for _ in range(depth):
             layers += [nn.Linear(hidden, hidden), nn.ReLU()]
@@ -152,6 +166,86 @@ def _embedding(
         ids = (rows * u.pow(3)).long().clamp_(max=rows - 1)
         data.append((ids, torch.randn(batch, generator=g)))
     return model, data, nn.functional.mse_loss
+
+
+class _SparseRecommender(_Recommender):
+    """:class:`_Recommender` with sparse gradients for its table, which also counts the
+    distinct rows its training steps looked up (the rows a row-wise optimizer changes):
+    :meth:`take_touched` gives their number since its last call."""
+
+    def __init__(self, rows: int, dim: int, hidden: int, depth: int) -> None:
+        super().__init__(rows, dim, hidden, depth, sparse=True)
+        self._seen: list[torch.Tensor] = []
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if torch.is_grad_enabled():
+            self._seen.append(ids.unique())
+        return super().forward(ids)
+
+    def take_touched(self) -> int:
+        seen, self._seen = self._seen, []
+        return int(torch.cat(seen).unique().numel()) if seen else 0
+
+
+SPARSE_WINDOW = 0.02  # embedding-sparse: the hot window, a share of the rows
+SPARSE_DRIFT = 0.002  # ... and how far it moves on per step
+SPARSE_ZIPF = 1.2  # embedding-sparse-zipf: the exponent over rows by popularity
+SPARSE_BATCHES = 64  # distinct batches (steps) before they repeat
+
+
+def _sparse_ids(pattern: str, rows: int, lookups: int, g: torch.Generator) -> list[torch.Tensor]:
+    """The looked-up rows of :data:`SPARSE_BATCHES` steps, ``lookups`` per step (about
+    1 % of the rows distinct in either pattern):
+
+    * ``window`` — rows in the order their items were created, the newest taking the
+      traffic (news, short videos): uniform over a window of the newest
+      :data:`SPARSE_WINDOW` of the rows, which moves on by :data:`SPARSE_DRIFT` of the
+      rows per step as new items appear. Between two checkpoints a contiguous range
+      of rows changes.
+    * ``zipf`` — rows sorted by popularity (hot rows first, as frequency-ordered
+      vocabularies and embedding caches keep them), drawn from a Zipf law of exponent
+      :data:`SPARSE_ZIPF`: most lookups hit a few hot rows, the rest a long tail
+      spread over the whole table.
+    """
+    out = []
+    if pattern == "window":
+        window, drift = max(1, round(rows * SPARSE_WINDOW)), rows * SPARSE_DRIFT
+        for step in range(SPARSE_BATCHES):
+            top = min(rows, window + round(step * drift))
+            out.append(top - 1 - torch.randint(0, window, (lookups,), generator=g))
+        return out
+    weights = torch.arange(1, rows + 1, dtype=torch.float64).pow(-SPARSE_ZIPF)
+    cdf = weights.cumsum(0)
+    cdf = cdf / cdf[-1]
+    for _ in range(SPARSE_BATCHES):
+        u = torch.rand(lookups, generator=g, dtype=torch.float64)
+        out.append(torch.searchsorted(cdf, u).clamp_(max=rows - 1))
+    return out
+
+
+def _embedding_sparse(pattern: str) -> Callable[[int, bool, int | None], tuple]:
+    def build_it(
+        seed: int, quick: bool, size_mb: int | None = None
+    ) -> tuple[nn.Module, list, Callable]:
+        rows, dim, hidden, batch = (5000, 32, 64, 32) if quick else (100_000, 128, 512, 256)
+        bag = 6 if pattern == "window" else 16
+        torch.manual_seed(seed)
+        model = _SparseRecommender(rows, dim, hidden, 1)
+        g = torch.Generator().manual_seed(seed + 1)
+        data = [
+            (ids.view(batch, -1), torch.randn(batch, generator=g))
+            for ids in _sparse_ids(pattern, rows, batch * bag, g)
+        ]
+        return model, data, nn.functional.mse_loss
+
+    return build_it
+
+
+def _adagrad(model: nn.Module) -> torch.optim.Optimizer:
+    # Adagrad takes the table's sparse gradients (updating, with its ``sum``, only the
+    # rows looked up) and the MLP's dense ones in one optimizer, as DLRM-style
+    # recommenders train; AdamW refuses sparse gradients.
+    return torch.optim.Adagrad(model.parameters(), lr=1e-2)
 
 
 class _LoraLayer(nn.Module):
@@ -206,9 +300,35 @@ SHAPES: dict[str, Shape] = {
             "lora",
             "frozen base of N × Linear(4096, 4096) with rank-16 adapters (AdamW on them)",
             _lora,
+            every_tensor_changes=False,
+        ),
+        Shape(
+            "embedding-sparse",
+            "EmbeddingBag 100k × 128 (sparse=True) + 3-layer MLP, Adagrad; each step looks "
+            "up ~1 % of the rows, in a window of the newest 2 % moving on 0.2 % a step",
+            _embedding_sparse("window"),
+            _adagrad,
+            every_tensor_changes=False,
+        ),
+        Shape(
+            "embedding-sparse-zipf",
+            "EmbeddingBag 100k × 128 (sparse=True) + 3-layer MLP, Adagrad; each step looks "
+            f"up ~1 % of the rows, Zipf ({SPARSE_ZIPF}) over rows sorted by popularity",
+            _embedding_sparse("zipf"),
+            _adagrad,
+            every_tensor_changes=False,
         ),
     )
 }
+
+
+def optimizer(shape: str | None, model: nn.Module) -> torch.optim.Optimizer:
+    """The optimizer the shape ``shape`` trains with (None, or a shape without one of
+    its own: AdamW, lr 1e-4, on every parameter: a frozen one has no gradient)."""
+    make = SHAPES[shape].optimizer if shape in SHAPES else None
+    if make is not None:
+        return make(model)
+    return torch.optim.AdamW(model.parameters(), lr=1e-4)
 
 
 def build(

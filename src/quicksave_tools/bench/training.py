@@ -49,9 +49,18 @@ staging memory against the state's bytes. The ``acceptance`` rows check quicksav
 default mode against its targets (:mod:`.training_summary`); every save, the first one
 included, counts in the loop overhead.
 
+Incremental saves (issue 30): the shapes ``lora``, ``embedding-sparse`` and
+``embedding-sparse-zipf`` and the methods ``quicksave-incremental``, ``-counters`` and
+``quicksave-trainable`` run when named; ``--incremental-block-kb`` sets the incremental
+methods' block size. The report then sets bytes on disk per save against the full save,
+the trainable state and the state that changed, and each incremental method's loop
+overhead against the full save's and the trainable state's (:mod:`.training_incremental`).
+
 Example::
 
     quicksave bench --training --json > report.json
+    quicksave bench --training --shapes embedding-sparse --incremental-block-kb 1024 \
+        --methods quicksave-process,quicksave-incremental
     quicksave bench --training --quick --methods torch.save,quicksave-sync
     quicksave bench --training --build warm   # the saver built after a warm-up step
 """
@@ -84,6 +93,7 @@ from quicksave_tools.bench.savers import (
     TORCH_CHECKPOINTING,
 )
 from quicksave_tools.bench.shapes import DEFAULT_SHAPES, LORA_MB, SHAPES
+from quicksave_tools.bench.training_incremental import incremental_rows
 from quicksave_tools.bench.training_loop import median
 from quicksave_tools.bench.training_report import format_training_report, plot_training_report
 from quicksave_tools.bench.training_summary import DEFAULT, REFERENCE, acceptance, shape_report
@@ -132,6 +142,9 @@ class TrainingBenchConfig:
         baseline: a folder holding another version of the ``quicksave`` package (e.g. an
             earlier commit's ``src``): every quicksave method also runs with it, as
             ``<method>@baseline``, side by side in the same schedule.
+        lora_mb: the frozen base of the ``lora`` shape, in MB.
+        incremental_block_kb: ``IncrementalConfig.block_bytes`` of the incremental
+            methods, in KiB (None: its default, 4 MiB).
     """
 
     steps: int = 30
@@ -151,6 +164,7 @@ class TrainingBenchConfig:
     timeout_s: float = 1800.0
     baseline: str | None = None
     lora_mb: int = LORA_MB
+    incremental_block_kb: int | None = None
 
 
 QUICK = {
@@ -207,6 +221,8 @@ def _check(config: TrainingBenchConfig, parent: str) -> None:
     for name in ("steps", "interval", "repeats", "threads", "lora_mb"):
         if getattr(config, name) < 1:
             raise ValueError(f"{name} must be at least 1")
+    if config.incremental_block_kb is not None and config.incremental_block_kb < 1:
+        raise ValueError("incremental_block_kb must be at least 1")
     if config.interval > config.steps:
         raise ValueError("interval must not exceed steps (no checkpoint would be written)")
     state_bytes = 0 if config.quick else 1_700_000_000
@@ -264,7 +280,9 @@ def run_training_benchmark(config: TrainingBenchConfig, log: Any = None) -> dict
         overhead per checkpoint and its spread, blocking, durable, GB/s, restore, RSS,
         CPU per checkpoint, first step and final wait ratios, the per-step timings, or
         ``failed`` / ``unavailable``)), ``acceptance`` (the checks of the default
-        mode, per shape) and ``order``.
+        mode, per shape), ``incremental`` (each incremental method against the full
+        save and the trainable state's, per shape: :mod:`.training_incremental`) and
+        ``order``.
 
     Raises:
         ValueError: bad arguments or too little free disk space.
@@ -326,6 +344,9 @@ def run_training_benchmark(config: TrainingBenchConfig, log: Any = None) -> dict
             "acceptance": [
                 row for name, sh in shapes.items() for row in acceptance(name, sh, config.build)
             ],
+            "incremental": [
+                row for name, sh in shapes.items() for row in incremental_rows(name, sh)
+            ],
             "order": [list(run) for run in order],
         }
     )
@@ -371,6 +392,14 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"the frozen base of the lora shape, in MB ({d.lora_mb})",
     )
     p.add_argument(
+        "--incremental-block-kb",
+        type=int,
+        default=None,
+        metavar="KB",
+        help="block size of the incremental methods, in KiB (IncrementalConfig.block_bytes; "
+        "default 4096)",
+    )
+    p.add_argument(
         "--baseline",
         metavar="SRC",
         help="a folder holding another quicksave package (an earlier commit's src): "
@@ -408,6 +437,7 @@ def main(argv: list[str] | None = None) -> int:
         seed=args.seed,
         baseline=args.baseline,
         lora_mb=args.lora_mb,
+        incremental_block_kb=args.incremental_block_kb,
     )
     if args.quick:
         config = replace(config, restore_repeats=1, raw_repeats=1, **QUICK)

@@ -47,7 +47,7 @@ from quicksave_tools.bench.methods import (
     raw_save,
 )
 from quicksave_tools.bench.savers import Saver, Unavailable, make_saver
-from quicksave_tools.bench.shapes import build, mlp
+from quicksave_tools.bench.shapes import build, mlp, optimizer
 
 
 # --------------------------------------------------------------------- memory probes
@@ -162,11 +162,11 @@ Guard = Callable[[], contextlib.AbstractContextManager[Any]]
 def build_trainer(
     spec: dict[str, Any], seed: int | None = None
 ) -> tuple[nn.Module, torch.optim.Optimizer, Callable[..., float]]:
-    """The model, its AdamW and one training step: the shape ``spec["shape"]`` (see
-    :mod:`.shapes`), or an MLP of ``spec["hidden"]`` × ``spec["layers"]``; ``seed``
-    (default ``spec["seed"]``) seeds the weights and the data. The step runs
-    ``optimizer.step()`` inside ``guard()`` (a saver that stages beside training may
-    need its lock there)."""
+    """The model, its optimizer (the shape's, else AdamW) and one training step: the
+    shape ``spec["shape"]`` (see :mod:`.shapes`), or an MLP of ``spec["hidden"]`` ×
+    ``spec["layers"]``; ``seed`` (default ``spec["seed"]``) seeds the weights and the
+    data. The step runs ``optimizer.step()`` inside ``guard()`` (a saver that stages
+    beside training may need its lock there)."""
     seed = spec["seed"] if seed is None else seed
     if spec.get("shape"):
         size = spec.get("lora_mb") if spec["shape"] == "lora" else None
@@ -182,7 +182,7 @@ def build_trainer(
             for _ in range(4)
         ]
         loss_fn = nn.functional.mse_loss
-    optim = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    optim = optimizer(spec.get("shape"), model)
     counter = [0]
 
     def step(guard: Guard = contextlib.nullcontext) -> float:
@@ -198,13 +198,23 @@ def build_trainer(
     return model, optim, step
 
 
-def _run_loop(spec: dict[str, Any], saver: Saver, train_step: Callable[..., float]) -> dict:
+def _run_loop(
+    spec: dict[str, Any],
+    saver: Saver,
+    train_step: Callable[..., float],
+    touched: Callable[[], int] | None = None,
+) -> dict:
+    """The timed loop; ``touched`` (a model that counts the rows its steps looked up):
+    every save's event gets ``rows_touched``, the rows looked up since the previous save
+    (the first: since the loop began)."""
     steps, interval = spec["steps"], spec["interval"]
     step_s, save_s, events = [], [], []
     loss = 0.0
     _reset_peak_rss()
     with _WorkerMonitor() as monitor:
         monitor.baseline()
+        if touched is not None:
+            touched()  # the rows of steps before the loop are not its saves'
         cpu0 = time.process_time()
         begin = time.perf_counter()
         for step in range(1, steps + 1):
@@ -222,6 +232,8 @@ def _run_loop(spec: dict[str, Any], saver: Saver, train_step: Callable[..., floa
                         "waited_for_previous_s": waited,
                     }
                 )
+                if touched is not None:
+                    events[-1]["rows_touched"] = touched()
             else:
                 t2 = t1
             step_s.append(t2 - t0)
@@ -377,19 +389,27 @@ def run_child(spec: dict[str, Any]) -> dict[str, Any]:
             _calibrate(spec, train_step, result)
         t0 = time.perf_counter()
         try:
-            saver = make_saver(spec["method"], folder, states, spec["interval"])
+            block = spec.get("incremental_block_kb")
+            saver = make_saver(
+                spec["method"], folder, states, spec["interval"], block and block << 10
+            )
         except Unavailable as e:
             return {**result, "unavailable": str(e)}
         result["setup_s"] = time.perf_counter() - t0
         result["staging_bytes"] = saver.staging_bytes()
         try:
-            result.update(_run_loop(spec, saver, train_step))
+            touched = getattr(model, "take_touched", None)
+            result.update(_run_loop(spec, saver, train_step, touched))
             tensors = _state_tensors(model, optim)
             result.update(bytes=_nbytes(tensors), tensors=len(tensors))
             records = saver.records()
             if records is not None:
                 result["manager_records"] = records
-            result["disk_bytes"] = _disk_bytes(saver, [e["step"] for e in result["events"]])
+            steps = [e["step"] for e in result["events"]]
+            result["disk_bytes"] = _disk_bytes(saver, steps)
+            result["manifest_bytes"] = _disk_bytes(saver, steps, "manifest.json")
+            if touched is not None:
+                result["changed_bytes"] = _changed_bytes(model, optim, result["events"])
             result["trainable_bytes"] = _trainable_bytes(model, optim)
             if result["events"] and saver.restorable:
                 last = result["events"][-1]["step"]
@@ -410,19 +430,37 @@ def run_child(spec: dict[str, Any]) -> dict[str, Any]:
         dist.destroy_process_group()
 
 
-def _disk_bytes(saver: Saver, steps: list[int]) -> dict[str, int]:
+def _disk_bytes(saver: Saver, steps: list[int], only: str | None = None) -> dict[str, int]:
     """Bytes each step's checkpoint occupies on disk (``st_blocks``: the holes of an
-    incremental checkpoint take none), by step; steps that left no folder are absent."""
+    incremental checkpoint take none), by step (``only``: its file of that name, e.g.
+    the manifest); steps that left no folder (or no such file) are absent."""
     out = {}
     for step in steps:
         path = saver.path(step)
         if os.path.isdir(path):
-            out[str(step)] = sum(
-                os.stat(os.path.join(path, n)).st_blocks * 512 for n in os.listdir(path)
-            )
-        elif os.path.isfile(path):
+            names = [n for n in os.listdir(path) if only is None or n == only]
+            if names:
+                out[str(step)] = sum(os.stat(os.path.join(path, n)).st_blocks * 512 for n in names)
+        elif os.path.isfile(path) and only is None:
             out[str(step)] = os.stat(path).st_blocks * 512
     return out
+
+
+def _changed_bytes(
+    model: nn.Module, optim: torch.optim.Optimizer, events: list[dict[str, Any]]
+) -> dict[str, int]:
+    """The bytes of the state that changed since the previous save, by step, for a model
+    whose table changes only in the rows looked up (``model.table``; the events'
+    ``rows_touched``): those rows of the table and of its optimizer state of the same
+    shape, plus every other tensor of the state whole (the MLP, its optimizer state,
+    the step counters: changed at every step)."""
+    table = model.table.weight
+    rowwise = [
+        t for t in _tensors(optim.state.get(table, {})) if t.shape == table.shape
+    ]  # an optimizer's per-row state (Adagrad's sum, Adam's moments)
+    per_row = sum(t[0].numel() * t.element_size() for t in [table, *rowwise])
+    whole = _nbytes(_state_tensors(model, optim)) - per_row * table.shape[0]
+    return {str(e["step"]): e["rows_touched"] * per_row + whole for e in events}
 
 
 def _trainable_bytes(model: nn.Module, optim: torch.optim.Optimizer) -> int:

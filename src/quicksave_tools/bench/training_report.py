@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from quicksave_tools.bench.training_incremental import incremental_table
 from quicksave_tools.bench.training_loop import median
 
 
@@ -26,8 +27,10 @@ _BUILT = {
 
 
 def format_training_report(report: dict[str, Any]) -> str:
-    """The report as Markdown: one line about the run; per shape its state, raw figures
-    and floor, the loop table and the restore table; then the acceptance table."""
+    """The report as Markdown: one line about the run (with the incremental methods'
+    block size, where they ran); per shape its state, raw figures and floor, the loop
+    table, the restore table and the bytes on disk; then the acceptance table and the
+    incremental methods side by side."""
     c, m = report["config"], report["machine"]
     lines = [
         f"{len(c['shapes'])} model shape(s), {c['steps']} steps, checkpoint every "
@@ -36,6 +39,9 @@ def format_training_report(report: dict[str, Any]) -> str:
         f"CPUs, torch {m['torch']}, load average {m['loadavg_before'][0]} → "
         f"{m['loadavg_after'][0]}",
     ]
+    if any("incremental" in x for x in c["methods"]):
+        kb = c.get("incremental_block_kb")
+        lines[0] += f"; incremental blocks {f'{kb} KiB' if kb else '4096 KiB (the default)'}"
     for name, sh in report["shapes"].items():
         lines += ["", *_format_shape(name, sh, c.get("build", "warm"))]
     lines += [
@@ -57,6 +63,9 @@ def format_training_report(report: dict[str, Any]) -> str:
             f"| {row['shape']} | {row['target']} | {shown} | {limit} | "
             f"{'yes' if row['met'] else 'NO'} |"
         )
+    side = incremental_table(report.get("incremental", []), c.get("incremental_block_kb"))
+    if side:
+        lines += ["", *side]
     return "\n".join(lines)
 
 
@@ -66,7 +75,10 @@ def _disk_rows(methods: dict[str, Any]) -> list[str]:
         f"| {name} | {s['disk_first_bytes'] / 1e6:.1f} | "
         f"{s['disk_later_median_bytes'] / 1e6:.1f} | "
         f"{_fmt(s.get('disk_later_vs_first'), '.3f', '×')} | "
-        f"{_fmt(s.get('disk_later_vs_trainable'), '.2f', '×')} |"
+        f"{_fmt(s.get('disk_later_vs_trainable'), '.2f', '×')} | "
+        f"{_fmt((s.get('changed_later_median_bytes') or 0) / 1e6 or None, '.2f')} "
+        f"({_fmt(s.get('rows_touched_later_median'), '.0f')}) | "
+        f"{_fmt(s.get('disk_later_vs_changed'), '.2f', '×')} |"
         for name, s in methods.items()
         if s.get("disk_first_bytes") is not None and s.get("disk_later_median_bytes") is not None
     ]
@@ -74,9 +86,10 @@ def _disk_rows(methods: dict[str, Any]) -> list[str]:
         return []
     head = (
         "| bytes on disk | 1st save MB | later saves MB (median) | later vs 1st | "
-        "later vs trainable state |"
+        "later vs trainable state | changed state MB per later save (rows looked up) | "
+        "later vs changed |"
     )
-    return ["", head, "|---|---:|---:|---:|---:|", *rows]
+    return ["", head, "|---|---:|---:|---:|---:|---:|---:|", *rows]
 
 
 def _format_shape(name: str, sh: dict[str, Any], build: str) -> list[str]:

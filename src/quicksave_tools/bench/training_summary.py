@@ -188,23 +188,38 @@ def _summarize(method: str, runs: list[dict], base: _Baseline) -> dict[str, Any]
     return out
 
 
+def _first_later(ok: list[dict], key: str) -> tuple[float | None, float | None]:
+    """The first save's value of ``run[key]`` (a dict by step) and the later saves'
+    median, over the runs."""
+    by_step = [r[key] for r in ok if r.get(key)]
+    ordered = [[d[k] for k in sorted(d, key=int)] for d in by_step]
+    return median([o[0] for o in ordered]), median([x for o in ordered for x in o[1:]])
+
+
 def _disk_bytes(ok: list[dict]) -> dict[str, Any]:
     """Bytes on disk per checkpoint: the first save's, the later ones' median (an
-    incremental save's), and those against the trainable state's bytes."""
-    disk = [r["disk_bytes"] for r in ok if r.get("disk_bytes")]
-    if not disk:
+    incremental save's), and those against the trainable state's bytes; where the
+    shape counts the rows it changes (``embedding-sparse``), the later saves' median of
+    the bytes of the state that changed since the previous save, and of the rows."""
+    first, later = _first_later(ok, "disk_bytes")
+    if first is None:
         return {}
-    ordered = [[d[k] for k in sorted(d, key=int)] for d in disk]
-    first = median([o[0] for o in ordered])
-    later = median([x for o in ordered for x in o[1:]])
     trainable = ok[0].get("trainable_bytes")
-    return {
+    out = {
         "disk_first_bytes": first,
         "disk_later_median_bytes": later,
+        "manifest_later_median_bytes": _first_later(ok, "manifest_bytes")[1],
         "trainable_bytes": trainable,
         "disk_later_vs_trainable": later / trainable if later and trainable else None,
         "disk_later_vs_first": later / first if later and first else None,
     }
+    changed = _first_later(ok, "changed_bytes")[1]
+    if changed is not None:
+        rows = [e["rows_touched"] for r in ok for e in r["events"][1:] if "rows_touched" in e]
+        out["changed_later_median_bytes"] = changed
+        out["rows_touched_later_median"] = median(rows)
+        out["disk_later_vs_changed"] = later / changed if later and changed else None
+    return out
 
 
 def shape_report(
