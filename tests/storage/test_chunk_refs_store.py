@@ -141,41 +141,33 @@ def test_the_upload_tier_copies_a_referring_step_self_contained(
     client.close()
 
 
-def test_incremental_saves_to_a_store_refer_and_load(s3_server, s3_bucket, monkeypatch) -> None:
-    """``IncrementalConfig`` with the folder on a store: the writer sends the holes as
-    zeros (a store has no sparse objects), the manifest refers to the earlier prefix,
-    every step verifies and loads."""
-    from quicksave.manager import CheckpointConfig, CheckpointManager
+def test_incremental_saves_to_a_store_are_refused_naming_the_url(
+    s3_server, s3_bucket, monkeypatch
+) -> None:
+    """``IncrementalConfig`` with the folder on a store: refused when the config is made
+    (the manager) or at the save (an ``AsyncSaver``), naming the URL and what to do,
+    before anything is written: a store has no sparse objects, so a referring
+    checkpoint would upload its holes as zeros, as many bytes as a full save."""
+    from quicksave.errors import CheckpointError
+    from quicksave.manager import CheckpointConfig
 
     for k, v in s3_server.env().items():
         monkeypatch.setenv(k, v)
     url = f"s3://{s3_bucket}/incr"
-    state = {"frozen": random_tensor((512, 256), torch.float32, seed=1), "head": torch.zeros(7)}
-
-    class Holder:
-        def state_dict(self) -> dict[str, torch.Tensor]:
-            return dict(state)
-
-        def load_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
-            state.update(sd)
-
     incremental = quicksave.IncrementalConfig(enabled=True, block_bytes=64 << 10)
-    config = CheckpointConfig(folder=url, interval=1, async_mode="thread", incremental=incremental)
-    with CheckpointManager(config, {"m": Holder()}) as manager:
-        for step in (1, 2):
-            state["head"] = torch.full((7,), float(step))
-            manager.save(step)
-            manager.wait()
+    with pytest.raises(CheckpointError, match="need a filesystem folder") as info:
+        CheckpointConfig(folder=url, interval=1, incremental=incremental)
+    assert info.value.path == url and "UploadTierConfig" in info.value.message
+    CheckpointConfig(folder=url, interval=1)  # off: as before
+
+    state = {"frozen": random_tensor((512, 256), torch.float32, seed=1), "head": torch.zeros(7)}
+    config = quicksave.EngineConfig(mode="thread", incremental=incremental)
+    with quicksave.AsyncSaver(config) as saver:
+        with pytest.raises(CheckpointError, match="is an object store") as info:
+            saver.save(state, f"{url}/step-1", step=1)
+        assert info.value.path == f"{url}/step-1"
     client = s3_server.client()
     try:
-        body = client.get_object(Bucket=s3_bucket, Key="incr/step-2/manifest.json")["Body"].read()
+        assert client.list_objects_v2(Bucket=s3_bucket, Prefix="incr/").get("KeyCount") == 0
     finally:
         client.close()
-    doc = json.loads(body)
-    assert [c.get("base") for c in doc["tensors"]["m.frozen"]["chunks"]] == [1] * 8
-    for step in (1, 2):
-        assert verify_checkpoint(f"{url}/step-{step}").ok
-        out = {"frozen": torch.zeros(512, 256), "head": torch.zeros(7)}
-        quicksave.load({"m": out}, f"{url}/step-{step}")
-        assert_bit_equal(out["frozen"], state["frozen"], "frozen")
-        assert_bit_equal(out["head"], torch.full((7,), float(step)), "head")
