@@ -450,3 +450,24 @@ def test_a_restarted_job_saves_full_first(tmp_path: Path, job: Job) -> None:
             manager.wait()
     assert _manifest(folder, 3)["format_version"] == 1
     assert _bases(_manifest(folder, 4), "model.base.weight") == [3] * 8
+
+
+def test_a_save_under_another_name_never_becomes_a_base(tmp_path: Path) -> None:
+    """A reference names a step (``step-<N>``): a save under another name (Lightning's
+    ``last.ckpt``) is full and is never referred to, so the next ``step-<N>`` save refers
+    to the last ``step-<N>`` one (it referred to a ``step-2`` that did not exist)."""
+    state = {"frozen": torch.randn(ROWS, COLS), "head": torch.zeros(7)}
+    with quicksave.AsyncSaver(_engine()) as saver:
+        for name, step in (("step-1", 1), ("last", 2), ("step-3", 3)):
+            state["head"] += 1
+            handle = saver.save(state, tmp_path / name, step=step)
+            assert handle is not None
+            handle.wait()
+    assert set(_bases(_manifest(tmp_path, 3), "frozen")) == {1}
+    assert set(_bases(json.loads((tmp_path / "last" / MANIFEST_NAME).read_bytes()), "frozen")) == {
+        None
+    }
+    assert verify_checkpoint(tmp_path / "step-3").ok
+    out = {k: torch.zeros_like(v) for k, v in state.items()}
+    quicksave.load(out, tmp_path / "step-3")
+    assert_bit_equal(out["frozen"], state["frozen"], "frozen")

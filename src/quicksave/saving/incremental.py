@@ -481,8 +481,10 @@ class Increments:
         job = dataclasses.replace(
             job, digests={**job.digests, **digests}, bases=dict(bases), report_digests=True
         )
-        folder, _ = _folder_of(job.final_path)
-        if job.step is not None:
+        folder, name = _folder_of(job.final_path)
+        # only a step-<N> checkpoint can be a base: a reference names the step, and a
+        # save under another name (Lightning's last.ckpt) holds no step-<N> to refer to
+        if job.step is not None and name == f"step-{job.step}":
             chain = 0 if base is None else base.chain + 1
             while len(self._pending) >= _PENDING:
                 del self._pending[next(iter(self._pending))]
