@@ -307,6 +307,15 @@ def test_bad_config_is_refused(bad: dict[str, Any]) -> None:
         quicksave.IncrementalConfig(**bad)
 
 
+def test_incremental_without_the_async_engine_is_refused(tmp_path: Path) -> None:
+    """``async_mode="disabled"`` saves through ``quicksave.save``, which writes every
+    byte: refused when the config is made, not silently full."""
+    with pytest.raises(CheckpointError, match="async_mode='disabled' writes every byte") as e:
+        _config(tmp_path, async_mode="disabled")
+    assert e.value.path == str(tmp_path)
+    CheckpointConfig(folder=str(tmp_path), interval=1, async_mode="disabled")  # off: fine
+
+
 # ------------------------------------------------------------------- the engine alone
 
 

@@ -256,8 +256,9 @@ class CheckpointConfig:
         incremental: incremental saves (:class:`~quicksave.IncrementalConfig`): blocks
             unchanged since the last checkpoint are referred to, not written again
             (``async_mode`` ``"thread"`` or ``"process"``, any number of ranks;
-            FORMAT.md §9). The folder must be a filesystem's (an object store is
-            refused here: no sparse objects); ``upload`` copies it to a store.
+            FORMAT.md §9; ``"disabled"`` is refused). The folder must be a
+            filesystem's (an object store is refused here: no sparse objects);
+            ``upload`` copies it to a store.
             Off by default.
 
     Raises:
@@ -407,6 +408,12 @@ class CheckpointConfig:
                     f"worker_cpus places the worker process: it needs async_mode='process', "
                     f"got {self.async_mode!r}"
                 )
+        if self.incremental.enabled and self.async_mode == "disabled":
+            raise CheckpointError(
+                "incremental saves are the async engine's: async_mode='disabled' writes "
+                "every byte (quicksave.save); use async_mode='thread' or 'process'",
+                path=self.folder,
+            )
 
     @property
     def export_torch_dtype(self) -> torch.dtype:
