@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 import warnings
 from pathlib import Path
 
@@ -23,6 +24,7 @@ from quicksave.integrations.lightning import QuicksaveCheckpointIO, read_checkpo
 from quicksave.loading.run_folder import committed_steps
 from quicksave.loading.verify import verify_checkpoint
 from quicksave.saving.config import EngineConfig
+from quicksave.worker import persisters
 
 warnings.filterwarnings("ignore", module="lightning")
 
@@ -60,14 +62,14 @@ def _engine(full_every: int) -> EngineConfig:
     return EngineConfig(mode="thread", max_in_flight=2, incremental=incremental)
 
 
-def _trainer(root: Path, io: QuicksaveCheckpointIO, epochs: int) -> L.Trainer:
+def _trainer(root: Path, io: QuicksaveCheckpointIO, epochs: int, top_k: int = 2) -> L.Trainer:
     ckpt = ModelCheckpoint(
         dirpath=root,
         filename="step-{step}",
         auto_insert_metric_name=False,
         monitor="step",
         mode="max",
-        save_top_k=2,
+        save_top_k=top_k,
         every_n_epochs=1,
         # (its own state, best_k_models keyed by checkpoint path, changes the layout of
         # a full checkpoint at every save, and a save with a new layout is full)
@@ -134,6 +136,41 @@ def test_top_k_never_removes_a_checkpoint_a_kept_one_refers_to(tmp_path, monkeyp
         assert got.keys() == weights[step].keys()
         for k, v in weights[step].items():
             assert torch.equal(got[k], v), (step, k)
+
+
+def test_a_checkpoint_a_save_in_flight_may_refer_to_is_kept(tmp_path, monkeypatch) -> None:
+    """Top-1: Lightning removes step-4 right after starting the save of step-8, which
+    refers to it; that save's writer is held until the removal returned, so step-4
+    must outlive it (its referrer's manifest is not written yet), and go once nothing
+    refers to it."""
+    root = tmp_path / "ckpt"
+    gate = threading.Event()
+    original = persisters.execute_job
+
+    def gated(job, pool, *rest):
+        if job.step == 8:
+            assert gate.wait(60)
+        return original(job, pool, *rest)
+
+    real_remove = QuicksaveCheckpointIO.remove_checkpoint
+    left: list[tuple[str, list[int]]] = []
+
+    def remove(self, path):
+        real_remove(self, path)
+        left.append((os.path.basename(path), committed_steps(root)))
+        gate.set()  # step-8's writer goes on
+
+    monkeypatch.setattr(persisters, "execute_job", gated)
+    monkeypatch.setattr(QuicksaveCheckpointIO, "remove_checkpoint", remove)
+    torch.manual_seed(0)
+    io = QuicksaveCheckpointIO(async_save=True, engine=_engine(8))
+    _trainer(root, io, 3, top_k=1).fit(Lora(), _loader())  # saves 4, 8 (-> 4), 12 (-> 4)
+    assert left[0] == ("step-4", [4])  # put off: step-8, in flight, refers to it
+    assert [name for name, _ in left] == ["step-4", "step-8"]
+    assert committed_steps(root) == [4, 12]  # step-12 refers to step-4 too
+    assert _bases(root / "step-12") == {4}
+    for step in (4, 12):
+        assert verify_checkpoint(root / f"step-{step}").ok, step
 
 
 def test_incremental_needs_the_async_engine() -> None:

@@ -286,8 +286,10 @@ class QuicksaveCheckpointIO(*_checkpoint_io_bases()):  # type: ignore[misc]
 
         A ``step-<N>`` checkpoint that another committed checkpoint of its folder
         refers to (FORMAT.md §9, closed over references as the manager's retention:
-        :mod:`quicksave.manager.references`) is kept (logged) and removed by a later
-        call once nothing refers to it any more, newest first.
+        :mod:`quicksave.manager.references`), or, with incremental saves, the newest one
+        while a save to its folder is in flight (its manifest is not written yet), is kept
+        (logged) and removed by a later call, or ``teardown()``, once nothing refers to
+        it any more, newest first.
         A symbolic link (``ModelCheckpoint(save_last="link")``) is unlinked, its target
         kept; an empty directory (the placeholder of an async save that never
         committed) is removed. Nothing at ``path`` is not an error. Locally the
@@ -307,7 +309,12 @@ class QuicksaveCheckpointIO(*_checkpoint_io_bases()):  # type: ignore[misc]
             return
         self._kept.discard(target)
         self._remove(loc)
-        for url in sorted(self._kept, key=_step_key, reverse=True):  # newest first
+        self._sweep()
+
+    def _sweep(self) -> None:
+        """Remove the checkpoints put off that nothing refers to any more, newest first
+        (one may refer to an older one)."""
+        for url in sorted(self._kept, key=_step_key, reverse=True):
             put_off = parse_location(url, options=self.storage)
             if not self._referred_to(put_off):
                 self._kept.discard(url)
@@ -315,7 +322,10 @@ class QuicksaveCheckpointIO(*_checkpoint_io_bases()):  # type: ignore[misc]
 
     def _referred_to(self, loc: Any) -> bool:
         """Whether ``loc``, a committed ``step-<N>`` checkpoint, is one that another
-        committed checkpoint of its folder refers to (directly or through others)."""
+        committed checkpoint of its folder refers to (directly or through others), or
+        the newest one while a save of this plugin to that folder is in flight (an
+        incremental save refers only to the newest step committed, and to what that
+        one refers to: FORMAT.md §9)."""
         name = _STEP_NAME.fullmatch(loc.name)
         if name is None:
             return False
@@ -323,6 +333,15 @@ class QuicksaveCheckpointIO(*_checkpoint_io_bases()):  # type: ignore[misc]
         kinds = committed_kinds(folder)
         if step not in kinds:
             return False
+        if (
+            step == max(kinds)
+            and self.engine.incremental.enabled
+            and any(
+                not handle.done() and parse_location(other, options=self.storage).parent() == folder
+                for other, handle in PROCESS.saves.owned(self)
+            )
+        ):
+            return True  # the newest step: the base of a save in flight (or its holders')
         return step in referenced(folder, kinds, set(kinds) - {step}, None, self._bases)
 
     def _remove(self, loc: Any) -> None:
@@ -353,6 +372,10 @@ class QuicksaveCheckpointIO(*_checkpoint_io_bases()):  # type: ignore[misc]
                 self._settle(target)
             except CheckpointError as e:
                 errors.append(e)
+        try:  # every save has ended: the removals put off that nothing needs now
+            self._sweep()
+        except CheckpointError as e:
+            errors.append(e)
         savers, self._savers = self._savers, {}
         for saver in savers.values():
             try:
