@@ -307,6 +307,15 @@ def test_bad_config_is_refused(bad: dict[str, Any]) -> None:
         quicksave.IncrementalConfig(**bad)
 
 
+def test_incremental_without_the_async_engine_is_refused(tmp_path: Path) -> None:
+    """``async_mode="disabled"`` saves through ``quicksave.save``, which writes every
+    byte: refused when the config is made, not silently full."""
+    with pytest.raises(CheckpointError, match="async_mode='disabled' writes every byte") as e:
+        _config(tmp_path, async_mode="disabled")
+    assert e.value.path == str(tmp_path)
+    CheckpointConfig(folder=str(tmp_path), interval=1, async_mode="disabled")  # off: fine
+
+
 # ------------------------------------------------------------------- the engine alone
 
 
@@ -450,3 +459,24 @@ def test_a_restarted_job_saves_full_first(tmp_path: Path, job: Job) -> None:
             manager.wait()
     assert _manifest(folder, 3)["format_version"] == 1
     assert _bases(_manifest(folder, 4), "model.base.weight") == [3] * 8
+
+
+def test_a_save_under_another_name_never_becomes_a_base(tmp_path: Path) -> None:
+    """A reference names a step (``step-<N>``): a save under another name (Lightning's
+    ``last.ckpt``) is full and is never referred to, so the next ``step-<N>`` save refers
+    to the last ``step-<N>`` one (it referred to a ``step-2`` that did not exist)."""
+    state = {"frozen": torch.randn(ROWS, COLS), "head": torch.zeros(7)}
+    with quicksave.AsyncSaver(_engine()) as saver:
+        for name, step in (("step-1", 1), ("last", 2), ("step-3", 3)):
+            state["head"] += 1
+            handle = saver.save(state, tmp_path / name, step=step)
+            assert handle is not None
+            handle.wait()
+    assert set(_bases(_manifest(tmp_path, 3), "frozen")) == {1}
+    assert set(_bases(json.loads((tmp_path / "last" / MANIFEST_NAME).read_bytes()), "frozen")) == {
+        None
+    }
+    assert verify_checkpoint(tmp_path / "step-3").ok
+    out = {k: torch.zeros_like(v) for k, v in state.items()}
+    quicksave.load(out, tmp_path / "step-3")
+    assert_bit_equal(out["frozen"], state["frozen"], "frozen")

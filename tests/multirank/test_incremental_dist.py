@@ -136,3 +136,115 @@ def test_dtensor_shards_refer_block_by_block(tmp_path: Any) -> None:
     assert all(base == 1 for at, base in rows.items() if at != (256, 0))
     cols = docs[2]["tensors"]["m.cols"]["chunks"]
     assert {c.get("base") for c in cols} == {1}
+
+
+def _rank_uploads(rank: int, world_size: int, root: str, store: dict[str, str]) -> dict[str, Any]:
+    import time
+
+    from quicksave.manager import UploadTierConfig
+    from quicksave.storage import S3Options, StorageOptions
+
+    storage = StorageOptions(
+        s3=S3Options(
+            endpoint_url=store["endpoint"],
+            access_key_id=store["key"],
+            secret_access_key=store["secret"],
+            region=store["region"],
+        )
+    )
+    torch.manual_seed(0)
+    frozen = nn.Linear(256, 512)
+    frozen.requires_grad_(False)
+    head = nn.Linear(512, 8)
+    model = nn.Sequential(frozen, head)
+    optim = torch.optim.AdamW(head.parameters(), lr=0.01)
+    config = CheckpointConfig(
+        folder=os.path.join(root, "ckpt"),
+        interval=1,
+        keep_latest_k=1,
+        async_mode="thread",
+        storage=storage,
+        incremental=quicksave.IncrementalConfig(enabled=True, block_bytes=64 << 10),
+        upload=UploadTierConfig(store["url"], every=2, keep=2),
+    )
+    x = torch.randn(4, 256, generator=torch.Generator().manual_seed(1))
+    snaps = {}
+    referred: dict[int, bool] = {}  # step -> its checkpoint in the folder refers to another
+    with CheckpointManager(
+        config, {"model": ModelState(model), "optimizer": OptimizerState(model, optim)}
+    ) as manager:
+        tier = manager.upload_tier
+        assert tier is not None and tier.uploader is not None
+        for step in range(1, 7):
+            model(x).square().mean().backward()
+            optim.step()
+            optim.zero_grad()
+            manager.save(step)
+            manager.wait()
+            local = os.path.join(root, "ckpt", f"step-{step}", "manifest.json")
+            with open(local, "rb") as f:
+                doc = json.loads(f.read())
+            referred[step] = any("base" in c for t in doc["tensors"].values() for c in t["chunks"])
+            tier.poll()
+            deadline = time.monotonic() + 120
+            while not tier.uploader.idle():  # every rank's copy, and rank 0's commit
+                assert time.monotonic() < deadline, "the upload did not end"
+                time.sleep(0.02)
+            snaps[step] = {k: v.clone() for k, v in model.state_dict().items()}
+        committed, failures = tier.uploader.log.committed, tier.uploader.failures
+    same = {}
+    for step in (4, 6):  # from the store, after the folder's retention deleted step 4
+        out = {k: torch.zeros_like(v) for k, v in snaps[step].items()}
+        quicksave.load({"model": out}, f"{store['url']}/step-{step}", strict=False, storage=storage)
+        same[step] = all(torch.equal(out[k], v) for k, v in snaps[step].items())
+    return {"committed": committed, "failures": failures, "same": same, "referred": referred}
+
+
+def test_several_ranks_upload_self_contained_copies(tmp_path: Any) -> None:
+    """The object-store tier on 2 ranks with incremental saves: each rank fills the holes
+    of its own files from the folder's bases; every step on the store refers to nothing,
+    verifies and loads bit-exactly once the folder kept only its newest step (and the
+    base it refers to)."""
+    import uuid
+
+    from helpers.s3_server import seaweed_server
+    from quicksave.loading.run_folder import committed_steps
+    from quicksave.storage import S3Options, StorageOptions, parse_location
+
+    with seaweed_server() as server:
+        bucket = server.create_bucket(f"incr-{uuid.uuid4().hex[:12]}")
+        store = {
+            "url": f"s3://{bucket}/job",
+            "endpoint": server.endpoint_url,
+            "key": server.access_key_id,
+            "secret": server.secret_access_key,
+            "region": server.region,
+        }
+        results = run_ranks(_rank_uploads, 2, str(tmp_path), store, config=LAUNCH)
+        for rank, r in enumerate(results):
+            assert r["committed"] == [2, 4, 6] and r["failures"] == 0, rank
+            assert r["same"] == {4: True, 6: True}, rank
+            assert [s for s, yes in r["referred"].items() if yes] == [2, 3, 4, 5, 6], rank
+        storage = StorageOptions(
+            s3=S3Options(
+                endpoint_url=server.endpoint_url,
+                access_key_id=server.access_key_id,
+                secret_access_key=server.secret_access_key,
+                region=server.region,
+            )
+        )
+        assert committed_steps(tmp_path / "ckpt") == [1, 6]  # 6 and its base
+        target = parse_location(store["url"], options=storage)
+        assert committed_steps(target, allow_dcp=False) == [4, 6]
+        client = server.client()
+        try:
+            for step in (4, 6):
+                key = f"job/step-{step}/manifest.json"
+                doc = json.loads(client.get_object(Bucket=bucket, Key=key)["Body"].read())
+                assert doc["format_version"] == 1 and doc["world_size"] == 2
+                chunks = [c for t in doc["tensors"].values() for c in t["chunks"]]
+                assert not any("base" in c for c in chunks)
+                assert len({c["file"][:10] for c in chunks}) == 2  # both ranks' files
+                assert verify_checkpoint(f"{store['url']}/step-{step}", storage=storage).ok
+        finally:
+            client.close()

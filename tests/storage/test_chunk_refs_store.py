@@ -82,10 +82,15 @@ def test_a_damaged_or_missing_base_on_a_store_names_both(store_run, s3_bucket) -
     assert info.value.path == f"{url}/step-3" and f"{url}/step-1" in info.value.message
 
 
-def test_the_upload_tier_copies_a_step_only_once_the_store_holds_its_bases(
+def test_the_upload_tier_copies_a_referring_step_self_contained(
     s3_server, s3_bucket, tmp_path, monkeypatch, caplog
 ) -> None:
+    """The object-store tier fills a referring checkpoint's holes from its local bases:
+    the copy refers to nothing (format version 1), loads without any base on the store
+    and is byte for byte the full checkpoint; a damaged local base fails the copy
+    naming both checkpoints, and nothing is committed."""
     import logging
+    import shutil
 
     from quicksave.loading.run_folder import committed_steps
     from quicksave.storage import parse_location
@@ -96,8 +101,10 @@ def test_the_upload_tier_copies_a_step_only_once_the_store_holds_its_bases(
     folder = tmp_path / "run"
     quicksave.save(_state(3), folder / "step-1", step=1)
     quicksave.save(_state(4), folder / "step-3", step=3)
+    full = {p.name: p.read_bytes() for p in (folder / "step-3").iterdir()}
     refer(folder / "step-3", 1, ["frozen"])
     target = parse_location(f"s3://{s3_bucket}/up")
+    client = s3_server.client()
 
     def upload(step: int) -> Uploader:
         with target.open() as backend:
@@ -106,54 +113,61 @@ def test_the_upload_tier_copies_a_step_only_once_the_store_holds_its_bases(
             assert uploader.close(60)
         return uploader
 
+    # a damaged base: the copy fails, naming the base's file and the referring step
+    chunk = json.loads(full[MANIFEST_NAME])["tensors"]["frozen"]["chunks"][0]
+    data = folder / "step-1" / chunk["file"]
+    original = data.read_bytes()
+    damaged = bytearray(original)
+    damaged[chunk["offset"]] ^= 0x40  # inside frozen's bytes
+    data.write_bytes(bytes(damaged))
     with caplog.at_level(logging.ERROR, logger="quicksave"):
         assert upload(3).failures == 1
-    assert "refers to steps [1] for some of its chunks" in caplog.text
+    assert "checksum mismatch" in caplog.text and str(folder / "step-3") in caplog.text
+    assert str(folder / "step-1") in caplog.text
     assert committed_steps(target) == []
-    assert upload(1).failures == 0
+    data.write_bytes(original)
+
     assert upload(3).failures == 0
-    assert committed_steps(target) == [1, 3]
+    assert committed_steps(target) == [3]  # its base is not on the store, nor needed
+    for name, body in full.items():
+        got = client.get_object(Bucket=s3_bucket, Key=f"up/step-3/{name}")["Body"].read()
+        assert got == body, name  # the full checkpoint's bytes, the manifest included
+    shutil.rmtree(folder)
+    assert verify_checkpoint(f"s3://{s3_bucket}/up/step-3").ok
     out = {k: torch.zeros_like(v) for k, v in _state(0).items()}
     quicksave.load(out, f"s3://{s3_bucket}/up/step-3")
     for k, v in _state(4).items():
         assert_bit_equal(out[k], v, k)
+    client.close()
 
 
-def test_incremental_saves_to_a_store_refer_and_load(s3_server, s3_bucket, monkeypatch) -> None:
-    """``IncrementalConfig`` with the folder on a store: the writer sends the holes as
-    zeros (a store has no sparse objects), the manifest refers to the earlier prefix,
-    every step verifies and loads."""
-    from quicksave.manager import CheckpointConfig, CheckpointManager
+def test_incremental_saves_to_a_store_are_refused_naming_the_url(
+    s3_server, s3_bucket, monkeypatch
+) -> None:
+    """``IncrementalConfig`` with the folder on a store: refused when the config is made
+    (the manager) or at the save (an ``AsyncSaver``), naming the URL and what to do,
+    before anything is written: a store has no sparse objects, so a referring
+    checkpoint would upload its holes as zeros, as many bytes as a full save."""
+    from quicksave.errors import CheckpointError
+    from quicksave.manager import CheckpointConfig
 
     for k, v in s3_server.env().items():
         monkeypatch.setenv(k, v)
     url = f"s3://{s3_bucket}/incr"
-    state = {"frozen": random_tensor((512, 256), torch.float32, seed=1), "head": torch.zeros(7)}
-
-    class Holder:
-        def state_dict(self) -> dict[str, torch.Tensor]:
-            return dict(state)
-
-        def load_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
-            state.update(sd)
-
     incremental = quicksave.IncrementalConfig(enabled=True, block_bytes=64 << 10)
-    config = CheckpointConfig(folder=url, interval=1, async_mode="thread", incremental=incremental)
-    with CheckpointManager(config, {"m": Holder()}) as manager:
-        for step in (1, 2):
-            state["head"] = torch.full((7,), float(step))
-            manager.save(step)
-            manager.wait()
+    with pytest.raises(CheckpointError, match="need a filesystem folder") as info:
+        CheckpointConfig(folder=url, interval=1, incremental=incremental)
+    assert info.value.path == url and "UploadTierConfig" in info.value.message
+    CheckpointConfig(folder=url, interval=1)  # off: as before
+
+    state = {"frozen": random_tensor((512, 256), torch.float32, seed=1), "head": torch.zeros(7)}
+    config = quicksave.EngineConfig(mode="thread", incremental=incremental)
+    with quicksave.AsyncSaver(config) as saver:
+        with pytest.raises(CheckpointError, match="is an object store") as info:
+            saver.save(state, f"{url}/step-1", step=1)
+        assert info.value.path == f"{url}/step-1"
     client = s3_server.client()
     try:
-        body = client.get_object(Bucket=s3_bucket, Key="incr/step-2/manifest.json")["Body"].read()
+        assert client.list_objects_v2(Bucket=s3_bucket, Prefix="incr/").get("KeyCount") == 0
     finally:
         client.close()
-    doc = json.loads(body)
-    assert [c.get("base") for c in doc["tensors"]["m.frozen"]["chunks"]] == [1] * 8
-    for step in (1, 2):
-        assert verify_checkpoint(f"{url}/step-{step}").ok
-        out = {"frozen": torch.zeros(512, 256), "head": torch.zeros(7)}
-        quicksave.load({"m": out}, f"{url}/step-{step}")
-        assert_bit_equal(out["frozen"], state["frozen"], "frozen")
-        assert_bit_equal(out["head"], torch.full((7,), float(step)), "head")

@@ -17,6 +17,9 @@ the first two on global rank 0 only, so nothing here makes a collective):
    picks ``name-v1.ckpt`` when it sees ``name.ckpt`` taken, never saves twice to one
    path (the commit's rename replaces the placeholder; a failed save removes it).
 2. ``remove_checkpoint(path)`` — top-k retention; waits for a save in flight to ``path``.
+   A ``step-<N>`` checkpoint that another one of its folder refers to (incremental
+   saves, FORMAT.md §9) is kept until none does (:meth:`QuicksaveCheckpointIO.
+   remove_checkpoint`).
 3. ``load_checkpoint(path)`` — every rank, when resuming (``fit(ckpt_path=...)``); waits
    for a save to ``path`` in flight in this process, whichever plugin started it
    (:mod:`._lightning_process`).
@@ -37,12 +40,14 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import logging
 import os
+import re
 from collections.abc import Mapping
 from typing import Any
 
 import quicksave
-from quicksave.commit import CheckpointKind, open_strategy, strategy_class
+from quicksave.commit import CheckpointKind, classify, open_strategy, strategy_class
 from quicksave.errors import (
     CheckpointError,
     CheckpointExistsError,
@@ -52,11 +57,16 @@ from quicksave.errors import (
 from quicksave.integrations._lightning_configs import encode_configs, encode_order
 from quicksave.integrations._lightning_process import PROCESS
 from quicksave.integrations._lightning_read import load_from_checkpoint, read_checkpoint
+from quicksave.loading.run_folder import committed_kinds
+from quicksave.manager.references import BaseCache, referenced
 from quicksave.saving.config import EngineConfig
 from quicksave.saving.engine import AsyncSaver
 from quicksave.storage import StorageOptions, parse_location
 
 __all__ = ["QuicksaveCheckpointIO", "load_from_checkpoint", "read_checkpoint"]
+
+logger = logging.getLogger("quicksave")
+_STEP_NAME = re.compile(r"step-(\d+)")
 
 
 def _checkpoint_io_bases() -> tuple[type, ...]:
@@ -129,7 +139,11 @@ class QuicksaveCheckpointIO(*_checkpoint_io_bases()):  # type: ignore[misc]
             load or removal of a path first waits for the save in flight to it.
         engine: the async engine's configuration (``async_save`` only). Default:
             a worker process, two saves in flight (``ModelCheckpoint`` saves a top-k
-            checkpoint and ``last.ckpt`` back to back), blocking staging.
+            checkpoint and ``last.ckpt`` back to back), blocking staging. With
+            ``engine.incremental`` on, only checkpoints named ``step-<N>`` refer to
+            earlier ones (``ModelCheckpoint(filename="step-{step}",
+            auto_insert_metric_name=False)`` and ``FILE_EXTENSION = ""``); others are
+            saved full (logged once).
         thread_count: data files (and writer threads) per checkpoint (synchronous saves).
         storage: how to reach an object store (``s3://``, ``msc://`` paths).
 
@@ -160,11 +174,19 @@ class QuicksaveCheckpointIO(*_checkpoint_io_bases()):  # type: ignore[misc]
         super().__init__()
         self.async_save = async_save
         self.engine = engine if engine is not None else EngineConfig(max_in_flight=2)
+        if self.engine.incremental.enabled and not async_save:
+            raise CheckpointError(
+                "QuicksaveCheckpointIO: engine.incremental is the async engine's; "
+                "synchronous saves write every byte: use async_save=True"
+            )
         self.thread_count = thread_count
         self.storage = storage
         # built on the first async save (rank 0), by engine mode: a location in this
         # process's memory (memory://) is written by a thread of it, not a worker process
         self._savers: dict[str, AsyncSaver] = {}
+        self._bases = BaseCache()  # what each step-<N> checkpoint refers to, as read
+        self._kept: set[str] = set()  # removals put off: another checkpoint refers to it
+        self._named_full = False  # logged once: a name that cannot be a base
         # The saves in flight (async, and sync ones running in another thread, as
         # Lightning's AsyncCheckpointIO makes them) are the process's: PROCESS.saves.
 
@@ -215,6 +237,7 @@ class QuicksaveCheckpointIO(*_checkpoint_io_bases()):  # type: ignore[misc]
             )
         checkpoint = encode_order(encode_configs(checkpoint))
         self._settle(target)
+        self._kept.discard(target)  # saved again: Lightning's again, not a removal put off
         try:
             if self.async_save:
                 self._save_async(checkpoint, loc, target)
@@ -261,6 +284,12 @@ class QuicksaveCheckpointIO(*_checkpoint_io_bases()):  # type: ignore[misc]
     def remove_checkpoint(self, path: str | os.PathLike[str]) -> None:
         """Delete the quicksave checkpoint at ``path`` (after any save in flight to it).
 
+        A ``step-<N>`` checkpoint that another committed checkpoint of its folder
+        refers to (FORMAT.md §9, closed over references as the manager's retention:
+        :mod:`quicksave.manager.references`), or, with incremental saves, the newest one
+        while a save to its folder is in flight (its manifest is not written yet), is kept
+        (logged) and removed by a later call, or ``teardown()``, once nothing refers to
+        it any more, newest first.
         A symbolic link (``ModelCheckpoint(save_last="link")``) is unlinked, its target
         kept; an empty directory (the placeholder of an async save that never
         committed) is removed. Nothing at ``path`` is not an error. Locally the
@@ -274,6 +303,49 @@ class QuicksaveCheckpointIO(*_checkpoint_io_bases()):  # type: ignore[misc]
         loc = parse_location(path, options=self.storage)
         target = loc.url
         self._settle(target)
+        if self._referred_to(loc):
+            self._kept.add(target)
+            logger.info("quicksave: kept %s: a checkpoint beside it refers to it", target)
+            return
+        self._kept.discard(target)
+        self._remove(loc)
+        self._sweep()
+
+    def _sweep(self) -> None:
+        """Remove the checkpoints put off that nothing refers to any more, newest first
+        (one may refer to an older one)."""
+        for url in sorted(self._kept, key=_step_key, reverse=True):
+            put_off = parse_location(url, options=self.storage)
+            if not self._referred_to(put_off):
+                self._kept.discard(url)
+                self._remove(put_off)
+
+    def _referred_to(self, loc: Any) -> bool:
+        """Whether ``loc``, a committed ``step-<N>`` checkpoint, is one that another
+        committed checkpoint of its folder refers to (directly or through others), or
+        the newest one while a save of this plugin to that folder is in flight (an
+        incremental save refers only to the newest step committed, and to what that
+        one refers to: FORMAT.md §9)."""
+        name = _STEP_NAME.fullmatch(loc.name)
+        if name is None:
+            return False
+        step, folder = int(name.group(1)), loc.parent()
+        kinds = committed_kinds(folder)
+        if step not in kinds:
+            return False
+        if (
+            step == max(kinds)
+            and self.engine.incremental.enabled
+            and any(
+                not handle.done() and parse_location(other, options=self.storage).parent() == folder
+                for other, handle in PROCESS.saves.owned(self)
+            )
+        ):
+            return True  # the newest step: the base of a save in flight (or its holders')
+        return step in referenced(folder, kinds, set(kinds) - {step}, None, self._bases)
+
+    def _remove(self, loc: Any) -> None:
+        target = loc.url
         rank = rank_of_this_process()
         with open_strategy(loc) as s:
             if s.unlink(loc) or s.release(loc):  # a link alone (save_last="link"), or
@@ -300,6 +372,10 @@ class QuicksaveCheckpointIO(*_checkpoint_io_bases()):  # type: ignore[misc]
                 self._settle(target)
             except CheckpointError as e:
                 errors.append(e)
+        try:  # every save has ended: the removals put off that nothing needs now
+            self._sweep()
+        except CheckpointError as e:
+            errors.append(e)
         savers, self._savers = self._savers, {}
         for saver in savers.values():
             try:
@@ -346,9 +422,19 @@ class QuicksaveCheckpointIO(*_checkpoint_io_bases()):  # type: ignore[misc]
         if saver is None:
             saver = self._savers[engine.mode] = AsyncSaver(engine, rank=rank_of_this_process() or 0)
         strategy = strategy_class(loc)
-        handle = saver.save(
-            checkpoint, loc, step=_step_of(checkpoint), overwrite=strategy.atomic_replace
-        )
+        step = _step_of(checkpoint)
+        if engine.incremental.enabled and loc.name != f"step-{step}" and not self._named_full:
+            self._named_full = True
+            logger.warning(
+                "quicksave: %s is saved full: incremental saves refer only to checkpoints "
+                "named step-<N> (ModelCheckpoint(filename='step-{step}', "
+                "auto_insert_metric_name=False), FILE_EXTENSION = ''); logged once",
+                target,
+            )
+        overwrite = strategy.atomic_replace
+        if overwrite and engine.incremental.enabled:  # (an overwrite is a full save)
+            overwrite = classify(loc) is not CheckpointKind.MISSING
+        handle = saver.save(checkpoint, loc, step=step, overwrite=overwrite)
         if handle is None:  # skipped by EngineConfig(backpressure="skip")
             return
         PROCESS.saves.add(self, target, handle)
@@ -377,6 +463,11 @@ class QuicksaveCheckpointIO(*_checkpoint_io_bases()):  # type: ignore[misc]
                 except CheckpointError as e:
                     errors.append(e)
         _raise_first(errors)
+
+
+def _step_key(url: str) -> int:
+    name = _STEP_NAME.fullmatch(url.rstrip("/").rsplit("/", 1)[-1])
+    return -1 if name is None else int(name.group(1))
 
 
 def _raise_first(errors: list[BaseException]) -> None:

@@ -16,6 +16,7 @@ from quicksave.commit import strategy_class
 from quicksave.errors import CheckpointError
 from quicksave.manager.records import MetricsHook
 from quicksave.saving.config import EngineConfig, IncrementalConfig
+from quicksave.saving.incremental import check_destination
 from quicksave.storage import StorageOptions, parse_location
 from quicksave.worker.config import WorkerConfig
 
@@ -255,7 +256,9 @@ class CheckpointConfig:
         incremental: incremental saves (:class:`~quicksave.IncrementalConfig`): blocks
             unchanged since the last checkpoint are referred to, not written again
             (``async_mode`` ``"thread"`` or ``"process"``, any number of ranks;
-            FORMAT.md §9).
+            FORMAT.md §9; ``"disabled"`` is refused). The folder must be a
+            filesystem's (an object store is refused here: no sparse objects);
+            ``upload`` copies it to a store.
             Off by default.
 
     Raises:
@@ -320,7 +323,8 @@ class CheckpointConfig:
                 f"storage must be a StorageOptions, got {type(self.storage).__name__}"
             )
         # a URL it cannot serve: now
-        parse_location(self.folder, what="checkpoint folder", options=self.storage)
+        folder = parse_location(self.folder, what="checkpoint folder", options=self.storage)
+        check_destination(self.incremental, folder, None)
         if self.interval_type not in INTERVAL_TYPES:
             raise CheckpointError(
                 f"interval_type must be 'steps' or 'seconds', got {self.interval_type!r}"
@@ -404,6 +408,12 @@ class CheckpointConfig:
                     f"worker_cpus places the worker process: it needs async_mode='process', "
                     f"got {self.async_mode!r}"
                 )
+        if self.incremental.enabled and self.async_mode == "disabled":
+            raise CheckpointError(
+                "incremental saves are the async engine's: async_mode='disabled' writes "
+                "every byte (quicksave.save); use async_mode='thread' or 'process'",
+                path=self.folder,
+            )
 
     @property
     def export_torch_dtype(self) -> torch.dtype:

@@ -25,7 +25,8 @@ class IncrementalConfig:
     """Incremental saves (docs/FORMAT.md §9): a block of a tensor whose bytes are those
     of the last checkpoint this saver committed in the same run folder is neither
     copied nor written again; the new checkpoint refers to that one for it
-    (``saving/incremental.py``).
+    (``saving/incremental.py``). Saves go to filesystem folders only: a save to an
+    object store is refused (it has no sparse objects; ``check_destination``).
 
     Attributes:
         enabled: off (default): every save writes every byte, as without this option.

@@ -61,7 +61,7 @@ from quicksave.saving.engine_plan import (
 from quicksave.saving.guard import Snapshot
 from quicksave.saving.handle import SaveHandle, SaveResult
 from quicksave.saving.in_flight import InFlight, InFlightPool, InFlightPools, InFlightSaves
-from quicksave.saving.incremental import Increments
+from quicksave.saving.incremental import Increments, check_destination
 from quicksave.saving.plan_cache import PlanCache
 from quicksave.saving.prepare import PoolPreparer
 from quicksave.saving.rank_plans import LocalState
@@ -212,6 +212,7 @@ class AsyncSaver:
                     rank=self.rank,
                 )
             local = local or bool(in_place)
+            check_destination(self.config.incremental, loc, self.rank, local)
             planned = self._collect_and_plan(
                 state_dict, loc, step, user_metadata, overwrite, local, in_place
             )

@@ -64,6 +64,7 @@ import torch
 import xxhash
 
 from quicksave.checksum import hexdigest, tensor_view
+from quicksave.commit import strategy_class
 from quicksave.errors import CheckpointError
 from quicksave.format.dtypes import dtype_name, element_size
 from quicksave.layout.plan import ItemSpec
@@ -72,10 +73,38 @@ from quicksave.saving.engine_plan import PlannedSave
 from quicksave.saving.rank_plans import LocalState
 from quicksave.saving.staging import PoolCopier
 from quicksave.stage.pool import StagingPool
+from quicksave.storage import Location
 from quicksave.worker.calls import CallResult
 from quicksave.worker.job import JobResult, PersistJob
 
 _PENDING = 16  # candidates kept for saves whose result has not come (the oldest go)
+
+
+def check_destination(
+    config: IncrementalConfig, location: Location, rank: int | None, local: bool = False
+) -> None:
+    """Raise unless incremental saves (``config.enabled``) can go to ``location``
+    (``local`` snapshots pass: they are full, in-place buffers).
+
+    An object store (its commit strategy writes objects in place, the manifest last)
+    has no sparse objects: a referring checkpoint's holes would be sent as zeros (as
+    many bytes as a full save), its data files assembled in memory first, and every
+    checkpoint would still depend on its bases. So incremental saves go to a
+    filesystem folder; the object-store tier copies them to a store self-contained.
+
+    Raises:
+        CheckpointError: ``location`` is an object store (named, with what to do).
+    """
+    if config.enabled and not local and strategy_class(location).writes_in_place:
+        raise CheckpointError(
+            f"incremental saves (IncrementalConfig(enabled=True)) need a filesystem folder: "
+            f"{location.url} is an object store, which has no sparse objects (a referring "
+            "checkpoint would upload its unchanged blocks as zeros, as many bytes as a full "
+            "save). Save to a local folder with CheckpointConfig(upload=UploadTierConfig("
+            f"{location.url!r})) to copy checkpoints to the store, or turn incremental off",
+            path=location.url,
+            rank=rank,
+        )
 
 
 @dataclass(frozen=True)
@@ -452,8 +481,10 @@ class Increments:
         job = dataclasses.replace(
             job, digests={**job.digests, **digests}, bases=dict(bases), report_digests=True
         )
-        folder, _ = _folder_of(job.final_path)
-        if job.step is not None:
+        folder, name = _folder_of(job.final_path)
+        # only a step-<N> checkpoint can be a base: a reference names the step, and a
+        # save under another name (Lightning's last.ckpt) holds no step-<N> to refer to
+        if job.step is not None and name == f"step-{job.step}":
             chain = 0 if base is None else base.chain + 1
             while len(self._pending) >= _PENDING:
                 del self._pending[next(iter(self._pending))]

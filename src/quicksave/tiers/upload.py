@@ -2,7 +2,9 @@
 background, to ``<url>/step-<N>`` on an object store.
 
 **What is copied**: the files of a checkpoint that committed in the local folder, read
-back from there (never re-staged from the trainer's tensors). Each rank copies the data
+back from there (never re-staged from the trainer's tensors); an incremental one
+(FORMAT.md §9) self-contained, its holes filled from the local checkpoints holding
+them (:mod:`quicksave.tiers.standalone`). Each rank copies the data
 files its manifest entry names as its own (``FileEntry.rank``); rank 0 also the files of
 no rank, and then commits by the object store's own rule
 (:class:`~quicksave.commit.manifest_last.ManifestLastCommit`: one listing checks every
@@ -50,9 +52,11 @@ from quicksave.commit.manifest_reader import read_manifest
 from quicksave.commit.outputs import upload_file
 from quicksave.errors import CheckpointError
 from quicksave.format import MANIFEST_NAME
+from quicksave.format.manifest import Manifest, to_json_bytes
 from quicksave.ranks import collectives
 from quicksave.storage import Location
 from quicksave.storage.backend import Backend, join
+from quicksave.tiers.standalone import references_by_file, standalone, upload_filled
 
 logger = logging.getLogger("quicksave")
 
@@ -263,29 +267,10 @@ class Uploader:
                     return "committed"
                 if kind is CheckpointKind.UNCOMMITTED:
                     s.remove(dest)  # objects without a manifest: a crashed copy's
-                missing = [
-                    b
-                    for b in sorted(self._bases(step))
-                    if s.classify(self.target.child(f"step-{b}")) not in COMMITTED
-                ]
         except CheckpointError as e:
             self._failed(step, dest, e)
             return f"rank 0: {e}"
-        if missing:  # its copy would refer to bytes the store does not hold
-            why = (
-                f"step {step} refers to steps {missing} for some of its chunks (FORMAT.md "
-                f"§9), which {self.target.url} does not hold; not copied"
-            )
-            self._failed(step, dest, CheckpointError(why, path=dest.url, rank=self.rank))
-            return f"rank 0: {why}"
         return None
-
-    def _bases(self, step: int) -> set[int]:
-        """The steps the local checkpoint of ``step`` refers to (chunk references)."""
-        where = self.source.child(f"step-{step}").key
-        if not os.path.isfile(os.path.join(where, MANIFEST_NAME)):
-            return set()  # not copied: _files says why
-        return read_manifest(where).bases()
 
     def _discard(self, dest: Location) -> None:
         """Rank 0, after a failed round (every rank's copy has ended): remove what was
@@ -298,9 +283,9 @@ class Uploader:
         except CheckpointError as e:
             logger.warning("quicksave: could not remove the failed copy at %s: %s", dest.url, e)
 
-    def _files(self, step: int) -> tuple[str, dict[str, int], list[str]]:
+    def _files(self, step: int) -> tuple[str, dict[str, int], list[str], Manifest]:
         """The local checkpoint's directory, every file of it the store must hold but
-        the manifest (name -> size), and the ones this rank copies."""
+        the manifest (name -> size), the ones this rank copies, and its manifest."""
         where = self.source.child(f"step-{step}").key
         if not os.path.isfile(os.path.join(where, MANIFEST_NAME)):
             raise CheckpointError(
@@ -318,24 +303,38 @@ class Uploader:
                 if name != MANIFEST_NAME and name not in expected and os.path.isfile(path):
                     expected[name] = os.path.getsize(path)
                     mine.append(name)
-        return where, expected, mine
+        return where, expected, mine, manifest
 
     def _copy(self, step: int, dest: Location) -> int:
         """Copy this rank's files of ``step``; returns the bytes copied."""
-        where, _, mine = self._files(step)
+        where, _, mine, manifest = self._files(step)
+        refs = references_by_file(manifest)
         sent = 0
         for name in mine:
             local = os.path.join(where, name)
-            upload_file(self.backend, join(dest.key, name), local)
+            if name in refs:
+                upload_filled(
+                    self.backend,
+                    join(dest.key, name),
+                    self.source.child(f"step-{step}"),
+                    name,
+                    refs[name],
+                    self.rank,
+                )
+            else:
+                upload_file(self.backend, join(dest.key, name), local)
             sent += os.path.getsize(local)
         return sent
 
     def _commit(self, step: int, dest: Location) -> None:
         """Rank 0, once every rank's files are there: the manifest, last."""
         try:
-            where, expected, _ = self._files(step)
-            with open(os.path.join(where, MANIFEST_NAME), "rb") as f:
-                manifest = f.read()
+            where, expected, _, parsed = self._files(step)
+            if parsed.bases():  # the copy holds every byte: it refers to nothing
+                manifest = to_json_bytes(standalone(parsed))
+            else:
+                with open(os.path.join(where, MANIFEST_NAME), "rb") as f:
+                    manifest = f.read()
             with open_strategy(dest, self.backend) as s:
                 s.commit(dest.key, dest, {MANIFEST_NAME: manifest}, expected)
         except Exception as e:  # logged, counted; the next round goes on
