@@ -9,6 +9,7 @@ Real processes (the worker process of ``async_mode="process"``), a real tmpfs fo
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import threading
@@ -125,7 +126,7 @@ def test_a_dead_trainers_buffers_are_removed_when_the_next_attaches(tmp_path, sh
 
 
 def test_a_snapshot_stages_beside_one_still_committing_and_none_is_skipped(
-    tmp_path, shm_root, monkeypatch
+    tmp_path, shm_root, monkeypatch, caplog
 ) -> None:
     """While a snapshot's commit lags (held here until the next ``save()`` has
     returned), the next snapshot stages into another buffer instead of waiting in
@@ -142,6 +143,7 @@ def test_a_snapshot_stages_beside_one_still_committing_and_none_is_skipped(
         return commit(strategy, draft, loc, manifest, *args, **kwargs)
 
     monkeypatch.setattr(execute, "commit_files", lagging_commit)
+    caplog.set_level(logging.INFO, logger="quicksave")
     model, optim = _trainer()
     memory = MemoryTierConfig(every=1, keep=2, root=str(shm_root), job_id="lagging")
     config = CheckpointConfig(
@@ -169,10 +171,13 @@ def test_a_snapshot_stages_beside_one_still_committing_and_none_is_skipped(
         assert release.is_set()
         assert tier.failures == 0
         assert tier.steps() == [7, 8]
-        # every step offered once, in order, each as a committed snapshot (none offered
-        # before its commit, none retired before it was offered)
-        assert [step for step, _ in offers.seen] == list(range(1, 9))
-        assert all(committed for _, committed in offers.seen), offers.seen
+        # every step offered once, in order; a snapshot offered is committed then (none
+        # before its commit; one retired while step 3's commit held it back: as not made)
+        assert [step for step, _, _ in offers.seen] == list(range(1, 9))
+        assert all(committed for _, named, committed in offers.seen if named), offers.seen
+        retired = {r.args[1] for r in caplog.records if "was retired before" in r.getMessage()}
+        assert {step for step, named, _ in offers.seen if not named} == retired, offers.seen
+        assert [named for step, named, _ in offers.seen if step in (7, 8)] == [True, True]
         for kept in tier.steps():
             loaded = {k: torch.zeros_like(v) for k, v in saved[kept].items()}
             api.load({"model": loaded}, tier.path(kept), no_dist=True, strict=False)
@@ -184,14 +189,15 @@ def test_a_snapshot_stages_beside_one_still_committing_and_none_is_skipped(
 
 
 class _Offers:
-    """Stands in for a rank's peer replicas: records each offer and whether the
-    snapshot offered was committed then (``quicksave.tiers.peer_replicas``)."""
+    """Stands in for a rank's peer replicas: records each offer, whether it named a
+    snapshot and whether that was committed then (``quicksave.tiers.peer_replicas``)."""
 
     def __init__(self) -> None:
-        self.seen: list[tuple[int, bool]] = []
+        self.seen: list[tuple[int, bool, bool]] = []  # (step, path given, committed)
 
     def offer(self, step: int, path: str | None) -> None:
-        self.seen.append((step, path is not None and (Path(path) / "manifest.json").is_file()))
+        committed = path is not None and (Path(path) / "manifest.json").is_file()
+        self.seen.append((step, path is not None, committed))
 
     def unsent(self) -> set[int]:
         return set()

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -184,7 +185,8 @@ class MemoryTier:
         self.last_error: CheckpointError | None = None
         self.source = TIER  # where the last load() read this rank's snapshot from
         self._serving: _Serving | None = None  # a past fetch still serving peers
-        self._outbox: dict[int, bool] = {}  # steps to offer the replicas, in order: made?
+        self._outbox: dict[int, bool | None] = {}  # steps to offer the replicas, in
+        # order: made? (None: not known yet)
         self._unsent: set[int] = set()  # the replicas' unsent steps at the last retention
         self._holders: dict[int, list[int]] = {}  # recovery: step -> each rank's holder
         self.replicas: PeerReplicas | None = None
@@ -215,8 +217,9 @@ class MemoryTier:
             return False
         if self.session.writer is not None:
             self._settle_older(step)  # (before the step is in the outbox: not offered yet)
-        self._outbox[step] = True  # offered to the replicas once its outcome is known
+        self._outbox[step] = None  # offered to the replicas once its outcome is known
         if step in self.steps():
+            self._outbox[step] = True
             self._offer()
             return False
         state = self.io.collect("full")
@@ -233,6 +236,7 @@ class MemoryTier:
         try:
             if writer is None:
                 api.save(state, path, step=step, user_metadata=metadata, no_dist=True)
+                self._outbox[step] = True
                 self._offer()
                 self._retain(set() if self.replicas is None else self.replicas.unsent())
                 return True
@@ -281,6 +285,8 @@ class MemoryTier:
             error = handle.exception()
             if error is not None:
                 self._failed(step, error)
+            elif step in self._outbox:
+                self._outbox[step] = True
         self._offer()
         if wait_s and self.replicas is not None:
             self.replicas.drain(max(0.0, deadline - time.monotonic()))
@@ -291,11 +297,19 @@ class MemoryTier:
     def _offer(self, *, abandon: bool = False) -> None:
         """Offer the replicas the steps whose snapshots are settled, in step order (a
         step still being written holds back the later ones; ``abandon``: offered as not
-        made)."""
+        made; so is one that the retention retired while an older one held it back)."""
         for step in sorted(self._outbox):
-            if step in self.pending and not abandon:
+            if self._outbox[step] is None and not abandon:
                 break
-            made = self._outbox.pop(step) and step not in self.pending
+            made = bool(self._outbox.pop(step))
+            if made and not os.path.isdir(self.path(step)):
+                made = False
+                logger.info(
+                    "quicksave: rank %d's snapshot of step %d was retired before its replicas "
+                    "were sent (an older snapshot's commit held them back)",
+                    self.rank,
+                    step,
+                )
             if self.replicas is not None:
                 self.replicas.offer(step, self.path(step) if made else None)
 
@@ -314,11 +328,9 @@ class MemoryTier:
     def _retain(self, unsent: set[int]) -> None:
         """The memory tier's retention: ``keep`` snapshots, besides those in flight and
         those the replicas still read (``unsent``: their files are staging buffers, not
-        to be staged into while read) or are still to be offered (an older snapshot's
-        commit holds them back)."""
+        to be staged into while read)."""
         self._unsent = unsent
-        unoffered = {step for step, made in self._outbox.items() if made}
-        held = set(self.pending) | unsent | unoffered
+        held = set(self.pending) | unsent
         try:
             apply_retention(self.location, self.retention, held, allow_dcp=False, backend=None)
         except (OSError, CheckpointError) as e:

@@ -15,7 +15,6 @@ One ``save()``, in the training thread::
 The persister writes the files from the pool, checksums them, fsyncs and commits (single
 rank). ``finalize()`` collects outcomes; a worker that died or hung becomes a
 ``WorkerFailedError`` there (or in ``save()``), and the next save starts a new worker.
-
 A pool the worker still reads is never written: it is busy from its submit to its result.
 
 This module wires the stages together; each lives in its own module of ``saving/``:
@@ -296,9 +295,8 @@ class AsyncSaver:
         self, planned: PlannedSave, loc: Location, in_place: int, step: int | None
     ) -> InFlightPool | None:
         """A free slot (``in_place``: ``InFlightPools.in_place_slot``, beside up to
-        ``max_in_flight`` in-place snapshots still committing): waits for one
-        (``backpressure="wait"``), or None, logged (``"skip"``, every in-place pool held,
-        or the save in flight is stuck on a store: training never waits on a store)."""
+        ``max_in_flight`` in-place snapshots committing): waits for one, or None, logged
+        (``"skip"``, every in-place pool held, a save stuck on a store)."""
         folder = os.path.dirname(loc.key.rstrip("/"))
         while True:
             if not in_place and (slot := self._slots.free()) is not None:
