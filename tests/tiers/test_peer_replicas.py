@@ -165,17 +165,21 @@ class _Served:
         self.tear = tear
         self.asked: list[list[tuple[str, int, int]]] = []
 
-    def read(self, reads: list[tuple[str, int, memoryview]]) -> None:
+    def read(self, reads: list[tuple[str, int, memoryview]], landed=None) -> None:
         slices, error = peer_recovery._slices(
             self.maps, [[name, offset, len(view)] for name, offset, view in reads]
         )
         assert error is None
         self.asked.append([(name, offset, len(view)) for name, offset, view in reads])
-        into = [torch.frombuffer(view, dtype=torch.uint8) for _, _, view in reads if len(view)]
-        for src, dst in zip(slices, into, strict=True):
-            dst.copy_(src)
-            if self.tear and dst.numel() > 4096:
-                dst[-16:] = 0xFF
+        slices = iter(slices)
+        for i, (_, _, view) in enumerate(reads):  # in order, each checked as it lands
+            if len(view):
+                dst = torch.frombuffer(view, dtype=torch.uint8)
+                dst.copy_(next(slices))
+                if self.tear and dst.numel() > 4096:
+                    dst[-16:] = 0xFF
+            if landed is not None:
+                landed(i)
 
 
 def _remote(path: str, served: _Served) -> Checkpoint:

@@ -11,7 +11,7 @@ loaded" from "damaged" by a second look (:func:`not_loadable`).
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -29,9 +29,15 @@ class RemoteFiles(Protocol):
 
     sizes: Mapping[str, int]  # each data file's size, by name
 
-    def read(self, reads: list[tuple[str, int, memoryview]]) -> None:
+    def read(
+        self,
+        reads: list[tuple[str, int, memoryview]],
+        landed: Callable[[int], None] | None = None,
+    ) -> None:
         """Fill each ``view`` with the bytes of file ``name`` from ``offset`` on, for
-        every ``(name, offset, view)``, in one exchange with the holder.
+        every ``(name, offset, view)``, in one exchange with the holder; ``landed(i)``
+        (if given) runs on the calling thread once ``reads[i]`` is in, in order, while
+        later ones still travel (what it raises is raised after the exchange).
 
         Raises:
             CheckpointError: the holder refused the reads or the transfer failed."""

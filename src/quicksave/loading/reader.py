@@ -243,7 +243,8 @@ class CheckpointReader:
         self, remote: RemoteFiles, files: ChunkFiles, chunks: dict[MetadataIndex, _Chunk]
     ) -> None:
         """Every chunk in one exchange with the process that holds the files, straight
-        into its destination (or its buffer), then each one checked."""
+        into its destination (or its buffer), each one checked as it lands (while the
+        later ones still travel)."""
         work = sorted(chunks.values(), key=lambda c: (c.where, c.entry.offset))
         for c in work:
             url = files.url(c.where)
@@ -254,11 +255,14 @@ class CheckpointReader:
                 )
             check_chunk_within(c.entry, size, url, c.fqn, self.rank)
         targets = [(c, *self._target(c)) for c in work]
-        remote.read([(c.where[1], c.entry.offset, view) for c, view, _ in targets])
-        for c, view, finish in targets:
-            if self.verify:
-                url = files.url(c.where)
-                check_chunk_digest(view, c.entry, path=url, fqn=c.fqn, rank=self.rank)
+
+        def landed(i: int) -> None:
+            c, view, _ = targets[i]
+            check_chunk_digest(view, c.entry, path=files.url(c.where), fqn=c.fqn, rank=self.rank)
+
+        reads = [(c.where[1], c.entry.offset, view) for c, view, _ in targets]
+        remote.read(reads, landed if self.verify else None)
+        for c, _, finish in targets:
             self.bytes_read += c.entry.length
             finish()
 

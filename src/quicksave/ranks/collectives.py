@@ -15,7 +15,7 @@ objects are pickled by ``torch.distributed`` and must be small.
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any, Literal
 
@@ -124,6 +124,7 @@ def exchange_tensors(
     recv_from: int | None,
     group: Any,
     tag: int = 0,
+    landed: Callable[[int], None] | None = None,
 ) -> None:
     """Point to point, not a collective of the whole group: send ``sends`` to the group
     rank ``send_to`` and receive ``recvs`` (filled in place, their sizes agreed
@@ -131,16 +132,31 @@ def exchange_tensors(
     transfer is done. ``send_to`` must make the matching call with this rank as its
     ``recv_from`` (same tensors' sizes, same ``tag``), and so must ``recv_from``;
     a peer that never does fails this call after the group's timeout (a
-    ``RuntimeError``). The ``i``-th tensor travels with tag ``tag + i``."""
-    works = []
+    ``RuntimeError``). The ``i``-th tensor travels with tag ``tag + i``.
+
+    ``landed(i)``, if given, runs on this thread as soon as ``recvs[i]`` is in, in
+    order, while the later ones still travel (a check of each as it lands); what it
+    raises is raised once every transfer is done, so that the peer's calls match."""
+    sent = []
     if send_to is not None:
         for i, t in enumerate(sends):
-            works.append(dist.isend(t, group=group, group_dst=send_to, tag=tag + i))
+            sent.append(dist.isend(t, group=group, group_dst=send_to, tag=tag + i))
+    received = []
     if recv_from is not None:
         for i, t in enumerate(recvs):
-            works.append(dist.irecv(t, group=group, group_src=recv_from, tag=tag + i))
-    for work in works:
+            received.append(dist.irecv(t, group=group, group_src=recv_from, tag=tag + i))
+    failed: BaseException | None = None
+    for i, work in enumerate(received):
         work.wait()
+        if landed is not None and failed is None:
+            try:
+                landed(i)
+            except Exception as e:  # noqa: BLE001 - raised below, the transfers done
+                failed = e
+    for work in sent:
+        work.wait()
+    if failed is not None:
+        raise failed
 
 
 def exchange_objects(

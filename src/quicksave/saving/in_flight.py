@@ -107,17 +107,11 @@ class InFlightPools(Sequence[InFlightPool]):
         """A slot for an in-place snapshot into ``folder``: its pool is a file there that
         the snapshot's commit hard-links as its data file (no copy after staging), so a
         pool is free again only once no checkpoint links it (retention removed that
-        snapshot). Up to ``count`` such pools: one of ``plan`` first, then one that takes
-        ``plan``'s images, then a new slot, then any free one (rebuilt by
-        :meth:`pool_for`). None: every one is busy or a kept snapshot's."""
-        free = [s for s in self._in_place if s.folder == folder and not s.held()]
-        for s in free:
-            if s.plan_key == plan.key:
-                return s
-        for s in free:
-            if s.pool is not None and s.pool.adopt(plan.layout):
-                s.plan_key = plan.key
-                return s
+        snapshot). Up to ``count`` such pools, each built by one of the first ``count``
+        snapshots (so that the tier's memory is all there early, not built in the middle
+        of training when a commit lags); then one of ``plan``, then one that takes
+        ``plan``'s images, then any free one (rebuilt by :meth:`pool_for`). None: every
+        one is busy or a kept snapshot's."""
         gone = [s for s in self._in_place if s.folder != folder and s.busy is None]
         for s in gone:  # another folder's (a rebuilt tier): freed, their files unnamed
             self._in_place.remove(s)
@@ -128,6 +122,14 @@ class InFlightPools(Sequence[InFlightPool]):
         if len(self._in_place) < count:
             self._in_place.append(InFlightPool(folder=folder))
             return self._in_place[-1]
+        free = [s for s in self._in_place if s.folder == folder and not s.held()]
+        for s in free:
+            if s.plan_key == plan.key:
+                return s
+        for s in free:
+            if s.pool is not None and s.pool.adopt(plan.layout):
+                s.plan_key = plan.key
+                return s
         return free[0] if free else None
 
     def any_free(self) -> bool:

@@ -147,27 +147,37 @@ class _Reads:
         self._lock = threading.Lock()  # one exchange at a time (the stream's thread too)
         self._closed = False
 
-    def read(self, reads: list[tuple[str, int, memoryview]]) -> None:
+    def read(
+        self,
+        reads: list[tuple[str, int, memoryview]],
+        landed: Callable[[int], None] | None = None,
+    ) -> None:
         asked = [[name, offset, len(view)] for name, offset, view in reads]
         into = [torch.frombuffer(view, dtype=torch.uint8) for _, _, view in reads if len(view)]
+        which = [i for i, (_, _, view) in enumerate(reads) if len(view)]  # (empty: not sent)
         with self._lock:
             if self._closed:
                 raise CheckpointError("the peer's replica is no longer served", path=self.path)
             try:
-                self._exchange(asked, into)
+                self._exchange(asked, into, None if landed is None else lambda j: landed(which[j]))
             except RuntimeError as e:
                 raise CheckpointError(
                     f"reading from the replica on rank {self.holder} failed: {e}", path=self.path
                 ) from e
+        if landed is not None:  # the empty ones are in too
+            for i in sorted(set(range(len(reads))) - set(which)):
+                landed(i)
 
-    def _exchange(self, asked: list, into: list[torch.Tensor]) -> None:
+    def _exchange(
+        self, asked: list, into: list[torch.Tensor], landed: Callable[[int], None] | None
+    ) -> None:
         group = self.group
         collectives.exchange_objects({"reads": asked}, self.holder, None, group, _TAG + 4)
         answer = collectives.exchange_objects(None, None, self.holder, group, _TAG + 6)
         if not isinstance(answer, dict) or answer.get("error") is not None:
             error = answer.get("error") if isinstance(answer, dict) else repr(answer)
             raise CheckpointError(f"rank {self.holder} refused the reads: {error}", path=self.path)
-        collectives.exchange_tensors([], None, into, self.holder, group, _TAG + 8)
+        collectives.exchange_tensors([], None, into, self.holder, group, _TAG + 8, landed)
 
     def close(self) -> None:
         with self._lock:

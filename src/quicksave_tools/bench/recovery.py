@@ -343,6 +343,7 @@ def _peer_restores(run: _Run) -> tuple[dict[str, Any], list[dict[str, Any]]]:
             "snapshot_bytes": receiver["snapshot_bytes"],
             "replica_sent_bytes": sum(e["sent"] for e in receiver["replicated"]),
             "held_by_rank_0": sender["held"],
+            "holder_state_bytes": sender["bytes"],
         }
         rows = []
         for p in _passes(run.config):
