@@ -15,13 +15,13 @@ import signal
 import time
 import uuid
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
-import torch.nn as nn
 
 import quicksave
+from helpers.lora_job import COLS, ROWS
+from helpers.lora_job import Job as _Job
 from helpers.state import assert_bit_equal
 from quicksave.cli.main import main as cli_main
 from quicksave.format import MANIFEST_NAME
@@ -31,48 +31,9 @@ from quicksave.manager import (
     CheckpointConfig,
     CheckpointManager,
     MemoryTierConfig,
-    ModelState,
-    OptimizerState,
     UploadTierConfig,
 )
 from quicksave.storage import S3Options, StorageOptions, parse_location
-
-ROWS, COLS = 512, 256  # the frozen weight: 512 KiB of float32, 8 blocks of 64 KiB
-
-
-class _Lora(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.base = nn.Linear(COLS, ROWS)
-        self.base.requires_grad_(False)
-        self.down = nn.Linear(COLS, 16, bias=False)
-        self.up = nn.Linear(16, ROWS, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.base(x) + self.up(self.down(x))
-
-
-class _Job:
-    def __init__(self, seed: int = 0) -> None:
-        torch.manual_seed(seed)
-        self.model = _Lora()
-        trainable = [p for p in self.model.parameters() if p.requires_grad]
-        self.optim = torch.optim.AdamW(trainable, lr=1e-2)
-        self.x = torch.randn(4, COLS)
-
-    def states(self) -> dict[str, Any]:
-        return {
-            "model": ModelState(self.model),
-            "optimizer": OptimizerState(self.model, self.optim),
-        }
-
-    def step(self) -> None:
-        self.model(self.x).pow(2).mean().backward()
-        self.optim.step()
-        self.optim.zero_grad()
-
-    def snapshot(self) -> dict[str, torch.Tensor]:
-        return {k: v.clone() for k, v in self.model.state_dict().items()}
 
 
 def _incremental() -> quicksave.IncrementalConfig:
