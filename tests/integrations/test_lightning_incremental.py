@@ -90,6 +90,14 @@ def _trainer(root: Path, io: QuicksaveCheckpointIO, epochs: int, top_k: int = 2)
     )
 
 
+def _settle_earlier(io: QuicksaveCheckpointIO, saved: list[str]) -> None:
+    """Wait for the earlier async saves' commits, so that the next save may refer to
+    them whatever the machine's load (a save while another is in flight is full)."""
+    for target in saved:
+        io._settle(target)
+    saved.clear()
+
+
 def _bases(checkpoint: Path) -> set[int]:
     doc = json.loads((checkpoint / MANIFEST_NAME).read_bytes())
     return {c["base"] for t in doc["tensors"].values() for c in t["chunks"] if "base" in c}
@@ -101,12 +109,15 @@ def test_top_k_never_removes_a_checkpoint_a_kept_one_refers_to(tmp_path, monkeyp
     weights: dict[int, dict[str, torch.Tensor]] = {}
     real_remove = QuicksaveCheckpointIO.remove_checkpoint
     real_save = QuicksaveCheckpointIO.save_checkpoint
+    saved: list[str] = []
 
     def save(self, checkpoint, path, storage_options=None):
         weights[checkpoint["global_step"]] = {
             k: v.clone() for k, v in checkpoint["state_dict"].items()
         }
+        _settle_earlier(self, saved)
         real_save(self, checkpoint, path, storage_options)
+        saved.append(os.fspath(path))
 
     def remove(self, path):
         real_remove(self, path)
@@ -153,7 +164,14 @@ def test_a_checkpoint_a_save_in_flight_may_refer_to_is_kept(tmp_path, monkeypatc
         return original(job, pool, *rest)
 
     real_remove = QuicksaveCheckpointIO.remove_checkpoint
+    real_save = QuicksaveCheckpointIO.save_checkpoint
     left: list[tuple[str, list[int]]] = []
+    saved: list[str] = []
+
+    def save(self, checkpoint, path, storage_options=None):
+        _settle_earlier(self, saved)
+        real_save(self, checkpoint, path, storage_options)
+        saved.append(os.fspath(path))
 
     def remove(self, path):
         real_remove(self, path)
@@ -161,6 +179,7 @@ def test_a_checkpoint_a_save_in_flight_may_refer_to_is_kept(tmp_path, monkeypatc
         gate.set()  # step-8's writer goes on
 
     monkeypatch.setattr(persisters, "execute_job", gated)
+    monkeypatch.setattr(QuicksaveCheckpointIO, "save_checkpoint", save)
     monkeypatch.setattr(QuicksaveCheckpointIO, "remove_checkpoint", remove)
     torch.manual_seed(0)
     io = QuicksaveCheckpointIO(async_save=True, engine=_engine(8))
