@@ -15,8 +15,8 @@ placements, so each rank allocates only its local shard), or a plain tensor for
 anything else (AdamW's 0-dim ``step``). The loader then reads the checkpoint straight
 into those tensors, and ``set_optimizer_state_dict`` hands the same tensors to
 ``optimizer.load_state_dict``: no step, no second copy. The new memory is faulted in
-meanwhile by a thread at the lowest priority (:class:`Prefault`), so that neither the
-load's reads nor, in a streamed resume, the first training step take its page faults.
+meanwhile by a thread of its own (:class:`Prefault`), so that neither the load's reads
+nor, in a streamed resume, the first training step take its page faults.
 Driven by the checkpoint, not by a table of optimizers, so any ``torch.optim``
 optimizer whose flattened state the checkpoint holds is covered.
 
@@ -30,7 +30,6 @@ from __future__ import annotations
 import logging
 import math
 import mmap
-import os
 import threading
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -46,7 +45,6 @@ from quicksave.storage.pages import Libc, libc
 logger = logging.getLogger("quicksave")
 
 _PREFAULT_PIECE = 8 << 20  # memory faulted in per madvise call
-_NICE = 19  # the prefault thread's niceness: it uses what CPU the load leaves idle
 STATE = "state"  # the flattened optimizer state dict's sections (DCP's names)
 GROUPS = "param_groups"
 
@@ -263,15 +261,22 @@ def _fresh(entries: Mapping[str, Any]) -> list[torch.Tensor]:
 
 class Prefault:
     """Fresh state tensors' memory faulted in, in the optimizer's order (the order the
-    load reads them in), on a thread of its own at the lowest priority: it takes the
-    CPU that the load, waiting on its reads, leaves idle (``madvise``, without the GIL:
+    load reads them in), on a thread of its own (``madvise``, without the GIL:
     :meth:`quicksave.storage.pages.Libc.populate`). A first touch of new memory costs
     the kernel a fault per page; taken here, it is not taken by the load's reads (an
     ``O_DIRECT`` read into unfaulted memory is much slower), nor, in a streamed resume,
     beside the first forward and backward. Contents are kept, so the load may write a
     tensor while it is faulted in; the tensors are held until it is done (memory taken
     back meanwhile is not unmapped under it). Where the kernel cannot (before Linux
-    5.14) it stops at once, and the load's writes fault the pages in as before."""
+    5.14) it stops at once, and the load's writes fault the pages in as before.
+
+    It runs at the trainer's priority, not lower: ``madvise`` holds the process's
+    memory-map lock while it faults a piece in, and a thread at nice 19 preempted there
+    on busy cores stalled everything that maps memory behind it (a thread's start, a
+    large allocation). In a peer restore, which keeps both of this machine's cores
+    busy, the streamed optimizer load then started 0.2 s late and the restore took
+    1.47-3.40x its floor, against 1.13-1.24x at the trainer's priority (2026-12-02,
+    docs/benchmarks.md)."""
 
     def __init__(self, tensors: list[torch.Tensor]) -> None:
         self._stopped = threading.Event()
@@ -282,10 +287,6 @@ class Prefault:
             ).start()
 
     def _run(self, lib: Libc, tensors: list[torch.Tensor]) -> None:
-        try:  # idle CPU only: never ahead of the load it works for (Linux: per thread)
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), _NICE)
-        except (OSError, AttributeError):
-            pass
         for t in tensors:
             storage = t.untyped_storage()
             start, size = storage.data_ptr(), storage.nbytes()
