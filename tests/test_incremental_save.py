@@ -323,7 +323,7 @@ def test_trusted_counters_refer_without_hashing_and_a_miss_fails_that_save_only(
     counter misses) fails that save, never committed, and the next save writes it."""
     folder = tmp_path / "run"
     incremental = quicksave.IncrementalConfig(
-        enabled=True, block_bytes=BLOCK, min_bytes=1024, trust_counters=True
+        enabled=True, block_bytes=BLOCK, min_bytes=1024, trust_counters=True, watch_writes=False
     )
     config = CheckpointConfig(
         folder=str(folder), interval=1, async_mode="thread", incremental=incremental
