@@ -1,0 +1,182 @@
+"""The kernel's write tracking (``saving/write_watch.py``): every CPU write to a watched
+range through this process's page tables is reported once — through torch in place,
+``.data``, numpy, DLPack, ``ctypes.memmove``, another thread, a huge page — an
+untouched range is not; a range no longer registered says None (taken as written);
+a fork's child neither breaks nor hides the parent's writes."""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import os
+import threading
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from quicksave.saving.write_watch import WriteWatch
+
+MIB = 1 << 20
+
+pytestmark = pytest.mark.skipif(
+    not WriteWatch().available(), reason="the kernel offers no async write-protect (< 6.7)"
+)
+
+
+@pytest.fixture
+def ww() -> Iterator[WriteWatch]:
+    w = WriteWatch()
+    assert w.available()
+    yield w
+    w.close()
+
+
+def _range(t: torch.Tensor) -> tuple[int, int]:
+    return t.data_ptr(), t.numel() * t.element_size()
+
+
+def _watched(ww: WriteWatch, t: torch.Tensor) -> tuple[int, int]:
+    r = _range(t)
+    assert ww.private_anonymous([r]) == [True]
+    assert ww.watch(*r)
+    assert ww.written(*r) is False  # nothing yet
+    return r
+
+
+def _memmove(t: torch.Tensor) -> None:
+    src = ctypes.create_string_buffer(b"\x01" * 16)
+    ctypes.memmove(t.data_ptr() + 3 * 4096 + 8, src, 16)
+
+
+def _dlpack(t: torch.Tensor) -> None:
+    torch.from_dlpack(t.__dlpack__())[12345] = 7.0
+
+
+WRITES = {
+    "in place": lambda t: t[5].add_(1.0),
+    ".data": lambda t: t.data.__setitem__(70000, 2.0),
+    "numpy": lambda t: t.numpy().__setitem__(100000, 3.0),
+    "dlpack": _dlpack,
+    "memmove": _memmove,
+    "last byte": lambda t: t[-1].fill_(9.0),
+}
+
+
+@pytest.mark.parametrize("how", list(WRITES))
+def test_every_way_of_writing_is_reported_once(ww: WriteWatch, how: str) -> None:
+    t = torch.zeros(MIB)  # 4 MiB
+    r = _watched(ww, t)
+    WRITES[how](t)
+    assert ww.written(*r) is True
+    assert ww.written(*r) is False  # re-protected by the scan: reported once
+    WRITES[how](t)  # a write after the scan: reported at the next one
+    assert ww.written(*r) is True
+
+
+def test_an_untouched_range_and_its_written_neighbour(ww: WriteWatch) -> None:
+    t = torch.zeros(2 * MIB)
+    left, right = t[:MIB], t[MIB:]  # (they may share a page at the boundary)
+    rl, rr = _watched(ww, left), _watched(ww, right)
+    right[MIB // 2] = 1.0  # far from it
+    assert ww.written(*rl) is False
+    assert ww.written(*rr) is True
+    _ = left.sum()  # reads are not writes
+    assert ww.written(*rl) is False
+
+
+def test_a_write_from_another_thread_is_reported(ww: WriteWatch) -> None:
+    t = torch.zeros(MIB)
+    r = _watched(ww, t)
+    th = threading.Thread(target=lambda: t[MIB - 1].fill_(1.0))
+    th.start()
+    th.join()
+    assert ww.written(*r) is True
+
+
+def test_a_large_range_past_one_scan_vector_is_scanned_whole(ww: WriteWatch) -> None:
+    """More written runs than one PAGEMAP_SCAN vector holds: the scan continues, and
+    re-protects every page written (none is reported again)."""
+    t = torch.zeros(16 * MIB // 4)
+    r = _watched(ww, t)
+    per_page = 4096 // 4
+    t[:: 2 * per_page] = 1.0  # every other page: 2048 separate runs
+    assert ww.written(*r) is True
+    assert ww.written(*r) is False
+    t[-1] = 2.0  # the last page, past the first vector's worth
+    assert ww.written(*r) is True
+
+
+def test_an_unregistered_range_is_none_and_so_after_unwatch_and_close(ww: WriteWatch) -> None:
+    t = torch.zeros(MIB)
+    r = _range(t)
+    assert ww.written(*r) is None
+    _watched(ww, t)
+    ww.unwatch(*r)
+    assert ww.written(*r) is None
+    assert ww.watch(*r)
+    ww.close()
+    assert not ww.available()
+    assert ww.written(*r) is None and not ww.watch(*r)
+    t[0] = 1.0  # no registration left: an ordinary write
+
+
+def test_memory_freed_and_reused_at_the_same_address_is_never_clean(ww: WriteWatch) -> None:
+    """A tensor freed (its pages unmapped) and a new one at its address: the range is
+    no longer registered, so the scan says None, never False."""
+    t = torch.zeros(8 * MIB // 4)
+    r = _watched(ww, t)
+    del t
+    u = torch.zeros(8 * MIB // 4)
+    if _range(u) == r:  # (the allocator's choice: usually the same address)
+        assert ww.written(*r) is None
+    u.fill_(1.0)
+    assert ww.written(*r) is not False
+
+
+def test_a_forked_child_does_not_break_and_parent_writes_are_still_seen(
+    ww: WriteWatch,
+) -> None:
+    t = torch.zeros(MIB)
+    r = _watched(ww, t)
+    pid = os.fork()
+    if pid == 0:  # the child: writes its copy (not registered there), then leaves
+        try:
+            t.numpy()[:] = 5.0
+            os._exit(0 if float(t[7]) == 5.0 else 3)
+        finally:
+            os._exit(4)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert ww.written(*r) is False  # the child's writes went to its own pages
+    assert float(t[7]) == 0.0
+    t[7] = 1.0
+    assert ww.written(*r) is True
+
+
+def test_transparent_huge_pages_are_tracked(ww: WriteWatch) -> None:
+    size = 8 * MIB
+    m = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    try:
+        if hasattr(mmap, "MADV_HUGEPAGE"):
+            m.madvise(mmap.MADV_HUGEPAGE)
+        t = torch.frombuffer(m, dtype=torch.uint8)
+        t.fill_(1)  # populated (as huge pages where the kernel gives them)
+        r = _watched(ww, t)
+        t[3 * MIB + 17] = 2
+        assert ww.written(*r) is True
+        assert ww.written(*r) is False
+        del t
+    finally:
+        ww.close()  # (unregister before the mapping goes)
+        m.close()
+
+
+def test_shared_and_file_memory_is_not_private_anonymous(ww: WriteWatch, tmp_path) -> None:
+    shared = torch.zeros(MIB).share_memory_()
+    path = tmp_path / "f.bin"
+    path.write_bytes(b"\0" * MIB)
+    mapped = torch.from_file(str(path), shared=False, size=MIB, dtype=torch.uint8)
+    private = torch.zeros(MIB)
+    answers = ww.private_anonymous([_range(shared), _range(mapped), _range(private)])
+    assert answers == [False, False, True]
