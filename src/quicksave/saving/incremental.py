@@ -29,6 +29,16 @@ save and ends the trust. The digest taken here becomes the chunk's checksum only
 the bytes are copied right after, on the same thread, from the tensor hashed; a block
 copied later by the background copy is hashed from its copy.
 
+**The kernel's word** (``watch_writes``, default on; :mod:`.clean_blocks`): a CPU block
+whose pages were write-protected before it was hashed, and that the kernel reports
+unwritten since, keeps its recorded digest without a hash. It is resolved first, on the
+training thread: equal to the base's digest → referred to, neither copied nor sifted;
+otherwise copied (in ``save()``: the recorded digest is its checksum, the kernel proving
+the bytes those hashed; deferred: its copy is hashed). Every other steady CPU block is
+protected before anything hashes it, and the digest this save reports for it (whoever
+read it: this thread, the background copy, the writer) is recorded at
+:meth:`Increments.settled`. A block protected now is never presumed on its counter.
+
 **Several ranks** decide alone, each for the chunks it writes, from its own view: a
 rank refers only to the newest step committed and only when none of its saves is in
 flight (then it has every outcome, the newest commit's included), so whatever another
