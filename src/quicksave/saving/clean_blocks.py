@@ -53,14 +53,16 @@ _MAX_REST = 64  # saves a block rests unwatched, at most
 
 @dataclass
 class _Record:
-    """A block protected (and, once ``digest`` is set, hashed after it)."""
+    """A block watched since ``token``'s protection; ``digest``: of its bytes read
+    after it (None: not yet known)."""
 
+    wid: int  # its watch (``WriteWatch.watch``)
     ptr: int
     nbytes: int
     storage: torch.UntypedStorage  # held: its pages stay this block's
     storage_ptr: int
     storage_nbytes: int
-    token: int  # which protection the digest (pending or recorded) belongs to
+    token: int  # which protection a digest must have been read after
     digest: str | None = None
 
 
@@ -120,10 +122,10 @@ class CleanBlocks:
         self._seen[name] = seen
         return last == seen
 
-    def _drop(self, name: str, unwatch: bool = False) -> None:
+    def _drop(self, name: str) -> None:
         rec = self._records.pop(name, None)
-        if rec is not None and unwatch:
-            self._watch.unwatch(rec.ptr, rec.nbytes)
+        if rec is not None:
+            self._watch.unwatch(rec.wid)
 
     def _same_memory(self, rec: _Record, t: torch.Tensor) -> bool:
         s = rec.storage
@@ -136,27 +138,31 @@ class CleanBlocks:
 
     def clean(self, name: str, t: torch.Tensor, steady: bool) -> str | None:
         """The digest of ``t``'s bytes if the kernel proves them unwritten since they
-        were hashed; None otherwise (then :meth:`protect` it, if ``watchable``).
+        were hashed; None otherwise (then :meth:`protect` it, if ``watchable``: a block
+        still watched keeps its watch, protected again by the scan just made).
         ``steady``: its counter stood still (else it is unwatched: being trained)."""
         rec = self._records.get(name)
         if rec is None:
             return None
         if not steady or not self._same_memory(rec, t):
-            self._drop(name, unwatch=True)
-            return None
-        if rec.digest is None:  # protected, never hashed since: protect again
             self._drop(name)
             return None
-        written = self._watch.written(rec.ptr, rec.nbytes)
+        if rec.digest is None:  # never hashed since its protection: hashed now
+            return None
+        written = self._watch.written(rec.wid)
         if written is False:
             self._strikes.pop(name, None)
             self.skipped += rec.nbytes
             return rec.digest
-        self._drop(name)
+        if written is None:  # no longer registered: watched anew
+            self._drop(name)
+            return None
+        # protected again by the scan: a digest read from now on holds
+        rec.digest, rec.token = None, next(self._tokens)
         strikes = self._strikes.get(name, 0) + 1
         self._strikes[name] = strikes
-        if written and strikes >= _STRIKES:  # written again and again: rest a while
-            self._watch.unwatch(rec.ptr, rec.nbytes)
+        if strikes >= _STRIKES:  # written again and again: rest a while
+            self._drop(name)
             rest = self._next_rest.get(name, 2)
             self._rest[name] = rest
             self._next_rest[name] = min(2 * rest, _MAX_REST)
@@ -176,22 +182,27 @@ class CleanBlocks:
         )
 
     def protect(self, blocks: dict[str, torch.Tensor]) -> dict[str, int]:
-        """Protect ``blocks`` (before anything hashes them): name -> the protection's
-        token, for :meth:`hashed` / :meth:`settled`. A block the kernel refuses, or
-        outside private anonymous memory, is left out (hashed as always)."""
-        if not blocks or not self._watch.available():
-            return {}
-        names = list(blocks)
-        private = self._watch.private_anonymous([_key(blocks[n]) for n in names])
+        """Protect ``blocks`` (before anything hashes them; one still watched is
+        protected already): name -> the protection's token, for :meth:`hashed` /
+        :meth:`settled`. A block the kernel refuses, or outside private anonymous
+        memory, is left out (hashed as always)."""
         tokens: dict[str, int] = {}
-        for name, ok in zip(names, private, strict=True):
+        new = [n for n in blocks if n not in self._records]
+        for name in blocks:
+            if name in self._records:
+                tokens[name] = self._records[name].token
+        if not new or not self._watch.available():
+            return tokens
+        private = self._watch.private_anonymous([_key(blocks[n]) for n in new])
+        for name, ok in zip(new, private, strict=True):
             t = blocks[name]
             ptr, nbytes = _key(t)
-            if not ok or not self._watch.watch(ptr, nbytes):
+            wid = self._watch.watch(ptr, nbytes) if ok else None
+            if wid is None:
                 continue
             s = t.untyped_storage()
             token = next(self._tokens)
-            self._records[name] = _Record(ptr, nbytes, s, s.data_ptr(), s.nbytes(), token)
+            self._records[name] = _Record(wid, ptr, nbytes, s, s.data_ptr(), s.nbytes(), token)
             tokens[name] = token
         return tokens
 

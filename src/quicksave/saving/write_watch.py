@@ -1,23 +1,27 @@
 """The kernel's own write tracking of this process's memory (Linux ≥ 6.7): which pages
 of a range were written since they were last protected.
 
-A userfaultfd in *async write-protect* mode (``UFFD_FEATURE_WP_ASYNC``) marks the pages
-of a registered range write-protected (``UFFDIO_WRITEPROTECT``); the first write to
-such a page after that is resolved by the kernel itself (no handler thread, no signal:
-the writer only takes a minor fault) and clears the page's mark. The ``PAGEMAP_SCAN``
-ioctl on ``/proc/self/pagemap`` reports the pages whose mark is gone and puts it back,
-atomically, page by page. Every CPU write through this process's page tables is seen:
-any thread, any kernel, ``.data``, numpy and DLPack views, ``read()`` into the buffer.
+The pages of a range registered with a userfaultfd in *async write-protect* mode
+(``UFFD_FEATURE_WP_ASYNC``) carry a write-protect mark; the first write to a marked page
+is resolved by the kernel itself (no handler thread, no signal: the writer only takes
+a minor fault) and clears the mark. The ``PAGEMAP_SCAN`` ioctl on ``/proc/self/pagemap``
+(``PM_SCAN_WP_MATCHING``) reports the pages without the mark — written since, or never
+protected — and puts it back, atomically, page by page. Every CPU write through this
+process's page tables is seen: any thread, any kernel, ``.data``, numpy and DLPack
+views, ``read()`` into the buffer.
 Not seen: writes that do not go through them (DMA into pinned memory, another process
 writing shared memory) — callers watch private anonymous, unpinned memory only
 (:meth:`WriteWatch.private_anonymous`). A page discarded (``MADV_DONTNEED``) reads as
 zeros without counting as written: callers hold the memory they watch.
 
 Call order (one thread, the owner's): :meth:`WriteWatch.available` (probes once) →
-:meth:`WriteWatch.watch` a range (register, protect) → :meth:`WriteWatch.written` at
-each check (reports and re-protects) → :meth:`WriteWatch.unwatch` / :meth:`close`
-(closing the descriptor drops every registration). Constants and layouts are those of
-the kernel's UAPI headers ``linux/userfaultfd.h`` and ``linux/fs.h``.
+:meth:`WriteWatch.watch` a range (register, protect; returns the watch's id) →
+:meth:`WriteWatch.written` of that id at each check (reports and re-protects) →
+:meth:`WriteWatch.unwatch` / :meth:`close` (closing the descriptor drops every
+registration). Ranges are widened to whole pages, so two watches may share a page (a
+neighbour's edge, an alias): a write there is reported to both, whichever scans first.
+Constants and layouts are those of the kernel's UAPI headers ``linux/userfaultfd.h``
+and ``linux/fs.h``.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from __future__ import annotations
 import bisect
 import ctypes
 import errno
+import itertools
 import logging
 import os
 import sys
@@ -37,7 +42,6 @@ _UFFD_API = 0xAA
 _FEATURE_WP_UNPOPULATED = 1 << 13
 _FEATURE_WP_ASYNC = 1 << 15
 _REGISTER_MODE_WP = 1 << 1
-_WRITEPROTECT_MODE_WP = 1 << 0
 _PM_SCAN_WP_MATCHING = 1 << 0
 _PM_SCAN_CHECK_WPASYNC = 1 << 1
 _PAGE_IS_WRITTEN = 1 << 1
@@ -64,10 +68,6 @@ class _Api(ctypes.Structure):
 
 class _Register(ctypes.Structure):
     _fields_ = (("range", _Range), ("mode", ctypes.c_uint64), ("ioctls", ctypes.c_uint64))
-
-
-class _WriteProtect(ctypes.Structure):
-    _fields_ = (("range", _Range), ("mode", ctypes.c_uint64))
 
 
 class _PageRegion(ctypes.Structure):
@@ -101,7 +101,6 @@ class _ScanArg(ctypes.Structure):
 _UFFDIO_API = _iowr(_UFFD_API, 0x3F, ctypes.sizeof(_Api))
 _UFFDIO_REGISTER = _iowr(_UFFD_API, 0x00, ctypes.sizeof(_Register))
 _UFFDIO_UNREGISTER = _iowr(_UFFD_API, 0x01, ctypes.sizeof(_Range), read_only=True)
-_UFFDIO_WRITEPROTECT = _iowr(_UFFD_API, 0x06, ctypes.sizeof(_WriteProtect))
 _PAGEMAP_SCAN = _iowr(ord("f"), 16, ctypes.sizeof(_ScanArg))
 
 
@@ -120,7 +119,11 @@ class WriteWatch:
         self._libc: ctypes.CDLL | None = None
         self._page = 4096
         self._vec = (_PageRegion * _REGIONS)()
-        self._why = ""
+        self._ids = itertools.count(1)
+        self._ranges: dict[int, tuple[int, int]] = {}  # watch id -> its pages [start, end)
+        self._starts: list[tuple[int, int]] = []  # (start, id), sorted
+        self._longest = 0  # the longest range watched (bounds the overlap search)
+        self._dirty: set[int] = set()  # watches written on a page another's scan took
 
     # ------------------------------------------------------------------ setup
     def available(self) -> bool:
@@ -132,7 +135,6 @@ class WriteWatch:
             try:
                 self._open()
             except OSError as e:
-                self._why = str(e)
                 self.close()
                 log.info("kernel write tracking unavailable, hashing instead: %s", e)
         return self._uffd >= 0
@@ -220,55 +222,108 @@ class WriteWatch:
             out.append(bool(ok))
         return out
 
-    def watch(self, ptr: int, nbytes: int) -> bool:
+    def watch(self, ptr: int, nbytes: int) -> int | None:
         """Register ``[ptr, ptr + nbytes)`` (whole pages) for async write-protect and
-        protect it (again): :meth:`written` then reports writes made from now on.
-        False: not watched (the kernel refused; the range may be unregistered)."""
+        protect it: :meth:`written` of the id returned then reports writes made from
+        now on. None: not watched (the kernel refused).
+
+        Protection is by a scan that protects what it reports (not
+        ``UFFDIO_WRITEPROTECT``): a page this range shares with another watch (a
+        neighbour's edge page, an alias) may hold a write that watch has not seen yet,
+        and the scan hands it on instead of wiping it."""
         if not self.available() or nbytes <= 0:
-            return False
+            return None
         start, end = self._pages(ptr, nbytes)
         try:
             reg = _Register(_Range(start, end - start), _REGISTER_MODE_WP, 0)
             self._ioctl(self._uffd, _UFFDIO_REGISTER, reg, "UFFDIO_REGISTER")
-            wp = _WriteProtect(_Range(start, end - start), _WRITEPROTECT_MODE_WP)
-            self._ioctl(self._uffd, _UFFDIO_WRITEPROTECT, wp, "UFFDIO_WRITEPROTECT")
         except OSError as e:
             log.debug("not watching %#x+%d: %s", ptr, nbytes, e)
-            return False
-        return True
-
-    def written(self, ptr: int, nbytes: int) -> bool | None:
-        """Whether any page of ``[ptr, ptr + nbytes)`` was written since it was last
-        protected; the pages written are protected again (atomically with the report).
-        None: the range is not (any more) watched, or the scan failed — callers take
-        it as written."""
-        if not self.available() or nbytes <= 0:
             return None
+        wid = next(self._ids)
+        self._ranges[wid] = (start, end)
+        bisect.insort(self._starts, (start, wid))
+        self._longest = max(self._longest, end - start)
+        if self._scan(wid) is None:  # (pages never protected read as written: protected)
+            self._forget(wid)
+            return None
+        self._dirty.discard(wid)
+        return wid
+
+    def _overlapping(self, wid: int) -> list[tuple[int, int, int]]:
+        """The other watches sharing a page with ``wid``'s: (start, end, id)."""
+        start, end = self._ranges[wid]
+        lo = bisect.bisect_left(self._starts, (start - self._longest, -1))
+        hi = bisect.bisect_left(self._starts, (end, -1))
+        out = []
+        for s, other in self._starts[lo:hi]:
+            e = self._ranges[other][1]
+            if other != wid and e > start and s < end:
+                out.append((s, e, other))
+        return out
+
+    def _scan(self, wid: int) -> bool | None:
+        """PAGEMAP_SCAN over ``wid``'s pages: whether any was written since protected;
+        those are protected again, and every other watch sharing one of them is marked
+        written (its own scan will not see that write any more)."""
         assert self._libc is not None
-        start, end = self._pages(ptr, nbytes)
+        start, end = self._ranges[wid]
         found = False
+        others: list[tuple[int, int, int]] | None = None
         while start < end:
             arg = self._scan_arg(start, end)
             n = self._libc.ioctl(self._pagemap, _PAGEMAP_SCAN, ctypes.byref(arg))
             if n < 0:
-                log.debug("PAGEMAP_SCAN %#x+%d: %s", ptr, nbytes, os.strerror(ctypes.get_errno()))
+                log.debug("PAGEMAP_SCAN %#x: %s", start, os.strerror(ctypes.get_errno()))
                 return None
-            found = found or n > 0
+            if n > 0:
+                found = True
+                if others is None:
+                    others = self._overlapping(wid)
+                for s, e, other in others:
+                    if other not in self._dirty and any(
+                        r.start < e and r.end > s for r in self._vec[:n]
+                    ):
+                        self._dirty.add(other)
             if arg.walk_end <= start:
                 return None  # (no progress: never loop forever)
             start = arg.walk_end  # (the vector filled up: scan and re-protect the rest)
         return found
 
-    def unwatch(self, ptr: int, nbytes: int) -> None:
-        """Stop watching the range (whole pages: a neighbour sharing a page is then
-        unwatched too, and its next :meth:`written` says None)."""
-        if self._uffd < 0 or nbytes <= 0:
+    def written(self, wid: int) -> bool | None:
+        """Whether any page of watch ``wid`` was written since it was last protected
+        (by :meth:`watch` or the previous call); the pages written are protected again,
+        atomically with the report. None: the range is not (any more) registered, the
+        scan failed or ``wid`` is unknown — callers take it as written."""
+        if not self.available() or wid not in self._ranges:
+            return None
+        found = self._scan(wid)
+        if wid in self._dirty:  # a write another watch's scan took for it
+            self._dirty.discard(wid)
+            return None if found is None else True
+        return found
+
+    def _forget(self, wid: int) -> tuple[int, int] | None:
+        rng = self._ranges.pop(wid, None)
+        if rng is not None:
+            self._starts.remove((rng[0], wid))
+            self._dirty.discard(wid)
+        return rng
+
+    def unwatch(self, wid: int) -> None:
+        """Stop watching ``wid``: its pages are unregistered unless another watch
+        shares one (then they stay, costing that watch nothing but a few faults)."""
+        if wid not in self._ranges:
             return
-        start, end = self._pages(ptr, nbytes)
+        shared = bool(self._overlapping(wid))
+        rng = self._forget(wid)
+        if shared or rng is None or self._uffd < 0:
+            return
+        start, end = rng
         try:
             self._ioctl(self._uffd, _UFFDIO_UNREGISTER, _Range(start, end - start), "unregister")
         except OSError as e:
-            log.debug("UFFDIO_UNREGISTER %#x+%d: %s", ptr, nbytes, e)
+            log.debug("UFFDIO_UNREGISTER %#x: %s", start, e)
 
     def close(self) -> None:
         """Close both descriptors: every registration goes (idempotent). A later
@@ -278,3 +333,6 @@ class WriteWatch:
                 os.close(fd)
         self._uffd = self._pagemap = -1
         self._probed = True
+        self._ranges.clear()
+        self._starts.clear()
+        self._dirty.clear()
