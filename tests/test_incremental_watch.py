@@ -8,6 +8,7 @@ hashed as before."""
 from __future__ import annotations
 
 import mmap
+import os
 from pathlib import Path
 from typing import Any
 
@@ -179,3 +180,59 @@ def test_without_the_kernel_every_block_is_hashed(
     assert all(costs[s] == (FROZEN, 0) for s in range(2, 5)), costs
     assert _bases(_manifest(tmp_path, 3), "frozen") == [1, None, 1, 1, 1, 1, 1, 1]
     assert _bases(_manifest(tmp_path, 4), "frozen") == [1, 3, 1, 1, 1, 1, 1, 1]
+
+
+@needs_kernel
+def test_shared_memory_is_never_watched(tmp_path: Path) -> None:
+    """Another process may write shared memory without this one's page tables: such a
+    block is hashed at every save."""
+    state = _state()
+    state["frozen"] = state["frozen"].clone().share_memory_()
+    with _saver() as saver:
+        costs = _run(tmp_path, saver, state, range(1, 5))
+    assert all(costs[s] == (FROZEN, 0) for s in range(2, 5)), costs
+    assert _bases(_manifest(tmp_path, 4), "frozen") == [1] * 8
+
+
+@needs_kernel
+def test_with_trusted_counters_the_kernel_has_the_last_word(tmp_path: Path) -> None:
+    """``trust_counters`` beside the kernel's tracking: a ``.data`` write (its counter
+    still) is seen by the kernel, so the block is hashed and written — no failed save."""
+    state = _state()
+    incremental = quicksave.IncrementalConfig(
+        enabled=True, block_bytes=BLOCK, trust_counters=True, watch_writes=True
+    )
+    config = quicksave.EngineConfig(mode="thread", fsync=False, incremental=incremental)
+
+    def edit(step: int) -> None:
+        if step == 4:
+            state["frozen"].data[130] += 1.0  # block 2
+
+    with quicksave.AsyncSaver(config) as saver:
+        _run(tmp_path, saver, state, range(1, 6), edit)
+    assert _bases(_manifest(tmp_path, 4), "frozen") == [1, 1, None, 1, 1, 1, 1, 1]
+    assert _bases(_manifest(tmp_path, 5), "frozen") == [1, 1, 4, 1, 1, 1, 1, 1]
+
+
+@needs_kernel
+def test_a_forked_child_writing_its_copy_changes_nothing_here(tmp_path: Path) -> None:
+    """A fork (a DataLoader worker) while blocks are watched: the child's writes go to
+    its own pages and it exits cleanly; the parent's writes are still seen."""
+    state = _state()
+
+    def edit(step: int) -> None:
+        if step == 4:
+            pid = os.fork()
+            if pid == 0:
+                try:
+                    state["frozen"].numpy()[:] = 7.0
+                finally:
+                    os._exit(0)
+            _, status = os.waitpid(pid, 0)
+            assert os.waitstatus_to_exitcode(status) == 0
+            state["frozen"].data[450] += 1.0  # block 7, in the parent
+
+    with _saver() as saver:
+        costs = _run(tmp_path, saver, state, range(1, 6), edit)
+    assert costs[4] == (FROZEN // 8, FROZEN - FROZEN // 8)
+    assert _bases(_manifest(tmp_path, 4), "frozen") == [1] * 7 + [None]
