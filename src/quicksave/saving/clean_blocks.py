@@ -2,16 +2,18 @@
 (``IncrementalConfig.watch_writes``; the kernel's side: ``saving/write_watch.py``).
 
 **The rule (never stale).** A block's digest is recorded only from bytes read *after*
-its pages were write-protected: :meth:`CleanBlocks.protect` protects first, the block
-is hashed after (here, or by the background copy or the writer: every digest a save
-reports for it was read after), and :meth:`CleanBlocks.hashed` /
-:meth:`CleanBlocks.settled` record it. At the next save :meth:`CleanBlocks.clean`
-returns the recorded digest only if the block is the same memory (same address and
-size, of the same storage, still held) and the kernel reports no page of it written
-since (the scan re-protects what was written, atomically); anything else — a write, a
-range no longer registered, another address — drops the record and the block is
-protected and hashed again. A write from any thread between protection and hash is
-reported at the next check, so a digest is never taken as current past a write.
+the protection its record's token names: :meth:`CleanBlocks.protect` watches a block
+(its pages protected) before anything hashes it, the block is hashed after (here, or
+by the background copy or the writer: every digest a save reports for it was read
+after), and :meth:`CleanBlocks.hashed` / :meth:`CleanBlocks.settled` record it under
+that token. At the next save :meth:`CleanBlocks.clean` returns the recorded digest
+only if the block is the same memory (same address and size, of the same storage,
+still held) and the kernel reports no page of it written since. A scan that finds a
+write re-protects the pages atomically and gives the record a new token: a digest read
+before it (a slow save's, still to come) is refused, one read after is recorded. A
+range no longer registered, another address, a moved counter: the record goes and the
+block is watched anew. So a write from any thread after the protection is reported at
+the next check, and a digest is never taken as current past a write.
 
 **What is watched.** Blocks of CPU tensors, contiguous, neither pinned (a device may
 write it by DMA, which bypasses the page tables) nor shared (another process may write
@@ -21,12 +23,13 @@ tensor's version counter stood still over the last save interval: a tensor writt
 every step (training) is never watched, so it pays neither faults nor scans. The
 counter is only that cost hint; whether a block is unchanged is the kernel's word.
 
-**Memory identity.** The storage of every block recorded is held (a strong reference)
-until the next save: the allocator can then neither free the pages nor give them to
+**Memory identity.** The storage of every block watched is held (a strong reference)
+while it is watched: the allocator can then neither free the pages nor give them to
 another tensor, and a discarded page (``MADV_DONTNEED``) — which reads as zeros
 without counting as written — cannot happen to them. A storage resized in place gets
-other memory: its address or size differs and the record goes. Records of blocks no
-longer saved go at the next save; :meth:`CleanBlocks.close` drops all.
+other memory: its address or size differs and the record goes. A tensor no longer
+saved (or swapped for another) is let go at the next save; :meth:`CleanBlocks.close`
+lets all go.
 
 A block found written at ``_STRIKES`` checks in a row is unwatched and rests for a
 while (each rest twice as long, up to ``_MAX_REST`` saves), so a tensor written behind
@@ -178,7 +181,6 @@ class CleanBlocks:
             and t.numel() > 0
             and not t.is_pinned()
             and not t.is_shared()
-            and not t.is_inference()
         )
 
     def protect(self, blocks: dict[str, torch.Tensor]) -> dict[str, int]:

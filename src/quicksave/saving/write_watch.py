@@ -33,6 +33,7 @@ import itertools
 import logging
 import os
 import sys
+import weakref
 
 log = logging.getLogger(__name__)
 
@@ -104,6 +105,12 @@ _UFFDIO_UNREGISTER = _iowr(_UFFD_API, 0x01, ctypes.sizeof(_Range), read_only=Tru
 _PAGEMAP_SCAN = _iowr(ord("f"), 16, ctypes.sizeof(_ScanArg))
 
 
+def _close_fds(*fds: int) -> None:
+    for fd in fds:
+        if fd >= 0:
+            os.close(fd)
+
+
 class WriteWatch:
     """Watches ranges of this process's memory for writes (one userfaultfd, one
     ``/proc/self/pagemap`` descriptor, opened by :meth:`available`).
@@ -124,6 +131,8 @@ class WriteWatch:
         self._starts: list[tuple[int, int]] = []  # (start, id), sorted
         self._longest = 0  # the longest range watched (bounds the overlap search)
         self._dirty: set[int] = set()  # watches written on a page another's scan took
+        self._pid = -1  # the process whose memory the descriptors watch
+        self._finalizer: weakref.finalize | None = None
 
     # ------------------------------------------------------------------ setup
     def available(self) -> bool:
@@ -137,7 +146,8 @@ class WriteWatch:
             except OSError as e:
                 self.close()
                 log.info("kernel write tracking unavailable, hashing instead: %s", e)
-        return self._uffd >= 0
+        # (a forked child: the descriptors watch its parent's memory, never its own)
+        return self._uffd >= 0 and os.getpid() == self._pid
 
     def _open(self) -> None:
         nr = _NR_USERFAULTFD.get(os.uname().machine) if sys.platform == "linux" else None
@@ -160,6 +170,9 @@ class WriteWatch:
         if api.features & want != want:
             raise OSError(errno.ENOTSUP, f"userfaultfd features {api.features:#x} lack WP_ASYNC")
         self._pagemap = os.open("/proc/self/pagemap", os.O_RDONLY | os.O_CLOEXEC)
+        self._pid = os.getpid()
+        # (an owner dropped unclosed: the registrations go with the descriptors)
+        self._finalizer = weakref.finalize(self, _close_fds, self._uffd, self._pagemap)
         self._page = os.sysconf("SC_PAGE_SIZE")
         # a scan of an unregistered range must fail with EPERM: PAGEMAP_SCAN is there
         probe = ctypes.create_string_buffer(2 * self._page)
@@ -311,15 +324,22 @@ class WriteWatch:
         return rng
 
     def unwatch(self, wid: int) -> None:
-        """Stop watching ``wid``: its pages are unregistered unless another watch
-        shares one (then they stay, costing that watch nothing but a few faults)."""
-        if wid not in self._ranges:
+        """Stop watching ``wid``: its pages are unregistered, but those another watch
+        shares (they stay registered for it)."""
+        if wid not in self._ranges or not self.available():
+            self._forget(wid)
             return
-        shared = bool(self._overlapping(wid))
-        rng = self._forget(wid)
-        if shared or rng is None or self._uffd < 0:
+        start, end = self._ranges[wid]
+        for s, e, _ in self._overlapping(wid):  # (pages another watch shares stay)
+            if s <= start:
+                start = max(start, e)
+            if e >= end:
+                end = min(end, s)
+            if s > start and e < end:  # (one inside: keep it all)
+                start = end
+        self._forget(wid)
+        if start >= end:
             return
-        start, end = rng
         try:
             self._ioctl(self._uffd, _UFFDIO_UNREGISTER, _Range(start, end - start), "unregister")
         except OSError as e:
@@ -328,9 +348,10 @@ class WriteWatch:
     def close(self) -> None:
         """Close both descriptors: every registration goes (idempotent). A later
         :meth:`available` stays False."""
-        for fd in (self._uffd, self._pagemap):
-            if fd >= 0:
-                os.close(fd)
+        if self._finalizer is not None:
+            self._finalizer()  # (closes both, once)
+        elif self._uffd >= 0 or self._pagemap >= 0:
+            _close_fds(self._uffd, self._pagemap)
         self._uffd = self._pagemap = -1
         self._probed = True
         self._ranges.clear()
