@@ -112,6 +112,21 @@ def test_two_watches_of_the_same_range_both_see_a_write(ww: WriteWatch) -> None:
     assert ww.written(b) is True
 
 
+def test_a_kernel_write_by_read_into_the_buffer_works_and_is_reported(
+    ww: WriteWatch, tmp_path
+) -> None:
+    """``read()`` into watched memory: the kernel's own write (copy_to_user) resolves
+    the protection like a user write (no EFAULT) and is reported."""
+    path = tmp_path / "src.bin"
+    path.write_bytes(bytes(range(256)) * 64)  # 16 KiB
+    t = torch.zeros(MIB, dtype=torch.uint8)
+    r = _watched(ww, t)
+    with open(path, "rb", buffering=0) as f:
+        assert f.readinto(memoryview(t.numpy())[8192 : 8192 + 16384]) == 16384
+    assert ww.written(r) is True
+    assert t[8192 + 300].item() == 300 % 256
+
+
 def test_a_write_from_another_thread_is_reported(ww: WriteWatch) -> None:
     t = torch.zeros(MIB)
     r = _watched(ww, t)

@@ -59,7 +59,9 @@ class IncrementalConfig:
             unshared, private anonymous CPU memory whose tensor's counter stood still
             over the last save are watched, so a tensor trained at every step pays
             nothing. Where the kernel does not offer it (not Linux, before 6.7, no
-            permission) every block is hashed, as with it off (logged once).
+            permission) every block is hashed, as with it off (logged once). Turn it
+            off where a device writes CPU tensors by DMA without CUDA's pinning (a
+            tensor registered for RDMA): such writes bypass the page tables.
     """
 
     enabled: bool = False
