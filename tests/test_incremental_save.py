@@ -261,7 +261,14 @@ def test_off_by_default(tmp_path: Path, job: Job) -> None:
 
 
 @pytest.mark.parametrize(
-    "bad", [{"block_bytes": 0}, {"full_every": 0}, {"min_bytes": -1}, {"block_bytes": 1.5}]
+    "bad",
+    [
+        {"block_bytes": 0},
+        {"full_every": 0},
+        {"min_bytes": -1},
+        {"block_bytes": 1.5},
+        {"watch_writes": "auto"},
+    ],
 )
 def test_bad_config_is_refused(bad: dict[str, Any]) -> None:
     with pytest.raises(CheckpointError, match="IncrementalConfig"):

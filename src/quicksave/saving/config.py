@@ -78,6 +78,11 @@ class IncrementalConfig:
                 raise CheckpointError(
                     f"IncrementalConfig.{name} must be a positive integer, got {value!r}"
                 )
+        for name in ("enabled", "trust_counters", "watch_writes"):
+            if not isinstance(getattr(self, name), bool):
+                raise CheckpointError(
+                    f"IncrementalConfig.{name} must be True or False, got {getattr(self, name)!r}"
+                )
 
 
 @dataclass(frozen=True)
