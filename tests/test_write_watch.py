@@ -226,3 +226,23 @@ def test_shared_and_file_memory_is_not_private_anonymous(ww: WriteWatch, tmp_pat
     private = torch.zeros(MIB)
     answers = ww.private_anonymous([_range(shared), _range(mapped), _range(private)])
     assert answers == [False, False, True]
+
+
+def test_written_many_scans_adjacent_blocks_at_once_and_hands_on_shared_pages(
+    ww: WriteWatch,
+) -> None:
+    m = mmap.mmap(-1, 8 * MIB + 8192, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    t = torch.frombuffer(m, dtype=torch.float32)  # (its own pages: nobody else writes)
+    t.fill_(0.0)
+    blocks = [t[1 + i * MIB // 4 : 1 + (i + 1) * MIB // 4] for i in range(8)]  # off pages
+    ids = [_watched(ww, b) for b in blocks]
+    blocks[2][5000] = 1.0  # (20 KB in: on pages of its own)
+    blocks[5][MIB // 8] = 1.0
+    got = ww.written_many([*ids, 999])
+    assert got == {**{w: i in (2, 5) for i, w in enumerate(ids)}, 999: None}
+    blocks[3][0] = 1.0  # on the page block 2's last bytes share
+    assert ww.written_many([ids[2]]) == {ids[2]: True}  # (shared: conservatively)
+    assert ww.written_many(ids) == {w: i == 3 for i, w in enumerate(ids)}  # handed on
+    ww.close()  # (before the mapping goes)
+    del t, blocks
+    m.close()

@@ -6,7 +6,7 @@ the protection its record's token names: :meth:`CleanBlocks.protect` watches a b
 (its pages protected) before anything hashes it, the block is hashed after (here, or
 by the background copy or the writer: every digest a save reports for it was read
 after), and :meth:`CleanBlocks.hashed` / :meth:`CleanBlocks.settled` record it under
-that token. At the next save :meth:`CleanBlocks.clean` returns the recorded digest
+that token. At the next save :meth:`CleanBlocks.check` returns the recorded digest
 only if the block is the same memory (same address and size, of the same storage,
 still held) and the kernel reports no page of it written since. A scan that finds a
 write re-protects the pages atomically and gives the record a new token: a digest read
@@ -36,7 +36,7 @@ while (each rest twice as long, up to ``_MAX_REST`` saves), so a tensor written 
 its counter at every step costs little more than a hash.
 
 Call order: one save at a time, on the caller's lock (``Increments``):
-:meth:`clean` / :meth:`steady` for each tracked block → :meth:`protect` (before any
+:meth:`steady` for each tracked block → :meth:`check` → :meth:`protect` (before any
 hash of those blocks) → :meth:`hashed` → later :meth:`settled` with that save's
 result. No I/O besides the ioctls and ``/proc/self/maps``.
 """
@@ -131,46 +131,57 @@ class CleanBlocks:
             self._watch.unwatch(rec.wid)
 
     def _same_memory(self, rec: _Record, t: torch.Tensor) -> bool:
+        # (the held storage keeps its memory: the same address is the same memory,
+        # unless that storage itself was resized, i.e. moved)
         s = rec.storage
         return (
-            _key(t) == (rec.ptr, rec.nbytes)
+            t.data_ptr() == rec.ptr
+            and t.numel() * t.element_size() == rec.nbytes
             and s.data_ptr() == rec.storage_ptr
             and s.nbytes() == rec.storage_nbytes
-            and t.untyped_storage().data_ptr() == rec.storage_ptr
         )
 
-    def clean(self, name: str, t: torch.Tensor, steady: bool) -> str | None:
-        """The digest of ``t``'s bytes if the kernel proves them unwritten since they
-        were hashed; None otherwise (then :meth:`protect` it, if ``watchable``: a block
-        still watched keeps its watch, protected again by the scan just made).
-        ``steady``: its counter stood still (else it is unwatched: being trained)."""
-        rec = self._records.get(name)
-        if rec is None:
-            return None
-        if not steady or not self._same_memory(rec, t):
-            self._drop(name)
-            return None
-        if rec.digest is None:  # never hashed since its protection: hashed now
-            return None
-        written = self._watch.written(rec.wid)
-        if written is False:
-            self._strikes.pop(name, None)
-            self.skipped += rec.nbytes
-            return rec.digest
-        if written is None:  # no longer registered: watched anew
-            self._drop(name)
-            return None
-        # protected again by the scan: a digest read from now on holds
+    def check(self, blocks: list[tuple[str, torch.Tensor, bool]]) -> dict[str, str]:
+        """The digests of the ``(name, tensor, steady)`` blocks whose bytes the kernel
+        proves unwritten since they were hashed (one scan per run of adjacent blocks).
+        Any other is absent: :meth:`protect` it, if ``watchable`` (a block still
+        watched keeps its watch, protected again by the scan just made). ``steady``:
+        its counter stood still (else it is unwatched: being trained)."""
+        ask: dict[int, str] = {}
+        for name, t, steady in blocks:
+            rec = self._records.get(name)
+            if rec is None:
+                continue
+            if not steady or not self._same_memory(rec, t):
+                self._drop(name)
+            elif rec.digest is not None:  # (None: never hashed since protected: hashed now)
+                ask[rec.wid] = name
+        out: dict[str, str] = {}
+        for wid, written in self._watch.written_many(list(ask)).items():
+            name = ask[wid]
+            rec = self._records[name]
+            if written is False:
+                self._strikes.pop(name, None)
+                self.skipped += rec.nbytes
+                out[name] = rec.digest  # type: ignore[assignment]
+            elif written is None:  # no longer registered: watched anew
+                self._drop(name)
+            else:
+                self._written(name, rec)
+        return out
+
+    def _written(self, name: str, rec: _Record) -> None:
+        """``rec``'s block was written: protected again by the scan, so a digest read
+        from now on holds (a new token); written again and again, it rests a while."""
         rec.digest, rec.token = None, next(self._tokens)
         strikes = self._strikes.get(name, 0) + 1
         self._strikes[name] = strikes
-        if strikes >= _STRIKES:  # written again and again: rest a while
+        if strikes >= _STRIKES:
             self._drop(name)
             rest = self._next_rest.get(name, 2)
             self._rest[name] = rest
             self._next_rest[name] = min(2 * rest, _MAX_REST)
             self._strikes.pop(name, None)
-        return None
 
     def watchable(self, name: str, t: torch.Tensor) -> bool:
         """Whether ``t``'s block may be watched (the kernel sees every write to it)."""

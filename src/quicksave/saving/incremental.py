@@ -443,12 +443,13 @@ class Increments:
             clean.begin(set(tracked))
             referred: set[str] = set()
             protect: dict[str, torch.Tensor] = {}
+            steady = {name: clean.steady(name, sources[name]) for name in tracked}
+            found = clean.check([(name, tensors[name], steady[name]) for name in tracked])
             for name in tracked:
                 t = tensors[name]
-                steady = clean.steady(name, sources[name])
-                known = clean.clean(name, t, steady)
+                known = found.get(name)
                 if known is None:
-                    if steady and clean.watchable(name, t):
+                    if steady[name] and clean.watchable(name, t):
                         protect[name] = t
                 elif base is not None and base.digests.get(name) == known:
                     unchanged(name, known)

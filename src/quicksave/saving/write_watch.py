@@ -257,11 +257,81 @@ class WriteWatch:
         self._ranges[wid] = (start, end)
         bisect.insort(self._starts, (start, wid))
         self._longest = max(self._longest, end - start)
-        if self._scan(wid) is None:  # (pages never protected read as written: protected)
+        # (its pages never protected read as written: the scan protects them, and hands
+        # a pending write on a page shared with another watch to that one)
+        regions, whole = self._scan_span(start, end)
+        self._deliver(regions, {wid})
+        if not whole:
             self._forget(wid)
             return None
-        self._dirty.discard(wid)
         return wid
+
+    def _scan_span(self, start: int, end: int) -> tuple[list[tuple[int, int]], bool]:
+        """PAGEMAP_SCAN over the pages ``[start, end)``: the runs of pages written since
+        protected (protected again, atomically), and whether the whole span was
+        scanned (False: a page not registered, or the scan failed, at some point;
+        the runs found before are still returned: they were protected again)."""
+        assert self._libc is not None
+        regions: list[tuple[int, int]] = []
+        while start < end:
+            arg = self._scan_arg(start, end)
+            n = self._libc.ioctl(self._pagemap, _PAGEMAP_SCAN, ctypes.byref(arg))
+            if n < 0:
+                log.debug("PAGEMAP_SCAN %#x: %s", start, os.strerror(ctypes.get_errno()))
+                return regions, False
+            regions.extend((r.start, r.end) for r in self._vec[:n])
+            if arg.walk_end <= start:
+                return regions, False  # (no progress: never loop forever)
+            start = arg.walk_end  # (the vector filled up: scan and re-protect the rest)
+        return regions, True
+
+    def _deliver(self, regions: list[tuple[int, int]], asked: set[int]) -> set[int]:
+        """The watches of ``asked`` that ``regions`` (written, now protected again)
+        touch; every other watch they touch is marked written for its next check."""
+        hit: set[int] = set()
+        starts, ranges = self._starts, self._ranges
+        for rs, re_ in regions:
+            lo = bisect.bisect_left(starts, (rs - self._longest, -1))
+            hi = bisect.bisect_left(starts, (re_, -1))  # (those before start below re_)
+            for _, wid in starts[lo:hi]:
+                if ranges[wid][1] > rs:
+                    (hit if wid in asked else self._dirty).add(wid)
+        return hit
+
+    def written(self, wid: int) -> bool | None:
+        """Whether any page of watch ``wid`` was written since it was last protected
+        (by :meth:`watch` or the previous check); the pages written are protected
+        again, atomically with the report. None: the range is not (any more)
+        registered, the scan failed or ``wid`` is unknown — callers take it as
+        written."""
+        return self.written_many([wid])[wid]
+
+    def written_many(self, wids: list[int]) -> dict[int, bool | None]:
+        """:meth:`written` of each of ``wids``, with one scan per run of adjacent or
+        overlapping ranges (a tensor's blocks: one scan for all of them)."""
+        if not self.available():
+            return dict.fromkeys(wids)
+        out: dict[int, bool | None] = {w: None for w in wids if w not in self._ranges}
+        runs: list[tuple[int, int, list[int]]] = []
+        for s, e, wid in sorted((*self._ranges[w], w) for w in wids if w in self._ranges):
+            if runs and s <= runs[-1][1]:
+                runs[-1] = (runs[-1][0], max(runs[-1][1], e), [*runs[-1][2], wid])
+            else:
+                runs.append((s, e, [wid]))
+        for s, e, members in runs:
+            regions, whole = self._scan_span(s, e)
+            hit = self._deliver(regions, set(members))
+            for wid in members:
+                out[wid] = (wid in hit or wid in self._dirty) if whole else None
+                self._dirty.discard(wid)  # (a write another watch's scan took for it)
+        return out
+
+    def _forget(self, wid: int) -> tuple[int, int] | None:
+        rng = self._ranges.pop(wid, None)
+        if rng is not None:
+            self._starts.remove((rng[0], wid))
+            self._dirty.discard(wid)
+        return rng
 
     def _overlapping(self, wid: int) -> list[tuple[int, int, int]]:
         """The other watches sharing a page with ``wid``'s: (start, end, id)."""
@@ -271,57 +341,9 @@ class WriteWatch:
         out = []
         for s, other in self._starts[lo:hi]:
             e = self._ranges[other][1]
-            if other != wid and e > start and s < end:
+            if other != wid and e > start:
                 out.append((s, e, other))
         return out
-
-    def _scan(self, wid: int) -> bool | None:
-        """PAGEMAP_SCAN over ``wid``'s pages: whether any was written since protected;
-        those are protected again, and every other watch sharing one of them is marked
-        written (its own scan will not see that write any more)."""
-        assert self._libc is not None
-        start, end = self._ranges[wid]
-        found = False
-        others: list[tuple[int, int, int]] | None = None
-        while start < end:
-            arg = self._scan_arg(start, end)
-            n = self._libc.ioctl(self._pagemap, _PAGEMAP_SCAN, ctypes.byref(arg))
-            if n < 0:
-                log.debug("PAGEMAP_SCAN %#x: %s", start, os.strerror(ctypes.get_errno()))
-                return None
-            if n > 0:
-                found = True
-                if others is None:
-                    others = self._overlapping(wid)
-                for s, e, other in others:
-                    if other not in self._dirty and any(
-                        r.start < e and r.end > s for r in self._vec[:n]
-                    ):
-                        self._dirty.add(other)
-            if arg.walk_end <= start:
-                return None  # (no progress: never loop forever)
-            start = arg.walk_end  # (the vector filled up: scan and re-protect the rest)
-        return found
-
-    def written(self, wid: int) -> bool | None:
-        """Whether any page of watch ``wid`` was written since it was last protected
-        (by :meth:`watch` or the previous call); the pages written are protected again,
-        atomically with the report. None: the range is not (any more) registered, the
-        scan failed or ``wid`` is unknown — callers take it as written."""
-        if not self.available() or wid not in self._ranges:
-            return None
-        found = self._scan(wid)
-        if wid in self._dirty:  # a write another watch's scan took for it
-            self._dirty.discard(wid)
-            return None if found is None else True
-        return found
-
-    def _forget(self, wid: int) -> tuple[int, int] | None:
-        rng = self._ranges.pop(wid, None)
-        if rng is not None:
-            self._starts.remove((rng[0], wid))
-            self._dirty.discard(wid)
-        return rng
 
     def unwatch(self, wid: int) -> None:
         """Stop watching ``wid``: its pages are unregistered, but those another watch
