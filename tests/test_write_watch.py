@@ -246,3 +246,21 @@ def test_written_many_scans_adjacent_blocks_at_once_and_hands_on_shared_pages(
     ww.close()  # (before the mapping goes)
     del t, blocks
     m.close()
+
+
+def test_a_failed_probe_is_unavailable_logged_once_and_watches_nothing(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    from quicksave.saving import write_watch
+
+    monkeypatch.setattr(write_watch, "_NR_USERFAULTFD", {})  # as on another platform
+    w = WriteWatch()
+    with caplog.at_level("INFO", logger=write_watch.__name__):
+        assert not w.available() and not w.available()
+    said = [r.getMessage() for r in caplog.records]
+    assert len([m for m in said if "kernel write tracking unavailable" in m]) == 1, said
+    t = torch.zeros(1024)
+    assert w.watch(*_range(t)) is None
+    assert w.written_many([1, 2]) == {1: None, 2: None}
+    w.unwatch(1)
+    w.close()
