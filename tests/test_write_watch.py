@@ -264,3 +264,25 @@ def test_a_failed_probe_is_unavailable_logged_once_and_watches_nothing(
     assert w.written_many([1, 2]) == {1: None, 2: None}
     w.unwatch(1)
     w.close()
+
+
+def test_two_watchers_in_one_process_never_share_a_page(ww: WriteWatch) -> None:
+    """Two savers' watchers: the kernel gives a page to one userfaultfd only (the other
+    is refused and hashes), so neither's scan can take a write the other needs."""
+    other = WriteWatch()
+    try:
+        assert other.available()
+        t = torch.zeros(MIB)
+        r = _watched(ww, t)
+        assert other.watch(*_range(t)) is None  # (EBUSY: registered by ww)
+        assert other.watch(*_range(t[: MIB // 2])) is None
+        t[10] = 1.0
+        assert ww.written(r) is True
+        m = mmap.mmap(-1, 4 * MIB, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        u = torch.frombuffer(m, dtype=torch.uint8)  # (no page shared with t)
+        assert other.watch(*_range(u)) is not None  # memory of its own: fine
+        other.close()
+        del u
+        m.close()
+    finally:
+        other.close()

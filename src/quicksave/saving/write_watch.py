@@ -31,6 +31,7 @@ import ctypes
 import errno
 import itertools
 import logging
+import mmap
 import os
 import sys
 import weakref
@@ -175,12 +176,18 @@ class WriteWatch:
         self._finalizer = weakref.finalize(self, _close_fds, self._uffd, self._pagemap)
         self._page = os.sysconf("SC_PAGE_SIZE")
         # a scan of an unregistered range must fail with EPERM: PAGEMAP_SCAN is there
-        probe = ctypes.create_string_buffer(2 * self._page)
-        start, end = self._pages(ctypes.addressof(probe), self._page)
-        arg = self._scan_arg(start, end)
-        if self._libc.ioctl(self._pagemap, _PAGEMAP_SCAN, ctypes.byref(arg)) >= 0:
+        # (a fresh mapping of its own: no other watcher of this process registered it)
+        probe = mmap.mmap(-1, self._page, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        try:
+            at = ctypes.c_char.from_buffer(probe)
+            arg = self._scan_arg(ctypes.addressof(at), ctypes.addressof(at) + self._page)
+            del at
+            n = self._libc.ioctl(self._pagemap, _PAGEMAP_SCAN, ctypes.byref(arg))
+            e = ctypes.get_errno()
+        finally:
+            probe.close()
+        if n >= 0:
             raise OSError(errno.ENOTSUP, "PAGEMAP_SCAN accepted an unregistered range")
-        e = ctypes.get_errno()
         if e != errno.EPERM:
             raise OSError(e, f"PAGEMAP_SCAN: {os.strerror(e)}")
 
