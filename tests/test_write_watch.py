@@ -200,19 +200,33 @@ def test_a_forked_child_does_not_break_and_parent_writes_are_still_seen(
     assert ww.written(r) is True
 
 
-def test_transparent_huge_pages_are_tracked(ww: WriteWatch) -> None:
-    size = 8 * MIB
+def _huge_kib() -> int:
+    """This process's memory mapped by transparent huge pages (KiB)."""
+    with open("/proc/self/smaps_rollup") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("AnonHugePages:"))
+
+
+def test_transparent_huge_pages_are_tracked_and_stay_whole(ww: WriteWatch) -> None:
+    """Blocks whose edges fall inside huge pages, watched together: each huge page
+    stays one (the mapping is split at the run's ends only), and a write to a huge page
+    is reported for the block it hit."""
+    size = 16 * MIB
     m = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     try:
         if hasattr(mmap, "MADV_HUGEPAGE"):
             m.madvise(mmap.MADV_HUGEPAGE)
         t = torch.frombuffer(m, dtype=torch.uint8)
-        t.fill_(1)  # populated (as huge pages where the kernel gives them)
-        r = _watched(ww, t)
-        t[3 * MIB + 17] = 2
-        assert ww.written(r) is True
-        assert ww.written(r) is False
-        del t
+        t.fill_(1)  # populated (as huge pages where the kernel gives them: not everywhere)
+        huge = _huge_kib()
+        step = 3 * MIB // 2  # (edges mid huge page)
+        blocks = [t[i : i + step] for i in range(0, size, step)]  # the mapping, whole
+        ids = ww.watch_many([_range(b) for b in blocks])
+        assert None not in ids
+        assert _huge_kib() >= huge  # none split
+        blocks[2][MIB] = 2
+        assert ww.written_many(ids) == {w: i == 2 for i, w in enumerate(ids)}  # type: ignore[misc]
+        assert ww.written_many(ids) == dict.fromkeys(ids, False)
+        del t, blocks
     finally:
         ww.close()  # (unregister before the mapping goes)
         m.close()

@@ -207,10 +207,11 @@ class CleanBlocks:
         if not new or not self._watch.available():
             return tokens
         private = self._watch.private_anonymous([_key(blocks[n]) for n in new])
-        for name, ok in zip(new, private, strict=True):
+        new = [n for n, ok in zip(new, private, strict=True) if ok]
+        wids = self._watch.watch_many([_key(blocks[n]) for n in new])
+        for name, wid in zip(new, wids, strict=True):
             t = blocks[name]
             ptr, nbytes = _key(t)
-            wid = self._watch.watch(ptr, nbytes) if ok else None
             if wid is None:
                 continue
             s = t.untyped_storage()

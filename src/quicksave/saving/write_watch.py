@@ -245,33 +245,60 @@ class WriteWatch:
     def watch(self, ptr: int, nbytes: int) -> int | None:
         """Register ``[ptr, ptr + nbytes)`` (whole pages) for async write-protect and
         protect it: :meth:`written` of the id returned then reports writes made from
-        now on. None: not watched (the kernel refused).
+        now on. None: not watched (the kernel refused: another userfaultfd has one of
+        its pages, or the memory cannot be).
 
         Protection is by a scan that protects what it reports (not
         ``UFFDIO_WRITEPROTECT``): a page this range shares with another watch (a
         neighbour's edge page, an alias) may hold a write that watch has not seen yet,
         and the scan hands it on instead of wiping it."""
-        if not self.available() or nbytes <= 0:
-            return None
-        start, end = self._pages(ptr, nbytes)
-        try:
-            reg = _Register(_Range(start, end - start), _REGISTER_MODE_WP, 0)
-            self._ioctl(self._uffd, _UFFDIO_REGISTER, reg, "UFFDIO_REGISTER")
-        except OSError as e:
-            log.debug("not watching %#x+%d: %s", ptr, nbytes, e)
-            return None
-        wid = next(self._ids)
-        self._ranges[wid] = (start, end)
-        bisect.insort(self._starts, (start, wid))
-        self._longest = max(self._longest, end - start)
-        # (its pages never protected read as written: the scan protects them, and hands
-        # a pending write on a page shared with another watch to that one)
-        regions, whole = self._scan_span(start, end)
-        self._deliver(regions, {wid})
-        if not whole:
-            self._forget(wid)
-            return None
-        return wid
+        return self.watch_many([(ptr, nbytes)])[0]
+
+    def watch_many(self, ranges: list[tuple[int, int]]) -> list[int | None]:
+        """:meth:`watch` of each ``(ptr, nbytes)``, registering and protecting each run
+        of adjacent or overlapping ranges (a tensor's blocks) at once: the mapping is
+        split only at the run's ends (a transparent huge page inside stays whole)."""
+        out: list[int | None] = [None] * len(ranges)
+        if not self.available():
+            return out
+        pages = sorted((*self._pages(p, n), i) for i, (p, n) in enumerate(ranges) if n > 0)
+        runs: list[tuple[int, int, list[int]]] = []
+        for s, e, i in pages:
+            if runs and s <= runs[-1][1]:
+                runs[-1] = (runs[-1][0], max(runs[-1][1], e), [*runs[-1][2], i])
+            else:
+                runs.append((s, e, [i]))
+        for s, e, members in runs:
+            try:
+                self._ioctl(
+                    self._uffd,
+                    _UFFDIO_REGISTER,
+                    _Register(_Range(s, e - s), _REGISTER_MODE_WP, 0),
+                    "UFFDIO_REGISTER",
+                )
+            except OSError as err:
+                log.debug("not watching %#x+%d: %s", s, e - s, err)
+                if len(members) > 1:  # (each alone: a part may still be watched)
+                    for i in members:
+                        out[i] = self.watch(*ranges[i])
+                continue
+            wids = []
+            for i in members:
+                rs, re_ = self._pages(*ranges[i])
+                wid = out[i] = next(self._ids)
+                self._ranges[wid] = (rs, re_)
+                bisect.insort(self._starts, (rs, wid))
+                self._longest = max(self._longest, re_ - rs)
+                wids.append(wid)
+            # (pages never protected read as written: the scan protects them, and hands
+            # a pending write on a page shared with another watch to that one)
+            regions, whole = self._scan_span(s, e)
+            self._deliver(regions, set(wids))
+            if not whole:
+                for i, wid in zip(members, wids, strict=True):
+                    self._forget(wid)
+                    out[i] = None
+        return out
 
     def _scan_span(self, start: int, end: int) -> tuple[list[tuple[int, int]], bool]:
         """PAGEMAP_SCAN over the pages ``[start, end)``: the runs of pages written since
