@@ -1,8 +1,9 @@
 """The kernel's write tracking (``saving/write_watch.py``): every CPU write to a watched
 range through this process's page tables is reported once — through torch in place,
-``.data``, numpy, DLPack, ``ctypes.memmove``, another thread, a huge page — an
-untouched range is not; a range no longer registered says None (taken as written);
-a fork's child neither breaks nor hides the parent's writes."""
+``.data``, numpy, DLPack, ``ctypes.memmove``, ``read()``, another thread, a huge page —
+an untouched range is not; a write on a page two watches share reaches both; a range
+no longer registered says None (taken as written); a fork's child neither breaks nor
+hides the parent's writes; two watchers never share a page."""
 
 from __future__ import annotations
 
