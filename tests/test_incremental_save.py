@@ -261,7 +261,14 @@ def test_off_by_default(tmp_path: Path, job: Job) -> None:
 
 
 @pytest.mark.parametrize(
-    "bad", [{"block_bytes": 0}, {"full_every": 0}, {"min_bytes": -1}, {"block_bytes": 1.5}]
+    "bad",
+    [
+        {"block_bytes": 0},
+        {"full_every": 0},
+        {"min_bytes": -1},
+        {"block_bytes": 1.5},
+        {"watch_writes": "auto"},
+    ],
 )
 def test_bad_config_is_refused(bad: dict[str, Any]) -> None:
     with pytest.raises(CheckpointError, match="IncrementalConfig"):
@@ -323,7 +330,7 @@ def test_trusted_counters_refer_without_hashing_and_a_miss_fails_that_save_only(
     counter misses) fails that save, never committed, and the next save writes it."""
     folder = tmp_path / "run"
     incremental = quicksave.IncrementalConfig(
-        enabled=True, block_bytes=BLOCK, min_bytes=1024, trust_counters=True
+        enabled=True, block_bytes=BLOCK, min_bytes=1024, trust_counters=True, watch_writes=False
     )
     config = CheckpointConfig(
         folder=str(folder), interval=1, async_mode="thread", incremental=incremental

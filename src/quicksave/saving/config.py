@@ -48,6 +48,20 @@ class IncrementalConfig:
             ``staging="blocking"`` too (until ``maybe_wait_for_staging()``): such a
             write to a block meanwhile also fails the save. Off (default): every block
             is hashed in ``save()``.
+        watch_writes: (default: on) the kernel's own write tracking spares the hash
+            of an unchanged CPU block: its pages are write-protected before it is
+            hashed (userfaultfd in async write-protect mode), and at the next save a
+            block the kernel reports unwritten since (``PAGEMAP_SCAN``) keeps its
+            digest, unhashed (``saving/clean_blocks.py``). On by default because it
+            trusts nothing the kernel did not prove: every write through this
+            process's page tables is seen (any thread, ``.data``, numpy and DLPack
+            views, any kernel), unlike version counters. Only blocks of unpinned,
+            unshared, private anonymous CPU memory whose tensor's counter stood still
+            over the last save are watched, so a tensor trained at every step pays
+            nothing. Where the kernel does not offer it (not Linux, before 6.7, no
+            permission) every block is hashed, as with it off (logged once). Turn it
+            off where a device writes CPU tensors by DMA without CUDA's pinning (a
+            tensor registered for RDMA): such writes bypass the page tables.
     """
 
     enabled: bool = False
@@ -55,6 +69,7 @@ class IncrementalConfig:
     min_bytes: int = 64 << 10
     full_every: int = 8
     trust_counters: bool = False
+    watch_writes: bool = True
 
     def __post_init__(self) -> None:
         for name in ("block_bytes", "min_bytes", "full_every"):
@@ -62,6 +77,11 @@ class IncrementalConfig:
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise CheckpointError(
                     f"IncrementalConfig.{name} must be a positive integer, got {value!r}"
+                )
+        for name in ("enabled", "trust_counters", "watch_writes"):
+            if not isinstance(getattr(self, name), bool):
+                raise CheckpointError(
+                    f"IncrementalConfig.{name} must be True or False, got {getattr(self, name)!r}"
                 )
 
 

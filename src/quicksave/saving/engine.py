@@ -523,6 +523,7 @@ class AsyncSaver:
             self._flights.abandon(self.config.close_timeout_s)
             self._slots.close()
             self._copier.forget()
+            self._incr.close()  # (kernel write tracking: registrations, held storages)
             atexit.unregister(self._atexit)
             self._strategies.close()
 

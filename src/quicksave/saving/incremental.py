@@ -29,6 +29,16 @@ save and ends the trust. The digest taken here becomes the chunk's checksum only
 the bytes are copied right after, on the same thread, from the tensor hashed; a block
 copied later by the background copy is hashed from its copy.
 
+**The kernel's word** (``watch_writes``, default on; :mod:`.clean_blocks`): a CPU block
+whose pages were write-protected before it was hashed, and that the kernel reports
+unwritten since, keeps its recorded digest without a hash. It is resolved first, on the
+training thread: equal to the base's digest → referred to, neither copied nor sifted;
+otherwise copied (in ``save()``: the recorded digest is its checksum, the kernel proving
+the bytes those hashed; deferred: its copy is hashed). Every other steady CPU block is
+protected before anything hashes it, and the digest this save reports for it (whoever
+read it: this thread, the background copy, the writer) is recorded at
+:meth:`Increments.settled`. A block protected now is never presumed on its counter.
+
 **Several ranks** decide alone, each for the chunks it writes, from its own view: a
 rank refers only to the newest step committed and only when none of its saves is in
 flight (then it has every outcome, the newest commit's included), so whatever another
@@ -68,10 +78,12 @@ from quicksave.commit import strategy_class
 from quicksave.errors import CheckpointError
 from quicksave.format.dtypes import dtype_name, element_size
 from quicksave.layout.plan import ItemSpec
+from quicksave.saving.clean_blocks import CleanBlocks
 from quicksave.saving.config import IncrementalConfig
 from quicksave.saving.engine_plan import PlannedSave
 from quicksave.saving.rank_plans import LocalState
 from quicksave.saving.staging import PoolCopier
+from quicksave.saving.write_watch import WriteWatch
 from quicksave.stage.pool import StagingPool
 from quicksave.storage import Location
 from quicksave.worker.calls import CallResult
@@ -226,6 +238,7 @@ class _Candidate:
     tracked: frozenset[str]
     bases: dict[str, int]
     versions: dict[str, tuple[int, int]]
+    tokens: dict[str, int]  # blocks protected by this save (``CleanBlocks.protect``)
 
 
 def _folder_of(url: str) -> tuple[str, str]:
@@ -334,6 +347,14 @@ class Increments:
         self._trusted = config.trust_counters  # until a block changes behind a counter
         self.cost = (0, 0)
         self.sift: _Sift | None = None
+        watch = config.enabled and config.watch_writes
+        self._clean = CleanBlocks(WriteWatch()) if watch else None
+
+    def close(self) -> None:
+        """Stop watching (the saver closes): every registration and held storage goes."""
+        if self._clean is not None:
+            self._clean.close()
+            self._clean = None
 
     def blocked(self, state: LocalState) -> LocalState:
         """``state`` as an incremental save plans it (:meth:`Blocks.blocked`); as it is
@@ -412,6 +433,34 @@ class Increments:
                 return True
             return False
 
+        # the kernel's word first (watch_writes): a block proven unwritten since it was
+        # hashed is resolved here, before any classification below; the others of
+        # steady tensors are protected now, before anything hashes them
+        resolved: dict[str, str] = {}  # clean but changed since the base -> its digest
+        tokens: dict[str, int] = {}  # protected now -> token (digests recorded once read)
+        clean = self._clean
+        if clean is not None and clean.available():
+            clean.begin(set(tracked))
+            referred: set[str] = set()
+            protect: dict[str, torch.Tensor] = {}
+            steady = {name: clean.steady(name, sources[name]) for name in tracked}
+            found = clean.check([(name, tensors[name], steady[name]) for name in tracked])
+            for name in tracked:
+                t = tensors[name]
+                known = found.get(name)
+                if known is None:
+                    if steady[name] and clean.watchable(name, t):
+                        protect[name] = t
+                elif base is not None and base.digests.get(name) == known:
+                    unchanged(name, known)
+                    referred.add(name)
+                else:
+                    resolved[name] = known  # copied (a deferred one's copy is hashed)
+            tokens = clean.protect(protect)
+            if referred:
+                now = [n for n in now if n not in referred]
+                later = [n for n in later if n not in referred]
+
         # (not with several ranks: a DTensor's in-place ops move its own counter only)
         trust = self._trusted and base is not None and job.dist is None
         presumed: set[str] = set()
@@ -423,7 +472,8 @@ class Increments:
             if trust or tracked[name] == name:
                 versions[name] = seen
             last = None if base is None else base.versions.get(name)
-            if trust and last == seen and _hashable(tensors[name]):
+            # (a block protected now is hashed: the kernel's word beats the counter's)
+            if trust and last == seen and _hashable(tensors[name]) and name not in tokens:
                 presumed.add(name)  # (checked by the background copy: _Sift)
                 digests[name] = base.digests[name]  # type: ignore[union-attr]
                 bases[name] = base.holders[name]  # type: ignore[union-attr]
@@ -442,7 +492,10 @@ class Increments:
         for name in now:
             fqn = tracked.get(name)
             t = tensors[name]
-            if fqn is None or moved(name):
+            if name in resolved:
+                unchanged(name, resolved[name])
+                keep_now.append(name)  # copied right below, its digest known
+            elif fqn is None or moved(name):
                 keep_now.append(name)
             elif name in presumed:
                 moved_later.append(name)  # referred to; the background copy checks it
@@ -454,11 +507,14 @@ class Increments:
                 from_pool.append(name)
             else:
                 hashed += t.numel() * t.element_size()
-                if not unchanged(name, digest_of(t)):
+                digest = digest_of(t)
+                if clean is not None and name in tokens:
+                    clean.hashed(name, tokens[name], digest)  # (read after its protection)
+                if not unchanged(name, digest):
                     keep_now.append(name)  # copied right below: its digest is the copy's
         for name in later:
             if name in tracked and not moved(name) and base is not None:
-                if _hashable(tensors[name]) and name not in presumed:
+                if _hashable(tensors[name]) and name not in presumed and name not in resolved:
                     to_sift.add(name)
         keep_later = later + moved_later
         if to_sift or presumed:
@@ -489,7 +545,7 @@ class Increments:
             while len(self._pending) >= _PENDING:
                 del self._pending[next(iter(self._pending))]
             self._pending[job.job_id] = _Candidate(
-                folder, job.step, plan.key, chain, frozenset(tracked), bases, versions
+                folder, job.step, plan.key, chain, frozenset(tracked), bases, versions, tokens
             )
         self.cost = (copied, hashed)
         return job, keep_now, keep_later
@@ -505,6 +561,8 @@ class Increments:
         if not result.ok:
             self._base = None
             return
+        if self._clean is not None:  # (read after their protections: recorded)
+            self._clean.settled(candidate.tokens, result.digests)
         if self._base is not None and self._base.step > candidate.step:
             return  # a newer step committed first: it stays the base (the newest one)
         digests = result.digests

@@ -34,7 +34,8 @@ QUICKSAVE_MODES = {  # method -> CheckpointConfig arguments
     },
 }
 # Run when asked for (``--methods``): incremental saves (``lora``, ``embedding``; with
-# ``-counters``, trusting unmoved version counters, checked in the background), and the
+# ``-counters``, trusting unmoved version counters, checked in the background; with
+# ``-hashed``, without the kernel's write tracking: every block hashed), and the
 # default's save of the trainable state alone (the model's parameters that require a
 # gradient, and the optimizer), what an incremental save of a partly frozen model is
 # measured against.
@@ -51,6 +52,11 @@ EXTRA_QUICKSAVE_MODES = {
         "async_mode": "process",
         "staging": "overlap",
         "incremental": IncrementalConfig(enabled=True, trust_counters=True),
+    },
+    INCREMENTAL + "-hashed": {
+        "async_mode": "process",
+        "staging": "overlap",
+        "incremental": IncrementalConfig(enabled=True, watch_writes=False),
     },
 }
 DCP_ASYNC = {"dcp.async_save-thread": "THREAD", "dcp.async_save-process": "PROCESS"}

@@ -50,11 +50,12 @@ default mode against its targets (:mod:`.training_summary`); every save, the fir
 included, counts in the loop overhead.
 
 Incremental saves (issue 30): the shapes ``lora``, ``embedding-sparse`` and
-``embedding-sparse-zipf`` and the methods ``quicksave-incremental``, ``-counters`` and
-``quicksave-trainable`` run when named; ``--incremental-block-kb`` sets the incremental
-methods' block size. The report then sets bytes on disk per save against the full save,
-the trainable state and the state that changed, and each incremental method's loop
-overhead against the full save's and the trainable state's (:mod:`.training_incremental`).
+``embedding-sparse-zipf`` and the methods ``quicksave-incremental``, ``-counters``,
+``-hashed`` (no kernel write tracking) and ``quicksave-trainable`` run when named;
+``--incremental-block-kb`` sets the incremental methods' block size. The report then
+sets bytes on disk per save against the full save, the trainable state and the state
+that changed, and each incremental method's loop overhead against the full save's and
+the trainable state's (:mod:`.training_incremental`).
 
 Example::
 

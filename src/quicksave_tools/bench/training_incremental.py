@@ -1,8 +1,8 @@
 """Incremental saves side by side in ``quicksave bench --training`` (:mod:`.training`):
-per shape, each incremental method (``quicksave-incremental``, ``-counters``) against
-the full save of the same configuration (``quicksave-process``) and against the save
-of the trainable state alone (``quicksave-trainable``), where those ran too, as ratios
-with the issue's targets:
+per shape, each incremental method (``quicksave-incremental``, ``-counters``,
+``-hashed``) against the full save of the same configuration (``quicksave-process``)
+and against the save of the trainable state alone (``quicksave-trainable``), where
+those ran too, as ratios with the issue's targets:
 
 * bytes on disk per later save, full / incremental: ≥ 5× on the ``embedding-sparse``
   shapes;
@@ -28,7 +28,7 @@ from quicksave_tools.bench.shapes import SHAPES
 __all__ = ["FULL", "incremental_rows", "incremental_table"]
 
 FULL = "quicksave-process"  # the same configuration, every byte at every save
-INCREMENTAL_METHODS = (INCREMENTAL, INCREMENTAL + "-counters")
+INCREMENTAL_METHODS = (INCREMENTAL, INCREMENTAL + "-counters", INCREMENTAL + "-hashed")
 BYTES_FEWER = 5.0  # full / incremental bytes per save, on the sparse embedding shapes
 SAME_OVERHEAD = 1.05  # incremental / full overhead where every tensor changes
 TRAINABLE_OVERHEAD = 1.2  # incremental / trainable-state overhead (lora)
