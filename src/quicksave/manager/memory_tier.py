@@ -216,7 +216,7 @@ class MemoryTier:
         if step in self._outbox or step in self.pending:
             return False
         if self.session.writer is not None:
-            self._settle_older(step)  # (before the step is in the outbox: not offered yet)
+            self._settle_older()  # (before the step is in the outbox: not offered yet)
         self._outbox[step] = None  # offered to the replicas once its outcome is known
         if step in self.steps():
             self._outbox[step] = True
@@ -252,13 +252,13 @@ class MemoryTier:
         self.pending[step] = handle
         return True
 
-    def _settle_older(self, step: int) -> None:
-        """Before ``step`` takes a buffer: while ``max_in_flight`` older snapshots are
+    def _settle_older(self) -> None:
+        """Before a new step takes a buffer: while ``max_in_flight`` older snapshots are
         still committing beside the newest one (staged, perhaps not yet handed over),
         wait for the oldest, then collect it and apply the retention, so that its
         retired snapshot's buffer is free (the buffers count one being staged beside
         those in flight); past ``commit_timeout_s`` the engine's backpressure decides."""
-        busy = sorted(s for s, h in self.pending.items() if s < step and not h.done())
+        busy = sorted(s for s, h in self.pending.items() if not h.done())
         if len(busy) <= self.config.max_in_flight:
             return
         try:

@@ -165,8 +165,9 @@ class _Reads:
                     f"reading from the replica on rank {self.holder} failed: {e}", path=self.path
                 ) from e
         if landed is not None:  # the empty ones are in too
-            for i in sorted(set(range(len(reads))) - set(which)):
-                landed(i)
+            for i, (_, _, view) in enumerate(reads):
+                if not len(view):
+                    landed(i)
 
     def _exchange(
         self, asked: list, into: list[torch.Tensor], landed: Callable[[int], None] | None
