@@ -108,9 +108,13 @@ def test_side_by_side_ratios_and_their_targets() -> None:
         "methods": {
             "quicksave-process": _method(0.5, 1000.0),
             "quicksave-incremental": _method(
-                0.11, 104.0, trainable_bytes=90.0, manifest_later_median_bytes=10.0
+                0.11,
+                104.0,
+                trainable_bytes=90.0,
+                manifest_later_median_bytes=10.0,
+                steady_overhead_per_checkpoint_s=0.13,
             ),
-            "quicksave-trainable": _method(0.1, 95.0),
+            "quicksave-trainable": _method(0.1, 95.0, steady_overhead_per_checkpoint_s=0.1),
             "quicksave-incremental-counters": {"failed": "boom"},
         },
     }
@@ -121,6 +125,9 @@ def test_side_by_side_ratios_and_their_targets() -> None:
     assert by["bytes on disk per later save: quicksave-process / this"]["met"] is None
     over = by["loop overhead per checkpoint: this / quicksave-trainable"]
     assert over["value"] == pytest.approx(1.1) and over["limit"] == 1.2 and over["met"] is True
+    steady = next(r for r in rows if r["what"].startswith("loop overhead per later checkpoint"))
+    assert steady["value"] == pytest.approx(1.3) and steady["limit"] == 1.2
+    assert steady["met"] is False  # (checked apart from the overall one, which is met)
     lora_bytes = by["bytes on disk per later save / (trainable state + this manifest)"]
     assert lora_bytes["value"] == pytest.approx(1.04) and lora_bytes["met"] is True
     # lora is not a shape whose every tensor changes: no target on the overhead vs full
@@ -145,6 +152,19 @@ def test_side_by_side_ratios_and_their_targets() -> None:
     assert len(incremental_rows("mlp", dense)) == 2
     # without a full save or an incremental one, nothing to set side by side
     assert incremental_rows("mlp", {"methods": {"quicksave-process": _method(0.4, 1.0)}}) == []
+
+
+def test_steady_overhead_leaves_out_the_first_save_and_keeps_the_drain() -> None:
+    from quicksave_tools.bench.training_summary import _Baseline, _steady_extra_s
+
+    base = _Baseline(loop_s=8.0, step_s=[1.0] * 8, step_median_s=1.0)
+    # saves at steps 1, 4, 7; the first save's step and the next cost 3 s more, each
+    # later save's step 0.5 s more, and the final drain 0.25 s
+    steps = [2.5, 2.5, 1.0, 1.5, 1.0, 1.0, 1.5, 1.0]
+    run = {"events": [{"step": 1}, {"step": 4}, {"step": 7}], "step_s": steps,
+           "loop_s": sum(steps) + 0.25}  # fmt: skip
+    assert _steady_extra_s(run, base) == pytest.approx((0.5 + 0.5 + 0.25) / 2)
+    assert _steady_extra_s({**run, "events": run["events"][:1]}, base) is None  # no later
 
 
 def test_bench_recovery_refuses_a_shape_with_its_own_optimizer() -> None:

@@ -8,9 +8,11 @@ those ran too, as ratios with the issue's targets:
   shapes;
 * loop overhead per checkpoint, incremental / full: ≤ 1.05× on a shape whose every
   tensor changes at every step (nothing to skip: the cost of looking);
-* loop overhead per checkpoint, incremental / trainable state alone: ≤ 1.2×, and bytes
-  on disk per later save / (the trainable state + the incremental manifest): ≤ 1.1×
-  (a shape with frozen state: ``lora``);
+* loop overhead per checkpoint, incremental / trainable state alone: ≤ 1.2×, over all
+  checkpoints and over the later ones (the first incremental save writes the whole
+  base, once per run: over a bench's few checkpoints it weighs as much as the rest);
+  and bytes on disk per later save / (the trainable state + the incremental
+  manifest): ≤ 1.1× (a shape with frozen state: ``lora``);
 * bytes on disk per later save / bytes of the state that changed since the previous
   save (shapes that count their changed rows; no target: what block tracking costs
   beyond the rows).
@@ -119,6 +121,22 @@ def incremental_rows(shape: str, report: dict[str, Any]) -> list[dict[str, Any]]
                     name,
                     f"loop overhead per checkpoint: this / {TRAINABLE}",
                     (over, trainable.get("overhead_per_checkpoint_s")),
+                    "s",
+                    "≤",
+                    TRAINABLE_OVERHEAD,
+                    timing=True,
+                )
+            )
+            rows.append(
+                _row(
+                    shape,
+                    name,
+                    "loop overhead per later checkpoint (after the first save, which writes "
+                    f"the whole base): this / {TRAINABLE}",
+                    (
+                        m.get("steady_overhead_per_checkpoint_s"),
+                        trainable.get("steady_overhead_per_checkpoint_s"),
+                    ),
                     "s",
                     "≤",
                     TRAINABLE_OVERHEAD,

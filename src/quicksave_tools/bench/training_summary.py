@@ -86,6 +86,23 @@ def _save_extra_s(run: dict[str, Any], event: dict[str, Any], base: _Baseline) -
     return sum(run["step_s"][j] - base.step_s[j] for j in (i, i + 1))
 
 
+def _steady_extra_s(run: dict[str, Any], base: _Baseline) -> float | None:
+    """Extra loop seconds per later checkpoint: the loop after the first save's step
+    and the next (the final drain included) against the same steps of the baseline,
+    over the later saves. The first save of an incremental method writes everything
+    (the base it refers to after); this is what each save after it costs."""
+    events = run["events"]
+    if len(events) < 2 or base.loop_s is None:
+        return None
+    cut = events[0]["step"] + 1  # (the first save's step and the next are left out)
+    steps = run["step_s"]
+    if cut >= min(len(steps), len(base.step_s)):
+        return None
+    tail = run["loop_s"] - sum(steps[:cut])
+    base_tail = base.loop_s - sum(base.step_s[:cut])
+    return (tail - base_tail) / (len(events) - 1)
+
+
 def _summarize(method: str, runs: list[dict], base: _Baseline) -> dict[str, Any]:
     ok = [r for r in runs if "failed" not in r and "unavailable" not in r]
     if not ok:
@@ -147,6 +164,9 @@ def _summarize(method: str, runs: list[dict], base: _Baseline) -> dict[str, Any]
         "staging_bytes": max(r.get("staging_bytes", 0) for r in ok),
         "overhead_per_checkpoint_s": (
             (loop - baseline_s) / n_ckpt if n_ckpt and baseline_s is not None else None
+        ),
+        "steady_overhead_per_checkpoint_s": median(
+            [x for r in ok if (x := _steady_extra_s(r, base)) is not None]
         ),
         "paired_overhead_per_checkpoint_s": (
             median(
