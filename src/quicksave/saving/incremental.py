@@ -39,6 +39,12 @@ protected before anything hashes it, and the digest this save reports for it (wh
 read it: this thread, the background copy, the writer) is recorded at
 :meth:`Increments.settled`. A block protected now is never presumed on its counter.
 
+**Dense updates** (:mod:`.dense_blocks`): a block of a tensor whose blocks all changed
+when last compared, and whose counter moved since the previous save, is written
+uncompared (one save in several compares it again): a dense update then costs what a
+full save costs, not a hash more. It can only write an unchanged block, never refer to a
+changed one.
+
 **Several ranks** decide alone, each for the chunks it writes, from its own view: a
 rank refers only to the newest step committed and only when none of its saves is in
 flight (then it has every outcome, the newest commit's included), so whatever another
@@ -80,6 +86,7 @@ from quicksave.format.dtypes import dtype_name, element_size
 from quicksave.layout.plan import ItemSpec
 from quicksave.saving.clean_blocks import CleanBlocks
 from quicksave.saving.config import IncrementalConfig
+from quicksave.saving.dense_blocks import DenseTensors
 from quicksave.saving.engine_plan import PlannedSave
 from quicksave.saving.rank_plans import LocalState
 from quicksave.saving.staging import PoolCopier
@@ -239,6 +246,7 @@ class _Candidate:
     bases: dict[str, int]
     versions: dict[str, tuple[int, int]]
     tokens: dict[str, int]  # blocks protected by this save (``CleanBlocks.protect``)
+    compared: frozenset[tuple[str, str]]  # (fqn, block) compared with the base
 
 
 def _folder_of(url: str) -> tuple[str, str]:
@@ -349,6 +357,7 @@ class Increments:
         self.sift: _Sift | None = None
         watch = config.enabled and config.watch_writes
         self._clean = CleanBlocks(WriteWatch()) if watch else None
+        self._dense = DenseTensors()
 
     def close(self) -> None:
         """Stop watching (the saver closes): every registration and held storage goes."""
@@ -374,6 +383,7 @@ class Increments:
         or the folder may have changed under this saver (a load, a quarantine)."""
         self._base = None
         self._pending.clear()
+        self._dense.forget()
 
     def _base_for(self, job: PersistJob, plan_key: Hashable, idle: bool) -> _Held | None:
         base = self._base
@@ -426,8 +436,13 @@ class Increments:
         versions: dict[str, tuple[int, int]] = {}
         copied = hashed = 0
 
+        compared: set[str] = set()  # compared with the base (dense_blocks)
+        self._dense.begin()
+
         def unchanged(name: str, digest: str) -> bool:
             digests[name] = digest
+            if base is not None:
+                compared.add(name)
             if base is not None and base.digests.get(name) == digest:
                 bases[name] = base.holders[name]
                 return True
@@ -479,7 +494,9 @@ class Increments:
                 bases[name] = base.holders[name]  # type: ignore[union-attr]
                 return False
             whole = tracked[name] == name
-            return whole and last is not None and last[0] == seen[0] and last[1] != seen[1]
+            if not whole:  # a block of a tensor updated densely: taken as changed
+                return self._dense.assumed(tracked[name], name, seen)
+            return last is not None and last[0] == seen[0] and last[1] != seen[1]
 
         def deferrable(t: torch.Tensor) -> bool:
             return not t.is_inference() and t.data_ptr() not in self._unguarded
@@ -517,6 +534,7 @@ class Increments:
                 if _hashable(tensors[name]) and name not in presumed and name not in resolved:
                     to_sift.add(name)
         keep_later = later + moved_later
+        compared |= to_sift
         if to_sift or presumed:
             where = (job.step, job.final_path, job.rank)
             self.sift = _Sift(
@@ -545,8 +563,9 @@ class Increments:
             while len(self._pending) >= _PENDING:
                 del self._pending[next(iter(self._pending))]
             self._pending[job.job_id] = _Candidate(
-                folder, job.step, plan.key, chain, frozenset(tracked), bases, versions, tokens
-            )
+                folder, job.step, plan.key, chain, frozenset(tracked), bases, versions, tokens,
+                frozenset((tracked[n], n) for n in compared),
+            )  # fmt: skip
         self.cost = (copied, hashed)
         return job, keep_now, keep_later
 
@@ -563,6 +582,7 @@ class Increments:
             return
         if self._clean is not None:  # (read after their protections: recorded)
             self._clean.settled(candidate.tokens, result.digests)
+        self._dense.compared(candidate.compared, candidate.bases)
         if self._base is not None and self._base.step > candidate.step:
             return  # a newer step committed first: it stays the base (the newest one)
         digests = result.digests

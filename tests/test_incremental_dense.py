@@ -1,0 +1,95 @@
+"""Incremental saves of a tensor updated densely (``saving/dense_blocks.py``): once a
+save found every block of a trained tensor changed, its blocks are written uncompared
+(no hash in ``save()``) while its counter keeps moving, and compared again one save in
+``rest``; a tensor updated sparsely keeps being compared, its unchanged blocks referred
+to; a dense tensor that stops changing is referred to again after its next comparison;
+every checkpoint loads bit-exactly."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+import quicksave
+from helpers.state import assert_bit_equal
+from quicksave.loading.verify import verify_checkpoint
+from quicksave.saving.dense_blocks import DenseTensors
+from test_incremental_save import _bases, _manifest
+
+BLOCK = 64 << 10  # "dense" and "sparse" are 8 blocks of 64 KiB each
+ROWS, COLS = 512, 256
+
+
+def _saver() -> quicksave.AsyncSaver:
+    incremental = quicksave.IncrementalConfig(
+        enabled=True, block_bytes=BLOCK, full_every=100, watch_writes=False
+    )
+    return quicksave.AsyncSaver(
+        quicksave.EngineConfig(mode="thread", fsync=False, incremental=incremental)
+    )
+
+
+def _loads(path: Path, state: dict[str, torch.Tensor]) -> None:
+    assert verify_checkpoint(path).ok, verify_checkpoint(path).problems
+    out = {k: torch.zeros_like(v) for k, v in state.items()}
+    quicksave.load(out, path)
+    for k, v in state.items():
+        assert_bit_equal(out[k], v, f"{path.name}: {k}")
+
+
+def test_dense_blocks_go_uncompared_sparse_ones_stay_compared(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    state = {"dense": torch.randn(ROWS, COLS), "sparse": torch.randn(ROWS, COLS)}
+    saver = _saver()
+    hashed = {}
+    stop_at = 12  # from this step on "dense" is no longer written
+    try:
+        for step in range(1, 16):
+            if step < stop_at:
+                state["dense"].add_(0.5)  # every block changes
+            state["sparse"][step % ROWS].add_(1.0)  # one row: one block of 8
+            handle = saver.save(state, tmp_path / f"step-{step}", step=step)
+            hashed[step] = saver._incr.cost[1]  # (on the training thread, in save())
+            handle.wait()  # committed: the next save refers to this one
+            _loads(tmp_path / f"step-{step}", state)
+    finally:
+        saver.close()
+    block = ROWS * COLS * 4 // 8
+    sparse_only = 8 * block  # "sparse" compared whole: 8 blocks hashed
+    # step 1 full (hashes both as checksums), step 2 compares both: "dense" all changed
+    assert hashed[2] == 16 * block
+    # from step 3 on, "dense" is written uncompared: only "sparse" is hashed ...
+    assert all(hashed[s] == sparse_only for s in (3, 4, 5, 6, 7, 8, 9)), hashed
+    # ... but for one save in 8, which compares it again (still dense)
+    assert hashed[10] == 16 * block, hashed
+    assert hashed[11] == sparse_only
+    # "sparse": 7 of its 8 blocks referred to at every compared save
+    for step in (3, 9, 11):
+        refs = _bases(_manifest(tmp_path, step), "sparse")
+        assert sum(1 for b in refs if b is not None) == 7, (step, refs)
+        dense = _bases(_manifest(tmp_path, step), "dense")
+        assert dense == [None] * 8, (step, dense)  # written
+    # "dense" stopped changing at step 12: its counter stands, so step 12 compares it and
+    # refers to every block of it (the checkpoint of step 11 holds the same bytes)
+    assert hashed[12] == 16 * block, hashed
+    assert _bases(_manifest(tmp_path, 12), "dense") == [11] * 8
+
+
+def test_dense_tensors_rule() -> None:
+    d = DenseTensors(rest=3, share=0.9)
+    d.begin()
+    assert not d.assumed("w", "w/0", (1, 1))  # never seen: compared
+    d.compared([("w", "w/0"), ("w", "w/1")], referred={})  # both changed: dense
+    d.compared([("e", "e/0"), ("e", "e/1")], referred={"e/1": 4})  # half: not dense
+    d.begin()
+    assert d.assumed("w", "w/0", (1, 2))  # counter moved, same memory
+    assert not d.assumed("w", "w/1", (9, 1))  # first sight of this block: compared
+    assert not d.assumed("e", "e/0", (5, 1)) and not d.assumed("e", "e/0", (5, 2))
+    d.begin()
+    assert not d.assumed("w", "w/0", (1, 2))  # counter stood: compared
+    assert not d.assumed("w", "w/0", (2, 3))  # other memory: compared
+    d.begin()  # one save in 3 compares again
+    assert not d.assumed("w", "w/0", (2, 4))
+    d.forget()
+    assert not d.assumed("w", "w/0", (2, 5))
