@@ -12,10 +12,9 @@ from pathlib import Path
 import torch
 
 import quicksave
-from helpers.state import assert_bit_equal
-from quicksave.loading.verify import verify_checkpoint
 from quicksave.saving.dense_blocks import DenseTensors
 from test_incremental_save import _bases, _manifest
+from test_incremental_watch import _loads
 
 BLOCK = 64 << 10  # "dense" and "sparse" are 8 blocks of 64 KiB each
 ROWS, COLS = 512, 256
@@ -28,14 +27,6 @@ def _saver() -> quicksave.AsyncSaver:
     return quicksave.AsyncSaver(
         quicksave.EngineConfig(mode="thread", fsync=False, incremental=incremental)
     )
-
-
-def _loads(path: Path, state: dict[str, torch.Tensor]) -> None:
-    assert verify_checkpoint(path).ok, verify_checkpoint(path).problems
-    out = {k: torch.zeros_like(v) for k, v in state.items()}
-    quicksave.load(out, path)
-    for k, v in state.items():
-        assert_bit_equal(out[k], v, f"{path.name}: {k}")
 
 
 def test_dense_blocks_go_uncompared_sparse_ones_stay_compared(tmp_path: Path) -> None:
