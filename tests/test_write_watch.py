@@ -33,6 +33,14 @@ def ww() -> Iterator[WriteWatch]:
     w.close()
 
 
+def _zeros(numel: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Zeros on pages of their own (a private anonymous mapping): unlike a heap
+    allocation, no allocator metadata or neighbour shares their edge pages, so no write
+    but the test's lands there."""
+    m = mmap.mmap(-1, numel * dtype.itemsize, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    return torch.frombuffer(m, dtype=dtype)  # (the tensor keeps the mapping alive)
+
+
 def _range(t: torch.Tensor) -> tuple[int, int]:
     return t.data_ptr(), t.numel() * t.element_size()
 
@@ -67,7 +75,7 @@ WRITES = {
 
 @pytest.mark.parametrize("how", list(WRITES))
 def test_every_way_of_writing_is_reported_once(ww: WriteWatch, how: str) -> None:
-    t = torch.zeros(MIB)  # 4 MiB
+    t = _zeros(MIB)  # 4 MiB
     r = _watched(ww, t)
     WRITES[how](t)
     assert ww.written(r) is True
@@ -77,7 +85,7 @@ def test_every_way_of_writing_is_reported_once(ww: WriteWatch, how: str) -> None
 
 
 def test_an_untouched_range_and_its_written_neighbour(ww: WriteWatch) -> None:
-    t = torch.zeros(2 * MIB)
+    t = _zeros(2 * MIB)
     left, right = t[:MIB], t[MIB:]  # (they may share a page at the boundary)
     rl, rr = _watched(ww, left), _watched(ww, right)
     right[MIB // 2] = 1.0  # far from it
@@ -91,7 +99,7 @@ def test_an_untouched_range_and_its_written_neighbour(ww: WriteWatch) -> None:
 def test_a_write_on_a_shared_page_is_reported_to_both_watches(ww: WriteWatch, first: str) -> None:
     """Two ranges sharing a page (neighbours off page boundaries): a write there is
     reported to both, whichever scans first (its scan re-protects the page)."""
-    t = torch.zeros(2 * MIB + 16)
+    t = _zeros(2 * MIB + 16)
     left, right = t[: MIB + 8], t[MIB + 8 :]  # the boundary 32 bytes past a page's start
     assert (left.data_ptr() + left.numel() * 4) % 4096 != 0
     ids = {"left": _watched(ww, left), "right": _watched(ww, right)}
@@ -103,7 +111,7 @@ def test_a_write_on_a_shared_page_is_reported_to_both_watches(ww: WriteWatch, fi
 
 
 def test_two_watches_of_the_same_range_both_see_a_write(ww: WriteWatch) -> None:
-    t = torch.zeros(MIB)
+    t = _zeros(MIB)
     a, b = _watched(ww, t), _watched(ww, t)
     t[1234] = 1.0
     assert ww.written(a) is True
@@ -120,7 +128,7 @@ def test_a_kernel_write_by_read_into_the_buffer_works_and_is_reported(
     the protection like a user write (no EFAULT) and is reported."""
     path = tmp_path / "src.bin"
     path.write_bytes(bytes(range(256)) * 64)  # 16 KiB
-    t = torch.zeros(MIB, dtype=torch.uint8)
+    t = _zeros(MIB, torch.uint8)
     r = _watched(ww, t)
     with open(path, "rb", buffering=0) as f:
         assert f.readinto(memoryview(t.numpy())[8192 : 8192 + 16384]) == 16384
@@ -129,7 +137,7 @@ def test_a_kernel_write_by_read_into_the_buffer_works_and_is_reported(
 
 
 def test_a_write_from_another_thread_is_reported(ww: WriteWatch) -> None:
-    t = torch.zeros(MIB)
+    t = _zeros(MIB)
     r = _watched(ww, t)
     th = threading.Thread(target=lambda: t[MIB - 1].fill_(1.0))
     th.start()
@@ -140,7 +148,7 @@ def test_a_write_from_another_thread_is_reported(ww: WriteWatch) -> None:
 def test_a_large_range_past_one_scan_vector_is_scanned_whole(ww: WriteWatch) -> None:
     """More written runs than one PAGEMAP_SCAN vector holds: the scan continues, and
     re-protects every page written (none is reported again)."""
-    t = torch.zeros(16 * MIB // 4)
+    t = _zeros(16 * MIB // 4)
     r = _watched(ww, t)
     per_page = 4096 // 4
     t[:: 2 * per_page] = 1.0  # every other page: 2048 separate runs
@@ -151,7 +159,7 @@ def test_a_large_range_past_one_scan_vector_is_scanned_whole(ww: WriteWatch) -> 
 
 
 def test_an_unregistered_range_is_none_and_so_after_unwatch_and_close(ww: WriteWatch) -> None:
-    t = torch.zeros(MIB)
+    t = _zeros(MIB)
     r = _range(t)
     assert ww.written(12345) is None  # unknown id
     wid = _watched(ww, t)
@@ -182,7 +190,7 @@ def test_memory_freed_and_reused_at_the_same_address_is_never_clean(ww: WriteWat
 def test_a_forked_child_does_not_break_and_parent_writes_are_still_seen(
     ww: WriteWatch,
 ) -> None:
-    t = torch.zeros(MIB)
+    t = _zeros(MIB)
     r = _watched(ww, t)
     pid = os.fork()
     if pid == 0:  # the child: writes its copy (not registered there), then leaves
@@ -287,7 +295,7 @@ def test_two_watchers_in_one_process_never_share_a_page(ww: WriteWatch) -> None:
     other = WriteWatch()
     try:
         assert other.available()
-        t = torch.zeros(MIB)
+        t = _zeros(MIB)
         r = _watched(ww, t)
         assert other.watch(*_range(t)) is None  # (EBUSY: registered by ww)
         assert other.watch(*_range(t[: MIB // 2])) is None
