@@ -196,7 +196,7 @@ def manifest_from_parts(
                 )
             seen[key] = part.rank
             fqn, i = where
-            chunks[fqn][i] = dataclasses.replace(chunks[fqn][i], xxh3_64=digest)
+            chunks[fqn][i] = chunks[fqn][i].with_digest(digest)
         for fqn, value in part.objects.items():
             old = objects.get(fqn)
             if objects_in_parts and (old is None or fqn in valued):
@@ -217,10 +217,7 @@ def manifest_from_parts(
                 raise CorruptCheckpointError(
                     "no rank reported writing this value", path=draft, fqn=fqn
                 )
-    tensors = {
-        fqn: dataclasses.replace(t, chunks=tuple(chunks[fqn]))
-        for fqn, t in skeleton.tensors.items()
-    }
+    tensors = {fqn: t.with_chunks(tuple(chunks[fqn])) for fqn, t in skeleton.tensors.items()}
     return dataclasses.replace(skeleton, tensors=tensors, objects=objects)
 
 
@@ -249,8 +246,5 @@ def with_bases(
             )
         fqn, i = where
         chunks[fqn][i] = dataclasses.replace(chunks[fqn][i], base=step)
-    tensors = {
-        fqn: dataclasses.replace(t, chunks=tuple(chunks[fqn]))
-        for fqn, t in manifest.tensors.items()
-    }
+    tensors = {fqn: t.with_chunks(tuple(chunks[fqn])) for fqn, t in manifest.tensors.items()}
     return dataclasses.replace(manifest, tensors=tensors)

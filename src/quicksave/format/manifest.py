@@ -49,6 +49,13 @@ class ChunkEntry:
     xxh3_64: str
     base: int | None = None
 
+    def with_digest(self, xxh3_64: str) -> ChunkEntry:
+        """This chunk with checksum ``xxh3_64`` (``dataclasses.replace``, without its
+        field-by-field lookup: a manifest fills thousands at each save)."""
+        return ChunkEntry(
+            self.offsets, self.sizes, self.file, self.offset, self.length, xxh3_64, self.base
+        )
+
 
 @dataclass(frozen=True)
 class TensorEntry:
@@ -57,6 +64,10 @@ class TensorEntry:
     chunks: tuple[ChunkEntry, ...]
     # nested state-dict path, if flattened; non-str dict keys are DictKey (keys.py)
     path: tuple[str | int, ...] | None = None
+
+    def with_chunks(self, chunks: tuple[ChunkEntry, ...]) -> TensorEntry:
+        """This tensor with ``chunks`` (as :meth:`ChunkEntry.with_digest`)."""
+        return TensorEntry(self.dtype, self.shape, chunks, self.path)
 
 
 @dataclass(frozen=True)
@@ -155,10 +166,13 @@ def _chunk_json(c: ChunkEntry) -> dict[str, Any]:
 
 def _opt_path(d: dict[str, Any], path: tuple | None) -> dict[str, Any]:
     if path is not None:
-        d["path"] = [str(k) if isinstance(k, DictKey) else k for k in path]
-        types = key_types_of(path)
-        if types is not None:
-            d["key_types"] = types
+        for k in path:  # (a manifest has thousands of paths: the common case, fast)
+            if isinstance(k, DictKey):
+                d["path"] = [str(k) if isinstance(k, DictKey) else k for k in path]
+                d["key_types"] = key_types_of(path)
+                break
+        else:
+            d["path"] = list(path)
     return d
 
 
