@@ -80,6 +80,10 @@ def test_recovery_quick_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) 
         assert row["jobs"] == 2 and row["cached_before"] == 0.0, method
         assert row["fully_restored_s"] > 0 and row["restore_s"] > 0, method
         assert row["time_to_first_step_s"] is not None and row["steady_step_s"] > 0, method
+        # the first step starts when load() returns, and ends no earlier
+        assert 0 < row["first_step_starts_s"] <= row["time_to_first_step_s"], method
+        starts = shape["ratios"]["first_step_starts_over_fully_restored"][method]
+        assert starts == row["first_step_starts_s"] / row["fully_restored_s"], method
         assert shape["ratios"]["vs_floor"][method]["fully_restored"] > 0
     # the same checkpoint, read once: restored all at once, nothing left to stream
     assert shape["saves"][QUICKSAVE_DISK_WHOLE] == shape["saves"][QUICKSAVE_DISK]
