@@ -26,7 +26,7 @@ from quicksave.checksum import hexdigest
 from quicksave.commit.strategy import CommitStrategy
 from quicksave.errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
 from quicksave.format import strict_json
-from quicksave.format.manifest import MAX_MANIFEST_BYTES, Manifest, ObjectEntry
+from quicksave.format.manifest import MAX_MANIFEST_BYTES, ChunkEntry, Manifest, ObjectEntry
 
 PART_FORMAT = "quicksave-part"
 
@@ -235,7 +235,7 @@ def with_bases(
     """
     if not bases:
         return manifest
-    chunks = {fqn: list(t.chunks) for fqn, t in manifest.tensors.items()}
+    chunks: dict[str, list[ChunkEntry]] = {}  # of the tensors with a reference only
     for key, step in bases.items():
         where = chunk_keys.get(key)
         if where is None or manifest.step is None or not 0 <= step < manifest.step:
@@ -245,6 +245,10 @@ def with_bases(
                 fqn=None if where is None else where[0],
             )
         fqn, i = where
-        chunks[fqn][i] = dataclasses.replace(chunks[fqn][i], base=step)
-    tensors = {fqn: t.with_chunks(tuple(chunks[fqn])) for fqn, t in manifest.tensors.items()}
+        if fqn not in chunks:
+            chunks[fqn] = list(manifest.tensors[fqn].chunks)
+        chunks[fqn][i] = chunks[fqn][i].with_base(step)
+    tensors = dict(manifest.tensors)
+    for fqn, changed in chunks.items():
+        tensors[fqn] = tensors[fqn].with_chunks(tuple(changed))
     return dataclasses.replace(manifest, tensors=tensors)

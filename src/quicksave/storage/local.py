@@ -120,7 +120,15 @@ class LocalBackend:
         self, key: str, size: int, pieces: Iterable[tuple[str | None, int, memoryview]]
     ) -> dict[str, str]:
         self._make_parent(key)
-        return write_pieces(key, size, pieces, rank=self.rank, fsync=self.fsync)
+        return write_pieces(
+            key,
+            size,
+            pieces,
+            rank=self.rank,
+            fsync=self.fsync,
+            o_direct=self.o_direct,
+            rate=self.write_rate,
+        )
 
     def read_into(self, key: str, offset: int, dest: memoryview) -> None:
         self.read_scatter(key, offset, [dest])
