@@ -13,9 +13,9 @@ import xxhash
 
 from quicksave.checksum import hexdigest
 from quicksave.errors import CheckpointError
+from quicksave.storage.backend import PAGE
 
 WRITE_PIECE = 64 << 20  # bytes per pwrite: large enough to stream, small enough to hash in cache
-PAGE = 4096  # O_DIRECT's alignment of file offsets, lengths and memory
 
 
 def os_error(e: OSError, path: str, rank: int) -> CheckpointError:
@@ -23,6 +23,15 @@ def os_error(e: OSError, path: str, rank: int) -> CheckpointError:
     return CheckpointError(
         f"writing checkpoint data failed: {name} ({e.strerror})", path=path, rank=rank
     )
+
+
+def _pace(rate: float | None, done: int, began: float) -> None:
+    """Sleep until ``done`` bytes written since ``began`` (``time.monotonic``) are not
+    ahead of ``rate`` bytes/s (None: no pacing)."""
+    if rate and done:
+        ahead = done / rate - (time.monotonic() - began)
+        if ahead > 0:
+            time.sleep(ahead)
 
 
 def write_durable(path: str, data: bytes) -> None:
@@ -59,7 +68,7 @@ def write_image(
     must then extend to a multiple of 4096 bytes past ``size``; the file is truncated to
     ``size`` afterwards. Falls back to buffered writes where the filesystem refuses it.
     """
-    aligned = (size + 4095) // 4096 * 4096
+    aligned = (size + PAGE - 1) // PAGE * PAGE
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
     direct = o_direct and hasattr(os, "O_DIRECT") and len(image) >= aligned
     try:
@@ -77,10 +86,7 @@ def write_image(
     try:
         pos = 0
         while pos < end:
-            if rate and pos:
-                ahead = pos / rate - (time.monotonic() - began)
-                if ahead > 0:
-                    time.sleep(ahead)
+            _pace(rate, pos, began)
             stop = min(pos + WRITE_PIECE, end)
             for key, off, length in todo:
                 lo, hi = max(off, pos), min(off + length, stop)
@@ -193,13 +199,8 @@ class _PieceWriter:
         return (lo, hi) if hi - lo >= DIRECT_MIN else (0, 0)
 
     def write(self, data: memoryview, at: int, direct: bool) -> None:
-        if self.rate and self.done:
-            ahead = self.done / self.rate - (time.monotonic() - self.began)
-            if ahead > 0:
-                time.sleep(ahead)
+        _pace(self.rate, self.done, self.began)
         fd = self._direct_fd() if direct else self.fd
-        if fd is None:
-            fd = self.fd
         written = 0
         while written < len(data):
             try:
@@ -211,7 +212,9 @@ class _PieceWriter:
                 fd = self.fd
         self.done += len(data)
 
-    def _direct_fd(self) -> int | None:
+    def _direct_fd(self) -> int:
+        """The ``O_DIRECT`` descriptor (opened now if need be), else the buffered one
+        where the filesystem refuses ``O_DIRECT``."""
         if self.dfd is None and self.direct:
             try:
                 self.dfd = os.open(self.path, self.flags | os.O_DIRECT)
@@ -219,7 +222,7 @@ class _PieceWriter:
                 if e.errno != errno.EINVAL:
                     raise
                 self.direct = False
-        return self.dfd if self.direct else None
+        return self.dfd if self.direct and self.dfd is not None else self.fd
 
     def close(self) -> None:
         if self.dfd is not None:
