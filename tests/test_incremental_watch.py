@@ -18,6 +18,7 @@ import torch
 import quicksave
 from helpers.state import assert_bit_equal
 from quicksave.loading.verify import verify_checkpoint
+from quicksave.saving.staging import DeferredAt
 from quicksave.saving.write_watch import WriteWatch
 from test_incremental_save import _bases, _manifest
 
@@ -236,3 +237,35 @@ def test_a_forked_child_writing_its_copy_changes_nothing_here(tmp_path: Path) ->
         costs = _run(tmp_path, saver, state, range(1, 6), edit)
     assert costs[4] == (FROZEN // 8, FROZEN - FROZEN // 8)
     assert _bases(_manifest(tmp_path, 4), "frozen") == [1] * 7 + [None]
+
+
+@needs_kernel
+def test_a_periodic_full_save_copies_a_deferred_frozen_tensor_in_the_background(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The save that ends a chain (``full_every``) writes every block again: the blocks
+    of a tensor the training thread defers (the manager's ``DeferredAt``: its first
+    block's address) are copied by the background copy, as at the first save — not in
+    ``save()``, though the kernel proved them clean — and hashed from their copies."""
+    state = _state()
+    incremental = quicksave.IncrementalConfig(
+        enabled=True, block_bytes=BLOCK, watch_writes=True, full_every=3
+    )
+    config = quicksave.EngineConfig(
+        mode="thread", fsync=False, staging="overlap", incremental=incremental
+    )
+    deferred = DeferredAt(frozenset({state["frozen"].data_ptr(), state["head"].data_ptr()}))
+    in_save: dict[int, list[str]] = {}
+    with quicksave.AsyncSaver(config) as saver:
+        stage = saver._incr.stage
+
+        def spy(job: Any, *args: Any) -> Any:
+            job, now, later = stage(job, *args)
+            in_save[job.step] = [n for n in now if n.startswith("frozen")]
+            return job, now, later
+
+        monkeypatch.setattr(saver._incr, "stage", spy)
+        _run(tmp_path, saver, state, range(1, 5), deferred=deferred)
+    assert _bases(_manifest(tmp_path, 3), "frozen") == [1] * 8  # clean, kernel-proven
+    assert _bases(_manifest(tmp_path, 4), "frozen") == [None] * 8  # the chain's end
+    assert in_save[4] == [] and in_save[1] == [], in_save

@@ -509,7 +509,9 @@ class Increments:
         for name in now:
             fqn = tracked.get(name)
             t = tensors[name]
-            if name in resolved:
+            if name in resolved and base is None and fqn in deferred_fqns and deferrable(t):
+                moved_later.append(name)  # (a full save: hashed from its deferred copy)
+            elif name in resolved:
                 unchanged(name, resolved[name])
                 keep_now.append(name)  # copied right below, its digest known
             elif fqn is None or moved(name):
@@ -537,15 +539,8 @@ class Increments:
         compared |= to_sift
         if to_sift or presumed:
             where = (job.step, job.final_path, job.rank)
-            self.sift = _Sift(
-                to_sift,
-                tensors,
-                base,
-                bases,
-                frozenset(presumed),
-                self._distrust,
-                where,  # type: ignore[arg-type]
-            )
+            found_by = (to_sift, tensors, base, bases, frozenset(presumed), self._distrust)
+            self.sift = _Sift(*found_by, where)  # type: ignore[arg-type]
         if from_pool:  # staged and hashed there; an unchanged one is only not written
             pooled: dict[str, str] = {}
             copied = self._copier.stage(pool, plan, tensors, from_pool, pooled, ready=ready)
