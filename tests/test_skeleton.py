@@ -4,6 +4,7 @@ that do not match the plan instead of committing a manifest with holes."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -68,6 +69,19 @@ def test_filled_from_parts_every_chunk_and_value() -> None:
     m = manifest_from_parts(sk, keys, [RankPart(0, {"a": "1" * 16, "b": "2" * 16}, {"x": 5})], "t")
     assert [c.xxh3_64 for c in m.tensors["a"].chunks] == ["1" * 16]
     assert m.objects["x"].value == 5
+
+
+def test_references_are_filled_with_the_checksums_and_checked() -> None:
+    sk = dataclasses.replace(_one_rank_skeleton(), step=7)
+    keys = chunk_keys_of(sk)
+    part = [RankPart(0, {"a": "1" * 16, "b": "2" * 16}, {"x": 5})]
+    m = manifest_from_parts(sk, keys, part, "t", bases={"b": 3})
+    assert [(c.xxh3_64, c.base) for c in m.tensors["b"].chunks] == [("2" * 16, 3)]
+    assert [(c.xxh3_64, c.base) for c in m.tensors["a"].chunks] == [("1" * 16, None)]
+    assert m.format_version == 2 and m.bases() == {3}
+    for bad, what in (({"b": 7}, "refer to step 7"), ({"c": 1}, "'c' cannot refer")):
+        with pytest.raises(CorruptCheckpointError, match=what):
+            manifest_from_parts(sk, keys, part, "t", bases=bad)
 
 
 @pytest.mark.parametrize(

@@ -26,7 +26,7 @@ from quicksave.checksum import hexdigest
 from quicksave.commit.strategy import CommitStrategy
 from quicksave.errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
 from quicksave.format import strict_json
-from quicksave.format.manifest import MAX_MANIFEST_BYTES, ChunkEntry, Manifest, ObjectEntry
+from quicksave.format.manifest import MAX_MANIFEST_BYTES, Manifest, ObjectEntry
 
 PART_FORMAT = "quicksave-part"
 
@@ -156,10 +156,13 @@ def manifest_from_parts(
     draft: str,
     *,
     objects_in_parts: bool = True,
+    bases: Mapping[str, int] | None = None,
 ) -> Manifest:
     """Fill ``skeleton`` (every chunk placed, checksums empty) from every rank's part:
     the one way every save path completes its manifest (``layout.skeleton`` builds the
-    skeletons).
+    skeletons). The chunks of ``bases`` (safetensors key -> step) refer to that earlier
+    checkpoint of the same run folder for their bytes (FORMAT.md §9; their checksums
+    come in the parts like the others'); the manifest is then written as version 2.
 
     Args:
         skeleton: the manifest fixed before the bytes were written.
@@ -168,12 +171,16 @@ def manifest_from_parts(
         draft: named in errors.
         objects_in_parts: the parts bring every object's value (each exactly once);
             False: the skeleton holds the values already (a single-rank save).
+        bases: the chunk references (every rank's).
 
     Raises:
         CorruptCheckpointError: a chunk or value nobody reported, one reported twice, or
-            one the plan does not have — the parts do not match the plan; nothing is
-            committed.
+            one the plan does not have — the parts do not match the plan; a reference
+            to a key the plan does not have, or to a step not below the checkpoint's
+            own; nothing is committed.
     """
+    bases = bases or {}
+    _check_bases(skeleton.step, chunk_keys, bases)
     chunks = {fqn: list(t.chunks) for fqn, t in skeleton.tensors.items()}
     seen: dict[str, int] = {}
     valued: dict[str, int] = {}
@@ -196,7 +203,7 @@ def manifest_from_parts(
                 )
             seen[key] = part.rank
             fqn, i = where
-            chunks[fqn][i] = chunks[fqn][i].with_digest(digest)
+            chunks[fqn][i] = chunks[fqn][i].with_digest(digest, bases.get(key))
         for fqn, value in part.objects.items():
             old = objects.get(fqn)
             if objects_in_parts and (old is None or fqn in valued):
@@ -221,34 +228,15 @@ def manifest_from_parts(
     return dataclasses.replace(skeleton, tensors=tensors, objects=objects)
 
 
-def with_bases(
-    manifest: Manifest, chunk_keys: Mapping[str, tuple[str, int]], bases: Mapping[str, int]
-) -> Manifest:
-    """``manifest`` with the chunks of ``bases`` (safetensors key -> step) referring to
-    that earlier checkpoint of the same run folder for their bytes (FORMAT.md §9; their
-    checksums are already filled in, from the writer's part). The manifest is then
-    written as version 2.
-
-    Raises:
-        CorruptCheckpointError: a key the plan does not have, or a step not below the
-            checkpoint's own.
-    """
-    if not bases:
-        return manifest
-    chunks: dict[str, list[ChunkEntry]] = {}  # of the tensors with a reference only
-    for key, step in bases.items():
+def _check_bases(
+    step: int | None, chunk_keys: Mapping[str, tuple[str, int]], bases: Mapping[str, int]
+) -> None:
+    """Raise unless every reference of ``bases`` names a chunk of the plan and a step
+    below the checkpoint's own ``step``."""
+    for key, base in bases.items():
         where = chunk_keys.get(key)
-        if where is None or manifest.step is None or not 0 <= step < manifest.step:
+        if where is None or step is None or not 0 <= base < step:
             raise CorruptCheckpointError(
-                f"chunk {key!r} cannot refer to step {step} in the checkpoint of step "
-                f"{manifest.step}",
+                f"chunk {key!r} cannot refer to step {base} in the checkpoint of step {step}",
                 fqn=None if where is None else where[0],
             )
-        fqn, i = where
-        if fqn not in chunks:
-            chunks[fqn] = list(manifest.tensors[fqn].chunks)
-        chunks[fqn][i] = chunks[fqn][i].with_base(step)
-    tensors = dict(manifest.tensors)
-    for fqn, changed in chunks.items():
-        tensors[fqn] = tensors[fqn].with_chunks(tuple(changed))
-    return dataclasses.replace(manifest, tensors=tensors)

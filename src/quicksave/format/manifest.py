@@ -49,11 +49,13 @@ class ChunkEntry:
     xxh3_64: str
     base: int | None = None
 
-    def with_digest(self, xxh3_64: str) -> ChunkEntry:
-        """This chunk with checksum ``xxh3_64`` (``dataclasses.replace``, without its
-        field-by-field lookup: a manifest fills thousands at each save)."""
+    def with_digest(self, xxh3_64: str, base: int | None = None) -> ChunkEntry:
+        """This chunk with checksum ``xxh3_64``, referring to the checkpoint of step
+        ``base`` if given (``dataclasses.replace``, without its field-by-field lookup: a
+        manifest fills thousands at each save)."""
+        base = self.base if base is None else base
         return ChunkEntry(
-            self.offsets, self.sizes, self.file, self.offset, self.length, xxh3_64, self.base
+            self.offsets, self.sizes, self.file, self.offset, self.length, xxh3_64, base
         )
 
     def with_base(self, step: int) -> ChunkEntry:

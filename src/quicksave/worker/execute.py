@@ -17,7 +17,7 @@ from typing import Any
 
 from quicksave.commit import rank_records as records
 from quicksave.commit import strategy_for
-from quicksave.commit.parts import RankPart, manifest_from_parts, with_bases
+from quicksave.commit.parts import RankPart, manifest_from_parts
 from quicksave.storage.backend import Backend
 from quicksave.storage.retry import StoreHealth
 from quicksave.worker.files import (
@@ -75,16 +75,13 @@ def execute_job(
                 strategy_for(job.location, backend),
                 job.draft,
                 job.location,
-                with_bases(
-                    manifest_from_parts(
-                        job.manifest,
-                        job.chunk_keys,
-                        [RankPart(job.rank, digests, {})],
-                        job.draft,
-                        objects_in_parts=False,
-                    ),
+                manifest_from_parts(
+                    job.manifest,
                     job.chunk_keys,
-                    job.bases,
+                    [RankPart(job.rank, digests, {})],
+                    job.draft,
+                    objects_in_parts=False,
+                    bases=job.bases,
                 ),
                 job.dcp_metadata,
                 replace=job.replace,

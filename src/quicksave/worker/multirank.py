@@ -25,7 +25,6 @@ from quicksave.commit.parts import (
     manifest_from_parts,
     part_name,
     read_part,
-    with_bases,
     write_part,
 )
 from quicksave.commit.strategy import StagedFiles
@@ -115,9 +114,10 @@ def _commit(
             ranks = range(d.world_size)
             parts = [read_part(strategy, job.draft, r) for r in ranks]
             assert job.manifest is not None
-            manifest = manifest_from_parts(job.manifest, job.chunk_keys, parts, job.draft)
             bases = {k: step for part in parts for k, step in part.bases.items()}
-            manifest = with_bases(manifest, job.chunk_keys, bases)
+            manifest = manifest_from_parts(
+                job.manifest, job.chunk_keys, parts, job.draft, bases=bases
+            )
             # merged: the checkpoint holds no parts
             strategy.delete_members(job.draft, [part_name(r) for r in ranks])
             commit_files(

@@ -1,0 +1,130 @@
+"""The tracked split of a save's state for incremental saves (``saving/incremental.py``):
+every tensor of at least ``min_bytes`` is *tracked*; one larger than ``block_bytes``
+becomes row blocks along dim 0 of about that size, each a chunk of its own. The split
+depends on names, dtypes and shapes only, so the layout, the plan cache's entry and the
+staging pool are the same at every save, whatever changed; the block views are cut
+again only when a tensor's object, memory or strides changed since the last save."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+import torch
+
+from quicksave.format.dtypes import dtype_name, element_size
+from quicksave.layout.plan import ItemSpec
+from quicksave.saving.config import IncrementalConfig
+from quicksave.saving.rank_plans import LocalState
+
+
+@dataclass(frozen=True)
+class _Split:
+    """The tracked chunks of one structure (its ``shape_key``)."""
+
+    items: tuple[ItemSpec, ...]  # every chunk of the save, blocks included
+    rows: dict[str, tuple[tuple[str, int, int], ...]]  # fqn -> its blocks (key, start, end)
+    tracked: dict[str, str]  # chunk key -> fqn of every tracked chunk
+
+
+def _specs(state: LocalState) -> list[tuple[ItemSpec, torch.Tensor]]:
+    """Every chunk of ``state`` with its local tensor (a whole tensor: one chunk)."""
+    if state.items is not None:
+        return [(spec, state.tensors[spec.key]) for spec in state.items]
+    out = []
+    for fqn, t in state.tensors.items():
+        shape = tuple(int(s) for s in t.shape)
+        nbytes = math.prod(shape) * element_size(t.dtype)
+        out.append((ItemSpec(fqn, (0,) * len(shape), shape, shape, dtype_name(t.dtype), nbytes), t))
+    return out
+
+
+def _split_of(state: LocalState, config: IncrementalConfig) -> _Split:
+    items: list[ItemSpec] = []
+    rows: dict[str, tuple[tuple[str, int, int], ...]] = {}
+    tracked: dict[str, str] = {}
+    for spec, _ in _specs(state):
+        sizes, nbytes = spec.sizes, spec.nbytes
+        if nbytes <= config.block_bytes or len(sizes) == 0 or sizes[0] < 2:
+            items.append(spec)
+            if nbytes >= config.min_bytes:
+                tracked[spec.key] = spec.fqn
+            continue
+        row = nbytes // sizes[0]
+        per = max(1, config.block_bytes // max(row, 1))
+        blocks = []
+        for start in range(0, sizes[0], per):
+            end = min(start + per, sizes[0])
+            offsets = (spec.offsets[0] + start, *spec.offsets[1:])
+            sub = (end - start, *sizes[1:])
+            block = ItemSpec(
+                spec.fqn, offsets, sub, spec.global_shape, spec.dtype, (end - start) * row
+            )
+            items.append(block)
+            blocks.append((block.key, start, end))
+            tracked[block.key] = spec.fqn
+        rows[spec.key] = tuple(blocks)
+    return _Split(tuple(items), rows, tracked)
+
+
+class Blocks:
+    """The tracked split of the latest structure (one entry, like the plan cache)."""
+
+    def __init__(self, config: IncrementalConfig) -> None:
+        self.config = config
+        self._memo: tuple[object, _Split] | None = None
+        # tensor name -> (what its views were cut from, the views): the last save's
+        self._views: dict[str, tuple[tuple, list[tuple[str, torch.Tensor, torch.Tensor]]]] = {}
+
+    def blocked(self, state: LocalState) -> LocalState:
+        """``state`` with its tracked chunks as chunks of their own: the large ones as
+        row blocks (views, no copy). Its ``shape_key`` (whole tensors) or its items
+        (chunks: several ranks) name the split, so a plan made from it is never taken
+        for a plan of the chunks unsplit."""
+        key = state.shape_key if state.items is None else state.items
+        memo = self._memo
+        if memo is None or memo[0] != key:
+            memo = (key, _split_of(state, self.config))
+            self._memo = memo
+        split = memo[1]
+        tensors: dict[str, torch.Tensor] = {}
+        sources: dict[str, torch.Tensor] = {}
+        views, self._views = self._views, {}
+        with torch.no_grad():  # (views of parameters: no autograd graph)
+            for name, t in state.tensors.items():
+                blocks = split.rows.get(name)
+                src = state.sources.get(name, t)
+                if blocks is None:
+                    tensors[name] = t
+                    sources[name] = src
+                    continue
+                # the same tensors on the same memory, laid out alike: the same views
+                # (held: the objects, hence their ids, stay; a view shares the counter)
+                at = (t, src, t.data_ptr(), t.stride(), src.data_ptr(), src.stride())
+                kept = views.get(name)
+                if kept is None or not _same_cut(kept[0], at):
+                    sliced = type(src).__name__ != "DTensor"  # (its shape is the global one)
+                    # (a DTensor's own counter is kept: the DTensor itself)
+                    cut = [(k, t[a:b], src[a:b] if sliced else src) for k, a, b in blocks]
+                    kept = (at, cut)
+                self._views[name] = kept
+                for k, view, src_view in kept[1]:
+                    tensors[k] = view
+                    sources[k] = src_view
+        cfg = self.config
+        shape = state.shape_key if state.items is None else state.shape
+        return dataclasses.replace(
+            state,
+            tensors=tensors,
+            sources=sources,
+            items=split.items,
+            shape=None if shape is None else (shape, "blocks", cfg.block_bytes, cfg.min_bytes),
+            tracked=split.tracked,
+        )
+
+
+def _same_cut(kept: tuple, at: tuple) -> bool:
+    """Whether views cut at ``kept`` (tensor, source, their addresses and strides) are
+    still those of ``at``: the same objects (held, so not another at a reused id)."""
+    return kept[0] is at[0] and kept[1] is at[1] and kept[2:] == at[2:]
