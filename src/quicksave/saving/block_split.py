@@ -3,7 +3,7 @@ every tensor of at least ``min_bytes`` is *tracked*; one larger than ``block_byt
 becomes row blocks along dim 0 of about that size, each a chunk of its own. The split
 depends on names, dtypes and shapes only, so the layout, the plan cache's entry and the
 staging pool are the same at every save, whatever changed; the block views are cut
-again only when a tensor's object, memory or strides changed since the last save."""
+again only when a tensor's memory, layout or version counter changed since the last save."""
 
 from __future__ import annotations
 
@@ -74,8 +74,10 @@ class Blocks:
     def __init__(self, config: IncrementalConfig) -> None:
         self.config = config
         self._memo: tuple[object, _Split] | None = None
-        # tensor name -> (what its views were cut from, the views): the last save's
-        self._views: dict[str, tuple[tuple, list[tuple[str, torch.Tensor, torch.Tensor]]]] = {}
+        # tensor name -> (_cut_key, its block views): the last save's
+        self._views: dict[
+            str, tuple[tuple | None, list[tuple[str, torch.Tensor, torch.Tensor]]]
+        ] = {}
 
     def blocked(self, state: LocalState) -> LocalState:
         """``state`` with its tracked chunks as chunks of their own: the large ones as
@@ -99,12 +101,10 @@ class Blocks:
                     tensors[name] = t
                     sources[name] = src
                     continue
-                # the same tensors on the same memory, laid out alike: the same views
-                # (held: the objects, hence their ids, stay; a view shares the counter)
-                at = (t, src, t.data_ptr(), t.stride(), src.data_ptr(), src.stride())
+                sliced = type(src).__name__ != "DTensor"  # (its shape is the global one)
+                at = _cut_key(t, src) if sliced else None
                 kept = views.get(name)
-                if kept is None or not _same_cut(kept[0], at):
-                    sliced = type(src).__name__ != "DTensor"  # (its shape is the global one)
+                if at is None or kept is None or kept[0] != at:
                     # (a DTensor's own counter is kept: the DTensor itself)
                     cut = [(k, t[a:b], src[a:b] if sliced else src) for k, a, b in blocks]
                     kept = (at, cut)
@@ -124,7 +124,14 @@ class Blocks:
         )
 
 
-def _same_cut(kept: tuple, at: tuple) -> bool:
-    """Whether views cut at ``kept`` (tensor, source, their addresses and strides) are
-    still those of ``at``: the same objects (held, so not another at a reused id)."""
-    return kept[0] is at[0] and kept[1] is at[1] and kept[2:] == at[2:]
+def _cut_key(t: torch.Tensor, src: torch.Tensor) -> tuple:
+    """What block views of ``t`` and ``src`` depend on: where their memory starts, how it
+    is laid out, and the source's counter. A state dict's tensors are new objects at
+    every save (``detach()``), but a view kept from an earlier one with the same key
+    reads the same bytes: its storage is held, so no other can lie at that address
+    (:class:`Blocks` keeps the views of the last save only). A kept source view has the
+    counter of the tensor it was cut from; should the memory now belong to another
+    tensor whose counter happens to read the same, the counter only misleads the way
+    it always may (``incremental.py``: counters never decide that a block is unchanged
+    unchecked)."""
+    return (t.data_ptr(), t.stride(), t.dtype, src.data_ptr(), src.stride(), src._version)

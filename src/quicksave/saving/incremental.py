@@ -264,7 +264,9 @@ class Increments:
         self._dense = DenseTensors()
 
     def close(self) -> None:
-        """Stop watching (the saver closes): every registration and held storage goes."""
+        """Stop watching (the saver closes): every registration and held storage goes
+        (the block views kept too)."""
+        self._blocks = Blocks(self.config)
         if self._clean is not None:
             self._clean.close()
             self._clean = None
