@@ -347,12 +347,13 @@ class Increments:
 
         def unchanged(name: str, digest: str) -> bool:
             digests[name] = digest
-            if base is not None:
-                compared.add(name)
-            if base is not None and base.digests.get(name) == digest:
-                bases[name] = base.holders[name]
-                return True
-            return False
+            if base is None:
+                return False
+            compared.add(name)
+            if base.digests.get(name) != digest:
+                return False
+            bases[name] = base.holders[name]
+            return True
 
         # the kernel's word first (watch_writes): a block proven unwritten since it was
         # hashed is resolved here, before any classification below; the others of
