@@ -167,6 +167,23 @@ def test_steady_overhead_leaves_out_the_first_save_and_keeps_the_drain() -> None
     assert _steady_extra_s({**run, "events": run["events"][:1]}, base) is None  # no later
 
 
+def test_in_run_extras_read_each_later_save_against_the_same_runs_quiet_steps() -> None:
+    from quicksave_tools.bench.training_summary import _in_run_extras_s
+
+    # saves at steps 2, 6, 10 of 12; quiet steps 1.0 s (the first step 9 s: left out);
+    # the saves at 6 and 10 cost 0.25 s and 0.5 s over their windows; the one at 10
+    # has its whole window (steps 10-12); the first save is not a later one
+    steps = [9.0, 3.0, 2.0, 1.0, 1.0, 1.25, 1.0, 1.0, 1.0, 1.5, 1.0, 1.0]
+    run = {"events": [{"step": 2}, {"step": 6}, {"step": 10}], "step_s": steps}
+    assert _in_run_extras_s(run) == pytest.approx([0.25, 0.5])
+    # a drift of the whole run (a slower host) moves nothing
+    slow = {**run, "step_s": [t + 0.5 for t in steps]}
+    assert _in_run_extras_s(slow) == pytest.approx([0.25, 0.5])
+    # the last save's window past the loop's end: not read
+    short = {**run, "step_s": steps[:11]}
+    assert _in_run_extras_s(short) == pytest.approx([0.25])
+
+
 def test_bench_recovery_refuses_a_shape_with_its_own_optimizer() -> None:
     from quicksave_tools.bench.recovery import RecoveryBenchConfig, check_config
 

@@ -103,6 +103,25 @@ def _steady_extra_s(run: dict[str, Any], base: _Baseline) -> float | None:
     return (tail - base_tail) / (len(events) - 1)
 
 
+IN_RUN_WINDOW = 3  # steps read around a save: its own (the save included) and the next two
+
+
+def _in_run_extras_s(run: dict[str, Any]) -> list[float]:
+    """Extra loop seconds around each later save against the same run's own steps: the
+    save's step and the next ``IN_RUN_WINDOW - 1``, less as many times the median of
+    the run's steps outside every such window (the first step left out too). Unlike
+    the baseline's steps, the run's own do not drift with the host between runs (loops
+    of one method 13.6–16.8 s apart on the 2-core bench machine)."""
+    steps, events = run["step_s"], run["events"]
+    windows = [range(e["step"] - 1, e["step"] - 1 + IN_RUN_WINDOW) for e in events]
+    busy = {i for w in windows for i in w}
+    quiet = [t for i, t in enumerate(steps) if i > 0 and i not in busy]
+    ref = median(quiet)
+    if ref is None:
+        return []
+    return [sum(steps[i] for i in w) - len(w) * ref for w in windows[1:] if w[-1] < len(steps)]
+
+
 def _summarize(method: str, runs: list[dict], base: _Baseline) -> dict[str, Any]:
     ok = [r for r in runs if "failed" not in r and "unavailable" not in r]
     if not ok:
@@ -168,6 +187,7 @@ def _summarize(method: str, runs: list[dict], base: _Baseline) -> dict[str, Any]
         "steady_overhead_per_checkpoint_s": median(
             [x for r in ok if (x := _steady_extra_s(r, base)) is not None]
         ),
+        "in_run_later_save_extra_median_s": median([x for r in ok for x in _in_run_extras_s(r)]),
         "paired_overhead_per_checkpoint_s": (
             median(
                 [
