@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from quicksave.saving.block_split import Blocks
+from quicksave.saving.block_split import Blocks, _cut_key
 from quicksave.saving.config import IncrementalConfig
 from quicksave.saving.rank_plans import collect_local
 
@@ -43,3 +43,18 @@ def test_views_are_kept_while_the_memory_stays_and_cut_again_when_it_moves() -> 
     assert torch.equal(torch.cat(list(strided.values())), weight.detach())
     storage = weight.untyped_storage().data_ptr()
     assert all(v.untyped_storage().data_ptr() == storage for v in strided.values())
+
+
+def test_an_inference_tensor_written_in_place_is_read_anew() -> None:
+    """Written in inference mode, where no counter moves: the views (kept or not) lie
+    on its memory and read the write; one with no counter at all is never kept."""
+    blocks = Blocks(IncrementalConfig(enabled=True, block_bytes=BLOCK, min_bytes=1))
+    with torch.inference_mode():
+        weight = torch.randn(64, 64)
+    _blocks(blocks, weight)
+    with torch.inference_mode():
+        weight[5] = 3.0
+    again = _blocks(blocks, weight)
+    assert torch.equal(torch.cat(list(again.values())), weight)
+    with torch.inference_mode():
+        assert _cut_key(weight, weight) is None

@@ -102,7 +102,7 @@ class Blocks:
                     sources[name] = src
                     continue
                 sliced = type(src).__name__ != "DTensor"  # (its shape is the global one)
-                at = _cut_key(t, src) if sliced else None
+                at = _cut_key(t, src) if sliced else None  # (None: not kept)
                 kept = views.get(name)
                 if at is None or kept is None or kept[0] != at:
                     # (a DTensor's own counter is kept: the DTensor itself)
@@ -124,7 +124,7 @@ class Blocks:
         )
 
 
-def _cut_key(t: torch.Tensor, src: torch.Tensor) -> tuple:
+def _cut_key(t: torch.Tensor, src: torch.Tensor) -> tuple | None:
     """What block views of ``t`` and ``src`` depend on: where their memory starts, how it
     is laid out, and the source's counter. A state dict's tensors are new objects at
     every save (``detach()``), but a view kept from an earlier one with the same key
@@ -134,4 +134,8 @@ def _cut_key(t: torch.Tensor, src: torch.Tensor) -> tuple:
     tensor whose counter happens to read the same, the counter only misleads the way
     it always may (``incremental.py``: counters never decide that a block is unchanged
     unchecked)."""
-    return (t.data_ptr(), t.stride(), t.dtype, src.data_ptr(), src.stride(), src._version)
+    try:
+        version = src._version
+    except RuntimeError:  # an inference tensor keeps no counter: cut at every save
+        return None
+    return (t.data_ptr(), t.stride(), t.dtype, src.data_ptr(), src.stride(), version)
