@@ -448,3 +448,24 @@ def test_a_save_under_another_name_never_becomes_a_base(tmp_path: Path) -> None:
     out = {k: torch.zeros_like(v) for k, v in state.items()}
     quicksave.load(out, tmp_path / "step-3")
     assert_bit_equal(out["frozen"], state["frozen"], "frozen")
+
+
+def test_saves_under_inference_mode_compare_bytes(tmp_path: Path) -> None:
+    """Inference tensors keep no version counter (reading one raises): each incremental
+    save under ``torch.inference_mode()`` compares their bytes, and a write made there
+    (no counter moves) is in the next checkpoint."""
+    incremental = quicksave.IncrementalConfig(enabled=True, block_bytes=64 << 10, min_bytes=1)
+    config = quicksave.EngineConfig(mode="thread", fsync=False, incremental=incremental)
+    with torch.inference_mode():
+        state = {"w": torch.randn(512, 256), "x": torch.ones(1000)}
+    with quicksave.AsyncSaver(config) as saver:
+        for step in (1, 2, 3):
+            with torch.inference_mode():
+                if step == 3:
+                    state["w"][300] = 7.0  # block 4 of 8
+                saver.save(state, tmp_path / f"step-{step}", step=step).wait(60)
+    assert _bases(_manifest(tmp_path, 2), "w") == [1] * 8
+    assert _bases(_manifest(tmp_path, 3), "w") == [1, 1, 1, 1, None, 1, 1, 1]
+    out = {"w": torch.zeros(512, 256), "x": torch.zeros(1000)}
+    quicksave.load(out, tmp_path / "step-3")
+    assert torch.equal(out["w"], state["w"]) and torch.equal(out["x"], state["x"])

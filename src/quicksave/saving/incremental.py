@@ -390,6 +390,8 @@ class Increments:
         def moved(name: str) -> bool:
             # a whole tensor whose counter moved since the base was certainly written
             src = sources[name]
+            if src.is_inference():  # no counter: never presumed, compared by its bytes
+                return False
             seen = (src.data_ptr(), src._version)
             if trust or tracked[name] == name:
                 versions[name] = seen
