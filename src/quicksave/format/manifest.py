@@ -58,12 +58,6 @@ class ChunkEntry:
             self.offsets, self.sizes, self.file, self.offset, self.length, xxh3_64, base
         )
 
-    def with_base(self, step: int) -> ChunkEntry:
-        """This chunk referring to the checkpoint of ``step`` (as :meth:`with_digest`)."""
-        return ChunkEntry(
-            self.offsets, self.sizes, self.file, self.offset, self.length, self.xxh3_64, step
-        )
-
 
 @dataclass(frozen=True)
 class TensorEntry:

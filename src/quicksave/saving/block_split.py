@@ -134,8 +134,6 @@ def _cut_key(t: torch.Tensor, src: torch.Tensor) -> tuple | None:
     tensor whose counter happens to read the same, the counter only misleads the way
     it always may (``incremental.py``: counters never decide that a block is unchanged
     unchecked)."""
-    try:
-        version = src._version
-    except RuntimeError:  # an inference tensor keeps no counter: cut at every save
+    if src.is_inference():  # no counter (reading it raises): cut at every save
         return None
-    return (t.data_ptr(), t.stride(), t.dtype, src.data_ptr(), src.stride(), version)
+    return (t.data_ptr(), t.stride(), t.dtype, src.data_ptr(), src.stride(), src._version)

@@ -448,8 +448,15 @@ class Increments:
         compared |= to_sift
         if to_sift or presumed:
             where = (job.step, job.final_path, job.rank)
-            found_by = (to_sift, tensors, base, bases, frozenset(presumed), self._distrust)
-            self.sift = _Sift(*found_by, where)  # type: ignore[arg-type]
+            self.sift = _Sift(
+                to_sift,
+                tensors,
+                base,
+                bases,
+                frozenset(presumed),
+                self._distrust,
+                where,  # type: ignore[arg-type]
+            )
         if from_pool:  # staged and hashed there; an unchanged one is only not written
             pooled: dict[str, str] = {}
             copied = self._copier.stage(pool, plan, tensors, from_pool, pooled, ready=ready)
