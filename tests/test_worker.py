@@ -282,3 +282,38 @@ def test_worker_cpus_must_be_cpus_this_process_may_use(tmp_path: Path) -> None:
         CheckpointConfig(folder=str(tmp_path), worker_cpus=(0,), async_mode="thread")
     cfg = CheckpointConfig(folder=str(tmp_path), worker_cpus=[min(os.sched_getaffinity(0))])
     assert cfg.engine_config().worker.cpus == (min(os.sched_getaffinity(0)),)
+
+
+def test_the_collector_is_paused_while_any_job_runs_and_restored_after() -> None:
+    import gc
+    import threading
+
+    from quicksave.worker.main import _PausedCollector
+
+    paused = _PausedCollector()
+    assert gc.isenabled()
+    first_in, second_out = threading.Event(), threading.Event()
+    seen: list[bool] = []
+
+    def in_place_job() -> None:  # (an in-place job runs on a thread of its own)
+        with paused:
+            first_in.set()
+            second_out.wait(30)
+            seen.append(gc.isenabled())  # the other job ended: still paused for this one
+
+    t = threading.Thread(target=in_place_job)
+    t.start()
+    first_in.wait(30)
+    with paused:
+        assert not gc.isenabled()
+    second_out.set()
+    t.join(30)
+    assert seen == [False]
+    assert gc.isenabled()  # the last one out resumes collection
+    gc.disable()
+    try:
+        with paused:
+            pass
+        assert not gc.isenabled()  # off before: left off
+    finally:
+        gc.enable()

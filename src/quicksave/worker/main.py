@@ -27,7 +27,9 @@ with the first generic call.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import gc
 import json
 import mmap
 import multiprocessing
@@ -196,6 +198,7 @@ def _serve(
     health = StoreHealth(heartbeat, HEALTH_OFFSET)  # the trainer reads it (persisters.py)
     held: dict[str, Any] = {}  # what a call keeps for a later one (calls.uses_held)
     lock = threading.Lock()  # in-place jobs answer from their own threads
+    paused = _PausedCollector()
 
     def send(msg: tuple) -> bool:
         try:
@@ -209,7 +212,8 @@ def _serve(
         try:
             if not conn.poll(0.2):
                 continue
-            msg = conn.recv()
+            with paused:  # (a job's unpickling builds its manifest's skeleton)
+                msg = conn.recv()
         except (EOFError, OSError):
             break
         kind = msg[0]
@@ -225,7 +229,7 @@ def _serve(
                 _unmap(*entry)
         elif kind == "job":
             job: PersistJob = msg[1]
-            run = _job_runner(job, pools[job.pool_id][1], stores, backends, health, send)
+            run = _job_runner(job, pools[job.pool_id][1], stores, backends, health, send, paused)
             if job.linked is not None:  # in place: a link and a commit, beside a long write
                 threading.Thread(target=run, name="quicksave-in-place", daemon=True).start()
             elif not run():
@@ -241,7 +245,9 @@ def _serve(
                 break
         elif kind == "call":
             _, job_id, payload, sys_path = msg
-            if not send(("result", run_pickled_call(job_id, payload, sys_path, held))):
+            with paused:
+                result = run_pickled_call(job_id, payload, sys_path, held)
+            if not send(("result", result)):
                 break
         elif kind == "auth":
             # The trainer's key, so that torch's shared-memory tensors (whose file
@@ -260,13 +266,44 @@ def _job_runner(
     backends: dict,
     health: StoreHealth,
     send: Callable[[tuple], bool],
+    paused: contextlib.AbstractContextManager,
 ) -> Callable[[], bool]:
-    """``job`` run and its result sent (False: the pipe is gone)."""
+    """``job`` run (the collector paused) and its result sent (False: the pipe is gone)."""
 
     def run() -> bool:
-        return send(("result", execute_job(job, pool, store_for(job, stores), backends, health)))
+        with paused:
+            result = execute_job(job, pool, store_for(job, stores), backends, health)
+        return send(("result", result))
 
     return run
+
+
+class _PausedCollector:
+    """The cyclic garbage collector paused while any job or call runs (they may overlap:
+    in-place jobs run on threads of their own), as ``api._engine_call`` pauses it around
+    a save in the trainer. A job builds its manifest (thousands of dicts and entries,
+    alive until it is written): collections during it walk them again and again, a few
+    milliseconds of the worker's CPU per save, taken from training on a small machine.
+    What a job allocates is freed by reference counting; a cycle (an error's traceback)
+    waits for the next collection, after the job."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._running = 0
+        self._was_enabled = False
+
+    def __enter__(self) -> None:
+        with self._lock:
+            if self._running == 0:
+                self._was_enabled = gc.isenabled()
+                gc.disable()
+            self._running += 1
+
+    def __exit__(self, *exc: object) -> None:
+        with self._lock:
+            self._running -= 1
+            if self._running == 0 and self._was_enabled:
+                gc.enable()
 
 
 def _lower_priority(nice: int) -> None:
