@@ -346,12 +346,14 @@ class WriteWatch:
         if not self.available():
             return dict.fromkeys(wids)
         out: dict[int, bool | None] = {w: None for w in wids if w not in self._ranges}
-        runs: list[tuple[int, int, list[int]]] = []
+        runs: list[list] = []  # [start, end, members]
         for s, e, wid in sorted((*self._ranges[w], w) for w in wids if w in self._ranges):
             if runs and s <= runs[-1][1]:
-                runs[-1] = (runs[-1][0], max(runs[-1][1], e), [*runs[-1][2], wid])
+                run = runs[-1]
+                run[1] = max(run[1], e)
+                run[2].append(wid)
             else:
-                runs.append((s, e, [wid]))
+                runs.append([s, e, [wid]])
         for s, e, members in runs:
             regions, whole = self._scan_span(s, e)
             hit = self._deliver(regions, set(members))
