@@ -119,6 +119,14 @@ def test_unchanged_blocks_are_referred_to_and_every_step_loads(
     assert _bases(later, "optimizer.state.up.weight.exp_avg") == [None]
     # the layout is the same at every save: one plan, reused
     assert misses == 1 and hits >= 3
+    # in each data file the frozen weight's blocks lie after the chunks written at every
+    # save (which the writer then writes in one run, not one per gap)
+    chunks = [c for t in later["tensors"].values() for c in t["chunks"]]
+    base_blocks = later["tensors"]["model.base.weight"]["chunks"]
+    for name in {c["file"] for c in chunks}:
+        written = [c["offset"] for c in chunks if c["file"] == name and "base" not in c]
+        blocks = [c["offset"] for c in base_blocks if c["file"] == name]
+        assert not written or not blocks or max(written) < min(blocks), name
     # the folder grows by what changed: the frozen base is not written again
     frozen = ROWS * COLS * 4  # (the bias's hole may share a page with written bytes)
     assert _allocated(folder / "step-1") - _allocated(folder / "step-3") >= frozen

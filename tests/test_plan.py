@@ -104,6 +104,21 @@ def test_split_balances_bytes_across_files():
     assert keys == sorted(i.key for i in items)  # every chunk placed exactly once
 
 
+def test_a_tensor_in_several_chunks_is_laid_out_after_the_whole_ones():
+    # an incremental save's row blocks (here "base", 4 blocks) go after the tensors held
+    # whole, whatever their names: the chunks written at every save lie together
+    blocks = [_item("base", 1000, offsets=(1000 * i,), shape=(4000,)) for i in range(4)]
+    whole = [_item(name, 300) for name in ("a.lora", "z.lora", "base_norm")]
+    layout = layout_rank(0, [*blocks, *whole], n_files=2)
+    for f in layout.files:
+        names = [e.item.fqn for e in f.entries]
+        assert names == sorted(n for n in names if n != "base") + ["base"] * names.count("base")
+        offsets = [e.offset for e in f.entries]
+        assert offsets == sorted(offsets)
+    assert sum(e.item.fqn == "base" for f in layout.files for e in f.entries) == 4
+    assert any(f.entries[0].item.fqn != "base" for f in layout.files)
+
+
 @pytest.mark.parametrize("n_files, expected", [(0, 1), (1, 1), (4, 3), (10, 3)])
 def test_file_count_is_bounded_by_items(n_files: int, expected: int):
     items = [_item("a", 1), _item("b", 2), _item("c", 3)]

@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import math
 import struct
+from collections import Counter
 from dataclasses import dataclass
 
 import xxhash
@@ -116,7 +117,14 @@ def _align(n: int, alignment: int) -> int:
 
 
 def _split_among_files(items: list[ItemSpec], n_files: int) -> list[list[ItemSpec]]:
-    """Longest-processing-time split, so the writer threads get similar byte counts."""
+    """Longest-processing-time split, so the writer threads get similar byte counts.
+
+    Within a file, a stable, readable order (by name, then offsets), with the tensors
+    that the rank holds in several chunks (an incremental save's row blocks,
+    ``saving/block_split.py``) after those it holds whole: the chunks written at every
+    save lie together, so a save that refers to unchanged blocks (FORMAT.md §9) writes
+    its file in a few long runs instead of one per gap (each costs the writer a direct
+    write and an extent of its own)."""
     n_files = max(1, min(n_files, len(items)))
     bins: list[list[ItemSpec]] = [[] for _ in range(n_files)]
     loads = [0] * n_files
@@ -124,8 +132,8 @@ def _split_among_files(items: list[ItemSpec], n_files: int) -> list[list[ItemSpe
         i = loads.index(min(loads))
         bins[i].append(item)
         loads[i] += item.nbytes
-    # Within a file, keep a stable, readable order.
-    return [sorted(b, key=lambda it: (it.fqn, it.offsets)) for b in bins]
+    counts = Counter(it.fqn for it in items)
+    return [sorted(b, key=lambda it: (counts[it.fqn] > 1, it.fqn, it.offsets)) for b in bins]
 
 
 def layout_file(
