@@ -16,6 +16,7 @@ import torch
 from quicksave.format.dtypes import dtype_name, element_size
 from quicksave.layout.plan import ItemSpec
 from quicksave.saving.config import IncrementalConfig
+from quicksave.saving.guard import counter
 from quicksave.saving.rank_plans import LocalState
 
 
@@ -134,6 +135,7 @@ def _cut_key(t: torch.Tensor, src: torch.Tensor) -> tuple | None:
     tensor whose counter happens to read the same, the counter only misleads the way
     it always may (``incremental.py``: counters never decide that a block is unchanged
     unchecked)."""
-    if src.is_inference():  # no counter (reading it raises): cut at every save
+    version = counter(src)
+    if version is None:  # (an inference tensor) cut at every save
         return None
-    return (t.data_ptr(), t.stride(), t.dtype, src.data_ptr(), src.stride(), src._version)
+    return (t.data_ptr(), t.stride(), t.dtype, src.data_ptr(), src.stride(), version)

@@ -48,6 +48,7 @@ from dataclasses import dataclass
 
 import torch
 
+from quicksave.saving.guard import counter
 from quicksave.saving.write_watch import WriteWatch
 
 _STRIKES = 2  # consecutive saves found written before a block is unwatched
@@ -74,10 +75,8 @@ def _key(t: torch.Tensor) -> tuple[int, int]:
 
 
 def _version(src: torch.Tensor) -> tuple[int, int]:
-    try:
-        return src.data_ptr(), src._version
-    except RuntimeError:  # (an inference tensor keeps no counter)
-        return src.data_ptr(), -1
+    version = counter(src)
+    return src.data_ptr(), -1 if version is None else version
 
 
 class CleanBlocks:

@@ -42,6 +42,12 @@ from quicksave.errors import CheckpointError
 _NAMED = 5  # tensors named in an error message; the rest are counted
 
 
+def counter(t: torch.Tensor) -> int | None:
+    """``t``'s version counter; None for an inference tensor, which keeps none (reading
+    it raises): such a tensor is never judged by a counter, only by its bytes."""
+    return None if t.is_inference() else t._version
+
+
 @dataclass(frozen=True)
 class Snapshot:
     """The version counters of the deferred tensors at ``save()``.

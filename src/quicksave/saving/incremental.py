@@ -86,6 +86,7 @@ from quicksave.saving.clean_blocks import CleanBlocks
 from quicksave.saving.config import IncrementalConfig
 from quicksave.saving.dense_blocks import DenseTensors
 from quicksave.saving.engine_plan import PlannedSave
+from quicksave.saving.guard import counter
 from quicksave.saving.rank_plans import LocalState
 from quicksave.saving.staging import PoolCopier
 from quicksave.saving.write_watch import WriteWatch
@@ -390,9 +391,10 @@ class Increments:
         def moved(name: str) -> bool:
             # a whole tensor whose counter moved since the base was certainly written
             src = sources[name]
-            if src.is_inference():  # no counter: never presumed, compared by its bytes
+            version = counter(src)
+            if version is None:  # no counter: never presumed, compared by its bytes
                 return False
-            seen = (src.data_ptr(), src._version)
+            seen = (src.data_ptr(), version)
             if trust or tracked[name] == name:
                 versions[name] = seen
             last = None if base is None else base.versions.get(name)
