@@ -420,16 +420,18 @@ class Increments:
         for name in now:
             fqn = tracked.get(name)
             t = tensors[name]
-            if name in resolved and base is None and fqn in deferred_fqns and deferrable(t):
-                moved_later.append(name)  # (a full save: hashed from its deferred copy)
-            elif name in resolved:
-                unchanged(name, resolved[name])
-                keep_now.append(name)  # copied right below, its digest known
+            with_later = fqn in deferred_fqns and deferrable(t)  # (its tensor's other blocks)
+            if name in resolved:
+                if base is None and with_later:
+                    moved_later.append(name)  # (a full save: hashed from its deferred copy)
+                else:
+                    unchanged(name, resolved[name])
+                    keep_now.append(name)  # copied right below, its digest known
             elif fqn is None or moved(name):
                 keep_now.append(name)
             elif name in presumed:
                 moved_later.append(name)  # referred to; the background copy checks it
-            elif fqn in deferred_fqns and deferrable(t):
+            elif with_later:
                 moved_later.append(name)  # its tensor's other blocks are deferred
                 if base is not None and _hashable(t):
                     to_sift.add(name)
