@@ -28,6 +28,8 @@ from helpers.lora_job import COLS, ROWS, Job  # the frozen base: 8 blocks of 64 
 from helpers.state import assert_bit_equal
 from quicksave.errors import CheckpointError
 from quicksave.format import MANIFEST_NAME
+from quicksave.format.manifest import to_json_bytes
+from quicksave.format.manifest_parse import from_json_bytes
 from quicksave.loading.verify import verify_checkpoint
 from quicksave.manager import CheckpointConfig, CheckpointManager, ModelState, OptimizerState
 from quicksave.tools.convert import convert
@@ -132,6 +134,10 @@ def test_unchanged_blocks_are_referred_to_and_every_step_loads(
     assert _allocated(folder / "step-1") - _allocated(folder / "step-3") >= frozen
     for step, snap in snaps.items():
         _assert_loads(folder / f"step-{step}", snap)
+        # each manifest is the canonical encoding of what it says (a process's writer
+        # encodes the later ones through its template of the plan's skeleton)
+        raw = (folder / f"step-{step}" / MANIFEST_NAME).read_bytes()
+        assert to_json_bytes(from_json_bytes(raw)) == raw
 
 
 def test_writes_that_version_counters_miss_are_in_the_next_checkpoint(

@@ -178,6 +178,94 @@ def _opt_path(d: dict[str, Any], path: tuple | None) -> dict[str, Any]:
     return d
 
 
+def _dumps(value: Any) -> str:
+    """``value`` as the manifest encodes JSON: compact, ASCII, no NaN."""
+    return json.dumps(value, separators=(",", ":"), ensure_ascii=True, allow_nan=False)
+
+
+def _tensors_doc(tensors: dict[str, TensorEntry]) -> dict[str, Any]:
+    """The manifest's ``tensors`` member, sorted by name."""
+    return {
+        fqn: _opt_path(
+            {
+                "dtype": t.dtype,
+                "shape": list(t.shape),
+                "chunks": [_chunk_json(c) for c in t.chunks],
+            },
+            t.path,
+        )
+        for fqn, t in sorted(tensors.items())
+    }
+
+
+_SLOT = "\x00quicksave-checksum\x00"  # a chunk's checksum, left open in a template
+
+
+class TensorsTemplate:
+    """The manifest's ``tensors`` member of a skeleton (every chunk placed, checksums
+    empty, no references: ``layout.skeleton``) encoded once with each chunk's checksum
+    left open, so that a manifest filled from that skeleton (``commit.parts.
+    manifest_from_parts``) encodes its tensors by joining the pieces around its checksums
+    and references: the same bytes as :func:`to_json_bytes` alone, without making and
+    encoding a dict per chunk (a manifest has thousands; a writer encodes one per save).
+
+    Args:
+        skeleton: the skeleton's tensor entries.
+
+    Raises:
+        ValueError: the skeleton is not one (a chunk has a checksum or a reference), or a
+            name or key path holds the text that marks an open checksum.
+    """
+
+    def __init__(self, skeleton: dict[str, TensorEntry]) -> None:
+        self.names = sorted(skeleton)
+        self.counts = [len(skeleton[fqn].chunks) for fqn in self.names]
+        if any(c.xxh3_64 or c.base is not None for t in skeleton.values() for c in t.chunks):
+            raise ValueError("a template is made from a skeleton: no checksums, no references")
+        opened = {
+            fqn: TensorEntry(
+                t.dtype,
+                t.shape,
+                tuple(
+                    ChunkEntry(c.offsets, c.sizes, c.file, c.offset, c.length, _SLOT)
+                    for c in t.chunks
+                ),
+                t.path,
+            )
+            for fqn, t in skeleton.items()
+        }
+        self.pieces = _dumps(_tensors_doc(opened)).split(_dumps(_SLOT))
+        if len(self.pieces) != sum(self.counts) + 1:
+            raise ValueError("a name or key path of the skeleton holds the template's marker")
+
+    def fill(self, m: Manifest) -> str:
+        """The ``tensors`` member of ``m``, filled from this template's skeleton.
+
+        Raises:
+            ValueError: ``m``'s tensors are not this skeleton's (names, chunk counts).
+        """
+        tensors = m.tensors
+        if len(tensors) != len(self.names):
+            raise ValueError("the manifest's tensors are not the template's")
+        pieces = self.pieces
+        out = [pieces[0]]
+        i = 1
+        for fqn, count in zip(self.names, self.counts, strict=True):
+            chunks = tensors[fqn].chunks
+            if len(chunks) != count:
+                raise ValueError(f"the manifest's tensor {fqn!r} is not the template's")
+            for c in chunks:
+                d, base = c.xxh3_64, c.base
+                out.append(f'"{d}"' if d.isascii() and d.isalnum() else _dumps(d))
+                if base is not None:
+                    out.append(
+                        f',"base":{base}' if type(base) is int else f',"base":{_dumps(base)}'
+                    )
+                out.append(pieces[i])
+                i += 1
+        return "".join(out)
+
+
 def _plan_json(p: RankPlan) -> dict[str, Any]:
     out: dict[str, Any] = {
         "tensors": [
@@ -214,15 +302,17 @@ def check_user_metadata(value: Any, path: str | None = None, rank: int | None = 
         raise IncompatibleStateError(f"user_metadata cannot be stored: {why}", path=path, rank=rank)
 
 
-def to_json_bytes(m: Manifest) -> bytes:
-    """Serialize deterministically and append the self-checksum.
+def to_json_bytes(m: Manifest, template: TensorsTemplate | None = None) -> bytes:
+    """Serialize deterministically and append the self-checksum; ``template``: the
+    template of ``m``'s tensors (:class:`TensorsTemplate`, made from the skeleton ``m`` was
+    filled from), which encodes them faster, to the same bytes.
 
     Raises:
         IncompatibleStateError: ``user_metadata`` holds something readers refuse
             (nesting, huge integers, NaN; FORMAT.md §2).
         ValueError: ``m.layout`` is not one of :data:`LAYOUTS`; a chunk refers to a
             step not below ``m.step`` (or ``m.step`` is None), or in layout ``dcp``
-            (FORMAT.md §9).
+            (FORMAT.md §9); ``template`` is not of ``m``'s tensors.
     """
     if m.layout not in LAYOUTS:
         raise ValueError(f"unknown manifest layout {m.layout!r}; expected one of {LAYOUTS}")
@@ -233,48 +323,42 @@ def to_json_bytes(m: Manifest) -> bytes:
             f"and a step above them (step {m.step}, layout {m.layout!r})"
         )
     check_user_metadata(m.user_metadata)
-    doc: dict[str, Any] = {
-        "format": FORMAT_NAME,
-        "format_version": m.format_version,
-        "step": m.step,
-        "world_size": m.world_size,
-        "tensors": {
-            fqn: _opt_path(
-                {
-                    "dtype": t.dtype,
-                    "shape": list(t.shape),
-                    "chunks": [_chunk_json(c) for c in t.chunks],
-                },
-                t.path,
-            )
-            for fqn, t in sorted(m.tensors.items())
-        },
-        "objects": {
-            fqn: _opt_path({"value": o.value}, o.path) for fqn, o in sorted(m.objects.items())
-        },
-        "files": {
-            name: {
-                k: v
-                for k, v in (
-                    ("size", f.size),
-                    ("xxh3_64", f.xxh3_64),
-                    ("rank", f.rank),
-                    ("data_start", f.data_start),
-                )
-                if v is not None
+    # the document's members in order, each encoded alone: the same bytes as one
+    # json.dumps of the whole (JSON is compositional), and the tensors may come encoded
+    doc: dict[str, str] = {
+        "format": _dumps(FORMAT_NAME),
+        "format_version": _dumps(m.format_version),
+        "step": _dumps(m.step),
+        "world_size": _dumps(m.world_size),
+        "tensors": _dumps(_tensors_doc(m.tensors)) if template is None else template.fill(m),
+        "objects": _dumps(
+            {fqn: _opt_path({"value": o.value}, o.path) for fqn, o in sorted(m.objects.items())}
+        ),
+        "files": _dumps(
+            {
+                name: {
+                    k: v
+                    for k, v in (
+                        ("size", f.size),
+                        ("xxh3_64", f.xxh3_64),
+                        ("rank", f.rank),
+                        ("data_start", f.data_start),
+                    )
+                    if v is not None
+                }
+                for name, f in sorted(m.files.items())
             }
-            for name, f in sorted(m.files.items())
-        },
-        "user_metadata": m.user_metadata,
+        ),
+        "user_metadata": _dumps(m.user_metadata),
     }
     if m.plans is not None:
-        doc["plans"] = [_plan_json(p) for p in m.plans]
+        doc["plans"] = _dumps([_plan_json(p) for p in m.plans])
     if m.empty_dicts:
-        doc["empty_dicts"] = [_opt_path({}, p) for p in sorted(m.empty_dicts, key=repr)]
+        doc["empty_dicts"] = _dumps([_opt_path({}, p) for p in sorted(m.empty_dicts, key=repr)])
     if m.layout == LAYOUT_DCP:
-        doc["layout"] = LAYOUT_DCP  # right before the self-checksum (FORMAT.md §8)
-    doc["manifest_xxh3_64"] = ZERO_DIGEST  # last, always (FORMAT.md §2)
-    text = json.dumps(doc, separators=(",", ":"), ensure_ascii=True, allow_nan=False) + "\n"
+        doc["layout"] = _dumps(LAYOUT_DCP)  # right before the self-checksum (FORMAT.md §8)
+    doc["manifest_xxh3_64"] = _dumps(ZERO_DIGEST)  # last, always (FORMAT.md §2)
+    text = "{" + ",".join(f"{_dumps(k)}:{v}" for k, v in doc.items()) + "}\n"
     data = text.encode("ascii")
     digest = hexdigest(xxhash.xxh3_64_intdigest(data))
     pos = data.rindex(CHECKSUM_KEY.encode()) + len(CHECKSUM_KEY)

@@ -12,12 +12,15 @@ Torch-free: the worker process imports it.
 
 from __future__ import annotations
 
+import threading
 import time
+from collections.abc import Mapping
 from typing import Any
 
 from quicksave.commit import rank_records as records
 from quicksave.commit import strategy_for
 from quicksave.commit.parts import RankPart, manifest_from_parts
+from quicksave.format.manifest import TensorsTemplate
 from quicksave.storage.backend import Backend
 from quicksave.storage.retry import StoreHealth
 from quicksave.worker.files import (
@@ -32,6 +35,40 @@ from quicksave.worker.job import JobResult, PersistJob, Phase, Usage, done, fail
 from quicksave.worker.multirank import execute_multirank_job
 
 
+class Templates:
+    """The templates of the manifest skeletons' tensors (``format.manifest.
+    TensorsTemplate``) that a writer keeps from job to job: a job's manifest then encodes
+    its tensors by filling one in. A template is made from a skeleton seen a second time
+    (the same ``PickledOnce.blob``: the same content), so a job whose skeleton differs at
+    every save pays nothing for it; the latest ``keep`` are kept."""
+
+    def __init__(self, keep: int = 2) -> None:
+        self.keep = keep
+        self._lock = threading.Lock()  # (in-place jobs run on threads of their own)
+        self._seen: list[bytes] = []
+        self._made: list[tuple[bytes, TensorsTemplate | None]] = []
+
+    def of(self, tensors: Mapping[str, Any]) -> TensorsTemplate | None:
+        """The template of the skeleton's ``tensors``, if one is kept or made now."""
+        blob = getattr(tensors, "blob", None)  # (None: not a PickledOnce that came pickled)
+        if blob is None:
+            return None
+        with self._lock:
+            for made, template in self._made:
+                if made == blob:
+                    return template
+            if blob not in self._seen:
+                self._seen = [blob, *self._seen][: self.keep]
+                return None
+        try:
+            template: TensorsTemplate | None = TensorsTemplate(dict(tensors))
+        except ValueError:  # not a skeleton (checksums filled), or a marker in a name
+            template = None
+        with self._lock:
+            self._made = [(blob, template), *self._made][: self.keep]
+        return template
+
+
 def execute_job(
     job: PersistJob,
     pool: memoryview,
@@ -39,6 +76,7 @@ def execute_job(
     backends: dict[tuple, Backend] | None = None,
     health: StoreHealth | None = None,
     phase: Phase = untraced,
+    templates: Templates | None = None,
 ) -> JobResult:
     """Write the job's files from ``pool`` (the staged images), then commit. Never raises:
     failures come back in the JobResult, and what was written is removed.
@@ -50,7 +88,7 @@ def execute_job(
     it: it does not wait for a pool that a save stuck on a store that is down holds).
     ``phase`` wraps the writing (``"save.persist"``) and the commit (``"save.commit"``);
     their times come back in the result either way (``started_at``, ``write_s``,
-    ``finished_at``).
+    ``finished_at``). ``templates``: the manifest templates kept from job to job.
     """
     if health is not None:
         health.answered()  # a new job: the trainer hears of this one's trouble only
@@ -87,6 +125,7 @@ def execute_job(
                 replace=job.replace,
                 # (a pool holds no bytes of the chunks referred to: never taken from it)
                 staged=None if job.bases else staged_files(job, pool),
+                template=None if templates is None else templates.of(job.manifest.tensors),
             )
         t2 = time.monotonic()
         return done(job, t0, t1, t2, usage, digests)

@@ -27,7 +27,7 @@ from quicksave.commit.parts import part_name
 from quicksave.commit.strategy import StagedFiles
 from quicksave.errors import AlreadyCommittedError, CheckpointError, CheckpointExistsError
 from quicksave.format import DCP_METADATA_NAME, MANIFEST_NAME
-from quicksave.format.manifest import FileEntry, Manifest, to_json_bytes
+from quicksave.format.manifest import FileEntry, Manifest, TensorsTemplate, to_json_bytes
 from quicksave.storage.backend import PAGE, Backend, join
 from quicksave.storage.location import Location
 from quicksave.storage.retry import StoreHealth
@@ -186,11 +186,13 @@ def commit_files(
     *,
     replace: bool = False,
     staged: StagedFiles | None = None,
+    template: TensorsTemplate | None = None,
 ) -> None:
     """Add ``.metadata`` to the manifest's files and commit the save written under
     ``draft`` at ``loc`` (:meth:`CommitStrategy.commit`): ``.metadata``, then the
     manifest, last (``replace``: exchanged with a committed checkpoint at ``loc``;
-    ``staged``: the files in the pool they were written from)."""
+    ``staged``: the files in the pool they were written from; ``template``: of the
+    skeleton the manifest was filled from, ``format.manifest.to_json_bytes``)."""
     import xxhash
 
     expected = {name: entry.size for name, entry in manifest.files.items()}
@@ -198,7 +200,7 @@ def commit_files(
     files[DCP_METADATA_NAME] = FileEntry(
         len(dcp_metadata), hexdigest(xxhash.xxh3_64_intdigest(dcp_metadata))
     )
-    manifest_bytes = to_json_bytes(dataclasses.replace(manifest, files=files))
+    manifest_bytes = to_json_bytes(dataclasses.replace(manifest, files=files), template)
     members = {DCP_METADATA_NAME: dcp_metadata, MANIFEST_NAME: manifest_bytes}
     strategy.commit(draft, loc, members, expected, replace=replace, staged=staged)
 

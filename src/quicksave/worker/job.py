@@ -38,15 +38,29 @@ from quicksave.storage.location import Location
 class PickledOnce(dict):
     """A dict that a plan shares between its saves' jobs (e.g. the manifest's thousands
     of tensor entries), never changed once made: it pickles as the bytes it pickled to
-    the first time, so that each later job sends them at the cost of a copy, and it
-    arrives as a plain dict."""
+    the first time, so that each later job sends them at the cost of a copy. It arrives
+    as a PickledOnce holding those bytes (:attr:`blob`): the same bytes are the same
+    content, by which the writer keeps what it derives from it from job to job
+    (``execute.Templates``)."""
 
     _blob: bytes | None = None
+
+    @property
+    def blob(self) -> bytes | None:
+        """The bytes it pickles as (None: not pickled yet)."""
+        return self._blob
 
     def __reduce__(self) -> tuple[Callable[[bytes], Any], tuple[bytes]]:
         if self._blob is None:
             self._blob = pickle.dumps(dict(self), protocol=pickle.HIGHEST_PROTOCOL)
-        return pickle.loads, (self._blob,)
+        return _arrived, (self._blob,)
+
+
+def _arrived(blob: bytes) -> PickledOnce:
+    """A :class:`PickledOnce` unpickled, holding the bytes it came as."""
+    out = PickledOnce(pickle.loads(blob))
+    out._blob = blob
+    return out
 
 
 @dataclass(frozen=True)

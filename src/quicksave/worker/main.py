@@ -50,7 +50,7 @@ from quicksave.storage.backend import Backend
 from quicksave.storage.retry import StoreHealth
 from quicksave.worker.calls import run_pickled_call
 from quicksave.worker.config import WorkerConfig
-from quicksave.worker.execute import execute_job, store_for
+from quicksave.worker.execute import Templates, execute_job, store_for
 from quicksave.worker.job import PersistJob
 
 # The page shared with the trainer: the heartbeat (a double at 0), and where the
@@ -199,6 +199,7 @@ def _serve(
     held: dict[str, Any] = {}  # what a call keeps for a later one (calls.uses_held)
     lock = threading.Lock()  # in-place jobs answer from their own threads
     paused = _PausedCollector()
+    templates = Templates()  # of the manifests' skeletons, kept from job to job
 
     def send(msg: tuple) -> bool:
         try:
@@ -229,7 +230,9 @@ def _serve(
                 _unmap(*entry)
         elif kind == "job":
             job: PersistJob = msg[1]
-            run = _job_runner(job, pools[job.pool_id][1], stores, backends, health, send, paused)
+            run = _job_runner(
+                job, pools[job.pool_id][1], stores, backends, health, send, paused, templates
+            )
             if job.linked is not None:  # in place: a link and a commit, beside a long write
                 threading.Thread(target=run, name="quicksave-in-place", daemon=True).start()
             elif not run():
@@ -267,12 +270,14 @@ def _job_runner(
     health: StoreHealth,
     send: Callable[[tuple], bool],
     paused: contextlib.AbstractContextManager,
+    templates: Templates,
 ) -> Callable[[], bool]:
     """``job`` run (the collector paused) and its result sent (False: the pipe is gone)."""
 
     def run() -> bool:
         with paused:
-            result = execute_job(job, pool, store_for(job, stores), backends, health)
+            store = store_for(job, stores)
+            result = execute_job(job, pool, store, backends, health, templates=templates)
         return send(("result", result))
 
     return run
