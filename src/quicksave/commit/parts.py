@@ -186,24 +186,25 @@ def manifest_from_parts(
     valued: dict[str, int] = {}
     objects = dict(skeleton.objects)
     for part in parts:
+        # (checked for the whole part at once: a manifest has thousands of chunks)
+        for key in part.chunks.keys() - chunk_keys.keys():
+            raise CorruptCheckpointError(
+                f"the part reports chunk {key!r}, which the plan does not have",
+                path=draft,
+                rank=part.rank,
+            )
+        for key in part.chunks.keys() & seen.keys():
+            raise CorruptCheckpointError(
+                f"chunk {key!r} was written by ranks {seen[key]} and {part.rank}",
+                path=draft,
+                fqn=chunk_keys[key][0],
+                rank=part.rank,
+            )
+        seen.update(dict.fromkeys(part.chunks, part.rank))
         for key, digest in part.chunks.items():
-            where = chunk_keys.get(key)
-            if where is None:
-                raise CorruptCheckpointError(
-                    f"the part reports chunk {key!r}, which the plan does not have",
-                    path=draft,
-                    rank=part.rank,
-                )
-            if key in seen:
-                raise CorruptCheckpointError(
-                    f"chunk {key!r} was written by ranks {seen[key]} and {part.rank}",
-                    path=draft,
-                    fqn=where[0],
-                    rank=part.rank,
-                )
-            seen[key] = part.rank
-            fqn, i = where
-            chunks[fqn][i] = chunks[fqn][i].with_digest(digest, bases.get(key))
+            fqn, i = chunk_keys[key]
+            entries = chunks[fqn]
+            entries[i] = entries[i].with_digest(digest, bases.get(key))
         for fqn, value in part.objects.items():
             old = objects.get(fqn)
             if objects_in_parts and (old is None or fqn in valued):
@@ -213,11 +214,12 @@ def manifest_from_parts(
                 )
             valued[fqn] = part.rank
             objects[fqn] = ObjectEntry(value, old.path if old is not None else None)
-    for key, (fqn, _) in chunk_keys.items():
-        if key not in seen:
-            raise CorruptCheckpointError(
-                "no rank reported writing this chunk", path=draft, fqn=f"{fqn} ({key})"
-            )
+    if len(seen) != len(chunk_keys):  # (every key seen is the plan's)
+        for key, (fqn, _) in chunk_keys.items():
+            if key not in seen:
+                raise CorruptCheckpointError(
+                    "no rank reported writing this chunk", path=draft, fqn=f"{fqn} ({key})"
+                )
     if objects_in_parts:
         for fqn in objects:
             if fqn not in valued:
