@@ -168,16 +168,19 @@ def main(argv: list[str]) -> int:
     except BlockingIOError:
         print(f"quicksave agent: another agent holds {path / AGENT_LOCK}", file=sys.stderr)
         return 3
+    # the handlers before the fork, so the agent has them from its first instruction: its
+    # pid is published by the first process, and a SIGTERM may follow at once (the
+    # default action would kill it without freeing the memory)
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
     pid = os.fork()
     if pid:  # the first process: say who the agent is, and leave it to run alone
         tmp = path / f"{AGENT_FILE}.{os.getpid()}"
         tmp.write_text(json.dumps({"pid": pid, "start": start_time(pid)}))
         os.replace(tmp, path / AGENT_FILE)
         os._exit(0)
-    stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGHUP, signal.SIG_IGN)
     serve(path, lock_fd, args.idle_s, stop)
     return 0
 
