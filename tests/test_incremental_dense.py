@@ -71,8 +71,8 @@ def test_dense_tensors_rule() -> None:
     d = DenseTensors(rest=3, share=0.9)
     d.begin()
     assert not d.assumed("w", "w/0", (1, 1))  # never seen: compared
-    d.compared([("w", "w/0"), ("w", "w/1")], referred={})  # both changed: dense
-    d.compared([("e", "e/0"), ("e", "e/1")], referred={"e/1": 4})  # half: not dense
+    d.compared({"w/0": "w", "w/1": "w"}, referred={})  # both changed: dense
+    d.compared({"e/0": "e", "e/1": "e"}, referred={"e/1": 4})  # half: not dense
     d.begin()
     assert d.assumed("w", "w/0", (1, 2))  # counter moved, same memory
     assert not d.assumed("w", "w/1", (9, 1))  # first sight of this block: compared

@@ -36,7 +36,7 @@ while (each rest twice as long, up to ``_MAX_REST`` saves), so a tensor written 
 its counter at every step costs little more than a hash.
 
 Call order: one save at a time, on the caller's lock (``Increments``):
-:meth:`steady` for each tracked block → :meth:`check` → :meth:`protect` (before any
+:meth:`check` of the tracked blocks → :meth:`protect` (before any
 hash of those blocks) → :meth:`hashed` → later :meth:`settled` with that save's
 result. No I/O besides the ioctls and ``/proc/self/maps``.
 """
@@ -66,17 +66,13 @@ class _Record:
     storage: torch.UntypedStorage  # held: its pages stay this block's
     storage_ptr: int
     storage_nbytes: int
+    view: torch.Tensor  # the block as protected (kept views come back: the same object)
     token: int  # which protection a digest must have been read after
     digest: str | None = None
 
 
 def _key(t: torch.Tensor) -> tuple[int, int]:
     return t.data_ptr(), t.numel() * t.element_size()
-
-
-def _version(src: torch.Tensor) -> tuple[int, int]:
-    version = counter(src)
-    return src.data_ptr(), -1 if version is None else version
 
 
 class CleanBlocks:
@@ -116,58 +112,70 @@ class CleanBlocks:
             else:
                 self._rest[name] = left - 1
 
-    def steady(self, name: str, src: torch.Tensor) -> bool:
-        """Whether ``src``'s address and version counter are those of the last save
-        (a hint only: whether to watch the block)."""
-        seen = _version(src)
-        last = self._seen.get(name)
-        self._seen[name] = seen
-        return last == seen
-
     def _drop(self, name: str) -> None:
         rec = self._records.pop(name, None)
         if rec is not None:
             self._watch.unwatch(rec.wid)
 
-    def _same_memory(self, rec: _Record, t: torch.Tensor) -> bool:
+    @staticmethod
+    def _same_memory(rec: _Record, t: torch.Tensor, storages: dict[int, bool]) -> bool:
         # (the held storage keeps its memory: the same address is the same memory,
-        # unless that storage itself was resized, i.e. moved)
+        # unless that storage itself was resized, i.e. moved; the view protected, come
+        # back, lies where it lay if its storage did not move: its offset is its own)
+        if t is not rec.view and (
+            t.data_ptr() != rec.ptr or t.numel() * t.element_size() != rec.nbytes
+        ):
+            return False
         s = rec.storage
-        return (
-            t.data_ptr() == rec.ptr
-            and t.numel() * t.element_size() == rec.nbytes
-            and s.data_ptr() == rec.storage_ptr
-            and s.nbytes() == rec.storage_nbytes
-        )
+        same = storages.get(id(s))  # (a tensor's blocks share one storage: checked once)
+        if same is None:
+            same = storages[id(s)] = (
+                s.data_ptr() == rec.storage_ptr and s.nbytes() == rec.storage_nbytes
+            )
+        return same
 
-    def check(self, blocks: list[tuple[str, torch.Tensor, bool]]) -> dict[str, str]:
-        """The digests of the ``(name, tensor, steady)`` blocks whose bytes the kernel
-        proves unwritten since they were hashed (one scan per run of adjacent blocks).
-        Any other is absent: :meth:`protect` it, if ``watchable`` (a block still
-        watched keeps its watch, protected again by the scan just made). ``steady``:
-        its counter stood still (else it is unwatched: being trained)."""
-        ask: dict[int, str] = {}
-        for name, t, steady in blocks:
-            rec = self._records.get(name)
+    def check(
+        self, blocks: list[tuple[str, torch.Tensor, torch.Tensor]]
+    ) -> tuple[dict[str, str], set[str]]:
+        """Of the ``(name, block, source)`` tracked: the digests of the blocks whose
+        bytes the kernel proves unwritten since they were hashed (one scan per run of
+        adjacent blocks), and the *steady* ones, whose source's address and version
+        counter are those of the last save (a hint only: whether to watch a block).
+        A block absent from the digests is to be :meth:`protect`-ed, if steady and
+        ``watchable`` (a block still watched keeps its watch, protected again by the
+        scan just made); one not steady is unwatched (being trained)."""
+        seen_all, records = self._seen, self._records
+        steady: set[str] = set()
+        ask: dict[int, tuple[str, _Record]] = {}
+        storages: dict[int, bool] = {}
+        for name, t, src in blocks:
+            version = counter(src)
+            seen = (src.data_ptr(), -1 if version is None else version)
+            if seen_all.get(name) == seen:
+                steady.add(name)
+            else:
+                seen_all[name] = seen
+            rec = records.get(name)
             if rec is None:
                 continue
-            if not steady or not self._same_memory(rec, t):
+            if name not in steady or not self._same_memory(rec, t, storages):
                 self._drop(name)
             elif rec.digest is not None:  # (None: never hashed since protected: hashed now)
-                ask[rec.wid] = name
+                ask[rec.wid] = (name, rec)
         out: dict[str, str] = {}
         for wid, written in self._watch.written_many(list(ask)).items():
-            name = ask[wid]
-            rec = self._records[name]
+            name, rec = ask[wid]
             if written is False:
-                self._strikes.pop(name, None)
                 self.skipped += rec.nbytes
                 out[name] = rec.digest  # type: ignore[assignment]
             elif written is None:  # no longer registered: watched anew
                 self._drop(name)
             else:
                 self._written(name, rec)
-        return out
+        if self._strikes:  # (found unwritten: the strikes start again)
+            for name in out:
+                self._strikes.pop(name, None)
+        return out, steady
 
     def _written(self, name: str, rec: _Record) -> None:
         """``rec``'s block was written: protected again by the scan, so a digest read
@@ -215,7 +223,7 @@ class CleanBlocks:
                 continue
             s = t.untyped_storage()
             token = next(self._tokens)
-            self._records[name] = _Record(wid, ptr, nbytes, s, s.data_ptr(), s.nbytes(), token)
+            self._records[name] = _Record(wid, ptr, nbytes, s, s.data_ptr(), s.nbytes(), t, token)
             tokens[name] = token
         return tokens
 

@@ -24,7 +24,8 @@ block whose counter is read → later :meth:`compared` with that save's outcome 
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections import Counter
+from collections.abc import Mapping
 
 
 class DenseTensors:
@@ -58,16 +59,13 @@ class DenseTensors:
         self._seen[block] = seen
         return fqn in self._left and last is not None and last[0] == seen[0] and last[1] != seen[1]
 
-    def compared(self, blocks: Iterable[tuple[str, str]], referred: Mapping[str, int]) -> None:
-        """A committed save's outcome: its ``(fqn, block)`` pairs compared with the base,
-        and the blocks of it that were ``referred`` to (found unchanged)."""
-        count: dict[str, list[int]] = {}
-        for fqn, block in blocks:
-            c = count.setdefault(fqn, [0, 0])
-            c[0] += 1
-            c[1] += block not in referred
-        for fqn, (n, changed) in count.items():
-            if n > 1 and changed >= self.share * n:
+    def compared(self, blocks: Mapping[str, str], referred: Mapping[str, int]) -> None:
+        """A committed save's outcome: its blocks compared with the base (block -> its
+        tensor's fqn), and the blocks of it that were ``referred`` to (found unchanged)."""
+        total = Counter(blocks.values())
+        changed = Counter([blocks[b] for b in blocks.keys() - referred.keys()])
+        for fqn, n in total.items():
+            if n > 1 and changed[fqn] >= self.share * n:
                 self._left[fqn] = self.rest
             else:
                 self._left.pop(fqn, None)

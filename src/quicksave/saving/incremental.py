@@ -151,7 +151,7 @@ class _Candidate:
     bases: dict[str, int]
     versions: dict[str, tuple[int, int]]
     tokens: dict[str, int]  # blocks protected by this save (``CleanBlocks.protect``)
-    compared: frozenset[tuple[str, str]]  # (fqn, block) compared with the base
+    compared: dict[str, str]  # block compared with the base -> its tensor's fqn
 
 
 def _folder_of(url: str) -> tuple[str, str]:
@@ -366,19 +366,17 @@ class Increments:
             clean.begin(set(tracked))
             referred: set[str] = set()
             protect: dict[str, torch.Tensor] = {}
-            steady = {name: clean.steady(name, sources[name]) for name in tracked}
-            found = clean.check([(name, tensors[name], steady[name]) for name in tracked])
+            found, steady = clean.check([(n, tensors[n], sources[n]) for n in tracked])
             for name in tracked:
-                t = tensors[name]
-                known = found.get(name)
-                if known is None:
-                    if steady[name] and clean.watchable(name, t):
-                        protect[name] = t
-                elif base is not None and base.digests.get(name) == known:
-                    unchanged(name, known)
-                    referred.add(name)
-                else:
-                    resolved[name] = known  # copied (a deferred one's copy is hashed)
+                if name not in found and name in steady and clean.watchable(name, tensors[name]):
+                    protect[name] = tensors[name]
+            if base is not None:  # (found equal to the base's digest: referred to, at once)
+                held = base.digests
+                referred = {n for n, d in found.items() if held.get(n) == d}
+                digests.update({n: found[n] for n in referred})
+                bases.update({n: base.holders[n] for n in referred})
+                compared.update(referred)
+            resolved = {n: d for n, d in found.items() if n not in referred}
             tokens = clean.protect(protect)
             if referred:
                 now = [n for n in now if n not in referred]
@@ -479,7 +477,7 @@ class Increments:
                 del self._pending[next(iter(self._pending))]
             self._pending[job.job_id] = _Candidate(
                 folder, job.step, plan.key, chain, frozenset(tracked), bases, versions, tokens,
-                frozenset((tracked[n], n) for n in compared),
+                {n: tracked[n] for n in compared},
             )  # fmt: skip
         self.cost = (copied, hashed)
         return job, keep_now, keep_later
@@ -510,6 +508,6 @@ class Increments:
             candidate.plan_key,
             candidate.chain,
             {k: digests[k] for k in candidate.tracked},
-            {k: candidate.bases.get(k, candidate.step) for k in candidate.tracked},
+            {**dict.fromkeys(candidate.tracked, candidate.step), **candidate.bases},
             candidate.versions,
         )

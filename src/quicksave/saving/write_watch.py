@@ -132,6 +132,9 @@ class WriteWatch:
         self._starts: list[tuple[int, int]] = []  # (start, id), sorted
         self._longest = 0  # the longest range watched (bounds the overlap search)
         self._dirty: set[int] = set()  # watches written on a page another's scan took
+        # the runs of the latest written_many's ids (unknown ids, [start, end, members]);
+        # None once a watch comes or goes
+        self._runs: tuple[tuple[int, ...], list[int], list[list]] | None = None
         self._pid = -1  # the process whose memory the descriptors watch
         self._finalizer: weakref.finalize | None = None
 
@@ -287,6 +290,7 @@ class WriteWatch:
                 rs, re_ = self._pages(*ranges[i])
                 wid = out[i] = next(self._ids)
                 self._ranges[wid] = (rs, re_)
+                self._runs = None
                 bisect.insort(self._starts, (rs, wid))
                 self._longest = max(self._longest, re_ - rs)
                 wids.append(wid)
@@ -345,17 +349,25 @@ class WriteWatch:
         overlapping ranges (a tensor's blocks: one scan for all of them)."""
         if not self.available():
             return dict.fromkeys(wids)
-        out: dict[int, bool | None] = {w: None for w in wids if w not in self._ranges}
-        runs: list[list] = []  # [start, end, members]
-        for s, e, wid in sorted((*self._ranges[w], w) for w in wids if w in self._ranges):
-            if runs and s <= runs[-1][1]:
-                run = runs[-1]
-                run[1] = max(run[1], e)
-                run[2].append(wid)
-            else:
-                runs.append([s, e, [wid]])
+        key = tuple(wids)
+        if self._runs is None or self._runs[0] != key:  # (a steady set: sorted once)
+            unknown = [w for w in wids if w not in self._ranges]
+            runs: list[list] = []  # [start, end, members]
+            for s, e, wid in sorted((*self._ranges[w], w) for w in wids if w in self._ranges):
+                if runs and s <= runs[-1][1]:
+                    run = runs[-1]
+                    run[1] = max(run[1], e)
+                    run[2].append(wid)
+                else:
+                    runs.append([s, e, [wid]])
+            self._runs = (key, unknown, runs)
+        _, unknown, runs = self._runs
+        out: dict[int, bool | None] = dict.fromkeys(unknown)
         for s, e, members in runs:
             regions, whole = self._scan_span(s, e)
+            if whole and not regions and not self._dirty:
+                out.update(dict.fromkeys(members, False))  # (nothing written: the usual)
+                continue
             hit = self._deliver(regions, set(members))
             for wid in members:
                 out[wid] = (wid in hit or wid in self._dirty) if whole else None
@@ -365,6 +377,7 @@ class WriteWatch:
     def _forget(self, wid: int) -> tuple[int, int] | None:
         rng = self._ranges.pop(wid, None)
         if rng is not None:
+            self._runs = None
             self._starts.remove((rng[0], wid))
             self._dirty.discard(wid)
         return rng
@@ -415,3 +428,4 @@ class WriteWatch:
         self._ranges.clear()
         self._starts.clear()
         self._dirty.clear()
+        self._runs = None
