@@ -22,7 +22,7 @@ from quicksave.manager.states import payload_bytes
 from quicksave.saving.collect_cache import CollectCache
 from quicksave.saving.model_record import alias_key, tied_groups
 from quicksave.saving.rank_plans import collect_local
-from quicksave.worker.job import PickledOnce
+from quicksave.worker.job import Arrivals, PickledOnce
 
 
 def _state() -> dict[str, Any]:
@@ -208,6 +208,25 @@ def test_pickled_once_arrives_as_the_dict_and_pickles_once() -> None:
     pickle.dumps(entries)
     assert entries.blob is blob
     assert pickle.dumps(arrived) == first  # sent on, it pickles as the same bytes
+
+
+def test_a_writer_unpickles_the_same_pickled_once_bytes_once() -> None:
+    skeleton = PickledOnce({f"w{i}": (i, "x") for i in range(50)})
+    arrivals = Arrivals(keep=2)
+    msgs = [("job", {"tensors": skeleton, "objects": PickledOnce({"step": s})}) for s in range(4)]
+    got = [arrivals.loads(pickle.dumps(m)) for m in msgs]
+    assert all(g == (m[0], {"tensors": dict(skeleton), "objects": {"step": s}})
+               for s, (g, m) in enumerate(zip(got, msgs, strict=True)))  # fmt: skip
+    # the skeleton's bytes came in every message: one dict for all (kept, as the
+    # latest used, while each message's own objects came and went)
+    assert all(g[1]["tensors"] is got[0][1]["tensors"] for g in got)
+    assert got[0][1]["objects"] is not got[1][1]["objects"]
+    assert got[3][1]["tensors"].blob == skeleton.blob
+    other = PickledOnce({"w0": (9, "y")})
+    arrivals.loads(pickle.dumps(other))
+    arrivals.loads(pickle.dumps(PickledOnce({"z": 1})))  # others since: the skeleton went
+    again = arrivals.loads(pickle.dumps(msgs[0]))
+    assert again[1]["tensors"] == dict(skeleton) and again[1]["tensors"] is not got[0][1]["tensors"]
 
 
 # ---------------------------------------------------------------- through the manager

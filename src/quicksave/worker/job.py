@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import io
 import os
 import pickle
 import time
@@ -61,6 +62,46 @@ def _arrived(blob: bytes) -> PickledOnce:
     out = PickledOnce(pickle.loads(blob))
     out._blob = blob
     return out
+
+
+class Arrivals:
+    """The :class:`PickledOnce` dicts a writer received lately, kept by their bytes: a
+    message that brings the same bytes again (a plan's manifest skeleton and chunk keys,
+    in every job of the plan: thousands of entries) gets the same dict back without
+    unpickling them again. The dicts are never changed once made, so jobs may share
+    them. The ``keep`` used latest are kept. One thread unpickles (the writer's loop)."""
+
+    def __init__(self, keep: int = 6) -> None:
+        self.keep = keep
+        self._kept: list[tuple[bytes, PickledOnce]] = []  # the latest used first
+
+    def loads(self, data: bytes | memoryview) -> Any:
+        """``pickle.loads`` of a message, its PickledOnce dicts kept or taken from here."""
+        return _Unpickler(io.BytesIO(data), self).load()
+
+    def arrived(self, blob: bytes) -> PickledOnce:
+        """The dict of ``blob``: kept, or unpickled now (and kept)."""
+        for i, (kept, out) in enumerate(self._kept):
+            if kept == blob:
+                if i:
+                    self._kept.insert(0, self._kept.pop(i))
+                return out
+        out = _arrived(blob)
+        self._kept = [(blob, out), *self._kept][: self.keep]
+        return out
+
+
+class _Unpickler(pickle.Unpickler):
+    """An unpickler whose PickledOnce dicts come from :class:`Arrivals`."""
+
+    def __init__(self, file: io.BytesIO, arrivals: Arrivals) -> None:
+        super().__init__(file)
+        self._arrivals = arrivals
+
+    def find_class(self, module: str, name: str) -> Any:
+        if module == __name__ and name == "_arrived":
+            return self._arrivals.arrived
+        return super().find_class(module, name)
 
 
 @dataclass(frozen=True)

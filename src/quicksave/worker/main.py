@@ -51,7 +51,7 @@ from quicksave.storage.retry import StoreHealth
 from quicksave.worker.calls import run_pickled_call
 from quicksave.worker.config import WorkerConfig
 from quicksave.worker.execute import Templates, execute_job, store_for
-from quicksave.worker.job import PersistJob
+from quicksave.worker.job import Arrivals, PersistJob
 
 # The page shared with the trainer: the heartbeat (a double at 0), and where the
 # store stands for the jobs (a double at HEALTH_OFFSET: storage.retry.StoreHealth).
@@ -200,6 +200,7 @@ def _serve(
     lock = threading.Lock()  # in-place jobs answer from their own threads
     paused = _PausedCollector()
     templates = Templates()  # of the manifests' skeletons, kept from job to job
+    arrivals = Arrivals()  # the skeletons themselves, unpickled once
 
     def send(msg: tuple) -> bool:
         try:
@@ -214,7 +215,7 @@ def _serve(
             if not conn.poll(0.2):
                 continue
             with paused:  # (a job's unpickling builds its manifest's skeleton)
-                msg = conn.recv()
+                msg = arrivals.loads(conn.recv_bytes())
         except (EOFError, OSError):
             break
         kind = msg[0]
