@@ -11,6 +11,7 @@ import random
 
 import pytest
 
+from quicksave.commit.parts import RankPart, manifest_from_parts
 from quicksave.format.keys import DictKey
 from quicksave.format.manifest import (
     ChunkEntry,
@@ -129,3 +130,54 @@ def test_the_writer_makes_a_template_from_a_skeleton_seen_twice_and_keeps_it() -
         templates.of(other)
         templates.of(other)
     assert templates.of(_sent(skeleton)) is None  # fell out of the latest two
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_saves_filled_one_after_another_take_what_did_not_change_and_encode_the_same(
+    seed: int,
+) -> None:
+    """A writer fills manifest after manifest from one skeleton; each fill takes the
+    previous fill's unchanged chunk and tensor entries (``previous``, the template's
+    ``last``) and its text for them: the manifests and their bytes are those made
+    from scratch, whatever changed (checksums, references, nothing, everything)."""
+    rng = random.Random(seed)
+    m = _random_manifest(rng)
+    while sum(len(t.chunks) for t in m.tensors.values()) < 4:
+        m = _random_manifest(rng)
+    skeleton = Manifest(
+        m.step, m.world_size, _skeleton(m.tensors), m.objects, m.files, m.user_metadata
+    )
+    keys = {}
+    for fqn, t in skeleton.tensors.items():
+        for i in range(len(t.chunks)):
+            keys[f"{fqn}#{i}"] = (fqn, i)
+    template = TensorsTemplate(skeleton.tensors)
+    digests = {k: f"{rng.getrandbits(64):016x}" for k in keys}
+    bases: dict[str, int] = {}
+    kept_chunks = kept_tensors = 0
+    for save in range(8):
+        for k in rng.sample(sorted(keys), rng.randint(0, len(keys)) if save % 3 else 0):
+            if rng.random() < 0.5:
+                digests[k] = f"{rng.getrandbits(64):016x}"
+            if rng.random() < 0.5:
+                bases[k] = rng.randint(0, 99)
+            else:
+                bases.pop(k, None)
+        part = [RankPart(0, dict(digests), {})]
+        fresh = manifest_from_parts(skeleton, keys, part, "d", objects_in_parts=False, bases=bases)
+        last = template.last
+        filled = manifest_from_parts(
+            skeleton, keys, part, "d", objects_in_parts=False, bases=bases, previous=last
+        )
+        assert filled == fresh
+        for fqn, t in filled.tensors.items():
+            was = last.get(fqn)
+            if was is not None and was.chunks == fresh.tensors[fqn].chunks:
+                assert t is was  # nothing of it changed: the same entry, not made again
+                kept_tensors += 1
+            kept_chunks += sum(
+                a is b for a, b in zip(t.chunks, was.chunks if was else (), strict=False)
+            )
+        assert to_json_bytes(filled, template) == to_json_bytes(fresh)
+        assert template.last is filled.tensors
+    assert kept_chunks and kept_tensors  # (the seeds do reuse)

@@ -26,7 +26,7 @@ from quicksave.checksum import hexdigest
 from quicksave.commit.strategy import CommitStrategy
 from quicksave.errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
 from quicksave.format import strict_json
-from quicksave.format.manifest import MAX_MANIFEST_BYTES, Manifest, ObjectEntry
+from quicksave.format.manifest import MAX_MANIFEST_BYTES, Manifest, ObjectEntry, TensorEntry
 
 PART_FORMAT = "quicksave-part"
 
@@ -157,6 +157,7 @@ def manifest_from_parts(
     *,
     objects_in_parts: bool = True,
     bases: Mapping[str, int] | None = None,
+    previous: Mapping[str, TensorEntry] | None = None,
 ) -> Manifest:
     """Fill ``skeleton`` (every chunk placed, checksums empty) from every rank's part:
     the one way every save path completes its manifest (``layout.skeleton`` builds the
@@ -172,6 +173,10 @@ def manifest_from_parts(
         objects_in_parts: the parts bring every object's value (each exactly once);
             False: the skeleton holds the values already (a single-rank save).
         bases: the chunk references (every rank's).
+        previous: the tensor entries of a manifest filled before from the same
+            skeleton (``TensorsTemplate.last``): a chunk with the same checksum and
+            reference is taken from it as it is, and a tensor whose every chunk is, too
+            (an incremental save's frozen tensors: hundreds of blocks at every save).
 
     Raises:
         CorruptCheckpointError: a chunk or value nobody reported, one reported twice, or
@@ -182,6 +187,11 @@ def manifest_from_parts(
     bases = bases or {}
     _check_bases(skeleton.step, chunk_keys, bases)
     chunks = {fqn: list(t.chunks) for fqn, t in skeleton.tensors.items()}
+    last = {
+        fqn: t
+        for fqn, t in (previous or {}).items()
+        if (s := skeleton.tensors.get(fqn)) is not None and len(s.chunks) == len(t.chunks)
+    }
     seen: dict[str, int] = {}
     valued: dict[str, int] = {}
     objects = dict(skeleton.objects)
@@ -203,8 +213,14 @@ def manifest_from_parts(
         seen.update(dict.fromkeys(part.chunks, part.rank))
         for key, digest in part.chunks.items():
             fqn, i = chunk_keys[key]
-            entries = chunks[fqn]
-            entries[i] = entries[i].with_digest(digest, bases.get(key))
+            entries, base = chunks[fqn], bases.get(key)
+            was = last.get(fqn)
+            if was is not None:
+                c = was.chunks[i]
+                if c.xxh3_64 == digest and c.base == base:
+                    entries[i] = c
+                    continue
+            entries[i] = entries[i].with_digest(digest, base)
         for fqn, value in part.objects.items():
             old = objects.get(fqn)
             if objects_in_parts and (old is None or fqn in valued):
@@ -226,7 +242,11 @@ def manifest_from_parts(
                 raise CorruptCheckpointError(
                     "no rank reported writing this value", path=draft, fqn=fqn
                 )
-    tensors = {fqn: t.with_chunks(tuple(chunks[fqn])) for fqn, t in skeleton.tensors.items()}
+    tensors = {}
+    for fqn, t in skeleton.tensors.items():
+        filled = tuple(chunks[fqn])
+        was = last.get(fqn)
+        tensors[fqn] = was if was is not None and was.chunks == filled else t.with_chunks(filled)
     return dataclasses.replace(skeleton, tensors=tensors, objects=objects)
 
 

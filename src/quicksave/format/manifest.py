@@ -237,9 +237,14 @@ class TensorsTemplate:
         self.pieces = _dumps(_tensors_doc(opened)).split(_dumps(_SLOT))
         if len(self.pieces) != sum(self.counts) + 1:
             raise ValueError("a name or key path of the skeleton holds the template's marker")
+        # the latest fill's tensor entries, and each tensor's text (in ``names`` order)
+        self._last: tuple[dict[str, TensorEntry], list[str]] = ({}, [])
 
     def fill(self, m: Manifest) -> str:
-        """The ``tensors`` member of ``m``, filled from this template's skeleton.
+        """The ``tensors`` member of ``m``, filled from this template's skeleton. A tensor
+        entry that is the one the latest fill had (:attr:`last`, the same object: a
+        frozen tensor of an incremental save, whose chunks and references did not
+        change) takes the text encoded then.
 
         Raises:
             ValueError: ``m``'s tensors are not this skeleton's (names, chunk counts).
@@ -247,14 +252,20 @@ class TensorsTemplate:
         tensors = m.tensors
         if len(tensors) != len(self.names):
             raise ValueError("the manifest's tensors are not the template's")
+        last, encoded = self._last
         pieces = self.pieces
-        out = [pieces[0]]
+        segments: list[str] = []
         i = 1
         for fqn, count in zip(self.names, self.counts, strict=True):
-            chunks = tensors[fqn].chunks
-            if len(chunks) != count:
+            t = tensors.get(fqn)
+            if t is None or len(t.chunks) != count:
                 raise ValueError(f"the manifest's tensor {fqn!r} is not the template's")
-            for c in chunks:
+            if last.get(fqn) is t:
+                segments.append(encoded[len(segments)])
+                i += count
+                continue
+            out = []
+            for c in t.chunks:
                 d, base = c.xxh3_64, c.base
                 out.append(f'"{d}"' if d.isascii() and d.isalnum() else _dumps(d))
                 if base is not None:
@@ -263,7 +274,15 @@ class TensorsTemplate:
                     )
                 out.append(pieces[i])
                 i += 1
-        return "".join(out)
+            segments.append("".join(out))
+        self._last = (tensors, segments)  # (replaced whole: a fill on another thread
+        return pieces[0] + "".join(segments)  # reads the one before or this one)
+
+    @property
+    def last(self) -> dict[str, TensorEntry]:
+        """The tensor entries of the latest manifest filled (``commit.parts.
+        manifest_from_parts`` takes those that did not change as they are)."""
+        return self._last[0]
 
 
 def _plan_json(p: RankPlan) -> dict[str, Any]:

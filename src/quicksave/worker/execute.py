@@ -109,6 +109,7 @@ def execute_job(
             digests = write_files(job, pool, backend, usage)
         t1 = time.monotonic()
         with phase("save.commit"):
+            template = None if templates is None else templates.of(job.manifest.tensors)
             commit_files(
                 strategy_for(job.location, backend),
                 job.draft,
@@ -120,12 +121,14 @@ def execute_job(
                     job.draft,
                     objects_in_parts=False,
                     bases=job.bases,
+                    # (filled from the same skeleton: the template's)
+                    previous=None if template is None else template.last,
                 ),
                 job.dcp_metadata,
                 replace=job.replace,
                 # (a pool holds no bytes of the chunks referred to: never taken from it)
                 staged=None if job.bases else staged_files(job, pool),
-                template=None if templates is None else templates.of(job.manifest.tensors),
+                template=template,
             )
         t2 = time.monotonic()
         return done(job, t0, t1, t2, usage, digests)
