@@ -102,6 +102,36 @@ def test_an_untouched_frozen_base_is_referred_to_without_hashing(tmp_path: Path)
 
 
 @needs_kernel
+def test_after_prepare_a_frozen_base_is_watched_from_the_first_save(tmp_path: Path) -> None:
+    """``prepare()`` sees the counters: a block that nothing wrote between it and the
+    first save is protected at the first save, whose digest of it holds, so the second
+    save already refers to it unhashed (not protected then hashed again); the trained
+    head, whose counter moved, is never watched. A write the counters miss between
+    ``prepare()`` and the first save is in the first save (hashed after the
+    protection), one after it in the second."""
+    state = _state()
+    frozen = state["frozen"]
+
+    def edit(step: int) -> None:
+        if step == 1:
+            frozen.data[3] += 1.0  # before the first save: in it (block 0)
+        if step == 3:
+            frozen.numpy()[100, 0] = 7.0  # after it: in step 3's checkpoint (block 1)
+
+    with _saver() as saver:
+        saver.prepare(state, background=False)
+        costs = _run(tmp_path, saver, state, range(1, 5), edit)
+    block = FROZEN // 8
+    assert costs[1] == (FROZEN + HEAD, 0)
+    assert costs[2] == (0, FROZEN)  # (without prepare(): hashed again, as above)
+    assert costs[3] == (block, FROZEN - block)
+    assert _bases(_manifest(tmp_path, 2), "frozen") == [1] * 8
+    assert _bases(_manifest(tmp_path, 3), "frozen") == [1, None, 1, 1, 1, 1, 1, 1]
+    assert _bases(_manifest(tmp_path, 4), "frozen") == [1, 3, 1, 1, 1, 1, 1, 1]
+    assert _bases(_manifest(tmp_path, 4), "head") == [None]
+
+
+@needs_kernel
 def test_writes_the_counters_miss_are_in_the_next_checkpoint(tmp_path: Path) -> None:
     state = _state()
     frozen = state["frozen"]

@@ -569,7 +569,7 @@ class AsyncSaver:
             if self._closed:
                 return None
             try:
-                state = self._collect_whole(state_dict, "", self.rank)
+                state = self._incr.observed(self._collect_whole(state_dict, "", self.rank))
                 plan = single_rank_plan(self._plans, state, self.config.thread_count)
             except CheckpointError as e:
                 logger.debug("quicksave: nothing prepared: %s", e)

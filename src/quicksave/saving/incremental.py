@@ -277,6 +277,16 @@ class Increments:
         where incremental saves are off."""
         return self._blocks.blocked(state) if self.config.enabled else state
 
+    def observed(self, state: LocalState) -> LocalState:
+        """``state`` (:meth:`blocked`'s), seen at ``prepare()``: its tracked blocks'
+        addresses and version counters count as the last save's for the steady hint
+        (:meth:`CleanBlocks.observe`), so a block that nothing wrote between
+        ``prepare()`` and the first save (a frozen base) is watched from the first save,
+        whose digest of it then holds: the second save refers to it unhashed."""
+        if self._clean is not None and state.tracked:
+            self._clean.observe([(n, state.sources[n]) for n in state.tracked])
+        return state
+
     def base_step(self) -> int | None:
         """The step of the current base (None: the next save is full)."""
         return None if self._base is None else self._base.step
