@@ -22,10 +22,11 @@ import quicksave
 from helpers.checks import seal_manifest
 from helpers.chunk_refs import damage_chunks, manifest_of, refer, unchanged
 from helpers.state import assert_bit_equal, random_tensor
+from quicksave.commit.manifest_reader import read_manifest
 from quicksave.errors import CheckpointError, CorruptCheckpointError
 from quicksave.format import MANIFEST_NAME
 from quicksave.format.manifest import to_json_bytes
-from quicksave.format.manifest_parse import from_json_bytes
+from quicksave.format.manifest_parse import bases_in, from_json_bytes
 from quicksave.loading.verify import verify_checkpoint
 from quicksave.manager import CheckpointConfig, CheckpointManager
 from quicksave.manager.folder import apply_retention
@@ -399,22 +400,53 @@ def test_the_base_cache_reads_a_manifest_once_and_again_when_the_step_is_saved_a
 
     folder, _ = run
     reads: list[str] = []
-    real = references.read_manifest
+    real = references.bases_in
 
-    def counting(d):
-        reads.append(d.url)
-        return real(d)
+    def counting(data, path):
+        reads.append(path)
+        return real(data, path)
 
-    monkeypatch.setattr(references, "read_manifest", counting)
+    monkeypatch.setattr(references, "bases_in", counting)
     cache = BaseCache()
     loc = parse_location(folder)
     assert cache.bases(loc, 3, None) == {1}
     assert cache.bases(loc, 3, None) == {1}
     assert cache.bases(loc, 1, None) == frozenset()  # version 1: its first bytes say so
-    assert reads == [str(folder / "step-3")]
+    assert reads == [str(folder / "step-3" / MANIFEST_NAME)]
     shutil.rmtree(folder / "step-3")
     quicksave.save(_state(4), folder / "step-3", step=3)  # saved again, standalone
     assert cache.bases(loc, 3, None) == frozenset()
+
+
+def test_retention_reads_the_same_bases_as_the_whole_manifest_and_refuses_damage(
+    run, tmp_path: Path
+) -> None:
+    """``bases_in`` (what retention reads of each kept checkpoint) gives what the whole
+    parse gives, on manifests with references and without; a damaged manifest, or one
+    whose chunks are not what they must be, is refused (retention then keeps every
+    older step), never read in part."""
+    folder, _ = run
+    for step in (1, 3):
+        path = folder / f"step-{step}" / MANIFEST_NAME
+        data = path.read_bytes()
+        assert bases_in(data, str(path)) == read_manifest(folder / f"step-{step}").bases()
+    data = (folder / "step-3" / MANIFEST_NAME).read_bytes()
+    assert bases_in(data) == {1}
+    at = data.index(b'"base":1') + len(b'"base":')
+    with pytest.raises(CorruptCheckpointError, match="checksum"):
+        bases_in(data[:at] + b"2" + data[at + 1 :])
+    doc = json.loads(data)
+    fqn = next(f for f, t in doc["tensors"].items() if any("base" in c for c in t["chunks"]))
+    for bad in ("1", -1, 2**63):
+        broken = json.loads(data)
+        next(c for c in broken["tensors"][fqn]["chunks"] if "base" in c)["base"] = bad
+        with pytest.raises(CorruptCheckpointError, match="base") as e:
+            bases_in(seal_manifest(broken))
+        assert e.value.fqn == fqn
+    broken = json.loads(data)
+    broken["tensors"][fqn]["chunks"] = {"0": 1}
+    with pytest.raises(CorruptCheckpointError, match="chunks are malformed"):
+        bases_in(seal_manifest(broken))
 
 
 def test_the_verify_command_reports_a_damaged_base(run, capsys) -> None:
