@@ -321,6 +321,18 @@ def _check_disjoint(tensors: dict[str, TensorEntry], path: str) -> None:
             )
 
 
+def _checked_json(data: bytes, path: str) -> Any:
+    """A manifest's JSON document, once its size and self-checksum are checked."""
+    if len(data) > MAX_MANIFEST_BYTES:
+        raise CorruptCheckpointError("manifest larger than 1 GiB", path=path)
+    _check_self_digest(data, path)
+    try:
+        text = data.decode("ascii")
+    except UnicodeDecodeError as e:
+        raise CorruptCheckpointError(f"manifest is not valid JSON: {e}", path=path) from None
+    return strict_json.loads(text, what="manifest", path=path)
+
+
 def from_json_bytes(
     data: bytes, path: str = "manifest.json", *, layout: str | None = None
 ) -> Manifest:
@@ -338,14 +350,7 @@ def from_json_bytes(
     Raises:
         CorruptCheckpointError: naming ``path`` (and the fqn where there is one).
     """
-    if len(data) > MAX_MANIFEST_BYTES:
-        raise CorruptCheckpointError("manifest larger than 1 GiB", path=path)
-    _check_self_digest(data, path)
-    try:
-        text = data.decode("ascii")
-    except UnicodeDecodeError as e:
-        raise CorruptCheckpointError(f"manifest is not valid JSON: {e}", path=path) from None
-    doc = strict_json.loads(text, what="manifest", path=path)
+    doc = _checked_json(data, path)
     if not isinstance(doc, dict) or doc.get("format") != FORMAT_NAME:
         raise CorruptCheckpointError("not a quicksave manifest", path=path)
     version = _req(doc, "format_version", int, "manifest", path)
@@ -407,14 +412,7 @@ def bases_in(data: bytes, path: str = "manifest.json") -> frozenset[int]:
         CorruptCheckpointError: damaged, not JSON, or a chunk or reference malformed
             (naming ``path`` and the fqn).
     """
-    if len(data) > MAX_MANIFEST_BYTES:
-        raise CorruptCheckpointError("manifest larger than 1 GiB", path=path)
-    _check_self_digest(data, path)
-    try:
-        text = data.decode("ascii")
-    except UnicodeDecodeError as e:
-        raise CorruptCheckpointError(f"manifest is not valid JSON: {e}", path=path) from None
-    doc = strict_json.loads(text, what="manifest", path=path)
+    doc = _checked_json(data, path)
     tensors = doc.get("tensors") if isinstance(doc, dict) else None
     if not isinstance(tensors, dict):
         _fail("manifest has no tensors object", path)
