@@ -41,12 +41,7 @@ def read_manifest(checkpoint: Any) -> Manifest:
     try:
         path = d.member_url(MANIFEST_NAME)
         try:
-            data = d.read(
-                MANIFEST_NAME,
-                MAX_MANIFEST_BYTES,
-                what="manifest",
-                too_large="manifest larger than 1 GiB",
-            )
+            data = manifest_bytes(d)
         except FileNotFoundError:
             found = _read_dcp_layout_manifest(d)
             if found is None:
@@ -56,6 +51,18 @@ def read_manifest(checkpoint: Any) -> Manifest:
     finally:
         if d is not checkpoint:
             d.close()
+
+
+def manifest_bytes(d: CheckpointDir) -> bytes:
+    """The bytes of ``d``'s ``manifest.json`` (layout ``quicksave``), at most 1 GiB.
+
+    Raises:
+        FileNotFoundError: there is none.
+        CorruptCheckpointError: not a regular file, too large, unreadable.
+    """
+    return d.read(
+        MANIFEST_NAME, MAX_MANIFEST_BYTES, what="manifest", too_large="manifest larger than 1 GiB"
+    )
 
 
 def _read_dcp_layout_manifest(d: Any) -> Manifest | None:

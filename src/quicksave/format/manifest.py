@@ -346,7 +346,7 @@ def to_json_bytes(m: Manifest, template: TensorsTemplate | None = None) -> bytes
     # json.dumps of the whole (JSON is compositional), and the tensors may come encoded
     doc: dict[str, str] = {
         "format": _dumps(FORMAT_NAME),
-        "format_version": _dumps(FORMAT_VERSION_REFS if bases else FORMAT_VERSION),
+        "format_version": _dumps(m.format_version),
         "step": _dumps(m.step),
         "world_size": _dumps(m.world_size),
         "tensors": _dumps(_tensors_doc(m.tensors)) if template is None else template.fill(m),

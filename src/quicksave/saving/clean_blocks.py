@@ -77,6 +77,11 @@ def _key(t: torch.Tensor) -> tuple[int, int]:
     return t.data_ptr(), t.numel() * t.element_size()
 
 
+def _version(src: torch.Tensor) -> tuple[int, int]:
+    version = counter(src)
+    return src.data_ptr(), -1 if version is None else version
+
+
 class CleanBlocks:
     """Per tracked block name: what the kernel proves about it (see the module doc).
 
@@ -120,8 +125,7 @@ class CleanBlocks:
         the first save)."""
         for name, src in blocks:
             if name not in self._seen:
-                version = counter(src)
-                self._seen[name] = (src.data_ptr(), -1 if version is None else version)
+                self._seen[name] = _version(src)
 
     def _drop(self, name: str) -> None:
         rec = self._records.pop(name, None)
@@ -160,8 +164,7 @@ class CleanBlocks:
         ask: dict[int, tuple[str, _Record]] = {}
         storages: dict[int, bool] = {}
         for name, t, src in blocks:
-            version = counter(src)
-            seen = (src.data_ptr(), -1 if version is None else version)
+            seen = _version(src)
             if seen_all.get(name) == seen:
                 steady.add(name)
             else:
