@@ -23,17 +23,21 @@ def test_views_are_kept_while_the_memory_stays_and_cut_again_when_it_moves() -> 
     weight = torch.nn.Parameter(torch.randn(64, 64), requires_grad=False)  # 4 blocks
     first = _blocks(blocks, weight)
     assert len(first) == 4
+    assert not blocks.kept  # (nothing before: cut)
     again = _blocks(blocks, weight)  # a new detached tensor, the same memory
     assert all(again[k] is first[k] for k in first)
+    assert blocks.kept == set(first)  # steady: its blocks' counters need no reading
 
     with torch.no_grad():
         weight[3] += 1.0  # the counter moves: cut again
     moved = _blocks(blocks, weight)
     assert all(moved[k] is not first[k] for k in first)
+    assert not blocks.kept
     assert torch.equal(torch.cat(list(moved.values())), weight.detach())
 
     weight.data = torch.randn(64, 64)  # other memory, its counter untouched
     swapped = _blocks(blocks, weight)
+    assert not blocks.kept
     storage = weight.untyped_storage().data_ptr()
     assert all(v.untyped_storage().data_ptr() == storage for v in swapped.values())
     assert torch.equal(torch.cat(list(swapped.values())), weight.detach())

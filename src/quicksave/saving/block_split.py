@@ -70,7 +70,13 @@ def _split_of(state: LocalState, config: IncrementalConfig) -> _Split:
 
 
 class Blocks:
-    """The tracked split of the latest structure (one entry, like the plan cache)."""
+    """The tracked split of the latest structure (one entry, like the plan cache).
+
+    Attributes:
+        kept: the blocks of the latest :meth:`blocked` whose views were kept from the
+            call before: their tensor's address, layout and version counter had not
+            changed since (a save's *steady* blocks; a hint, never proof of bytes).
+    """
 
     def __init__(self, config: IncrementalConfig) -> None:
         self.config = config
@@ -79,6 +85,7 @@ class Blocks:
         self._views: dict[
             str, tuple[tuple | None, list[tuple[str, torch.Tensor, torch.Tensor]]]
         ] = {}
+        self.kept: frozenset[str] = frozenset()
 
     def blocked(self, state: LocalState) -> LocalState:
         """``state`` with its tracked chunks as chunks of their own: the large ones as
@@ -94,6 +101,7 @@ class Blocks:
         tensors: dict[str, torch.Tensor] = {}
         sources: dict[str, torch.Tensor] = {}
         views, self._views = self._views, {}
+        kept_keys: list[str] = []
         with torch.no_grad():  # (views of parameters: no autograd graph)
             for name, t in state.tensors.items():
                 blocks = split.rows.get(name)
@@ -109,10 +117,13 @@ class Blocks:
                     # (a DTensor's own counter is kept: the DTensor itself)
                     cut = [(k, t[a:b], src[a:b] if sliced else src) for k, a, b in blocks]
                     kept = (at, cut)
+                else:
+                    kept_keys += [k for k, _, _ in kept[1]]
                 self._views[name] = kept
                 for k, view, src_view in kept[1]:
                     tensors[k] = view
                     sources[k] = src_view
+        self.kept = frozenset(kept_keys)
         cfg = self.config
         shape = state.shape_key if state.items is None else state.shape
         return dataclasses.replace(

@@ -46,6 +46,7 @@ result. No I/O besides the ioctls and ``/proc/self/maps``.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 
 import torch
@@ -150,22 +151,27 @@ class CleanBlocks:
         return same
 
     def check(
-        self, blocks: list[tuple[str, torch.Tensor, torch.Tensor]]
+        self,
+        blocks: list[tuple[str, torch.Tensor, torch.Tensor]],
+        kept: AbstractSet[str] = frozenset(),
     ) -> tuple[dict[str, str], set[str]]:
         """Of the ``(name, block, source)`` tracked: the digests of the blocks whose
         bytes the kernel proves unwritten since they were hashed (one scan per run of
         adjacent blocks), and the *steady* ones, whose source's address and version
-        counter are those of the last save (a hint only: whether to watch a block).
-        A block absent from the digests is to be :meth:`protect`-ed, if steady and
-        ``watchable`` (a block still watched keeps its watch, protected again by the
-        scan just made); one not steady is unwatched (being trained)."""
+        counter are those of the last save (a hint only: whether to watch a block);
+        ``kept``: blocks known steady already (``Blocks.kept``: their views were kept,
+        their tensor's address, layout and counter unchanged), whose counters are not
+        read again. A block absent from the digests is to be :meth:`protect`-ed, if
+        steady and ``watchable`` (a block still watched keeps its watch, protected
+        again by the scan just made); one not steady is unwatched (being trained)."""
         seen_all, records = self._seen, self._records
         steady: set[str] = set()
         ask: dict[int, tuple[str, _Record]] = {}
         storages: dict[int, bool] = {}
         for name, t, src in blocks:
-            seen = _version(src)
-            if seen_all.get(name) == seen:
+            if name in kept:
+                steady.add(name)
+            elif seen_all.get(name) == (seen := _version(src)):
                 steady.add(name)
             else:
                 seen_all[name] = seen

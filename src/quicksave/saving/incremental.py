@@ -376,7 +376,9 @@ class Increments:
             clean.begin(set(tracked))
             referred: set[str] = set()
             protect: dict[str, torch.Tensor] = {}
-            found, steady = clean.check([(n, tensors[n], sources[n]) for n in tracked])
+            found, steady = clean.check(
+                [(n, tensors[n], sources[n]) for n in tracked], self._blocks.kept
+            )
             for name in tracked:
                 if name not in found and name in steady and clean.watchable(name, tensors[name]):
                     protect[name] = tensors[name]
