@@ -178,7 +178,10 @@ class CleanBlocks:
             rec = records.get(name)
             if rec is None:
                 continue
-            if name not in steady or not self._same_memory(rec, t, storages):
+            # (the view protected, kept: Blocks found its tensor's address and layout
+            # those it was cut at, and its storage is held)
+            same = (t is rec.view and name in kept) or self._same_memory(rec, t, storages)
+            if name not in steady or not same:
                 self._drop(name)
             elif rec.digest is not None:  # (None: never hashed since protected: hashed now)
                 ask[rec.wid] = (name, rec)
