@@ -299,3 +299,36 @@ def test_a_periodic_full_save_copies_a_deferred_frozen_tensor_in_the_background(
     assert _bases(_manifest(tmp_path, 3), "frozen") == [1] * 8  # clean, kernel-proven
     assert _bases(_manifest(tmp_path, 4), "frozen") == [None] * 8  # the chain's end
     assert in_save[4] == [] and in_save[1] == [], in_save
+
+
+def test_a_result_leaves_out_the_digests_it_refers_to(tmp_path: Path) -> None:
+    """The writer sends back the digests of what it wrote, not of the chunks referred
+    to (the base's, which the saver holds; a lora save's 384 of them made the result
+    two writes of the pipe, between which the trainer waited): the base the saver
+    keeps has every tracked digest anyway, equal to the manifest's, and the saves
+    after keep referring."""
+    state = _state()
+    results = []
+    with _saver() as saver:
+        settled = saver._incr.settled  # (white box: what the worker sent back)
+
+        def spy(result: Any) -> None:
+            results.append(result)
+            settled(result)
+
+        saver._incr.settled = spy  # type: ignore[method-assign]
+        _run(tmp_path, saver, state, range(1, 5))
+        base = saver._incr._base
+    assert base is not None and base.step == 4
+    frozen = {f"frozen@{r},0" for r in range(0, ROWS, ROWS // 8)}
+    assert frozen <= base.digests.keys()
+    chunks = {  # (chunk keys: a whole tensor's is its name, a block's names its offsets)
+        fqn if len(t["chunks"]) == 1 else f"{fqn}@{','.join(map(str, c['offsets']))}": c
+        for fqn, t in _manifest(tmp_path, 4)["tensors"].items()
+        for c in t["chunks"]
+    }
+    assert {k: chunks[k]["xxh3_64"] for k in base.digests} == base.digests
+    for step in (3, 4):
+        assert _bases(_manifest(tmp_path, step), "frozen") == [1] * 8
+    assert frozen <= results[0].digests.keys()  # (the first save wrote them)
+    assert all(not (frozen & r.digests.keys()) for r in results[2:])

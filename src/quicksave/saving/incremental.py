@@ -152,6 +152,9 @@ class _Candidate:
     versions: dict[str, tuple[int, int]]
     tokens: dict[str, int]  # blocks protected by this save (``CleanBlocks.protect``)
     compared: dict[str, str]  # block compared with the base -> its tensor's fqn
+    # the digests of the base referred to (a referred block's are its; the result does
+    # not send them back)
+    held: dict[str, str]
 
 
 def _folder_of(url: str) -> tuple[str, str]:
@@ -489,7 +492,7 @@ class Increments:
                 del self._pending[next(iter(self._pending))]
             self._pending[job.job_id] = _Candidate(
                 folder, job.step, plan.key, chain, frozenset(tracked), bases, versions, tokens,
-                {n: tracked[n] for n in compared},
+                {n: tracked[n] for n in compared}, {} if base is None else base.digests,
             )  # fmt: skip
         self.cost = (copied, hashed)
         return job, keep_now, keep_later
@@ -505,12 +508,14 @@ class Increments:
         if not result.ok:
             self._base = None
             return
+        digests = result.digests
+        if candidate.bases:  # (a block referred to has the base's digest: not sent back)
+            digests = {**{k: candidate.held[k] for k in candidate.bases}, **digests}
         if self._clean is not None:  # (read after their protections: recorded)
-            self._clean.settled(candidate.tokens, result.digests)
+            self._clean.settled(candidate.tokens, digests)
         self._dense.compared(candidate.compared, candidate.bases)
         if self._base is not None and self._base.step > candidate.step:
             return  # a newer step committed first: it stays the base (the newest one)
-        digests = result.digests
         if not candidate.tracked <= digests.keys():
             self._base = None
             return

@@ -153,8 +153,9 @@ class PersistJob:
     # run folder that holds its bytes (their digest in ``digests``). The writer leaves
     # their ranges of the file unwritten (holes: zeros) and the manifest names the step.
     bases: dict[str, int] = field(default_factory=dict)
-    # Send the checksum of every chunk back in the result (``JobResult.digests``): an
-    # incremental saver compares the next save's blocks with them.
+    # Send the checksum of every chunk back in the result (``JobResult.digests``), but
+    # those of ``bases`` (the base's, which the saver holds): an incremental saver
+    # compares the next save's blocks with them.
     report_digests: bool = False
 
     def referenced_bytes(self) -> int:
@@ -198,7 +199,8 @@ class JobResult:
     pid: int = 0  # the writer's process
     cpu_s: float = 0.0  # CPU seconds of the job's thread and its writer threads
     bytes_hashed: int = 0  # chunk bytes the writer hashed (not given by the trainer)
-    digests: dict[str, str] = field(default_factory=dict)  # job.report_digests: every chunk's
+    # job.report_digests: every chunk's, but those the job refers to (``job.bases``)
+    digests: dict[str, str] = field(default_factory=dict)
     error_type: str = ""
     error_message: str = ""
     error_path: str | None = None
@@ -249,7 +251,9 @@ def done(
     digests: dict[str, str] | None = None,
 ) -> JobResult:
     """A job's success: its files written at ``written``, committed at ``committed``
-    (``digests``: every chunk's, sent back where the job asks for them)."""
+    (``digests``: every chunk's, sent back where the job asks for them, but those it
+    refers to: a lora save's result then stays small enough for one write of the pipe,
+    which a reader otherwise waits on between the header and the body)."""
     return JobResult(
         job.job_id,
         job.step,
@@ -262,7 +266,11 @@ def done(
         pid=os.getpid(),
         cpu_s=usage.cpu_s(),
         bytes_hashed=usage.bytes_hashed,
-        digests=dict(digests) if digests is not None and job.report_digests else {},
+        digests=(
+            {k: d for k, d in digests.items() if k not in job.bases}
+            if digests is not None and job.report_digests
+            else {}
+        ),
     )
 
 
