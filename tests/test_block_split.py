@@ -62,3 +62,22 @@ def test_an_inference_tensor_written_in_place_is_read_anew() -> None:
     assert torch.equal(torch.cat(list(again.values())), weight)
     with torch.inference_mode():
         assert _cut_key(weight, weight) is None
+
+
+def test_kept_views_no_longer_on_the_tensors_memory_are_cut_again() -> None:
+    """A kept view whose storage was resized away under it (another storage may then lie
+    at the tensor's address, with a counter reading the same) is not the tensor's memory:
+    the views are cut again, though the cut key matches (white box: the kept entry's
+    first view is made to lie elsewhere)."""
+    blocks = Blocks(IncrementalConfig(enabled=True, block_bytes=BLOCK, min_bytes=1))
+    weight = torch.nn.Parameter(torch.randn(64, 64), requires_grad=False)
+    first = _blocks(blocks, weight)
+    at, views = blocks._views["w"]
+    elsewhere = torch.zeros(64, 64)
+    blocks._views["w"] = (at, [(views[0][0], elsewhere[:16], views[0][2]), *views[1:]])
+    again = _blocks(blocks, weight)
+    assert not blocks.kept
+    assert all(again[k] is not first[k] for k in first)
+    assert torch.equal(torch.cat(list(again.values())), weight.detach())
+    _blocks(blocks, weight)
+    assert blocks.kept == set(first)  # (intact again: kept)

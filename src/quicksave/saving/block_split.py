@@ -113,7 +113,9 @@ class Blocks:
                 sliced = type(src).__name__ != "DTensor"  # (its shape is the global one)
                 at = _cut_key(t, src) if sliced else None  # (None: not kept)
                 kept = views.get(name)
-                if at is None or kept is None or kept[0] != at:
+                # (the first kept view starts at row 0: still on the tensor's memory, or
+                # its storage was resized away under it and another lies there now)
+                if at is None or kept is None or kept[0] != at or kept[1][0][1].data_ptr() != at[0]:
                     # (a DTensor's own counter is kept: the DTensor itself)
                     cut = [(k, t[a:b], src[a:b] if sliced else src) for k, a, b in blocks]
                     kept = (at, cut)
