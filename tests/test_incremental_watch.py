@@ -17,6 +17,7 @@ import torch
 
 import quicksave
 from helpers.state import assert_bit_equal
+from quicksave.layout.plan import chunk_key
 from quicksave.loading.verify import verify_checkpoint
 from quicksave.saving.staging import DeferredAt
 from quicksave.saving.write_watch import WriteWatch
@@ -322,8 +323,8 @@ def test_a_result_leaves_out_the_digests_it_refers_to(tmp_path: Path) -> None:
     assert base is not None and base.step == 4
     frozen = {f"frozen@{r},0" for r in range(0, ROWS, ROWS // 8)}
     assert frozen <= base.digests.keys()
-    chunks = {  # (chunk keys: a whole tensor's is its name, a block's names its offsets)
-        fqn if len(t["chunks"]) == 1 else f"{fqn}@{','.join(map(str, c['offsets']))}": c
+    chunks = {
+        chunk_key(fqn, c["offsets"], c["sizes"], t["shape"]): c
         for fqn, t in _manifest(tmp_path, 4)["tensors"].items()
         for c in t["chunks"]
     }

@@ -115,7 +115,12 @@ class Blocks:
                 kept = views.get(name)
                 # (the first kept view starts at row 0: still on the tensor's memory, or
                 # its storage was resized away under it and another lies there now)
-                if at is None or kept is None or kept[0] != at or kept[1][0][1].data_ptr() != at[0]:
+                if (
+                    at is None
+                    or kept is None
+                    or kept[0] != at
+                    or kept[1][0][1].data_ptr() != t.data_ptr()
+                ):
                     # (a DTensor's own counter is kept: the DTensor itself)
                     cut = [(k, t[a:b], src[a:b] if sliced else src) for k, a, b in blocks]
                     kept = (at, cut)
