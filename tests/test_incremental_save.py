@@ -41,7 +41,11 @@ BLOCK = 64 << 10  # small blocks: a small model spans several of them
 
 def _config(folder: Path, **kw: Any) -> CheckpointConfig:
     incremental = quicksave.IncrementalConfig(
-        enabled=True, block_bytes=BLOCK, min_bytes=1024, full_every=kw.pop("full_every", 8)
+        enabled=True,
+        block_bytes=BLOCK,
+        min_bytes=1024,
+        full_every=kw.pop("full_every", 8),
+        max_unused=kw.pop("incremental_max_unused", None),
     )
     kw.setdefault("async_mode", "thread")
     return CheckpointConfig(folder=str(folder), interval=1, incremental=incremental, **kw)
@@ -173,6 +177,64 @@ def test_every_kth_save_is_full(tmp_path: Path, job: Job) -> None:
     assert _bases(_manifest(folder, 6), "model.base.weight") == [4] * 8
 
 
+def test_a_frozen_base_is_never_rewritten_on_a_count_alone(tmp_path: Path, job: Job) -> None:
+    """The defaults (no ``full_every``, ``max_unused=1.0``): a LoRA chain keeps only the
+    adapters of its full save unused, so no save of a long run rewrites the frozen base
+    (a count would: every K-th save, the whole base again)."""
+    default = quicksave.IncrementalConfig()
+    assert default.full_every is None
+    folder = tmp_path / "run"
+    snaps, _ = _train_and_save(
+        folder, job, range(1, 21), full_every=None, incremental_max_unused=default.max_unused
+    )
+    for step in range(2, 21):
+        assert _bases(_manifest(folder, step), "model.base.weight") == [1] * 8, step
+    _assert_loads(folder / "step-20", snaps[20])
+
+
+def _unused_and_total(folder: Path, step: int) -> tuple[int, int]:
+    """From the manifests on disk: the bytes that the steps ``step`` refers to wrote and
+    its state does not use, and the bytes of its state (``IncrementalConfig.max_unused``)."""
+    doc = _manifest(folder, step)
+    chunks = [c for t in doc["tensors"].values() for c in t["chunks"]]
+    used: dict[int, int] = {}
+    for c in chunks:
+        if c.get("base") is not None:
+            used[c["base"]] = used.get(c["base"], 0) + c["length"]
+
+    def wrote(at: int) -> int:
+        held = _manifest(folder, at)["tensors"].values()
+        return sum(c["length"] for t in held for c in t["chunks"] if c.get("base") is None)
+
+    return sum(wrote(at) - n for at, n in used.items()), sum(c["length"] for c in chunks)
+
+
+@pytest.mark.parametrize("ratio", [0.5, 1.0])
+def test_a_save_is_full_once_its_chain_keeps_too_many_unused_bytes(
+    tmp_path: Path, job: Job, ratio: float
+) -> None:
+    """A sparse update (a different block of the frozen weight each step, behind its
+    counter): each save leaves older blocks and adapters unused in the steps it refers
+    to; the save after the one whose unused bytes exceed ``max_unused`` × the state's is
+    full, every other refers. Recomputed from the manifests on disk, and every step loads."""
+    folder = tmp_path / "run"
+
+    def edit(step: int, job: Job) -> None:
+        job.model.base.weight.detach().numpy()[64 * (step % 8) + 1, 2] += 1.0
+
+    steps = range(1, 17)
+    snaps, _ = _train_and_save(
+        folder, job, steps, edit, full_every=None, incremental_max_unused=ratio
+    )
+    full = [s for s in steps if _manifest(folder, s)["format_version"] == 1]
+    assert full[0] == 1 and len(full) >= 3  # (the rule fired, more than once)
+    for step in steps[1:]:
+        unused, total = _unused_and_total(folder, step - 1)
+        assert (step in full) == (unused > ratio * total), (step, unused, total)
+    for step in steps:
+        _assert_loads(folder / f"step-{step}", snaps[step])
+
+
 def test_retention_keeps_the_bases_of_kept_steps(tmp_path: Path, job: Job) -> None:
     folder = tmp_path / "run"
     snaps, _ = _train_and_save(folder, job, range(1, 8), keep_latest_k=2, full_every=4)
@@ -279,6 +341,9 @@ def test_off_by_default(tmp_path: Path, job: Job) -> None:
     [
         {"block_bytes": 0},
         {"full_every": 0},
+        {"max_unused": -1},
+        {"max_unused": float("nan")},
+        {"max_unused": "1"},
         {"min_bytes": -1},
         {"block_bytes": 1.5},
         {"watch_writes": "auto"},

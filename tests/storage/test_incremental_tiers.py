@@ -37,7 +37,10 @@ from quicksave.storage import S3Options, StorageOptions, parse_location
 
 
 def _incremental() -> quicksave.IncrementalConfig:
-    return quicksave.IncrementalConfig(enabled=True, block_bytes=64 << 10, min_bytes=1024)
+    # (a full save every 8: the folder's retention then deletes the bases of old uploads)
+    return quicksave.IncrementalConfig(
+        enabled=True, block_bytes=64 << 10, min_bytes=1024, full_every=8
+    )
 
 
 def _options(s3_server) -> StorageOptions:

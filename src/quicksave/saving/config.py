@@ -35,9 +35,20 @@ class IncrementalConfig:
             or not (the layout never depends on what changed).
         min_bytes: tensors smaller than this are always written (tracking them costs
             more manifest than it saves).
-        full_every: every ``full_every``-th save of a chain is full (refers to
-            nothing), so that a chain of references is at most ``full_every - 1``
-            checkpoints long; 1: every save is full.
+        max_unused: a save is full (refers to nothing) once the bytes that the
+            checkpoints it would refer to keep on disk only for the chain, but that the
+            state no longer uses (an earlier save's blocks that changed since, its
+            untracked tensors), exceed this multiple of the state's bytes. It bounds what
+            a chain costs in disk (about ``1 + max_unused`` times what retention alone
+            keeps) and makes a save full only when that pays: a frozen base referred to
+            by every save leaves nothing unused, so a LoRA run never rewrites it (with a
+            full save every K saves, its 1.5 GB base would cost K steady saves' bytes
+            and copying every K saves). None: no bound by bytes.
+        full_every: also every ``full_every``-th save of a chain is full, so that no
+            checkpoint depends on one more than ``full_every - 1`` saves older: a
+            damaged base (``verify`` names both checkpoints; ``load()`` falls back)
+            then costs at most that many checkpoints. None (default): no bound by
+            count; 1: every save is full.
         trust_counters: a tracked CPU block whose tensor's version counter and address
             are those of the last save is referred to without hashing it in
             ``save()``; the background copy hashes it before the save is handed to the
@@ -67,17 +78,27 @@ class IncrementalConfig:
     enabled: bool = False
     block_bytes: int = 4 << 20
     min_bytes: int = 64 << 10
-    full_every: int = 8
+    max_unused: float | None = 1.0
+    full_every: int | None = None
     trust_counters: bool = False
     watch_writes: bool = True
 
     def __post_init__(self) -> None:
         for name in ("block_bytes", "min_bytes", "full_every"):
             value = getattr(self, name)
+            if name == "full_every" and value is None:
+                continue
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise CheckpointError(
                     f"IncrementalConfig.{name} must be a positive integer, got {value!r}"
                 )
+        unused = self.max_unused
+        if unused is not None and (
+            isinstance(unused, bool) or not isinstance(unused, int | float) or not unused >= 0
+        ):
+            raise CheckpointError(
+                f"IncrementalConfig.max_unused must be a number >= 0 or None, got {unused!r}"
+            )
         for name in ("enabled", "trust_counters", "watch_writes"):
             if not isinstance(getattr(self, name), bool):
                 raise CheckpointError(

@@ -57,9 +57,14 @@ ops move its own counter, not its local tensor's).
 **Which save is full.** The first save of a saver, a save whose layout (plan key),
 folder or naming differs from the base's, a save while another save of this saver is
 in flight (its commit could make the base older than the newest step, which retention
-may then delete), a save after a failed one, an ``overwrite`` and every
-``full_every``-th save of a chain: each refers to nothing. Once a referring save
-commits, retention keeps its bases (``manager/references.py``).
+may then delete), a save after a failed one, an ``overwrite``; and the save after one
+whose bases keep more unused bytes on disk than ``max_unused`` times the state's (the
+bytes the steps it refers to wrote that its state no longer uses: a frozen base keeps
+none, a sparse update's older blocks add up), and every ``full_every``-th save of a
+chain where set: each refers to nothing. So a chain costs a full save only when the
+disk it holds calls for one, never on a count alone (a full save of a LoRA run rewrites
+its whole frozen base). Once a referring save commits, retention keeps its bases
+(``manager/references.py``).
 
 Call order (the saver's training thread, under its lock): :meth:`Increments.blocked`
 at collect (``save()`` and ``prepare()``) → :meth:`Increments.stage` at the start of
@@ -137,6 +142,10 @@ class _Held:
     holders: dict[str, int]  # tracked chunk key -> the step whose files hold it
     # tracked whole tensor (every tracked block, trust_counters) -> (data_ptr, _version)
     versions: dict[str, tuple[int, int]]
+    # the bytes this rank's save of each step in ``holders`` (and of ``step``) wrote
+    wrote: dict[int, int]
+    unused: int  # of those, the bytes no chunk of this base's state uses
+    total: int  # the bytes of this rank's state
 
 
 @dataclass(frozen=True)
@@ -155,6 +164,9 @@ class _Candidate:
     # the digests of the base referred to (a referred block's are its; the result does
     # not send them back)
     held: dict[str, str]
+    wrote: dict[int, int]  # the base's (``_Held.wrote``)
+    sizes: dict[str, int]  # tracked chunk -> its bytes
+    total: int
 
 
 def _folder_of(url: str) -> tuple[str, str]:
@@ -266,6 +278,7 @@ class Increments:
         watch = config.enabled and config.watch_writes
         self._clean = CleanBlocks(WriteWatch()) if watch else None
         self._dense = DenseTensors()
+        self._sized: tuple[Hashable, dict[str, int], int] | None = None
 
     def close(self) -> None:
         """Stop watching (the saver closes): every registration and held storage goes
@@ -310,15 +323,28 @@ class Increments:
         if base is None or job.step is None or job.replace or not idle:
             return None
         folder, name = _folder_of(job.final_path)
+        cfg = self.config
         if (
             name != f"step-{job.step}"
             or folder != base.folder
             or not base.step < job.step
             or base.plan_key != plan_key
-            or base.chain + 1 >= self.config.full_every
+            or (cfg.full_every is not None and base.chain + 1 >= cfg.full_every)
+            or (cfg.max_unused is not None and base.unused > cfg.max_unused * base.total)
         ):
             return None
         return base
+
+    def _sizes(
+        self, plan_key: Hashable, tensors: dict[str, torch.Tensor], tracked: dict[str, str]
+    ) -> tuple[dict[str, int], int]:
+        """(tracked chunk -> its bytes, the bytes of every chunk): once per plan."""
+        memo = self._sized
+        if memo is None or memo[0] != plan_key:
+            sizes = {k: t.numel() * t.element_size() for k, t in tensors.items()}
+            memo = (plan_key, {k: sizes[k] for k in tracked}, sum(sizes.values()))
+            self._sized = memo
+        return memo[1], memo[2]
 
     def stage(
         self,
@@ -490,9 +516,11 @@ class Increments:
             chain = 0 if base is None else base.chain + 1
             while len(self._pending) >= _PENDING:
                 del self._pending[next(iter(self._pending))]
+            sizes, total = self._sizes(plan.key, tensors, tracked)
             self._pending[job.job_id] = _Candidate(
                 folder, job.step, plan.key, chain, frozenset(tracked), bases, versions, tokens,
                 {n: tracked[n] for n in compared}, {} if base is None else base.digests,
+                {} if base is None else base.wrote, sizes, total,
             )  # fmt: skip
         self.cost = (copied, hashed)
         return job, keep_now, keep_later
@@ -519,6 +547,7 @@ class Increments:
         if not candidate.tracked <= digests.keys():
             self._base = None
             return
+        wrote, unused = _unused(candidate)
         self._base = _Held(
             candidate.folder,
             candidate.step,
@@ -527,4 +556,21 @@ class Increments:
             {k: digests[k] for k in candidate.tracked},
             {**dict.fromkeys(candidate.tracked, candidate.step), **candidate.bases},
             candidate.versions,
+            wrote,
+            unused,
+            candidate.total,
         )
+
+
+def _unused(candidate: _Candidate) -> tuple[dict[int, int], int]:
+    """(the bytes the candidate's save and each step it refers to wrote, the bytes of
+    those steps its state does not use): what the chain keeps on disk for nothing
+    (``IncrementalConfig.max_unused``)."""
+    sizes, total = candidate.sizes, candidate.total
+    used: dict[int, int] = {}
+    for key, step in candidate.bases.items():
+        used[step] = used.get(step, 0) + sizes[key]
+    # (a step the base does not know: taken as a full state's bytes, so the chain ends)
+    wrote = {step: candidate.wrote.get(step, total) for step in used}
+    wrote[candidate.step] = total - sum(used.values())
+    return wrote, sum(max(0, wrote[step] - n) for step, n in used.items())
