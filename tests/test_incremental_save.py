@@ -83,10 +83,15 @@ def job() -> Iterator[Job]:
 
 
 def _train_and_save(
-    folder: Path, job: Job, steps: range, edit: Any = None, **kw: Any
+    folder: Path,
+    job: Job,
+    steps: range,
+    edit: Any = None,
+    records: list[Any] | None = None,
+    **kw: Any,
 ) -> tuple[dict[int, dict[str, torch.Tensor]], tuple[int, int]]:
     """Train and save at each of ``steps``; the model's state at each, and the plan
-    cache's (hits, misses)."""
+    cache's (hits, misses); the manager's save records into ``records``."""
     manager = CheckpointManager(_config(folder, **kw), job.states())
     snaps = {}
     try:
@@ -99,6 +104,8 @@ def _train_and_save(
             snaps[step] = job.snapshot()
         plans = manager.session.writer.saver._plans  # type: ignore[union-attr]
         counts = (plans.hits, plans.misses)
+        if records is not None:
+            records.extend(manager.metrics)
     finally:
         manager.close()
     return snaps, counts
@@ -184,11 +191,22 @@ def test_a_frozen_base_is_never_rewritten_on_a_count_alone(tmp_path: Path, job: 
     default = quicksave.IncrementalConfig()
     assert default.full_every is None
     folder = tmp_path / "run"
+    records: list[Any] = []
     snaps, _ = _train_and_save(
-        folder, job, range(1, 21), full_every=None, incremental_max_unused=default.max_unused
+        folder,
+        job,
+        range(1, 21),
+        records=records,
+        full_every=None,
+        incremental_max_unused=default.max_unused,
     )
     for step in range(2, 21):
         assert _bases(_manifest(folder, step), "model.base.weight") == [1] * 8, step
+    # each save's record says what it referred to instead of writing (the manifest's)
+    for r in records:
+        chunks = [c for t in _manifest(folder, r.step)["tensors"].values() for c in t["chunks"]]
+        assert r.bytes_referred == sum(c["length"] for c in chunks if c.get("base") is not None)
+    assert records[0].bytes_referred == 0 and records[-1].bytes_referred >= ROWS * COLS * 4
     _assert_loads(folder / "step-20", snaps[20])
 
 

@@ -299,6 +299,7 @@ class AsyncWriter:
                         worker_cpu_s=result.worker_cpu_s,
                         bytes_copied=result.bytes_copied,
                         bytes_hashed=result.bytes_hashed,
+                        bytes_referred=result.bytes_referred,
                         spans=result.spans,
                     ),
                 )

@@ -53,6 +53,9 @@ class SaveRecord:
             tensors' own memory).
         bytes_hashed: bytes checksummed (xxh3-64), by the staging thread while copying
             and by the writer.
+        bytes_referred: bytes of the chunks an incremental save refers to in earlier
+            checkpoints instead of writing them (``IncrementalConfig``; 0: none, the
+            checkpoint holds every byte itself). None until committed.
         error: why the save failed (``status == "failed"``), else None.
         spans: the writer's phases of an async save (``quicksave.save.persist``,
             ``quicksave.save.commit``) as it timed them, in epoch seconds
@@ -76,6 +79,7 @@ class SaveRecord:
     worker_cpu_s: float | None = None
     bytes_copied: int | None = None
     bytes_hashed: int | None = None
+    bytes_referred: int | None = None
     error: str | None = None
     spans: tuple[Span, ...] = ()
 
@@ -138,7 +142,7 @@ def log_committed(record: SaveRecord, level: int = logging.INFO) -> None:
     logger.log(
         level,
         "quicksave: committed %s checkpoint of step %d to %s (%s): %d bytes, blocking %s, "
-        "staging %s, durable %s (write %s, commit %s), CPU %s trainer + %s writer",
+        "staging %s, durable %s (write %s, commit %s), CPU %s trainer + %s writer%s",
         record.kind,
         record.step,
         record.path,
@@ -151,4 +155,5 @@ def log_committed(record: SaveRecord, level: int = logging.INFO) -> None:
         _s(record.commit_s),
         _s(record.trainer_cpu_s),
         _s(record.worker_cpu_s),
+        f", {record.bytes_referred} bytes referred to" if record.bytes_referred else "",
     )

@@ -212,6 +212,7 @@ class StepIO:
                 worker_cpu_s=0.0,
                 bytes_copied=0,
                 bytes_hashed=nbytes,
+                bytes_referred=0,
             )
             session.committed(record)  # committed by this call
             return True

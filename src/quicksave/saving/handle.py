@@ -38,6 +38,8 @@ class SaveResult:
     worker_cpu_s: float = 0.0
     bytes_copied: int = 0  # tensor bytes copied into the staging pool
     bytes_hashed: int = 0  # bytes checksummed, by the trainer's staging and the writer
+    # bytes of the chunks an incremental save refers to instead of writing them
+    bytes_referred: int = 0
     # the writer's phases (persist, commit) as it timed them: quicksave.trace
     spans: tuple[Span, ...] = ()
 

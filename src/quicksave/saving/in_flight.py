@@ -373,6 +373,7 @@ class InFlightSaves:
                     step=h.step,
                     path=h.path,
                     bytes=r.bytes_written,
+                    bytes_referred=r.bytes_referred,
                     blocking_s=h.blocking_s,
                     staging_s=h.staging_s or 0.0,
                     durable_s=r.finished_at - h.started,

@@ -192,6 +192,7 @@ class JobResult:
     step: int | None
     ok: bool
     bytes_written: int = 0
+    bytes_referred: int = 0  # of the chunks it refers to instead (``PersistJob.bases``)
     write_s: float = 0.0
     commit_s: float = 0.0
     finished_at: float = 0.0  # time.monotonic() when durable (comparable across processes)
@@ -254,11 +255,13 @@ def done(
     (``digests``: every chunk's, sent back where the job asks for them, but those it
     refers to: a lora save's result then stays small enough for one write of the pipe,
     which a reader otherwise waits on between the header and the body)."""
+    referred = job.referenced_bytes()
     return JobResult(
         job.job_id,
         job.step,
         True,
-        bytes_written=sum(f.size for f in job.files) - job.referenced_bytes(),
+        bytes_written=sum(f.size for f in job.files) - referred,
+        bytes_referred=referred,
         write_s=written - began,
         commit_s=committed - written,
         finished_at=committed,

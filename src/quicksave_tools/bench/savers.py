@@ -370,6 +370,7 @@ class _QuicksaveSaver(Saver):
             "worker_cpu_s",
             "bytes_copied",
             "bytes_hashed",
+            "bytes_referred",
         )
         return [
             {k: getattr(r, k) for k in keys if getattr(r, k, None) is not None}
