@@ -227,28 +227,50 @@ def _unused_and_total(folder: Path, step: int) -> tuple[int, int]:
     return sum(wrote(at) - n for at, n in used.items()), sum(c["length"] for c in chunks)
 
 
+def _rewritten(folder: Path, step: int) -> list[str]:
+    """The chunks that the save of ``step`` wrote again with the bytes (xxh3) they had
+    at the save before it."""
+    now, before = _manifest(folder, step)["tensors"], _manifest(folder, step - 1)["tensors"]
+    return [
+        f"{fqn}[{i}]"
+        for fqn, t in now.items()
+        for i, c in enumerate(t["chunks"])
+        if c.get("base") is None and c["xxh3_64"] == before[fqn]["chunks"][i]["xxh3_64"]
+    ]
+
+
 @pytest.mark.parametrize("ratio", [0.5, 1.0])
-def test_a_save_is_full_once_its_chain_keeps_too_many_unused_bytes(
+def test_a_chain_rewrites_what_superseded_checkpoints_still_hold(
     tmp_path: Path, job: Job, ratio: float
 ) -> None:
     """A sparse update (a different block of the frozen weight each step, behind its
     counter): each save leaves older blocks and adapters unused in the steps it refers
-    to; the save after the one whose unused bytes exceed ``max_unused`` × the state's is
-    full, every other refers. Recomputed from the manifests on disk, and every step loads."""
+    to. The save after one whose unused bytes exceed ``max_unused`` × the state's writes
+    again the unchanged blocks that the most superseded steps still hold (and only
+    then), never the whole state: no save but the first is full, and what the chain
+    keeps unused stays bounded. Recomputed from the manifests on disk; every step loads."""
     folder = tmp_path / "run"
 
     def edit(step: int, job: Job) -> None:
         job.model.base.weight.detach().numpy()[64 * (step % 8) + 1, 2] += 1.0
 
-    steps = range(1, 17)
+    steps = range(1, 25)
+    records: list[Any] = []
     snaps, _ = _train_and_save(
-        folder, job, steps, edit, full_every=None, incremental_max_unused=ratio
+        folder, job, steps, edit, records, full_every=None, incremental_max_unused=ratio
     )
-    full = [s for s in steps if _manifest(folder, s)["format_version"] == 1]
-    assert full[0] == 1 and len(full) >= 3  # (the rule fired, more than once)
+    assert [_manifest(folder, s)["format_version"] for s in steps] == [1] + [2] * 23
+    unused = {s: _unused_and_total(folder, s) for s in steps}
+    total = unused[1][1]
+    compacted = [s for s in steps[1:] if _rewritten(folder, s)]
     for step in steps[1:]:
-        unused, total = _unused_and_total(folder, step - 1)
-        assert (step in full) == (unused > ratio * total), (step, unused, total)
+        assert bool(_rewritten(folder, step)) == (unused[step - 1][0] > ratio * total), step
+    assert len(compacted) >= 2  # (the rule fired, more than once)
+    written = {r.step: r.bytes for r in records}
+    assert max(written[s] for s in compacted) < written[1]  # (never a full save's bytes)
+    # bounded: the limit, plus what one save (not a compaction) leaves superseded
+    steady = max(written[s] for s in steps[1:] if s not in compacted)
+    assert max(u for u, _ in unused.values()) <= ratio * total + steady
     for step in steps:
         _assert_loads(folder / f"step-{step}", snaps[step])
 

@@ -35,20 +35,21 @@ class IncrementalConfig:
             or not (the layout never depends on what changed).
         min_bytes: tensors smaller than this are always written (tracking them costs
             more manifest than it saves).
-        max_unused: a save is full (refers to nothing) once the bytes that the
-            checkpoints it would refer to keep on disk only for the chain, but that the
-            state no longer uses (an earlier save's blocks that changed since, its
-            untracked tensors), exceed this multiple of the state's bytes. It bounds what
-            a chain costs in disk (about ``1 + max_unused`` times what retention alone
-            keeps) and makes a save full only when that pays: a frozen base referred to
-            by every save leaves nothing unused, so a LoRA run never rewrites it (with a
-            full save every K saves, its 1.5 GB base would cost K steady saves' bytes
-            and copying every K saves). None: no bound by bytes.
-        full_every: also every ``full_every``-th save of a chain is full, so that no
-            checkpoint depends on one more than ``full_every - 1`` saves older: a
-            damaged base (``verify`` names both checkpoints; ``load()`` falls back)
-            then costs at most that many checkpoints. None (default): no bound by
-            count; 1: every save is full.
+        max_unused: bounds what a chain of references keeps on disk: once the
+            older checkpoints a save would refer to hold more bytes that the state no
+            longer uses (blocks changed since, their untracked tensors) than this
+            multiple of the state's bytes, that save writes again the blocks still held
+            by the most superseded of them (until the bound holds), and retention
+            can delete those: about ``1 + max_unused`` times the state on disk besides
+            what retention keeps, and never a rewrite of the whole state for it (a
+            frozen base referred to by every save leaves nothing unused: a LoRA run
+            never rewrites it). None: no bound.
+        full_every: every ``full_every``-th save of a chain is full (refers to
+            nothing), so that no checkpoint depends on one more than
+            ``full_every - 1`` saves older: a damaged base (``verify`` names both
+            checkpoints; ``load()`` falls back) then costs at most that many
+            checkpoints, at the price of writing the whole state again. None
+            (default): no bound by count; 1: every save is full.
         trust_counters: a tracked CPU block whose tensor's version counter and address
             are those of the last save is referred to without hashing it in
             ``save()``; the background copy hashes it before the save is handed to the

@@ -57,14 +57,15 @@ ops move its own counter, not its local tensor's).
 **Which save is full.** The first save of a saver, a save whose layout (plan key),
 folder or naming differs from the base's, a save while another save of this saver is
 in flight (its commit could make the base older than the newest step, which retention
-may then delete), a save after a failed one, an ``overwrite``; and the save after one
-whose bases keep more unused bytes on disk than ``max_unused`` times the state's (the
-bytes the steps it refers to wrote that its state no longer uses: a frozen base keeps
-none, a sparse update's older blocks add up), and every ``full_every``-th save of a
-chain where set: each refers to nothing. So a chain costs a full save only when the
-disk it holds calls for one, never on a count alone (a full save of a LoRA run rewrites
-its whole frozen base). Once a referring save commits, retention keeps its bases
-(``manager/references.py``).
+may then delete), a save after a failed one, an ``overwrite``, and every
+``full_every``-th save of a chain where set: each refers to nothing. Otherwise a chain
+goes on; what it keeps on disk is bounded by ``max_unused`` instead: once the older
+steps the base refers to hold more bytes its state no longer uses than that multiple of
+the state's, the next save writes again the blocks still held by the most superseded of
+them, until the bound holds (:mod:`.chain_disk`); retention can then delete
+those. A frozen base
+referred to by every save leaves nothing unused and is never rewritten. Once a
+referring save commits, retention keeps its bases (``manager/references.py``).
 
 Call order (the saver's training thread, under its lock): :meth:`Increments.blocked`
 at collect (``save()`` and ``prepare()``) → :meth:`Increments.stage` at the start of
@@ -87,6 +88,7 @@ from quicksave.checksum import hexdigest, tensor_view
 from quicksave.commit import strategy_class
 from quicksave.errors import CheckpointError
 from quicksave.saving.block_split import Blocks
+from quicksave.saving.chain_disk import ChainDisk
 from quicksave.saving.clean_blocks import CleanBlocks
 from quicksave.saving.config import IncrementalConfig
 from quicksave.saving.dense_blocks import DenseTensors
@@ -142,10 +144,7 @@ class _Held:
     holders: dict[str, int]  # tracked chunk key -> the step whose files hold it
     # tracked whole tensor (every tracked block, trust_counters) -> (data_ptr, _version)
     versions: dict[str, tuple[int, int]]
-    # the bytes this rank's save of each step in ``holders`` (and of ``step``) wrote
-    wrote: dict[int, int]
-    unused: int  # of those, the bytes no chunk of this base's state uses
-    total: int  # the bytes of this rank's state
+    disk: ChainDisk  # what its chain keeps on disk (``max_unused``)
 
 
 @dataclass(frozen=True)
@@ -164,9 +163,9 @@ class _Candidate:
     # the digests of the base referred to (a referred block's are its; the result does
     # not send them back)
     held: dict[str, str]
-    wrote: dict[int, int]  # the base's (``_Held.wrote``)
+    disk: ChainDisk | None  # the base's (None: a full save)
     sizes: dict[str, int]  # tracked chunk -> its bytes
-    total: int
+    total: int  # the bytes of this rank's state
 
 
 def _folder_of(url: str) -> tuple[str, str]:
@@ -330,7 +329,6 @@ class Increments:
             or not base.step < job.step
             or base.plan_key != plan_key
             or (cfg.full_every is not None and base.chain + 1 >= cfg.full_every)
-            or (cfg.max_unused is not None and base.unused > cfg.max_unused * base.total)
         ):
             return None
         return base
@@ -377,6 +375,9 @@ class Increments:
         if not tracked:
             return job, now, later
         base = self._base_for(job, plan.key, idle)
+        # (the older steps whose blocks are written again: ``max_unused``)
+        victims = frozenset() if base is None else base.disk.victims(self.config.max_unused)
+        holders = {} if base is None else base.holders
         digests: dict[str, str] = {}
         bases: dict[str, int] = {}
         versions: dict[str, tuple[int, int]] = {}
@@ -387,8 +388,8 @@ class Increments:
 
         def unchanged(name: str, digest: str) -> bool:
             digests[name] = digest
-            if base is None:
-                return False
+            if base is None or holders.get(name) in victims:
+                return False  # (a victim's block: written again, not compared)
             compared.add(name)
             if base.digests.get(name) != digest:
                 return False
@@ -413,7 +414,9 @@ class Increments:
                     protect[name] = tensors[name]
             if base is not None:  # (found equal to the base's digest: referred to, at once)
                 held = base.digests
-                referred = {n for n, d in found.items() if held.get(n) == d}
+                referred = {
+                    n for n, d in found.items() if held.get(n) == d and holders[n] not in victims
+                }
                 digests.update({n: found[n] for n in referred})
                 bases.update({n: base.holders[n] for n in referred})
                 compared.update(referred)
@@ -438,7 +441,13 @@ class Increments:
                 versions[name] = seen
             last = None if base is None else base.versions.get(name)
             # (a block protected now is hashed: the kernel's word beats the counter's)
-            if trust and last == seen and _hashable(tensors[name]) and name not in tokens:
+            if (
+                trust
+                and last == seen
+                and _hashable(tensors[name])
+                and name not in tokens
+                and holders.get(name) not in victims
+            ):
                 presumed.add(name)  # (checked by the background copy: _Sift)
                 digests[name] = base.digests[name]  # type: ignore[union-attr]
                 bases[name] = base.holders[name]  # type: ignore[union-attr]
@@ -472,7 +481,7 @@ class Increments:
                 moved_later.append(name)  # referred to; the background copy checks it
             elif with_later:
                 moved_later.append(name)  # its tensor's other blocks are deferred
-                if base is not None and _hashable(t):
+                if base is not None and _hashable(t) and holders.get(name) not in victims:
                     to_sift.add(name)
             elif not _hashable(t):
                 from_pool.append(name)
@@ -485,7 +494,12 @@ class Increments:
                     keep_now.append(name)  # copied right below: its digest is the copy's
         for name in later:
             if name in tracked and not moved(name) and base is not None:
-                if _hashable(tensors[name]) and name not in presumed and name not in resolved:
+                if (
+                    _hashable(tensors[name])
+                    and name not in presumed
+                    and name not in resolved
+                    and holders.get(name) not in victims
+                ):
                     to_sift.add(name)
         keep_later = later + moved_later
         compared |= to_sift
@@ -520,7 +534,7 @@ class Increments:
             self._pending[job.job_id] = _Candidate(
                 folder, job.step, plan.key, chain, frozenset(tracked), bases, versions, tokens,
                 {n: tracked[n] for n in compared}, {} if base is None else base.digests,
-                {} if base is None else base.wrote, sizes, total,
+                None if base is None else base.disk, sizes, total,
             )  # fmt: skip
         self.cost = (copied, hashed)
         return job, keep_now, keep_later
@@ -547,7 +561,6 @@ class Increments:
         if not candidate.tracked <= digests.keys():
             self._base = None
             return
-        wrote, unused = _unused(candidate)
         self._base = _Held(
             candidate.folder,
             candidate.step,
@@ -556,21 +569,7 @@ class Increments:
             {k: digests[k] for k in candidate.tracked},
             {**dict.fromkeys(candidate.tracked, candidate.step), **candidate.bases},
             candidate.versions,
-            wrote,
-            unused,
-            candidate.total,
+            ChainDisk.after(
+                candidate.step, candidate.bases, candidate.sizes, candidate.total, candidate.disk
+            ),
         )
-
-
-def _unused(candidate: _Candidate) -> tuple[dict[int, int], int]:
-    """(the bytes the candidate's save and each step it refers to wrote, the bytes of
-    those steps its state does not use): what the chain keeps on disk for nothing
-    (``IncrementalConfig.max_unused``)."""
-    sizes, total = candidate.sizes, candidate.total
-    used: dict[int, int] = {}
-    for key, step in candidate.bases.items():
-        used[step] = used.get(step, 0) + sizes[key]
-    # (a step the base does not know: taken as a full state's bytes, so the chain ends)
-    wrote = {step: candidate.wrote.get(step, total) for step in used}
-    wrote[candidate.step] = total - sum(used.values())
-    return wrote, sum(max(0, wrote[step] - n) for step, n in used.items())

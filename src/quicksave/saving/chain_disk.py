@@ -1,0 +1,71 @@
+"""What a chain of incremental saves keeps on disk (``IncrementalConfig.max_unused``;
+``saving/incremental.py``): per older step that a base refers to, the bytes that step's
+save wrote and the bytes of them the base's state still uses. The rest is *unused*: kept
+only because the chain refers to that step (an earlier save's blocks changed since, its
+untracked tensors). Once it exceeds the bound, the next save writes again the blocks the
+least used of those steps still hold (:meth:`ChainDisk.victims`), so that it refers to
+them no more and retention may delete them: a compaction, as a log-structured store's
+cleaner picks its emptiest segments, a few blocks at a save — never the whole state (a
+frozen base referred to by every save leaves nothing unused, and is never rewritten).
+Pure bookkeeping of one rank's bytes: no I/O."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ChainDisk:
+    """One base's view of its chain's disk.
+
+    Attributes:
+        wrote: step -> the bytes its save of this rank wrote, for the base's own step
+            and every older step it refers to.
+        used: older step -> the bytes of it the base's state refers to.
+        unused: what those older steps wrote that the base's state does not use.
+        total: the bytes of this rank's state.
+    """
+
+    wrote: dict[int, int]
+    used: dict[int, int]
+    unused: int
+    total: int
+
+    @classmethod
+    def after(
+        cls,
+        step: int,
+        bases: Mapping[str, int],
+        sizes: Mapping[str, int],
+        total: int,
+        before: ChainDisk | None,
+    ) -> ChainDisk:
+        """The chain's disk once the save of ``step`` committed, referring to
+        ``bases`` (chunk -> step holding it; ``sizes``: chunk -> its bytes) from the base
+        whose view was ``before`` (None: a full save)."""
+        used: dict[int, int] = {}
+        for key, held in bases.items():
+            used[held] = used.get(held, 0) + sizes[key]
+        known = {} if before is None else before.wrote
+        # (a step the base did not know: taken as a whole state's bytes, so it goes soon)
+        wrote = {held: known.get(held, total) for held in used}
+        wrote[step] = total - sum(used.values())
+        unused = sum(max(0, wrote[held] - n) for held, n in used.items())
+        return cls(wrote, used, unused, total)
+
+    def victims(self, limit: float | None) -> frozenset[int]:
+        """The older steps that the next save stops referring to (their blocks written
+        again), so that at most ``limit`` × the state's bytes stay unused: the steps
+        that free the most unused bytes per byte written again first (the least used
+        of what they wrote; the older first among equals). None: no bound."""
+        if limit is None or self.unused <= limit * self.total:
+            return frozenset()
+        used, wrote = self.used, self.wrote
+        left, out = self.unused, set()
+        for step in sorted(used, key=lambda s: (used[s] / max(1, wrote[s]), s)):
+            if left <= limit * self.total:
+                break
+            out.add(step)
+            left -= max(0, wrote[step] - used[step])
+        return frozenset(out)
