@@ -1,10 +1,12 @@
-"""Incremental saves under SIGKILL: a trainer saving every step incrementally (a full
-save every 4, keep the latest 2) is killed at random moments and restarted in the same
+"""Incremental saves under SIGKILL: a trainer saving every step incrementally (keep the
+latest 2; its chains bounded by a full save every 4, or, at every other restart, by
+compaction: ``max_unused``) is killed at random moments and restarted in the same
 folder; after every kill, every listed checkpoint verifies and loads bit-exactly (its
 bases kept by retention, whatever the kill interrupted: a write, a commit, a deletion),
 and the restarted trainer resumes from the newest one. The campaign checks that retention
 did delete older checkpoints and did keep one beyond the latest 2 because a kept one
-refers to it.
+refers to it, and that compactions happened (a save wrote again a block whose bytes
+the save before it referred to).
 
 ``QUICKSAVE_INCREMENTAL_KILLS`` sets the number of kills (default 5); the acceptance
 campaign is ``QUICKSAVE_INCREMENTAL_KILLS=100 pytest tests/faults/test_incremental_kills.py``
@@ -59,9 +61,11 @@ def test_every_listed_checkpoint_loads_after_each_kill(tmp_path: Path) -> None:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
     newest = 0
     incremental_seen = deleted_seen = kept_as_base_seen = False
-    for _ in range(KILLS):
+    compacted = 0
+    for kill in range(KILLS):
+        policy = "compact" if kill % 2 else "every4"
         child = subprocess.Popen(
-            [sys.executable, "-u", str(CHILD), str(folder)],
+            [sys.executable, "-u", str(CHILD), str(folder), policy],
             stdout=subprocess.PIPE,
             text=True,
             env=env,
@@ -86,7 +90,10 @@ def test_every_listed_checkpoint_loads_after_each_kill(tmp_path: Path) -> None:
         kept_as_base_seen = kept_as_base_seen or any(
             _refers_to(folder / f"step-{s}", old) for s in steps[-2:] for old in steps[:-2]
         )
+        if policy == "compact":
+            compacted += sum(_rewrote(folder, s) for s in steps[1:] if s - 1 in steps)
     assert incremental_seen and deleted_seen and kept_as_base_seen
+    assert KILLS < 4 or compacted, "no compaction happened"
 
 
 def _bases(value: object) -> set[int]:
@@ -97,6 +104,21 @@ def _bases(value: object) -> set[int]:
     if isinstance(value, list):
         return set().union(*(_bases(v) for v in value))
     return set()
+
+
+def _rewrote(folder: Path, step: int) -> bool:
+    """Whether the save of ``step``, referring to earlier ones (not full: a resumed
+    trainer's first save is), wrote a block again that the save of ``step - 1`` referred
+    to with the same bytes (a compaction: it stopped referring to that step)."""
+    now, before = (
+        json.loads((folder / f"step-{s}" / "manifest.json").read_text())["tensors"]
+        for s in (step, step - 1)
+    )
+    return any("base" in c for t in now.values() for c in t["chunks"]) and any(
+        "base" not in c and "base" in was and c["xxh3_64"] == was["xxh3_64"]
+        for fqn, t in now.items()
+        for c, was in zip(t["chunks"], before[fqn]["chunks"], strict=True)
+    )
 
 
 def _refers_to(path: Path, step: int) -> bool:
