@@ -40,3 +40,18 @@ def test_victims_free_the_most_per_byte_rewritten_until_the_bound_holds() -> Non
     assert disk.victims(0.5) == {2, 4}  # 45 left
     assert disk.victims(0.1) == {2, 4, 3, 1}  # the full save's last: most rewritten per freed
     assert disk.victims(0.0) == {1, 2, 3, 4}
+
+
+def test_one_cheap_step_is_taken_rather_than_the_full_save() -> None:
+    """A partly frozen state: the full save (step 1) holds the frozen bytes and has the
+    lowest share used, but one small step frees enough alone for a quarter of the
+    bytes: it is the one written again, not the frozen base."""
+    disk = ChainDisk(
+        wrote={1: 100, 5: 20, 6: 20, 7: 25, 8: 30},
+        used={1: 40, 5: 10, 6: 10, 7: 15, 8: 18},
+        unused=60 + 10 + 10 + 10 + 12,
+        total=100,
+    )
+    assert disk.victims(1.0) == {5}  # 102 unused: 2 over; step 5 frees 10 for 10
+    assert disk.victims(0.5) == {1}  # 52 over: only the full save frees that much alone
+    assert disk.victims(0.0) == {1, 5, 6, 7, 8}

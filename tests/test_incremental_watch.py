@@ -169,7 +169,7 @@ def test_a_block_written_at_every_save_is_always_in_the_checkpoint(tmp_path: Pat
         state["frozen"].data[3] += 1.0  # block 0, at every step
 
     with _saver() as saver:
-        _run(tmp_path, saver, state, range(1, 9), edit)  # (9 would be full: full_every)
+        _run(tmp_path, saver, state, range(1, 9), edit)
     for step in range(2, 9):
         assert _bases(_manifest(tmp_path, step), "frozen") == [None] + [1] * 7
 

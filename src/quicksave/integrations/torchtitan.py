@@ -370,7 +370,15 @@ class QuicksaveCheckpointManager(BaseCheckpointManager):
             now = time.monotonic()
             session.committed(
                 SaveRecord(
-                    step, kind, path, nbytes, now - begin, now - begin, now - begin, now - written
+                    step,
+                    kind,
+                    path,
+                    nbytes,
+                    now - begin,
+                    now - begin,
+                    now - begin,
+                    now - written,
+                    bytes_referred=0,
                 )
             )
             return True

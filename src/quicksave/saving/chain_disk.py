@@ -5,9 +5,11 @@ only because the chain refers to that step (an earlier save's blocks changed sin
 untracked tensors). Once it exceeds the bound, the next save writes again the blocks the
 least used of those steps still hold (:meth:`ChainDisk.victims`), so that it refers to
 them no more and retention may delete them: a compaction, as a log-structured store's
-cleaner picks its emptiest segments, a few blocks at a save — never the whole state (a
-frozen base referred to by every save leaves nothing unused, and is never rewritten).
-Pure bookkeeping of one rank's bytes: no I/O."""
+cleaner picks its emptiest segments: what it costs is the bytes those steps still hold,
+never the whole state for it. A frozen base referred to by every save leaves unused only
+what its own save wrote besides it (the trainable and untracked bytes of that save), so
+it is rewritten only where that alone exceeds the bound. Pure bookkeeping of one rank's
+bytes: no I/O."""
 
 from __future__ import annotations
 
@@ -56,16 +58,25 @@ class ChainDisk:
 
     def victims(self, limit: float | None) -> frozenset[int]:
         """The older steps that the next save stops referring to (their blocks written
-        again), so that at most ``limit`` × the state's bytes stay unused: the steps
-        that free the most unused bytes per byte written again first (the least used
-        of what they wrote; the older first among equals). None: no bound."""
+        again), so that at most ``limit`` × the state's bytes stay unused, at the least
+        bytes written again that this finds: the cheapest single step that frees enough
+        alone, or else the steps that free the most per byte written again first (the
+        least used of what they wrote; the older first among equals), whichever writes
+        less. None: no bound."""
         if limit is None or self.unused <= limit * self.total:
             return frozenset()
         used, wrote = self.used, self.wrote
-        left, out = self.unused, set()
+        excess = self.unused - limit * self.total
+        freed = {s: max(0, wrote[s] - n) for s, n in used.items()}
+        greedy, left = [], excess
         for step in sorted(used, key=lambda s: (used[s] / max(1, wrote[s]), s)):
-            if left <= limit * self.total:
+            if left <= 0:
                 break
-            out.add(step)
-            left -= max(0, wrote[step] - used[step])
-        return frozenset(out)
+            greedy.append(step)
+            left -= freed[step]
+        alone = [s for s in used if freed[s] >= excess]
+        if alone:
+            single = min(alone, key=lambda s: (used[s], s))
+            if used[single] <= sum(used[s] for s in greedy):
+                return frozenset({single})
+        return frozenset(greedy)

@@ -41,9 +41,13 @@ class IncrementalConfig:
             multiple of the state's bytes, that save writes again the blocks still held
             by the most superseded of them (until the bound holds), and retention
             can delete those: about ``1 + max_unused`` times the state on disk besides
-            what retention keeps, and never a rewrite of the whole state for it (a
-            frozen base referred to by every save leaves nothing unused: a LoRA run
-            never rewrites it). None: no bound.
+            what retention keeps, without rewriting the whole state for it (a frozen
+            base referred to by every save leaves unused only its own save's other
+            bytes: a LoRA run rewrites it only if its adapters and moments alone
+            exceed the bound). With no ``full_every``, every checkpoint of such a run
+            refers to the save that wrote the base: ``verify`` it, or set
+            ``full_every``, where a damaged file must not cost more than a few
+            checkpoints. None: no bound.
         full_every: every ``full_every``-th save of a chain is full (refers to
             nothing), so that no checkpoint depends on one more than
             ``full_every - 1`` saves older: a damaged base (``verify`` names both

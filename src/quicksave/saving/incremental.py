@@ -61,11 +61,12 @@ may then delete), a save after a failed one, an ``overwrite``, and every
 ``full_every``-th save of a chain where set: each refers to nothing. Otherwise a chain
 goes on; what it keeps on disk is bounded by ``max_unused`` instead: once the older
 steps the base refers to hold more bytes its state no longer uses than that multiple of
-the state's, the next save writes again the blocks still held by the most superseded of
-them, until the bound holds (:mod:`.chain_disk`); retention can then delete
-those. A frozen base
-referred to by every save leaves nothing unused and is never rewritten. Once a
-referring save commits, retention keeps its bases (``manager/references.py``).
+the state's, the next save writes again the blocks still held by the fewest of them
+that bring it back under the bound, the least used first (:mod:`.chain_disk`);
+retention can then delete those. A frozen base referred to by every save leaves unused
+only its own save's other bytes (a LoRA run's adapters and moments of that save), so it
+is rewritten only where those alone exceed the bound. Once a referring save commits,
+retention keeps its bases (``manager/references.py``).
 
 Call order (the saver's training thread, under its lock): :meth:`Increments.blocked`
 at collect (``save()`` and ``prepare()``) → :meth:`Increments.stage` at the start of
@@ -160,6 +161,7 @@ class _Candidate:
     versions: dict[str, tuple[int, int]]
     tokens: dict[str, int]  # blocks protected by this save (``CleanBlocks.protect``)
     compared: dict[str, str]  # block compared with the base -> its tensor's fqn
+    rewritten: frozenset[str]  # blocks held by a victim step (``ChainDisk.victims``)
     # the digests of the base referred to (a referred block's are its; the result does
     # not send them back)
     held: dict[str, str]
@@ -378,6 +380,9 @@ class Increments:
         # (the older steps whose blocks are written again: ``max_unused``)
         victims = frozenset() if base is None else base.disk.victims(self.config.max_unused)
         holders = {} if base is None else base.holders
+        rewritten: frozenset[str] = frozenset()
+        if victims:
+            rewritten = frozenset(n for n in tracked if holders.get(n) in victims)
         digests: dict[str, str] = {}
         bases: dict[str, int] = {}
         versions: dict[str, tuple[int, int]] = {}
@@ -533,7 +538,8 @@ class Increments:
             sizes, total = self._sizes(plan.key, tensors, tracked)
             self._pending[job.job_id] = _Candidate(
                 folder, job.step, plan.key, chain, frozenset(tracked), bases, versions, tokens,
-                {n: tracked[n] for n in compared}, {} if base is None else base.digests,
+                {n: tracked[n] for n in compared | rewritten}, rewritten,
+                {} if base is None else base.digests,
                 None if base is None else base.disk, sizes, total,
             )  # fmt: skip
         self.cost = (copied, hashed)
@@ -555,7 +561,12 @@ class Increments:
             digests = {**{k: candidate.held[k] for k in candidate.bases}, **digests}
         if self._clean is not None:  # (read after their protections: recorded)
             self._clean.settled(candidate.tokens, digests)
-        self._dense.compared(candidate.compared, candidate.bases)
+        referred: dict[str, int] = candidate.bases
+        if candidate.rewritten:  # (written again for a victim: unchanged if the base's bytes)
+            held = candidate.held
+            same = {n: 0 for n in candidate.rewritten if digests.get(n) == held.get(n)}
+            referred = {**referred, **same}
+        self._dense.compared(candidate.compared, referred)
         if self._base is not None and self._base.step > candidate.step:
             return  # a newer step committed first: it stays the base (the newest one)
         if not candidate.tracked <= digests.keys():
