@@ -368,19 +368,7 @@ class QuicksaveCheckpointManager(BaseCheckpointManager):
                 user_metadata=metadata,
             )
             now = time.monotonic()
-            session.committed(
-                SaveRecord(
-                    step,
-                    kind,
-                    path,
-                    nbytes,
-                    now - begin,
-                    now - begin,
-                    now - begin,
-                    now - written,
-                    bytes_referred=0,
-                )
-            )
+            session.committed(SaveRecord.synchronous(step, kind, path, nbytes, begin, written, now))
             return True
         try:
             handle = writer.submit(state, path, step, metadata)

@@ -83,6 +83,27 @@ class SaveRecord:
     error: str | None = None
     spans: tuple[Span, ...] = ()
 
+    @classmethod
+    def synchronous(
+        cls,
+        step: int,
+        kind: str,
+        path: str,
+        nbytes: int,
+        begin: float,
+        written: float,
+        now: float,
+        **costs: float | int,
+    ) -> SaveRecord:
+        """The record of a checkpoint written whole by the calling thread: ``save()``
+        began at ``begin`` (``time.monotonic()``), started writing at ``written`` and
+        committed at ``now``; ``costs``: the CPU and byte fields known (it refers to
+        nothing: ``bytes_referred`` 0)."""
+        took = now - begin
+        return cls(
+            step, kind, path, nbytes, took, took, took, now - written, bytes_referred=0, **costs
+        )
+
     @property
     def throughput_mbps(self) -> float | None:
         """Megabytes (10^6 bytes) per second from the ``save()`` call to durable:

@@ -199,20 +199,18 @@ class StepIO:
         handle = self._write(state_dict, path, step, kind, dtype)
         now = time.monotonic()
         if not asynchronous:
-            record = SaveRecord(
+            record = SaveRecord.synchronous(
                 step,
                 kind,
                 path,
                 nbytes,
-                now - begin,
-                now - begin,
-                now - begin,
-                now - written,
+                begin,
+                written,
+                now,
                 trainer_cpu_s=time.process_time() - cpu0,
                 worker_cpu_s=0.0,
                 bytes_copied=0,
                 bytes_hashed=nbytes,
-                bytes_referred=0,
             )
             session.committed(record)  # committed by this call
             return True
