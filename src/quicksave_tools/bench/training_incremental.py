@@ -15,7 +15,8 @@ those ran too, as ratios with the issue's targets:
   manifest): ≤ 1.1× (a shape with frozen state: ``lora``); beside them, without a
   target, the loop time around each later save against the same run's own steps (no
   drift between runs) and the saves' own CPU, trainer + writer: what decides the loop
-  ratio where the host's noise hides it;
+  ratio where the host's noise hides it (a loop ratio within the noise of the run's
+  loops without checkpoints is reported *unresolved*, not met or missed);
 * bytes on disk per later save / bytes of the state that changed since the previous
   save (shapes that count their changed rows; no target: what block tracking costs
   beyond the rows).
@@ -60,15 +61,23 @@ def _row(
     cmp: str,
     limit: float | None,
     timing: bool = False,
+    noise: float | None = None,
 ) -> dict[str, Any]:
     """One comparison: ``values`` (this, the other), their ratio, its target ``cmp``
     ``limit`` (None: shown, not checked). A timing ratio of a non-positive overhead is
-    not a measurement (the machine's load moved), and never meets its target."""
+    not a measurement (the machine's load moved), and never meets its target. A timing
+    whose distance from its target (this against ``limit`` × the other) is within the
+    host's ``noise`` (seconds per checkpoint: :func:`_noise_s`) is *unresolved*: neither
+    met nor not (``met`` None, ``unresolved`` True), whatever the ratio reads."""
     value = _ratio(*values)
-    if value is None or limit is None:
+    this, other = values
+    unresolved = False
+    if value is None or limit is None or this is None or other is None:
         met = None
-    elif timing and not all(v is not None and v > 0 for v in values):
+    elif timing and not (this > 0 and other > 0):
         met = False
+    elif timing and noise is not None and abs(this - limit * other) < noise:
+        met, unresolved = None, True
     else:
         met = value >= limit if cmp == "≥" else value <= limit
     return {
@@ -81,7 +90,21 @@ def _row(
         "cmp": cmp,
         "limit": limit,
         "met": met,
+        "unresolved": unresolved,
+        "noise_s": noise if timing else None,
     }
+
+
+def _noise_s(report: dict[str, Any], m: dict[str, Any]) -> float | None:
+    """What this host's noise is worth per checkpoint of ``m``: the spread (max − min)
+    of the same run's loops without checkpoints, over ``m``'s checkpoints (None:
+    fewer than two such loops). An overhead per checkpoint is a loop's time less
+    theirs, over the checkpoints: a difference smaller than this is not measured."""
+    loops = report.get("baseline", {}).get("loop_s") or []
+    n = m.get("checkpoints")
+    if len(loops) < 2 or not n:
+        return None
+    return (max(loops) - min(loops)) / n
 
 
 def incremental_rows(shape: str, report: dict[str, Any]) -> list[dict[str, Any]]:
@@ -98,6 +121,7 @@ def incremental_rows(shape: str, report: dict[str, Any]) -> list[dict[str, Any]]
         if m is None:
             continue
         later, over = m.get("disk_later_median_bytes"), m.get("overhead_per_checkpoint_s")
+        noise = _noise_s(report, m)
         if full is not None:
             rows.append(
                 _row(
@@ -120,6 +144,7 @@ def incremental_rows(shape: str, report: dict[str, Any]) -> list[dict[str, Any]]
                     "≤",
                     SAME_OVERHEAD if every else None,
                     timing=True,
+                    noise=noise,
                 )
             )
         state = report.get("state", {}).get("bytes")
@@ -135,6 +160,7 @@ def incremental_rows(shape: str, report: dict[str, Any]) -> list[dict[str, Any]]
                     "≤",
                     TRAINABLE_OVERHEAD,
                     timing=True,
+                    noise=noise,
                 )
             )
             rows.append(
@@ -151,6 +177,7 @@ def incremental_rows(shape: str, report: dict[str, Any]) -> list[dict[str, Any]]
                     "≤",
                     TRAINABLE_OVERHEAD,
                     timing=True,
+                    noise=noise,
                 )
             )
             rows.append(
@@ -230,6 +257,8 @@ def incremental_table(rows: list[dict[str, Any]], block_kb: int | None) -> list[
         value = "–" if r["value"] is None else f"{r['value']:.2f}×"
         limit = "–" if r["limit"] is None else f"{r['cmp']} {r['limit']}×"
         met = {None: "–", True: "yes", False: "NO"}[r["met"]]
+        if r.get("unresolved"):
+            met = f"unresolved (host noise ±{r['noise_s']:.3f} s per checkpoint)"
         lines.append(
             f"| {r['shape']} | {r['method']} | {r['what']} | {a} / {b} | {value} | {limit} "
             f"| {met} |"
