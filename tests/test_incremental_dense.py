@@ -7,12 +7,16 @@ every checkpoint loads bit-exactly."""
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
+from typing import Any
 
+import pytest
 import torch
 
 import quicksave
 from quicksave.saving.dense_blocks import DenseTensors
+from quicksave.saving.staging import DeferredAt
 from test_incremental_save import _bases, _manifest
 from test_incremental_watch import _loads
 
@@ -20,12 +24,12 @@ BLOCK = 64 << 10  # "dense" and "sparse" are 8 blocks of 64 KiB each
 ROWS, COLS = 512, 256
 
 
-def _saver() -> quicksave.AsyncSaver:
+def _saver(**kw: Any) -> quicksave.AsyncSaver:
     incremental = quicksave.IncrementalConfig(
         enabled=True, block_bytes=BLOCK, full_every=100, watch_writes=False
     )
     return quicksave.AsyncSaver(
-        quicksave.EngineConfig(mode="thread", fsync=False, incremental=incremental)
+        quicksave.EngineConfig(mode="thread", fsync=False, incremental=incremental, **kw)
     )
 
 
@@ -65,6 +69,45 @@ def test_dense_blocks_go_uncompared_sparse_ones_stay_compared(tmp_path: Path) ->
     # refers to every block of it (the checkpoint of step 11 holds the same bytes)
     assert hashed[12] == 16 * block, hashed
     assert _bases(_manifest(tmp_path, 12), "dense") == [11] * 8
+
+
+def test_a_deferred_dense_tensor_is_copied_in_the_background(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Overlap staging with the tensors deferred by address, as the manager defers an
+    optimizer's tensors (a tensor's first block; the others follow it): once "dense"
+    counts as dense, its blocks, taken as changed, are copied with its first block by
+    the background copy, as a full save copies them, never inside ``save()`` on the
+    training thread."""
+    torch.manual_seed(0)
+    state = {"dense": torch.randn(ROWS, COLS), "sparse": torch.randn(ROWS, COLS)}
+    saver = _saver(staging="overlap")
+    copied: dict[int, dict[str, list[str]]] = {}
+    stage = saver._copier.stage
+
+    def spy(pool: Any, plan: Any, tensors: Any, names: list[str], *a: Any, **k: Any) -> int:
+        where = threading.current_thread().name
+        copied.setdefault(step, {}).setdefault(where, []).extend(names)
+        return stage(pool, plan, tensors, names, *a, **k)
+
+    monkeypatch.setattr(saver._copier, "stage", spy)
+    deferred = DeferredAt(frozenset(t.data_ptr() for t in state.values()))
+    try:
+        for step in range(1, 6):
+            state["dense"].add_(0.5)
+            state["sparse"][step % ROWS].add_(1.0)
+            path = tmp_path / f"step-{step}"
+            handle = saver.save(state, path, step=step, deferred=deferred)
+            saver.maybe_wait_for_staging()
+            handle.wait()
+            _loads(path, state)
+    finally:
+        saver.close()
+    for step in (3, 4, 5):  # (dense from step 3: written uncompared)
+        assert _bases(_manifest(tmp_path, step), "dense") == [None] * 8
+        main = copied[step].get(threading.main_thread().name, [])
+        assert not [n for n in main if n.startswith("dense")], (step, main)
+        assert sum(n.startswith("dense") for n in copied[step]["quicksave-stage"]) == 8
 
 
 def test_dense_tensors_rule() -> None:

@@ -480,8 +480,10 @@ class Increments:
                 else:
                     unchanged(name, resolved[name])
                     keep_now.append(name)  # copied right below, its digest known
-            elif fqn is None or moved(name):
+            elif fqn is None:
                 keep_now.append(name)
+            elif moved(name):  # (changed: copied with its tensor's other blocks)
+                (moved_later if with_later else keep_now).append(name)
             elif name in presumed:
                 moved_later.append(name)  # referred to; the background copy checks it
             elif with_later:
