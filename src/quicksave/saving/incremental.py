@@ -377,12 +377,12 @@ class Increments:
         if not tracked:
             return job, now, later
         base = self._base_for(job, plan.key, idle)
-        # (the older steps whose blocks are written again: ``max_unused``)
+        # the older steps whose blocks are written again (``max_unused``): those blocks
+        # (``rewritten``) are never referred to, compared or sifted
         victims = frozenset() if base is None else base.disk.victims(self.config.max_unused)
-        holders = {} if base is None else base.holders
         rewritten: frozenset[str] = frozenset()
-        if victims:
-            rewritten = frozenset(n for n in tracked if holders.get(n) in victims)
+        if base is not None and victims:
+            rewritten = frozenset(n for n in tracked if base.holders.get(n) in victims)
         digests: dict[str, str] = {}
         bases: dict[str, int] = {}
         versions: dict[str, tuple[int, int]] = {}
@@ -393,7 +393,7 @@ class Increments:
 
         def unchanged(name: str, digest: str) -> bool:
             digests[name] = digest
-            if base is None or holders.get(name) in victims:
+            if base is None or name in rewritten:
                 return False  # (a victim's block: written again, not compared)
             compared.add(name)
             if base.digests.get(name) != digest:
@@ -419,9 +419,7 @@ class Increments:
                     protect[name] = tensors[name]
             if base is not None:  # (found equal to the base's digest: referred to, at once)
                 held = base.digests
-                referred = {
-                    n for n, d in found.items() if held.get(n) == d and holders[n] not in victims
-                }
+                referred = {n for n, d in found.items() if held.get(n) == d and n not in rewritten}
                 digests.update({n: found[n] for n in referred})
                 bases.update({n: base.holders[n] for n in referred})
                 compared.update(referred)
@@ -451,7 +449,7 @@ class Increments:
                 and last == seen
                 and _hashable(tensors[name])
                 and name not in tokens
-                and holders.get(name) not in victims
+                and name not in rewritten
             ):
                 presumed.add(name)  # (checked by the background copy: _Sift)
                 digests[name] = base.digests[name]  # type: ignore[union-attr]
@@ -488,7 +486,7 @@ class Increments:
                 moved_later.append(name)  # referred to; the background copy checks it
             elif with_later:
                 moved_later.append(name)  # its tensor's other blocks are deferred
-                if base is not None and _hashable(t) and holders.get(name) not in victims:
+                if base is not None and _hashable(t) and name not in rewritten:
                     to_sift.add(name)
             elif not _hashable(t):
                 from_pool.append(name)
@@ -505,7 +503,7 @@ class Increments:
                     _hashable(tensors[name])
                     and name not in presumed
                     and name not in resolved
-                    and holders.get(name) not in victims
+                    and name not in rewritten
                 ):
                     to_sift.add(name)
         keep_later = later + moved_later
