@@ -485,6 +485,43 @@ def test_a_save_after_a_failed_one_is_full(tmp_path: Path) -> None:
     _assert_loads_plain(folder / "step-4", state)
 
 
+def test_a_save_committed_as_the_saver_closes_reports_what_it_referred_to(
+    tmp_path: Path,
+) -> None:
+    """``close(abort=True)`` right after an incremental save committed, its result not
+    read yet: the save is done, and its result says what it wrote and what it referred
+    to as its manifest does (not the whole files as written)."""
+    config = quicksave.EngineConfig(
+        mode="process",
+        fsync=False,
+        incremental=quicksave.IncrementalConfig(enabled=True, block_bytes=BLOCK),
+    )
+    folder = tmp_path / "run"
+    state = {"w": torch.arange(ROWS * COLS, dtype=torch.float32).reshape(ROWS, COLS)}
+    saver = quicksave.AsyncSaver(config)
+    try:
+        saver.save(state, folder / "step-1", step=1).wait()  # type: ignore[union-attr]
+        state["w"][0] += 1.0  # block 0 changes; 1-7 are referred to
+        handle = saver.save(state, folder / "step-2", step=2)
+        assert handle is not None
+        manifest = folder / "step-2" / MANIFEST_NAME
+        for _ in range(6000):  # (committed: the writer's result is not read before close)
+            if manifest.exists():
+                break
+            threading.Event().wait(0.01)
+        assert manifest.exists() and not handle._done.is_set()  # (done() would collect)
+    finally:
+        saver.close(abort=True)
+    result = handle.wait(0)
+    chunks = _manifest(folder, 2)["tensors"]["w"]["chunks"]
+    referred = sum(c["length"] for c in chunks if c.get("base") is not None)
+    assert _bases(_manifest(folder, 2), "w") == [None] + [1] * 7
+    assert result.bytes_referred == referred == 7 * BLOCK
+    files = sum(p.stat().st_size for p in (folder / "step-2").glob("*.safetensors"))
+    assert result.bytes == files - referred, (result.bytes, files, referred)
+    _assert_loads_plain(folder / "step-2", state)
+
+
 def _assert_loads_plain(checkpoint: Path, expected: dict[str, torch.Tensor]) -> None:
     assert verify_checkpoint(checkpoint).ok
     out = {k: torch.zeros_like(v) for k, v in expected.items()}

@@ -204,3 +204,19 @@ def test_quick_lora_run_reports_bytes_on_disk_per_save(tmp_path, capsys) -> None
     assert "| bytes on disk |" in text
     row = "| lora | quicksave-incremental | loop overhead per checkpoint: this / "
     assert row + "quicksave-trainable |" in text
+
+
+def test_a_commit_seen_by_save_and_by_the_watcher_counts_once(tmp_path) -> None:
+    """``save()`` may see a fast commit before the watcher's poll, which listed the step
+    before: the second sighting is a no-op (it used to raise in the watcher's thread,
+    which then stopped timing every later commit)."""
+    from quicksave_tools.bench.savers import Saver, _CommitWatcher
+
+    saver = Saver(str(tmp_path), {})
+    watcher = _CommitWatcher(saver)
+    watcher.close()  # (its poller stopped: the sightings below are the test's)
+    watcher.add(3, 100.0)
+    watcher.committed(3, 100.0)  # save() saw it
+    first = saver.durable[3]
+    watcher.committed(3, 100.0)  # the poll that listed it before
+    assert saver.durable == {3: first} and watcher.todo == {}

@@ -397,6 +397,7 @@ class AsyncSaver:
 
     def _submit(self, job: PersistJob, handle: SaveHandle) -> None:
         """Hand a staged save to the worker (a failed worker fails it)."""
+        self._flights.submitted(job)
         try:
             with phase("save.submit"):
                 self._worker.for_submit(idle=self._flights.held_only(job.job_id)).submit(job)
@@ -575,8 +576,7 @@ class AsyncSaver:
                 logger.debug("quicksave: nothing prepared: %s", e)
                 return None
             self._slots.adopt(plan)
-            n = self._slots.missing(plan)
-            if n == 0:
+            if (n := self._slots.missing(plan)) == 0:
                 return None
             if background:
                 return self._preparer.start(plan, n)

@@ -250,6 +250,7 @@ class InFlight:
     token: str = ""  # multi-rank: the save's commit records (see commit/rank_records.py)
     replace: bool = False  # overwrite: a committed checkpoint was there before the save
     local: bool = False  # one rank's own snapshot: its failure is its handle's alone
+    referred: int = 0  # bytes of the chunks it refers to (incremental), once submitted
 
 
 class InFlightSaves:
@@ -360,6 +361,13 @@ class InFlightSaves:
         self.fail(job.job_id, done.error)
         raise done.error
 
+    def submitted(self, job: PersistJob) -> None:
+        """``job`` goes to the writer as it is (an incremental one's references final:
+        the background copy's finds are in)."""
+        fl = self.jobs.get(job.job_id)
+        if fl is not None:
+            fl.referred = job.referenced_bytes()
+
     def complete(self, r: JobResult | CallResult) -> None:
         """Finish the handle of the save ``r`` reports on."""
         fl = self.jobs.pop(r.job_id, None)
@@ -409,7 +417,15 @@ class InFlightSaves:
                 durable = time.monotonic() - h.started
                 h._finish(
                     SaveResult(
-                        h.step, h.path, fl.bytes, h.blocking_s, h.staging_s or 0.0, durable, 0, 0
+                        h.step,
+                        h.path,
+                        fl.bytes - fl.referred,
+                        h.blocking_s,
+                        h.staging_s or 0.0,
+                        durable,
+                        0,
+                        0,
+                        bytes_referred=fl.referred,
                     ),
                     None,
                 )

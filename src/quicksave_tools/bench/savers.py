@@ -301,9 +301,13 @@ class _CommitWatcher:
                 items = list(self.todo.items())
             for step, t0 in items:
                 if os.path.isfile(os.path.join(self.saver.path(step), "manifest.json")):
-                    with self.lock:
-                        self.saver.durable[step] = time.perf_counter() - t0
-                        del self.todo[step]
+                    self.committed(step, t0)
+
+    def committed(self, step: int, t0: float) -> None:
+        """``step`` is seen committed (``save()`` may have seen it first: it is done)."""
+        with self.lock:
+            if self.todo.pop(step, None) is not None:
+                self.saver.durable[step] = time.perf_counter() - t0
 
     def close(self) -> None:
         self.stop.set()
@@ -326,9 +330,7 @@ class _QuicksaveSaver(Saver):
         self.manager.save(step)
         if os.path.isfile(os.path.join(self.path(step), "manifest.json")):
             # committed before save() returned (synchronous mode): exact, no poll delay
-            with self.watcher.lock:
-                self.durable[step] = time.perf_counter() - t0
-                self.watcher.todo.pop(step, None)
+            self.watcher.committed(step, t0)
         return 0.0  # the manager's own backpressure wait is inside save()
 
     def finish(self) -> None:
