@@ -183,6 +183,10 @@ def test_a_loop_ratio_within_the_hosts_noise_is_unresolved() -> None:
     lora["methods"]["quicksave-trainable"]["overhead_per_checkpoint_s"] = 0.01
     over = next(r for r in incremental_rows("lora", lora) if r["what"].startswith("loop overhead"))
     assert over["unresolved"] is False and over["met"] is False
+    # a compared method's own repeats spread too (1.2 s over 6 checkpoints): unresolved
+    lora["methods"]["quicksave-trainable"]["loop_s"] = [11.0, 12.2, 11.5]
+    over = next(r for r in incremental_rows("lora", lora) if r["what"].startswith("loop overhead"))
+    assert over["unresolved"] is True and over["noise_s"] == pytest.approx(0.2)
 
 
 def test_steady_overhead_leaves_out_the_first_save_and_keeps_the_drain() -> None:

@@ -15,8 +15,9 @@ those ran too, as ratios with the issue's targets:
   manifest): ≤ 1.1× (a shape with frozen state: ``lora``); beside them, without a
   target, the loop time around each later save against the same run's own steps (no
   drift between runs) and the saves' own CPU, trainer + writer: what decides the loop
-  ratio where the host's noise hides it (a loop ratio within the noise of the run's
-  loops without checkpoints is reported *unresolved*, not met or missed);
+  ratio where the host's noise hides it (a loop ratio within the spread of the run's
+  loops, without checkpoints and each compared method's own repeats, is reported
+  *unresolved*, not met or missed);
 * bytes on disk per later save / bytes of the state that changed since the previous
   save (shapes that count their changed rows; no target: what block tracking costs
   beyond the rows).
@@ -95,16 +96,18 @@ def _row(
     }
 
 
-def _noise_s(report: dict[str, Any], m: dict[str, Any]) -> float | None:
-    """What this host's noise is worth per checkpoint of ``m``: the spread (max − min)
-    of the same run's loops without checkpoints, over ``m``'s checkpoints (None:
-    fewer than two such loops). An overhead per checkpoint is a loop's time less
-    theirs, over the checkpoints: a difference smaller than this is not measured."""
-    loops = report.get("baseline", {}).get("loop_s") or []
+def _noise_s(report: dict[str, Any], m: dict[str, Any], other: dict[str, Any]) -> float | None:
+    """What this host's noise is worth per checkpoint of ``m`` set against ``other``:
+    the widest spread (max − min) of the same run's loops, those without checkpoints
+    and each method's own repeats, over ``m``'s checkpoints (None: no two loops of any).
+    An overhead per checkpoint is a loop's time less theirs, over the checkpoints: a
+    difference smaller than this is not measured."""
     n = m.get("checkpoints")
-    if len(loops) < 2 or not n:
+    groups = (report.get("baseline", {}).get("loop_s"), m.get("loop_s"), other.get("loop_s"))
+    spreads = [max(g) - min(g) for g in groups if g and len(g) >= 2]
+    if not spreads or not n:
         return None
-    return (max(loops) - min(loops)) / n
+    return max(spreads) / n
 
 
 def incremental_rows(shape: str, report: dict[str, Any]) -> list[dict[str, Any]]:
@@ -121,7 +124,6 @@ def incremental_rows(shape: str, report: dict[str, Any]) -> list[dict[str, Any]]
         if m is None:
             continue
         later, over = m.get("disk_later_median_bytes"), m.get("overhead_per_checkpoint_s")
-        noise = _noise_s(report, m)
         if full is not None:
             rows.append(
                 _row(
@@ -144,12 +146,13 @@ def incremental_rows(shape: str, report: dict[str, Any]) -> list[dict[str, Any]]
                     "≤",
                     SAME_OVERHEAD if every else None,
                     timing=True,
-                    noise=noise,
+                    noise=_noise_s(report, m, full),
                 )
             )
         state = report.get("state", {}).get("bytes")
         frozen = bool(state and m.get("trainable_bytes") and m["trainable_bytes"] < state)
         if trainable is not None and frozen:  # (else the trainable state is the state)
+            noise = _noise_s(report, m, trainable)
             rows.append(
                 _row(
                     shape,
