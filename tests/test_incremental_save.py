@@ -461,13 +461,15 @@ def test_incremental_without_the_async_engine_is_refused(tmp_path: Path) -> None
 # ------------------------------------------------------------------- the engine alone
 
 
+def _engine(**kw: Any) -> quicksave.EngineConfig:
+    incremental = quicksave.IncrementalConfig(enabled=True, block_bytes=BLOCK)
+    kw.setdefault("mode", "thread")
+    return quicksave.EngineConfig(staging="blocking", fsync=False, incremental=incremental, **kw)
+
+
 def test_a_save_after_a_failed_one_is_full(tmp_path: Path) -> None:
     """A failed save leaves no base (it might have committed unseen): the next is full."""
-    config = quicksave.EngineConfig(
-        mode="thread",
-        fsync=False,
-        incremental=quicksave.IncrementalConfig(enabled=True, block_bytes=BLOCK),
-    )
+    config = _engine()
     folder = tmp_path / "run"
     state = {"w": torch.arange(ROWS * COLS, dtype=torch.float32).reshape(ROWS, COLS)}
     folder.mkdir()
@@ -491,11 +493,7 @@ def test_a_save_committed_as_the_saver_closes_reports_what_it_referred_to(
     """``close(abort=True)`` right after an incremental save committed, its result not
     read yet: the save is done, and its result says what it wrote and what it referred
     to as its manifest does (not the whole files as written)."""
-    config = quicksave.EngineConfig(
-        mode="process",
-        fsync=False,
-        incremental=quicksave.IncrementalConfig(enabled=True, block_bytes=BLOCK),
-    )
+    config = _engine(mode="process")
     folder = tmp_path / "run"
     state = {"w": torch.arange(ROWS * COLS, dtype=torch.float32).reshape(ROWS, COLS)}
     saver = quicksave.AsyncSaver(config)
@@ -568,13 +566,6 @@ def test_trusted_counters_refer_without_hashing_and_a_miss_fails_that_save_only(
     assert _bases(_manifest(folder, 5), "model.base.weight") == [1, None, 1, 1, 1, 1, 1, 1]
     for step, snap in snaps.items():
         _assert_loads(folder / f"step-{step}", snap)
-
-
-def _engine(**kw: Any) -> quicksave.EngineConfig:
-    incremental = quicksave.IncrementalConfig(enabled=True, block_bytes=BLOCK)
-    return quicksave.EngineConfig(
-        mode="thread", staging="blocking", fsync=False, incremental=incremental, **kw
-    )
 
 
 def test_a_save_while_another_is_in_flight_is_full(
