@@ -125,8 +125,7 @@ def test_memory_off_its_file_offsets_goes_through_the_page_cache(tmp_path, monke
     memory, view = _image()
     # the image 64 bytes past a page boundary, always (a heap buffer lands there by
     # chance about once in 256 runs, and then its pages would rightly go direct)
-    off = mmap.mmap(-1, SIZE + PAGE, flags=mmap.MAP_PRIVATE)
-    shifted = memoryview(off)
+    off, shifted = _image()
     shifted[64 : 64 + SIZE] = view[:SIZE]
     writes = _record_writes(monkeypatch)
     digests = _write(tmp_path / "f", shifted, shift=64, o_direct=o_direct)
